@@ -1,0 +1,1 @@
+//! The ckpt CLI and the facade over the other crates.

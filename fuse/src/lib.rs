@@ -1,0 +1,1 @@
+//! Checkpoints as directories and files through FUSE.

@@ -1,0 +1,1 @@
+//! The recovery coordinator: detect failures, decide, reshard, resume.

@@ -1,0 +1,138 @@
+//! Listing runs and steps.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use futures::TryStreamExt;
+use serde::Serialize;
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::keys::{StepObject, validate_run};
+use crate::store::Store;
+
+/// One step of a run as the store lists it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StepListing {
+    /// Step number.
+    pub step: u64,
+    /// Whether its commit record exists.
+    pub committed: bool,
+    /// Ranks whose manifests exist.
+    pub ranks: Vec<u32>,
+    /// Newest modification of any of its objects.
+    pub last_modified: DateTime<Utc>,
+    /// Bytes of its manifests and commit record.
+    pub meta_bytes: u64,
+}
+
+impl Store {
+    /// The runs in the store, sorted.
+    pub async fn list_runs(&self) -> Result<Vec<String>> {
+        let dir = self.keys().runs_dir();
+        let res = self
+            .object_store()
+            .list_with_delimiter(Some(&dir))
+            .await
+            .map_err(|e| Error::backend("listing", &dir, e))?;
+        let mut runs: Vec<String> = res
+            .common_prefixes
+            .iter()
+            .filter_map(|p| self.keys().parse_run_dir(p))
+            .collect();
+        runs.sort();
+        Ok(runs)
+    }
+
+    /// Every step of `run` with any object, committed or not, sorted by step.
+    pub async fn list_steps(&self, run: &str) -> Result<Vec<StepListing>> {
+        validate_run(run)?;
+        let dir = self.keys().steps_dir(run);
+        let metas: Vec<_> = self
+            .object_store()
+            .list(Some(&dir))
+            .try_collect()
+            .await
+            .map_err(|e| Error::backend("listing", &dir, e))?;
+        let mut steps: BTreeMap<u64, StepListing> = BTreeMap::new();
+        for m in metas {
+            let Some((_, step, what)) = self.keys().parse_step_object(&m.location) else {
+                continue;
+            };
+            let e = steps.entry(step).or_insert_with(|| StepListing {
+                step,
+                committed: false,
+                ranks: Vec::new(),
+                last_modified: m.last_modified,
+                meta_bytes: 0,
+            });
+            e.last_modified = e.last_modified.max(m.last_modified);
+            e.meta_bytes += m.size;
+            match what {
+                StepObject::Commit => e.committed = true,
+                StepObject::RankManifest(r) => e.ranks.push(r),
+            }
+        }
+        let mut out: Vec<StepListing> = steps.into_values().collect();
+        for s in &mut out {
+            s.ranks.sort_unstable();
+        }
+        Ok(out)
+    }
+
+    /// Committed step numbers of `run`, ascending.
+    pub async fn committed_steps(&self, run: &str) -> Result<Vec<u64>> {
+        Ok(self
+            .list_steps(run)
+            .await?
+            .into_iter()
+            .filter(|s| s.committed)
+            .map(|s| s.step)
+            .collect())
+    }
+
+    /// The newest committed step of `run`, if any. Lists step directories (one request per
+    /// thousand steps) and checks commit records from the newest down, so it stays cheap
+    /// however many ranks a step has.
+    pub async fn latest_committed(&self, run: &str) -> Result<Option<u64>> {
+        validate_run(run)?;
+        let dir = self.keys().steps_dir(run);
+        let res = self
+            .object_store()
+            .list_with_delimiter(Some(&dir))
+            .await
+            .map_err(|e| Error::backend("listing", &dir, e))?;
+        let mut steps: Vec<u64> = res
+            .common_prefixes
+            .iter()
+            .filter_map(|p| self.keys().parse_step_dir(p))
+            .collect();
+        steps.sort_unstable_by(|a, b| b.cmp(a));
+        for s in steps {
+            if self.exists(&self.keys().commit(run, s)).await? {
+                return Ok(Some(s));
+            }
+        }
+        Ok(None)
+    }
+
+    /// The newest committed step of `run`, or a `NotFound` error that says so.
+    pub async fn require_latest(&self, run: &str) -> Result<u64> {
+        match self.latest_committed(run).await? {
+            Some(s) => Ok(s),
+            None => {
+                let runs = self.list_runs().await.unwrap_or_default();
+                let hint = if runs.iter().any(|r| r == run) {
+                    "it has no committed step yet".to_string()
+                } else if runs.is_empty() {
+                    format!("the store {} holds no runs", self.url())
+                } else {
+                    format!("known runs: {}", runs.join(", "))
+                };
+                Err(Error::new(
+                    ErrorKind::NotFound,
+                    format!("run {run} has no committed checkpoint ({hint})"),
+                ))
+            }
+        }
+    }
+}

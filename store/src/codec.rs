@@ -1,0 +1,633 @@
+//! Chunk objects: a 16-byte header and a payload in one of three codecs.
+//!
+//! ```text
+//! offset  size  field
+//! 0       4     magic "CKPC"
+//! 4       1     format version (1)
+//! 5       1     codec: 0 raw, 1 zstd, 2 byte planes
+//! 6       1     element size for byte planes (1, 2, 4, 8), else 0
+//! 7       1     reserved (0)
+//! 8       8     raw length, u64 little-endian
+//! 16      ..    payload
+//! ```
+//!
+//! The byte-plane payload splits each element's bytes into separate planes (plane `k` holds
+//! byte `k` of every element, little-endian, so the last plane holds the sign and exponent of
+//! floats) and stores each plane raw or zstd-compressed:
+//!
+//! ```text
+//! u8 planes; planes x { u8 kind (0 raw, 1 zstd); u32 stored length }; plane payloads
+//! ```
+//!
+//! The codec is chosen per chunk by measuring a sample: a plane (or chunk) is compressed only
+//! when the sample shows it pays. Decoding checks the blake3 hash of the result and refuses
+//! lengths that no writer produces, before allocating anything.
+
+use std::cell::RefCell;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::id::ChunkId;
+
+/// Magic of chunk objects.
+pub const CHUNK_MAGIC: [u8; 4] = *b"CKPC";
+/// Chunk format version this build writes and reads.
+pub const CHUNK_FORMAT: u8 = 1;
+/// Bytes of the chunk header.
+pub const HEADER_LEN: usize = 16;
+/// The largest raw chunk any writer produces (chunk sizes are capped at this). A header
+/// claiming more is damaged or hostile and is refused before any allocation.
+pub const MAX_CHUNK_LEN: u64 = 256 << 20;
+
+/// Bytes sampled from each plane to decide whether compressing it pays.
+const SAMPLE: usize = 64 << 10;
+
+/// How a chunk's payload is encoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Codec {
+    /// Stored as is.
+    Raw,
+    /// One zstd frame.
+    Zstd,
+    /// Byte planes, each raw or zstd.
+    Planes,
+}
+
+impl Codec {
+    fn tag(self) -> u8 {
+        match self {
+            Codec::Raw => 0,
+            Codec::Zstd => 1,
+            Codec::Planes => 2,
+        }
+    }
+    fn from_tag(t: u8) -> Option<Codec> {
+        match t {
+            0 => Some(Codec::Raw),
+            1 => Some(Codec::Zstd),
+            2 => Some(Codec::Planes),
+            _ => None,
+        }
+    }
+    /// Lowercase name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Codec::Raw => "raw",
+            Codec::Zstd => "zstd",
+            Codec::Planes => "planes",
+        }
+    }
+}
+
+/// How hard the writer tries to compress.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase", tag = "mode")]
+pub enum CodecPolicy {
+    /// Never compress.
+    Raw,
+    /// zstd at `level` on what a sample shows pays at least `min_saving` (in 1/1000 of the
+    /// sample), byte planes for floating point data.
+    Compress {
+        /// zstd level (1 is fast; 3 is zstd's default).
+        level: i32,
+        /// The least saving (per mille of the sample) worth compressing for.
+        min_saving_permille: u16,
+    },
+}
+
+impl CodecPolicy {
+    /// Fast: zstd-1 where it saves at least 5 %; suits local disks.
+    pub const FAST: CodecPolicy = CodecPolicy::Compress {
+        level: 1,
+        min_saving_permille: 50,
+    };
+    /// Thorough: zstd-3 where it saves at least 2 %; suits slow sinks (object stores).
+    pub const MAX: CodecPolicy = CodecPolicy::Compress {
+        level: 3,
+        min_saving_permille: 20,
+    };
+}
+
+/// A parsed chunk header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    /// Codec of the payload.
+    pub codec: Codec,
+    /// Element size for byte planes.
+    pub elem: u8,
+    /// Raw length.
+    pub raw_len: u64,
+}
+
+/// An encoded chunk object, as pieces to write back to back.
+#[derive(Debug, Clone)]
+pub struct Encoded {
+    /// The chosen codec.
+    pub codec: Codec,
+    /// Header, then payload pieces (the raw codec reuses the caller's buffer, no copy).
+    pub parts: Vec<Bytes>,
+}
+
+impl Encoded {
+    /// Bytes of the whole object.
+    pub fn len(&self) -> usize {
+        self.parts.iter().map(Bytes::len).sum()
+    }
+
+    /// Whether the object is empty (never: there is always a header).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The object as one buffer (copies unless it is a single piece).
+    pub fn to_bytes(&self) -> Bytes {
+        if self.parts.len() == 1 {
+            return self.parts[0].clone();
+        }
+        let mut b = BytesMut::with_capacity(self.len());
+        for p in &self.parts {
+            b.extend_from_slice(p);
+        }
+        b.freeze()
+    }
+}
+
+fn header(codec: Codec, elem: u8, raw_len: u64) -> [u8; HEADER_LEN] {
+    let mut h = [0u8; HEADER_LEN];
+    h[..4].copy_from_slice(&CHUNK_MAGIC);
+    h[4] = CHUNK_FORMAT;
+    h[5] = codec.tag();
+    h[6] = elem;
+    h[8..16].copy_from_slice(&raw_len.to_le_bytes());
+    h
+}
+
+thread_local! {
+    static COMPRESSOR: RefCell<Option<(i32, zstd::bulk::Compressor<'static>)>> = const { RefCell::new(None) };
+    static DECOMPRESSOR: RefCell<Option<zstd::bulk::Decompressor<'static>>> = const { RefCell::new(None) };
+}
+
+fn compress(data: &[u8], level: i32) -> Vec<u8> {
+    COMPRESSOR.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.as_ref().map(|(l, _)| *l) != Some(level) {
+            let comp = zstd::bulk::Compressor::new(level).expect("zstd compressor");
+            *c = Some((level, comp));
+        }
+        let (_, comp) = c.as_mut().expect("set above");
+        comp.compress(data)
+            .expect("zstd compress into a growable buffer")
+    })
+}
+
+fn decompress_into(src: &[u8], dst: &mut [u8]) -> std::result::Result<(), String> {
+    DECOMPRESSOR.with(|d| {
+        let mut d = d.borrow_mut();
+        if d.is_none() {
+            *d = Some(zstd::bulk::Decompressor::new().map_err(|e| e.to_string())?);
+        }
+        let dec = d.as_mut().expect("set above");
+        let n = dec
+            .decompress_to_buffer(src, dst)
+            .map_err(|e| format!("zstd: {e}"))?;
+        if n != dst.len() {
+            return Err(format!(
+                "zstd frame holds {n} bytes, expected {}",
+                dst.len()
+            ));
+        }
+        Ok(())
+    })
+}
+
+/// Whether compressing `data` at `level` is worth it, judged on a sample.
+fn sample_pays(data: &[u8], level: i32, min_saving_permille: u16) -> bool {
+    if data.len() < 64 {
+        return false;
+    }
+    // Sample from the middle too: tensors often start with structured rows.
+    let sample: Vec<u8>;
+    let s: &[u8] = if data.len() <= SAMPLE {
+        data
+    } else {
+        let half = SAMPLE / 2;
+        let mid = data.len() / 2;
+        sample = [&data[..half], &data[mid..mid + half]].concat();
+        &sample
+    };
+    let c = compress(s, level).len();
+    (c as u64) * 1000 <= (s.len() as u64) * (1000 - min_saving_permille as u64)
+}
+
+/// Split `data` (elements of `elem` bytes, little-endian) into byte planes.
+pub fn split_planes(data: &[u8], elem: usize) -> Vec<Vec<u8>> {
+    let n = data.len() / elem;
+    let mut planes: Vec<Vec<u8>> = (0..elem).map(|_| Vec::with_capacity(n)).collect();
+    match elem {
+        2 => {
+            let (p0, p1) = planes.split_at_mut(1);
+            let (p0, p1) = (&mut p0[0], &mut p1[0]);
+            p0.resize(n, 0);
+            p1.resize(n, 0);
+            for ((c, a), b) in data.chunks_exact(2).zip(p0.iter_mut()).zip(p1.iter_mut()) {
+                *a = c[0];
+                *b = c[1];
+            }
+        }
+        _ => {
+            for p in planes.iter_mut() {
+                p.resize(n, 0);
+            }
+            for (i, c) in data.chunks_exact(elem).enumerate() {
+                for (k, byte) in c.iter().enumerate() {
+                    planes[k][i] = *byte;
+                }
+            }
+        }
+    }
+    planes
+}
+
+/// Interleave byte planes back into `out` (the inverse of [`split_planes`]).
+pub fn join_planes(planes: &[&[u8]], out: &mut [u8]) {
+    let elem = planes.len();
+    match elem {
+        2 => {
+            for ((c, a), b) in out
+                .chunks_exact_mut(2)
+                .zip(planes[0].iter())
+                .zip(planes[1].iter())
+            {
+                c[0] = *a;
+                c[1] = *b;
+            }
+        }
+        _ => {
+            for (i, c) in out.chunks_exact_mut(elem).enumerate() {
+                for (k, byte) in c.iter_mut().enumerate() {
+                    *byte = planes[k][i];
+                }
+            }
+        }
+    }
+}
+
+/// Encode one chunk. `elem` is the element size of floating-point data (2, 4 or 8) for byte
+/// planes, or 1 for anything else.
+pub fn encode(data: &Bytes, elem: usize, policy: CodecPolicy) -> Encoded {
+    let raw = || Encoded {
+        codec: Codec::Raw,
+        parts: vec![
+            Bytes::copy_from_slice(&header(Codec::Raw, 0, data.len() as u64)),
+            data.clone(),
+        ],
+    };
+    let CodecPolicy::Compress {
+        level,
+        min_saving_permille,
+    } = policy
+    else {
+        return raw();
+    };
+    if data.len() < 256 {
+        return raw();
+    }
+    if matches!(elem, 2 | 4 | 8) && data.len().is_multiple_of(elem) {
+        let planes = split_planes(data, elem);
+        let mut table = Vec::with_capacity(elem);
+        let mut payload: Vec<Bytes> = Vec::with_capacity(elem);
+        let mut any = false;
+        for p in planes {
+            if sample_pays(&p, level, min_saving_permille) {
+                let c = compress(&p, level);
+                if c.len() < p.len() {
+                    table.push((1u8, c.len() as u32));
+                    payload.push(Bytes::from(c));
+                    any = true;
+                    continue;
+                }
+            }
+            table.push((0u8, p.len() as u32));
+            payload.push(Bytes::from(p));
+        }
+        if !any {
+            return raw();
+        }
+        let mut head = BytesMut::with_capacity(HEADER_LEN + 1 + 5 * elem);
+        head.put_slice(&header(Codec::Planes, elem as u8, data.len() as u64));
+        head.put_u8(elem as u8);
+        for (kind, len) in &table {
+            head.put_u8(*kind);
+            head.put_u32_le(*len);
+        }
+        let mut parts = vec![head.freeze()];
+        parts.extend(payload);
+        let enc = Encoded {
+            codec: Codec::Planes,
+            parts,
+        };
+        return if enc.len() < data.len() + HEADER_LEN {
+            enc
+        } else {
+            raw()
+        };
+    }
+    if sample_pays(data, level, min_saving_permille) {
+        let c = compress(data, level);
+        if c.len() < data.len() {
+            return Encoded {
+                codec: Codec::Zstd,
+                parts: vec![
+                    Bytes::copy_from_slice(&header(Codec::Zstd, 0, data.len() as u64)),
+                    Bytes::from(c),
+                ],
+            };
+        }
+    }
+    raw()
+}
+
+/// Parse and check a chunk header. `what` names the object in messages.
+pub fn parse_header(obj: &[u8], what: &dyn std::fmt::Display) -> Result<Header> {
+    if obj.len() < HEADER_LEN {
+        return Err(Error::corrupt(format!(
+            "{what}: {} bytes is too short for a chunk object (truncated?)",
+            obj.len()
+        )));
+    }
+    if obj[..4] != CHUNK_MAGIC {
+        return Err(Error::corrupt(format!(
+            "{what}: not a chunk object (bad magic {:02x?})",
+            &obj[..4]
+        )));
+    }
+    if obj[4] != CHUNK_FORMAT {
+        return Err(Error::corrupt(format!(
+            "{what}: chunk format {} is not supported (this build reads {CHUNK_FORMAT})",
+            obj[4]
+        )));
+    }
+    let codec = Codec::from_tag(obj[5])
+        .ok_or_else(|| Error::corrupt(format!("{what}: unknown codec tag {}", obj[5])))?;
+    let raw_len = u64::from_le_bytes(obj[8..16].try_into().expect("8 bytes"));
+    if raw_len > MAX_CHUNK_LEN {
+        return Err(Error::corrupt(format!(
+            "{what}: header claims {raw_len} bytes, more than any chunk ckpt writes ({MAX_CHUNK_LEN}); refusing to decode"
+        )));
+    }
+    Ok(Header {
+        codec,
+        elem: obj[6],
+        raw_len,
+    })
+}
+
+/// Decode a chunk object and check it against `id` (blake3 of the raw bytes) and the expected
+/// raw length. `what` names the object in messages.
+pub fn decode(
+    obj: &[u8],
+    id: &ChunkId,
+    expect_len: u64,
+    what: &dyn std::fmt::Display,
+) -> Result<Vec<u8>> {
+    let h = parse_header(obj, what)?;
+    if h.raw_len != expect_len {
+        return Err(Error::corrupt(format!(
+            "{what}: header says {} bytes but the manifest expects {expect_len}",
+            h.raw_len
+        )));
+    }
+    let out = decode_payload(obj, &h, what)?;
+    let got = ChunkId::of(&out);
+    if got != *id {
+        return Err(Error::corrupt(format!(
+            "{what}: content hash is {} but should be {} (the bytes are damaged)",
+            got.short(),
+            id.short()
+        )));
+    }
+    Ok(out)
+}
+
+/// Decode a chunk object whose id is known but whose length is not (verifying the whole
+/// store): the length comes from the header, already bounded by [`MAX_CHUNK_LEN`].
+pub fn decode_verify(obj: &[u8], id: &ChunkId, what: &dyn std::fmt::Display) -> Result<Vec<u8>> {
+    let h = parse_header(obj, what)?;
+    decode(obj, id, h.raw_len, what)
+}
+
+fn decode_payload(obj: &[u8], h: &Header, what: &dyn std::fmt::Display) -> Result<Vec<u8>> {
+    let payload = &obj[HEADER_LEN..];
+    let raw_len = h.raw_len as usize;
+    let corrupt = |m: String| Error::corrupt(format!("{what}: {m}"));
+    match h.codec {
+        Codec::Raw => {
+            if payload.len() != raw_len {
+                return Err(corrupt(format!(
+                    "raw payload holds {} bytes, header says {raw_len} (truncated?)",
+                    payload.len()
+                )));
+            }
+            Ok(payload.to_vec())
+        }
+        Codec::Zstd => {
+            let mut out = vec![0u8; raw_len];
+            decompress_into(payload, &mut out).map_err(corrupt)?;
+            Ok(out)
+        }
+        Codec::Planes => {
+            let elem = h.elem as usize;
+            if !matches!(elem, 2 | 4 | 8) || !raw_len.is_multiple_of(elem) {
+                return Err(corrupt(format!(
+                    "byte planes of {elem}-byte elements cannot make {raw_len} bytes"
+                )));
+            }
+            if payload.is_empty() || payload[0] as usize != elem {
+                return Err(corrupt("byte-plane table is damaged".into()));
+            }
+            let table_len = 1 + 5 * elem;
+            if payload.len() < table_len {
+                return Err(corrupt("byte-plane table is truncated".into()));
+            }
+            let n = raw_len / elem;
+            let mut pos = table_len;
+            let mut planes: Vec<Vec<u8>> = Vec::with_capacity(elem);
+            for k in 0..elem {
+                let e = &payload[1 + 5 * k..1 + 5 * (k + 1)];
+                let kind = e[0];
+                let len = u32::from_le_bytes(e[1..5].try_into().expect("4 bytes")) as usize;
+                let Some(src) = payload.get(pos..pos.saturating_add(len)) else {
+                    return Err(corrupt(format!("byte plane {k} is truncated")));
+                };
+                pos += len;
+                let plane = match kind {
+                    0 if len == n => src.to_vec(),
+                    0 => {
+                        return Err(corrupt(format!(
+                            "raw byte plane {k} holds {len} bytes, expected {n}"
+                        )));
+                    }
+                    1 => {
+                        let mut p = vec![0u8; n];
+                        decompress_into(src, &mut p)
+                            .map_err(|m| corrupt(format!("byte plane {k}: {m}")))?;
+                        p
+                    }
+                    other => return Err(corrupt(format!("byte plane {k}: unknown kind {other}"))),
+                };
+                planes.push(plane);
+            }
+            if pos != payload.len() {
+                return Err(corrupt(format!(
+                    "{} trailing bytes after the byte planes",
+                    payload.len() - pos
+                )));
+            }
+            let mut out = vec![0u8; raw_len];
+            let refs: Vec<&[u8]> = planes.iter().map(Vec::as_slice).collect();
+            join_planes(&refs, &mut out);
+            Ok(out)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn normal_bf16(n: usize, seed: u64) -> Vec<u8> {
+        // Box-Muller over a splitmix stream: N(0, 0.02) weights as bf16.
+        let mut s = seed;
+        let mut next = || {
+            s = s.wrapping_add(0x9E3779B97F4A7C15);
+            let mut z = s;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
+            ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+        };
+        let mut out = Vec::with_capacity(n * 2);
+        for _ in 0..n {
+            let (u1, u2) = (next().max(1e-300), next());
+            let x = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos() * 0.02;
+            let bits = (x as f32).to_bits();
+            out.extend_from_slice(&((bits >> 16) as u16).to_le_bytes());
+        }
+        out
+    }
+
+    fn round_trip(data: &[u8], elem: usize, policy: CodecPolicy) -> Codec {
+        let b = Bytes::copy_from_slice(data);
+        let enc = encode(&b, elem, policy);
+        let obj = enc.to_bytes();
+        let id = ChunkId::of(data);
+        let back = decode(&obj, &id, data.len() as u64, &"test").unwrap();
+        assert_eq!(back, data);
+        enc.codec
+    }
+
+    #[test]
+    fn every_codec_round_trips() {
+        let w = normal_bf16(50_000, 1);
+        assert_eq!(round_trip(&w, 2, CodecPolicy::FAST), Codec::Planes);
+        assert_eq!(round_trip(&w, 2, CodecPolicy::Raw), Codec::Raw);
+        let zeros = vec![0u8; 100_000];
+        assert_eq!(round_trip(&zeros, 1, CodecPolicy::FAST), Codec::Zstd);
+        assert_eq!(round_trip(&zeros, 4, CodecPolicy::MAX), Codec::Planes);
+        assert_eq!(round_trip(&[], 1, CodecPolicy::FAST), Codec::Raw);
+        assert_eq!(round_trip(&[7u8; 3], 2, CodecPolicy::FAST), Codec::Raw);
+        // A length that is not a multiple of the element size cannot use planes.
+        assert_eq!(
+            round_trip(&zeros[..99_999], 2, CodecPolicy::FAST),
+            Codec::Zstd
+        );
+        for elem in [4, 8] {
+            let d: Vec<u8> = (0..80_000u32)
+                .flat_map(|i| (i as f32).to_le_bytes())
+                .collect();
+            round_trip(&d[..d.len() / elem * elem], elem, CodecPolicy::FAST);
+        }
+    }
+
+    #[test]
+    fn incompressible_data_is_stored_raw() {
+        let mut s = 12345u64;
+        let d: Vec<u8> = (0..200_000)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                s as u8
+            })
+            .collect();
+        assert_eq!(round_trip(&d, 1, CodecPolicy::MAX), Codec::Raw);
+        assert_eq!(round_trip(&d, 4, CodecPolicy::MAX), Codec::Raw);
+    }
+
+    #[test]
+    fn bf16_weights_compress_with_planes() {
+        let w = normal_bf16(1 << 20, 7);
+        let enc = encode(&Bytes::from(w.clone()), 2, CodecPolicy::FAST);
+        let ratio = enc.len() as f64 / w.len() as f64;
+        assert_eq!(enc.codec, Codec::Planes);
+        assert!(ratio < 0.75, "bf16 byte planes ratio {ratio}");
+    }
+
+    #[test]
+    fn damage_is_named() {
+        let w = normal_bf16(10_000, 3);
+        let id = ChunkId::of(&w);
+        let obj = encode(&Bytes::from(w.clone()), 2, CodecPolicy::FAST).to_bytes();
+        let n = w.len() as u64;
+
+        // Flipped byte in the payload: zstd error or hash mismatch, never silent.
+        let mut bad = obj.to_vec();
+        let last = bad.len() - 1;
+        bad[last] ^= 0x40;
+        let e = decode(&bad, &id, n, &"chunk X").unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::Corrupt);
+        assert!(e.to_string().starts_with("chunk X:"), "{e}");
+
+        // Truncated.
+        let e = decode(&obj[..obj.len() / 2], &id, n, &"chunk X").unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::Corrupt, "{e}");
+        let e = decode(&obj[..5], &id, n, &"chunk X").unwrap_err();
+        assert!(e.to_string().contains("too short"), "{e}");
+
+        // Garbage.
+        let e = decode(b"this is not a chunk at all", &id, n, &"chunk X").unwrap_err();
+        assert!(e.to_string().contains("bad magic"), "{e}");
+
+        // A header claiming a terabyte is refused before allocating.
+        let mut tb = obj.to_vec();
+        tb[8..16].copy_from_slice(&(1u64 << 40).to_le_bytes());
+        let e = decode_verify(&tb, &id, &"chunk X").unwrap_err();
+        assert!(e.to_string().contains("claims 1099511627776 bytes"), "{e}");
+
+        // Length disagreeing with the manifest.
+        let e = decode(&obj, &id, n + 1, &"chunk X").unwrap_err();
+        assert!(e.to_string().contains("manifest expects"), "{e}");
+
+        // Raw chunk with a flipped byte: caught by the hash.
+        let raw = encode(&Bytes::from(w.clone()), 2, CodecPolicy::Raw).to_bytes();
+        let mut bad = raw.to_vec();
+        bad[100] ^= 1;
+        let e = decode(&bad, &id, n, &"chunk X").unwrap_err();
+        assert!(e.to_string().contains("content hash"), "{e}");
+    }
+
+    #[test]
+    fn planes_split_and_join_are_inverse() {
+        for elem in [2usize, 4, 8] {
+            let d: Vec<u8> = (0..(elem * 37)).map(|i| (i * 7) as u8).collect();
+            let planes = split_planes(&d, elem);
+            assert_eq!(planes[1][0], d[1]);
+            let refs: Vec<&[u8]> = planes.iter().map(Vec::as_slice).collect();
+            let mut out = vec![0u8; d.len()];
+            join_planes(&refs, &mut out);
+            assert_eq!(out, d);
+        }
+    }
+}

@@ -1,0 +1,310 @@
+//! The commit protocol: rank manifests and the commit record, both created with
+//! `PutMode::Create`; a step is complete when, and only when, its commit record exists.
+//!
+//! 1. Every rank writes its chunks, then `runs/<run>/steps/<step>/rank-<r>.manifest`.
+//! 2. One committer lists the step (1 request per 1000 ranks), reads every rank manifest
+//!    (1 request per rank), checks that they agree on the layout and that the shards of every
+//!    tensor cover its shape exactly once, and creates `COMMIT`. A second committer's create
+//!    fails with "already exists" and it returns the winner's record: harmless.
+//!
+//! Total cost: O(ranks) requests, never O(ranks^2).
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use futures::{StreamExt, TryStreamExt, stream};
+use object_store::PutMode;
+use tracing::{info, instrument};
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::id::StepId;
+use crate::keys::{StepObject, validate_run};
+use crate::model::{
+    BlobLoc, CommitRecord, FORMAT_VERSION, RankEntry, RankManifest, WriteStats, check_coverage,
+    collect_tensors,
+};
+use crate::store::Store;
+
+/// How a commit ended.
+#[derive(Debug, Clone)]
+pub enum CommitOutcome {
+    /// This call created the commit record.
+    Committed(CommitRecord, StepId),
+    /// Someone else committed the step first; this is their record.
+    AlreadyCommitted(CommitRecord, StepId),
+}
+
+impl CommitOutcome {
+    /// The record, whoever wrote it.
+    pub fn record(&self) -> &CommitRecord {
+        match self {
+            CommitOutcome::Committed(r, _) | CommitOutcome::AlreadyCommitted(r, _) => r,
+        }
+    }
+    /// The step id.
+    pub fn id(&self) -> StepId {
+        match self {
+            CommitOutcome::Committed(_, i) | CommitOutcome::AlreadyCommitted(_, i) => *i,
+        }
+    }
+}
+
+/// The current time in Unix milliseconds.
+pub fn now_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
+}
+
+impl Store {
+    /// Write a rank's manifest with a conditional create. Writing the same bytes again is a
+    /// no-op (a retried save); different bytes for the same rank and step are a conflict.
+    #[instrument(skip_all, fields(run = %m.run, step = m.step, rank = m.rank))]
+    pub async fn write_rank_manifest(&self, m: &RankManifest) -> Result<RankEntry> {
+        validate_run(&m.run)?;
+        let what = format!(
+            "manifest of rank {} for step {} of run {}",
+            m.rank, m.step, m.run
+        );
+        m.validate(&what)?;
+        let path = self.keys().rank_manifest(&m.run, m.step, m.rank);
+        let bytes = serde_json::to_vec_pretty(m)
+            .map_err(|e| Error::internal(format!("serializing {what}: {e}")))?;
+        let hash = crate::id::Hash::of(&bytes);
+        let size = bytes.len() as u64;
+        match self
+            .put_object(&path, vec![bytes.into()], PutMode::Create)
+            .await
+        {
+            Ok(()) => {}
+            Err(e) if e.kind() == ErrorKind::Conflict => {
+                let existing = self.get_object(&path).await?;
+                if crate::id::Hash::of(&existing) != hash {
+                    return Err(Error::new(
+                        ErrorKind::Conflict,
+                        format!(
+                            "{what}: {path} already exists with other content (two writers for one rank?)"
+                        ),
+                    ));
+                }
+            }
+            Err(e) => return Err(e),
+        }
+        Ok(RankEntry {
+            rank: m.rank,
+            hash,
+            size,
+        })
+    }
+
+    /// Read and check one rank's manifest; `expect` (from the commit record) pins its hash.
+    pub async fn read_rank_manifest(
+        &self,
+        run: &str,
+        step: u64,
+        rank: u32,
+        expect: Option<&RankEntry>,
+    ) -> Result<RankManifest> {
+        let path = self.keys().rank_manifest(run, step, rank);
+        let (m, hash, _) = self.get_json::<RankManifest>(&path).await.map_err(|e| {
+            if e.kind() == ErrorKind::NotFound {
+                Error::corrupt(format!(
+                    "the manifest of rank {rank} for step {step} of run {run} is missing ({path})"
+                ))
+            } else {
+                e
+            }
+        })?;
+        if let Some(x) = expect
+            && x.hash != hash
+        {
+            return Err(Error::corrupt(format!(
+                "{path}: content hash {} differs from the commit record's {} (the manifest was damaged or replaced)",
+                hash.short(),
+                x.hash.short()
+            )));
+        }
+        let what = path.to_string();
+        m.validate(&what)?;
+        if m.run != run || m.step != step || m.rank != rank {
+            return Err(Error::corrupt(format!(
+                "{path}: says run {} step {} rank {}, but lives at run {run} step {step} rank {rank}",
+                m.run, m.step, m.rank
+            )));
+        }
+        Ok(m)
+    }
+
+    /// Read a step's commit record. `NotFound` if the step is not committed.
+    pub async fn read_commit(&self, run: &str, step: u64) -> Result<(CommitRecord, StepId)> {
+        validate_run(run)?;
+        let path = self.keys().commit(run, step);
+        let (c, hash, _) =
+            self.get_json::<CommitRecord>(&path)
+                .await
+                .map_err(|e| match e.kind() {
+                    ErrorKind::NotFound => Error::not_found(format!(
+                        "step {step} of run {run} is not committed (no {path})"
+                    )),
+                    _ => e,
+                })?;
+        c.validate(path.as_ref())?;
+        if c.run != run || c.step != step {
+            return Err(Error::corrupt(format!(
+                "{path}: says run {} step {}, but lives at run {run} step {step}",
+                c.run, c.step
+            )));
+        }
+        Ok((c, StepId(hash)))
+    }
+
+    /// Commit a step if every rank's manifest is present and coverage holds (see the module
+    /// docs). A step with missing rank manifests gets [`ErrorKind::Incomplete`] naming them (wait
+    /// and retry); shards that do not cover a tensor exactly once, or ranks that disagree on
+    /// the layout, get [`ErrorKind::InvalidInput`] naming the tensor and region.
+    #[instrument(skip_all, fields(run, step))]
+    pub async fn commit_step(&self, run: &str, step: u64) -> Result<CommitOutcome> {
+        validate_run(run)?;
+        let dir = self.keys().step_dir(run, step);
+        let metas: Vec<_> = self
+            .object_store()
+            .list(Some(&dir))
+            .try_collect()
+            .await
+            .map_err(|e| Error::backend("listing", &dir, e))?;
+        let mut ranks = BTreeSet::new();
+        let mut has_commit = false;
+        for m in &metas {
+            match self.keys().parse_step_object(&m.location) {
+                Some((_, _, StepObject::RankManifest(r))) => {
+                    ranks.insert(r);
+                }
+                Some((_, _, StepObject::Commit)) => has_commit = true,
+                None => {}
+            }
+        }
+        if has_commit {
+            let (c, id) = self.read_commit(run, step).await?;
+            return Ok(CommitOutcome::AlreadyCommitted(c, id));
+        }
+        let Some(&any) = ranks.iter().next() else {
+            return Err(Error::incomplete(format!(
+                "step {step} of run {run}: no rank has written its manifest yet"
+            )));
+        };
+        let probe = self.read_rank_manifest(run, step, any, None).await?;
+        let layout = probe.layout;
+        let world = layout.world();
+        let missing: Vec<u32> = (0..world).filter(|r| !ranks.contains(r)).collect();
+        if !missing.is_empty() {
+            let shown: Vec<String> = missing.iter().take(10).map(u32::to_string).collect();
+            return Err(Error::incomplete(format!(
+                "step {step} of run {run}: {} of {world} rank manifests are missing (ranks {}{})",
+                missing.len(),
+                shown.join(", "),
+                if missing.len() > 10 { ", ..." } else { "" }
+            )));
+        }
+        if let Some(&extra) = ranks.iter().find(|&&r| r >= world) {
+            return Err(Error::invalid(format!(
+                "step {step} of run {run}: rank {extra} wrote a manifest but the layout {layout} has {world} ranks"
+            )));
+        }
+        let manifests: Vec<(RankManifest, RankEntry)> = stream::iter(0..world)
+            .map(|r| async move {
+                let path = self.keys().rank_manifest(run, step, r);
+                let (m, hash, size) = self.get_json::<RankManifest>(&path).await?;
+                m.validate(path.as_ref())?;
+                Ok::<_, Error>((
+                    m,
+                    RankEntry {
+                        rank: r,
+                        hash,
+                        size,
+                    },
+                ))
+            })
+            .buffered(32)
+            .try_collect()
+            .await?;
+        let mut stats = WriteStats::default();
+        let mut blobs = Vec::new();
+        for (m, _) in &manifests {
+            if m.layout != layout || m.generation != probe.generation {
+                return Err(Error::invalid(format!(
+                    "step {step} of run {run}: rank {} saved with layout {} generation {}, rank {any} with {} generation {}",
+                    m.rank, m.layout, m.generation, layout, probe.generation
+                )));
+            }
+            if m.run != run || m.step != step {
+                return Err(Error::corrupt(format!(
+                    "the manifest of rank {} lives at step {step} of run {run} but names step {} of run {}",
+                    m.rank, m.step, m.run
+                )));
+            }
+            stats.add(&m.stats);
+            blobs.extend(m.blobs.iter().map(|b| BlobLoc {
+                rank: m.rank,
+                name: b.name.clone(),
+                len: b.len,
+            }));
+        }
+        let ms: Vec<RankManifest> = manifests.iter().map(|(m, _)| m.clone()).collect();
+        let tensors =
+            collect_tensors(&ms).map_err(|e| e.context(format!("step {step} of run {run}")))?;
+        for t in &tensors {
+            check_coverage(&t.name, &t.shape, &t.shards)
+                .map_err(|e| e.context(format!("step {step} of run {run}")))?;
+        }
+        let record = CommitRecord {
+            format: FORMAT_VERSION,
+            run: run.to_string(),
+            step,
+            layout,
+            generation: probe.generation,
+            // Derived from the manifests, not the clock: every committer of a step builds the
+            // same bytes, so even a backend whose conditional create is not atomic ends with
+            // one consistent record (see FORMAT.md).
+            committed_ms: manifests
+                .iter()
+                .map(|(m, _)| m.created_ms)
+                .max()
+                .unwrap_or(0),
+            ranks: manifests.into_iter().map(|(_, e)| e).collect(),
+            tensors,
+            blobs,
+            stats,
+        };
+        let path = self.keys().commit(run, step);
+        match self.put_json(&path, &record, PutMode::Create).await {
+            Ok(hash) => {
+                info!(run, step, ranks = world, "committed");
+                Ok(CommitOutcome::Committed(record, StepId(hash)))
+            }
+            Err(e) if e.kind() == ErrorKind::Conflict => {
+                let (c, id) = self.read_commit(run, step).await?;
+                Ok(CommitOutcome::AlreadyCommitted(c, id))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Commit a step once every rank's manifest is there, polling every `poll` until
+    /// `timeout`. Errors other than "incomplete because a manifest is missing" end the wait.
+    pub async fn wait_and_commit(
+        &self,
+        run: &str,
+        step: u64,
+        poll: Duration,
+        timeout: Duration,
+    ) -> Result<CommitOutcome> {
+        let t0 = Instant::now();
+        loop {
+            match self.commit_step(run, step).await {
+                Ok(o) => return Ok(o),
+                Err(e) if e.kind() == ErrorKind::Incomplete && t0.elapsed() < timeout => {
+                    tokio::time::sleep(poll).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}

@@ -1,0 +1,282 @@
+//! Retention and garbage collection.
+//!
+//! 1. **Retention**, per run: keep the newest committed step always, the last `keep_last`,
+//!    every step that is a multiple of `keep_every`, and any step the caller protects (a
+//!    pending save builds on it). Other committed steps are deleted, commit record first, so
+//!    a step vanishes atomically. Incomplete steps whose objects are all older than the grace
+//!    period are abandoned saves and are deleted too.
+//! 2. **Mark**: every chunk and pack referenced by a manifest that remains (committed or in
+//!    flight).
+//! 3. **Sweep**: delete chunk and pack objects nobody references, but only if they are older
+//!    than the grace period, so a save that has written chunks but not yet its manifest loses
+//!    nothing.
+//!
+//! With neither `keep_last` nor `keep_every`, retention keeps every committed step and GC only
+//! sweeps.
+
+use std::collections::{BTreeSet, HashSet};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use futures::{StreamExt, TryStreamExt, stream};
+use object_store::path::Path;
+use serde::Serialize;
+use tracing::{info, instrument};
+
+use crate::error::{Error, Result};
+use crate::keys::StepObject;
+use crate::model::RankManifest;
+use crate::store::Store;
+
+/// What GC should keep and how careful to be.
+#[derive(Debug, Clone)]
+pub struct GcOptions {
+    /// Keep the newest N committed steps of each run.
+    pub keep_last: Option<usize>,
+    /// Keep committed steps whose number is a multiple of K.
+    pub keep_every: Option<u64>,
+    /// Never delete objects younger than this.
+    pub grace: Duration,
+    /// Report what would be deleted, delete nothing.
+    pub dry_run: bool,
+    /// Only these runs (all if empty) for retention; the sweep always considers the whole store.
+    pub runs: Vec<String>,
+    /// Steps that must survive (a pending save builds on them).
+    pub protect: Vec<(String, u64)>,
+}
+
+impl Default for GcOptions {
+    fn default() -> Self {
+        GcOptions {
+            keep_last: None,
+            keep_every: None,
+            grace: Duration::from_secs(3600),
+            dry_run: false,
+            runs: Vec::new(),
+            protect: Vec::new(),
+        }
+    }
+}
+
+/// What GC did (or would do, in a dry run).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct GcReport {
+    /// Committed steps deleted by retention, as (run, step).
+    pub steps_deleted: Vec<(String, u64)>,
+    /// Abandoned incomplete steps deleted.
+    pub incomplete_deleted: Vec<(String, u64)>,
+    /// Committed steps kept.
+    pub steps_kept: Vec<(String, u64)>,
+    /// Chunk and pack objects deleted.
+    pub objects_deleted: u64,
+    /// Bytes they held.
+    pub bytes_freed: u64,
+    /// Unreferenced objects kept because they are younger than the grace period.
+    pub objects_in_grace: u64,
+    /// Chunk and pack objects kept.
+    pub objects_kept: u64,
+    /// Bytes of the objects kept.
+    pub bytes_kept: u64,
+    /// Nothing was deleted.
+    pub dry_run: bool,
+}
+
+/// Which committed steps of one run retention keeps.
+pub fn retained(
+    committed: &[u64],
+    keep_last: Option<usize>,
+    keep_every: Option<u64>,
+    protect: &[u64],
+) -> BTreeSet<u64> {
+    let mut keep: BTreeSet<u64> = BTreeSet::new();
+    if keep_last.is_none() && keep_every.is_none() {
+        keep.extend(committed.iter().copied());
+        return keep;
+    }
+    let mut sorted = committed.to_vec();
+    sorted.sort_unstable();
+    if let Some(&newest) = sorted.last() {
+        keep.insert(newest);
+    }
+    if let Some(n) = keep_last {
+        keep.extend(sorted.iter().rev().take(n).copied());
+    }
+    if let Some(k) = keep_every.filter(|&k| k > 0) {
+        keep.extend(sorted.iter().copied().filter(|s| s % k == 0));
+    }
+    keep.extend(protect.iter().copied().filter(|s| committed.contains(s)));
+    keep
+}
+
+impl Store {
+    /// Run retention and sweep (see the module docs). `now` is injectable for tests.
+    #[instrument(skip_all, fields(dry_run = opts.dry_run))]
+    pub async fn gc(&self, opts: &GcOptions, now: DateTime<Utc>) -> Result<GcReport> {
+        let mut report = GcReport {
+            dry_run: opts.dry_run,
+            ..GcReport::default()
+        };
+        let grace = chrono::Duration::from_std(opts.grace)
+            .map_err(|_| Error::invalid("grace period is too long"))?;
+        let runs = self.list_runs().await?;
+        let mut live_manifests: Vec<(String, u64, u32)> = Vec::new();
+        for run in &runs {
+            let steps = self.list_steps(run).await?;
+            let committed: Vec<u64> = steps
+                .iter()
+                .filter(|s| s.committed)
+                .map(|s| s.step)
+                .collect();
+            let in_scope = opts.runs.is_empty() || opts.runs.contains(run);
+            let protect: Vec<u64> = opts
+                .protect
+                .iter()
+                .filter(|(r, _)| r == run)
+                .map(|(_, s)| *s)
+                .collect();
+            let keep = if in_scope {
+                retained(&committed, opts.keep_last, opts.keep_every, &protect)
+            } else {
+                committed.iter().copied().collect()
+            };
+            for s in &steps {
+                let doomed = if s.committed {
+                    !keep.contains(&s.step)
+                } else {
+                    in_scope && now - s.last_modified > grace && !protect.contains(&s.step)
+                };
+                if !doomed {
+                    if s.committed {
+                        report.steps_kept.push((run.clone(), s.step));
+                    }
+                    live_manifests.extend(s.ranks.iter().map(|&r| (run.clone(), s.step, r)));
+                    continue;
+                }
+                if s.committed {
+                    report.steps_deleted.push((run.clone(), s.step));
+                } else {
+                    report.incomplete_deleted.push((run.clone(), s.step));
+                }
+                if !opts.dry_run {
+                    self.delete_step(run, s.step, s.committed).await?;
+                }
+            }
+        }
+        // Mark.
+        let manifests: Vec<RankManifest> = stream::iter(live_manifests)
+            .map(|(run, step, rank)| async move {
+                let path = self.keys().rank_manifest(&run, step, rank);
+                self.get_json::<RankManifest>(&path)
+                    .await
+                    .map(|(m, _, _)| m)
+                    .map_err(|e| {
+                        e.context("gc cannot tell what this manifest references; nothing was swept")
+                    })
+            })
+            .buffer_unordered(32)
+            .try_collect()
+            .await?;
+        let mut live: HashSet<Path> = HashSet::new();
+        for m in &manifests {
+            for c in m
+                .tensors
+                .iter()
+                .flat_map(|t| &t.chunks)
+                .chain(m.blobs.iter().flat_map(|b| &b.chunks))
+            {
+                live.insert(self.object_of(c));
+            }
+        }
+        // Sweep.
+        let mut doomed: Vec<Path> = Vec::new();
+        for dir in [self.keys().chunks_dir(), self.keys().packs_dir()] {
+            let metas: Vec<_> = self
+                .object_store()
+                .list(Some(&dir))
+                .try_collect()
+                .await
+                .map_err(|e| Error::backend("listing", &dir, e))?;
+            for m in metas {
+                let ours = self.keys().parse_chunk(&m.location).is_some()
+                    || self.keys().parse_pack(&m.location).is_some();
+                if !ours || live.contains(&m.location) {
+                    report.objects_kept += 1;
+                    report.bytes_kept += m.size;
+                } else if now - m.last_modified <= grace {
+                    report.objects_in_grace += 1;
+                    report.objects_kept += 1;
+                    report.bytes_kept += m.size;
+                } else {
+                    report.objects_deleted += 1;
+                    report.bytes_freed += m.size;
+                    doomed.push(m.location);
+                }
+            }
+        }
+        if !opts.dry_run && !doomed.is_empty() {
+            self.delete_all(doomed).await?;
+        }
+        info!(
+            steps_deleted = report.steps_deleted.len(),
+            objects_deleted = report.objects_deleted,
+            bytes_freed = report.bytes_freed,
+            "gc done"
+        );
+        Ok(report)
+    }
+
+    /// Delete a step: its commit record first (the step is then invisible), then manifests.
+    pub async fn delete_step(&self, run: &str, step: u64, committed: bool) -> Result<()> {
+        if committed {
+            let c = self.keys().commit(run, step);
+            self.delete_all(vec![c]).await?;
+        }
+        let dir = self.keys().step_dir(run, step);
+        let rest: Vec<Path> = self
+            .object_store()
+            .list(Some(&dir))
+            .map_ok(|m| m.location)
+            .try_filter(|p| {
+                let is_manifest = matches!(
+                    self.keys().parse_step_object(p),
+                    Some((_, _, StepObject::RankManifest(_)))
+                );
+                futures::future::ready(is_manifest)
+            })
+            .try_collect()
+            .await
+            .map_err(|e| Error::backend("listing", &dir, e))?;
+        self.delete_all(rest).await
+    }
+
+    /// Delete objects (missing ones are fine).
+    pub async fn delete_all(&self, paths: Vec<Path>) -> Result<()> {
+        let input = stream::iter(paths.into_iter().map(Ok)).boxed();
+        let mut s = self.object_store().delete_stream(input);
+        while let Some(r) = s.next().await {
+            match r {
+                Ok(_) | Err(object_store::Error::NotFound { .. }) => {}
+                Err(e) => return Err(Error::backend("deleting", &"objects", e)),
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retention_table() {
+        let c = [10, 20, 30, 40, 50, 60];
+        let k = |l, e, p: &[u64]| retained(&c, l, e, p).into_iter().collect::<Vec<_>>();
+        assert_eq!(k(None, None, &[]), c.to_vec());
+        assert_eq!(k(Some(0), None, &[]), vec![60]);
+        assert_eq!(k(Some(2), None, &[]), vec![50, 60]);
+        assert_eq!(k(None, Some(20), &[]), vec![20, 40, 60]);
+        assert_eq!(k(Some(1), Some(30), &[]), vec![30, 60]);
+        assert_eq!(k(Some(1), None, &[10, 99]), vec![10, 60]);
+        assert!(retained(&[], Some(1), None, &[]).is_empty());
+    }
+}

@@ -1,0 +1,194 @@
+//! Typed identifiers over one blake3 hash type.
+//!
+//! Every persisted thing that is addressed by content has its own id type, so a chunk id can
+//! never be passed where a pack id is expected. The mapping from ids to object keys lives in
+//! [`crate::keys`] and nowhere else.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::error::{Error, Result};
+
+/// A blake3 hash (32 bytes). Shown and serialized as 64 lowercase hex characters.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Hash(pub [u8; 32]);
+
+impl Hash {
+    /// Hash `data` with blake3 on the calling thread.
+    pub fn of(data: &[u8]) -> Self {
+        Hash(*blake3::hash(data).as_bytes())
+    }
+
+    /// Lowercase hex.
+    pub fn to_hex(&self) -> String {
+        let mut s = String::with_capacity(64);
+        for b in self.0 {
+            s.push(HEX[(b >> 4) as usize] as char);
+            s.push(HEX[(b & 15) as usize] as char);
+        }
+        s
+    }
+
+    /// Parse 64 hex characters.
+    pub fn from_hex(s: &str) -> Result<Self> {
+        let b = s.as_bytes();
+        if b.len() != 64 {
+            return Err(Error::invalid(format!(
+                "'{s}' is not a blake3 hash: expected 64 hex characters, found {}",
+                b.len()
+            )));
+        }
+        let mut out = [0u8; 32];
+        for (i, pair) in b.chunks_exact(2).enumerate() {
+            let hi = hex_val(pair[0]);
+            let lo = hex_val(pair[1]);
+            match (hi, lo) {
+                (Some(h), Some(l)) => out[i] = (h << 4) | l,
+                _ => {
+                    return Err(Error::invalid(format!(
+                        "'{s}' is not a blake3 hash: non-hex character"
+                    )));
+                }
+            }
+        }
+        Ok(Hash(out))
+    }
+
+    /// The first 12 hex characters, for humans.
+    pub fn short(&self) -> String {
+        self.to_hex()[..12].to_string()
+    }
+}
+
+const HEX: &[u8; 16] = b"0123456789abcdef";
+
+fn hex_val(c: u8) -> Option<u8> {
+    match c {
+        b'0'..=b'9' => Some(c - b'0'),
+        b'a'..=b'f' => Some(c - b'a' + 10),
+        b'A'..=b'F' => Some(c - b'A' + 10),
+        _ => None,
+    }
+}
+
+impl fmt::Debug for Hash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.short())
+    }
+}
+
+impl fmt::Display for Hash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}
+
+impl Serialize for Hash {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_hex())
+    }
+}
+
+impl<'de> Deserialize<'de> for Hash {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        Hash::from_hex(&s).map_err(serde::de::Error::custom)
+    }
+}
+
+macro_rules! define_id {
+    ($(#[$doc:meta])* $name:ident, $kind:literal) => {
+        $(#[$doc])*
+        #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        #[serde(transparent)]
+        pub struct $name(pub Hash);
+
+        impl $name {
+            /// What this id names, for messages.
+            pub const KIND: &'static str = $kind;
+
+            /// The id of `data` (blake3 of the bytes).
+            pub fn of(data: &[u8]) -> Self {
+                $name(Hash::of(data))
+            }
+
+            /// Lowercase hex of the hash.
+            pub fn to_hex(&self) -> String {
+                self.0.to_hex()
+            }
+
+            /// The first 12 hex characters, for humans.
+            pub fn short(&self) -> String {
+                self.0.short()
+            }
+        }
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "{}:{}", $kind, self.0.short())
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "{} {}", $kind, self.0.to_hex())
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = Error;
+            fn from_str(s: &str) -> Result<Self> {
+                Hash::from_hex(s).map($name)
+            }
+        }
+    };
+}
+
+define_id!(
+    /// A chunk: blake3 of the chunk's raw (decoded) bytes.
+    ChunkId,
+    "chunk"
+);
+define_id!(
+    /// A pack of small chunks: blake3 of the pack object's bytes.
+    PackId,
+    "pack"
+);
+define_id!(
+    /// A committed checkpoint: blake3 of its commit record's bytes.
+    StepId,
+    "step"
+);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hex_round_trip() {
+        let h = Hash::of(b"hello");
+        assert_eq!(h.to_hex(), blake3::hash(b"hello").to_hex().as_str());
+        assert_eq!(Hash::from_hex(&h.to_hex()).unwrap(), h);
+        assert_eq!(Hash::from_hex(&h.to_hex().to_uppercase()).unwrap(), h);
+    }
+
+    #[test]
+    fn bad_hex_is_refused_with_reason() {
+        let e = Hash::from_hex("abc").unwrap_err().to_string();
+        assert!(e.contains("expected 64 hex characters"), "{e}");
+        let e = Hash::from_hex(&"g".repeat(64)).unwrap_err().to_string();
+        assert!(e.contains("non-hex"), "{e}");
+    }
+
+    #[test]
+    fn ids_serialize_as_hex_strings() {
+        let id = ChunkId::of(b"x");
+        let j = serde_json::to_string(&id).unwrap();
+        assert_eq!(j, format!("\"{}\"", id.to_hex()));
+        let back: ChunkId = serde_json::from_str(&j).unwrap();
+        assert_eq!(back, id);
+        assert!(format!("{id:?}").starts_with("chunk:"));
+    }
+}

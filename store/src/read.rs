@@ -1,0 +1,376 @@
+//! The read engine: any n-d box of any tensor of a committed step, fetching only the chunks
+//! that intersect it, in parallel, with bounded memory. Resharding restore, the FUSE view and
+//! export all read through [`StepReader`].
+//!
+//! A read is planned first ([`StepReader::plan`]: which chunks, which byte runs go where, no
+//! I/O beyond manifests), then executed: chunks are fetched `read_concurrency` at a time
+//! (from a [`ChunkSource`] such as a peer's memory or a cache first, the store otherwise),
+//! checked against their hash, and scattered into the destination.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures::{StreamExt, stream};
+use serde::Serialize;
+use tracing::{instrument, warn};
+
+use crate::error::{Error, Result};
+use crate::id::{ChunkId, StepId};
+use crate::model::{ChunkRef, CommitRecord, DType, NdBox, RankManifest, copy_runs};
+use crate::store::Store;
+
+/// Somewhere chunks may be found before the object store: a peer's memory, a local cache.
+/// What it returns is checked against the chunk's hash; a mismatch falls back to the store.
+#[async_trait]
+pub trait ChunkSource: Send + Sync {
+    /// The raw bytes of `r`, if this source has them.
+    async fn fetch(&self, r: &ChunkRef) -> Option<Bytes>;
+}
+
+/// One byte run to copy out of a chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct CopyOp {
+    /// Offset in the chunk's raw bytes.
+    pub src: u64,
+    /// Offset in the destination buffer.
+    pub dst: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// A chunk a read needs and what to copy out of it.
+#[derive(Debug, Clone, Serialize)]
+pub struct PlannedChunk {
+    /// The chunk.
+    pub chunk: ChunkRef,
+    /// The rank whose manifest lists it.
+    pub rank: u32,
+    /// The runs to copy.
+    pub copies: Vec<CopyOp>,
+}
+
+/// What reading a box of a tensor costs, before reading it.
+#[derive(Debug, Clone, Serialize)]
+pub struct ReadPlan {
+    /// Tensor name.
+    pub tensor: String,
+    /// Element type.
+    pub dtype: DType,
+    /// The box read.
+    pub bbox: NdBox,
+    /// Chunks to fetch.
+    pub chunks: Vec<PlannedChunk>,
+}
+
+impl ReadPlan {
+    /// Bytes of the destination.
+    pub fn bytes_needed(&self) -> u64 {
+        self.bbox.numel() * self.dtype.size() as u64
+    }
+    /// Raw bytes of the chunks fetched.
+    pub fn raw_bytes_fetched(&self) -> u64 {
+        self.chunks.iter().map(|c| c.chunk.len as u64).sum()
+    }
+    /// Stored bytes of the chunks fetched (what crosses the wire).
+    pub fn stored_bytes_fetched(&self) -> u64 {
+        self.chunks.iter().map(|c| c.chunk.stored as u64).sum()
+    }
+}
+
+/// Figures of one read.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct ReadStats {
+    /// Chunks fetched.
+    pub chunks: u64,
+    /// Raw bytes decoded.
+    pub raw_bytes: u64,
+    /// Stored bytes fetched from the store.
+    pub stored_bytes: u64,
+    /// Raw bytes served by a [`ChunkSource`].
+    pub source_bytes: u64,
+    /// Bytes written to the destination.
+    pub bytes_copied: u64,
+}
+
+impl ReadStats {
+    /// Add another read's figures.
+    pub fn add(&mut self, o: &ReadStats) {
+        self.chunks += o.chunks;
+        self.raw_bytes += o.raw_bytes;
+        self.stored_bytes += o.stored_bytes;
+        self.source_bytes += o.source_bytes;
+        self.bytes_copied += o.bytes_copied;
+    }
+}
+
+/// Reads a committed step.
+#[derive(Clone)]
+pub struct StepReader {
+    store: Store,
+    commit: Arc<CommitRecord>,
+    id: StepId,
+    manifests: Arc<Mutex<HashMap<u32, Arc<RankManifest>>>>,
+    source: Option<Arc<dyn ChunkSource>>,
+}
+
+impl std::fmt::Debug for StepReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "StepReader({}@{})", self.commit.run, self.commit.step)
+    }
+}
+
+impl StepReader {
+    /// Open a committed step.
+    pub async fn open(store: &Store, run: &str, step: u64) -> Result<Self> {
+        let (commit, id) = store.read_commit(run, step).await?;
+        Ok(StepReader {
+            store: store.clone(),
+            commit: Arc::new(commit),
+            id,
+            manifests: Arc::default(),
+            source: None,
+        })
+    }
+
+    /// Open the newest committed step of `run`.
+    pub async fn open_latest(store: &Store, run: &str) -> Result<Self> {
+        let step = store.require_latest(run).await?;
+        Self::open(store, run, step).await
+    }
+
+    /// Consult `source` before the store for every chunk.
+    pub fn with_source(mut self, source: Arc<dyn ChunkSource>) -> Self {
+        self.source = Some(source);
+        self
+    }
+
+    /// The commit record.
+    pub fn commit(&self) -> &CommitRecord {
+        &self.commit
+    }
+
+    /// The step's id (blake3 of its commit record).
+    pub fn id(&self) -> StepId {
+        self.id
+    }
+
+    /// The store read from.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    fn what(&self) -> String {
+        format!("step {} of run {}", self.commit.step, self.commit.run)
+    }
+
+    /// A rank's manifest (cached), checked against the hash in the commit record.
+    pub async fn manifest(&self, rank: u32) -> Result<Arc<RankManifest>> {
+        if let Some(m) = self.manifests.lock().expect("manifest cache").get(&rank) {
+            return Ok(m.clone());
+        }
+        let entry = self
+            .commit
+            .ranks
+            .iter()
+            .find(|e| e.rank == rank)
+            .ok_or_else(|| {
+                Error::not_found(format!("{}: rank {rank} is not part of it", self.what()))
+            })?;
+        let m = Arc::new(
+            self.store
+                .read_rank_manifest(&self.commit.run, self.commit.step, rank, Some(entry))
+                .await?,
+        );
+        self.manifests
+            .lock()
+            .expect("manifest cache")
+            .insert(rank, m.clone());
+        Ok(m)
+    }
+
+    /// Plan reading `bbox` of `tensor`: the chunks that intersect it and the runs to copy.
+    pub async fn plan(&self, tensor: &str, bbox: &NdBox) -> Result<ReadPlan> {
+        let t = self.commit.tensor(tensor).ok_or_else(|| {
+            Error::not_found(format!("{}: no tensor named {tensor:?}", self.what()))
+        })?;
+        if !bbox.within(&t.shape) {
+            return Err(Error::invalid(format!(
+                "{}: box {bbox} does not fit tensor {tensor:?} of shape {:?}",
+                self.what(),
+                t.shape
+            )));
+        }
+        let elem = t.dtype.size();
+        let mut by_chunk: HashMap<ChunkId, PlannedChunk> = HashMap::new();
+        let mut order: Vec<ChunkId> = Vec::new();
+        for s in &t.shards {
+            let Some(region) = s.bbox.intersect(bbox) else {
+                continue;
+            };
+            let m = self.manifest(s.rank).await?;
+            let shard = m.written_shard(tensor, &s.bbox).ok_or_else(|| {
+                Error::corrupt(format!(
+                    "{}: the commit record places tensor {tensor:?} box {} on rank {}, whose manifest does not hold it",
+                    self.what(),
+                    s.bbox,
+                    s.rank
+                ))
+            })?;
+            // Start offset of every chunk in the shard's bytes.
+            let mut starts = Vec::with_capacity(shard.chunks.len());
+            let mut acc = 0u64;
+            for c in &shard.chunks {
+                starts.push(acc);
+                acc += c.len as u64;
+            }
+            copy_runs(&s.bbox, bbox, &region, elem, |src, dst, len| {
+                let (mut src, mut dst, mut len) = (src, dst, len);
+                let mut k = starts.partition_point(|&st| st <= src) - 1;
+                while len > 0 {
+                    let c = &shard.chunks[k];
+                    let in_chunk = src - starts[k];
+                    let take = (c.len as u64 - in_chunk).min(len);
+                    let pc = by_chunk.entry(c.id).or_insert_with(|| {
+                        order.push(c.id);
+                        PlannedChunk {
+                            chunk: c.clone(),
+                            rank: s.rank,
+                            copies: Vec::new(),
+                        }
+                    });
+                    pc.copies.push(CopyOp {
+                        src: in_chunk,
+                        dst,
+                        len: take,
+                    });
+                    src += take;
+                    dst += take;
+                    len -= take;
+                    k += 1;
+                }
+            });
+        }
+        let chunks = order
+            .into_iter()
+            .map(|id| by_chunk.remove(&id).expect("planned"))
+            .collect();
+        Ok(ReadPlan {
+            tensor: tensor.to_string(),
+            dtype: t.dtype,
+            bbox: bbox.clone(),
+            chunks,
+        })
+    }
+
+    async fn fetch(&self, r: &ChunkRef, stats: &mut ReadStats) -> Result<Bytes> {
+        if let Some(src) = &self.source
+            && let Some(b) = src.fetch(r).await
+        {
+            let (b, ok) = tokio::task::spawn_blocking({
+                let id = r.id;
+                move || {
+                    let ok = ChunkId::of(&b) == id;
+                    (b, ok)
+                }
+            })
+            .await?;
+            if ok && b.len() == r.len as usize {
+                stats.source_bytes += r.len as u64;
+                return Ok(b);
+            }
+            warn!(chunk = %r.id, "a chunk source returned damaged bytes; reading the store");
+        }
+        stats.stored_bytes += r.stored as u64;
+        self.store.get_chunk(r).await
+    }
+
+    /// Execute a plan into `out` (which must be the plan's box, row-major).
+    pub async fn execute(&self, plan: &ReadPlan, out: &mut [u8]) -> Result<ReadStats> {
+        if out.len() as u64 != plan.bytes_needed() {
+            return Err(Error::invalid(format!(
+                "destination of {} bytes for {} bytes of tensor {:?}",
+                out.len(),
+                plan.bytes_needed(),
+                plan.tensor
+            )));
+        }
+        let n = self.store.config().read_concurrency;
+        let mut fetched = stream::iter(plan.chunks.iter())
+            .map(|pc| async move {
+                let mut st = ReadStats::default();
+                let b = self.fetch(&pc.chunk, &mut st).await.map_err(|e| {
+                    e.context(format!(
+                        "{}: tensor {:?} (shard of rank {})",
+                        self.what(),
+                        plan.tensor,
+                        pc.rank
+                    ))
+                })?;
+                Ok::<_, Error>((pc, b, st))
+            })
+            .buffer_unordered(n);
+        let mut stats = ReadStats::default();
+        while let Some(r) = fetched.next().await {
+            let (pc, b, st) = r?;
+            stats.add(&st);
+            stats.chunks += 1;
+            stats.raw_bytes += b.len() as u64;
+            for c in &pc.copies {
+                let (s, d, l) = (c.src as usize, c.dst as usize, c.len as usize);
+                out[d..d + l].copy_from_slice(&b[s..s + l]);
+                stats.bytes_copied += c.len;
+            }
+        }
+        Ok(stats)
+    }
+
+    /// Read `bbox` of `tensor` into `out` (row-major bytes of the box).
+    #[instrument(skip_all, fields(tensor, bbox = %bbox))]
+    pub async fn read_into(&self, tensor: &str, bbox: &NdBox, out: &mut [u8]) -> Result<ReadStats> {
+        let plan = self.plan(tensor, bbox).await?;
+        self.execute(&plan, out).await
+    }
+
+    /// Read `bbox` of `tensor` into a new buffer.
+    pub async fn read(&self, tensor: &str, bbox: &NdBox) -> Result<Vec<u8>> {
+        let plan = self.plan(tensor, bbox).await?;
+        let mut out = vec![0u8; plan.bytes_needed() as usize];
+        self.execute(&plan, &mut out).await?;
+        Ok(out)
+    }
+
+    /// Read a whole tensor.
+    pub async fn read_tensor(&self, tensor: &str) -> Result<Vec<u8>> {
+        let t = self.commit.tensor(tensor).ok_or_else(|| {
+            Error::not_found(format!("{}: no tensor named {tensor:?}", self.what()))
+        })?;
+        self.read(tensor, &NdBox::full(&t.shape)).await
+    }
+
+    /// Read a blob saved by `rank`.
+    pub async fn read_blob(&self, rank: u32, name: &str) -> Result<Vec<u8>> {
+        let m = self.manifest(rank).await?;
+        let b = m.blobs.iter().find(|b| b.name == name).ok_or_else(|| {
+            Error::not_found(format!(
+                "{}: rank {rank} saved no blob named {name:?}",
+                self.what()
+            ))
+        })?;
+        let mut out = vec![0u8; b.len as usize];
+        let mut at = Vec::with_capacity(b.chunks.len());
+        let mut acc = 0usize;
+        for c in &b.chunks {
+            at.push(acc);
+            acc += c.len as usize;
+        }
+        let mut s = self.store.get_chunks(b.chunks.clone());
+        while let Some(r) = s.next().await {
+            let (i, bytes) =
+                r.map_err(|e| e.context(format!("{}: blob {name:?} of rank {rank}", self.what())))?;
+            out[at[i]..at[i] + bytes.len()].copy_from_slice(&bytes);
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,700 @@
+//! [`Store`]: chunks in, chunks out, over any [`ObjectStore`].
+//!
+//! The write path ([`Store::put_chunks`]) hashes chunks on several threads, skips chunks the
+//! [`DedupIndex`] already knows, encodes the rest (codec chosen by measuring), packs the small
+//! ones, and writes with bounded concurrency and a bounded number of bytes in flight. The read
+//! path fetches chunk objects (whole, or a range of a pack), decodes them and checks their
+//! hash.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use bytes::Bytes;
+use futures::stream::{self, Stream, StreamExt, TryStreamExt};
+use object_store::path::Path;
+use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
+use serde::{Deserialize, Serialize};
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tracing::{debug, instrument};
+
+use crate::codec::{self, Codec, CodecPolicy, Encoded, MAX_CHUNK_LEN};
+use crate::error::{Error, ErrorKind, Result};
+use crate::id::{ChunkId, Hash};
+use crate::keys::Keys;
+use crate::model::ChunkRef;
+use crate::pack::PackBuilder;
+
+/// Settings of a [`Store`]. Defaults suit a local disk; [`StoreConfig::for_remote`] suits
+/// object stores.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct StoreConfig {
+    /// Chunk size for shards and blobs (default 4 MiB; at most 256 MiB).
+    pub chunk_size: usize,
+    /// Chunks smaller than this are packed (default 1 MiB).
+    pub pack_threshold: usize,
+    /// Packs are sealed when they reach this size (default 16 MiB).
+    pub pack_target: usize,
+    /// How hard to compress.
+    pub codec: CodecPolicy,
+    /// Compress only while every writer is busy, so compression never makes a save slower
+    /// than storing raw on a sink faster than the compressor (default on for local disks).
+    pub adaptive_codec: bool,
+    /// Object writes in flight (default 8).
+    pub write_concurrency: usize,
+    /// Object reads in flight (default 8).
+    pub read_concurrency: usize,
+    /// Threads hashing and encoding (default: the number of CPUs).
+    pub cpu_threads: usize,
+    /// Bytes of encoded chunks waiting to be written, at most (default 256 MiB).
+    pub inflight_bytes: usize,
+    /// Objects larger than this use multipart upload (default: never for local, 64 MiB remote).
+    pub multipart_threshold: usize,
+    /// Multipart part size (default 16 MiB).
+    pub multipart_part: usize,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            chunk_size: 4 << 20,
+            pack_threshold: 1 << 20,
+            pack_target: 16 << 20,
+            codec: CodecPolicy::FAST,
+            adaptive_codec: true,
+            write_concurrency: 8,
+            read_concurrency: 8,
+            cpu_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
+            inflight_bytes: 256 << 20,
+            multipart_threshold: usize::MAX,
+            multipart_part: 16 << 20,
+        }
+    }
+}
+
+impl StoreConfig {
+    /// Settings for object stores: compress thoroughly (the network is the bottleneck), more
+    /// requests in flight, multipart above 64 MiB.
+    pub fn for_remote() -> Self {
+        StoreConfig {
+            codec: CodecPolicy::MAX,
+            adaptive_codec: false,
+            write_concurrency: 16,
+            read_concurrency: 16,
+            multipart_threshold: 64 << 20,
+            ..StoreConfig::default()
+        }
+    }
+
+    /// Check the settings.
+    pub fn validate(&self) -> Result<()> {
+        if self.chunk_size == 0 || self.chunk_size as u64 > MAX_CHUNK_LEN {
+            return Err(Error::invalid(format!(
+                "chunk size {} must be between 1 byte and {} MiB",
+                self.chunk_size,
+                MAX_CHUNK_LEN >> 20
+            )));
+        }
+        if self.write_concurrency == 0 || self.read_concurrency == 0 || self.cpu_threads == 0 {
+            return Err(Error::invalid("concurrency settings must be at least 1"));
+        }
+        if self.inflight_bytes < self.chunk_size {
+            return Err(Error::invalid(format!(
+                "in-flight budget {} must hold at least one chunk ({})",
+                self.inflight_bytes, self.chunk_size
+            )));
+        }
+        if self.inflight_bytes < self.pack_target + self.chunk_size {
+            return Err(Error::invalid(format!(
+                "in-flight budget {} must hold a pack ({}) and a chunk ({})",
+                self.inflight_bytes, self.pack_target, self.chunk_size
+            )));
+        }
+        if self.multipart_part < (5 << 20) && self.multipart_threshold != usize::MAX {
+            return Err(Error::invalid("multipart parts must be at least 5 MiB"));
+        }
+        Ok(())
+    }
+}
+
+/// One chunk to write: its raw bytes and the element size for byte planes (1 for anything
+/// that is not floating point).
+#[derive(Debug, Clone)]
+pub struct ChunkIn {
+    /// Raw bytes (a slice of a staging buffer; never copied for raw chunks on object stores).
+    pub data: Bytes,
+    /// Element size for the byte-plane codec (2, 4, 8), or 1.
+    pub elem: u8,
+}
+
+/// What [`Store::put_chunks`] did.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PutStats {
+    /// Chunks given.
+    pub chunks: u64,
+    /// Raw bytes given.
+    pub bytes: u64,
+    /// Chunks skipped because the store has them (or they appeared twice).
+    pub chunks_skipped: u64,
+    /// Raw bytes of skipped chunks.
+    pub bytes_skipped: u64,
+    /// Objects written (chunks and packs).
+    pub objects_written: u64,
+    /// Bytes written, as stored.
+    pub bytes_written: u64,
+    /// Raw bytes of the chunks written, by codec.
+    pub raw_by_codec: HashMap<String, u64>,
+    /// Stored bytes of the chunks written, by codec.
+    pub stored_by_codec: HashMap<String, u64>,
+    /// Seconds from the first chunk to the last write.
+    pub seconds: f64,
+}
+
+/// The result of [`Store::put_chunks`]: a reference for every chunk given, in order.
+#[derive(Debug, Clone)]
+pub struct PutReport {
+    /// One per input chunk, in input order.
+    pub refs: Vec<ChunkRef>,
+    /// Figures.
+    pub stats: PutStats,
+}
+
+/// Which chunks the store is known to hold, and where.
+///
+/// A writer seeds it from the newest committed step it builds on (which GC never deletes) and
+/// adds what it writes, so a second save of unchanged data costs a hash, not a write. See
+/// ARCHITECTURE.md for why it is not seeded from a listing of the whole store.
+#[derive(Debug, Default)]
+pub struct DedupIndex {
+    map: Mutex<HashMap<ChunkId, ChunkRef>>,
+}
+
+impl DedupIndex {
+    /// An empty index.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Where the store holds `id`, if known.
+    pub fn get(&self, id: &ChunkId) -> Option<ChunkRef> {
+        self.map.lock().expect("dedup index").get(id).cloned()
+    }
+
+    /// Record chunks the store holds.
+    pub fn extend<'a>(&self, refs: impl IntoIterator<Item = &'a ChunkRef>) {
+        let mut m = self.map.lock().expect("dedup index");
+        for r in refs {
+            m.entry(r.id).or_insert_with(|| r.clone());
+        }
+    }
+
+    /// Replace the contents with `refs`.
+    pub fn reset<'a>(&self, refs: impl IntoIterator<Item = &'a ChunkRef>) {
+        let mut m = self.map.lock().expect("dedup index");
+        m.clear();
+        for r in refs {
+            m.entry(r.id).or_insert_with(|| r.clone());
+        }
+    }
+
+    /// Number of chunks known.
+    pub fn len(&self) -> usize {
+        self.map.lock().expect("dedup index").len()
+    }
+
+    /// Nothing known.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A content-addressed checkpoint store over an [`ObjectStore`].
+#[derive(Debug, Clone)]
+pub struct Store {
+    inner: Arc<dyn ObjectStore>,
+    keys: Keys,
+    cfg: Arc<StoreConfig>,
+    url: Arc<str>,
+}
+
+enum Slot {
+    Done(ChunkRef),
+    SameAs(usize),
+    Pending,
+}
+
+impl Store {
+    /// A store over `inner`, with keys below `prefix`. `url` names it in messages.
+    pub fn new(inner: Arc<dyn ObjectStore>, prefix: Path, url: impl Into<String>) -> Self {
+        Store {
+            inner,
+            keys: Keys::new(prefix),
+            cfg: Arc::new(StoreConfig::default()),
+            url: url.into().into(),
+        }
+    }
+
+    /// An in-memory store (unit tests).
+    pub fn memory() -> Self {
+        Store::new(
+            Arc::new(object_store::memory::InMemory::new()),
+            Path::default(),
+            "memory://",
+        )
+    }
+
+    /// Replace the settings.
+    pub fn with_config(mut self, cfg: StoreConfig) -> Result<Self> {
+        cfg.validate()?;
+        self.cfg = Arc::new(cfg);
+        Ok(self)
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &StoreConfig {
+        &self.cfg
+    }
+
+    /// The key layout.
+    pub fn keys(&self) -> &Keys {
+        &self.keys
+    }
+
+    /// The underlying object store.
+    pub fn object_store(&self) -> &Arc<dyn ObjectStore> {
+        &self.inner
+    }
+
+    /// The URL the store was opened from.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// Byte ranges of the chunks of a buffer of `len` bytes (aligned to its start).
+    pub fn chunk_spans(&self, len: u64) -> impl Iterator<Item = std::ops::Range<u64>> + use<> {
+        let cs = self.cfg.chunk_size as u64;
+        let n = if len == 0 { 0 } else { len.div_ceil(cs) };
+        (0..n).map(move |i| i * cs..((i + 1) * cs).min(len))
+    }
+
+    // ----- plain objects -------------------------------------------------------------------
+
+    /// Write an object from pieces; multipart when it is larger than the threshold.
+    pub async fn put_object(&self, path: &Path, parts: Vec<Bytes>, mode: PutMode) -> Result<()> {
+        let len: usize = parts.iter().map(Bytes::len).sum();
+        if len > self.cfg.multipart_threshold && matches!(mode, PutMode::Overwrite) {
+            return self.put_multipart(path, parts).await;
+        }
+        let payload: PutPayload = parts.into_iter().collect();
+        self.inner
+            .put_opts(path, payload, PutOptions::from(mode))
+            .await
+            .map_err(|e| Error::backend("writing", path, e))?;
+        Ok(())
+    }
+
+    async fn put_multipart(&self, path: &Path, parts: Vec<Bytes>) -> Result<()> {
+        let mut up = self
+            .inner
+            .put_multipart(path)
+            .await
+            .map_err(|e| Error::backend("starting multipart upload of", path, e))?;
+        let part = self.cfg.multipart_part;
+        let mut pending = Vec::new();
+        let mut cur: Vec<Bytes> = Vec::new();
+        let mut cur_len = 0usize;
+        for mut b in parts {
+            while !b.is_empty() {
+                let take = (part - cur_len).min(b.len());
+                cur.push(b.split_to(take));
+                cur_len += take;
+                if cur_len == part {
+                    pending.push(up.put_part(std::mem::take(&mut cur).into_iter().collect()));
+                    cur_len = 0;
+                }
+            }
+        }
+        if cur_len > 0 {
+            pending.push(up.put_part(cur.into_iter().collect()));
+        }
+        let res = stream::iter(pending)
+            .buffer_unordered(4)
+            .try_collect::<Vec<_>>()
+            .await;
+        if let Err(e) = res {
+            let _ = up.abort().await;
+            return Err(Error::backend("uploading a part of", path, e));
+        }
+        if let Err(e) = up.complete().await {
+            let _ = up.abort().await;
+            return Err(Error::backend("completing multipart upload of", path, e));
+        }
+        Ok(())
+    }
+
+    /// Read a whole object.
+    pub async fn get_object(&self, path: &Path) -> Result<Bytes> {
+        let r = self
+            .inner
+            .get(path)
+            .await
+            .map_err(|e| Error::backend("reading", path, e))?;
+        r.bytes()
+            .await
+            .map_err(|e| Error::backend("reading", path, e))
+    }
+
+    /// Read a byte range of an object.
+    pub async fn get_range(&self, path: &Path, range: std::ops::Range<u64>) -> Result<Bytes> {
+        let want = range.end - range.start;
+        let b = self
+            .inner
+            .get_range(path, range.clone())
+            .await
+            .map_err(|e| Error::backend("reading", path, e))?;
+        if b.len() as u64 != want {
+            return Err(Error::corrupt(format!(
+                "{path}: bytes {}..{} asked, {} returned (the object is truncated)",
+                range.start,
+                range.end,
+                b.len()
+            )));
+        }
+        Ok(b)
+    }
+
+    /// Whether an object exists.
+    pub async fn exists(&self, path: &Path) -> Result<bool> {
+        match self.inner.head(path).await {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::NotFound { .. }) => Ok(false),
+            Err(e) => Err(Error::backend("checking", path, e)),
+        }
+    }
+
+    /// Write a JSON document with `mode` (manifests, commit records).
+    pub async fn put_json<T: Serialize>(&self, path: &Path, v: &T, mode: PutMode) -> Result<Hash> {
+        let bytes = serde_json::to_vec_pretty(v)
+            .map_err(|e| Error::internal(format!("serializing {path}: {e}")))?;
+        let h = Hash::of(&bytes);
+        self.put_object(path, vec![Bytes::from(bytes)], mode)
+            .await?;
+        Ok(h)
+    }
+
+    /// Read and parse a JSON document; returns it with the blake3 of its bytes.
+    pub async fn get_json<T: for<'de> Deserialize<'de>>(
+        &self,
+        path: &Path,
+    ) -> Result<(T, Hash, u64)> {
+        let b = self.get_object(path).await?;
+        let v = serde_json::from_slice(&b).map_err(|e| {
+            Error::corrupt(format!(
+                "{path}: not a valid {} ({e}; {} bytes, truncated or garbage?)",
+                std::any::type_name::<T>()
+                    .rsplit("::")
+                    .next()
+                    .unwrap_or("document"),
+                b.len()
+            ))
+        })?;
+        Ok((v, Hash::of(&b), b.len() as u64))
+    }
+
+    // ----- chunks --------------------------------------------------------------------------
+
+    /// Write a stream of chunks; returns a reference for each, in order (see the module docs).
+    ///
+    /// Chunks the index knows, and chunks repeated within the stream, are not written again.
+    /// Memory stays within `inflight_bytes` plus one pack, whatever the stream's length; the
+    /// stream is pulled only as fast as the store takes the bytes.
+    #[instrument(skip_all, fields(store = %self.url))]
+    pub async fn put_chunks<S>(&self, input: S, index: &DedupIndex) -> Result<PutReport>
+    where
+        S: Stream<Item = ChunkIn> + Send,
+    {
+        let t0 = Instant::now();
+        let cfg = self.cfg.clone();
+        let budget = Arc::new(Semaphore::new(cfg.inflight_bytes));
+        let writers = Arc::new(Semaphore::new(cfg.write_concurrency));
+        let mut stats = PutStats::default();
+        let mut slots: Vec<Slot> = Vec::new();
+        let mut first: HashMap<ChunkId, usize> = HashMap::new();
+        let mut tasks: JoinSet<Result<Vec<(usize, ChunkRef)>>> = JoinSet::new();
+        let mut pack = PackBuilder::new();
+        let mut pack_slots: Vec<(usize, ChunkRef)> = Vec::new();
+        let mut pack_permits = Vec::new();
+
+        // Stage 1, in order with read-ahead: hash on the blocking pool.
+        let hashed = input
+            .map(|c| async move {
+                let len = c.data.len();
+                if len as u64 > MAX_CHUNK_LEN {
+                    return Err(Error::invalid(format!(
+                        "a chunk of {len} bytes is larger than the format allows ({MAX_CHUNK_LEN})"
+                    )));
+                }
+                let data = c.data.clone();
+                let id = tokio::task::spawn_blocking(move || ChunkId::of(&data)).await?;
+                Ok((id, c))
+            })
+            .buffered(cfg.cpu_threads * 2);
+        futures::pin_mut!(hashed);
+
+        while let Some(item) = hashed.next().await {
+            let (id, c) = item?;
+            let i = slots.len();
+            let len = c.data.len();
+            stats.chunks += 1;
+            stats.bytes += len as u64;
+            if let Some(r) = index.get(&id) {
+                stats.chunks_skipped += 1;
+                stats.bytes_skipped += len as u64;
+                slots.push(Slot::Done(r));
+                continue;
+            }
+            if let Some(&j) = first.get(&id) {
+                stats.chunks_skipped += 1;
+                stats.bytes_skipped += len as u64;
+                slots.push(Slot::SameAs(j));
+                continue;
+            }
+            first.insert(id, i);
+            slots.push(Slot::Pending);
+            // Collect finished writes without blocking, to surface errors early.
+            while let Some(done) = tasks.try_join_next() {
+                for (slot, r) in done?? {
+                    slots[slot] = Slot::Done(r);
+                }
+            }
+            let permit = budget
+                .clone()
+                .acquire_many_owned(len.max(1) as u32)
+                .await
+                .map_err(|_| Error::internal("in-flight budget closed"))?;
+            let policy = if cfg.adaptive_codec && writers.available_permits() > 0 {
+                CodecPolicy::Raw
+            } else {
+                cfg.codec
+            };
+            if len < cfg.pack_threshold {
+                let data = c.data.clone();
+                let enc = tokio::task::spawn_blocking(move || {
+                    codec::encode(&data, c.elem as usize, policy)
+                })
+                .await?;
+                let r = ChunkRef {
+                    id,
+                    len: len as u32,
+                    stored: enc.len() as u32,
+                    codec: enc.codec,
+                    pack: None,
+                    offset: 0,
+                };
+                let off = pack.add(id, len as u32, enc);
+                pack_slots.push((i, ChunkRef { offset: off, ..r }));
+                pack_permits.push(permit);
+                if pack.len() >= cfg.pack_target as u64 {
+                    let full = std::mem::replace(&mut pack, PackBuilder::new());
+                    let ps = std::mem::take(&mut pack_slots);
+                    let permits = std::mem::take(&mut pack_permits);
+                    self.spawn_pack_write(&mut tasks, &writers, full, ps, permits, &mut stats)
+                        .await?;
+                }
+                continue;
+            }
+            let store = self.clone();
+            let writers = writers.clone();
+            tasks.spawn(async move {
+                let data = c.data;
+                let enc: Encoded = tokio::task::spawn_blocking(move || {
+                    codec::encode(&data, c.elem as usize, policy)
+                })
+                .await?;
+                let r = ChunkRef {
+                    id,
+                    len: len as u32,
+                    stored: enc.len() as u32,
+                    codec: enc.codec,
+                    pack: None,
+                    offset: 0,
+                };
+                let path = store.keys.chunk(&id);
+                let _w = writers
+                    .acquire()
+                    .await
+                    .map_err(|_| Error::internal("writer pool closed"))?;
+                store
+                    .put_object(&path, enc.parts, PutMode::Overwrite)
+                    .await?;
+                drop(permit);
+                Ok(vec![(i, r)])
+            });
+            stats.objects_written += 1;
+        }
+        if !pack.is_empty() {
+            self.spawn_pack_write(
+                &mut tasks,
+                &writers,
+                pack,
+                pack_slots,
+                pack_permits,
+                &mut stats,
+            )
+            .await?;
+        }
+        while let Some(done) = tasks.join_next().await {
+            for (slot, r) in done?? {
+                slots[slot] = Slot::Done(r);
+            }
+        }
+        let mut refs: Vec<ChunkRef> = Vec::with_capacity(slots.len());
+        for s in &slots {
+            let r = match s {
+                Slot::Done(r) => r.clone(),
+                Slot::SameAs(j) => match &slots[*j] {
+                    Slot::Done(r) => r.clone(),
+                    _ => {
+                        return Err(Error::internal(
+                            "a duplicate chunk's original was not written",
+                        ));
+                    }
+                },
+                Slot::Pending => return Err(Error::internal("a chunk was never written")),
+            };
+            refs.push(r);
+        }
+        for (i, r) in refs.iter().enumerate() {
+            if first.get(&r.id) == Some(&i) {
+                if r.pack.is_none() {
+                    stats.bytes_written += r.stored as u64;
+                }
+                count_codec(&mut stats, r);
+            }
+        }
+        index.extend(refs.iter());
+        stats.seconds = t0.elapsed().as_secs_f64();
+        debug!(
+            chunks = stats.chunks,
+            skipped = stats.chunks_skipped,
+            objects = stats.objects_written,
+            bytes_written = stats.bytes_written,
+            "put_chunks done"
+        );
+        Ok(PutReport { refs, stats })
+    }
+
+    async fn spawn_pack_write(
+        &self,
+        tasks: &mut JoinSet<Result<Vec<(usize, ChunkRef)>>>,
+        writers: &Arc<Semaphore>,
+        pack: PackBuilder,
+        slots: Vec<(usize, ChunkRef)>,
+        permits: Vec<tokio::sync::OwnedSemaphorePermit>,
+        stats: &mut PutStats,
+    ) -> Result<()> {
+        let (id, _entries, parts) = tokio::task::spawn_blocking(move || pack.seal()).await?;
+        let len: usize = parts.iter().map(Bytes::len).sum();
+        stats.objects_written += 1;
+        stats.bytes_written += len as u64;
+        let store = self.clone();
+        let writers = writers.clone();
+        tasks.spawn(async move {
+            let path = store.keys.pack(&id);
+            let _w = writers
+                .acquire()
+                .await
+                .map_err(|_| Error::internal("writer pool closed"))?;
+            store.put_object(&path, parts, PutMode::Overwrite).await?;
+            drop(permits);
+            Ok(slots
+                .into_iter()
+                .map(|(i, r)| {
+                    (
+                        i,
+                        ChunkRef {
+                            pack: Some(id),
+                            ..r
+                        },
+                    )
+                })
+                .collect())
+        });
+        Ok(())
+    }
+
+    /// The object key a chunk reference points at (its chunk object or its pack).
+    pub fn object_of(&self, r: &ChunkRef) -> Path {
+        match &r.pack {
+            Some(p) => self.keys.pack(p),
+            None => self.keys.chunk(&r.id),
+        }
+    }
+
+    /// Fetch the stored bytes of a chunk object (not decoded).
+    pub async fn get_chunk_object(&self, r: &ChunkRef) -> Result<Bytes> {
+        let path = self.object_of(r);
+        let b = match &r.pack {
+            Some(_) => {
+                self.get_range(&path, r.offset..r.offset + r.stored as u64)
+                    .await?
+            }
+            None => self.get_object(&path).await?,
+        };
+        Ok(b)
+    }
+
+    /// Fetch, decode and verify one chunk.
+    pub async fn get_chunk(&self, r: &ChunkRef) -> Result<Bytes> {
+        let obj = self.get_chunk_object(r).await.map_err(|e| {
+            if e.kind() == ErrorKind::NotFound {
+                Error::corrupt(format!(
+                    "chunk {} is missing from the store ({e})",
+                    r.location()
+                ))
+            } else {
+                e
+            }
+        })?;
+        let r = r.clone();
+        let what = r.location();
+        let out =
+            tokio::task::spawn_blocking(move || codec::decode(&obj, &r.id, r.len as u64, &what))
+                .await??;
+        Ok(Bytes::from(out))
+    }
+
+    /// Fetch many chunks in parallel (bounded by `read_concurrency`); yields `(index, bytes)`
+    /// as they arrive.
+    pub fn get_chunks(
+        &self,
+        refs: Vec<ChunkRef>,
+    ) -> impl Stream<Item = Result<(usize, Bytes)>> + Send + use<> {
+        let store = self.clone();
+        let n = self.cfg.read_concurrency;
+        stream::iter(refs.into_iter().enumerate())
+            .map(move |(i, r)| {
+                let store = store.clone();
+                async move { store.get_chunk(&r).await.map(|b| (i, b)) }
+            })
+            .buffer_unordered(n)
+    }
+
+    /// Whether the store holds the chunk object of `id` (one HEAD request). Packed chunks are
+    /// found through manifests, not this.
+    pub async fn has_chunk_object(&self, id: &ChunkId) -> Result<bool> {
+        self.exists(&self.keys.chunk(id)).await
+    }
+}
+
+fn count_codec(stats: &mut PutStats, r: &ChunkRef) {
+    let name = match r.codec {
+        Codec::Raw => "raw",
+        Codec::Zstd => "zstd",
+        Codec::Planes => "planes",
+    };
+    *stats.raw_by_codec.entry(name.to_string()).or_default() += r.len as u64;
+    *stats.stored_by_codec.entry(name.to_string()).or_default() += r.stored as u64;
+}

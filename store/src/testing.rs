@@ -1,0 +1,210 @@
+//! Test helpers (feature `testing`): a real S3-compatible server on loopback, small store
+//! settings that reach every boundary with kilobytes, deterministic data, and the conformance
+//! suite that every backend runs.
+
+use std::net::TcpListener;
+use std::path::{Path as FsPath, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::store::{Store, StoreConfig};
+
+/// Settings that make kilobytes reach chunk, pack and in-flight boundaries.
+pub fn tiny_config() -> StoreConfig {
+    StoreConfig {
+        chunk_size: 4096,
+        pack_threshold: 1024,
+        pack_target: 8192,
+        inflight_bytes: 64 << 10,
+        write_concurrency: 4,
+        read_concurrency: 4,
+        ..StoreConfig::default()
+    }
+}
+
+/// Deterministic bytes: splitmix64 of (seed, index).
+pub fn det_bytes(seed: u64, len: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(len + 8);
+    let mut i = 0u64;
+    while out.len() < len {
+        let mut z = seed
+            .wrapping_mul(0x9E3779B97F4A7C15)
+            .wrapping_add(i.wrapping_mul(0xBF58476D1CE4E5B9));
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
+        z ^= z >> 31;
+        out.extend_from_slice(&z.to_le_bytes());
+        i += 1;
+    }
+    out.truncate(len);
+    out
+}
+
+/// A local-directory store in a temporary directory (kept alive by the returned guard).
+pub fn local_store(cfg: StoreConfig) -> (Store, tempfile::TempDir) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store = crate::url::open(dir.path().to_str().expect("utf-8 temp path"))
+        .expect("open local store")
+        .with_config(cfg)
+        .expect("config");
+    (store, dir)
+}
+
+/// An in-memory store.
+pub fn memory_store(cfg: StoreConfig) -> Store {
+    crate::url::open("memory://")
+        .expect("memory store")
+        .with_config(cfg)
+        .expect("config")
+}
+
+/// Where the `s3s-fs` binary is: `$CKPT_S3S_FS`, `PATH`, or `.ci-tools/bin` above the crate.
+pub fn find_s3s_fs() -> Option<PathBuf> {
+    if let Ok(p) = std::env::var("CKPT_S3S_FS") {
+        return Some(PathBuf::from(p));
+    }
+    if let Ok(path) = std::env::var("PATH") {
+        for d in std::env::split_paths(&path) {
+            let c = d.join("s3s-fs");
+            if c.is_file() {
+                return Some(c);
+            }
+        }
+    }
+    let mut dir: Option<&FsPath> = Some(FsPath::new(env!("CARGO_MANIFEST_DIR")));
+    while let Some(d) = dir {
+        let c = d.join(".ci-tools/bin/s3s-fs");
+        if c.is_file() {
+            return Some(c);
+        }
+        dir = d.parent();
+    }
+    None
+}
+
+/// A real S3-compatible server (`s3s-fs`, which checks SigV4 signatures) on a free loopback
+/// port, serving one bucket from a temporary directory. Killed on drop.
+pub struct S3Server {
+    child: Child,
+    /// `http://127.0.0.1:PORT`
+    pub endpoint: String,
+    /// The bucket.
+    pub bucket: String,
+    /// The directory holding the bucket (objects are plain files below it).
+    pub root: tempfile::TempDir,
+}
+
+/// Access key the test server accepts.
+pub const S3_KEY: &str = "ckpt-test";
+/// Secret key the test server accepts.
+pub const S3_SECRET: &str = "ckpt-test-secret";
+
+impl S3Server {
+    /// Start the server. Panics with what to install when the binary is missing: S3 tests
+    /// must fail loudly, never skip.
+    pub fn start() -> S3Server {
+        let bin = find_s3s_fs().unwrap_or_else(|| {
+            panic!(
+                "s3s-fs not found: the S3 conformance tests need a real S3-compatible server. \
+                 Install it with `scripts/install-test-deps.sh` (cargo install s3s-fs@0.14.1 \
+                 --features binary --locked --root .ci-tools) or set CKPT_S3S_FS"
+            )
+        });
+        let mut last = String::new();
+        for _ in 0..5 {
+            let root = tempfile::tempdir().expect("temp dir");
+            let bucket = "ckpt".to_string();
+            std::fs::create_dir(root.path().join(&bucket)).expect("bucket dir");
+            let port = free_port();
+            let child = Command::new(&bin)
+                .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+                .args(["--access-key", S3_KEY, "--secret-key", S3_SECRET])
+                .arg(root.path())
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap_or_else(|e| panic!("starting {}: {e}", bin.display()));
+            let mut s = S3Server {
+                child,
+                endpoint: format!("http://127.0.0.1:{port}"),
+                bucket,
+                root,
+            };
+            let t0 = Instant::now();
+            while t0.elapsed() < Duration::from_secs(10) {
+                if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                    return s;
+                }
+                if let Ok(Some(status)) = s.child.try_wait() {
+                    let mut err = String::new();
+                    if let Some(mut e) = s.child.stderr.take() {
+                        use std::io::Read;
+                        let _ = e.read_to_string(&mut err);
+                    }
+                    last = format!("s3s-fs exited with {status}: {err}");
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            if last.is_empty() {
+                last = "s3s-fs did not listen within 10 s".into();
+            }
+        }
+        panic!("could not start the S3 test server: {last}");
+    }
+
+    /// The object store client for the bucket.
+    #[cfg(feature = "s3")]
+    pub fn object_store(&self) -> Arc<dyn object_store::ObjectStore> {
+        let s = object_store::aws::AmazonS3Builder::new()
+            .with_endpoint(&self.endpoint)
+            .with_bucket_name(&self.bucket)
+            .with_allow_http(true)
+            .with_virtual_hosted_style_request(false)
+            .with_region("us-east-1")
+            .with_access_key_id(S3_KEY)
+            .with_secret_access_key(S3_SECRET)
+            .build()
+            .expect("S3 client");
+        Arc::new(crate::wrap::MetricsStore::new(s))
+    }
+
+    /// A [`Store`] on the bucket below `prefix`.
+    #[cfg(feature = "s3")]
+    pub fn store(&self, prefix: &str, cfg: StoreConfig) -> Store {
+        Store::new(
+            self.object_store(),
+            object_store::path::Path::from(prefix),
+            format!("s3://{}/{prefix}", self.bucket),
+        )
+        .with_config(cfg)
+        .expect("config")
+    }
+
+    /// Environment variables that make `ckpt_store::open("s3://BUCKET/...")` reach this server.
+    pub fn env(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("AWS_ENDPOINT_URL", self.endpoint.clone()),
+            ("AWS_ACCESS_KEY_ID", S3_KEY.into()),
+            ("AWS_SECRET_ACCESS_KEY", S3_SECRET.into()),
+            ("AWS_REGION", "us-east-1".into()),
+            ("AWS_ALLOW_HTTP", "true".into()),
+        ]
+    }
+}
+
+impl Drop for S3Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind(("127.0.0.1", 0))
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}

@@ -1,0 +1,253 @@
+//! One URL parser for every backend.
+//!
+//! | URL | backend |
+//! |---|---|
+//! | `/path`, `./path`, `file:///path` | local directory ([`DirectFs`]), created if missing |
+//! | `memory://` | in-memory, for tests |
+//! | `s3://bucket/prefix` | S3 or any S3-compatible server (feature `s3`); endpoint, region and credentials from the usual `AWS_*` environment variables (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`, ...) |
+//! | `gs://bucket/prefix` | Google Cloud Storage (feature `gcs`), `GOOGLE_*` variables |
+//! | `az://container/prefix`, `abfs://...` | Azure Blob Storage (feature `azure`), `AZURE_*` variables |
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use object_store::ObjectStore;
+use object_store::path::Path;
+
+use crate::direct::DirectFs;
+use crate::error::{Error, Result};
+use crate::store::{Store, StoreConfig};
+use crate::wrap::MetricsStore;
+
+/// A parsed store URL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreUrl {
+    /// A local directory.
+    Local(PathBuf),
+    /// In memory.
+    Memory,
+    /// S3: bucket and key prefix.
+    S3 {
+        /// Bucket.
+        bucket: String,
+        /// Key prefix (may be empty).
+        prefix: String,
+    },
+    /// Google Cloud Storage: bucket and prefix.
+    Gcs {
+        /// Bucket.
+        bucket: String,
+        /// Key prefix.
+        prefix: String,
+    },
+    /// Azure: container and prefix.
+    Azure {
+        /// The URL as given (the builder parses account and container).
+        url: String,
+        /// Key prefix.
+        prefix: String,
+    },
+}
+
+impl StoreUrl {
+    /// Parse `s`.
+    pub fn parse(s: &str) -> Result<StoreUrl> {
+        let s = s.trim();
+        if s.is_empty() {
+            return Err(Error::invalid(
+                "no store given: pass --store URL or set CKPT_STORE (a directory, s3://bucket/prefix, ...)",
+            ));
+        }
+        let Some((scheme, rest)) = s.split_once("://") else {
+            return Ok(StoreUrl::Local(PathBuf::from(s)));
+        };
+        let (bucket, prefix) = match rest.split_once('/') {
+            Some((b, p)) => (b.to_string(), p.trim_matches('/').to_string()),
+            None => (rest.to_string(), String::new()),
+        };
+        let need_bucket = |what: &str| -> Result<()> {
+            if bucket.is_empty() {
+                Err(Error::invalid(format!("store URL {s:?} names no {what}")))
+            } else {
+                Ok(())
+            }
+        };
+        match scheme {
+            "file" => {
+                let path = url::Url::parse(s)
+                    .ok()
+                    .and_then(|u| u.to_file_path().ok())
+                    .ok_or_else(|| {
+                        Error::invalid(format!("store URL {s:?} is not a valid file URL"))
+                    })?;
+                Ok(StoreUrl::Local(path))
+            }
+            "memory" => Ok(StoreUrl::Memory),
+            "s3" | "s3a" => {
+                need_bucket("bucket")?;
+                Ok(StoreUrl::S3 { bucket, prefix })
+            }
+            "gs" => {
+                need_bucket("bucket")?;
+                Ok(StoreUrl::Gcs { bucket, prefix })
+            }
+            "az" | "abfs" | "abfss" | "azure" => {
+                need_bucket("container")?;
+                Ok(StoreUrl::Azure {
+                    url: format!("{scheme}://{bucket}"),
+                    prefix,
+                })
+            }
+            other => Err(Error::invalid(format!(
+                "store URL {s:?}: unknown scheme {other:?} (use a path, file://, s3://, gs://, az:// or memory://)"
+            ))),
+        }
+    }
+
+    /// Whether the backend is a remote object store.
+    pub fn is_remote(&self) -> bool {
+        !matches!(self, StoreUrl::Local(_) | StoreUrl::Memory)
+    }
+}
+
+/// Open the store at `url` with default settings for its kind, counting requests.
+pub fn open(url: &str) -> Result<Store> {
+    let parsed = StoreUrl::parse(url)?;
+    let cfg = if parsed.is_remote() {
+        StoreConfig::for_remote()
+    } else {
+        StoreConfig::default()
+    };
+    let (inner, prefix): (Arc<dyn ObjectStore>, String) = match parsed {
+        StoreUrl::Local(p) => {
+            let fs = DirectFs::new(&p)
+                .map_err(|e| Error::io("opening the store directory", &p.display(), e))?;
+            (Arc::new(MetricsStore::new(fs)), String::new())
+        }
+        StoreUrl::Memory => (
+            Arc::new(MetricsStore::new(object_store::memory::InMemory::new())),
+            String::new(),
+        ),
+        StoreUrl::S3 { bucket, prefix } => (open_s3(&bucket, url)?, prefix),
+        StoreUrl::Gcs { bucket, prefix } => (open_gcs(&bucket, url)?, prefix),
+        StoreUrl::Azure { url: u, prefix } => (open_azure(&u, url)?, prefix),
+    };
+    Store::new(inner, Path::from(prefix), url).with_config(cfg)
+}
+
+#[cfg(feature = "s3")]
+fn open_s3(bucket: &str, url: &str) -> Result<Arc<dyn ObjectStore>> {
+    use object_store::aws::AmazonS3Builder;
+    let mut b = AmazonS3Builder::from_env().with_bucket_name(bucket);
+    let endpoint = std::env::var("AWS_ENDPOINT_URL_S3")
+        .or_else(|_| std::env::var("AWS_ENDPOINT_URL"))
+        .or_else(|_| std::env::var("AWS_ENDPOINT"))
+        .ok();
+    if let Some(ep) = endpoint {
+        b = b
+            .with_endpoint(&ep)
+            .with_allow_http(ep.starts_with("http://"))
+            .with_virtual_hosted_style_request(false);
+    }
+    if std::env::var("AWS_REGION").is_err() && std::env::var("AWS_DEFAULT_REGION").is_err() {
+        b = b.with_region("us-east-1");
+    }
+    let s = b
+        .build()
+        .map_err(|e| Error::invalid(format!("cannot open {url}: {e}")).with_source(e))?;
+    Ok(Arc::new(MetricsStore::new(s)))
+}
+
+#[cfg(not(feature = "s3"))]
+fn open_s3(_bucket: &str, url: &str) -> Result<Arc<dyn ObjectStore>> {
+    Err(Error::invalid(format!(
+        "cannot open {url}: this build has no S3 support (build ckpt-store with feature \"s3\")"
+    )))
+}
+
+#[cfg(feature = "gcs")]
+fn open_gcs(bucket: &str, url: &str) -> Result<Arc<dyn ObjectStore>> {
+    let s = object_store::gcp::GoogleCloudStorageBuilder::from_env()
+        .with_bucket_name(bucket)
+        .build()
+        .map_err(|e| Error::invalid(format!("cannot open {url}: {e}")).with_source(e))?;
+    Ok(Arc::new(MetricsStore::new(s)))
+}
+
+#[cfg(not(feature = "gcs"))]
+fn open_gcs(_bucket: &str, url: &str) -> Result<Arc<dyn ObjectStore>> {
+    Err(Error::invalid(format!(
+        "cannot open {url}: this build has no GCS support (build with feature \"gcs\")"
+    )))
+}
+
+#[cfg(feature = "azure")]
+fn open_azure(container_url: &str, url: &str) -> Result<Arc<dyn ObjectStore>> {
+    let s = object_store::azure::MicrosoftAzureBuilder::from_env()
+        .with_url(container_url)
+        .build()
+        .map_err(|e| Error::invalid(format!("cannot open {url}: {e}")).with_source(e))?;
+    Ok(Arc::new(MetricsStore::new(s)))
+}
+
+#[cfg(not(feature = "azure"))]
+fn open_azure(_container_url: &str, url: &str) -> Result<Arc<dyn ObjectStore>> {
+    Err(Error::invalid(format!(
+        "cannot open {url}: this build has no Azure support (build with feature \"azure\")"
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_table() {
+        let cases: &[(&str, StoreUrl)] = &[
+            ("/tmp/x", StoreUrl::Local("/tmp/x".into())),
+            ("rel/dir", StoreUrl::Local("rel/dir".into())),
+            ("file:///tmp/y", StoreUrl::Local("/tmp/y".into())),
+            ("memory://", StoreUrl::Memory),
+            (
+                "s3://bkt/a/b/",
+                StoreUrl::S3 {
+                    bucket: "bkt".into(),
+                    prefix: "a/b".into(),
+                },
+            ),
+            (
+                "s3://bkt",
+                StoreUrl::S3 {
+                    bucket: "bkt".into(),
+                    prefix: "".into(),
+                },
+            ),
+            (
+                "gs://g/p",
+                StoreUrl::Gcs {
+                    bucket: "g".into(),
+                    prefix: "p".into(),
+                },
+            ),
+            (
+                "az://c/p",
+                StoreUrl::Azure {
+                    url: "az://c".into(),
+                    prefix: "p".into(),
+                },
+            ),
+        ];
+        for (s, want) in cases {
+            assert_eq!(&StoreUrl::parse(s).unwrap(), want, "{s}");
+        }
+        for bad in ["", "s3://", "ftp://x/y", "file://relative"] {
+            assert!(StoreUrl::parse(bad).is_err(), "{bad} accepted");
+        }
+        assert!(
+            StoreUrl::parse("ftp://x")
+                .unwrap_err()
+                .to_string()
+                .contains("unknown scheme")
+        );
+    }
+}

@@ -1,0 +1,449 @@
+//! `verify`: re-hash every chunk reachable from a step, a run or the whole store, and report
+//! which steps, tensors and blobs each damaged object affects.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use futures::{StreamExt, TryStreamExt, stream};
+use object_store::path::Path;
+use serde::Serialize;
+use tracing::instrument;
+
+use crate::codec;
+use crate::error::{ErrorKind, Result};
+use crate::id::{ChunkId, PackId};
+use crate::model::ChunkRef;
+use crate::pack;
+use crate::store::Store;
+
+/// What to verify.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VerifyScope {
+    /// One committed step.
+    Step(String, u64),
+    /// Every committed step of a run.
+    Run(String),
+    /// Every committed step of every run, and every chunk and pack object, referenced or not.
+    Store,
+}
+
+/// A step, tensor or blob that a damaged object breaks.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+pub struct Affected {
+    /// Run.
+    pub run: String,
+    /// Step.
+    pub step: u64,
+    /// `tensor NAME`, `blob NAME of rank R`, or `manifest` / `commit record`.
+    pub item: String,
+}
+
+/// One damaged object.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Damage {
+    /// The object key.
+    pub object: String,
+    /// What is wrong with it.
+    pub problem: String,
+    /// What it breaks (empty for an object no step references).
+    pub affects: Vec<Affected>,
+}
+
+/// The result of a verify.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct VerifyReport {
+    /// Steps whose manifests were checked.
+    pub steps: u64,
+    /// Objects read.
+    pub objects: u64,
+    /// Chunks decoded and hashed.
+    pub chunks: u64,
+    /// Raw bytes hashed.
+    pub bytes: u64,
+    /// What is damaged.
+    pub damaged: Vec<Damage>,
+}
+
+impl VerifyReport {
+    /// Nothing damaged.
+    pub fn is_clean(&self) -> bool {
+        self.damaged.is_empty()
+    }
+}
+
+/// Progress callback: raw bytes verified so far.
+pub type Progress = Arc<dyn Fn(u64) + Send + Sync>;
+
+#[derive(Default)]
+struct Refs {
+    /// chunk object or pack key -> chunks in it to check, with what each affects.
+    by_object: BTreeMap<String, ObjectRefs>,
+}
+
+#[derive(Default)]
+struct ObjectRefs {
+    pack: Option<PackId>,
+    chunks: HashMap<ChunkId, (ChunkRef, BTreeSet<Affected>)>,
+}
+
+impl Store {
+    /// The raw bytes `verify` would hash in `scope` (for progress bars).
+    pub async fn verify_size_hint(&self, scope: &VerifyScope) -> Result<u64> {
+        let mut total = 0;
+        for (run, step) in self.scope_steps(scope).await? {
+            if let Ok((c, _)) = self.read_commit(&run, step).await {
+                total += c.logical_bytes();
+            }
+        }
+        Ok(total)
+    }
+
+    async fn scope_steps(&self, scope: &VerifyScope) -> Result<Vec<(String, u64)>> {
+        Ok(match scope {
+            VerifyScope::Step(r, s) => vec![(r.clone(), *s)],
+            VerifyScope::Run(r) => self
+                .committed_steps(r)
+                .await?
+                .into_iter()
+                .map(|s| (r.clone(), s))
+                .collect(),
+            VerifyScope::Store => {
+                let mut v = Vec::new();
+                for r in self.list_runs().await? {
+                    for s in self.committed_steps(&r).await? {
+                        v.push((r.clone(), s));
+                    }
+                }
+                v
+            }
+        })
+    }
+
+    /// Verify `scope` (see the module docs). Damage is reported, not returned as an error;
+    /// an error means verification itself could not run (the store is unreachable).
+    #[instrument(skip_all, fields(scope = ?scope))]
+    pub async fn verify(
+        &self,
+        scope: &VerifyScope,
+        progress: Option<Progress>,
+    ) -> Result<VerifyReport> {
+        let mut report = VerifyReport::default();
+        let mut refs = Refs::default();
+        let steps = self.scope_steps(scope).await?;
+        if let VerifyScope::Step(run, step) = scope
+            && !self.exists(&self.keys().commit(run, *step)).await?
+        {
+            return Err(crate::Error::not_found(format!(
+                "step {step} of run {run} is not committed"
+            )));
+        }
+        for (run, step) in &steps {
+            report.steps += 1;
+            let commit_key = self.keys().commit(run, *step);
+            let commit = match self.read_commit(run, *step).await {
+                Ok((c, _)) => c,
+                Err(e) => {
+                    damage(&mut report, &commit_key, &e, run, *step, "commit record");
+                    continue;
+                }
+            };
+            for entry in &commit.ranks {
+                let key = self.keys().rank_manifest(run, *step, entry.rank);
+                let m = match self
+                    .read_rank_manifest(run, *step, entry.rank, Some(entry))
+                    .await
+                {
+                    Ok(m) => m,
+                    Err(e) => {
+                        damage(
+                            &mut report,
+                            &key,
+                            &e,
+                            run,
+                            *step,
+                            &format!("manifest of rank {}", entry.rank),
+                        );
+                        continue;
+                    }
+                };
+                for t in &m.tensors {
+                    for c in &t.chunks {
+                        refs.add(
+                            self,
+                            c,
+                            Affected {
+                                run: run.clone(),
+                                step: *step,
+                                item: format!("tensor {}", t.name),
+                            },
+                        );
+                    }
+                }
+                for b in &m.blobs {
+                    for c in &b.chunks {
+                        refs.add(
+                            self,
+                            c,
+                            Affected {
+                                run: run.clone(),
+                                step: *step,
+                                item: format!("blob {} of rank {}", b.name, m.rank),
+                            },
+                        );
+                    }
+                }
+            }
+        }
+        if *scope == VerifyScope::Store {
+            for dir in [self.keys().chunks_dir(), self.keys().packs_dir()] {
+                let metas: Vec<_> = self
+                    .object_store()
+                    .list(Some(&dir))
+                    .try_collect()
+                    .await
+                    .map_err(|e| crate::Error::backend("listing", &dir, e))?;
+                for m in metas {
+                    let key = m.location.to_string();
+                    if let Some(p) = self.keys().parse_pack(&m.location) {
+                        refs.by_object.entry(key).or_default().pack = Some(p);
+                    } else if let Some(c) = self.keys().parse_chunk(&m.location) {
+                        refs.by_object
+                            .entry(key)
+                            .or_default()
+                            .chunks
+                            .entry(c)
+                            .or_insert_with(|| {
+                                (
+                                    ChunkRef {
+                                        id: c,
+                                        len: 0,
+                                        stored: m.size as u32,
+                                        codec: codec::Codec::Raw,
+                                        pack: None,
+                                        offset: 0,
+                                    },
+                                    BTreeSet::new(),
+                                )
+                            });
+                    }
+                }
+            }
+        }
+        let done = Arc::new(AtomicU64::new(0));
+        let n = self.config().read_concurrency;
+        let results: Vec<(u64, u64, u64, Vec<Damage>)> = stream::iter(refs.by_object.into_iter())
+            .map(|(key, objrefs)| {
+                let store = self.clone();
+                let done = done.clone();
+                let progress = progress.clone();
+                async move {
+                    let r = store.verify_object(&key, objrefs).await;
+                    let bytes = r.1;
+                    let total = done.fetch_add(bytes, Ordering::Relaxed) + bytes;
+                    if let Some(p) = &progress {
+                        p(total);
+                    }
+                    Ok::<_, crate::Error>(r)
+                }
+            })
+            .buffer_unordered(n)
+            .try_collect()
+            .await?;
+        for (objects, bytes, chunks, d) in results {
+            report.objects += objects;
+            report.bytes += bytes;
+            report.chunks += chunks;
+            report.damaged.extend(d);
+        }
+        report.damaged.sort_by(|a, b| a.object.cmp(&b.object));
+        Ok(report)
+    }
+
+    /// Check one object; returns (objects read, raw bytes hashed, chunks hashed, damage).
+    async fn verify_object(&self, key: &str, o: ObjectRefs) -> (u64, u64, u64, Vec<Damage>) {
+        let path = Path::from(key);
+        let mut damaged = Vec::new();
+        let all_affected = |o: &ObjectRefs| -> Vec<Affected> {
+            let mut s: BTreeSet<Affected> = BTreeSet::new();
+            for (_, a) in o.chunks.values() {
+                s.extend(a.iter().cloned());
+            }
+            s.into_iter().collect()
+        };
+        let obj = match self.get_object(&path).await {
+            Ok(b) => b,
+            Err(e) => {
+                let problem = if e.kind() == ErrorKind::NotFound {
+                    "missing".to_string()
+                } else {
+                    e.to_string()
+                };
+                damaged.push(Damage {
+                    object: key.to_string(),
+                    problem,
+                    affects: all_affected(&o),
+                });
+                return (1, 0, 0, damaged);
+            }
+        };
+        let store_key = key.to_string();
+        let chunks: Vec<(ChunkRef, BTreeSet<Affected>)> = o.chunks.values().cloned().collect();
+        let pack_id = o.pack;
+        let res = tokio::task::spawn_blocking(move || {
+            let mut bytes = 0u64;
+            let mut n = 0u64;
+            let mut damaged = Vec::new();
+            let mut check = |slice: &[u8], c: &ChunkRef, known_len: bool, aff: Vec<Affected>, damaged: &mut Vec<Damage>| {
+                match check_chunk(slice, c, known_len, &store_key) {
+                    Ok(len) => {
+                        bytes += len;
+                        n += 1;
+                    }
+                    Err(problem) => damaged.push(Damage {
+                        object: store_key.clone(),
+                        problem,
+                        affects: aff,
+                    }),
+                }
+            };
+            let is_pack = pack_id.is_some() || chunks.iter().any(|(c, _)| c.pack.is_some());
+            if is_pack {
+                // Check the chunks manifests reference, then any other entry of the index.
+                let entries = pack::parse_pack(&obj, &store_key);
+                let mut seen = BTreeSet::new();
+                for (c, aff) in &chunks {
+                    seen.insert(c.id);
+                    let end = c.offset.saturating_add(c.stored as u64);
+                    match obj.get(c.offset as usize..end as usize) {
+                        Some(s) => check(s, c, true, aff.iter().cloned().collect(), &mut damaged),
+                        None => damaged.push(Damage {
+                            object: store_key.clone(),
+                            problem: format!("chunk {} at {}..{} lies past the end ({} bytes; truncated)", c.id.short(), c.offset, end, obj.len()),
+                            affects: aff.iter().cloned().collect(),
+                        }),
+                    }
+                }
+                match entries {
+                    Ok(es) => {
+                        for e in es.iter().filter(|e| !seen.contains(&e.id)) {
+                            let c = ChunkRef {
+                                id: e.id,
+                                len: e.raw,
+                                stored: e.stored,
+                                codec: codec::Codec::Raw,
+                                pack: pack_id,
+                                offset: e.offset,
+                            };
+                            let s = &obj[e.offset as usize..(e.offset + e.stored as u64) as usize];
+                            check(s, &c, true, Vec::new(), &mut damaged);
+                        }
+                    }
+                    Err(e) if pack_id.is_some() && chunks.is_empty() => damaged.push(Damage {
+                        object: store_key.clone(),
+                        problem: strip_prefix(&e.to_string(), &store_key),
+                        affects: Vec::new(),
+                    }),
+                    Err(_) => {}
+                }
+            } else {
+                for (c, aff) in &chunks {
+                    check(&obj, c, !aff.is_empty(), aff.iter().cloned().collect(), &mut damaged);
+                }
+            }
+            // Damage outside every chunk (the pack's header or index) breaks no tensor, but
+            // the object is not what it claims to be.
+            if let Some(pid) = pack_id {
+                let actual = PackId::of(&obj);
+                if actual != pid && damaged.is_empty() {
+                    damaged.push(Damage {
+                        object: store_key.clone(),
+                        problem: format!(
+                            "pack hash is {} but should be {} (header or index damaged; its chunks are intact)",
+                            actual.short(),
+                            pid.short()
+                        ),
+                        affects: Vec::new(),
+                    });
+                }
+            }
+            (bytes, n, damaged)
+        })
+        .await;
+        match res {
+            Ok((bytes, n, d)) => {
+                damaged.extend(d);
+                (1, bytes, n, damaged)
+            }
+            Err(e) => {
+                damaged.push(Damage {
+                    object: key.to_string(),
+                    problem: format!("verification crashed: {e}"),
+                    affects: all_affected(&o),
+                });
+                (1, 0, 0, damaged)
+            }
+        }
+    }
+}
+
+fn check_chunk(
+    slice: &[u8],
+    c: &ChunkRef,
+    known_len: bool,
+    key: &str,
+) -> std::result::Result<u64, String> {
+    let r = if known_len {
+        codec::decode(slice, &c.id, c.len as u64, &key)
+    } else {
+        codec::decode_verify(slice, &c.id, &key)
+    };
+    r.map(|raw| raw.len() as u64).map_err(|e| {
+        format!(
+            "chunk {}: {}",
+            c.id.short(),
+            strip_prefix(&e.to_string(), key)
+        )
+    })
+}
+
+fn strip_prefix(msg: &str, key: &str) -> String {
+    msg.strip_prefix(key)
+        .and_then(|m| m.strip_prefix(": "))
+        .unwrap_or(msg)
+        .to_string()
+}
+
+fn damage(
+    report: &mut VerifyReport,
+    key: &Path,
+    e: &crate::Error,
+    run: &str,
+    step: u64,
+    item: &str,
+) {
+    report.damaged.push(Damage {
+        object: key.to_string(),
+        problem: e.to_string(),
+        affects: vec![Affected {
+            run: run.to_string(),
+            step,
+            item: item.to_string(),
+        }],
+    });
+}
+
+impl Refs {
+    fn add(&mut self, store: &Store, c: &ChunkRef, a: Affected) {
+        let key = store.object_of(c).to_string();
+        let o = self.by_object.entry(key).or_default();
+        if let Some(p) = c.pack {
+            o.pack = Some(p);
+        }
+        o.chunks
+            .entry(c.id)
+            .or_insert_with(|| (c.clone(), BTreeSet::new()))
+            .1
+            .insert(a);
+    }
+}

@@ -1,0 +1,185 @@
+//! Writing one rank's part of a step: shards and blobs in, chunks and a rank manifest out.
+
+use bytes::Bytes;
+use futures::stream;
+use tracing::instrument;
+
+use crate::commit::now_ms;
+use crate::error::{Error, Result};
+use crate::keys::validate_run;
+use crate::model::{
+    BlobEntry, DType, FORMAT_VERSION, Layout, NdBox, RankEntry, RankManifest, TensorShard,
+    WriteStats, validate_name,
+};
+use crate::store::{ChunkIn, DedupIndex, PutStats, Store};
+
+/// One shard to save: the tensor, the box this rank holds, and its row-major bytes. A shard
+/// whose bytes another rank writes (a data-parallel replica) has `data: None` and names that
+/// rank in `replica_of`.
+#[derive(Debug, Clone)]
+pub struct ShardIn {
+    /// Tensor name.
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Global shape.
+    pub shape: Vec<u64>,
+    /// This rank's box.
+    pub bbox: NdBox,
+    /// The box's bytes, or `None` for a replica.
+    pub data: Option<Bytes>,
+    /// For a replica: the rank that writes the bytes.
+    pub replica_of: Option<u32>,
+}
+
+/// One blob to save.
+#[derive(Debug, Clone)]
+pub struct BlobIn {
+    /// Name.
+    pub name: String,
+    /// Bytes.
+    pub data: Bytes,
+}
+
+/// Who and what a rank write is for.
+#[derive(Debug, Clone)]
+pub struct RankWrite {
+    /// Run name.
+    pub run: String,
+    /// Step.
+    pub step: u64,
+    /// This rank.
+    pub rank: u32,
+    /// The layout saved under.
+    pub layout: Layout,
+    /// The job generation.
+    pub generation: u64,
+}
+
+impl Store {
+    /// Write a rank's chunks and then its manifest (see [`Store::put_chunks`] and
+    /// [`Store::write_rank_manifest`]). Returns the manifest, its entry for the commit
+    /// record, and what the chunk writes cost.
+    #[instrument(skip_all, fields(run = %w.run, step = w.step, rank = w.rank))]
+    pub async fn write_rank(
+        &self,
+        w: &RankWrite,
+        shards: Vec<ShardIn>,
+        blobs: Vec<BlobIn>,
+        index: &DedupIndex,
+    ) -> Result<(RankManifest, RankEntry, PutStats)> {
+        validate_run(&w.run)?;
+        w.layout.validate()?;
+        let mut inputs: Vec<ChunkIn> = Vec::new();
+        // (first chunk index, chunk count) per shard and blob.
+        let mut spans: Vec<(usize, usize)> = Vec::with_capacity(shards.len() + blobs.len());
+        let mut logical = 0u64;
+        for s in &shards {
+            validate_name(&s.name)?;
+            if !s.bbox.within(&s.shape) {
+                return Err(Error::invalid(format!(
+                    "tensor {:?}: box {} does not fit the shape {:?}",
+                    s.name, s.bbox, s.shape
+                )));
+            }
+            let start = inputs.len();
+            match (&s.data, s.replica_of) {
+                (Some(d), None) => {
+                    let want = s.bbox.numel() * s.dtype.size() as u64;
+                    if d.len() as u64 != want {
+                        return Err(Error::invalid(format!(
+                            "tensor {:?} box {}: {} bytes given, {want} expected ({} x {})",
+                            s.name,
+                            s.bbox,
+                            d.len(),
+                            s.bbox.numel(),
+                            s.dtype
+                        )));
+                    }
+                    logical += want;
+                    let elem = if s.dtype.is_float() {
+                        s.dtype.size() as u8
+                    } else {
+                        1
+                    };
+                    for r in self.chunk_spans(want) {
+                        inputs.push(ChunkIn {
+                            data: d.slice(r.start as usize..r.end as usize),
+                            elem,
+                        });
+                    }
+                }
+                (None, Some(_)) => {}
+                _ => {
+                    return Err(Error::invalid(format!(
+                        "tensor {:?}: a shard needs either bytes or replica_of, not both or neither",
+                        s.name
+                    )));
+                }
+            }
+            spans.push((start, inputs.len() - start));
+        }
+        for b in &blobs {
+            validate_name(&b.name)?;
+            let start = inputs.len();
+            logical += b.data.len() as u64;
+            for r in self.chunk_spans(b.data.len() as u64) {
+                inputs.push(ChunkIn {
+                    data: b.data.slice(r.start as usize..r.end as usize),
+                    elem: 1,
+                });
+            }
+            spans.push((start, inputs.len() - start));
+        }
+        let put = self.put_chunks(stream::iter(inputs), index).await?;
+        let refs = put.refs;
+        let mut spans = spans.into_iter();
+        let tensors: Vec<TensorShard> = shards
+            .into_iter()
+            .map(|s| {
+                let (a, n) = spans.next().expect("one span per shard");
+                TensorShard {
+                    name: s.name,
+                    dtype: s.dtype,
+                    shape: s.shape,
+                    bbox: s.bbox,
+                    chunks: refs[a..a + n].to_vec(),
+                    replica_of: s.replica_of,
+                }
+            })
+            .collect();
+        let blobs: Vec<BlobEntry> = blobs
+            .into_iter()
+            .map(|b| {
+                let (a, n) = spans.next().expect("one span per blob");
+                BlobEntry {
+                    name: b.name,
+                    len: b.data.len() as u64,
+                    chunks: refs[a..a + n].to_vec(),
+                }
+            })
+            .collect();
+        let stats = WriteStats {
+            logical_bytes: logical,
+            chunks: put.stats.chunks,
+            chunks_skipped: put.stats.chunks_skipped,
+            bytes_skipped: put.stats.bytes_skipped,
+            objects_written: put.stats.objects_written,
+            bytes_written: put.stats.bytes_written,
+        };
+        let manifest = RankManifest {
+            format: FORMAT_VERSION,
+            run: w.run.clone(),
+            step: w.step,
+            rank: w.rank,
+            layout: w.layout,
+            generation: w.generation,
+            created_ms: now_ms(),
+            tensors,
+            blobs,
+            stats,
+        };
+        let entry = self.write_rank_manifest(&manifest).await?;
+        Ok((manifest, entry, put.stats))
+    }
+}

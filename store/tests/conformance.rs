@@ -1,0 +1,833 @@
+//! One conformance suite, every backend: each case below runs on the in-memory store, a local
+//! directory and a real S3-compatible server (`s3s-fs`) on loopback, with the same code.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use bytes::Bytes;
+use ckpt_store::testing::{S3Server, det_bytes, local_store, memory_store, tiny_config};
+use ckpt_store::writer::{BlobIn, RankWrite, ShardIn};
+use ckpt_store::{
+    CommitOutcome, DType, DedupIndex, ErrorKind, GcOptions, Layout, NdBox, ObjectStoreExt as _,
+    StepReader, Store, StoreConfig, VerifyScope,
+};
+
+/// A backend under test, with whatever keeps it alive.
+enum Backend {
+    Memory(Store),
+    Local(Store, #[allow(dead_code)] tempfile::TempDir),
+    S3(Store, #[allow(dead_code)] S3Server),
+}
+
+impl Backend {
+    /// Whether the backend's conditional create is atomic. `s3s-fs` checks for the object and
+    /// then writes it (a race real S3 does not have); deterministic commit records keep the
+    /// outcome consistent there anyway, which the test checks.
+    fn atomic_create(&self) -> bool {
+        !matches!(self, Backend::S3(..))
+    }
+
+    fn store(&self) -> &Store {
+        match self {
+            Backend::Memory(s) | Backend::Local(s, _) | Backend::S3(s, _) => s,
+        }
+    }
+}
+
+fn memory(cfg: StoreConfig) -> Backend {
+    Backend::Memory(memory_store(cfg))
+}
+fn local(cfg: StoreConfig) -> Backend {
+    let (s, d) = local_store(cfg);
+    Backend::Local(s, d)
+}
+fn s3(cfg: StoreConfig) -> Backend {
+    let server = S3Server::start();
+    let s = server.store("conformance", cfg);
+    Backend::S3(s, server)
+}
+
+macro_rules! conformance {
+    ($($case:ident),* $(,)?) => {
+        mod on_memory { use super::*; $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $case() { super::$case(memory(tiny_config())).await } )* }
+        mod on_local { use super::*; $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $case() { super::$case(local(tiny_config())).await } )* }
+        mod on_s3 { use super::*; $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $case() { super::$case(s3(tiny_config())).await } )* }
+    };
+}
+
+conformance!(
+    round_trip_every_dtype_and_odd_shape,
+    incremental_save_writes_nothing_new,
+    small_tensors_are_packed,
+    sharded_reads_fetch_only_what_they_need,
+    concurrent_committers_one_wins,
+    missing_rank_is_never_committed,
+    coverage_errors_name_tensor_and_region,
+    damage_is_named_and_isolated,
+    verify_reports_damaged_tensors,
+    gc_keeps_retained_and_in_flight,
+    listing_runs_and_steps,
+    multipart_large_objects,
+);
+
+fn w(run: &str, step: u64, rank: u32, layout: Layout) -> RankWrite {
+    RankWrite {
+        run: run.into(),
+        step,
+        rank,
+        layout,
+        generation: 0,
+    }
+}
+
+fn shard(name: &str, dtype: DType, shape: &[u64], bbox: NdBox, data: Vec<u8>) -> ShardIn {
+    ShardIn {
+        name: name.into(),
+        dtype,
+        shape: shape.to_vec(),
+        bbox,
+        data: Some(Bytes::from(data)),
+        replica_of: None,
+    }
+}
+
+/// Row-major bytes of `bbox` cut out of a whole tensor's bytes.
+fn cut(whole: &[u8], shape: &[u64], bbox: &NdBox, elem: usize) -> Vec<u8> {
+    let mut out = vec![0u8; bbox.numel() as usize * elem];
+    ckpt_store::model::copy_runs(&NdBox::full(shape), bbox, bbox, elem, |s, d, l| {
+        let (s, d, l) = (s as usize, d as usize, l as usize);
+        out[d..d + l].copy_from_slice(&whole[s..s + l]);
+    });
+    out
+}
+
+async fn save_single(
+    store: &Store,
+    run: &str,
+    step: u64,
+    tensors: &[(&str, DType, Vec<u64>, Vec<u8>)],
+    index: &DedupIndex,
+) -> ckpt_store::PutStats {
+    let shards = tensors
+        .iter()
+        .map(|(n, d, s, data)| shard(n, *d, s, NdBox::full(s), data.clone()))
+        .collect();
+    let blobs = vec![BlobIn {
+        name: "rng".into(),
+        data: Bytes::from(det_bytes(step, 100)),
+    }];
+    let (_, _, stats) = store
+        .write_rank(&w(run, step, 0, Layout::SINGLE), shards, blobs, index)
+        .await
+        .unwrap();
+    store.commit_step(run, step).await.unwrap();
+    stats
+}
+
+async fn round_trip_every_dtype_and_odd_shape(b: Backend) {
+    let store = b.store();
+    let shapes: &[&[u64]] = &[
+        &[],
+        &[0],
+        &[3, 0, 2],
+        &[1],
+        &[7],
+        &[13, 17],
+        &[5, 4, 3],
+        &[2049],
+    ];
+    let mut tensors = Vec::new();
+    for (i, dt) in DType::ALL.iter().enumerate() {
+        for (j, shape) in shapes.iter().enumerate() {
+            let n = NdBox::full(shape).numel() as usize * dt.size();
+            tensors.push((
+                format!("{dt}/{j}"),
+                *dt,
+                shape.to_vec(),
+                det_bytes((i * 100 + j) as u64, n),
+            ));
+        }
+    }
+    let refs: Vec<(&str, DType, Vec<u64>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| (n.as_str(), *d, s.clone(), b.clone()))
+        .collect();
+    save_single(store, "dtypes", 1, &refs, &DedupIndex::new()).await;
+    let r = StepReader::open(store, "dtypes", 1).await.unwrap();
+    assert_eq!(r.commit().tensors.len(), tensors.len());
+    for (name, dt, shape, data) in &tensors {
+        let got = r.read_tensor(name).await.unwrap();
+        assert!(got == *data, "{name} differs after a round trip");
+        let t = r.commit().tensor(name).unwrap();
+        assert_eq!((t.dtype, &t.shape), (*dt, shape));
+        // A box crossing chunk boundaries.
+        if shape.len() == 2 {
+            let bx = NdBox::new(vec![3, 5], vec![9, 7]).unwrap();
+            assert_eq!(
+                r.read(name, &bx).await.unwrap(),
+                cut(data, shape, &bx, dt.size())
+            );
+        }
+    }
+    assert_eq!(r.read_blob(0, "rng").await.unwrap(), det_bytes(1, 100));
+}
+
+async fn incremental_save_writes_nothing_new(b: Backend) {
+    let store = b.store();
+    let big = det_bytes(1, 10 * 4096 + 100); // 11 chunks of 4 KiB
+    let mut t = vec![(
+        "w",
+        DType::F32,
+        vec![(big.len() / 4) as u64],
+        big[..big.len() / 4 * 4].to_vec(),
+    )];
+    let index = DedupIndex::new();
+    let first = save_single(store, "inc", 1, &t, &index).await;
+    assert!(first.bytes_written > 40_000, "{first:?}");
+    let second = save_single(store, "inc", 2, &t, &index).await;
+    // The blob changes every step (one small chunk); the tensor costs nothing.
+    assert_eq!(second.chunks_skipped, second.chunks - 1, "{second:?}");
+    assert!(
+        second.bytes_written < 1000,
+        "second save wrote {} bytes",
+        second.bytes_written
+    );
+    // One element changed: one chunk of the tensor is rewritten.
+    t[0].3[5000] ^= 0xff;
+    let third = save_single(store, "inc", 3, &t, &index).await;
+    assert_eq!(third.chunks - third.chunks_skipped, 2, "{third:?}");
+    let r = StepReader::open(store, "inc", 3).await.unwrap();
+    assert_eq!(r.read_tensor("w").await.unwrap(), t[0].3);
+    let r2 = StepReader::open(store, "inc", 2).await.unwrap();
+    assert_ne!(r2.read_tensor("w").await.unwrap(), t[0].3);
+    // A fresh index seeded from the committed manifest dedups just as well.
+    let seeded = DedupIndex::new();
+    let m = r.manifest(0).await.unwrap();
+    seeded.extend(m.tensors.iter().flat_map(|t| &t.chunks));
+    let fourth = save_single(store, "inc", 4, &t, &seeded).await;
+    assert_eq!(fourth.chunks - fourth.chunks_skipped, 1, "{fourth:?}");
+}
+
+async fn small_tensors_are_packed(b: Backend) {
+    let store = b.store();
+    let tensors: Vec<(String, DType, Vec<u64>, Vec<u8>)> = (0..40)
+        .map(|i| (format!("norm.{i}"), DType::F32, vec![50], det_bytes(i, 200)))
+        .collect();
+    let refs: Vec<(&str, DType, Vec<u64>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| (n.as_str(), *d, s.clone(), b.clone()))
+        .collect();
+    let stats = save_single(store, "packs", 1, &refs, &DedupIndex::new()).await;
+    assert_eq!(stats.chunks, 41);
+    // 41 chunks of ~216 bytes with an 8 KiB pack target: two packs, not 41 objects.
+    assert!(stats.objects_written <= 2, "{stats:?}");
+    let r = StepReader::open(store, "packs", 1).await.unwrap();
+    for (n, _, _, d) in &tensors {
+        assert_eq!(&r.read_tensor(n).await.unwrap(), d);
+    }
+    let m = r.manifest(0).await.unwrap();
+    assert!(m.tensors.iter().all(|t| t.chunks[0].pack.is_some()));
+}
+
+/// 4 ranks: a [16, 24] f32 matrix split 2 x 2 (rows by dp, columns by tp) and a replicated
+/// bias written by one rank.
+async fn save_sharded(store: &Store, run: &str, step: u64, whole: &[u8], bias: &[u8]) {
+    let layout = Layout::new(2, 2, 1, 0).unwrap();
+    let shape = [16u64, 24];
+    let mut handles = Vec::new();
+    for rank in 0..4u32 {
+        let c = layout.coords(rank);
+        let bx = NdBox::new(vec![c.dp as u64 * 8, c.tp as u64 * 12], vec![8, 12]).unwrap();
+        let mut shards = vec![shard(
+            "w",
+            DType::F32,
+            &shape,
+            bx.clone(),
+            cut(whole, &shape, &bx, 4),
+        )];
+        shards.push(if rank == 0 {
+            shard("b", DType::Bf16, &[24], NdBox::full(&[24]), bias.to_vec())
+        } else {
+            ShardIn {
+                name: "b".into(),
+                dtype: DType::Bf16,
+                shape: vec![24],
+                bbox: NdBox::full(&[24]),
+                data: None,
+                replica_of: Some(0),
+            }
+        });
+        let store = store.clone();
+        let wr = w(run, step, rank, layout);
+        handles.push(tokio::spawn(async move {
+            store
+                .write_rank(&wr, shards, vec![], &DedupIndex::new())
+                .await
+                .unwrap();
+        }));
+    }
+    for h in handles {
+        h.await.unwrap();
+    }
+}
+
+async fn sharded_reads_fetch_only_what_they_need(b: Backend) {
+    let store = b.store();
+    let whole = det_bytes(7, 16 * 24 * 4);
+    let bias = det_bytes(8, 48);
+    save_sharded(store, "tp", 1, &whole, &bias).await;
+    let out = store.commit_step("tp", 1).await.unwrap();
+    assert!(matches!(out, CommitOutcome::Committed(..)));
+    let r = StepReader::open(store, "tp", 1).await.unwrap();
+    assert_eq!(r.commit().tensor("w").unwrap().shards.len(), 4);
+    assert_eq!(
+        r.commit().tensor("b").unwrap().shards.len(),
+        1,
+        "replicas are not written twice"
+    );
+    assert_eq!(r.read_tensor("w").await.unwrap(), whole);
+    assert_eq!(r.read_tensor("b").await.unwrap(), bias);
+    // A box across all four shards.
+    let bx = NdBox::new(vec![5, 9], vec![6, 7]).unwrap();
+    assert_eq!(
+        r.read("w", &bx).await.unwrap(),
+        cut(&whole, &[16, 24], &bx, 4)
+    );
+    // A box inside one shard touches only that shard's chunks.
+    let inner = NdBox::new(vec![0, 0], vec![2, 12]).unwrap();
+    let plan = r.plan("w", &inner).await.unwrap();
+    assert!(plan.chunks.iter().all(|c| c.rank == 0), "{plan:?}");
+    assert!(plan.raw_bytes_fetched() <= 8 * 12 * 4);
+    // Every element of every box, compared with the reference.
+    for (o0, o1, l0, l1) in [
+        (0, 0, 16, 24),
+        (15, 23, 1, 1),
+        (7, 11, 2, 2),
+        (0, 12, 16, 1),
+    ] {
+        let bx = NdBox::new(vec![o0, o1], vec![l0, l1]).unwrap();
+        assert_eq!(
+            r.read("w", &bx).await.unwrap(),
+            cut(&whole, &[16, 24], &bx, 4),
+            "{bx}"
+        );
+    }
+    let e = r
+        .read("w", &NdBox::new(vec![10, 0], vec![7, 1]).unwrap())
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+    let e = r.read_tensor("nope").await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound);
+    assert!(
+        e.to_string().contains("\"nope\"") && e.to_string().contains("step 1 of run tp"),
+        "{e}"
+    );
+}
+
+async fn concurrent_committers_one_wins(b: Backend) {
+    let store = b.store();
+    save_sharded(
+        store,
+        "race",
+        3,
+        &det_bytes(1, 16 * 24 * 4),
+        &det_bytes(2, 48),
+    )
+    .await;
+    let mut hs = Vec::new();
+    for _ in 0..6 {
+        let s = store.clone();
+        hs.push(tokio::spawn(async move {
+            s.commit_step("race", 3).await.unwrap()
+        }));
+    }
+    let mut won = 0;
+    let mut ids = HashSet::new();
+    for h in hs {
+        let o = h.await.unwrap();
+        if matches!(o, CommitOutcome::Committed(..)) {
+            won += 1;
+        }
+        ids.insert(o.id());
+    }
+    if b.atomic_create() {
+        assert_eq!(won, 1, "exactly one committer creates the record");
+    } else {
+        assert!(won >= 1, "someone commits");
+    }
+    assert_eq!(ids.len(), 1, "every committer sees the same record");
+    let (_, id) = store.read_commit("race", 3).await.unwrap();
+    assert!(ids.contains(&id));
+}
+
+async fn missing_rank_is_never_committed(b: Backend) {
+    let store = b.store();
+    let layout = Layout::new(4, 1, 1, 0).unwrap();
+    let shape = [8u64];
+    for rank in 0..3u32 {
+        let bx = NdBox::new(vec![rank as u64 * 2], vec![2]).unwrap();
+        store
+            .write_rank(
+                &w("miss", 5, rank, layout),
+                vec![shard(
+                    "x",
+                    DType::I64,
+                    &shape,
+                    bx,
+                    det_bytes(rank as u64, 16),
+                )],
+                vec![],
+                &DedupIndex::new(),
+            )
+            .await
+            .unwrap();
+    }
+    let e = store.commit_step("miss", 5).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Incomplete);
+    assert!(
+        e.to_string().contains("ranks 3") && e.to_string().contains("step 5 of run miss"),
+        "{e}"
+    );
+    let steps = store.list_steps("miss").await.unwrap();
+    assert_eq!(steps.len(), 1);
+    assert!(!steps[0].committed);
+    assert_eq!(steps[0].ranks, vec![0, 1, 2]);
+    assert_eq!(store.latest_committed("miss").await.unwrap(), None);
+    assert_eq!(
+        StepReader::open(store, "miss", 5).await.unwrap_err().kind(),
+        ErrorKind::NotFound
+    );
+    // A waiting committer gives up at its timeout with the same error.
+    let e = store
+        .wait_and_commit(
+            "miss",
+            5,
+            Duration::from_millis(20),
+            Duration::from_millis(100),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Incomplete);
+    // The last rank arrives while a committer waits: it commits.
+    let s2 = store.clone();
+    let waiter = tokio::spawn(async move {
+        s2.wait_and_commit(
+            "miss",
+            5,
+            Duration::from_millis(20),
+            Duration::from_secs(30),
+        )
+        .await
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let bx = NdBox::new(vec![6], vec![2]).unwrap();
+    store
+        .write_rank(
+            &w("miss", 5, 3, layout),
+            vec![shard("x", DType::I64, &shape, bx, det_bytes(3, 16))],
+            vec![],
+            &DedupIndex::new(),
+        )
+        .await
+        .unwrap();
+    waiter.await.unwrap().unwrap();
+    assert_eq!(store.latest_committed("miss").await.unwrap(), Some(5));
+}
+
+async fn coverage_errors_name_tensor_and_region(b: Backend) {
+    let store = b.store();
+    let layout = Layout::new(2, 1, 1, 0).unwrap();
+    // Both ranks claim rows 0..3 of a [4, 2] tensor: rows 0..2 doubled, row 3 missing.
+    for rank in 0..2u32 {
+        let bx = NdBox::new(vec![rank as u64, 0], vec![3, 2]).unwrap();
+        store
+            .write_rank(
+                &w("cov", 1, rank, layout),
+                vec![shard("emb", DType::F32, &[4, 2], bx, det_bytes(0, 24))],
+                vec![],
+                &DedupIndex::new(),
+            )
+            .await
+            .unwrap();
+    }
+    let e = store.commit_step("cov", 1).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput);
+    let m = e.to_string();
+    assert!(
+        m.contains("\"emb\"") && m.contains("saved twice") && m.contains("[1..3, 0..2]"),
+        "{m}"
+    );
+    assert!(!store.exists(&store.keys().commit("cov", 1)).await.unwrap());
+}
+
+async fn damage_is_named_and_isolated(b: Backend) {
+    let store = b.store();
+    // Step 1 and step 2 share no tensor chunks (different data); damage step 2 in every way.
+    let t1 = vec![("a", DType::F32, vec![3000u64], det_bytes(1, 12_000))];
+    let index = DedupIndex::new();
+    save_single(store, "dmg", 1, &t1, &index).await;
+    let t2 = vec![
+        ("a", DType::F32, vec![3000u64], det_bytes(2, 12_000)),
+        ("small", DType::F32, vec![10u64], det_bytes(3, 40)),
+    ];
+    save_single(store, "dmg", 2, &t2, &DedupIndex::new()).await;
+    let r2 = StepReader::open(store, "dmg", 2).await.unwrap();
+    let m = r2.manifest(0).await.unwrap();
+    let a = m.tensors.iter().find(|t| t.name == "a").unwrap();
+    let os = store.object_store();
+
+    // Flipped byte.
+    let key = store.object_of(&a.chunks[1]);
+    let orig = store.get_object(&key).await.unwrap();
+    let mut bad = orig.to_vec();
+    bad[100] ^= 0x01;
+    os.put(&key, Bytes::from(bad).into()).await.unwrap();
+    let e = r2.read_tensor("a").await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Corrupt);
+    let msg = e.to_string();
+    assert!(
+        msg.contains("step 2 of run dmg")
+            && msg.contains("\"a\"")
+            && msg.contains(&a.chunks[1].id.to_hex()),
+        "{msg}"
+    );
+    // Step 1 does not depend on it.
+    let r1 = StepReader::open(store, "dmg", 1).await.unwrap();
+    assert_eq!(r1.read_tensor("a").await.unwrap(), t1[0].3);
+    // Other tensors of step 2 stay readable; so do boxes of "a" that avoid the chunk.
+    assert_eq!(r2.read_tensor("small").await.unwrap(), t2[1].3);
+    let first_chunk = NdBox::new(vec![0], vec![1024]).unwrap();
+    assert_eq!(r2.read("a", &first_chunk).await.unwrap(), t2[0].3[..4096]);
+
+    // Truncated object.
+    os.put(&key, orig.slice(..orig.len() / 2).into())
+        .await
+        .unwrap();
+    let e = r2.read_tensor("a").await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+    // Missing chunk.
+    os.delete(&key).await.unwrap();
+    let e = r2.read_tensor("a").await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Corrupt);
+    assert!(e.to_string().contains("missing"), "{e}");
+    // A header claiming a terabyte.
+    let mut tb = orig.to_vec();
+    tb[8..16].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    os.put(&key, Bytes::from(tb).into()).await.unwrap();
+    let e = r2.read_tensor("a").await.unwrap_err();
+    assert!(e.to_string().contains("claims 1099511627776 bytes"), "{e}");
+    os.put(&key, orig.clone().into()).await.unwrap();
+    assert_eq!(r2.read_tensor("a").await.unwrap(), t2[0].3);
+
+    // Garbage manifest: the step fails with the manifest named; step 1 stays readable.
+    let mkey = store.keys().rank_manifest("dmg", 2, 0);
+    os.put(
+        &mkey,
+        Bytes::from_static(b"{\"not\": \"a manifest\"").into(),
+    )
+    .await
+    .unwrap();
+    let fresh = StepReader::open(store, "dmg", 2).await.unwrap();
+    let e = fresh.read_tensor("a").await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Corrupt);
+    assert!(e.to_string().contains(mkey.as_ref()), "{e}");
+    assert_eq!(
+        StepReader::open(store, "dmg", 1)
+            .await
+            .unwrap()
+            .read_tensor("a")
+            .await
+            .unwrap(),
+        t1[0].3
+    );
+    // Truncated commit record.
+    let ckey = store.keys().commit("dmg", 2);
+    let c = store.get_object(&ckey).await.unwrap();
+    os.put(&ckey, c.slice(..c.len() / 3).into()).await.unwrap();
+    let e = StepReader::open(store, "dmg", 2).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Corrupt);
+    assert!(e.to_string().contains(ckey.as_ref()), "{e}");
+}
+
+async fn verify_reports_damaged_tensors(b: Backend) {
+    let store = b.store();
+    let shared = det_bytes(9, 8192);
+    let t1 = vec![
+        ("shared", DType::Bf16, vec![4096u64], shared.clone()),
+        ("only1", DType::F32, vec![2048u64], det_bytes(10, 8192)),
+    ];
+    let t2 = vec![
+        ("shared", DType::Bf16, vec![4096u64], shared.clone()),
+        ("only2", DType::F32, vec![2048u64], det_bytes(11, 8192)),
+        ("tiny", DType::U8, vec![10u64], det_bytes(12, 10)),
+    ];
+    let index = DedupIndex::new();
+    save_single(store, "ver", 1, &t1, &index).await;
+    save_single(store, "ver", 2, &t2, &index).await;
+    let clean = store.verify(&VerifyScope::Store, None).await.unwrap();
+    assert!(clean.is_clean(), "{:?}", clean.damaged);
+    assert!(clean.bytes >= 8192 * 3 + 10);
+    let r = StepReader::open(store, "ver", 2).await.unwrap();
+    let m = r.manifest(0).await.unwrap();
+    let chunk = &m
+        .tensors
+        .iter()
+        .find(|t| t.name == "shared")
+        .unwrap()
+        .chunks[0];
+    let key = store.object_of(chunk);
+    let mut bad = store.get_object(&key).await.unwrap().to_vec();
+    let last = bad.len() - 1;
+    bad[last] ^= 0x80;
+    store
+        .object_store()
+        .put(&key, Bytes::from(bad).into())
+        .await
+        .unwrap();
+    // Damage inside a pack: the tiny tensor's chunk.
+    let tiny = &m.tensors.iter().find(|t| t.name == "tiny").unwrap().chunks[0];
+    let pkey = store.object_of(tiny);
+    let mut p = store.get_object(&pkey).await.unwrap().to_vec();
+    p[tiny.offset as usize + 20] ^= 0x01;
+    store
+        .object_store()
+        .put(&pkey, Bytes::from(p).into())
+        .await
+        .unwrap();
+
+    let rep = store
+        .verify(&VerifyScope::Run("ver".into()), None)
+        .await
+        .unwrap();
+    assert_eq!(rep.damaged.len(), 2, "{:#?}", rep.damaged);
+    let shared_d = rep
+        .damaged
+        .iter()
+        .find(|d| d.object == key.to_string())
+        .unwrap();
+    let items: Vec<(u64, &str)> = shared_d
+        .affects
+        .iter()
+        .map(|a| (a.step, a.item.as_str()))
+        .collect();
+    assert_eq!(items, vec![(1, "tensor shared"), (2, "tensor shared")]);
+    let tiny_d = rep
+        .damaged
+        .iter()
+        .find(|d| d.object == pkey.to_string())
+        .unwrap();
+    assert_eq!(tiny_d.affects.len(), 1);
+    assert_eq!(tiny_d.affects[0].item, "tensor tiny");
+    assert!(
+        tiny_d.problem.contains(&tiny.id.short()),
+        "{}",
+        tiny_d.problem
+    );
+    // Scoped to step 1, only the shared chunk is damaged.
+    let rep1 = store
+        .verify(&VerifyScope::Step("ver".into(), 1), None)
+        .await
+        .unwrap();
+    assert_eq!(rep1.damaged.len(), 1);
+}
+
+async fn gc_keeps_retained_and_in_flight(b: Backend) {
+    let store = b.store();
+    let index = DedupIndex::new();
+    for step in 1..=5u64 {
+        let t = vec![("w", DType::F32, vec![2048u64], det_bytes(100 + step, 8192))];
+        save_single(store, "gc", step, &t, &index).await;
+    }
+    // An in-flight save of step 6: chunks and a manifest for rank 0 of 2, no commit.
+    let layout = Layout::new(2, 1, 1, 0).unwrap();
+    let inflight = det_bytes(200, 4096);
+    store
+        .write_rank(
+            &w("gc", 6, 0, layout),
+            vec![shard(
+                "w",
+                DType::F32,
+                &[2048],
+                NdBox::new(vec![0], vec![1024]).unwrap(),
+                inflight.clone(),
+            )],
+            vec![],
+            &DedupIndex::new(),
+        )
+        .await
+        .unwrap();
+    // Objects written by a save whose manifest is not there yet: only the grace period
+    // protects them. A chunk written directly stands for one.
+    let orphan_young = ckpt_store::ChunkIn {
+        data: Bytes::from(det_bytes(300, 4096)),
+        elem: 1,
+    };
+    let put = store
+        .put_chunks(
+            futures::stream::iter(vec![orphan_young]),
+            &DedupIndex::new(),
+        )
+        .await
+        .unwrap();
+    let young_key = store.object_of(&put.refs[0]);
+
+    // Dry run with grace: nothing is deleted.
+    let now = chrono::Utc::now();
+    let opts = GcOptions {
+        keep_last: Some(2),
+        keep_every: Some(2),
+        grace: Duration::from_secs(3600),
+        dry_run: true,
+        ..Default::default()
+    };
+    let dry = store.gc(&opts, now).await.unwrap();
+    assert_eq!(
+        dry.steps_deleted,
+        vec![("gc".to_string(), 1), ("gc".to_string(), 3)]
+    );
+    assert_eq!(
+        store.committed_steps("gc").await.unwrap(),
+        vec![1, 2, 3, 4, 5]
+    );
+
+    // Real run, with "now" two hours ahead: every unreferenced object is past the grace.
+    let later = now + chrono::Duration::hours(2);
+    let real = store
+        .gc(
+            &GcOptions {
+                dry_run: false,
+                ..opts.clone()
+            },
+            later,
+        )
+        .await
+        .unwrap();
+    assert_eq!(real.steps_deleted, dry.steps_deleted);
+    assert_eq!(store.committed_steps("gc").await.unwrap(), vec![2, 4, 5]);
+    assert!(real.objects_deleted >= 2, "{real:?}");
+    assert!(
+        !store.exists(&young_key).await.unwrap(),
+        "the old orphan is swept"
+    );
+    // The in-flight rank's manifest is younger than... no: it is two "hours" old too, so the
+    // abandoned incomplete step is deleted with its chunks.
+    assert_eq!(real.incomplete_deleted, vec![("gc".to_string(), 6)]);
+    for step in [2u64, 4, 5] {
+        let r = StepReader::open(store, "gc", step).await.unwrap();
+        assert_eq!(
+            r.read_tensor("w").await.unwrap(),
+            det_bytes(100 + step, 8192),
+            "step {step}"
+        );
+    }
+
+    // Within the grace period an in-flight save loses nothing: write step 7's first rank and a
+    // stray chunk, gc at the real time, then finish the save and read it.
+    store
+        .write_rank(
+            &w("gc", 7, 0, layout),
+            vec![shard(
+                "w",
+                DType::F32,
+                &[2048],
+                NdBox::new(vec![0], vec![1024]).unwrap(),
+                inflight.clone(),
+            )],
+            vec![],
+            &DedupIndex::new(),
+        )
+        .await
+        .unwrap();
+    let rest = det_bytes(201, 4096);
+    let pre = store
+        .put_chunks(
+            futures::stream::iter(vec![ckpt_store::ChunkIn {
+                data: Bytes::from(rest.clone()),
+                elem: 4,
+            }]),
+            &DedupIndex::new(),
+        )
+        .await
+        .unwrap();
+    let g = store
+        .gc(
+            &GcOptions {
+                keep_last: Some(1),
+                grace: Duration::from_secs(3600),
+                ..Default::default()
+            },
+            chrono::Utc::now(),
+        )
+        .await
+        .unwrap();
+    assert!(g.objects_in_grace >= 1, "{g:?}");
+    assert!(store.exists(&store.object_of(&pre.refs[0])).await.unwrap());
+    store
+        .write_rank(
+            &w("gc", 7, 1, layout),
+            vec![shard(
+                "w",
+                DType::F32,
+                &[2048],
+                NdBox::new(vec![1024], vec![1024]).unwrap(),
+                rest.clone(),
+            )],
+            vec![],
+            &DedupIndex::new(),
+        )
+        .await
+        .unwrap();
+    store.commit_step("gc", 7).await.unwrap();
+    let r = StepReader::open(store, "gc", 7).await.unwrap();
+    assert_eq!(r.read_tensor("w").await.unwrap(), [inflight, rest].concat());
+    assert!(
+        store
+            .verify(&VerifyScope::Store, None)
+            .await
+            .unwrap()
+            .is_clean()
+    );
+}
+
+async fn listing_runs_and_steps(b: Backend) {
+    let store = b.store();
+    assert!(store.list_runs().await.unwrap().is_empty());
+    let e = store.require_latest("ghost").await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound);
+    for (run, step) in [("b", 10u64), ("a", 3), ("a", 12), ("a", 7)] {
+        let t = vec![("t", DType::U8, vec![4u64], vec![1, 2, 3, step as u8])];
+        save_single(store, run, step, &t, &DedupIndex::new()).await;
+    }
+    assert_eq!(store.list_runs().await.unwrap(), vec!["a", "b"]);
+    assert_eq!(store.committed_steps("a").await.unwrap(), vec![3, 7, 12]);
+    assert_eq!(store.latest_committed("a").await.unwrap(), Some(12));
+    let e = store.require_latest("zzz").await.unwrap_err();
+    assert!(e.to_string().contains("known runs: a, b"), "{e}");
+    assert!(store.list_steps("../etc").await.is_err());
+}
+
+async fn multipart_large_objects(b: Backend) {
+    // Chunks of 12 MiB with a 6 MiB multipart threshold: every chunk is a multipart upload
+    // (on stores that have them).
+    let cfg = StoreConfig {
+        chunk_size: 12 << 20,
+        pack_threshold: 1 << 20,
+        pack_target: 4 << 20,
+        inflight_bytes: 64 << 20,
+        multipart_threshold: 6 << 20,
+        multipart_part: 5 << 20,
+        ..StoreConfig::default()
+    };
+    let store = b.store().clone().with_config(cfg).unwrap();
+    let data = det_bytes(42, 25 << 20);
+    let t = vec![("big", DType::U8, vec![data.len() as u64], data.clone())];
+    save_single(&store, "mp", 1, &t, &DedupIndex::new()).await;
+    let r = StepReader::open(&store, "mp", 1).await.unwrap();
+    assert!(r.read_tensor("big").await.unwrap() == data);
+    let bx = NdBox::new(vec![(12 << 20) - 10], vec![20]).unwrap();
+    assert_eq!(
+        r.read("big", &bx).await.unwrap(),
+        data[(12 << 20) - 10..(12 << 20) + 10]
+    );
+}

@@ -1,0 +1,1 @@
+//! Cross-crate scenarios with real processes, stores and mounts.

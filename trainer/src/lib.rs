@@ -1,0 +1,1 @@
+//! What a training process embeds: save pipeline, restore, CheckpointManager, reference workload.
