@@ -25,7 +25,7 @@
 //!     layout: Layout::SINGLE, generation: 0, created_ms: 0,
 //!     tensors: vec![TensorShard {
 //!         name: "w".into(), dtype: DType::F32, shape: vec![64, 64],
-//!         bbox: NdBox::full(&[64, 64]), chunks: put.refs, replica_of: None,
+//!         bbox: NdBox::full(&[64, 64]), chunks: put.refs, replica_of: None, placement: None,
 //!     }],
 //!     blobs: vec![], stats: Default::default(),
 //! };
@@ -48,9 +48,12 @@ pub mod error;
 pub mod gc;
 pub mod id;
 pub mod keys;
+pub mod logs;
 pub mod model;
 pub mod pack;
+pub mod placement;
 pub mod read;
+pub mod st_view;
 pub mod store;
 pub mod url;
 pub mod verify;
@@ -76,7 +79,9 @@ pub use model::{
     BlobEntry, BlobLoc, ChunkRef, CommitRecord, Coords, DType, FORMAT_VERSION, Layout, NdBox,
     RankEntry, RankManifest, ShardLoc, TensorEntry, TensorShard, WriteStats,
 };
+pub use placement::{Placed, Placement, Stage, TensorSpec, ZeroGroup};
 pub use read::{ChunkSource, ReadPlan, ReadStats, StepReader};
+pub use st_view::SafetensorsView;
 pub use store::{ChunkIn, DedupIndex, PutReport, PutStats, Store, StoreConfig};
 pub use url::{StoreUrl, open};
 pub use verify::{Damage, VerifyReport, VerifyScope};

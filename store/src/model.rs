@@ -529,6 +529,9 @@ pub struct TensorShard {
     /// For a replica: the rank that wrote these bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replica_of: Option<u32>,
+    /// How the tensor is placed across ranks, so other layouts can be planned.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub placement: Option<crate::placement::Placement>,
 }
 
 impl TensorShard {
@@ -734,6 +737,23 @@ pub struct TensorEntry {
     pub shape: Vec<u64>,
     /// The written shards; together they cover the shape exactly once.
     pub shards: Vec<ShardLoc>,
+    /// How the tensor is placed across ranks, if the writer said.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub placement: Option<crate::placement::Placement>,
+}
+
+impl TensorEntry {
+    /// The tensor's spec, if its placement is known.
+    pub fn spec(&self) -> Option<crate::placement::TensorSpec> {
+        self.placement
+            .as_ref()
+            .map(|p| crate::placement::TensorSpec {
+                name: self.name.clone(),
+                dtype: self.dtype,
+                shape: self.shape.clone(),
+                placement: p.clone(),
+            })
+    }
 }
 
 impl TensorEntry {
@@ -992,7 +1012,11 @@ pub fn collect_tensors(manifests: &[RankManifest]) -> Result<Vec<TensorEntry>> {
                 dtype: t.dtype,
                 shape: t.shape.clone(),
                 shards: Vec::new(),
+                placement: t.placement.clone(),
             });
+            if e.placement.is_none() {
+                e.placement = t.placement.clone();
+            }
             if e.dtype != t.dtype || e.shape != t.shape {
                 return Err(Error::invalid(format!(
                     "tensor {:?}: rank {} saved it as {} {:?} but another rank as {} {:?}",

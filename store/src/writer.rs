@@ -30,6 +30,8 @@ pub struct ShardIn {
     pub data: Option<Bytes>,
     /// For a replica: the rank that writes the bytes.
     pub replica_of: Option<u32>,
+    /// How the tensor is placed across ranks (recorded so other layouts can be planned).
+    pub placement: Option<crate::placement::Placement>,
 }
 
 /// One blob to save.
@@ -145,6 +147,7 @@ impl Store {
                     bbox: s.bbox,
                     chunks: refs[a..a + n].to_vec(),
                     replica_of: s.replica_of,
+                    placement: s.placement,
                 }
             })
             .collect();

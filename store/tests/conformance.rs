@@ -88,6 +88,7 @@ fn shard(name: &str, dtype: DType, shape: &[u64], bbox: NdBox, data: Vec<u8>) ->
         bbox,
         data: Some(Bytes::from(data)),
         replica_of: None,
+        placement: None,
     }
 }
 
@@ -255,6 +256,7 @@ async fn save_sharded(store: &Store, run: &str, step: u64, whole: &[u8], bias: &
                 bbox: NdBox::full(&[24]),
                 data: None,
                 replica_of: Some(0),
+                placement: None,
             }
         });
         let store = store.clone();
