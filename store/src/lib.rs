@@ -89,4 +89,4 @@ pub use wrap::{
     Fault, FaultAction, FaultHandle, FaultOp, FaultyStore, MetricsSnapshot, MetricsStore,
     StoreMetrics,
 };
-pub use writer::{BlobIn, RankWrite, ShardIn};
+pub use writer::{BlobIn, RankWrite, ShardIn, ShardMeta};

@@ -415,6 +415,15 @@ impl Store {
     where
         S: Stream<Item = ChunkIn> + Send,
     {
+        self.try_put_chunks(input.map(Ok), index).await
+    }
+
+    /// [`Store::put_chunks`] over a stream that may fail (a snapshot that breaks off); the
+    /// first error ends the write.
+    pub async fn try_put_chunks<S>(&self, input: S, index: &DedupIndex) -> Result<PutReport>
+    where
+        S: Stream<Item = Result<ChunkIn>> + Send,
+    {
         let t0 = Instant::now();
         let cfg = self.cfg.clone();
         let budget = Arc::new(Semaphore::new(cfg.inflight_bytes));
@@ -430,6 +439,7 @@ impl Store {
         // Stage 1, in order with read-ahead: hash on the blocking pool.
         let hashed = input
             .map(|c| async move {
+                let c = c?;
                 let len = c.data.len();
                 if len as u64 > MAX_CHUNK_LEN {
                     return Err(Error::invalid(format!(

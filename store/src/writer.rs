@@ -1,7 +1,7 @@
 //! Writing one rank's part of a step: shards and blobs in, chunks and a rank manifest out.
 
 use bytes::Bytes;
-use futures::stream;
+use futures::stream::{self, Stream, StreamExt};
 use tracing::instrument;
 
 use crate::commit::now_ms;
@@ -58,11 +58,34 @@ pub struct RankWrite {
     pub generation: u64,
 }
 
+/// A shard described without its bytes: what [`Store::write_rank_stream`] needs up front.
+#[derive(Debug, Clone)]
+pub struct ShardMeta {
+    /// Tensor name.
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Global shape.
+    pub shape: Vec<u64>,
+    /// This rank's box.
+    pub bbox: NdBox,
+    /// For a replica: the rank that writes the bytes (no chunks come for it).
+    pub replica_of: Option<u32>,
+    /// How the tensor is placed across ranks.
+    pub placement: Option<crate::placement::Placement>,
+}
+
+impl ShardMeta {
+    /// Bytes of the box.
+    pub fn byte_len(&self) -> u64 {
+        self.bbox.numel() * self.dtype.size() as u64
+    }
+}
+
 impl Store {
     /// Write a rank's chunks and then its manifest (see [`Store::put_chunks`] and
     /// [`Store::write_rank_manifest`]). Returns the manifest, its entry for the commit
     /// record, and what the chunk writes cost.
-    #[instrument(skip_all, fields(run = %w.run, step = w.step, rank = w.rank))]
     pub async fn write_rank(
         &self,
         w: &RankWrite,
@@ -70,21 +93,9 @@ impl Store {
         blobs: Vec<BlobIn>,
         index: &DedupIndex,
     ) -> Result<(RankManifest, RankEntry, PutStats)> {
-        validate_run(&w.run)?;
-        w.layout.validate()?;
-        let mut inputs: Vec<ChunkIn> = Vec::new();
-        // (first chunk index, chunk count) per shard and blob.
-        let mut spans: Vec<(usize, usize)> = Vec::with_capacity(shards.len() + blobs.len());
-        let mut logical = 0u64;
-        for s in &shards {
-            validate_name(&s.name)?;
-            if !s.bbox.within(&s.shape) {
-                return Err(Error::invalid(format!(
-                    "tensor {:?}: box {} does not fit the shape {:?}",
-                    s.name, s.bbox, s.shape
-                )));
-            }
-            let start = inputs.len();
+        let mut metas = Vec::with_capacity(shards.len());
+        let mut chunks: Vec<Result<Bytes>> = Vec::new();
+        for s in shards {
             match (&s.data, s.replica_of) {
                 (Some(d), None) => {
                     let want = s.bbox.numel() * s.dtype.size() as u64;
@@ -98,17 +109,8 @@ impl Store {
                             s.dtype
                         )));
                     }
-                    logical += want;
-                    let elem = if s.dtype.is_float() {
-                        s.dtype.size() as u8
-                    } else {
-                        1
-                    };
                     for r in self.chunk_spans(want) {
-                        inputs.push(ChunkIn {
-                            data: d.slice(r.start as usize..r.end as usize),
-                            elem,
-                        });
+                        chunks.push(Ok(d.slice(r.start as usize..r.end as usize)));
                     }
                 }
                 (None, Some(_)) => {}
@@ -119,21 +121,113 @@ impl Store {
                     )));
                 }
             }
-            spans.push((start, inputs.len() - start));
+            metas.push(ShardMeta {
+                name: s.name,
+                dtype: s.dtype,
+                shape: s.shape,
+                bbox: s.bbox,
+                replica_of: s.replica_of,
+                placement: s.placement,
+            });
         }
+        self.write_rank_stream(w, metas, blobs, stream::iter(chunks), index)
+            .await
+    }
+
+    /// Write a rank's part of a step from a stream of chunk buffers: `chunks` yields, in
+    /// order, the chunks of every written shard of `shards` (cut by [`Store::chunk_spans`]).
+    /// The stream is consumed as the store takes the bytes, so a snapshot can still be
+    /// filling staging buffers while earlier chunks are written. A stream that ends early,
+    /// runs long, fails, or yields a chunk of the wrong size ends the write with an error
+    /// naming the shard; no manifest is written then.
+    #[instrument(skip_all, fields(run = %w.run, step = w.step, rank = w.rank))]
+    pub async fn write_rank_stream<S>(
+        &self,
+        w: &RankWrite,
+        shards: Vec<ShardMeta>,
+        blobs: Vec<BlobIn>,
+        chunks: S,
+        index: &DedupIndex,
+    ) -> Result<(RankManifest, RankEntry, PutStats)>
+    where
+        S: Stream<Item = Result<Bytes>> + Send,
+    {
+        validate_run(&w.run)?;
+        w.layout.validate()?;
+        // What the stream must yield: (shard index, chunk length, element size).
+        let mut expect: Vec<(usize, u64, u8)> = Vec::new();
+        // (first chunk index, chunk count) per shard, then per blob.
+        let mut spans: Vec<(usize, usize)> = Vec::with_capacity(shards.len() + blobs.len());
+        let mut logical = 0u64;
+        for (i, s) in shards.iter().enumerate() {
+            validate_name(&s.name)?;
+            if !s.bbox.within(&s.shape) {
+                return Err(Error::invalid(format!(
+                    "tensor {:?}: box {} does not fit the shape {:?}",
+                    s.name, s.bbox, s.shape
+                )));
+            }
+            let start = expect.len();
+            if s.replica_of.is_none() {
+                let want = s.byte_len();
+                logical += want;
+                let elem = if s.dtype.is_float() {
+                    s.dtype.size() as u8
+                } else {
+                    1
+                };
+                for r in self.chunk_spans(want) {
+                    expect.push((i, r.end - r.start, elem));
+                }
+            }
+            spans.push((start, expect.len() - start));
+        }
+        let shard_chunks = expect.len();
+        let mut blob_chunks: Vec<ChunkIn> = Vec::new();
         for b in &blobs {
             validate_name(&b.name)?;
-            let start = inputs.len();
+            let start = shard_chunks + blob_chunks.len();
             logical += b.data.len() as u64;
             for r in self.chunk_spans(b.data.len() as u64) {
-                inputs.push(ChunkIn {
+                blob_chunks.push(ChunkIn {
                     data: b.data.slice(r.start as usize..r.end as usize),
                     elem: 1,
                 });
             }
-            spans.push((start, inputs.len() - start));
+            spans.push((start, shard_chunks + blob_chunks.len() - start));
         }
-        let put = self.put_chunks(stream::iter(inputs), index).await?;
+        let names: Vec<String> = shards.iter().map(|s| s.name.clone()).collect();
+        let names2 = names.clone();
+        let mut exp = expect.into_iter();
+        let checked = chunks
+            .map(Some)
+            .chain(stream::once(async { None }))
+            .map(move |item| match (item, exp.next()) {
+                (Some(Ok(data)), Some((_, len, elem))) if data.len() as u64 == len => {
+                    Some(Ok(ChunkIn { data, elem }))
+                }
+                (Some(Ok(data)), Some((i, len, _))) => Some(Err(Error::invalid(format!(
+                    "tensor {:?}: a chunk of {} bytes arrived where {len} were expected",
+                    names[i],
+                    data.len()
+                )))),
+                (Some(Err(e)), Some((i, _, _))) => {
+                    Some(Err(e.context(format!("snapshot of tensor {:?}", names[i]))))
+                }
+                (Some(Err(e)), None) => Some(Err(e)),
+                (Some(Ok(_)), None) => Some(Err(Error::invalid(
+                    "the snapshot yielded more chunks than its shards hold",
+                ))),
+                (None, Some((i, _, _))) => Some(Err(Error::invalid(format!(
+                    "the snapshot ended before tensor {:?} was complete",
+                    names2[i]
+                )))),
+                (None, None) => None,
+            })
+            .take_while(|x| futures::future::ready(x.is_some()))
+            .map(|x| x.expect("taken while some"))
+            .chain(stream::iter(blob_chunks.into_iter().map(Ok)));
+        let put = self.try_put_chunks(checked, index).await?;
         let refs = put.refs;
         let mut spans = spans.into_iter();
         let tensors: Vec<TensorShard> = shards
