@@ -273,6 +273,7 @@ impl Store {
             blobs,
             stats,
         };
+        self.failpoints().hit("before_commit").await?;
         let path = self.keys().commit(run, step);
         match self.put_json(&path, &record, PutMode::Create).await {
             Ok(hash) => {

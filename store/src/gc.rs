@@ -43,6 +43,8 @@ pub struct GcOptions {
     pub runs: Vec<String>,
     /// Steps that must survive (a pending save builds on them).
     pub protect: Vec<(String, u64)>,
+    /// Sweep unreferenced objects (lists the whole store); retention alone when false.
+    pub sweep: bool,
 }
 
 impl Default for GcOptions {
@@ -54,6 +56,7 @@ impl Default for GcOptions {
             dry_run: false,
             runs: Vec::new(),
             protect: Vec::new(),
+            sweep: true,
         }
     }
 }
@@ -161,6 +164,9 @@ impl Store {
                     self.delete_step(run, s.step, s.committed).await?;
                 }
             }
+        }
+        if !opts.sweep {
+            return Ok(report);
         }
         // Mark.
         let manifests: Vec<RankManifest> = stream::iter(live_manifests)

@@ -217,6 +217,7 @@ pub struct Store {
     keys: Keys,
     cfg: Arc<StoreConfig>,
     url: Arc<str>,
+    failpoints: crate::failpoint::Failpoints,
 }
 
 enum Slot {
@@ -233,6 +234,7 @@ impl Store {
             keys: Keys::new(prefix),
             cfg: Arc::new(StoreConfig::default()),
             url: url.into().into(),
+            failpoints: Default::default(),
         }
     }
 
@@ -250,6 +252,17 @@ impl Store {
         cfg.validate()?;
         self.cfg = Arc::new(cfg);
         Ok(self)
+    }
+
+    /// Arm failpoints on this store (and its clones).
+    pub fn with_failpoints(mut self, fp: crate::failpoint::Failpoints) -> Self {
+        self.failpoints = fp;
+        self
+    }
+
+    /// The failpoints of this store.
+    pub fn failpoints(&self) -> &crate::failpoint::Failpoints {
+        &self.failpoints
     }
 
     /// The settings.

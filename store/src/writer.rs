@@ -276,6 +276,7 @@ impl Store {
             blobs,
             stats,
         };
+        self.failpoints().hit("after_chunks").await?;
         let entry = self.write_rank_manifest(&manifest).await?;
         Ok((manifest, entry, put.stats))
     }

@@ -1,0 +1,99 @@
+//! Named failpoints at crash-relevant steps, per store instance (so parallel tests do not
+//! interfere): `after_chunks` (chunks written, rank manifest not yet), `before_commit`
+//! (manifests checked, commit record not yet).
+//!
+//! Processes can set them from the environment: `CKPT_FAILPOINTS=after_chunks=kill` or
+//! `...=sleep(500)` or `...=error`, several separated by `;`.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+
+/// What a failpoint does when reached.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FailAction {
+    /// Return an error.
+    Error,
+    /// Sleep, then go on.
+    Sleep(Duration),
+    /// Kill the whole process with SIGKILL, as a crash would.
+    Kill,
+}
+
+/// A set of armed failpoints.
+#[derive(Debug, Clone, Default)]
+pub struct Failpoints(Arc<Mutex<HashMap<String, FailAction>>>);
+
+impl Failpoints {
+    /// No failpoints armed.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Parse `name=action;name=action` (actions: `error`, `kill`, `sleep(MS)`).
+    pub fn parse(spec: &str) -> Result<Self> {
+        let fp = Failpoints::new();
+        for part in spec.split(';').map(str::trim).filter(|p| !p.is_empty()) {
+            let (name, action) = part.split_once('=').ok_or_else(|| {
+                Error::invalid(format!("failpoint {part:?}: expected name=action"))
+            })?;
+            let action = match action.trim() {
+                "error" => FailAction::Error,
+                "kill" => FailAction::Kill,
+                a if a.starts_with("sleep(") && a.ends_with(')') => {
+                    let ms: u64 = a[6..a.len() - 1]
+                        .parse()
+                        .map_err(|_| Error::invalid(format!("failpoint {part:?}: bad sleep")))?;
+                    FailAction::Sleep(Duration::from_millis(ms))
+                }
+                other => {
+                    return Err(Error::invalid(format!(
+                        "failpoint {part:?}: unknown action {other:?} (error, kill, sleep(MS))"
+                    )));
+                }
+            };
+            fp.set(name.trim(), action);
+        }
+        Ok(fp)
+    }
+
+    /// Arm `name`.
+    pub fn set(&self, name: &str, action: FailAction) {
+        self.0
+            .lock()
+            .expect("failpoints")
+            .insert(name.to_string(), action);
+    }
+
+    /// Disarm everything.
+    pub fn clear(&self) {
+        self.0.lock().expect("failpoints").clear();
+    }
+
+    /// Reach failpoint `name`.
+    pub async fn hit(&self, name: &str) -> Result<()> {
+        let action = self.0.lock().expect("failpoints").get(name).cloned();
+        match action {
+            None => Ok(()),
+            Some(FailAction::Error) => Err(Error::new(
+                crate::ErrorKind::Backend,
+                format!("failpoint {name} fired"),
+            )),
+            Some(FailAction::Sleep(d)) => {
+                tracing::warn!(failpoint = name, "sleeping {:?}", d);
+                tokio::time::sleep(d).await;
+                Ok(())
+            }
+            Some(FailAction::Kill) => {
+                tracing::error!(failpoint = name, "killing the process");
+                // SAFETY: plain libc calls on our own process id.
+                unsafe {
+                    libc::kill(libc::getpid(), libc::SIGKILL);
+                }
+                std::process::abort()
+            }
+        }
+    }
+}
