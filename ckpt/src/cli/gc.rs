@@ -1,0 +1,213 @@
+//! `ckpt gc [--keep-last N] [--keep-every K] [--grace DURATION] [--dry-run]`: delete committed
+//! steps that retention does not keep, abandoned incomplete steps older than the grace period,
+//! and chunk and pack objects nothing references any more.
+//!
+//! What a save in progress needs survives: its chunks are younger than the grace period (GC
+//! never deletes an unreferenced object younger than that), and so is its incomplete step.
+//! `--protect RUN@STEP` keeps a step a pending save builds on whatever retention says.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use ckpt_store::{GcOptions, GcReport, Store, validate_run};
+use serde::Serialize;
+
+use super::fmt;
+use super::parse::{CkptRef, ckpt_ref, duration};
+use super::{CliError, Report, Result, Ui};
+
+/// Shortest grace period accepted without `--force`.
+pub const MIN_GRACE: Duration = Duration::from_secs(60);
+
+/// Arguments of `ckpt gc`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct GcArgs {
+    /// Keep the newest N committed steps of each run (the newest is always kept).
+    #[arg(long, value_name = "N")]
+    pub keep_last: Option<usize>,
+    /// Keep committed steps whose number is a multiple of K.
+    #[arg(long, value_name = "K")]
+    pub keep_every: Option<u64>,
+    /// Never delete objects or incomplete steps younger than this (a save in progress).
+    #[arg(long, value_name = "DURATION", default_value = "1h", value_parser = duration)]
+    pub grace: Duration,
+    /// Print what would be deleted; delete nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Apply retention only to these runs (default: every run). The sweep of unreferenced
+    /// objects always considers the whole store.
+    #[arg(long = "run", value_name = "RUN")]
+    pub runs: Vec<String>,
+    /// Keep this step whatever retention says (a pending save builds on it). Repeatable.
+    #[arg(long, value_name = "RUN@STEP", value_parser = ckpt_ref)]
+    pub protect: Vec<CkptRef>,
+    /// Accept a grace period under a minute (only when no save is running).
+    #[arg(long)]
+    pub force: bool,
+    /// Apply retention only: leave unreferenced chunks for a later gc.
+    #[arg(long)]
+    pub no_sweep: bool,
+}
+
+impl Default for GcArgs {
+    fn default() -> Self {
+        GcArgs {
+            keep_last: None,
+            keep_every: None,
+            grace: Duration::from_secs(3600),
+            dry_run: false,
+            runs: Vec::new(),
+            protect: Vec::new(),
+            force: false,
+            no_sweep: false,
+        }
+    }
+}
+
+/// What `ckpt gc` did or would do.
+#[derive(Debug, Clone, Serialize)]
+pub struct GcOutput {
+    /// The store's URL.
+    pub store: String,
+    /// The retention rule, in words.
+    pub retention: String,
+    /// Grace period in seconds.
+    pub grace_s: f64,
+    /// The store's report.
+    #[serde(flatten)]
+    pub report: GcReport,
+}
+
+/// Run retention and sweep. `now` is the time GC compares object ages with.
+pub async fn gc(store: &Store, args: &GcArgs, now: DateTime<Utc>, ui: &Ui) -> Result<GcOutput> {
+    if args.keep_every == Some(0) {
+        return Err(CliError::usage("--keep-every must be at least 1"));
+    }
+    if args.grace < MIN_GRACE && !args.force {
+        return Err(CliError::usage(format!(
+            "a grace period of {} can delete the chunks of a save in progress; \
+             pass --force if no save is running",
+            fmt::duration(args.grace.as_secs_f64())
+        )));
+    }
+    for r in &args.runs {
+        validate_run(r).map_err(|e| CliError::usage(e.to_string()))?;
+        if store.list_steps(r).await?.is_empty() {
+            return Err(super::parse::no_such_run(store, r).await);
+        }
+    }
+    let mut protect = Vec::new();
+    for p in &args.protect {
+        protect.push((p.run.clone(), p.resolve(store).await?));
+    }
+    let opts = GcOptions {
+        keep_last: args.keep_last,
+        keep_every: args.keep_every,
+        grace: args.grace,
+        dry_run: args.dry_run,
+        runs: args.runs.clone(),
+        protect,
+        sweep: !args.no_sweep,
+    };
+    let pb = ui.spinner(if args.dry_run {
+        "collecting garbage (dry run)"
+    } else {
+        "collecting garbage"
+    });
+    let report = store.gc(&opts, now).await?;
+    pb.finish_and_clear();
+    let mut rules = Vec::new();
+    if let Some(n) = args.keep_last {
+        rules.push(format!("the newest {n}"));
+    }
+    if let Some(k) = args.keep_every {
+        rules.push(format!("every step divisible by {k}"));
+    }
+    let scope = if args.runs.is_empty() {
+        "every run".to_string()
+    } else {
+        format!("run(s) {}", args.runs.join(", "))
+    };
+    let retention = if rules.is_empty() {
+        "keep every committed step (no --keep-last or --keep-every)".to_string()
+    } else {
+        format!(
+            "keep {} and the newest committed step of {scope}",
+            rules.join(" and ")
+        )
+    };
+    Ok(GcOutput {
+        store: store.url().to_string(),
+        retention,
+        grace_s: args.grace.as_secs_f64(),
+        report,
+    })
+}
+
+fn grouped(steps: &[(String, u64)]) -> String {
+    let mut by: BTreeMap<&str, Vec<u64>> = BTreeMap::new();
+    for (r, s) in steps {
+        by.entry(r.as_str()).or_default().push(*s);
+    }
+    by.into_iter()
+        .map(|(r, s)| format!("{r}@{{{}}}", fmt::ranges(&s)))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+impl Report for GcOutput {
+    fn print(&self, w: &mut dyn Write) -> std::io::Result<()> {
+        let r = &self.report;
+        let (del, deletes) = if r.dry_run {
+            ("would delete", "would free")
+        } else {
+            ("deleted", "freed")
+        };
+        writeln!(
+            w,
+            "gc of {}{}",
+            self.store,
+            if r.dry_run {
+                " (dry run: nothing deleted)"
+            } else {
+                ""
+            }
+        )?;
+        writeln!(
+            w,
+            "  retention  {}; grace {}",
+            self.retention,
+            fmt::duration(self.grace_s)
+        )?;
+        if r.steps_deleted.is_empty() {
+            writeln!(w, "  steps      none to delete")?;
+        } else {
+            writeln!(
+                w,
+                "  steps      {del} {} committed: {}",
+                r.steps_deleted.len(),
+                grouped(&r.steps_deleted)
+            )?;
+        }
+        if !r.incomplete_deleted.is_empty() {
+            writeln!(
+                w,
+                "  abandoned  {del} {} incomplete: {}",
+                r.incomplete_deleted.len(),
+                grouped(&r.incomplete_deleted)
+            )?;
+        }
+        writeln!(w, "  kept       {} committed step(s)", r.steps_kept.len())?;
+        writeln!(
+            w,
+            "  objects    {del} {}, {deletes} {}; kept {} ({}), {} of them unreferenced but in the grace period",
+            r.objects_deleted,
+            fmt::bytes(r.bytes_freed),
+            r.objects_kept,
+            fmt::bytes(r.bytes_kept),
+            r.objects_in_grace
+        )
+    }
+}

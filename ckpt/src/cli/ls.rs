@@ -1,0 +1,401 @@
+//! `ckpt ls [RUN]`: the runs of a store, or the steps of a run with their sizes.
+
+use std::collections::{HashMap, HashSet};
+use std::io::Write;
+
+use chrono::{DateTime, TimeZone, Utc};
+use ckpt_store::{ChunkId, CommitRecord, RankManifest, Store, validate_run};
+use futures::{StreamExt, TryStreamExt, stream};
+use serde::Serialize;
+
+use super::fmt::{self, Align, Table};
+use super::{CliError, Report, Result, Ui};
+
+/// Arguments of `ckpt ls`.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct LsArgs {
+    /// List the steps of this run (default: list the runs).
+    pub run: Option<String>,
+    /// Do not read rank manifests: no stored or new sizes, but one request per step.
+    #[arg(long)]
+    pub quick: bool,
+}
+
+/// What `ckpt ls` lists.
+#[derive(Debug, Clone, Serialize)]
+#[serde(untagged)]
+pub enum LsReport {
+    /// `ckpt ls`
+    Runs(RunsListing),
+    /// `ckpt ls RUN`
+    Steps(StepsListing),
+}
+
+/// The runs of a store.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunsListing {
+    /// The store's URL.
+    pub store: String,
+    /// One row per run, by name.
+    pub runs: Vec<RunRow>,
+}
+
+/// One run.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunRow {
+    /// Run name.
+    pub run: String,
+    /// Committed steps.
+    pub committed_steps: usize,
+    /// Steps with manifests but no commit record (saves in progress or crashed).
+    pub incomplete_steps: usize,
+    /// The newest committed step.
+    pub latest: Option<u64>,
+    /// Its layout.
+    pub layout: Option<String>,
+    /// Its tensor and blob bytes.
+    pub logical_bytes: Option<u64>,
+    /// When it was committed (RFC 3339).
+    pub latest_time: Option<String>,
+    /// Seconds since then.
+    pub age_s: Option<f64>,
+}
+
+/// The steps of a run.
+#[derive(Debug, Clone, Serialize)]
+pub struct StepsListing {
+    /// The store's URL.
+    pub store: String,
+    /// Run name.
+    pub run: String,
+    /// One row per step, ascending.
+    pub steps: Vec<StepRow>,
+}
+
+/// One step.
+#[derive(Debug, Clone, Serialize)]
+pub struct StepRow {
+    /// Step number.
+    pub step: u64,
+    /// Whether its commit record exists.
+    pub committed: bool,
+    /// Rank manifests present.
+    pub ranks: usize,
+    /// Ranks of the layout (from the commit record or any manifest).
+    pub world: Option<u32>,
+    /// The layout saved under.
+    pub layout: Option<String>,
+    /// Job generation that saved it.
+    pub generation: Option<u64>,
+    /// Tensors.
+    pub tensors: Option<usize>,
+    /// Bytes of tensors and blobs, uncompressed.
+    pub logical_bytes: Option<u64>,
+    /// Bytes of the chunks it references, as stored (compressed, each chunk once).
+    pub stored_bytes: Option<u64>,
+    /// Stored bytes of chunks no earlier step of the run references: what this step added.
+    pub new_bytes: Option<u64>,
+    /// Bytes the save wrote, as its writers counted them.
+    pub written_bytes: Option<u64>,
+    /// Commit time (committed) or newest object time (incomplete), RFC 3339.
+    pub time: String,
+    /// Seconds since `time`.
+    pub age_s: f64,
+    /// Why some figures are missing (a damaged or unreadable manifest).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub problem: Option<String>,
+}
+
+/// List runs, or the steps of `args.run`.
+pub async fn ls(store: &Store, args: &LsArgs, now: DateTime<Utc>, ui: &Ui) -> Result<LsReport> {
+    match &args.run {
+        None => list_runs(store, now, ui).await.map(LsReport::Runs),
+        Some(run) => list_steps(store, run, args.quick, now, ui)
+            .await
+            .map(LsReport::Steps),
+    }
+}
+
+fn ms_time(ms: i64) -> DateTime<Utc> {
+    Utc.timestamp_millis_opt(ms).single().unwrap_or_default()
+}
+
+fn age(now: DateTime<Utc>, t: DateTime<Utc>) -> f64 {
+    (now - t).num_milliseconds() as f64 / 1000.0
+}
+
+async fn list_runs(store: &Store, now: DateTime<Utc>, ui: &Ui) -> Result<RunsListing> {
+    let runs = store.list_runs().await?;
+    let pb = ui.items(runs.len() as u64, "listing runs");
+    let rows: Vec<RunRow> = stream::iter(runs)
+        .map(|run| {
+            let pb = pb.clone();
+            async move {
+                let steps = store.list_steps(&run).await?;
+                let committed: Vec<u64> = steps
+                    .iter()
+                    .filter(|s| s.committed)
+                    .map(|s| s.step)
+                    .collect();
+                let latest = committed.last().copied();
+                let commit = match latest {
+                    Some(s) => store.read_commit(&run, s).await.ok().map(|(c, _)| c),
+                    None => None,
+                };
+                pb.inc(1);
+                Ok::<_, CliError>(RunRow {
+                    committed_steps: committed.len(),
+                    incomplete_steps: steps.len() - committed.len(),
+                    latest,
+                    layout: commit.as_ref().map(|c| c.layout.to_string()),
+                    logical_bytes: commit.as_ref().map(CommitRecord::logical_bytes),
+                    latest_time: commit
+                        .as_ref()
+                        .map(|c| ms_time(c.committed_ms).to_rfc3339()),
+                    age_s: commit.as_ref().map(|c| age(now, ms_time(c.committed_ms))),
+                    run,
+                })
+            }
+        })
+        .buffered(8)
+        .try_collect()
+        .await?;
+    pb.finish_and_clear();
+    Ok(RunsListing {
+        store: store.url().to_string(),
+        runs: rows,
+    })
+}
+
+struct StepInfo {
+    commit: Option<CommitRecord>,
+    manifests: Vec<RankManifest>,
+    problem: Option<String>,
+}
+
+async fn list_steps(
+    store: &Store,
+    run: &str,
+    quick: bool,
+    now: DateTime<Utc>,
+    ui: &Ui,
+) -> Result<StepsListing> {
+    validate_run(run).map_err(|e| CliError::usage(e.to_string()))?;
+    let steps = store.list_steps(run).await?;
+    if steps.is_empty() {
+        return Err(super::parse::no_such_run(store, run).await);
+    }
+    let pb = ui.items(steps.len() as u64, format!("reading {run}"));
+    let infos: Vec<StepInfo> = stream::iter(steps.iter())
+        .map(|s| {
+            let pb = pb.clone();
+            async move {
+                let mut info = StepInfo {
+                    commit: None,
+                    manifests: Vec::new(),
+                    problem: None,
+                };
+                if s.committed {
+                    match store.read_commit(run, s.step).await {
+                        Ok((c, _)) => info.commit = Some(c),
+                        Err(e) => info.problem = Some(e.to_string()),
+                    }
+                }
+                // Incomplete steps need one manifest for their layout; sizes need them all.
+                let wanted: Vec<(u32, Option<ckpt_store::RankEntry>)> = match &info.commit {
+                    Some(c) if !quick => {
+                        c.ranks.iter().map(|e| (e.rank, Some(e.clone()))).collect()
+                    }
+                    Some(_) => Vec::new(),
+                    None if quick => s.ranks.iter().take(1).map(|&r| (r, None)).collect(),
+                    None => s.ranks.iter().map(|&r| (r, None)).collect(),
+                };
+                let got: Vec<_> = stream::iter(wanted)
+                    .map(|(r, e)| async move {
+                        store.read_rank_manifest(run, s.step, r, e.as_ref()).await
+                    })
+                    .buffer_unordered(16)
+                    .collect()
+                    .await;
+                for m in got {
+                    match m {
+                        Ok(m) => info.manifests.push(m),
+                        Err(e) => {
+                            info.problem.get_or_insert_with(|| e.to_string());
+                        }
+                    }
+                }
+                info.manifests.sort_by_key(|m| m.rank);
+                pb.inc(1);
+                info
+            }
+        })
+        .buffered(4)
+        .collect()
+        .await;
+    pb.finish_and_clear();
+
+    let mut seen: HashSet<ChunkId> = HashSet::new();
+    let mut rows = Vec::with_capacity(steps.len());
+    for (s, info) in steps.iter().zip(infos) {
+        let sizes = (!quick && info.problem.is_none()).then(|| {
+            let mut stored: HashMap<ChunkId, u64> = HashMap::new();
+            for m in &info.manifests {
+                for c in m
+                    .tensors
+                    .iter()
+                    .flat_map(|t| &t.chunks)
+                    .chain(m.blobs.iter().flat_map(|b| &b.chunks))
+                {
+                    stored.insert(c.id, c.stored as u64);
+                }
+            }
+            let total: u64 = stored.values().sum();
+            let new: u64 = stored
+                .iter()
+                .filter(|(id, _)| !seen.contains(*id))
+                .map(|(_, n)| n)
+                .sum();
+            seen.extend(stored.keys().copied());
+            (total, new)
+        });
+        let first = info.manifests.first();
+        let (layout, generation) = match (&info.commit, first) {
+            (Some(c), _) => (Some(c.layout), Some(c.generation)),
+            (None, Some(m)) => (Some(m.layout), Some(m.generation)),
+            _ => (None, None),
+        };
+        let time = match &info.commit {
+            Some(c) => ms_time(c.committed_ms),
+            None => s.last_modified,
+        };
+        let logical = match &info.commit {
+            Some(c) => Some(c.logical_bytes()),
+            None if !info.manifests.is_empty() => Some(
+                info.manifests
+                    .iter()
+                    .map(|m| m.stats.logical_bytes)
+                    .sum::<u64>(),
+            ),
+            None => None,
+        };
+        let written = match &info.commit {
+            Some(c) => Some(c.stats.bytes_written),
+            None if !info.manifests.is_empty() => Some(
+                info.manifests
+                    .iter()
+                    .map(|m| m.stats.bytes_written)
+                    .sum::<u64>(),
+            ),
+            None => None,
+        };
+        rows.push(StepRow {
+            step: s.step,
+            committed: s.committed,
+            ranks: s.ranks.len(),
+            world: layout.map(|l| l.world()),
+            layout: layout.map(|l| l.to_string()),
+            generation,
+            tensors: info.commit.as_ref().map(|c| c.tensors.len()),
+            logical_bytes: logical,
+            stored_bytes: sizes.map(|s| s.0),
+            new_bytes: sizes.map(|s| s.1),
+            written_bytes: written,
+            time: time.to_rfc3339(),
+            age_s: age(now, time),
+            problem: info.problem,
+        });
+    }
+    Ok(StepsListing {
+        store: store.url().to_string(),
+        run: run.to_string(),
+        steps: rows,
+    })
+}
+
+fn opt_bytes(v: Option<u64>) -> String {
+    v.map_or_else(|| "-".into(), fmt::bytes)
+}
+
+impl Report for LsReport {
+    fn print(&self, w: &mut dyn Write) -> std::io::Result<()> {
+        match self {
+            LsReport::Runs(r) => {
+                if r.runs.is_empty() {
+                    return writeln!(w, "no runs in {}", r.store);
+                }
+                let mut t = Table::new(&[
+                    ("RUN", Align::Left),
+                    ("STEPS", Align::Right),
+                    ("INCOMPLETE", Align::Right),
+                    ("LATEST", Align::Right),
+                    ("LAYOUT", Align::Left),
+                    ("SIZE", Align::Right),
+                    ("AGE", Align::Left),
+                ]);
+                for row in &r.runs {
+                    t.row(vec![
+                        row.run.clone(),
+                        row.committed_steps.to_string(),
+                        row.incomplete_steps.to_string(),
+                        row.latest.map_or("-".into(), |s| s.to_string()),
+                        row.layout.clone().unwrap_or_else(|| "-".into()),
+                        opt_bytes(row.logical_bytes),
+                        row.age_s.map_or("-".into(), fmt::age),
+                    ]);
+                }
+                write!(w, "{}", t.render())
+            }
+            LsReport::Steps(s) => {
+                let committed = s.steps.iter().filter(|r| r.committed).count();
+                writeln!(
+                    w,
+                    "run {} in {}: {} committed, {} incomplete",
+                    s.run,
+                    s.store,
+                    committed,
+                    s.steps.len() - committed
+                )?;
+                let mut t = Table::new(&[
+                    ("STEP", Align::Right),
+                    ("STATE", Align::Left),
+                    ("RANKS", Align::Right),
+                    ("LAYOUT", Align::Left),
+                    ("LOGICAL", Align::Right),
+                    ("STORED", Align::Right),
+                    ("NEW", Align::Right),
+                    ("AGE", Align::Left),
+                ]);
+                let mut problems = Vec::new();
+                for r in &s.steps {
+                    let ranks = match (r.committed, r.world) {
+                        (false, Some(wd)) => format!("{}/{wd}", r.ranks),
+                        _ => r.ranks.to_string(),
+                    };
+                    t.row(vec![
+                        r.step.to_string(),
+                        if r.committed {
+                            "committed".into()
+                        } else {
+                            "incomplete".into()
+                        },
+                        ranks,
+                        r.layout.clone().unwrap_or_else(|| "-".into()),
+                        opt_bytes(r.logical_bytes),
+                        opt_bytes(r.stored_bytes),
+                        opt_bytes(r.new_bytes),
+                        fmt::age(r.age_s),
+                    ]);
+                    if let Some(p) = &r.problem {
+                        problems.push(format!("step {}: {p}", r.step));
+                    }
+                }
+                write!(w, "{}", t.render())?;
+                for p in problems {
+                    writeln!(w, "warning: {p} (run `ckpt verify {}`)", s.run)?;
+                }
+                Ok(())
+            }
+        }
+    }
+}

@@ -1,0 +1,942 @@
+//! `ckpt plot RUN --out FILE.png|svg`: a run's loss (and gradient norm) on one wall-clock time
+//! axis, with checkpoints, failures, recoveries, rollbacks and loss spikes marked, from the
+//! run's metrics and events logs ([`ckpt_store::logs`]).
+//!
+//! Records read (others are ignored):
+//!
+//! - metrics: `{"kind":"step","step","loss","grad_norm","rank","t_ms"}`,
+//!   `{"kind":"checkpoint","step","bytes","stall_s","t_ms",...}`;
+//! - events: `{"kind":"failure","rank","node","how","t_ms"}`,
+//!   `{"kind":"recovery","generation","layout","step","steps_lost","t_ms"}`,
+//!   `{"kind":"rollback","from_step","to_step","reason","t_ms"}`,
+//!   `{"kind":"spike","step","loss","action","t_ms"}`.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use ckpt_store::logs::{EVENTS, METRICS, read_log};
+use ckpt_store::{Store, validate_run};
+use serde::Serialize;
+use serde_json::Value;
+
+use super::fmt;
+use super::render::{Anchor, Canvas, Color, Pen, Png, Svg, text_width};
+use super::{CliError, Report, Result, Ui};
+
+/// Arguments of `ckpt plot`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct PlotArgs {
+    /// The run.
+    pub run: String,
+    /// The image to write: .png or .svg.
+    #[arg(long, value_name = "FILE")]
+    pub out: PathBuf,
+    /// Width in pixels.
+    #[arg(long, default_value_t = 1200)]
+    pub width: u32,
+    /// Height in pixels.
+    #[arg(long, default_value_t = 720)]
+    pub height: u32,
+    /// Logarithmic loss axis.
+    #[arg(long)]
+    pub log_y: bool,
+}
+
+impl PlotArgs {
+    /// Plot `run` into `out` with defaults.
+    pub fn new(run: &str, out: impl Into<PathBuf>) -> Self {
+        PlotArgs {
+            run: run.into(),
+            out: out.into(),
+            width: 1200,
+            height: 720,
+            log_y: false,
+        }
+    }
+}
+
+/// What `ckpt plot` drew.
+#[derive(Debug, Clone, Serialize)]
+pub struct PlotReport {
+    /// Run.
+    pub run: String,
+    /// The file written.
+    pub out: String,
+    /// `png` or `svg`.
+    pub format: String,
+    /// Loss points.
+    pub points: usize,
+    /// First and last step plotted.
+    pub steps: Option<(u64, u64)>,
+    /// Checkpoints marked.
+    pub checkpoints: usize,
+    /// Failures marked.
+    pub failures: usize,
+    /// Recoveries marked.
+    pub recoveries: usize,
+    /// Rollbacks marked.
+    pub rollbacks: usize,
+    /// Loss spikes marked.
+    pub spikes: usize,
+    /// Seconds from the first record to the last.
+    pub span_s: f64,
+    /// Bytes of the file.
+    pub bytes: u64,
+}
+
+/// A loss or grad-norm point.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Point {
+    /// Seconds since the first record.
+    pub t: f64,
+    /// Step.
+    pub step: u64,
+    /// Value.
+    pub v: f64,
+}
+
+/// A marked event.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Mark {
+    /// Seconds since the first record.
+    pub t: f64,
+    /// Short label.
+    pub label: String,
+    /// A value on the loss axis (spikes).
+    pub v: Option<f64>,
+}
+
+/// Everything a plot shows, extracted from the logs.
+#[derive(Debug, Clone, Default)]
+pub struct Series {
+    /// Unix ms of time 0.
+    pub t0_ms: i64,
+    /// Loss per step (one rank's).
+    pub loss: Vec<Point>,
+    /// Gradient norm per step.
+    pub grad_norm: Vec<Point>,
+    /// Checkpoints.
+    pub checkpoints: Vec<Mark>,
+    /// Failures.
+    pub failures: Vec<Mark>,
+    /// Recoveries.
+    pub recoveries: Vec<Mark>,
+    /// Rollbacks.
+    pub rollbacks: Vec<Mark>,
+    /// Loss spikes.
+    pub spikes: Vec<Mark>,
+    /// Seconds from the first record to the last.
+    pub span: f64,
+}
+
+fn num(v: &Value, k: &str) -> Option<f64> {
+    v.get(k).and_then(Value::as_f64)
+}
+fn uint(v: &Value, k: &str) -> Option<u64> {
+    v.get(k).and_then(Value::as_u64)
+}
+fn text<'a>(v: &'a Value, k: &str) -> Option<&'a str> {
+    v.get(k).and_then(Value::as_str)
+}
+
+/// Pull the series out of log records (each with `t_ms`).
+pub fn series(metrics: &[Value], events: &[Value]) -> Series {
+    let t_of = |v: &Value| v.get("t_ms").and_then(Value::as_i64);
+    let t0 = metrics
+        .iter()
+        .chain(events)
+        .filter_map(t_of)
+        .min()
+        .unwrap_or(0);
+    let t1 = metrics
+        .iter()
+        .chain(events)
+        .filter_map(t_of)
+        .max()
+        .unwrap_or(0);
+    let rel = |v: &Value| t_of(v).map(|t| (t - t0) as f64 / 1000.0);
+    // Loss is the same on every data-parallel rank; plot the lowest rank that logs it.
+    let rank0 = metrics
+        .iter()
+        .filter(|v| text(v, "kind") == Some("step"))
+        .filter_map(|v| uint(v, "rank"))
+        .min();
+    let mut s = Series {
+        t0_ms: t0,
+        span: (t1 - t0) as f64 / 1000.0,
+        ..Series::default()
+    };
+    for v in metrics {
+        let Some(t) = rel(v) else { continue };
+        match text(v, "kind") {
+            Some("step") => {
+                if uint(v, "rank") != rank0 && uint(v, "rank").is_some() {
+                    continue;
+                }
+                let step = uint(v, "step").unwrap_or(0);
+                if let Some(l) = num(v, "loss").filter(|x| x.is_finite()) {
+                    s.loss.push(Point { t, step, v: l });
+                }
+                if let Some(g) = num(v, "grad_norm").filter(|x| x.is_finite()) {
+                    s.grad_norm.push(Point { t, step, v: g });
+                }
+            }
+            Some("checkpoint") => s.checkpoints.push(Mark {
+                t,
+                label: format!("ckpt {}", uint(v, "step").unwrap_or(0)),
+                v: None,
+            }),
+            _ => {}
+        }
+    }
+    for v in events {
+        let Some(t) = rel(v) else { continue };
+        match text(v, "kind") {
+            Some("failure") => s.failures.push(Mark {
+                t,
+                label: format!(
+                    "✕ rank {} {}",
+                    uint(v, "rank").map_or("?".into(), |r| r.to_string()),
+                    text(v, "how").unwrap_or("failed")
+                ),
+                v: None,
+            }),
+            Some("recovery") => s.recoveries.push(Mark {
+                t,
+                label: format!(
+                    "recovered {} @{}{}",
+                    text(v, "layout").unwrap_or(""),
+                    uint(v, "step").map_or("?".into(), |x| x.to_string()),
+                    uint(v, "steps_lost").map_or(String::new(), |k| format!(" (−{k} steps)"))
+                ),
+                v: None,
+            }),
+            Some("rollback") => s.rollbacks.push(Mark {
+                t,
+                label: format!(
+                    "rollback {}→{}",
+                    uint(v, "from_step").map_or("?".into(), |x| x.to_string()),
+                    uint(v, "to_step").map_or("?".into(), |x| x.to_string())
+                ),
+                v: None,
+            }),
+            Some("spike") => s.spikes.push(Mark {
+                t,
+                label: format!("spike @{}", uint(v, "step").unwrap_or(0)),
+                v: num(v, "loss").filter(|x| x.is_finite()),
+            }),
+            _ => {}
+        }
+    }
+    for p in [&mut s.loss, &mut s.grad_norm] {
+        p.sort_by(|a, b| a.t.total_cmp(&b.t));
+    }
+    s
+}
+
+/// Read the run's logs and draw them.
+pub async fn plot(store: &Store, args: &PlotArgs, ui: &Ui) -> Result<PlotReport> {
+    validate_run(&args.run).map_err(|e| CliError::usage(e.to_string()))?;
+    let ext = args
+        .out
+        .extension()
+        .and_then(|e| e.to_str())
+        .map(str::to_ascii_lowercase);
+    let format = match ext.as_deref() {
+        Some("png") => "png",
+        Some("svg") => "svg",
+        _ => {
+            return Err(CliError::usage(format!(
+                "--out {}: the file name must end in .png or .svg",
+                args.out.display()
+            )));
+        }
+    };
+    if !(200..=10000).contains(&args.width) || !(150..=10000).contains(&args.height) {
+        return Err(CliError::usage(
+            "--width must be 200..10000 and --height 150..10000 pixels",
+        ));
+    }
+    let pb = ui.spinner(format!("reading the logs of {}", args.run));
+    let metrics = read_log(store, &args.run, METRICS).await?;
+    let events = read_log(store, &args.run, EVENTS).await?;
+    pb.finish_and_clear();
+    let s = series(&metrics, &events);
+    if s.loss.is_empty() && s.grad_norm.is_empty() {
+        let has_run = store.list_runs().await?.iter().any(|r| r == &args.run);
+        let why = if !has_run {
+            return Err(super::parse::no_such_run(store, &args.run).await);
+        } else if metrics.is_empty() {
+            format!(
+                "run {} has no metrics log (the trainer writes runs/{}/{METRICS}/)",
+                args.run, args.run
+            )
+        } else {
+            format!(
+                "the metrics log of run {} has {} records but none of kind \"step\" with a finite loss",
+                args.run,
+                metrics.len()
+            )
+        };
+        return Err(CliError::error(format!("nothing to plot: {why}")));
+    }
+    let bytes = match format {
+        "svg" => {
+            let mut c = Svg::new(args.width as f32, args.height as f32);
+            draw(&mut c, &args.run, &s, args.log_y);
+            c.finish().into_bytes()
+        }
+        _ => {
+            let mut c = Png::new(args.width, args.height);
+            draw(&mut c, &args.run, &s, args.log_y);
+            c.finish()
+                .map_err(|e| CliError::error(format!("encoding the PNG: {e}")))?
+        }
+    };
+    std::fs::write(&args.out, &bytes)
+        .map_err(|e| CliError::error(format!("writing {}: {e}", args.out.display())))?;
+    Ok(PlotReport {
+        run: args.run.clone(),
+        out: args.out.display().to_string(),
+        format: format.into(),
+        points: s.loss.len(),
+        steps: match (
+            s.loss.iter().map(|p| p.step).min(),
+            s.loss.iter().map(|p| p.step).max(),
+        ) {
+            (Some(a), Some(b)) => Some((a, b)),
+            _ => None,
+        },
+        checkpoints: s.checkpoints.len(),
+        failures: s.failures.len(),
+        recoveries: s.recoveries.len(),
+        rollbacks: s.rollbacks.len(),
+        spikes: s.spikes.len(),
+        span_s: s.span,
+        bytes: bytes.len() as u64,
+    })
+}
+
+// ----- drawing --------------------------------------------------------------------------------
+
+const INK: Color = Color::rgb(40, 40, 48);
+const MUTED: Color = Color::rgb(110, 110, 120);
+const GRID: Color = Color::rgb(228, 228, 234);
+const LOSS: Color = Color::rgb(31, 119, 180);
+const GRAD: Color = Color::rgb(120, 81, 169);
+const CKPT: Color = Color::rgb(44, 160, 44);
+const FAIL: Color = Color::rgb(214, 39, 40);
+const RECOVER: Color = Color::rgb(23, 190, 207);
+const ROLLBACK: Color = Color::rgb(255, 127, 14);
+const SPIKE: Color = Color::rgb(255, 127, 14);
+
+/// A y axis: maps values to pixels.
+struct Axis {
+    lo: f64,
+    hi: f64,
+    log: bool,
+    top: f32,
+    bottom: f32,
+}
+
+impl Axis {
+    fn new(vals: impl Iterator<Item = f64>, log: bool, top: f32, bottom: f32) -> Axis {
+        let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
+        for v in vals.filter(|v| v.is_finite() && (!log || *v > 0.0)) {
+            lo = lo.min(v);
+            hi = hi.max(v);
+        }
+        if !lo.is_finite() {
+            (lo, hi) = if log { (0.1, 10.0) } else { (0.0, 1.0) };
+        }
+        if log {
+            let (a, b) = (lo.log10().floor(), hi.log10().ceil());
+            (lo, hi) = (10f64.powf(a), 10f64.powf(if b > a { b } else { a + 1.0 }));
+        } else {
+            if hi - lo < 1e-12 * hi.abs().max(1.0) {
+                (lo, hi) = (lo - 0.5 * lo.abs().max(1.0), hi + 0.5 * hi.abs().max(1.0));
+            }
+            let pad = (hi - lo) * 0.06;
+            (lo, hi) = (lo - pad, hi + pad);
+        }
+        Axis {
+            lo,
+            hi,
+            log,
+            top,
+            bottom,
+        }
+    }
+    fn y(&self, v: f64) -> f32 {
+        let f = if self.log {
+            (v.max(1e-300).log10() - self.lo.log10()) / (self.hi.log10() - self.lo.log10())
+        } else {
+            (v - self.lo) / (self.hi - self.lo)
+        };
+        self.bottom - (f as f32) * (self.bottom - self.top)
+    }
+    fn ticks(&self) -> Vec<f64> {
+        if self.log {
+            let (a, b) = (
+                self.lo.log10().round() as i32,
+                self.hi.log10().round() as i32,
+            );
+            let mut t: Vec<f64> = (a..=b).map(|e| 10f64.powi(e)).collect();
+            if b - a <= 1 {
+                let extra: Vec<f64> = t.iter().flat_map(|x| [2.0 * x, 5.0 * x]).collect();
+                t.extend(extra.into_iter().filter(|x| *x <= self.hi));
+                t.sort_by(f64::total_cmp);
+            }
+            t
+        } else {
+            nice_ticks(self.lo, self.hi, 5)
+        }
+    }
+}
+
+/// About `n` round tick values covering `lo..hi` (1, 2, 2.5, 5 times a power of ten).
+pub fn nice_ticks(lo: f64, hi: f64, n: usize) -> Vec<f64> {
+    if hi.partial_cmp(&lo) != Some(std::cmp::Ordering::Greater)
+        || !lo.is_finite()
+        || !hi.is_finite()
+    {
+        return vec![];
+    }
+    let raw = (hi - lo) / n.max(1) as f64;
+    let mag = 10f64.powf(raw.log10().floor());
+    let step = [1.0, 2.0, 2.5, 5.0, 10.0]
+        .iter()
+        .map(|m| m * mag)
+        .find(|s| *s >= raw)
+        .unwrap_or(10.0 * mag);
+    let mut t = Vec::new();
+    // k * step, rounded to the step's decimals so labels read 2.3, not 2.3000000000000003.
+    let decimals = (-(step.log10().floor()) as i32 + 1).max(0);
+    let scale = 10f64.powi(decimals);
+    let (k0, k1) = ((lo / step).ceil() as i64, (hi / step + 1e-9).floor() as i64);
+    for k in k0..=k1 {
+        let v = ((k as f64 * step) * scale).round() / scale;
+        t.push(if v == 0.0 { 0.0 } else { v });
+    }
+    t
+}
+
+/// Round steps for a time axis spanning `span` seconds, about `n` ticks.
+pub fn time_step(span: f64, n: usize) -> f64 {
+    const STEPS: [f64; 20] = [
+        1.0, 2.0, 5.0, 10.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 900.0, 1800.0, 3600.0, 7200.0,
+        10800.0, 21600.0, 43200.0, 86400.0, 172800.0, 604800.0,
+    ];
+    let raw = span / n.max(1) as f64;
+    STEPS
+        .iter()
+        .copied()
+        .find(|s| *s >= raw)
+        .unwrap_or_else(|| (raw / 604800.0).ceil() * 604800.0)
+}
+
+/// `0`, `45s`, `2m`, `1m30s`, `2h`, `1h30m`, `3d`, `1d12h`.
+pub fn elapsed_label(secs: f64) -> String {
+    let s = secs.round() as u64;
+    if s == 0 {
+        return "0".into();
+    }
+    let (d, h, m, sec) = (s / 86400, (s % 86400) / 3600, (s % 3600) / 60, s % 60);
+    match (d, h, m, sec) {
+        (0, 0, 0, sec) => format!("{sec}s"),
+        (0, 0, m, 0) => format!("{m}m"),
+        (0, 0, m, sec) => format!("{m}m{sec:02}s"),
+        (0, h, 0, _) => format!("{h}h"),
+        (0, h, m, _) => format!("{h}h{m:02}m"),
+        (d, 0, _, _) => format!("{d}d"),
+        (d, h, _, _) => format!("{d}d{h}h"),
+    }
+}
+
+fn value_label(v: f64) -> String {
+    if v == 0.0 {
+        return "0".into();
+    }
+    let a = v.abs();
+    if !(1e-3..1e5).contains(&a) {
+        return format!("{v:.0e}");
+    }
+    let s = format!("{v:.4}");
+    let s = s.trim_end_matches('0').trim_end_matches('.');
+    s.to_string()
+}
+
+/// Keep at most a few points per pixel column (first, min, max, last), so a million steps
+/// draw as fast as a thousand and look the same.
+fn decimate(pts: &[(f32, f32)]) -> Vec<(f32, f32)> {
+    if pts.len() < 4000 {
+        return pts.to_vec();
+    }
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < pts.len() {
+        let col = pts[i].0.floor();
+        let mut j = i;
+        let (mut lo, mut hi) = (i, i);
+        while j < pts.len() && pts[j].0.floor() == col {
+            if pts[j].1 < pts[lo].1 {
+                lo = j;
+            }
+            if pts[j].1 > pts[hi].1 {
+                hi = j;
+            }
+            j += 1;
+        }
+        let mut idx = vec![i, lo, hi, j - 1];
+        idx.sort_unstable();
+        idx.dedup();
+        out.extend(idx.into_iter().map(|k| pts[k]));
+        i = j;
+    }
+    out
+}
+
+/// Split a series where the run was interrupted: time gaps much longer than the usual step
+/// interval, or the step going backwards (a resume or rollback from an older checkpoint).
+fn segments(pts: &[Point]) -> Vec<&[Point]> {
+    if pts.len() < 2 {
+        return vec![pts];
+    }
+    let mut dts: Vec<f64> = pts.windows(2).map(|w| w[1].t - w[0].t).collect();
+    dts.sort_by(f64::total_cmp);
+    let median = dts[dts.len() / 2];
+    let gap = (median * 20.0).max(1.0);
+    let mut out = Vec::new();
+    let mut start = 0;
+    for i in 1..pts.len() {
+        if pts[i].t - pts[i - 1].t > gap || pts[i].step <= pts[i - 1].step {
+            out.push(&pts[start..i]);
+            start = i;
+        }
+    }
+    out.push(&pts[start..]);
+    out
+}
+
+/// Draw the chart of `s` on `c`.
+pub fn draw(c: &mut dyn Canvas, run: &str, s: &Series, log_y: bool) {
+    let (w, h) = c.size();
+    let left = 74.0f32;
+    let right = w - 24.0;
+    let title_h = 54.0;
+    let bottom_axis = 46.0;
+    let has_grad = !s.grad_norm.is_empty();
+    let plot_top = title_h + 8.0;
+    let plot_bottom = h - bottom_axis;
+    let gap = 18.0;
+    let avail = plot_bottom - plot_top;
+    let (loss_top, loss_bottom, grad_top, grad_bottom) = if has_grad {
+        let lh = (avail - gap) * 0.7;
+        (plot_top, plot_top + lh, plot_top + lh + gap, plot_bottom)
+    } else {
+        (plot_top, plot_bottom, plot_bottom, plot_bottom)
+    };
+    let span = s.span.max(1.0);
+    let x_of = |t: f64| left + ((t / span) as f32) * (right - left);
+
+    // Title and summary.
+    c.text(
+        left,
+        26.0,
+        &format!("run {run}"),
+        19.0,
+        INK,
+        Anchor::Start,
+        false,
+    );
+    let first = s.loss.first().map(|p| p.v);
+    let last = s.loss.last().map(|p| p.v);
+    let mut summary = vec![];
+    if let (Some(a), Some(b)) = (first, last) {
+        summary.push(format!(
+            "{} loss points, {} → {}",
+            s.loss.len(),
+            value_label(a),
+            value_label(b)
+        ));
+    }
+    for (n, what) in [
+        (s.checkpoints.len(), "checkpoints"),
+        (s.failures.len(), "failures"),
+        (s.recoveries.len(), "recoveries"),
+        (s.rollbacks.len(), "rollbacks"),
+        (s.spikes.len(), "loss spikes"),
+    ] {
+        summary.push(format!("{n} {what}"));
+    }
+    summary.push(format!("over {}", fmt::duration(s.span)));
+    c.text(
+        left,
+        46.0,
+        &summary.join(" · "),
+        12.5,
+        MUTED,
+        Anchor::Start,
+        false,
+    );
+
+    // Panels: frame and grid.
+    let loss_axis = Axis::new(
+        s.loss
+            .iter()
+            .map(|p| p.v)
+            .chain(s.spikes.iter().filter_map(|m| m.v)),
+        log_y,
+        loss_top,
+        loss_bottom,
+    );
+    let grad_axis = Axis::new(
+        s.grad_norm.iter().map(|p| p.v),
+        false,
+        grad_top,
+        grad_bottom,
+    );
+    let mut panels: Vec<(&Axis, &str)> = vec![(&loss_axis, "loss")];
+    if has_grad {
+        panels.push((&grad_axis, "grad norm"));
+    }
+    let tstep = time_step(span, ((right - left) / 110.0).max(2.0) as usize);
+    for (axis, name) in &panels {
+        c.rect(
+            left,
+            axis.top,
+            right - left,
+            axis.bottom - axis.top,
+            Some(Color::rgb(251, 251, 253)),
+            None,
+        );
+        for v in axis.ticks() {
+            let y = axis.y(v);
+            if y < axis.top - 0.5 || y > axis.bottom + 0.5 {
+                continue;
+            }
+            c.line(&[(left, y), (right, y)], &Pen::solid(GRID, 1.0));
+            c.text(
+                left - 8.0,
+                y + 4.0,
+                &value_label(v),
+                11.0,
+                MUTED,
+                Anchor::End,
+                false,
+            );
+        }
+        let mut t = 0.0;
+        while t <= span + 1e-9 {
+            let x = x_of(t);
+            c.line(&[(x, axis.top), (x, axis.bottom)], &Pen::solid(GRID, 1.0));
+            t += tstep;
+        }
+        c.text(
+            18.0,
+            (axis.top + axis.bottom) / 2.0,
+            name,
+            12.5,
+            INK,
+            Anchor::Middle,
+            true,
+        );
+        c.rect(
+            left,
+            axis.top,
+            right - left,
+            axis.bottom - axis.top,
+            None,
+            Some(&Pen::solid(Color::rgb(190, 190, 200), 1.0)),
+        );
+    }
+    // Time axis.
+    let mut t = 0.0;
+    while t <= span + 1e-9 {
+        let x = x_of(t);
+        c.line(
+            &[(x, plot_bottom), (x, plot_bottom + 5.0)],
+            &Pen::solid(MUTED, 1.0),
+        );
+        c.text(
+            x,
+            plot_bottom + 18.0,
+            &elapsed_label(t),
+            11.0,
+            MUTED,
+            Anchor::Middle,
+            false,
+        );
+        t += tstep;
+    }
+    let start = super::fmt::time_ms(s.t0_ms)
+        .replace('T', " ")
+        .replace('Z', " UTC");
+    c.text(
+        (left + right) / 2.0,
+        h - 8.0,
+        &format!("wall-clock time since {start}"),
+        12.0,
+        INK,
+        Anchor::Middle,
+        false,
+    );
+
+    // Events: vertical lines through both panels, labels at the top of the loss panel.
+    let mut label_slots: Vec<(f32, f32)> = Vec::new(); // (x start, x end) of placed labels per row
+    let mut events: Vec<(&Mark, Pen, Color)> = Vec::new();
+    for m in &s.failures {
+        events.push((m, Pen::dashed(FAIL, 1.6, &[5.0, 4.0]), FAIL));
+    }
+    for m in &s.recoveries {
+        events.push((m, Pen::solid(RECOVER, 1.6), Color::rgb(14, 130, 145)));
+    }
+    for m in &s.rollbacks {
+        events.push((
+            m,
+            Pen::dashed(ROLLBACK, 1.6, &[8.0, 3.0, 2.0, 3.0]),
+            Color::rgb(200, 95, 0),
+        ));
+    }
+    events.sort_by(|a, b| a.0.t.total_cmp(&b.0.t));
+    for (m, pen, tc) in &events {
+        let x = x_of(m.t);
+        c.line(&[(x, loss_top), (x, grad_bottom.max(loss_bottom))], pen);
+        // Stack labels in rows so they do not overlap.
+        let wlab = text_width(&m.label, 11.0) + 6.0;
+        let mut row = 0usize;
+        loop {
+            let (a, b) = (x + 3.0, x + 3.0 + wlab);
+            let busy = label_slots
+                .iter()
+                .enumerate()
+                .any(|(i, (sa, sb))| i % 6 == row && a < *sb && *sa < b);
+            if !busy || row >= 5 {
+                break;
+            }
+            row += 1;
+        }
+        while label_slots.len() % 6 != row {
+            label_slots.push((f32::MAX, f32::MAX));
+        }
+        label_slots.push((x + 3.0, x + 3.0 + wlab));
+        let y = loss_top + 14.0 + 14.0 * row as f32;
+        let (tx, anchor) = if x + wlab > right {
+            (x - 3.0, Anchor::End)
+        } else {
+            (x + 3.0, Anchor::Start)
+        };
+        let tw = text_width(&m.label, 11.0);
+        let bx = match anchor {
+            Anchor::End => tx - tw - 2.0,
+            _ => tx - 2.0,
+        };
+        c.rect(
+            bx,
+            y - 10.5,
+            tw + 4.0,
+            13.5,
+            Some(Color(255, 255, 255, 215)),
+            None,
+        );
+        c.text(tx, y, &m.label, 11.0, *tc, anchor, false);
+    }
+
+    // Curves.
+    for (pts, axis, color) in [
+        (&s.loss, &loss_axis, LOSS),
+        (&s.grad_norm, &grad_axis, GRAD),
+    ] {
+        for seg in segments(pts) {
+            let px: Vec<(f32, f32)> = seg
+                .iter()
+                .filter(|p| !axis.log || p.v > 0.0)
+                .map(|p| (x_of(p.t), axis.y(p.v)))
+                .collect();
+            let px = decimate(&px);
+            if px.len() == 1 {
+                c.circle(px[0].0, px[0].1, 2.0, color, None);
+            }
+            c.line(&px, &Pen::solid(color, 1.6));
+        }
+    }
+    // Spikes on the loss curve.
+    for m in &s.spikes {
+        let x = x_of(m.t);
+        let y = m.v.map_or(loss_top + 6.0, |v| {
+            loss_axis.y(v).clamp(loss_top, loss_bottom)
+        });
+        c.circle(
+            x,
+            y,
+            5.0,
+            Color(255, 255, 255, 255),
+            Some(&Pen::solid(SPIKE, 2.0)),
+        );
+    }
+    // Checkpoints: triangles on the bottom edge of the loss panel.
+    for m in &s.checkpoints {
+        let x = x_of(m.t);
+        let y = loss_bottom;
+        c.polygon(
+            &[(x, y - 9.0), (x - 5.0, y), (x + 5.0, y)],
+            CKPT,
+            Some(&Pen::solid(Color::rgb(255, 255, 255), 0.8)),
+        );
+    }
+
+    // Legend, top right of the loss panel, only for what is present.
+    let mut legend: Vec<(&str, u8, Color)> = vec![("loss", 0, LOSS)];
+    if has_grad {
+        legend.push(("grad norm", 0, GRAD));
+    }
+    if !s.checkpoints.is_empty() {
+        legend.push(("checkpoint", 1, CKPT));
+    }
+    if !s.failures.is_empty() {
+        legend.push(("failure", 2, FAIL));
+    }
+    if !s.recoveries.is_empty() {
+        legend.push(("recovery", 0, RECOVER));
+    }
+    if !s.rollbacks.is_empty() {
+        legend.push(("rollback", 3, ROLLBACK));
+    }
+    if !s.spikes.is_empty() {
+        legend.push(("loss spike", 4, SPIKE));
+    }
+    let lw = legend
+        .iter()
+        .map(|(n, _, _)| text_width(n, 11.5))
+        .fold(0.0f32, f32::max)
+        + 44.0;
+    let lh = 8.0 + 17.0 * legend.len() as f32;
+    let (lx, ly) = (
+        right - lw - 10.0,
+        loss_top
+            + 10.0
+            + if events.is_empty() {
+                0.0
+            } else {
+                60.0f32.min((loss_bottom - loss_top) / 3.0)
+            },
+    );
+    c.rect(
+        lx,
+        ly,
+        lw,
+        lh,
+        Some(Color(255, 255, 255, 230)),
+        Some(&Pen::solid(Color::rgb(210, 210, 218), 1.0)),
+    );
+    for (i, (name, kind, color)) in legend.iter().enumerate() {
+        let y = ly + 16.0 + 17.0 * i as f32;
+        let (x0, x1) = (lx + 8.0, lx + 30.0);
+        match kind {
+            0 => c.line(&[(x0, y - 4.0), (x1, y - 4.0)], &Pen::solid(*color, 2.0)),
+            1 => c.polygon(
+                &[
+                    ((x0 + x1) / 2.0, y - 9.0),
+                    ((x0 + x1) / 2.0 - 5.0, y),
+                    ((x0 + x1) / 2.0 + 5.0, y),
+                ],
+                *color,
+                None,
+            ),
+            2 => c.line(
+                &[(x0, y - 4.0), (x1, y - 4.0)],
+                &Pen::dashed(*color, 2.0, &[5.0, 4.0]),
+            ),
+            3 => c.line(
+                &[(x0, y - 4.0), (x1, y - 4.0)],
+                &Pen::dashed(*color, 2.0, &[8.0, 3.0, 2.0, 3.0]),
+            ),
+            _ => c.circle(
+                (x0 + x1) / 2.0,
+                y - 4.0,
+                4.5,
+                Color::rgb(255, 255, 255),
+                Some(&Pen::solid(*color, 2.0)),
+            ),
+        }
+        c.text(x1 + 6.0, y, name, 11.5, INK, Anchor::Start, false);
+    }
+}
+
+impl Report for PlotReport {
+    fn print(&self, w: &mut dyn Write) -> std::io::Result<()> {
+        writeln!(
+            w,
+            "wrote {} ({}, {}): {} loss points{}, {} checkpoints, {} failures, {} recoveries, {} rollbacks, {} spikes over {}",
+            self.out,
+            self.format,
+            fmt::bytes(self.bytes),
+            self.points,
+            self.steps
+                .map_or(String::new(), |(a, b)| format!(" (steps {a}-{b})")),
+            self.checkpoints,
+            self.failures,
+            self.recoveries,
+            self.rollbacks,
+            self.spikes,
+            fmt::duration(self.span_s)
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ticks_and_labels() {
+        assert_eq!(
+            nice_ticks(0.0, 10.0, 5),
+            vec![0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
+        );
+        assert_eq!(nice_ticks(2.13, 2.61, 5), vec![2.2, 2.3, 2.4, 2.5, 2.6]);
+        assert!(nice_ticks(1.0, 1.0, 5).is_empty());
+        assert_eq!(time_step(3600.0, 8), 600.0);
+        assert_eq!(time_step(50.0, 10), 5.0);
+        assert_eq!(elapsed_label(0.0), "0");
+        assert_eq!(elapsed_label(90.0), "1m30s");
+        assert_eq!(elapsed_label(7200.0), "2h");
+        assert_eq!(elapsed_label(5400.0), "1h30m");
+        assert_eq!(elapsed_label(129600.0), "1d12h");
+        assert_eq!(value_label(2.5), "2.5");
+        assert_eq!(value_label(1e-5), "1e-5");
+    }
+
+    #[test]
+    fn series_picks_one_rank_and_splits_at_interruptions() {
+        let rec = |v: serde_json::Value| v;
+        let metrics = vec![
+            rec(
+                serde_json::json!({"kind":"step","step":1,"loss":3.0,"grad_norm":1.0,"rank":0,"t_ms":1000}),
+            ),
+            rec(serde_json::json!({"kind":"step","step":1,"loss":3.0,"rank":1,"t_ms":1001})),
+            rec(serde_json::json!({"kind":"step","step":2,"loss":2.5,"rank":0,"t_ms":2000})),
+            rec(serde_json::json!({"kind":"step","step":3,"loss":"nan","rank":0,"t_ms":3000})),
+            rec(serde_json::json!({"kind":"checkpoint","step":2,"t_ms":2500})),
+            rec(serde_json::json!({"kind":"step","step":2,"loss":2.6,"rank":0,"t_ms":90000})),
+        ];
+        let events = vec![
+            rec(serde_json::json!({"kind":"failure","rank":1,"how":"signal","t_ms":3500})),
+            rec(
+                serde_json::json!({"kind":"recovery","layout":"dp=1","step":2,"steps_lost":1,"t_ms":80000}),
+            ),
+        ];
+        let s = series(&metrics, &events);
+        assert_eq!(s.loss.len(), 3);
+        assert_eq!(s.grad_norm.len(), 1);
+        assert_eq!(s.checkpoints.len(), 1);
+        assert_eq!(s.failures[0].label, "✕ rank 1 signal");
+        assert!(s.recoveries[0].label.contains("−1 steps"));
+        assert_eq!(s.span, 89.0);
+        assert_eq!(
+            segments(&s.loss).len(),
+            2,
+            "the resume from step 2 starts a new segment"
+        );
+    }
+}

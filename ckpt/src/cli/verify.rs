@@ -1,0 +1,219 @@
+//! `ckpt verify [RUN[@STEP]]`: re-hash every chunk reachable from a step, a run or the whole
+//! store; exit code 3 and a list of the damaged objects with the steps, tensors and blobs they
+//! break.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::Write;
+use std::sync::Arc;
+use std::time::Instant;
+
+use ckpt_store::verify::Affected;
+use ckpt_store::{ChunkId, Store, VerifyReport, VerifyScope};
+use futures::{StreamExt, stream};
+use serde::Serialize;
+
+use super::fmt;
+use super::parse::{CkptRef, StepSel};
+use super::{Report, Result, Ui};
+
+/// Arguments of `ckpt verify`.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct VerifyArgs {
+    /// What to verify: RUN@STEP (one step), RUN (every committed step of the run; RUN@latest
+    /// for only the newest), or nothing (the whole store, unreferenced objects included).
+    pub target: Option<String>,
+}
+
+/// What `ckpt verify` found.
+#[derive(Debug, Clone, Serialize)]
+pub struct VerifyOutput {
+    /// The store's URL.
+    pub store: String,
+    /// What was verified: `store`, `run NAME` or `step S of run NAME`.
+    pub scope: String,
+    /// Whether nothing is damaged.
+    pub clean: bool,
+    /// The store's report: steps, objects, chunks and bytes checked, and the damage.
+    #[serde(flatten)]
+    pub report: VerifyReport,
+    /// Seconds it took.
+    pub seconds: f64,
+    /// Damaged steps, as `RUN@STEP`, each once.
+    pub damaged_steps: Vec<String>,
+}
+
+/// Which scope a target names.
+pub async fn scope_of(store: &Store, target: Option<&str>) -> Result<VerifyScope> {
+    let Some(t) = target else {
+        return Ok(VerifyScope::Store);
+    };
+    let r: CkptRef = t.parse()?;
+    Ok(match (t.contains('@'), r.step) {
+        (false, _) => {
+            // A run: every committed step; say so when it has none.
+            let steps = store.list_steps(&r.run).await?;
+            if steps.is_empty() {
+                return Err(super::parse::no_such_run(store, &r.run).await);
+            }
+            VerifyScope::Run(r.run)
+        }
+        (true, StepSel::Latest | StepSel::Step(_)) => {
+            let s = r.resolve(store).await?;
+            VerifyScope::Step(r.run, s)
+        }
+    })
+}
+
+/// Raw bytes of the distinct chunks reachable from `scope` (the progress bar's length; the
+/// store's own hint counts a chunk once per step that references it).
+async fn distinct_bytes(store: &Store, scope: &VerifyScope) -> u64 {
+    let steps: Vec<(String, u64)> = match scope {
+        VerifyScope::Step(r, s) => vec![(r.clone(), *s)],
+        VerifyScope::Run(r) => store
+            .committed_steps(r)
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .map(|s| (r.clone(), s))
+            .collect(),
+        VerifyScope::Store => {
+            let mut v = Vec::new();
+            for r in store.list_runs().await.unwrap_or_default() {
+                for s in store.committed_steps(&r).await.unwrap_or_default() {
+                    v.push((r.clone(), s));
+                }
+            }
+            v
+        }
+    };
+    let mut seen: HashMap<ChunkId, u64> = HashMap::new();
+    let manifests: Vec<_> = stream::iter(steps)
+        .map(|(run, step)| async move {
+            let Ok((c, _)) = store.read_commit(&run, step).await else {
+                return Vec::new();
+            };
+            let mut out = Vec::new();
+            for e in &c.ranks {
+                if let Ok(m) = store.read_rank_manifest(&run, step, e.rank, Some(e)).await {
+                    out.push(m);
+                }
+            }
+            out
+        })
+        .buffer_unordered(8)
+        .collect()
+        .await;
+    for m in manifests.iter().flatten() {
+        for c in m
+            .tensors
+            .iter()
+            .flat_map(|t| &t.chunks)
+            .chain(m.blobs.iter().flat_map(|b| &b.chunks))
+        {
+            seen.insert(c.id, c.len as u64);
+        }
+    }
+    seen.values().sum()
+}
+
+/// Verify what `args.target` names. Damage is in the output, not an error; an error means the
+/// verification itself could not run.
+pub async fn verify(store: &Store, args: &VerifyArgs, ui: &Ui) -> Result<VerifyOutput> {
+    let scope = scope_of(store, args.target.as_deref()).await?;
+    let t0 = Instant::now();
+    let total = if ui.progress {
+        distinct_bytes(store, &scope).await
+    } else {
+        0
+    };
+    let pb = ui.bytes(total, "verifying");
+    let progress: Arc<dyn Fn(u64) + Send + Sync> = {
+        let pb = pb.clone();
+        Arc::new(move |done: u64| {
+            if pb.length().is_some_and(|l| done > l) {
+                pb.set_length(done);
+            }
+            pb.set_position(done);
+        })
+    };
+    let report = store.verify(&scope, Some(progress)).await?;
+    pb.finish_and_clear();
+    let mut damaged_steps: Vec<(String, u64)> = report
+        .damaged
+        .iter()
+        .flat_map(|d| d.affects.iter().map(|a| (a.run.clone(), a.step)))
+        .collect();
+    damaged_steps.sort();
+    damaged_steps.dedup();
+    Ok(VerifyOutput {
+        store: store.url().to_string(),
+        scope: match &scope {
+            VerifyScope::Store => "store".into(),
+            VerifyScope::Run(r) => format!("run {r}"),
+            VerifyScope::Step(r, s) => format!("step {s} of run {r}"),
+        },
+        clean: report.is_clean(),
+        seconds: t0.elapsed().as_secs_f64(),
+        damaged_steps: damaged_steps
+            .into_iter()
+            .map(|(r, s)| format!("{r}@{s}"))
+            .collect(),
+        report,
+    })
+}
+
+impl Report for VerifyOutput {
+    fn print(&self, w: &mut dyn Write) -> std::io::Result<()> {
+        let r = &self.report;
+        writeln!(
+            w,
+            "verified {} of {}: {} steps, {} objects, {} chunks, {} in {} ({})",
+            self.scope,
+            self.store,
+            r.steps,
+            r.objects,
+            r.chunks,
+            fmt::bytes(r.bytes),
+            fmt::duration(self.seconds),
+            fmt::rate(r.bytes, self.seconds)
+        )?;
+        if self.clean {
+            return writeln!(w, "OK: nothing is damaged");
+        }
+        writeln!(
+            w,
+            "DAMAGED: {} object(s); {} step(s) affected: {}",
+            r.damaged.len(),
+            self.damaged_steps.len(),
+            if self.damaged_steps.is_empty() {
+                "none (only unreferenced objects)".into()
+            } else {
+                self.damaged_steps.join(", ")
+            }
+        )?;
+        for d in &r.damaged {
+            writeln!(w)?;
+            writeln!(w, "  object  {}", d.object)?;
+            writeln!(w, "  problem {}", d.problem)?;
+            if d.affects.is_empty() {
+                writeln!(w, "  affects nothing any committed step references")?;
+                continue;
+            }
+            let mut by_step: BTreeMap<(String, u64), Vec<&Affected>> = BTreeMap::new();
+            for a in &d.affects {
+                by_step.entry((a.run.clone(), a.step)).or_default().push(a);
+            }
+            for ((run, step), items) in by_step {
+                let names: Vec<String> = items.iter().map(|a| fmt::name(&a.item)).collect();
+                writeln!(w, "  breaks  {run}@{step}: {}", names.join(", "))?;
+            }
+        }
+        writeln!(w)?;
+        writeln!(
+            w,
+            "what to do: steps not listed above are intact and can be restored or exported; \
+             restore the damaged objects from a copy of the store if you have one, otherwise \
+             resume from an intact step (`ckpt ls RUN`)"
+        )
+    }
+}
