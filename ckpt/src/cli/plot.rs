@@ -560,14 +560,14 @@ pub fn draw(c: &mut dyn Canvas, run: &str, s: &Series, log_y: bool) {
             value_label(b)
         ));
     }
-    for (n, what) in [
-        (s.checkpoints.len(), "checkpoints"),
-        (s.failures.len(), "failures"),
-        (s.recoveries.len(), "recoveries"),
-        (s.rollbacks.len(), "rollbacks"),
-        (s.spikes.len(), "loss spikes"),
+    for (n, one, many) in [
+        (s.checkpoints.len(), "checkpoint", "checkpoints"),
+        (s.failures.len(), "failure", "failures"),
+        (s.recoveries.len(), "recovery", "recoveries"),
+        (s.rollbacks.len(), "rollback", "rollbacks"),
+        (s.spikes.len(), "loss spike", "loss spikes"),
     ] {
-        summary.push(format!("{n} {what}"));
+        summary.push(format!("{n} {}", if n == 1 { one } else { many }));
     }
     summary.push(format!("over {}", fmt::duration(s.span)));
     c.text(
@@ -699,46 +699,37 @@ pub fn draw(c: &mut dyn Canvas, run: &str, s: &Series, log_y: bool) {
         ));
     }
     events.sort_by(|a, b| a.0.t.total_cmp(&b.0.t));
+    // Labels go in rows at the top of the loss panel: each in the first row where it does not
+    // overlap the previous label, right of its line (left of it near the right edge).
+    let mut row_end: Vec<f32> = Vec::new();
     for (m, pen, tc) in &events {
         let x = x_of(m.t);
         c.line(&[(x, loss_top), (x, grad_bottom.max(loss_bottom))], pen);
-        // Stack labels in rows so they do not overlap.
-        let wlab = text_width(&m.label, 11.0) + 6.0;
-        let mut row = 0usize;
-        loop {
-            let (a, b) = (x + 3.0, x + 3.0 + wlab);
-            let busy = label_slots
-                .iter()
-                .enumerate()
-                .any(|(i, (sa, sb))| i % 6 == row && a < *sb && *sa < b);
-            if !busy || row >= 5 {
-                break;
-            }
-            row += 1;
-        }
-        while label_slots.len() % 6 != row {
-            label_slots.push((f32::MAX, f32::MAX));
-        }
-        label_slots.push((x + 3.0, x + 3.0 + wlab));
-        let y = loss_top + 14.0 + 14.0 * row as f32;
-        let (tx, anchor) = if x + wlab > right {
-            (x - 3.0, Anchor::End)
+        let tw = text_width(&m.label, 11.0);
+        let (x0, anchor) = if x + 3.0 + tw > right {
+            (x - 3.0 - tw, Anchor::End)
         } else {
             (x + 3.0, Anchor::Start)
         };
-        let tw = text_width(&m.label, 11.0);
-        let bx = match anchor {
-            Anchor::End => tx - tw - 2.0,
-            _ => tx - 2.0,
+        let row = match row_end.iter().position(|&e| e + 6.0 < x0) {
+            Some(r) => r,
+            None if row_end.len() < 6 => {
+                row_end.push(f32::MIN);
+                row_end.len() - 1
+            }
+            None => row_end.len() - 1,
         };
+        row_end[row] = x0 + tw;
+        let y = loss_top + 15.0 + 15.0 * row as f32;
         c.rect(
-            bx,
+            x0 - 2.0,
             y - 10.5,
             tw + 4.0,
             13.5,
-            Some(Color(255, 255, 255, 215)),
+            Some(Color(255, 255, 255, 225)),
             None,
         );
+        let tx = if anchor == Anchor::End { x0 + tw } else { x0 };
         c.text(tx, y, &m.label, 11.0, *tc, anchor, false);
     }
 
@@ -805,41 +796,33 @@ pub fn draw(c: &mut dyn Canvas, run: &str, s: &Series, log_y: bool) {
     if !s.spikes.is_empty() {
         legend.push(("loss spike", 4, SPIKE));
     }
-    let lw = legend
-        .iter()
-        .map(|(n, _, _)| text_width(n, 11.5))
-        .fold(0.0f32, f32::max)
-        + 44.0;
-    let lh = 8.0 + 17.0 * legend.len() as f32;
-    let (lx, ly) = (
-        right - lw - 10.0,
-        loss_top
-            + 10.0
-            + if events.is_empty() {
-                0.0
-            } else {
-                60.0f32.min((loss_bottom - loss_top) / 3.0)
-            },
-    );
-    c.rect(
-        lx,
-        ly,
-        lw,
-        lh,
-        Some(Color(255, 255, 255, 230)),
-        Some(&Pen::solid(Color::rgb(210, 210, 218), 1.0)),
-    );
-    for (i, (name, kind, color)) in legend.iter().enumerate() {
-        let y = ly + 16.0 + 17.0 * i as f32;
-        let (x0, x1) = (lx + 8.0, lx + 30.0);
+    let title_end = left + text_width(&format!("run {run}"), 19.0) + 24.0;
+    let item_w = |n: &str| 30.0 + text_width(n, 11.5) + 16.0;
+    let total: f32 = legend.iter().map(|(n, _, _)| item_w(n)).sum();
+    let boxed = title_end + total > right;
+    let (mut lx, ly) = if boxed {
+        (right - total.min(right - left) - 6.0, loss_top + 6.0)
+    } else {
+        (right - total, 10.0)
+    };
+    if boxed {
+        c.rect(
+            lx - 6.0,
+            ly,
+            total + 6.0,
+            22.0,
+            Some(Color(255, 255, 255, 230)),
+            Some(&Pen::solid(Color::rgb(210, 210, 218), 1.0)),
+        );
+    }
+    for (name, kind, color) in &legend {
+        let y = ly + 16.0;
+        let (x0, x1) = (lx, lx + 24.0);
+        let mid = (x0 + x1) / 2.0;
         match kind {
             0 => c.line(&[(x0, y - 4.0), (x1, y - 4.0)], &Pen::solid(*color, 2.0)),
             1 => c.polygon(
-                &[
-                    ((x0 + x1) / 2.0, y - 9.0),
-                    ((x0 + x1) / 2.0 - 5.0, y),
-                    ((x0 + x1) / 2.0 + 5.0, y),
-                ],
+                &[(mid, y - 9.0), (mid - 5.0, y), (mid + 5.0, y)],
                 *color,
                 None,
             ),
@@ -852,7 +835,7 @@ pub fn draw(c: &mut dyn Canvas, run: &str, s: &Series, log_y: bool) {
                 &Pen::dashed(*color, 2.0, &[8.0, 3.0, 2.0, 3.0]),
             ),
             _ => c.circle(
-                (x0 + x1) / 2.0,
+                mid,
                 y - 4.0,
                 4.5,
                 Color::rgb(255, 255, 255),
@@ -860,6 +843,7 @@ pub fn draw(c: &mut dyn Canvas, run: &str, s: &Series, log_y: bool) {
             ),
         }
         c.text(x1 + 6.0, y, name, 11.5, INK, Anchor::Start, false);
+        lx += item_w(name);
     }
 }
 

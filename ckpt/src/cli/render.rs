@@ -110,10 +110,16 @@ fn font() -> FontRef<'static> {
     FontRef::try_from_slice(FONT).expect("the embedded font parses")
 }
 
-/// Width of `s` at `size` px in the embedded font (used by both backends for layout).
+/// ab_glyph scales to the font's height (ascent - descent); CSS `font-size` is the em size.
+/// Converting keeps PNG text the size SVG viewers draw it.
+fn em_scale(f: &FontRef<'_>, size: f32) -> PxScale {
+    PxScale::from(size * f.height_unscaled() / f.units_per_em().unwrap_or(2048.0))
+}
+
+/// Width of `s` at `size` px (em) in the embedded font (used by both backends for layout).
 pub fn text_width(s: &str, size: f32) -> f32 {
     let f = font();
-    let sf = f.as_scaled(PxScale::from(size));
+    let sf = f.as_scaled(em_scale(&f, size));
     let mut w = 0.0;
     let mut prev = None;
     for c in s.chars() {
@@ -443,7 +449,7 @@ impl Canvas for Png {
         anchor: Anchor,
         vertical: bool,
     ) {
-        let scale = PxScale::from(size);
+        let scale = em_scale(&self.font, size);
         let shift = anchor_shift(anchor, text_width(s, size));
         let mut pen_x = shift;
         let mut prev = None;
