@@ -683,7 +683,6 @@ pub fn draw(c: &mut dyn Canvas, run: &str, s: &Series, log_y: bool) {
     );
 
     // Events: vertical lines through both panels, labels at the top of the loss panel.
-    let mut label_slots: Vec<(f32, f32)> = Vec::new(); // (x start, x end) of placed labels per row
     let mut events: Vec<(&Mark, Pen, Color)> = Vec::new();
     for m in &s.failures {
         events.push((m, Pen::dashed(FAIL, 1.6, &[5.0, 4.0]), FAIL));
