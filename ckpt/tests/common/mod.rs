@@ -203,7 +203,7 @@ pub fn value(name: &str, step: u64, i: u64) -> f64 {
         .bytes()
         .fold(0u64, |a, b| a.wrapping_mul(31).wrapping_add(b as u64));
     let base = ((i.wrapping_mul(7919).wrapping_add(salt)) % 1000) as f64 / 100.0 - 5.0;
-    if name == "layers.0.attn.qkv.weight" && i % 3 == 0 {
+    if name == "layers.0.attn.qkv.weight" && i.is_multiple_of(3) {
         base + step as f64 / 8.0
     } else {
         base
