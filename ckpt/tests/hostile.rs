@@ -1,0 +1,414 @@
+//! Hostile input: safetensors files with lying headers, index files that point outside their
+//! directory, and tensor names built to escape directories or drive terminals. Every case gets
+//! a clear error (exit code 1, the file and the problem named), never a panic, never a change
+//! to the store, and nothing is ever written outside `--out`.
+
+mod common;
+
+use bytes::Bytes;
+use ckpt_store::{DType, DedupIndex, Layout, NdBox, RankWrite, ShardIn};
+use common::{Env, files_below, local, s3, tmp};
+
+macro_rules! on_both {
+    ($($case:ident),* $(,)?) => {
+        mod on_local { $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $case() { super::$case(super::local()).await } )* }
+        mod on_s3 { $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $case() { super::$case(super::s3()).await } )* }
+    };
+}
+
+on_both!(
+    lying_headers_are_refused_and_the_store_is_untouched,
+    index_files_cannot_reach_outside_their_directory,
+    hostile_names_never_leave_out_or_reach_the_terminal,
+);
+
+/// A safetensors file from a raw header and data.
+fn st(header: &str, data: &[u8]) -> Vec<u8> {
+    let mut v = (header.len() as u64).to_le_bytes().to_vec();
+    v.extend_from_slice(header.as_bytes());
+    v.extend_from_slice(data);
+    v
+}
+
+fn with_len(n: u64, rest: &[u8]) -> Vec<u8> {
+    let mut v = n.to_le_bytes().to_vec();
+    v.extend_from_slice(rest);
+    v
+}
+
+async fn lying_headers_are_refused_and_the_store_is_untouched(env: Env) {
+    let nested = format!("{}{}", "[".repeat(10_000), "]".repeat(10_000));
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        (
+            "tiny",
+            b"abc".to_vec(),
+            "shorter than the 8-byte header length",
+        ),
+        (
+            "huge-len",
+            with_len(u64::MAX, b"{}"),
+            "larger than the 100000000 bytes",
+        ),
+        (
+            "tb-len",
+            with_len(1 << 40, b"{}"),
+            "larger than the 100000000 bytes",
+        ),
+        (
+            "short-len",
+            with_len(64, b"{}"),
+            "larger than the 2 bytes that follow",
+        ),
+        (
+            "past-end",
+            st(
+                r#"{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#,
+                &[0; 8],
+            ),
+            "lie past the end of the data (8 bytes",
+        ),
+        (
+            "overlap",
+            st(
+                r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}"#,
+                &[0; 12],
+            ),
+            "overlap",
+        ),
+        (
+            "size-lie",
+            st(
+                r#"{"w":{"dtype":"F32","shape":[1000000],"data_offsets":[0,8]}}"#,
+                &[0; 8],
+            ),
+            "needs 4000000 bytes",
+        ),
+        (
+            "overflow",
+            st(
+                r#"{"w":{"dtype":"F64","shape":[4294967296,4294967296],"data_offsets":[0,8]}}"#,
+                &[0; 8],
+            ),
+            "too large",
+        ),
+        (
+            "dup",
+            st(
+                r#"{"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"w":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}"#,
+                &[0; 2],
+            ),
+            "appears twice",
+        ),
+        (
+            "ctl-name",
+            st(
+                r#"{"a\u001b[2Jb":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#,
+                &[0],
+            ),
+            "control characters",
+        ),
+        (
+            "complex",
+            st(
+                r#"{"w":{"dtype":"C64","shape":[1],"data_offsets":[0,8]}}"#,
+                &[0; 8],
+            ),
+            "cannot be stored by ckpt",
+        ),
+        ("garbage", st("{not json", &[]), "not a JSON object"),
+        ("nested", st(&nested, &[]), "not a JSON object"),
+        (
+            "trailing",
+            st(
+                r#"{"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#,
+                &[0; 100],
+            ),
+            "holds 100 bytes of data",
+        ),
+        (
+            "gap",
+            st(
+                r#"{"w":{"dtype":"U8","shape":[1],"data_offsets":[5,6]}}"#,
+                &[0; 6],
+            ),
+            "reference parser",
+        ),
+        (
+            "meta-type",
+            st(r#"{"__metadata__":{"k":[1,2]}}"#, &[]),
+            "is not a string",
+        ),
+    ];
+    let dir = tmp();
+    for (name, bytes, want) in cases {
+        let path = dir.path().join(format!("{name}.safetensors"));
+        std::fs::write(&path, &bytes).unwrap();
+        let r = env
+            .ckpt(&[
+                "import",
+                path.to_str().unwrap(),
+                "--run",
+                "hostile",
+                "--step",
+                "1",
+            ])
+            .code(1);
+        assert!(
+            r.err.contains(want),
+            "{name}: expected {want:?} in:\n{}",
+            r.err
+        );
+        assert!(
+            r.err.contains(&format!("{name}.safetensors")),
+            "{name}: names the file: {}",
+            r.err
+        );
+        assert!(
+            !r.err.contains('\u{1b}'),
+            "{name}: no raw escape reaches the terminal"
+        );
+    }
+    let j = env.ckpt(&["ls", "--json"]).code(0).json();
+    assert_eq!(
+        j["runs"].as_array().unwrap().len(),
+        0,
+        "nothing was imported: {j}"
+    );
+    // A directory is not a file.
+    env.ckpt(&[
+        "import",
+        dir.path().to_str().unwrap(),
+        "--run",
+        "hostile",
+        "--step",
+        "1",
+    ])
+    .code(1);
+}
+
+async fn index_files_cannot_reach_outside_their_directory(env: Env) {
+    let root = tmp();
+    let inner = root.path().join("model");
+    std::fs::create_dir(&inner).unwrap();
+    // A perfectly valid file just outside the index's directory.
+    let good = st(
+        r#"{"w":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}"#,
+        &[1, 2],
+    );
+    std::fs::write(root.path().join("outside.safetensors"), &good).unwrap();
+    std::fs::write(inner.join("inside.safetensors"), &good).unwrap();
+    let cases = [
+        (
+            r#"{"weight_map":{"w":"../outside.safetensors"}}"#,
+            "only plain file names",
+        ),
+        (
+            r#"{"weight_map":{"w":"/etc/passwd"}}"#,
+            "only plain file names",
+        ),
+        (r#"{"weight_map":{"w":".."}}"#, "only plain file names"),
+        (
+            r#"{"weight_map":{"w":"a\u0000b"}}"#,
+            "only plain file names",
+        ),
+        (r#"{"weight_map":{"w":7}}"#, "is not a file name"),
+        (r#"{"metadata":{}}"#, "no \"weight_map\""),
+        (
+            r#"{"weight_map":{"v":"inside.safetensors"}}"#,
+            "does not hold it",
+        ),
+        (
+            r#"{"weight_map":{"w":"inside.safetensors","x":"missing.safetensors"}}"#,
+            "missing.safetensors",
+        ),
+    ];
+    for (i, (doc, want)) in cases.iter().enumerate() {
+        let idx = inner.join(format!("bad{i}.index.json"));
+        std::fs::write(&idx, doc).unwrap();
+        let r = env
+            .ckpt(&[
+                "import",
+                idx.to_str().unwrap(),
+                "--run",
+                "hostile",
+                "--step",
+                "1",
+            ])
+            .code(1);
+        assert!(
+            r.err.contains(want),
+            "{doc}: expected {want:?} in:\n{}",
+            r.err
+        );
+    }
+    assert_eq!(
+        env.ckpt(&["ls", "--json"]).code(0).json()["runs"]
+            .as_array()
+            .unwrap()
+            .len(),
+        0
+    );
+    // The same index with a plain name works.
+    let idx = inner.join("ok.index.json");
+    std::fs::write(&idx, r#"{"weight_map":{"w":"inside.safetensors"}}"#).unwrap();
+    env.ckpt(&[
+        "import",
+        idx.to_str().unwrap(),
+        "--run",
+        "fine",
+        "--step",
+        "1",
+    ])
+    .code(0);
+}
+
+async fn hostile_names_never_leave_out_or_reach_the_terminal(env: Env) {
+    let names = [
+        "../../escape",
+        "/abs/path",
+        "a/b/../../c",
+        "ctl\u{1b}[2J\u{7}bell",
+        "line\nbreak",
+        "rtl\u{202e}gnp.exe",
+        "..",
+        "ok.weight",
+    ];
+    let shards: Vec<ShardIn> = names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| ShardIn {
+            name: n.to_string(),
+            dtype: DType::U8,
+            shape: vec![3 + i as u64],
+            bbox: NdBox::full(&[3 + i as u64]),
+            data: Some(Bytes::from(vec![i as u8; 3 + i])),
+            replica_of: None,
+            placement: None,
+        })
+        .collect();
+    let w = RankWrite {
+        run: "evil".into(),
+        step: 1,
+        rank: 0,
+        layout: Layout::SINGLE,
+        generation: 0,
+    };
+    env.store
+        .write_rank(&w, shards, vec![], &DedupIndex::new())
+        .await
+        .unwrap();
+    env.store.commit_step("evil", 1).await.unwrap();
+
+    let parent = tmp();
+    let out = parent.path().join("out");
+    env.ckpt(&["export", "evil@1", "--out", out.to_str().unwrap()])
+        .code(0);
+    let sharded = parent.path().join("sharded");
+    env.ckpt(&[
+        "export",
+        "evil@1",
+        "--out",
+        sharded.to_str().unwrap(),
+        "--max-shard-size",
+        "1",
+    ])
+    .code(0);
+    let mut want = vec!["out/model.safetensors".to_string()];
+    let n = names.len();
+    for i in 1..=n {
+        want.push(format!("sharded/model-{i:05}-of-{n:05}.safetensors"));
+    }
+    want.push("sharded/model.safetensors.index.json".into());
+    want.sort();
+    assert_eq!(
+        files_below(parent.path()),
+        want,
+        "only generated names, only inside --out"
+    );
+    let b = std::fs::read(out.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&b).unwrap();
+    for (i, name) in names.iter().enumerate() {
+        assert_eq!(
+            st.tensor(name).unwrap().data(),
+            &vec![i as u8; 3 + i][..],
+            "{name:?}"
+        );
+    }
+    // The index maps the odd names to generated files.
+    let idx: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(sharded.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(idx["weight_map"].as_object().unwrap().len(), n);
+
+    // Text output escapes control and bidi characters; JSON escapes by itself.
+    for args in [
+        vec!["inspect", "evil@1"],
+        vec!["inspect", "evil@1", "--tensor", "ctl\u{1b}[2J\u{7}bell"],
+        vec!["diff", "evil@1", "evil@1"],
+        vec!["plan", "evil@1", "--layout", "dp=2"],
+    ] {
+        let r = env.ckpt(&args).code(0);
+        for bad in ['\u{1b}', '\u{7}', '\u{202e}'] {
+            assert!(
+                !r.out.contains(bad),
+                "{args:?} printed a raw {bad:?}:\n{}",
+                r.out
+            );
+        }
+    }
+    let r = env.ckpt(&["inspect", "evil@1"]).code(0);
+    assert!(
+        r.out.contains("ctl\\u{1b}[2J\\u{7}bell") && r.out.contains("line\\u{a}break"),
+        "{}",
+        r.out
+    );
+    let j = env.ckpt(&["inspect", "evil@1", "--json"]).code(0).json();
+    let got: Vec<&str> = j["tensors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["name"].as_str().unwrap())
+        .collect();
+    assert!(
+        got.contains(&"ctl\u{1b}[2J\u{7}bell"),
+        "JSON keeps the exact name"
+    );
+
+    // A name safetensors cannot hold gets a clear error, and --exclude gets around it.
+    let shard = ShardIn {
+        name: "__metadata__".into(),
+        dtype: DType::U8,
+        shape: vec![1],
+        bbox: NdBox::full(&[1]),
+        data: Some(Bytes::from_static(&[1])),
+        replica_of: None,
+        placement: None,
+    };
+    let w = RankWrite { step: 2, ..w };
+    env.store
+        .write_rank(&w, vec![shard], vec![], &DedupIndex::new())
+        .await
+        .unwrap();
+    env.store.commit_step("evil", 2).await.unwrap();
+    let meta_out = parent.path().join("meta");
+    let r = env
+        .ckpt(&["export", "evil@2", "--out", meta_out.to_str().unwrap()])
+        .code(1);
+    assert!(
+        r.err.contains("__metadata__") && r.err.contains("--exclude"),
+        "{}",
+        r.err
+    );
+    let r = env
+        .ckpt(&[
+            "export",
+            "evil@2",
+            "--out",
+            meta_out.to_str().unwrap(),
+            "--exclude",
+            "__metadata__",
+        ])
+        .code(2);
+    assert!(r.err.contains("no tensor of evil@2 matches"), "{}", r.err);
+}
