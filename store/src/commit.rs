@@ -71,19 +71,56 @@ impl Store {
         let hash = crate::id::Hash::of(&bytes);
         let size = bytes.len() as u64;
         match self
-            .put_object(&path, vec![bytes.into()], PutMode::Create)
+            .put_object(&path, vec![bytes.clone().into()], PutMode::Create)
             .await
         {
             Ok(()) => {}
             Err(e) if e.kind() == ErrorKind::Conflict => {
                 let existing = self.get_object(&path).await?;
                 if crate::id::Hash::of(&existing) != hash {
-                    return Err(Error::new(
-                        ErrorKind::Conflict,
-                        format!(
-                            "{what}: {path} already exists with other content (two writers for one rank?)"
-                        ),
-                    ));
+                    let old_gen = serde_json::from_slice::<RankManifest>(&existing)
+                        .map(|o| o.generation)
+                        .ok();
+                    match old_gen {
+                        // Left by a dead attempt of an older generation (the step never
+                        // committed, or this would not be saved again): replace it.
+                        Some(g) if g < m.generation => {
+                            if self.exists(&self.keys().commit(&m.run, m.step)).await? {
+                                return Err(Error::new(
+                                    ErrorKind::Conflict,
+                                    format!("{what}: step {} is already committed", m.step),
+                                ));
+                            }
+                            tracing::warn!(
+                                %path,
+                                old = g,
+                                new = m.generation,
+                                "replacing a manifest left by an older generation"
+                            );
+                            self.put_object(&path, vec![bytes.into()], PutMode::Overwrite)
+                                .await?;
+                        }
+                        Some(g) if g > m.generation => {
+                            return Err(Error::new(
+                                ErrorKind::Fenced,
+                                format!(
+                                    "{what}: generation {g} has already saved this rank; this writer (generation {}) is stale and must stop",
+                                    m.generation
+                                ),
+                            ));
+                        }
+                        _ => {
+                            return Err(Error::new(
+                                ErrorKind::Conflict,
+                                format!(
+                                    "{what}: {path} already exists with other content from the same generation {} \
+                                     (two writers for one rank, or a restart that kept its generation: \
+                                     restart with a higher --generation; the supervisor does this for you)",
+                                    m.generation
+                                ),
+                            ));
+                        }
+                    }
                 }
             }
             Err(e) => return Err(e),
@@ -160,8 +197,20 @@ impl Store {
     /// docs). A step with missing rank manifests gets [`ErrorKind::Incomplete`] naming them (wait
     /// and retry); shards that do not cover a tensor exactly once, or ranks that disagree on
     /// the layout, get [`ErrorKind::InvalidInput`] naming the tensor and region.
-    #[instrument(skip_all, fields(run, step))]
     pub async fn commit_step(&self, run: &str, step: u64) -> Result<CommitOutcome> {
+        self.commit_step_as(run, step, None).await
+    }
+
+    /// [`Store::commit_step`] by a committer of `generation`: manifests of older generations
+    /// (left by a dead attempt) count as missing, and manifests of a newer one mean this
+    /// committer is stale ([`ErrorKind::Fenced`]).
+    #[instrument(skip_all, fields(run, step, generation))]
+    pub async fn commit_step_as(
+        &self,
+        run: &str,
+        step: u64,
+        generation: Option<u64>,
+    ) -> Result<CommitOutcome> {
         validate_run(run)?;
         let dir = self.keys().step_dir(run, step);
         let metas: Vec<_> = self
@@ -185,30 +234,14 @@ impl Store {
             let (c, id) = self.read_commit(run, step).await?;
             return Ok(CommitOutcome::AlreadyCommitted(c, id));
         }
-        let Some(&any) = ranks.iter().next() else {
+        if ranks.is_empty() {
             return Err(Error::incomplete(format!(
                 "step {step} of run {run}: no rank has written its manifest yet"
             )));
-        };
-        let probe = self.read_rank_manifest(run, step, any, None).await?;
-        let layout = probe.layout;
-        let world = layout.world();
-        let missing: Vec<u32> = (0..world).filter(|r| !ranks.contains(r)).collect();
-        if !missing.is_empty() {
-            let shown: Vec<String> = missing.iter().take(10).map(u32::to_string).collect();
-            return Err(Error::incomplete(format!(
-                "step {step} of run {run}: {} of {world} rank manifests are missing (ranks {}{})",
-                missing.len(),
-                shown.join(", "),
-                if missing.len() > 10 { ", ..." } else { "" }
-            )));
         }
-        if let Some(&extra) = ranks.iter().find(|&&r| r >= world) {
-            return Err(Error::invalid(format!(
-                "step {step} of run {run}: rank {extra} wrote a manifest but the layout {layout} has {world} ranks"
-            )));
-        }
-        let manifests: Vec<(RankManifest, RankEntry)> = stream::iter(0..world)
+        // Read every manifest present (O(ranks) requests): a restarted job may have left
+        // manifests of an older generation and another layout next to the current ones.
+        let present: Vec<(RankManifest, RankEntry)> = stream::iter(ranks.iter().copied())
             .map(|r| async move {
                 let path = self.keys().rank_manifest(run, step, r);
                 let (m, hash, size) = self.get_json::<RankManifest>(&path).await?;
@@ -225,13 +258,58 @@ impl Store {
             .buffered(32)
             .try_collect()
             .await?;
+        let newest = present.iter().map(|(m, _)| m.generation).max().unwrap_or(0);
+        let generation = generation.unwrap_or(newest);
+        if let Some((newer, _)) = present.iter().find(|(m, _)| m.generation > generation) {
+            return Err(Error::new(
+                ErrorKind::Fenced,
+                format!(
+                    "step {step} of run {run}: rank {} saved it in generation {}, newer than this committer's {generation}; a stale committer must not commit",
+                    newer.rank, newer.generation
+                ),
+            ));
+        }
+        let Some((first, _)) = present.iter().find(|(m, _)| m.generation == generation) else {
+            return Err(Error::incomplete(format!(
+                "step {step} of run {run}: no rank of generation {generation} has written its manifest yet"
+            )));
+        };
+        let layout = first.layout;
+        let first_rank = first.rank;
+        let world = layout.world();
+        let current: Vec<u32> = present
+            .iter()
+            .filter(|(m, _)| m.generation == generation)
+            .map(|(m, _)| m.rank)
+            .collect();
+        let missing: Vec<u32> = (0..world).filter(|r| !current.contains(r)).collect();
+        if !missing.is_empty() {
+            let shown: Vec<String> = missing.iter().take(10).map(u32::to_string).collect();
+            return Err(Error::incomplete(format!(
+                "step {step} of run {run}: {} of {world} rank manifests of generation {generation} are missing (ranks {}{})",
+                missing.len(),
+                shown.join(", "),
+                if missing.len() > 10 { ", ..." } else { "" }
+            )));
+        }
+        if let Some(&extra) = current.iter().find(|&&r| r >= world) {
+            return Err(Error::invalid(format!(
+                "step {step} of run {run}: rank {extra} wrote a manifest but the layout {layout} has {world} ranks"
+            )));
+        }
+        // Stale manifests of ranks beyond the current world are left for GC; they are not
+        // part of this step.
+        let manifests: Vec<(RankManifest, RankEntry)> = present
+            .into_iter()
+            .filter(|(m, _)| m.generation == generation && m.rank < world)
+            .collect();
         let mut stats = WriteStats::default();
         let mut blobs = Vec::new();
         for (m, _) in &manifests {
-            if m.layout != layout || m.generation != probe.generation {
+            if m.layout != layout {
                 return Err(Error::invalid(format!(
-                    "step {step} of run {run}: rank {} saved with layout {} generation {}, rank {any} with {} generation {}",
-                    m.rank, m.layout, m.generation, layout, probe.generation
+                    "step {step} of run {run}: rank {} saved with layout {}, rank {} with {layout} (same generation {generation})",
+                    m.rank, m.layout, first_rank
                 )));
             }
             if m.run != run || m.step != step {
@@ -259,7 +337,7 @@ impl Store {
             run: run.to_string(),
             step,
             layout,
-            generation: probe.generation,
+            generation,
             // Derived from the manifests, not the clock: every committer of a step builds the
             // same bytes, so even a backend whose conditional create is not atomic ends with
             // one consistent record (see FORMAT.md).
@@ -297,9 +375,23 @@ impl Store {
         poll: Duration,
         timeout: Duration,
     ) -> Result<CommitOutcome> {
+        self.wait_and_commit_as(run, step, None, poll, timeout)
+            .await
+    }
+
+    /// [`Store::wait_and_commit`] by a committer of `generation` (see
+    /// [`Store::commit_step_as`]).
+    pub async fn wait_and_commit_as(
+        &self,
+        run: &str,
+        step: u64,
+        generation: Option<u64>,
+        poll: Duration,
+        timeout: Duration,
+    ) -> Result<CommitOutcome> {
         let t0 = Instant::now();
         loop {
-            match self.commit_step(run, step).await {
+            match self.commit_step_as(run, step, generation).await {
                 Ok(o) => return Ok(o),
                 Err(e) if e.kind() == ErrorKind::Incomplete && t0.elapsed() < timeout => {
                     tokio::time::sleep(poll).await;

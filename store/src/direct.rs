@@ -51,6 +51,12 @@ unsafe impl Send for AlignedBuf {}
 // SAFETY: shared references only read the bytes.
 unsafe impl Sync for AlignedBuf {}
 
+impl std::fmt::Debug for AlignedBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "AlignedBuf(len {}, capacity {})", self.len, self.cap)
+    }
+}
+
 impl AlignedBuf {
     /// A zeroed buffer of `len` bytes, capacity rounded up to the alignment.
     pub fn zeroed(len: usize) -> Self {

@@ -3,7 +3,8 @@
 //! (manifests checked, commit record not yet).
 //!
 //! Processes can set them from the environment: `CKPT_FAILPOINTS=after_chunks=kill` or
-//! `...=sleep(500)` or `...=error`, several separated by `;`.
+//! `...=sleep(500)` or `...=error`, several separated by `;`. A suffix `@N` fires only on the
+//! N-th time the point is reached (`after_chunks=kill@2`: the second save dies).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -24,7 +25,14 @@ pub enum FailAction {
 
 /// A set of armed failpoints.
 #[derive(Debug, Clone, Default)]
-pub struct Failpoints(Arc<Mutex<HashMap<String, FailAction>>>);
+pub struct Failpoints(Arc<Mutex<HashMap<String, Armed>>>);
+
+#[derive(Debug, Clone)]
+struct Armed {
+    action: FailAction,
+    nth: Option<u64>,
+    hits: u64,
+}
 
 impl Failpoints {
     /// No failpoints armed.
@@ -39,6 +47,17 @@ impl Failpoints {
             let (name, action) = part.split_once('=').ok_or_else(|| {
                 Error::invalid(format!("failpoint {part:?}: expected name=action"))
             })?;
+            let (action, nth) = match action.split_once('@') {
+                Some((a, n)) => (
+                    a,
+                    Some(
+                        n.trim()
+                            .parse::<u64>()
+                            .map_err(|_| Error::invalid(format!("failpoint {part:?}: bad @N")))?,
+                    ),
+                ),
+                None => (action, None),
+            };
             let action = match action.trim() {
                 "error" => FailAction::Error,
                 "kill" => FailAction::Kill,
@@ -54,17 +73,26 @@ impl Failpoints {
                     )));
                 }
             };
-            fp.set(name.trim(), action);
+            fp.set_nth(name.trim(), action, nth);
         }
         Ok(fp)
     }
 
     /// Arm `name`.
     pub fn set(&self, name: &str, action: FailAction) {
-        self.0
-            .lock()
-            .expect("failpoints")
-            .insert(name.to_string(), action);
+        self.set_nth(name, action, None);
+    }
+
+    /// Arm `name` for its `nth` hit only (every hit if `None`).
+    pub fn set_nth(&self, name: &str, action: FailAction, nth: Option<u64>) {
+        self.0.lock().expect("failpoints").insert(
+            name.to_string(),
+            Armed {
+                action,
+                nth,
+                hits: 0,
+            },
+        );
     }
 
     /// Disarm everything.
@@ -74,7 +102,19 @@ impl Failpoints {
 
     /// Reach failpoint `name`.
     pub async fn hit(&self, name: &str) -> Result<()> {
-        let action = self.0.lock().expect("failpoints").get(name).cloned();
+        let action = {
+            let mut g = self.0.lock().expect("failpoints");
+            match g.get_mut(name) {
+                None => None,
+                Some(a) => {
+                    a.hits += 1;
+                    match a.nth {
+                        Some(n) if n != a.hits => None,
+                        _ => Some(a.action.clone()),
+                    }
+                }
+            }
+        };
         match action {
             None => Ok(()),
             Some(FailAction::Error) => Err(Error::new(
@@ -82,7 +122,8 @@ impl Failpoints {
                 format!("failpoint {name} fired"),
             )),
             Some(FailAction::Sleep(d)) => {
-                tracing::warn!(failpoint = name, "sleeping {:?}", d);
+                // Tests that kill a process mid-save wait for this line on stderr.
+                eprintln!("ckpt failpoint {name}: sleeping {} ms", d.as_millis());
                 tokio::time::sleep(d).await;
                 Ok(())
             }

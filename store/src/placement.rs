@@ -176,7 +176,7 @@ fn flat_rec(shape: &[u64], lo: u64, hi: u64, prefix: &mut Vec<u64>, out: &mut Ve
     let r0 = lo / inner;
     let r_last = (hi - 1) / inner;
     if r0 == r_last {
-        if lo % inner == 0 && hi - lo == inner {
+        if lo.is_multiple_of(inner) && hi - lo == inner {
             push(prefix, (r0, 1), &shape[1..], out);
             return;
         }
@@ -186,7 +186,7 @@ fn flat_rec(shape: &[u64], lo: u64, hi: u64, prefix: &mut Vec<u64>, out: &mut Ve
         return;
     }
     let mut start_full = r0;
-    if lo % inner != 0 {
+    if !lo.is_multiple_of(inner) {
         prefix.push(r0);
         flat_rec(&shape[1..], lo % inner, inner, prefix, out);
         prefix.pop();
@@ -201,7 +201,7 @@ fn flat_rec(shape: &[u64], lo: u64, hi: u64, prefix: &mut Vec<u64>, out: &mut Ve
             out,
         );
     }
-    if hi % inner != 0 {
+    if !hi.is_multiple_of(inner) {
         prefix.push(end_full);
         flat_rec(&shape[1..], 0, hi % inner, prefix, out);
         prefix.pop();

@@ -218,6 +218,7 @@ pub struct Store {
     cfg: Arc<StoreConfig>,
     url: Arc<str>,
     failpoints: crate::failpoint::Failpoints,
+    metrics: Option<Arc<crate::wrap::StoreMetrics>>,
 }
 
 enum Slot {
@@ -235,6 +236,7 @@ impl Store {
             cfg: Arc::new(StoreConfig::default()),
             url: url.into().into(),
             failpoints: Default::default(),
+            metrics: None,
         }
     }
 
@@ -258,6 +260,17 @@ impl Store {
     pub fn with_failpoints(mut self, fp: crate::failpoint::Failpoints) -> Self {
         self.failpoints = fp;
         self
+    }
+
+    /// Attach the counters of the [`crate::wrap::MetricsStore`] this store runs over.
+    pub fn with_metrics(mut self, m: Arc<crate::wrap::StoreMetrics>) -> Self {
+        self.metrics = Some(m);
+        self
+    }
+
+    /// Request and byte counters, if the store was opened with them ([`crate::open`] does).
+    pub fn metrics(&self) -> Option<&Arc<crate::wrap::StoreMetrics>> {
+        self.metrics.as_ref()
     }
 
     /// The failpoints of this store.

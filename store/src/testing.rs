@@ -157,7 +157,7 @@ impl S3Server {
 
     /// The object store client for the bucket.
     #[cfg(feature = "s3")]
-    pub fn object_store(&self) -> Arc<dyn object_store::ObjectStore> {
+    pub fn object_store(&self) -> Arc<crate::wrap::MetricsStore<object_store::aws::AmazonS3>> {
         let s = object_store::aws::AmazonS3Builder::new()
             .with_endpoint(&self.endpoint)
             .with_bucket_name(&self.bucket)
@@ -174,13 +174,16 @@ impl S3Server {
     /// A [`Store`] on the bucket below `prefix`.
     #[cfg(feature = "s3")]
     pub fn store(&self, prefix: &str, cfg: StoreConfig) -> Store {
+        let os = self.object_store();
+        let metrics = os.metrics();
         Store::new(
-            self.object_store(),
+            os,
             object_store::path::Path::from(prefix),
             format!("s3://{}/{prefix}", self.bucket),
         )
         .with_config(cfg)
         .expect("config")
+        .with_metrics(metrics)
     }
 
     /// Environment variables that make `ckpt_store::open("s3://BUCKET/...")` reach this server.

@@ -118,25 +118,29 @@ pub fn open(url: &str) -> Result<Store> {
     } else {
         StoreConfig::default()
     };
-    let (inner, prefix): (Arc<dyn ObjectStore>, String) = match parsed {
+    let (raw, prefix): (Box<dyn ObjectStore>, String) = match parsed {
         StoreUrl::Local(p) => {
             let fs = DirectFs::new(&p)
                 .map_err(|e| Error::io("opening the store directory", &p.display(), e))?;
-            (Arc::new(MetricsStore::new(fs)), String::new())
+            (Box::new(fs), String::new())
         }
         StoreUrl::Memory => (
-            Arc::new(MetricsStore::new(object_store::memory::InMemory::new())),
+            Box::new(object_store::memory::InMemory::new()),
             String::new(),
         ),
         StoreUrl::S3 { bucket, prefix } => (open_s3(&bucket, url)?, prefix),
         StoreUrl::Gcs { bucket, prefix } => (open_gcs(&bucket, url)?, prefix),
         StoreUrl::Azure { url: u, prefix } => (open_azure(&u, url)?, prefix),
     };
-    Store::new(inner, Path::from(prefix), url).with_config(cfg)
+    let counted = MetricsStore::new(raw);
+    let metrics = counted.metrics();
+    Ok(Store::new(Arc::new(counted), Path::from(prefix), url)
+        .with_config(cfg)?
+        .with_metrics(metrics))
 }
 
 #[cfg(feature = "s3")]
-fn open_s3(bucket: &str, url: &str) -> Result<Arc<dyn ObjectStore>> {
+fn open_s3(bucket: &str, url: &str) -> Result<Box<dyn ObjectStore>> {
     use object_store::aws::AmazonS3Builder;
     let mut b = AmazonS3Builder::from_env().with_bucket_name(bucket);
     let endpoint = std::env::var("AWS_ENDPOINT_URL_S3")
@@ -155,43 +159,43 @@ fn open_s3(bucket: &str, url: &str) -> Result<Arc<dyn ObjectStore>> {
     let s = b
         .build()
         .map_err(|e| Error::invalid(format!("cannot open {url}: {e}")).with_source(e))?;
-    Ok(Arc::new(MetricsStore::new(s)))
+    Ok(Box::new(s))
 }
 
 #[cfg(not(feature = "s3"))]
-fn open_s3(_bucket: &str, url: &str) -> Result<Arc<dyn ObjectStore>> {
+fn open_s3(_bucket: &str, url: &str) -> Result<Box<dyn ObjectStore>> {
     Err(Error::invalid(format!(
         "cannot open {url}: this build has no S3 support (build ckpt-store with feature \"s3\")"
     )))
 }
 
 #[cfg(feature = "gcs")]
-fn open_gcs(bucket: &str, url: &str) -> Result<Arc<dyn ObjectStore>> {
+fn open_gcs(bucket: &str, url: &str) -> Result<Box<dyn ObjectStore>> {
     let s = object_store::gcp::GoogleCloudStorageBuilder::from_env()
         .with_bucket_name(bucket)
         .build()
         .map_err(|e| Error::invalid(format!("cannot open {url}: {e}")).with_source(e))?;
-    Ok(Arc::new(MetricsStore::new(s)))
+    Ok(Box::new(s))
 }
 
 #[cfg(not(feature = "gcs"))]
-fn open_gcs(_bucket: &str, url: &str) -> Result<Arc<dyn ObjectStore>> {
+fn open_gcs(_bucket: &str, url: &str) -> Result<Box<dyn ObjectStore>> {
     Err(Error::invalid(format!(
         "cannot open {url}: this build has no GCS support (build with feature \"gcs\")"
     )))
 }
 
 #[cfg(feature = "azure")]
-fn open_azure(container_url: &str, url: &str) -> Result<Arc<dyn ObjectStore>> {
+fn open_azure(container_url: &str, url: &str) -> Result<Box<dyn ObjectStore>> {
     let s = object_store::azure::MicrosoftAzureBuilder::from_env()
         .with_url(container_url)
         .build()
         .map_err(|e| Error::invalid(format!("cannot open {url}: {e}")).with_source(e))?;
-    Ok(Arc::new(MetricsStore::new(s)))
+    Ok(Box::new(s))
 }
 
 #[cfg(not(feature = "azure"))]
-fn open_azure(_container_url: &str, url: &str) -> Result<Arc<dyn ObjectStore>> {
+fn open_azure(_container_url: &str, url: &str) -> Result<Box<dyn ObjectStore>> {
     Err(Error::invalid(format!(
         "cannot open {url}: this build has no Azure support (build with feature \"azure\")"
     )))

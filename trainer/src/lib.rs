@@ -1,1 +1,28 @@
-//! What a training process embeds: save pipeline, restore, CheckpointManager, reference workload.
+//! `ckpt-trainer`: what a training process embeds.
+//!
+//! - [`memory`]: memory sources and sinks (host tensors; device tensors behind `cuda`);
+//! - [`staging`]: the bounded, reused staging pool snapshots copy into;
+//! - [`save`]: [`Checkpointer`], the snapshot -> persist -> commit pipeline;
+//! - [`restore`]: restore onto this rank's boxes under the current layout;
+//! - [`manager`]: [`CheckpointManager`] (interval policy, retention, auto-resume, final
+//!   checkpoint on SIGTERM, [`Stateful`] items);
+//! - [`workload`]: the reference workload behind the `ckpt-train` binary.
+
+#![warn(missing_docs)]
+
+pub mod manager;
+pub mod memory;
+pub mod restore;
+pub mod save;
+pub mod staging;
+pub mod train;
+pub mod workload;
+
+pub use manager::{CheckpointManager, ManagerConfig, Scope, Stateful, TensorMemory};
+pub use memory::{HostTensor, HostView, MemorySink, MemorySource, PinnedSource};
+pub use restore::{RestoreTarget, restore_targets};
+pub use save::{
+    BackPressure, Checkpointer, CheckpointerConfig, SaveHandle, SaveReport, SaveState, SaveTensor,
+    Stage, runtime,
+};
+pub use staging::{PoolConfig, PoolStats, StagingPool};

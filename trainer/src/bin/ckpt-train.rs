@@ -1,0 +1,26 @@
+//! `ckpt-train`: the reference workload (see `ckpt_trainer::train`).
+
+use clap::Parser;
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("CKPT_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = ckpt_trainer::train::TrainArgs::parse();
+    match ckpt_trainer::train::run(args) {
+        Ok(out) => {
+            if let Some(d) = out.digest {
+                println!("digest {d}");
+            }
+            std::process::ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("ckpt-train: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

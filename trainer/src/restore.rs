@@ -1,0 +1,131 @@
+//! Restore onto this rank's boxes under the current layout, whatever layout saved them.
+//!
+//! Each target box is read through the store's read engine (only the chunks that intersect
+//! it, every chunk hash-checked), in pieces of bounded size, and written into its sink.
+
+use std::sync::Arc;
+
+use ckpt_store::placement::flat_range_boxes;
+use ckpt_store::{DType, Error, NdBox, ReadStats, Result, StepReader};
+use futures::{StreamExt, TryStreamExt, stream};
+
+use crate::memory::MemorySink;
+
+/// A box to restore and the memory it goes to.
+#[derive(Clone)]
+pub struct RestoreTarget {
+    /// Tensor name.
+    pub name: String,
+    /// Element type the caller expects.
+    pub dtype: DType,
+    /// Global shape the caller expects.
+    pub shape: Vec<u64>,
+    /// The box.
+    pub bbox: NdBox,
+    /// Where its bytes go.
+    pub sink: Arc<dyn MemorySink>,
+}
+
+impl std::fmt::Debug for RestoreTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RestoreTarget({} {})", self.name, self.bbox)
+    }
+}
+
+/// Check `targets` against the step before reading anything; errors name the tensor.
+pub fn check_targets(reader: &StepReader, targets: &[RestoreTarget]) -> Result<()> {
+    let c = reader.commit();
+    for t in targets {
+        let e = c.tensor(&t.name).ok_or_else(|| {
+            Error::not_found(format!(
+                "step {} of run {} has no tensor {:?} (it has {} tensors; was the model changed?)",
+                c.step,
+                c.run,
+                t.name,
+                c.tensors.len()
+            ))
+        })?;
+        if e.dtype != t.dtype || e.shape != t.shape {
+            return Err(Error::invalid(format!(
+                "tensor {:?}: saved as {} {:?} at step {} of run {}, but this job expects {} {:?}",
+                t.name, e.dtype, e.shape, c.step, c.run, t.dtype, t.shape
+            )));
+        }
+        if !t.bbox.within(&t.shape) {
+            return Err(Error::invalid(format!(
+                "tensor {:?}: box {} does not fit the shape {:?}",
+                t.name, t.bbox, t.shape
+            )));
+        }
+        let want = t.bbox.numel() as usize * t.dtype.size();
+        if t.sink.len() != want {
+            return Err(Error::invalid(format!(
+                "tensor {:?} box {}: the destination holds {} bytes, the box {want}",
+                t.name,
+                t.bbox,
+                t.sink.len()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Restore every target, at most `budget` bytes in flight.
+pub async fn restore_targets(
+    reader: &StepReader,
+    targets: &[RestoreTarget],
+    budget: usize,
+) -> Result<ReadStats> {
+    check_targets(reader, targets)?;
+    let parallel = 4usize;
+    let piece_bytes = (budget / parallel).max(1 << 16);
+    // (target, first element, end element) pieces.
+    let mut pieces: Vec<(usize, u64, u64)> = Vec::new();
+    for (i, t) in targets.iter().enumerate() {
+        let n = t.bbox.numel();
+        let per = (piece_bytes / t.dtype.size()).max(1) as u64;
+        let mut a = 0;
+        while a < n {
+            let b = (a + per).min(n);
+            pieces.push((i, a, b));
+            a = b;
+        }
+    }
+    let results: Vec<ReadStats> = stream::iter(pieces)
+        .map(|(i, a, b)| async move {
+            let t = &targets[i];
+            let elem = t.dtype.size() as u64;
+            let mut buf = vec![0u8; ((b - a) * elem) as usize];
+            let mut at = 0usize;
+            let mut stats = ReadStats::default();
+            for bx in flat_range_boxes(&t.bbox.lengths, a, b) {
+                let global = NdBox {
+                    offsets: bx
+                        .offsets
+                        .iter()
+                        .zip(&t.bbox.offsets)
+                        .map(|(o, base)| o + base)
+                        .collect(),
+                    lengths: bx.lengths,
+                };
+                let len = (global.numel() * elem) as usize;
+                let st = reader
+                    .read_into(&t.name, &global, &mut buf[at..at + len])
+                    .await?;
+                stats.add(&st);
+                at += len;
+            }
+            let sink = t.sink.clone();
+            let off = (a * elem) as usize;
+            tokio::task::spawn_blocking(move || sink.write_at(off, &buf)).await??;
+            Ok::<_, Error>(stats)
+        })
+        .buffer_unordered(parallel)
+        .try_collect()
+        .await?;
+    let mut total = ReadStats::default();
+    for s in &results {
+        total.add(s);
+    }
+    Ok(total)
+}

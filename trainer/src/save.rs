@@ -1,0 +1,740 @@
+//! The save pipeline: snapshot -> persist -> commit.
+//!
+//! [`Checkpointer::save`] pins every tensor (see [`crate::memory`]), starts the snapshot on a
+//! background thread and returns a [`SaveHandle`] at once. The snapshot copies each shard into
+//! staging slabs with several threads and hands every filled chunk to the persist task, which
+//! streams them into the store ([`ckpt_store::Store::write_rank_stream`]) while the copy goes
+//! on, then writes the rank manifest. The committer (rank 0 by default) waits for every rank's
+//! manifest and creates the commit record.
+//!
+//! The training loop only has to wait for the snapshot before it mutates tensors; with host
+//! tensors even that is automatic (a write waits for the copy of that tensor).
+
+use std::sync::Arc;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use ckpt_store::{
+    BlobIn, ChunkRef, DType, DedupIndex, Error, ErrorKind, Layout, NdBox, Placement, RankWrite,
+    Result, ShardMeta, Store,
+};
+use parking_lot::{Condvar, Mutex};
+use serde::Serialize;
+use tracing::{info, warn};
+
+use crate::memory::{MemorySource, PinnedSource};
+use crate::staging::{PoolConfig, PoolStats, StagingPool};
+
+/// The process-wide runtime that runs persists and restores.
+pub fn runtime() -> &'static tokio::runtime::Runtime {
+    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .max_blocking_threads(32)
+            .thread_name("ckpt-io")
+            .enable_all()
+            .build()
+            .expect("tokio runtime")
+    })
+}
+
+/// What to do when a save is asked for while the previous one is still persisting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackPressure {
+    /// Wait for the previous save to be persisted, then snapshot.
+    Wait,
+    /// Skip this save (logged with the reason).
+    Skip,
+}
+
+/// One shard to save.
+#[derive(Clone)]
+pub struct SaveTensor {
+    /// Tensor name.
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Global shape.
+    pub shape: Vec<u64>,
+    /// The box saved.
+    pub bbox: NdBox,
+    /// How the tensor is placed (recorded so other layouts can be planned).
+    pub placement: Option<Placement>,
+    /// The memory holding exactly the box's row-major bytes; `None` for a replica.
+    pub source: Option<Arc<dyn MemorySource>>,
+    /// For a replica: the rank that writes it.
+    pub replica_of: Option<u32>,
+}
+
+impl std::fmt::Debug for SaveTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SaveTensor({} {})", self.name, self.bbox)
+    }
+}
+
+/// Everything one rank saves for a step.
+#[derive(Debug, Default, Clone)]
+pub struct SaveState {
+    /// Shards.
+    pub tensors: Vec<SaveTensor>,
+    /// Named blobs.
+    pub blobs: Vec<(String, Vec<u8>)>,
+}
+
+/// Settings of a [`Checkpointer`].
+#[derive(Debug, Clone)]
+pub struct CheckpointerConfig {
+    /// Run name.
+    pub run: String,
+    /// This rank.
+    pub rank: u32,
+    /// The layout.
+    pub layout: Layout,
+    /// The job generation (bumped by every restart).
+    pub generation: u64,
+    /// Whether this rank commits (rank 0 by default).
+    pub committer: bool,
+    /// Bound on staging memory (bytes).
+    pub staging_bytes: usize,
+    /// Allocate and touch all staging memory up front.
+    pub prefault: bool,
+    /// Threads copying into staging.
+    pub copy_threads: usize,
+    /// Policy for a save while the previous one persists.
+    pub back_pressure: BackPressure,
+    /// How long the committer waits for the other ranks' manifests.
+    pub commit_timeout: Duration,
+}
+
+impl CheckpointerConfig {
+    /// Defaults for `rank` of `layout` in `run`.
+    pub fn new(run: &str, rank: u32, layout: Layout) -> Self {
+        CheckpointerConfig {
+            run: run.to_string(),
+            rank,
+            layout,
+            generation: 0,
+            committer: rank == 0,
+            staging_bytes: 1 << 30,
+            prefault: false,
+            copy_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
+            back_pressure: BackPressure::Wait,
+            commit_timeout: Duration::from_secs(600),
+        }
+    }
+}
+
+/// Where a save is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Stage {
+    /// Copying into staging.
+    Snapshotting,
+    /// The snapshot is taken; tensors may change.
+    Snapshotted,
+    /// Chunks and this rank's manifest are in the store.
+    Persisted,
+    /// The commit record exists.
+    Committed,
+    /// Not taken (back-pressure), with the reason.
+    Skipped(String),
+    /// Failed, with the error.
+    Failed(String),
+}
+
+/// Figures of one save.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct SaveReport {
+    /// Step.
+    pub step: u64,
+    /// Bytes this rank snapshotted.
+    pub bytes: u64,
+    /// Seconds from `save` to the snapshot being complete (the most a loop waits).
+    pub snapshot_s: f64,
+    /// Seconds from `save` to this rank's manifest in the store.
+    pub persist_s: f64,
+    /// Seconds from this rank's manifest to the commit record (committer only).
+    pub commit_s: f64,
+    /// Bytes written to the store (stored, after compression).
+    pub bytes_written: u64,
+    /// Raw bytes skipped because the store had them.
+    pub bytes_skipped: u64,
+    /// Staging in use at its peak during this save.
+    pub staging_peak: usize,
+}
+
+#[derive(Debug)]
+struct Shared {
+    step: u64,
+    stage: Mutex<(Stage, SaveReport)>,
+    cond: Condvar,
+}
+
+impl Shared {
+    fn set(&self, stage: Stage, f: impl FnOnce(&mut SaveReport)) {
+        let mut g = self.stage.lock();
+        // Never go back from a failure.
+        if !matches!(g.0, Stage::Failed(_)) {
+            g.0 = stage;
+        }
+        f(&mut g.1);
+        drop(g);
+        self.cond.notify_all();
+    }
+
+    fn wait_for(&self, done: impl Fn(&Stage) -> bool) -> Result<SaveReport> {
+        let mut g = self.stage.lock();
+        loop {
+            match &g.0 {
+                Stage::Failed(e) => {
+                    return Err(Error::new(
+                        ErrorKind::Backend,
+                        format!("checkpoint of step {} failed: {e}", self.step),
+                    ));
+                }
+                Stage::Skipped(why) => {
+                    return Err(Error::new(
+                        ErrorKind::Conflict,
+                        format!("checkpoint of step {} was skipped: {why}", self.step),
+                    ));
+                }
+                s if done(s) => return Ok(g.1.clone()),
+                _ => self.cond.wait(&mut g),
+            }
+        }
+    }
+}
+
+/// A save in progress.
+#[derive(Debug, Clone)]
+pub struct SaveHandle {
+    shared: Arc<Shared>,
+    store: Store,
+    run: String,
+}
+
+impl SaveHandle {
+    /// The step saved.
+    pub fn step(&self) -> u64 {
+        self.shared.step
+    }
+
+    /// Where the save is now.
+    pub fn stage(&self) -> Stage {
+        self.shared.stage.lock().0.clone()
+    }
+
+    /// Figures so far.
+    pub fn report(&self) -> SaveReport {
+        self.shared.stage.lock().1.clone()
+    }
+
+    /// Whether it was skipped.
+    pub fn is_skipped(&self) -> bool {
+        matches!(self.stage(), Stage::Skipped(_))
+    }
+
+    /// Block until the snapshot is taken (then tensors may change).
+    pub fn wait_snapshot(&self) -> Result<SaveReport> {
+        self.shared
+            .wait_for(|s| matches!(s, Stage::Snapshotted | Stage::Persisted | Stage::Committed))
+    }
+
+    /// Block until this rank's chunks and manifest are in the store.
+    pub fn wait_persisted(&self) -> Result<SaveReport> {
+        self.shared
+            .wait_for(|s| matches!(s, Stage::Persisted | Stage::Committed))
+    }
+
+    /// Block until the step is committed (by whichever rank commits), or `timeout`.
+    pub fn wait_committed(&self, timeout: Duration) -> Result<SaveReport> {
+        self.wait_persisted()?;
+        if self.stage() == Stage::Committed {
+            return self.shared.wait_for(|s| matches!(s, Stage::Committed));
+        }
+        let t0 = Instant::now();
+        let key = self.store.keys().commit(&self.run, self.shared.step);
+        let mut pause = Duration::from_millis(20);
+        loop {
+            if self.stage() == Stage::Committed {
+                return Ok(self.report());
+            }
+            if runtime().block_on(self.store.exists(&key))? {
+                self.shared.set(Stage::Committed, |_| {});
+                return Ok(self.report());
+            }
+            if t0.elapsed() > timeout {
+                return Err(Error::incomplete(format!(
+                    "step {} of run {} was not committed within {:?}",
+                    self.shared.step, self.run, timeout
+                )));
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(500));
+        }
+    }
+}
+
+/// Which chunks a rank's next save can skip: those of the last save it persisted (or the
+/// step it restored), see `prepare_index`.
+#[derive(Debug, Default)]
+pub(crate) struct DedupTracker {
+    committed: Vec<ChunkRef>,
+    committed_step: Option<u64>,
+    pending: Option<(u64, Vec<ChunkRef>)>,
+}
+
+impl DedupTracker {
+    pub(crate) fn seed(&mut self, step: u64, refs: Vec<ChunkRef>) {
+        self.committed = refs;
+        self.committed_step = Some(step);
+        self.pending = None;
+    }
+
+    pub(crate) fn base_step(&self) -> Option<u64> {
+        self.committed_step
+    }
+}
+
+/// Saves one rank's state (see the module docs).
+pub struct Checkpointer {
+    store: Store,
+    cfg: CheckpointerConfig,
+    pool: Arc<StagingPool>,
+    last: Mutex<Option<SaveHandle>>,
+    dedup: Arc<Mutex<DedupTracker>>,
+}
+
+impl std::fmt::Debug for Checkpointer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Checkpointer({} rank {})", self.cfg.run, self.cfg.rank)
+    }
+}
+
+struct Job {
+    tensor: usize,
+    offset: usize,
+    len: usize,
+}
+
+impl Checkpointer {
+    /// A checkpointer for one rank.
+    pub fn new(store: Store, cfg: CheckpointerConfig) -> Result<Self> {
+        ckpt_store::validate_run(&cfg.run)?;
+        cfg.layout.validate()?;
+        if cfg.rank >= cfg.layout.world() {
+            return Err(Error::invalid(format!(
+                "rank {} is outside the layout {} ({} ranks)",
+                cfg.rank,
+                cfg.layout,
+                cfg.layout.world()
+            )));
+        }
+        let slab = store.config().chunk_size;
+        let pool = StagingPool::new(
+            PoolConfig {
+                capacity: cfg.staging_bytes.max(slab),
+                slab,
+            },
+            cfg.prefault,
+        );
+        Ok(Checkpointer {
+            store,
+            cfg,
+            pool,
+            last: Mutex::new(None),
+            dedup: Arc::default(),
+        })
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &CheckpointerConfig {
+        &self.cfg
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Staging figures.
+    pub fn staging(&self) -> PoolStats {
+        self.pool.stats()
+    }
+
+    /// The newest committed step this rank's next save dedups against.
+    pub fn dedup_base(&self) -> Option<u64> {
+        self.dedup.lock().base_step()
+    }
+
+    /// The save in flight, if any.
+    pub fn last(&self) -> Option<SaveHandle> {
+        self.last.lock().clone()
+    }
+
+    pub(crate) fn seed_dedup(&self, step: u64, refs: Vec<ChunkRef>) {
+        self.dedup.lock().seed(step, refs);
+    }
+
+    /// Save `state` as `step` (see the module docs). Returns once every tensor is pinned and
+    /// the copy has started.
+    pub fn save(&self, step: u64, state: SaveState) -> Result<SaveHandle> {
+        let mut last = self.last.lock();
+        if let Some(prev) = last.as_ref() {
+            let busy = matches!(prev.stage(), Stage::Snapshotting | Stage::Snapshotted);
+            if busy {
+                match self.cfg.back_pressure {
+                    BackPressure::Wait => {
+                        if let Err(e) = prev.wait_persisted() {
+                            warn!(step = prev.step(), "previous checkpoint failed: {e}");
+                        }
+                    }
+                    BackPressure::Skip => {
+                        let why = format!(
+                            "the checkpoint of step {} is still being persisted (policy: skip)",
+                            prev.step()
+                        );
+                        warn!(step, "skipping checkpoint: {why}");
+                        return Ok(SaveHandle {
+                            shared: Arc::new(Shared {
+                                step,
+                                stage: Mutex::new((
+                                    Stage::Skipped(why),
+                                    SaveReport {
+                                        step,
+                                        ..Default::default()
+                                    },
+                                )),
+                                cond: Condvar::new(),
+                            }),
+                            store: self.store.clone(),
+                            run: self.cfg.run.clone(),
+                        });
+                    }
+                }
+            }
+        }
+        let t0 = Instant::now();
+        // Pin everything now: the checkpoint holds the bytes of this moment.
+        let mut metas = Vec::with_capacity(state.tensors.len());
+        let mut pins: Vec<(usize, Box<dyn PinnedSource>, usize)> = Vec::new();
+        let mut bytes = 0u64;
+        for t in &state.tensors {
+            let len = (t.bbox.numel() * t.dtype.size() as u64) as usize;
+            match (&t.source, t.replica_of) {
+                (Some(src), None) => {
+                    if src.len() != len {
+                        return Err(Error::invalid(format!(
+                            "tensor {:?} box {}: its memory holds {} bytes, the box {len}",
+                            t.name,
+                            t.bbox,
+                            src.len()
+                        )));
+                    }
+                    pins.push((metas.len(), src.pin()?, len));
+                    bytes += len as u64;
+                }
+                (None, Some(_)) => {}
+                _ => {
+                    return Err(Error::invalid(format!(
+                        "tensor {:?}: give either memory or replica_of",
+                        t.name
+                    )));
+                }
+            }
+            metas.push(ShardMeta {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                bbox: t.bbox.clone(),
+                replica_of: t.replica_of,
+                placement: t.placement.clone(),
+            });
+        }
+        let blobs: Vec<BlobIn> = state
+            .blobs
+            .into_iter()
+            .map(|(name, data)| BlobIn {
+                name,
+                data: Bytes::from(data),
+            })
+            .collect();
+        let shared = Arc::new(Shared {
+            step,
+            stage: Mutex::new((
+                Stage::Snapshotting,
+                SaveReport {
+                    step,
+                    bytes,
+                    ..Default::default()
+                },
+            )),
+            cond: Condvar::new(),
+        });
+        let handle = SaveHandle {
+            shared: shared.clone(),
+            store: self.store.clone(),
+            run: self.cfg.run.clone(),
+        };
+        *last = Some(handle.clone());
+        drop(last);
+        self.pool.reset_peak();
+
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Result<Bytes>>();
+        // Snapshot thread.
+        {
+            let pool = self.pool.clone();
+            let threads = self.cfg.copy_threads.max(1);
+            let shared = shared.clone();
+            let names: Vec<String> = metas.iter().map(|m| m.name.clone()).collect();
+            std::thread::Builder::new()
+                .name(format!("ckpt-snapshot-{}", self.cfg.rank))
+                .spawn(move || match snapshot(&pool, pins, threads, &tx) {
+                    Ok(()) => {
+                        let s = t0.elapsed().as_secs_f64();
+                        shared.set(Stage::Snapshotted, |r| r.snapshot_s = s);
+                    }
+                    Err((i, e)) => {
+                        let e = e.context(format!("snapshot of tensor {:?}", names[i]));
+                        let _ = tx.send(Err(Error::new(e.kind(), e.to_string())));
+                        shared.set(Stage::Failed(e.to_string()), |_| {});
+                    }
+                })
+                .map_err(|e| Error::internal(format!("starting the snapshot thread: {e}")))?;
+        }
+        // Persist and commit task.
+        {
+            let store = self.store.clone();
+            let cfg = self.cfg.clone();
+            let dedup = self.dedup.clone();
+            let pool = self.pool.clone();
+            let w = RankWrite {
+                run: cfg.run.clone(),
+                step,
+                rank: cfg.rank,
+                layout: cfg.layout,
+                generation: cfg.generation,
+            };
+            runtime().spawn(async move {
+                let index = prepare_index(&dedup).await;
+                let chunks = futures::stream::unfold(rx, |mut rx| async move {
+                    rx.recv().await.map(|x| (x, rx))
+                });
+                let res = store
+                    .write_rank_stream(&w, metas, blobs, chunks, &index)
+                    .await;
+                let (manifest, _entry, stats) = match res {
+                    Ok(x) => x,
+                    Err(e) => {
+                        warn!(step, rank = cfg.rank, "checkpoint failed: {e}");
+                        shared.set(Stage::Failed(e.to_string()), |_| {});
+                        return;
+                    }
+                };
+                let persisted = t0.elapsed().as_secs_f64();
+                let peak = pool.stats().peak_in_use;
+                let refs: Vec<ChunkRef> = manifest
+                    .tensors
+                    .iter()
+                    .flat_map(|t| t.chunks.iter().cloned())
+                    .collect();
+                dedup.lock().pending = Some((step, refs));
+                shared.set(Stage::Persisted, |r| {
+                    r.persist_s = persisted;
+                    r.bytes_written = stats.bytes_written;
+                    r.bytes_skipped = stats.bytes_skipped;
+                    r.staging_peak = peak;
+                });
+                if !cfg.committer {
+                    return;
+                }
+                let t1 = Instant::now();
+                match store
+                    .wait_and_commit_as(
+                        &cfg.run,
+                        step,
+                        Some(cfg.generation),
+                        Duration::from_millis(50),
+                        cfg.commit_timeout,
+                    )
+                    .await
+                {
+                    Ok(o) => {
+                        let c = t1.elapsed().as_secs_f64();
+                        info!(
+                            run = %cfg.run,
+                            step,
+                            bytes = o.record().logical_bytes(),
+                            "checkpoint committed"
+                        );
+                        shared.set(Stage::Committed, |r| r.commit_s = c);
+                    }
+                    Err(e) => {
+                        warn!(step, "commit failed: {e}");
+                        shared.set(Stage::Failed(e.to_string()), |_| {});
+                    }
+                }
+            });
+        }
+        Ok(handle)
+    }
+}
+
+/// Before a persist: the chunks of the previous save of this rank become the dedup base.
+///
+/// They are safe to reference even before that step commits: its manifest references them,
+/// and GC keeps every object a remaining manifest references; it deletes an uncommitted
+/// step's manifests only after the grace period, by which time this save has committed (or
+/// the job died and restarts from a committed step, seeding the index from that).
+async fn prepare_index(dedup: &Mutex<DedupTracker>) -> DedupIndex {
+    let mut d = dedup.lock();
+    if let Some((step, refs)) = d.pending.take() {
+        d.seed(step, refs);
+    }
+    let index = DedupIndex::new();
+    index.extend(d.committed.iter());
+    index
+}
+
+/// Copy every pinned source into slabs with `threads` threads, sending chunks in order.
+/// Small shards share slabs (each chunk is a slice of a slab), so a thousand biases do not
+/// take a thousand slabs. Releases each pin as soon as its tensor is copied. On error returns
+/// the tensor index.
+fn snapshot(
+    pool: &Arc<StagingPool>,
+    pins: Vec<(usize, Box<dyn PinnedSource>, usize)>,
+    threads: usize,
+    tx: &tokio::sync::mpsc::UnboundedSender<Result<Bytes>>,
+) -> std::result::Result<(), (usize, Error)> {
+    let slab = pool.slab_size();
+    let mut jobs: Vec<Job> = Vec::new();
+    for (k, (_, _, len)) in pins.iter().enumerate() {
+        let mut off = 0;
+        while off < *len {
+            let l = slab.min(len - off);
+            jobs.push(Job {
+                tensor: k,
+                offset: off,
+                len: l,
+            });
+            off += l;
+        }
+    }
+    let mut remaining: Vec<usize> = vec![0; pins.len()];
+    for j in &jobs {
+        remaining[j.tensor] += 1;
+    }
+    let mut pins: Vec<Option<(usize, Box<dyn PinnedSource>)>> =
+        pins.into_iter().map(|(i, p, _)| Some((i, p))).collect();
+    // Zero-length tensors have nothing to copy: release their pins at once.
+    for (k, r) in remaining.iter().enumerate() {
+        if *r == 0
+            && let Some((i, p)) = pins[k].take()
+        {
+            p.complete().map_err(|e| (i, e))?;
+        }
+    }
+    // Carve slabs: (slab index, start) per job, 64-byte aligned starts.
+    let mut place: Vec<(usize, usize)> = Vec::with_capacity(jobs.len());
+    let mut fills: Vec<usize> = Vec::new();
+    for j in &jobs {
+        let at = fills.last().map(|f| f.next_multiple_of(64));
+        match at {
+            Some(a) if a + j.len <= slab => {
+                place.push((fills.len() - 1, a));
+                *fills.last_mut().expect("a slab") = a + j.len;
+            }
+            _ => {
+                place.push((fills.len(), 0));
+                fills.push(j.len);
+            }
+        }
+    }
+    // Batches of whole slabs, never more than the pool holds, so a batch can always start
+    // once earlier batches are persisted.
+    let cap_slabs = (pool.stats().capacity / slab).max(1);
+    let per_batch = (threads * 4).clamp(1, cap_slabs);
+    let mut first_job = 0usize;
+    let mut slab_base = 0usize;
+    while slab_base < fills.len() {
+        let slab_end = (slab_base + per_batch).min(fills.len());
+        let last_job = place.partition_point(|(s, _)| *s < slab_end);
+        let group = &jobs[first_job..last_job];
+        let places = &place[first_job..last_job];
+        let mut slabs: Vec<_> = (slab_base..slab_end).map(|_| pool.acquire()).collect();
+        {
+            // Disjoint destination slices, one per job.
+            let mut dsts: Vec<&mut [u8]> = Vec::with_capacity(group.len());
+            let mut rest: Vec<&mut [u8]> = slabs.iter_mut().map(|s| s.bytes_mut()).collect();
+            let mut cut: Vec<usize> = vec![0; rest.len()];
+            for (j, (si, at)) in group.iter().zip(places) {
+                let local = si - slab_base;
+                let buf = std::mem::take(&mut rest[local]);
+                let (_, tail) = buf.split_at_mut(at - cut[local]);
+                let (dst, tail) = tail.split_at_mut(j.len);
+                rest[local] = tail;
+                cut[local] = at + j.len;
+                dsts.push(dst);
+            }
+            let pins_ref = &pins;
+            let work: Vec<(&Job, &mut [u8])> = group.iter().zip(dsts).collect();
+            let per = work.len().div_ceil(threads).max(1);
+            let res: Vec<std::result::Result<(), (usize, Error)>> = std::thread::scope(|s| {
+                let mut handles = Vec::new();
+                let mut work = work;
+                while !work.is_empty() {
+                    let take = per.min(work.len());
+                    let mine: Vec<(&Job, &mut [u8])> = work.drain(..take).collect();
+                    handles.push(s.spawn(move || {
+                        for (j, dst) in mine {
+                            let (i, p) = pins_ref[j.tensor].as_ref().expect("pinned until copied");
+                            p.copy_to(j.offset, dst).map_err(|e| (*i, e))?;
+                        }
+                        Ok(())
+                    }));
+                }
+                handles
+                    .into_iter()
+                    .map(|h| {
+                        h.join()
+                            .unwrap_or_else(|_| Err((0, Error::internal("a copy thread panicked"))))
+                    })
+                    .collect()
+            });
+            for r in res {
+                r?;
+            }
+        }
+        // Device copies complete asynchronously: wait for this batch before handing it on.
+        let mut touched: Vec<usize> = group.iter().map(|j| j.tensor).collect();
+        touched.dedup();
+        for &k in &touched {
+            if let Some((i, p)) = pins[k].as_ref() {
+                p.fence().map_err(|e| (*i, e))?;
+            }
+        }
+        let frozen: Vec<Bytes> = slabs
+            .into_iter()
+            .zip(&fills[slab_base..slab_end])
+            .map(|(s, &f)| s.freeze(f))
+            .collect();
+        for (j, (si, at)) in group.iter().zip(places) {
+            let chunk = frozen[si - slab_base].slice(*at..at + j.len);
+            if tx.send(Ok(chunk)).is_err() {
+                // The persist ended (it failed and reported why); stop copying.
+                return Ok(());
+            }
+            remaining[j.tensor] -= 1;
+            if remaining[j.tensor] == 0
+                && let Some((i, p)) = pins[j.tensor].take()
+            {
+                p.complete().map_err(|e| (i, e))?;
+            }
+        }
+        first_job = last_job;
+        slab_base = slab_end;
+    }
+    Ok(())
+}

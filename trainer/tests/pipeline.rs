@@ -1,0 +1,334 @@
+//! The save pipeline as a library: snapshot semantics, stages, back-pressure, the staging
+//! bound, replicas, O(ranks) commits, and restore errors.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ckpt_store::placement::{Placement, Stage as PStage, TensorSpec};
+use ckpt_store::testing::{det_bytes, local_store, memory_store, tiny_config};
+use ckpt_store::{DType, ErrorKind, Layout, NdBox, StepReader, Store, StoreConfig};
+use ckpt_trainer::{
+    BackPressure, CheckpointManager, Checkpointer, CheckpointerConfig, HostTensor, ManagerConfig,
+    SaveState, SaveTensor, Stage, runtime,
+};
+
+fn spec(name: &str, shape: &[u64], tp_dim: Option<usize>) -> TensorSpec {
+    TensorSpec {
+        name: name.into(),
+        dtype: DType::F32,
+        shape: shape.to_vec(),
+        placement: Placement {
+            order: 0,
+            tp_dim,
+            stage: PStage::First,
+            zero: None,
+        },
+    }
+}
+
+fn one(name: &str, t: &HostTensor, n: u64) -> SaveTensor {
+    SaveTensor {
+        name: name.into(),
+        dtype: DType::U8,
+        shape: vec![n],
+        bbox: NdBox::full(&[n]),
+        placement: None,
+        source: Some(Arc::new(t.clone())),
+        replica_of: None,
+    }
+}
+
+fn read_all(store: &Store, run: &str, step: u64, name: &str) -> Vec<u8> {
+    runtime().block_on(async {
+        StepReader::open(store, run, step)
+            .await
+            .unwrap()
+            .read_tensor(name)
+            .await
+            .unwrap()
+    })
+}
+
+#[test]
+fn a_mutation_after_save_never_reaches_the_checkpoint() {
+    let (store, _d) = local_store(tiny_config());
+    let n = 300_000u64; // ~74 chunks of 4 KiB
+    let t = HostTensor::from_vec(det_bytes(1, n as usize));
+    let before = t.read().clone();
+    let ck = Checkpointer::new(
+        store.clone(),
+        CheckpointerConfig::new("mut", 0, Layout::SINGLE),
+    )
+    .unwrap();
+    let h = ck
+        .save(
+            1,
+            SaveState {
+                tensors: vec![one("t", &t, n)],
+                blobs: vec![],
+            },
+        )
+        .unwrap();
+    // Mutate at once, without waiting for the snapshot: the write waits for the copy.
+    t.write().fill(0xee);
+    h.wait_committed(Duration::from_secs(30)).unwrap();
+    assert_eq!(read_all(&store, "mut", 1, "t"), before);
+    // The explicit protocol: wait for the snapshot, then mutate.
+    let h2 = ck
+        .save(
+            2,
+            SaveState {
+                tensors: vec![one("t", &t, n)],
+                blobs: vec![],
+            },
+        )
+        .unwrap();
+    h2.wait_snapshot().unwrap();
+    t.write().fill(0x11);
+    h2.wait_committed(Duration::from_secs(30)).unwrap();
+    assert_eq!(read_all(&store, "mut", 2, "t"), vec![0xee; n as usize]);
+}
+
+#[test]
+fn stages_are_reported_in_order_with_figures() {
+    let (store, _d) = local_store(tiny_config());
+    let t = HostTensor::from_vec(det_bytes(2, 50_000));
+    let ck = Checkpointer::new(
+        store.clone(),
+        CheckpointerConfig::new("st", 0, Layout::SINGLE),
+    )
+    .unwrap();
+    let h = ck
+        .save(
+            7,
+            SaveState {
+                tensors: vec![one("t", &t, 50_000)],
+                blobs: vec![("b".into(), vec![1, 2, 3])],
+            },
+        )
+        .unwrap();
+    let s = h.wait_snapshot().unwrap();
+    assert!(s.snapshot_s > 0.0);
+    let p = h.wait_persisted().unwrap();
+    assert!(
+        p.persist_s >= s.snapshot_s && p.bytes_written > 50_000,
+        "{p:?}"
+    );
+    let c = h.wait_committed(Duration::from_secs(30)).unwrap();
+    assert_eq!(h.stage(), Stage::Committed);
+    assert!(c.commit_s > 0.0, "{c:?}");
+    assert_eq!(
+        runtime().block_on(store.latest_committed("st")).unwrap(),
+        Some(7)
+    );
+}
+
+#[test]
+fn back_pressure_wait_and_skip() {
+    // A slow store (every put delayed) keeps the first save persisting.
+    let fs = ckpt_store::FaultyStore::new(ckpt_store::object_store::memory::InMemory::new());
+    let faults = fs.handle();
+    faults.add(ckpt_store::Fault {
+        op: ckpt_store::FaultOp::Put,
+        key_contains: Some("chunks/".into()),
+        nth: 0,
+        action: ckpt_store::FaultAction::Delay(Duration::from_millis(30)),
+    });
+    let store = Store::new(Arc::new(fs), Default::default(), "faulty://")
+        .with_config(tiny_config())
+        .unwrap();
+    let t = HostTensor::from_vec(det_bytes(3, 40_000));
+    for (policy, skipped) in [(BackPressure::Skip, true), (BackPressure::Wait, false)] {
+        let mut cfg = CheckpointerConfig::new(&format!("bp{}", skipped as u8), 0, Layout::SINGLE);
+        cfg.back_pressure = policy;
+        let ck = Checkpointer::new(store.clone(), cfg).unwrap();
+        let h1 = ck
+            .save(
+                1,
+                SaveState {
+                    tensors: vec![one("t", &t, 40_000)],
+                    blobs: vec![],
+                },
+            )
+            .unwrap();
+        h1.wait_snapshot().unwrap();
+        let h2 = ck
+            .save(
+                2,
+                SaveState {
+                    tensors: vec![one("t", &t, 40_000)],
+                    blobs: vec![],
+                },
+            )
+            .unwrap();
+        assert_eq!(h2.is_skipped(), skipped);
+        if skipped {
+            let e = h2.wait_persisted().unwrap_err();
+            assert!(e.to_string().contains("still being persisted"), "{e}");
+        } else {
+            assert!(
+                matches!(h1.stage(), Stage::Persisted | Stage::Committed),
+                "wait policy waited"
+            );
+            h2.wait_committed(Duration::from_secs(30)).unwrap();
+        }
+        h1.wait_committed(Duration::from_secs(30)).unwrap();
+    }
+}
+
+#[test]
+fn staging_memory_stays_within_its_bound() {
+    // 2 MiB of state through 256 KiB of staging: the snapshot waits for the persist.
+    let (store, _d) = local_store(tiny_config());
+    let n = 2 << 20;
+    let t = HostTensor::from_vec(det_bytes(4, n));
+    let mut cfg = CheckpointerConfig::new("bound", 0, Layout::SINGLE);
+    cfg.staging_bytes = 256 << 10;
+    let ck = Checkpointer::new(store.clone(), cfg).unwrap();
+    let h = ck
+        .save(
+            1,
+            SaveState {
+                tensors: vec![one("t", &t, n as u64)],
+                blobs: vec![],
+            },
+        )
+        .unwrap();
+    h.wait_committed(Duration::from_secs(60)).unwrap();
+    let st = ck.staging();
+    assert!(
+        st.peak_in_use <= 256 << 10 && st.allocated <= 256 << 10,
+        "{st:?}"
+    );
+    assert_eq!(read_all(&store, "bound", 1, "t"), *t.read());
+}
+
+#[test]
+fn replicas_cost_nothing_and_commit_costs_o_ranks_requests() {
+    // 32 data-parallel ranks holding the same two tensors: placement picks one writer per
+    // tensor, the others record replicas. Count store requests.
+    let store = memory_store(tiny_config());
+    let layout: Layout = "dp=32".parse().unwrap();
+    let rep = spec("rep", &[64, 16], None);
+    let mut rows = spec("rows", &[32, 256], Some(0));
+    rows.placement.order = 1;
+    let full = det_bytes(5, 64 * 16 * 4);
+    let before = metrics(&store);
+    let mut handles = Vec::new();
+    for r in 0..32u32 {
+        let mut mc = ManagerConfig::new(CheckpointerConfig::new("wide", r, layout));
+        mc.final_on_sigterm = false;
+        let mut m = CheckpointManager::new(store.clone(), mc).unwrap();
+        m.register(
+            rep.clone(),
+            NdBox::full(&[64, 16]),
+            Arc::new(HostTensor::from_vec(full.clone())),
+        )
+        .unwrap();
+        m.register(
+            rows.clone(),
+            NdBox::full(&[32, 256]),
+            Arc::new(HostTensor::from_vec(det_bytes(6, 32 * 256 * 4))),
+        )
+        .unwrap();
+        handles.push((m.save_now(1).unwrap(), m));
+    }
+    for (h, _) in &handles {
+        h.wait_persisted().unwrap();
+    }
+    handles[0]
+        .0
+        .wait_committed(Duration::from_secs(60))
+        .unwrap();
+    let used = metrics(&store) - before;
+    let c = runtime().block_on(store.read_commit("wide", 1)).unwrap().0;
+    assert_eq!(
+        c.tensor("rep").unwrap().shards.len(),
+        1,
+        "one writer for a replicated tensor"
+    );
+    assert_eq!(
+        c.stats.logical_bytes,
+        (64 * 16 + 32 * 256) * 4,
+        "replicas were not written"
+    );
+    // Per rank: one manifest put, one manifest read by the committer, a few polls; chunk puts
+    // are for the two writers only. Far below 32^2 = 1024.
+    assert!(used.requests() < 32 * 8, "{used:?}");
+}
+
+fn metrics(store: &Store) -> ckpt_store::MetricsSnapshot {
+    store.metrics().expect("opened with counters").snapshot()
+}
+
+#[test]
+fn restore_errors_name_the_problem() {
+    let (store, _d) = local_store(tiny_config());
+    let mut m = CheckpointManager::new(store.clone(), {
+        let mut c = ManagerConfig::new(CheckpointerConfig::new("err", 0, Layout::SINGLE));
+        c.final_on_sigterm = false;
+        c
+    })
+    .unwrap();
+    m.register(
+        spec("w", &[8, 4], Some(0)),
+        NdBox::full(&[8, 4]),
+        Arc::new(HostTensor::zeroed(128)),
+    )
+    .unwrap();
+    m.save_now(1)
+        .unwrap()
+        .wait_committed(Duration::from_secs(30))
+        .unwrap();
+
+    let mk = |s: TensorSpec, held: NdBox, bytes: usize, layout: &str, rank: u32| {
+        let mut c = ManagerConfig::new(CheckpointerConfig::new(
+            "err",
+            rank,
+            layout.parse().unwrap(),
+        ));
+        c.final_on_sigterm = false;
+        let mut m = CheckpointManager::new(store.clone(), c).unwrap();
+        m.register(s, held, Arc::new(HostTensor::zeroed(bytes)))
+            .unwrap();
+        m
+    };
+    let e = mk(
+        spec("nope", &[8, 4], None),
+        NdBox::full(&[8, 4]),
+        128,
+        "dp=1",
+        0,
+    )
+    .restore(1)
+    .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound);
+    assert!(e.to_string().contains("\"nope\""), "{e}");
+    let e = mk(
+        spec("w", &[4, 8], None),
+        NdBox::full(&[4, 8]),
+        128,
+        "dp=1",
+        0,
+    )
+    .restore(1)
+    .unwrap_err();
+    assert!(
+        e.to_string().contains("[8, 4]") && e.to_string().contains("[4, 8]"),
+        "{e}"
+    );
+    // tp=3 does not divide dimension 0 (8): the save refuses, naming tensor and dimension.
+    let mut m3 = mk(
+        spec("w", &[8, 4], Some(0)),
+        NdBox::full(&[8, 4]),
+        128,
+        "tp=3",
+        0,
+    );
+    let e = m3.save_now(2).unwrap_err();
+    assert!(
+        e.to_string().contains("\"w\"") && e.to_string().contains("does not divide by tp=3"),
+        "{e}"
+    );
+    let _ = StoreConfig::default();
+}
