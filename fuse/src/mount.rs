@@ -31,7 +31,7 @@ enum Event {
 pub struct MountHandle {
     mountpoint: PathBuf,
     fs: Arc<CkptFs>,
-    events: Receiver<Event>,
+    events: std::sync::Mutex<Receiver<Event>>,
     tx: Sender<Event>,
     thread: Option<JoinHandle<()>>,
     runtime: Option<tokio::runtime::Runtime>,
@@ -241,12 +241,21 @@ fn umount_path(path: &Path, lazy: bool) -> io::Result<()> {
     Err(err)
 }
 
-/// The FUSE connection number of the mount at `path` (its anonymous device's minor), for
+/// The FUSE connection number of the mount at `path` (the minor of its anonymous device,
+/// read from `/proc/self/mountinfo`: a `stat` would ask the filesystem itself), for
 /// `/sys/fs/fuse/connections/<n>/abort`.
 fn connection_of(path: &Path) -> Option<u32> {
-    use std::os::unix::fs::MetadataExt;
-    let dev = std::fs::metadata(path).ok()?.dev();
-    Some(libc::minor(dev))
+    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let want = path.to_string_lossy();
+    info.lines()
+        .filter_map(|l| {
+            let mut f = l.split(' ');
+            let dev = f.nth(2)?;
+            let mp = f.nth(1)?;
+            (unescape_mountinfo(mp) == want).then_some(dev)
+        })
+        .last()
+        .and_then(|dev| dev.split_once(':')?.1.parse().ok())
 }
 
 /// Mount `store` at `opts.mountpoint` and serve it from background threads until the handle
@@ -323,6 +332,9 @@ pub fn spawn_mount(store: Store, opts: &MountOptions) -> Result<MountHandle> {
         .name("ckpt-fuse-session".into())
         .spawn(move || {
             let r = session.run();
+            if let Err(e) = &r {
+                tracing::error!(error = %e, "the FUSE session ended with an error: {e}");
+            }
             let _ = done.send(Event::Ended(r));
         })
         .map_err(|e| Error::io("starting the FUSE session thread", &"thread", e))?;
@@ -331,7 +343,7 @@ pub fn spawn_mount(store: Store, opts: &MountOptions) -> Result<MountHandle> {
     Ok(MountHandle {
         mountpoint,
         fs,
-        events,
+        events: std::sync::Mutex::new(events),
         tx,
         thread: Some(thread),
         runtime: Some(runtime),
@@ -375,7 +387,12 @@ impl MountHandle {
 
     fn wait_ended(&mut self, timeout: Duration) -> Result<bool> {
         loop {
-            match self.events.recv_timeout(timeout) {
+            let ev = self
+                .events
+                .lock()
+                .expect("mount events")
+                .recv_timeout(timeout);
+            match ev {
                 Ok(Event::Ended(r)) => return self.finish(r).map(|_| true),
                 Ok(Event::Signal(_)) => continue,
                 Err(RecvTimeoutError::Timeout) => return Ok(false),
@@ -456,7 +473,8 @@ impl MountHandle {
         });
         let mut signals = 0;
         loop {
-            match self.events.recv() {
+            let ev = self.events.lock().expect("mount events").recv();
+            match ev {
                 Ok(Event::Ended(r)) => {
                     info!(mountpoint = %self.mountpoint.display(), "unmounted");
                     return self.finish(r);
@@ -530,6 +548,7 @@ mod tests {
         assert_eq!(unescape_mountinfo(r"/x\134y"), r"/x\y");
         assert_eq!(unescape_mountinfo("/plain"), "/plain");
         assert!(mounted_at(Path::new("/")).is_some());
+        assert!(connection_of(Path::new("/")).is_some());
     }
 
     #[test]

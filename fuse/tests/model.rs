@@ -238,7 +238,7 @@ async fn random_ranges_equal_the_exported_file() {
 async fn damaged_chunk_fails_exactly_the_reads_that_touch_it() {
     let ts = test_store();
     let (_, e2) = sharded_run(&ts.store).await;
-    let d = damage_chunk(&ts.store, "train", 2, "exp_avg.embed", 0).await;
+    let d = damage_chunk(&ts.store, "train", 2, "exp_avg.embed", 1).await;
     let fs = CkptFs::new(ts.store.clone(), opts(1 << 20));
     let t = &e2.tensors[&d.tensor];
     let file = fs
@@ -517,5 +517,44 @@ async fn empty_store_and_new_commits_appear() {
     assert_eq!(
         names_of(&fs.list_path("train").await.unwrap()),
         vec!["latest", "5", "10"]
+    );
+}
+
+/// A log sink for one test.
+#[derive(Clone, Default)]
+struct Logs(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logs {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn damage_is_logged_with_object_and_tensor() {
+    let ts = test_store();
+    sharded_run(&ts.store).await;
+    let d = damage_chunk(&ts.store, "train", 2, "exp_avg.embed", 1).await;
+    let logs = Logs::default();
+    let sink = logs.clone();
+    let sub = tracing_subscriber::fmt()
+        .with_writer(move || sink.clone())
+        .with_ansi(false)
+        .finish();
+    let _g = tracing::subscriber::set_default(sub);
+    let fs = CkptFs::new(ts.store.clone(), opts(1 << 20));
+    assert!(fs.read_path("train/2/model.safetensors").await.is_err());
+    let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    let line = text
+        .lines()
+        .find(|l| l.contains("WARN") && l.contains(&d.object))
+        .unwrap_or_else(|| panic!("no warning names {}: {text}", d.object));
+    assert!(
+        line.contains("exp_avg.embed") && line.contains("step 2 of run train"),
+        "{line}"
     );
 }

@@ -133,7 +133,7 @@ pub fn specs() -> Vec<TensorSpec> {
         ),
         spec("step", DType::I64, &[], None, false, 5),
         spec("mask", DType::U8, &[77], None, false, 6),
-        spec("exp_avg.embed", DType::F32, &[64, 48], Some(0), true, 7),
+        spec("exp_avg.embed", DType::F32, &[128, 48], Some(0), true, 7),
         spec("exp_avg.qkv", DType::F32, &[48, 40], Some(0), true, 8),
         spec("exp_avg.norm", DType::F32, &[47], None, true, 9),
     ]
