@@ -254,7 +254,7 @@ fn connection_of(path: &Path) -> Option<u32> {
             let mp = f.nth(1)?;
             (unescape_mountinfo(mp) == want).then_some(dev)
         })
-        .last()
+        .next_back()
         .and_then(|dev| dev.split_once(':')?.1.parse().ok())
 }
 
