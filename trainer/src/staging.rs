@@ -6,12 +6,40 @@
 //! return to the pool when the store has written the chunk they hold. A snapshot that needs
 //! more slabs than are free waits for the persist of earlier chunks: memory never exceeds the
 //! bound.
+//!
+//! A [`SlabHook`] installed with [`set_slab_hook`] sees every slab that pools created after it
+//! allocate and free: the CUDA path (feature `cuda`) uses it to page-lock slabs once, so
+//! device-to-host copies land in them by DMA. Without a hook nothing changes.
 
 use std::sync::Arc;
 
 use bytes::Bytes;
 use ckpt_store::direct::AlignedBuf;
-use parking_lot::{Condvar, Mutex};
+use parking_lot::{Condvar, Mutex, RwLock};
+
+/// Sees each slab a pool allocates (after it is touched) and frees (before it is released).
+pub trait SlabHook: Send + Sync {
+    /// `len` bytes at `ptr` became a slab.
+    fn on_alloc(&self, ptr: *mut u8, len: usize);
+    /// The slab at `ptr` is about to be freed.
+    fn on_free(&self, ptr: *mut u8, len: usize);
+}
+
+static SLAB_HOOK: RwLock<Option<Arc<dyn SlabHook>>> = RwLock::new(None);
+
+/// Install the hook that pools created from now on use (`None` removes it). Pools keep the
+/// hook they were created with, so each slab is freed through the hook that allocated it.
+pub fn set_slab_hook(hook: Option<Arc<dyn SlabHook>>) {
+    *SLAB_HOOK.write() = hook;
+}
+
+struct HookSlot(Option<Arc<dyn SlabHook>>);
+
+impl std::fmt::Debug for HookSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() { "hook" } else { "no hook" })
+    }
+}
 
 /// Settings of a pool.
 #[derive(Debug, Clone, Copy)]
@@ -36,6 +64,7 @@ pub struct StagingPool {
     cfg: PoolConfig,
     state: Mutex<PoolState>,
     freed: Condvar,
+    hook: HookSlot,
 }
 
 /// Figures of a pool.
@@ -74,18 +103,28 @@ impl StagingPool {
             },
             state: Mutex::new(PoolState::default()),
             freed: Condvar::new(),
+            hook: HookSlot(SLAB_HOOK.read().clone()),
         });
         if prefault {
             let n = cap / cfg.slab;
             let mut st = pool.state.lock();
             for _ in 0..n {
-                let mut b = AlignedBuf::zeroed(cfg.slab);
-                touch(&mut b);
+                let b = pool.new_slab();
                 st.free.push(b);
                 st.allocated += cfg.slab;
             }
         }
         pool
+    }
+
+    fn new_slab(&self) -> AlignedBuf {
+        let mut b = AlignedBuf::zeroed(self.cfg.slab);
+        touch(&mut b);
+        if let Some(h) = &self.hook.0 {
+            let full = b.full_mut();
+            h.on_alloc(full.as_mut_ptr(), full.len());
+        }
+        b
     }
 
     /// Bytes per slab.
@@ -110,8 +149,7 @@ impl StagingPool {
                 st.in_use += self.cfg.slab;
                 st.peak_in_use = st.peak_in_use.max(st.in_use);
                 drop(st);
-                let mut b = AlignedBuf::zeroed(self.cfg.slab);
-                touch(&mut b);
+                let b = self.new_slab();
                 return Slab {
                     buf: Some(b),
                     pool: self.clone(),
@@ -144,6 +182,18 @@ impl StagingPool {
         st.free.push(b);
         drop(st);
         self.freed.notify_one();
+    }
+}
+
+impl Drop for StagingPool {
+    fn drop(&mut self) {
+        // Every slab is back in the free list: slabs out of the pool hold it alive.
+        if let Some(h) = &self.hook.0 {
+            for b in &mut self.state.get_mut().free {
+                let full = b.full_mut();
+                h.on_free(full.as_mut_ptr(), full.len());
+            }
+        }
     }
 }
 
@@ -237,5 +287,41 @@ mod tests {
         assert_eq!(st.allocated, 3 * 4096);
         assert_eq!(st.in_use, 0);
         assert_eq!(st.peak_in_use, 3 * 4096);
+    }
+
+    #[test]
+    fn a_hook_sees_every_slab_allocated_and_freed() {
+        use std::collections::HashSet;
+        #[derive(Default)]
+        struct Record(Mutex<HashSet<usize>>);
+        impl SlabHook for Record {
+            fn on_alloc(&self, ptr: *mut u8, len: usize) {
+                assert_eq!(len, 4096);
+                assert!(self.0.lock().insert(ptr as usize), "allocated twice");
+            }
+            fn on_free(&self, ptr: *mut u8, _len: usize) {
+                assert!(self.0.lock().remove(&(ptr as usize)), "freed unseen");
+            }
+        }
+        let rec = Arc::new(Record::default());
+        set_slab_hook(Some(rec.clone()));
+        let pool = StagingPool::new(
+            PoolConfig {
+                capacity: 3 * 4096,
+                slab: 4096,
+            },
+            false,
+        );
+        // Pools made from now on go without; this one keeps its hook.
+        set_slab_hook(None);
+        let mut a = pool.acquire();
+        let mut b = pool.acquire();
+        let ptrs = [a.bytes_mut().as_ptr() as usize, b.bytes_mut().as_ptr() as usize];
+        drop((a, b));
+        let again = pool.acquire();
+        drop(again);
+        assert!(ptrs.iter().all(|p| rec.0.lock().contains(p)));
+        drop(pool);
+        assert!(ptrs.iter().all(|p| !rec.0.lock().contains(p)));
     }
 }
