@@ -316,7 +316,10 @@ mod tests {
         set_slab_hook(None);
         let mut a = pool.acquire();
         let mut b = pool.acquire();
-        let ptrs = [a.bytes_mut().as_ptr() as usize, b.bytes_mut().as_ptr() as usize];
+        let ptrs = [
+            a.bytes_mut().as_ptr() as usize,
+            b.bytes_mut().as_ptr() as usize,
+        ];
         drop((a, b));
         let again = pool.acquire();
         drop(again);
