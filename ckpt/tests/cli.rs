@@ -174,8 +174,8 @@ async fn ls_lists_runs_and_steps(env: Env) {
 async fn inspect_shows_layout_tensors_and_statistics(env: Env) {
     two_steps_and_a_pending_one(&env).await;
     let args = InspectArgs {
-        ckpt: CkptRef::at("train", 10),
         tensor: Some("layers.0.attn.qkv.weight".into()),
+        ..InspectArgs::new(CkptRef::at("train", 10))
     };
     let r = inspect(&env.store, &args, &q()).await.unwrap();
     assert_eq!(
@@ -278,6 +278,27 @@ async fn inspect_shows_layout_tensors_and_statistics(env: Env) {
         .json();
     assert_eq!(j["step"], 20, "RUN alone means the newest committed step");
     assert_eq!(j["tensor"]["stats"]["max"], 2000.0);
+    // The stored documents themselves.
+    let j = env.ckpt(&["inspect", "train@10", "--raw"]).code(0).json();
+    assert_eq!(j["step"], 10);
+    assert_eq!(j["ranks"].as_array().unwrap().len(), 4);
+    let j = env
+        .ckpt(&["inspect", "train@10", "--raw", "--rank", "3"])
+        .code(0)
+        .json();
+    assert_eq!(j["rank"], 3);
+    assert!(
+        j["tensors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|t| t["box"].is_object())
+    );
+    env.ckpt(&["inspect", "train@10", "--rank", "3"]).code(2);
+    let r = env
+        .ckpt(&["inspect", "train@10", "--raw", "--rank", "9"])
+        .code(1);
+    assert!(r.err.contains("rank 9 is not part of it"), "{}", r.err);
     let r = env.ckpt(&["inspect", "train@10"]).code(0);
     assert!(r.out.contains("dp=2,tp=2,pp=1,zero=1") && r.out.contains("layers.0.attn.qkv.weight"));
     let r = env

@@ -11,13 +11,17 @@
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use ckpt_store::direct::AlignedBuf;
 use ckpt_store::placement::flat_range_boxes;
 use ckpt_store::{CommitRecord, DType, SafetensorsView, StepReader, Store};
-use futures::{StreamExt, stream};
+use futures::StreamExt;
+use futures::stream::FuturesOrdered;
 use indicatif::ProgressBar;
 use serde::Serialize;
+use tokio::sync::OwnedSemaphorePermit;
 
 use super::fmt;
 use super::parse::{CkptRef, ckpt_ref, selected, size};
@@ -26,7 +30,7 @@ use super::{CliError, Report, Result, Ui};
 
 /// Bytes read and written per block; `PIPELINE` blocks are read at once.
 const BLOCK: u64 = 16 << 20;
-const PIPELINE: usize = 4;
+const PIPELINE: usize = 8;
 
 /// The file name of a single-file export, and of the shard index.
 pub const SINGLE_FILE: &str = "model.safetensors";
@@ -330,8 +334,9 @@ where
     }
 }
 
-/// Stream a view into `path`: blocks are read `PIPELINE` at a time and written in order by a
-/// writer thread, so reading and writing overlap.
+/// Stream a view into `path`. Up to `PIPELINE` blocks are read at once, and reading goes on
+/// while the writer thread writes; buffers go back to a pool after writing, so a 100 GB
+/// export allocates (and page-faults) a few blocks, not 100 GB.
 async fn write_view(
     reader: &StepReader,
     original: &CommitRecord,
@@ -340,45 +345,63 @@ async fn write_view(
     path: PathBuf,
     pb: &ProgressBar,
 ) -> Result<u64> {
-    let file = std::fs::File::create(&path)
+    let file = OutFile::create(&path)
         .map_err(|e| CliError::error(format!("creating {}: {e}", path.display())))?;
-    let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<u8>>(PIPELINE);
-    let writer = std::thread::spawn(move || -> std::io::Result<u64> {
-        let mut f = file;
-        let mut n = 0u64;
-        for block in rx {
-            f.write_all(&block)?;
-            n += block.len() as u64;
-        }
-        f.flush()?;
-        Ok(n)
-    });
+    let pool: Arc<Mutex<Vec<Vec<u8>>>> = Arc::default();
+    // A permit per block outstanding (being read, or queued for the writer): bounds memory.
+    let permits = Arc::new(tokio::sync::Semaphore::new(PIPELINE));
+    let (tx, rx) = std::sync::mpsc::channel::<(Vec<u8>, OwnedSemaphorePermit)>();
+    let writer = {
+        let pool = pool.clone();
+        tokio::task::spawn_blocking(move || -> std::io::Result<u64> {
+            let mut f = file;
+            for (block, permit) in rx {
+                f.write(&block)?;
+                pool.lock().expect("buffer pool").push(block);
+                drop(permit);
+            }
+            f.finish()
+        })
+    };
 
-    let jobs = plan_blocks(view, original, converting);
-    let mut blocks = stream::iter(jobs)
-        .map(|job| read_block(reader, view, job))
-        .buffered(PIPELINE);
+    let mut jobs = plan_blocks(view, original, converting)
+        .into_iter()
+        .peekable();
+    let mut reads = FuturesOrdered::new();
     let mut sent = 0u64;
     let mut failure = None;
-    while let Some(b) = blocks.next().await {
-        match b {
-            Ok(block) => {
+    loop {
+        // Start blocks while permits last; otherwise collect finished blocks in order. Both
+        // at once: waiting for the writer never stops the reads in flight.
+        tokio::select! {
+            permit = permits.clone().acquire_owned(), if jobs.peek().is_some() => {
+                let permit = permit.map_err(|_| CliError::error("export pipeline closed"))?;
+                let job = jobs.next().expect("peeked");
+                let buf = pool.lock().expect("buffer pool").pop().unwrap_or_default();
+                reads.push_back(async move { (read_block(reader, view, job, buf).await, permit) });
+            }
+            Some((res, permit)) = reads.next(), if !reads.is_empty() => {
+                let block = match res {
+                    Ok(b) => b,
+                    Err(e) => {
+                        failure = Some(e);
+                        break;
+                    }
+                };
                 let len = block.len() as u64;
-                if tx.send(block).is_err() {
+                if tx.send((block, permit)).is_err() {
                     break; // the writer failed; its error is reported below
                 }
                 sent += len;
                 pb.inc(len);
             }
-            Err(e) => {
-                failure = Some(e);
-                break;
-            }
+            else => break,
         }
     }
+    drop(reads);
     drop(tx);
     let written = writer
-        .join()
+        .await
         .map_err(|_| CliError::error("the writer thread panicked"))?
         .map_err(|e| {
             let hint = match e.raw_os_error() {
@@ -398,6 +421,80 @@ async fn write_view(
         )));
     }
     Ok(written)
+}
+
+/// Bytes staged per `O_DIRECT` write.
+const STAGE: usize = 16 << 20;
+const ALIGN: usize = 4096;
+
+/// The file an export writes: through `O_DIRECT` with an aligned staging buffer where the
+/// file system allows it (buffered writes of gigabytes spend most of their time growing and
+/// flushing the page cache), buffered otherwise (tmpfs).
+struct OutFile {
+    f: std::fs::File,
+    stage: Option<AlignedBuf>,
+    fill: usize,
+    at: u64,
+}
+
+impl OutFile {
+    fn create(path: &Path) -> std::io::Result<Self> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut o = std::fs::OpenOptions::new();
+        o.write(true).create(true).truncate(true);
+        match o.clone().custom_flags(libc::O_DIRECT).open(path) {
+            Ok(f) => Ok(OutFile {
+                f,
+                stage: Some(AlignedBuf::zeroed(STAGE)),
+                fill: 0,
+                at: 0,
+            }),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(OutFile {
+                f: o.open(path)?,
+                stage: None,
+                fill: 0,
+                at: 0,
+            }),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn write(&mut self, mut data: &[u8]) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        let Some(stage) = self.stage.as_mut() else {
+            self.at += data.len() as u64;
+            return self.f.write_all(data);
+        };
+        while !data.is_empty() {
+            let take = (STAGE - self.fill).min(data.len());
+            stage.full_mut()[self.fill..self.fill + take].copy_from_slice(&data[..take]);
+            self.fill += take;
+            data = &data[take..];
+            if self.fill == STAGE {
+                self.f.write_all_at(&stage.full_mut()[..STAGE], self.at)?;
+                self.at += STAGE as u64;
+                self.fill = 0;
+            }
+        }
+        Ok(())
+    }
+
+    /// Write what is staged (padded to the alignment, then truncated back); returns the size.
+    fn finish(mut self) -> std::io::Result<u64> {
+        use std::os::unix::fs::FileExt;
+        match self.stage.as_mut() {
+            None => self.f.flush()?,
+            Some(stage) if self.fill > 0 => {
+                let padded = self.fill.div_ceil(ALIGN) * ALIGN;
+                stage.full_mut()[self.fill..padded].fill(0);
+                self.f.write_all_at(&stage.full_mut()[..padded], self.at)?;
+                self.at += self.fill as u64;
+                self.f.set_len(self.at)?;
+            }
+            Some(_) => {}
+        }
+        Ok(self.at)
+    }
 }
 
 /// A piece of an exported file.
@@ -446,10 +543,17 @@ fn plan_blocks(view: &SafetensorsView, original: &CommitRecord, converting: bool
     out
 }
 
-async fn read_block(reader: &StepReader, view: &SafetensorsView, job: Block) -> Result<Vec<u8>> {
+/// Read one block, into `buf` where the block is raw view bytes (every byte of the range is
+/// overwritten, so a reused buffer needs no clearing).
+async fn read_block(
+    reader: &StepReader,
+    view: &SafetensorsView,
+    job: Block,
+    mut buf: Vec<u8>,
+) -> Result<Vec<u8>> {
     match job {
         Block::Raw { start, end } => {
-            let mut buf = vec![0u8; (end - start) as usize];
+            buf.resize((end - start) as usize, 0);
             let (n, _) = view.read_at(reader, start, &mut buf).await?;
             buf.truncate(n);
             Ok(buf)

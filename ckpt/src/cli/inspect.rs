@@ -23,8 +23,52 @@ pub struct InspectArgs {
     #[arg(value_parser = ckpt_ref)]
     pub ckpt: CkptRef,
     /// Show one tensor's shards and statistics of its values (reads the tensor).
-    #[arg(long, value_name = "NAME")]
+    #[arg(long, value_name = "NAME", conflicts_with = "raw")]
     pub tensor: Option<String>,
+    /// Print the commit record as stored (JSON), or with --rank that rank's manifest.
+    #[arg(long)]
+    pub raw: bool,
+    /// With --raw: the manifest of this rank.
+    #[arg(long, value_name = "R", requires = "raw")]
+    pub rank: Option<u32>,
+}
+
+impl InspectArgs {
+    /// Inspect `ckpt`.
+    pub fn new(ckpt: CkptRef) -> Self {
+        InspectArgs {
+            ckpt,
+            tensor: None,
+            raw: false,
+            rank: None,
+        }
+    }
+}
+
+/// A stored document (commit record or rank manifest), printed as JSON whatever `--json` says.
+#[derive(Debug, Clone, Serialize)]
+#[serde(transparent)]
+pub struct RawDocument(pub serde_json::Value);
+
+impl Report for RawDocument {
+    fn print(&self, w: &mut dyn Write) -> std::io::Result<()> {
+        serde_json::to_writer_pretty(&mut *w, &self.0).map_err(std::io::Error::other)?;
+        writeln!(w)
+    }
+}
+
+/// The commit record of a step, or one rank's manifest, as stored.
+pub async fn raw(store: &Store, args: &InspectArgs) -> Result<RawDocument> {
+    let step = args.ckpt.resolve(store).await?;
+    let v = match args.rank {
+        None => serde_json::to_value(store.read_commit(&args.ckpt.run, step).await?.0),
+        Some(r) => {
+            let reader = StepReader::open(store, &args.ckpt.run, step).await?;
+            serde_json::to_value(&*reader.manifest(r).await?)
+        }
+    }
+    .map_err(|e| CliError::error(format!("serializing: {e}")))?;
+    Ok(RawDocument(v))
 }
 
 /// What `ckpt inspect` shows.

@@ -159,6 +159,7 @@ pub async fn run(url: Option<&str>, command: Command, ui: &Ui) -> Result<Outcome
     let now = chrono::Utc::now();
     match command {
         Command::Ls(a) => emit(ui, &ls::ls(&store, &a, now, ui).await?),
+        Command::Inspect(a) if a.raw => emit(ui, &inspect::raw(&store, &a).await?),
         Command::Inspect(a) => emit(ui, &inspect::inspect(&store, &a, ui).await?),
         Command::Diff(a) => emit(ui, &diff::diff(&store, &a, ui).await?),
         Command::Verify(a) => {

@@ -3,7 +3,7 @@
 //! background with `--foreground`, waits until the mount is there (or the child failed) and
 //! returns.
 
-use std::io::Read;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -55,6 +55,10 @@ pub fn mount(store: Store, url: Option<&str>, args: &MountArgs, ui: &Ui) -> Resu
 fn background(url: Option<&str>, args: &MountArgs, ui: &Ui) -> Result<()> {
     let exe = std::env::current_exe()
         .map_err(|e| CliError::error(format!("cannot find the ckpt binary to restart: {e}")))?;
+    // The child's log goes to a file: it outlives this process, so a pipe would break.
+    let log_path = std::env::temp_dir().join(format!("ckpt-mount-{}.log", std::process::id()));
+    let log = std::fs::File::create(&log_path)
+        .map_err(|e| CliError::error(format!("creating {}: {e}", log_path.display())))?;
     let mut cmd = Command::new(exe);
     cmd.arg("mount")
         .arg(&args.mountpoint)
@@ -63,7 +67,9 @@ fn background(url: Option<&str>, args: &MountArgs, ui: &Ui) -> Result<()> {
         .arg(args.cache_size.to_string())
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::piped());
+        .stderr(Stdio::from(log))
+        // Its own process group: Ctrl-C in this shell later does not unmount it.
+        .process_group(0);
     if let Some(u) = url {
         cmd.arg("--store").arg(u);
     }
@@ -78,10 +84,8 @@ fn background(url: Option<&str>, args: &MountArgs, ui: &Ui) -> Result<()> {
     while t0.elapsed() < MOUNT_WAIT {
         if let Ok(Some(status)) = child.try_wait() {
             pb.finish_and_clear();
-            let mut err = String::new();
-            if let Some(mut e) = child.stderr.take() {
-                let _ = e.read_to_string(&mut err);
-            }
+            let err = std::fs::read_to_string(&log_path).unwrap_or_default();
+            let _ = std::fs::remove_file(&log_path);
             let err = err.trim().trim_start_matches("error: ");
             return Err(CliError::error(format!(
                 "mounting at {} failed ({status}): {err}",
@@ -91,9 +95,10 @@ fn background(url: Option<&str>, args: &MountArgs, ui: &Ui) -> Result<()> {
         if is_mounted(&args.mountpoint) {
             pb.finish_and_clear();
             println!(
-                "mounted at {} (pid {}); unmount with `fusermount3 -u {}`",
+                "mounted at {} (pid {}, log {}); unmount with `fusermount3 -u {}`",
                 args.mountpoint.display(),
                 child.id(),
+                log_path.display(),
                 args.mountpoint.display()
             );
             return Ok(());
@@ -104,9 +109,10 @@ fn background(url: Option<&str>, args: &MountArgs, ui: &Ui) -> Result<()> {
     let _ = child.kill();
     let _ = child.wait();
     Err(CliError::error(format!(
-        "the mount at {} did not appear within {} s; stopped it (try --foreground -v to see why)",
+        "the mount at {} did not appear within {} s; stopped it (its log: {}; try --foreground -v)",
         args.mountpoint.display(),
-        MOUNT_WAIT.as_secs()
+        MOUNT_WAIT.as_secs(),
+        log_path.display()
     )))
 }
 
