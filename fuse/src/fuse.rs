@@ -51,13 +51,21 @@ impl FuseAdapter {
         FuseAdapter { fs, rt, uid, gid }
     }
 
-    fn spawn<F>(&self, op: &'static str, f: impl FnOnce(Arc<CkptFs>) -> F + Send + 'static)
+    /// Run a request's future: polled once here (with the runtime entered), which finishes
+    /// most requests that need no I/O — metadata of an open step, reads served by the chunk
+    /// cache — without a hop to another thread; whatever is still pending moves to the
+    /// runtime and replies from there, so the kernel's other requests never wait on it.
+    fn spawn<F>(&self, op: &'static str, f: impl FnOnce(Arc<CkptFs>) -> F)
     where
         F: std::future::Future<Output = ()> + Send + 'static,
     {
-        let fs = self.fs.clone();
         debug!(op, "fuse request");
-        self.rt.spawn(f(fs));
+        let _entered = self.rt.enter();
+        let mut fut = Box::pin(f(self.fs.clone()));
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        if fut.as_mut().poll(&mut cx).is_pending() {
+            self.rt.spawn(fut);
+        }
     }
 }
 

@@ -270,6 +270,10 @@ pub fn spawn_mount(store: Store, opts: &MountOptions) -> Result<MountHandle> {
         .build()
         .map_err(|e| Error::io("starting the mount's runtime", &"tokio", e))?;
     let url = store.url().to_string();
+    // A store that cannot be listed would only show up as EIO on `ls`: say so now.
+    runtime
+        .block_on(store.list_runs())
+        .map_err(|e| e.context(format!("cannot mount {url}: listing its runs failed")))?;
     let fs = Arc::new(CkptFs::new(
         store,
         FsOptions {
