@@ -6,10 +6,14 @@
 //! - [`restore`]: restore onto this rank's boxes under the current layout;
 //! - [`manager`]: [`CheckpointManager`] (interval policy, retention, auto-resume, final
 //!   checkpoint on SIGTERM, [`Stateful`] items);
-//! - [`workload`]: the reference workload behind the `ckpt-train` binary.
+//! - [`workload`]: the reference workload behind the `ckpt-train` binary;
+//! - `cuda` (feature `cuda`): device tensors, pinned staging, restore to the device, and
+//!   recovery from peers' GPU memory over NCCL.
 
 #![warn(missing_docs)]
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod manager;
 pub mod memory;
 pub mod restore;
@@ -26,3 +30,6 @@ pub use save::{
     Stage, runtime,
 };
 pub use staging::{PoolConfig, PoolStats, StagingPool};
+
+#[cfg(feature = "cuda")]
+pub use cuda::{DeviceRegion, DeviceTensor, Gpu, GpuOptions};

@@ -1,0 +1,893 @@
+#![cfg(feature = "cuda")]
+//! The GPU path (feature `cuda`).
+//!
+//! The planner and the no-GPU errors run anywhere. Tests that need a GPU print `SKIPPED` and
+//! pass without one; with `CKPT_REQUIRE_GPU=1` (as `scripts/gpu-check.sh` sets) a missing GPU
+//! fails them instead, and `CKPT_REQUIRE_NCCL=1` does the same for NCCL.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ckpt_store::placement::{Placement, Stage as PStage, TensorSpec, ZeroGroup, tp_box};
+use ckpt_store::testing::{det_bytes, local_store};
+use ckpt_store::{DType, ErrorKind, Layout, NdBox, StepReader, Store, StoreConfig};
+use ckpt_trainer::cuda::peer::{
+    Holding, Need, PeerCost, PeerExchange, PeerTensor, Transfer, plan, restore_with_peers, rounds,
+    subtract,
+};
+use ckpt_trainer::cuda::{self, DeviceTensor, Gpu};
+use ckpt_trainer::{
+    CheckpointManager, CheckpointerConfig, ManagerConfig, PoolConfig, StagingPool, runtime,
+};
+
+// ---------------------------------------------------------------------------------------------
+// Helpers
+// ---------------------------------------------------------------------------------------------
+
+fn gpu(test: &str) -> Option<Arc<Gpu>> {
+    match Gpu::open(0) {
+        Ok(g) => Some(g),
+        Err(e) => {
+            if std::env::var_os("CKPT_REQUIRE_GPU").is_some() {
+                panic!("{test}: CKPT_REQUIRE_GPU is set but no GPU can be used: {e}");
+            }
+            eprintln!("SKIPPED {test}: no GPU: {e}");
+            None
+        }
+    }
+}
+
+fn nccl(test: &str) -> bool {
+    if cuda::nccl_present() {
+        return true;
+    }
+    if std::env::var_os("CKPT_REQUIRE_NCCL").is_some() {
+        panic!("{test}: CKPT_REQUIRE_NCCL is set but libnccl.so cannot be loaded");
+    }
+    eprintln!("SKIPPED {test}: libnccl.so cannot be loaded");
+    false
+}
+
+/// Chunks of 64 KiB: tensors of a few hundred KiB span several chunks and slabs.
+fn store() -> (Store, tempfile::TempDir) {
+    local_store(StoreConfig {
+        chunk_size: 64 << 10,
+        pack_threshold: 16 << 10,
+        pack_target: 128 << 10,
+        inflight_bytes: 4 << 20,
+        write_concurrency: 4,
+        read_concurrency: 4,
+        ..StoreConfig::default()
+    })
+}
+
+fn spec(name: &str, dtype: DType, shape: &[u64], tp_dim: Option<usize>) -> TensorSpec {
+    TensorSpec {
+        name: name.into(),
+        dtype,
+        shape: shape.to_vec(),
+        placement: Placement {
+            order: 0,
+            tp_dim,
+            stage: PStage::First,
+            zero: None,
+        },
+    }
+}
+
+fn manager(store: &Store, run: &str, layout: &str, rank: u32) -> CheckpointManager {
+    let layout: Layout = layout.parse().unwrap();
+    let mut c = ManagerConfig::new(CheckpointerConfig::new(run, rank, layout));
+    c.final_on_sigterm = false;
+    CheckpointManager::new(store.clone(), c).unwrap()
+}
+
+fn on_device(g: &Arc<Gpu>, bytes: &[u8]) -> DeviceTensor {
+    let t = DeviceTensor::alloc(g, bytes.len()).unwrap();
+    t.upload(0, bytes).unwrap();
+    t
+}
+
+/// Compare on the device (a small kernel); if the kernels cannot be loaded, say so and compare
+/// on the host (`device_compare_counts_differing_bytes` fails in that case).
+fn same(a: &DeviceTensor, b: &DeviceTensor) -> bool {
+    match a.count_diff(b) {
+        Ok(n) => n == 0,
+        Err(e) => {
+            eprintln!("WARNING: no device compare ({e}); comparing on the host");
+            a.download().unwrap() == b.download().unwrap()
+        }
+    }
+}
+
+/// Columns `c0 .. c0 + w` of a row-major `[rows, cols]` matrix of `elem`-byte elements.
+fn columns(full: &[u8], rows: usize, cols: usize, elem: usize, c0: usize, w: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(rows * w * elem);
+    for r in 0..rows {
+        let a = (r * cols + c0) * elem;
+        out.extend_from_slice(&full[a..a + w * elem]);
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------------------------
+// Without a GPU (run everywhere)
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn without_a_driver_opening_a_gpu_is_a_clear_error_not_a_panic() {
+    let r = std::panic::catch_unwind(|| (Gpu::open(0), Gpu::count(), PeerExchange::unique_id()));
+    let (open, count, id) = r.expect("no panic");
+    if cuda::driver_present() {
+        // A driver: an ordinal no machine has is still an error, not a panic.
+        let e = Gpu::open(1 << 20).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::NotFound, "{e}");
+        eprintln!("a CUDA driver is present ({} devices)", count.unwrap());
+        drop(open);
+    } else {
+        let e = open.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::NotFound);
+        assert!(e.to_string().contains("no CUDA driver was found"), "{e}");
+        assert!(count.unwrap_err().to_string().contains("no CUDA driver"));
+    }
+    if !cuda::nccl_present() {
+        let e = id.unwrap_err();
+        assert!(e.to_string().contains("libnccl.so"), "{e}");
+    }
+}
+
+fn need(rank: u32, tensor: &str, off: &[u64], len: &[u64]) -> Need {
+    Need {
+        rank,
+        tensor: tensor.into(),
+        bbox: NdBox::new(off.to_vec(), len.to_vec()).unwrap(),
+        elem: 4,
+    }
+}
+
+fn holding(rank: u32, tensor: &str, off: &[u64], len: &[u64], step: u64) -> Holding {
+    Holding {
+        rank,
+        tensor: tensor.into(),
+        bbox: NdBox::new(off.to_vec(), len.to_vec()).unwrap(),
+        elem: 4,
+        step,
+    }
+}
+
+fn fast_link() -> PeerCost {
+    PeerCost {
+        link_bytes_per_s: 100e9,
+        store_bytes_per_s: 1e9,
+        setup_s: 0.0,
+    }
+}
+
+fn rng(seed: &mut u64) -> u64 {
+    *seed ^= *seed << 13;
+    *seed ^= *seed >> 7;
+    *seed ^= *seed << 17;
+    *seed
+}
+
+fn random_box(seed: &mut u64, shape: &[u64]) -> NdBox {
+    let mut off = Vec::new();
+    let mut len = Vec::new();
+    for &s in shape {
+        let o = rng(seed) % s;
+        off.push(o);
+        len.push(1 + rng(seed) % (s - o));
+    }
+    NdBox::new(off, len).unwrap()
+}
+
+#[test]
+fn the_plan_covers_every_needed_box_exactly_once() {
+    let mut seed = 0x2545f4914f6cdd1du64;
+    for case in 0..200 {
+        let shape: Vec<u64> = (0..1 + case % 3).map(|_| 2 + rng(&mut seed) % 12).collect();
+        let holdings: Vec<Holding> = (0..rng(&mut seed) % 6)
+            .map(|i| {
+                let b = random_box(&mut seed, &shape);
+                holding(i as u32, "t", &b.offsets, &b.lengths, 3)
+            })
+            .collect();
+        let needs: Vec<Need> = (0..1 + rng(&mut seed) % 4)
+            .map(|r| {
+                let b = random_box(&mut seed, &shape);
+                need(r as u32 + 2, "t", &b.offsets, &b.lengths)
+            })
+            .collect();
+        let p = plan(3, &needs, &holdings, &fast_link());
+        for n in &needs {
+            let mine: Vec<NdBox> = p
+                .transfers
+                .iter()
+                .filter(|t| t.to == n.rank && n.bbox.contains(&t.region))
+                .map(|t| t.region.clone())
+                .chain(
+                    p.store_reads
+                        .iter()
+                        .filter(|r| r.rank == n.rank && n.bbox.contains(&r.region))
+                        .map(|r| r.region.clone()),
+                )
+                .collect();
+            let vol: u64 = mine.iter().map(NdBox::numel).sum();
+            // Needs of one rank may overlap: count only pieces inside this need, which must
+            // cover it; disjointness is checked per need below when the rank has one need.
+            assert!(
+                vol >= n.bbox.numel(),
+                "case {case}: {n:?} not covered by {p:?}"
+            );
+            if needs.iter().filter(|m| m.rank == n.rank).count() == 1 {
+                assert_eq!(vol, n.bbox.numel(), "case {case}: overlap in {p:?}");
+                for (i, a) in mine.iter().enumerate() {
+                    for b in &mine[i + 1..] {
+                        assert!(a.intersect(b).is_none(), "case {case}: {a} and {b} overlap");
+                    }
+                }
+            }
+        }
+        for t in &p.transfers {
+            assert!(
+                holdings
+                    .iter()
+                    .any(|h| h.rank == t.from && h.bbox.contains(&t.region)),
+                "case {case}: {t:?} is not held by its sender"
+            );
+            assert_eq!(t.bytes, t.region.numel() * 4);
+        }
+        assert_eq!(p.use_peers, !p.transfers.is_empty());
+    }
+}
+
+#[test]
+fn subtracting_a_box_leaves_disjoint_boxes_of_the_rest() {
+    let outer = NdBox::new(vec![0, 0, 0], vec![5, 6, 7]).unwrap();
+    let inner = NdBox::new(vec![1, 2, 3], vec![2, 2, 2]).unwrap();
+    let rest = subtract(&outer, &inner);
+    assert_eq!(rest.len(), 6);
+    let vol: u64 = rest.iter().map(NdBox::numel).sum();
+    assert_eq!(vol + inner.numel(), outer.numel());
+    for (i, a) in rest.iter().enumerate() {
+        assert!(outer.contains(a) && a.intersect(&inner).is_none());
+        for b in &rest[i + 1..] {
+            assert!(a.intersect(b).is_none());
+        }
+    }
+    assert!(subtract(&outer, &outer).is_empty());
+}
+
+#[test]
+fn holdings_of_another_step_are_never_used() {
+    let needs = [need(1, "w", &[0, 0], &[8, 8])];
+    let holdings = [holding(0, "w", &[0, 0], &[8, 8], 7)];
+    let p = plan(6, &needs, &holdings, &fast_link());
+    assert!(!p.use_peers);
+    assert!(p.transfers.is_empty());
+    assert!(
+        p.reason.contains("1 holdings of other steps ignored"),
+        "{}",
+        p.reason
+    );
+    assert_eq!(p.store_reads.len(), 1);
+    assert_eq!(p.store_reads[0].region, needs[0].bbox);
+}
+
+#[test]
+fn the_store_is_chosen_when_it_is_faster() {
+    let needs = [need(1, "w", &[0, 0], &[1024, 1024])];
+    let holdings = [holding(0, "w", &[0, 0], &[1024, 1024], 1)];
+    let slow_link = PeerCost {
+        link_bytes_per_s: 1e6,
+        store_bytes_per_s: 10e9,
+        setup_s: 2.0,
+    };
+    let p = plan(1, &needs, &holdings, &slow_link);
+    assert!(!p.use_peers, "{p:?}");
+    assert!(p.est_peer_s > p.est_store_s);
+    assert_eq!(p.store_reads.len(), 1);
+    let p = plan(1, &needs, &holdings, &fast_link());
+    assert!(p.use_peers, "{p:?}");
+    assert_eq!(p.peer_bytes, 4 << 20);
+    assert!(p.store_reads.is_empty());
+}
+
+#[test]
+fn replicas_share_the_sending_and_a_rank_serves_itself_first() {
+    // Four data-parallel survivors hold the whole tensor; four new ranks each need a quarter.
+    let holdings: Vec<Holding> = (0..4)
+        .map(|r| holding(r, "w", &[0, 0], &[64, 16], 1))
+        .collect();
+    let needs: Vec<Need> = (0..4)
+        .map(|q| need(4 + q, "w", &[16 * q as u64, 0], &[16, 16]))
+        .collect();
+    let p = plan(1, &needs, &holdings, &fast_link());
+    let mut senders: Vec<u32> = p.transfers.iter().map(|t| t.from).collect();
+    senders.sort();
+    assert_eq!(senders, vec![0, 1, 2, 3], "{p:?}");
+    // Rank 1 holds the top half and needs rows 8..40: its own part is a local copy.
+    let p = plan(
+        1,
+        &[need(1, "w", &[8, 0], &[32, 16])],
+        &[
+            holding(0, "w", &[0, 0], &[64, 16], 1),
+            holding(1, "w", &[0, 0], &[32, 16], 1),
+        ],
+        &fast_link(),
+    );
+    assert_eq!(p.local_bytes, 24 * 16 * 4, "{p:?}");
+    assert_eq!(p.peer_bytes, 8 * 16 * 4, "{p:?}");
+    assert!(p.transfers.iter().any(|t| t.from == 1 && t.to == 1));
+    // Regions nobody holds come from the store.
+    let p = plan(
+        1,
+        &[need(2, "w", &[0, 0], &[64, 16])],
+        &[holding(0, "w", &[0, 0], &[40, 16], 1)],
+        &fast_link(),
+    );
+    assert!(p.use_peers);
+    assert_eq!(p.store_reads.len(), 1);
+    assert_eq!(
+        p.store_reads[0].region,
+        NdBox::new(vec![40, 0], vec![24, 16]).unwrap()
+    );
+}
+
+#[test]
+fn rounds_bound_the_temporary_memory_of_every_rank() {
+    let t = |from, to, bytes| Transfer {
+        tensor: "t".into(),
+        region: NdBox::full(&[bytes]),
+        from,
+        to,
+        bytes,
+    };
+    let ts = vec![
+        t(0, 1, 40),
+        t(2, 3, 40),
+        t(0, 2, 40),
+        t(1, 1, 40),
+        t(3, 0, 200),
+        t(2, 1, 10),
+    ];
+    let r = rounds(&ts, 100);
+    // The self-copy fits beside the first three; the oversized one goes alone.
+    assert_eq!(r, vec![0..4, 4..5, 5..6]);
+    for round in &r {
+        let mut used = std::collections::BTreeMap::<u32, u64>::new();
+        for x in &ts[round.clone()] {
+            *used.entry(x.from).or_default() += x.bytes;
+            if x.to != x.from {
+                *used.entry(x.to).or_default() += x.bytes;
+            }
+        }
+        assert!(
+            round.len() == 1 || used.values().all(|&u| u <= 100),
+            "{round:?}"
+        );
+    }
+    assert!(rounds(&[], 100).is_empty());
+}
+
+// ---------------------------------------------------------------------------------------------
+// On a GPU
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn device_compare_counts_differing_bytes() {
+    let Some(g) = gpu("device_compare_counts_differing_bytes") else {
+        return;
+    };
+    let n = 3 << 20;
+    let a = on_device(&g, &det_bytes(1, n));
+    let b = on_device(&g, &det_bytes(1, n));
+    assert_eq!(a.count_diff(&b).expect("the PTX kernels load and run"), 0);
+    let mut other = det_bytes(1, n);
+    other[0] ^= 1;
+    other[n / 2] ^= 0x80;
+    other[n - 1] ^= 0xff;
+    b.upload(0, &other).unwrap();
+    assert_eq!(a.count_diff(&b).unwrap(), 3);
+    b.fill(7).unwrap();
+    assert!(a.count_diff(&b).unwrap() > (n as u64) * 9 / 10);
+    // The busy kernel holds the stream for about as long as asked.
+    let t0 = Instant::now();
+    g.busy(a.stream(), Duration::from_millis(100)).unwrap();
+    assert!(
+        t0.elapsed() < Duration::from_millis(50),
+        "a launch is asynchronous"
+    );
+    a.download().unwrap();
+    assert!(
+        t0.elapsed() >= Duration::from_millis(95),
+        "{:?}",
+        t0.elapsed()
+    );
+}
+
+#[test]
+fn staging_slabs_are_page_locked_once_a_gpu_is_open() {
+    let Some(_g) = gpu("staging_slabs_are_page_locked_once_a_gpu_is_open") else {
+        return;
+    };
+    let pool = StagingPool::new(
+        PoolConfig {
+            capacity: 2 << 20,
+            slab: 1 << 20,
+        },
+        true,
+    );
+    let mut s = pool.acquire();
+    assert!(cuda::is_page_locked(s.bytes_mut().as_ptr()).unwrap());
+    let v = vec![0u8; 1 << 20];
+    assert!(!cuda::is_page_locked(v.as_ptr()).unwrap());
+}
+
+#[test]
+fn device_tensors_of_every_dtype_round_trip_through_the_store() {
+    let Some(g) = gpu("device_tensors_of_every_dtype_round_trip_through_the_store") else {
+        return;
+    };
+    let (store, _dir) = store();
+    let mut m = manager(&store, "rt", "dp=1", 0);
+    let mut tensors = Vec::new();
+    for (i, dt) in DType::ALL.iter().enumerate() {
+        // Odd shapes; the f32 one spans many chunks.
+        let shape: Vec<u64> = if *dt == DType::F32 {
+            vec![257, 1031]
+        } else {
+            vec![37 + i as u64, 129]
+        };
+        let name = format!("t.{}", dt.name());
+        let n = shape.iter().product::<u64>() as usize * dt.size();
+        let bytes = det_bytes(100 + i as u64, n);
+        let t = on_device(&g, &bytes);
+        m.register(
+            spec(&name, *dt, &shape, None),
+            NdBox::full(&shape),
+            Arc::new(t.clone()),
+        )
+        .unwrap();
+        tensors.push((name, *dt, shape, t, bytes));
+    }
+    // A scalar too.
+    let scalar = on_device(&g, &[1, 2, 3, 4, 5, 6, 7, 8]);
+    m.register(
+        spec("scalar", DType::F64, &[], None),
+        NdBox::full(&[]),
+        Arc::new(scalar.clone()),
+    )
+    .unwrap();
+    let h = m.save_now(1).unwrap();
+    let rep = h.wait_committed(Duration::from_secs(60)).unwrap();
+    assert!(rep.snapshot_s > 0.0 && rep.bytes > 1 << 20, "{rep:?}");
+
+    let mut m2 = manager(&store, "rt", "dp=1", 0);
+    let mut fresh = Vec::new();
+    for (name, dt, shape, t, _) in &tensors {
+        let f = DeviceTensor::alloc(&g, t.len()).unwrap();
+        m2.register(
+            spec(name, *dt, shape, None),
+            NdBox::full(shape),
+            Arc::new(f.clone()),
+        )
+        .unwrap();
+        fresh.push(f);
+    }
+    let fs = DeviceTensor::alloc(&g, 8).unwrap();
+    m2.register(
+        spec("scalar", DType::F64, &[], None),
+        NdBox::full(&[]),
+        Arc::new(fs.clone()),
+    )
+    .unwrap();
+    m2.restore(1).unwrap();
+    for ((name, _, _, t, bytes), f) in tensors.iter().zip(&fresh) {
+        assert!(
+            same(f, t),
+            "{name} differs on the device after the round trip"
+        );
+        assert_eq!(&f.download().unwrap(), bytes, "{name}");
+    }
+    assert!(same(&fs, &scalar));
+}
+
+#[test]
+fn a_mutation_after_the_snapshot_never_reaches_the_checkpoint() {
+    let Some(g) = gpu("a_mutation_after_the_snapshot_never_reaches_the_checkpoint") else {
+        return;
+    };
+    let (store, _dir) = store();
+    let n = 6 << 20;
+    let t = DeviceTensor::alloc(&g, n).unwrap();
+    t.fill(0x11).unwrap();
+    let mut m = manager(&store, "mut", "dp=1", 0);
+    m.register(
+        spec("w", DType::U8, &[n as u64], None),
+        NdBox::full(&[n as u64]),
+        Arc::new(t.clone()),
+    )
+    .unwrap();
+    g.synchronize().unwrap();
+
+    // Work the loop queued before `save` and the host never waited for: the GPU is busy, then
+    // the tensor is written (0x22). The snapshot must hold that write.
+    let busy = Duration::from_millis(400);
+    let delayed = match g.busy(t.stream(), busy) {
+        Ok(()) => true,
+        Err(e) => {
+            eprintln!("WARNING: no busy kernel ({e}); the pending write is not delayed");
+            false
+        }
+    };
+    t.fill(0x22).unwrap();
+    let t0 = Instant::now();
+    let h = m.save_now(1).unwrap();
+    let save_returned = t0.elapsed();
+    // Forward and backward would run here; then the optimizer step, after the snapshot.
+    h.wait_snapshot().unwrap();
+    let snapshot = t0.elapsed();
+    t.fill(0x33).unwrap();
+    h.wait_committed(Duration::from_secs(60)).unwrap();
+    if delayed {
+        assert!(
+            save_returned < Duration::from_millis(200),
+            "save waited for the GPU: {save_returned:?}"
+        );
+        assert!(
+            snapshot >= Duration::from_millis(300),
+            "the snapshot did not wait for the queued write: {snapshot:?}"
+        );
+    }
+    // The mutation is in the next save, not in this one.
+    m.save_now(2)
+        .unwrap()
+        .wait_committed(Duration::from_secs(60))
+        .unwrap();
+    for (step, byte) in [(1, 0x22u8), (2, 0x33)] {
+        let f = DeviceTensor::alloc(&g, n).unwrap();
+        let mut m2 = manager(&store, "mut", "dp=1", 0);
+        m2.register(
+            spec("w", DType::U8, &[n as u64], None),
+            NdBox::full(&[n as u64]),
+            Arc::new(f.clone()),
+        )
+        .unwrap();
+        m2.restore(step).unwrap();
+        let want = DeviceTensor::alloc(&g, n).unwrap();
+        want.fill(byte).unwrap();
+        assert!(same(&f, &want), "step {step} should hold {byte:#x}");
+    }
+}
+
+fn zero_spec(name: &str, dtype: DType, shape: &[u64]) -> TensorSpec {
+    let mut s = spec(name, dtype, shape, Some(1));
+    s.placement.zero = Some(ZeroGroup {
+        group: "exp_avg".into(),
+        from_stage: 1,
+    });
+    s
+}
+
+#[test]
+fn resharded_restores_onto_other_layouts_on_the_device() {
+    let Some(g) = gpu("resharded_restores_onto_other_layouts_on_the_device") else {
+        return;
+    };
+    let (store, _dir) = store();
+    let (rows, cols) = (301usize, 96usize);
+    let dtypes = [DType::F32, DType::Bf16, DType::U8];
+    let full: Vec<Vec<u8>> = dtypes
+        .iter()
+        .enumerate()
+        .map(|(i, d)| det_bytes(7 + i as u64, rows * cols * d.size()))
+        .collect();
+    let shape = [rows as u64, cols as u64];
+    let specs: Vec<TensorSpec> = dtypes
+        .iter()
+        .map(|d| zero_spec(&format!("m.{}", d.name()), *d, &shape))
+        .collect();
+
+    // 1. Saved by tp=2: each rank holds its column half.
+    let mut ms: Vec<CheckpointManager> = (0..2).map(|r| manager(&store, "a", "tp=2", r)).collect();
+    for (r, m) in ms.iter_mut().enumerate() {
+        for (s, bytes) in specs.iter().zip(&full) {
+            let held = tp_box(s, r as u32, 2).unwrap();
+            let e = s.dtype.size();
+            let part = columns(bytes, rows, cols, e, r * cols / 2, cols / 2);
+            m.register(s.clone(), held, Arc::new(on_device(&g, &part)))
+                .unwrap();
+        }
+    }
+    let hs: Vec<_> = ms.iter_mut().map(|m| m.save_now(1).unwrap()).collect();
+    for h in &hs {
+        h.wait_persisted().unwrap();
+    }
+    hs[0].wait_committed(Duration::from_secs(60)).unwrap();
+
+    // Restored by one rank holding everything.
+    let mut one = manager(&store, "a", "dp=1", 0);
+    let mut got = Vec::new();
+    for s in &specs {
+        let t = DeviceTensor::alloc(&g, rows * cols * s.dtype.size()).unwrap();
+        one.register(s.clone(), NdBox::full(&shape), Arc::new(t.clone()))
+            .unwrap();
+        got.push(t);
+    }
+    one.restore(1).unwrap();
+    for ((s, t), bytes) in specs.iter().zip(&got).zip(&full) {
+        assert!(same(t, &on_device(&g, bytes)), "tp=2 -> dp=1: {}", s.name);
+    }
+
+    // 2. Saved by dp=3 with ZeRO-1: each rank holds the whole tensor and saves its flat range
+    //    (partial rows: strided device-to-host copies of sub-boxes).
+    let mut ms: Vec<CheckpointManager> = (0..3)
+        .map(|r| manager(&store, "b", "dp=3,zero=1", r))
+        .collect();
+    for m in ms.iter_mut() {
+        for (s, t) in specs.iter().zip(&got) {
+            m.register(s.clone(), NdBox::full(&shape), Arc::new(t.clone()))
+                .unwrap();
+        }
+    }
+    let hs: Vec<_> = ms.iter_mut().map(|m| m.save_now(5).unwrap()).collect();
+    for h in &hs {
+        h.wait_persisted().unwrap();
+    }
+    hs[0].wait_committed(Duration::from_secs(60)).unwrap();
+    let commit = runtime().block_on(store.read_commit("b", 5)).unwrap().0;
+    assert!(
+        commit.tensor(&specs[0].name).unwrap().shards.len() >= 3,
+        "ZeRO partitions were saved by every rank"
+    );
+
+    // Restored by tp=2: column halves on two ranks.
+    for r in 0..2u32 {
+        let mut m = manager(&store, "b", "tp=2", r);
+        let mut halves = Vec::new();
+        for s in &specs {
+            let held = tp_box(s, r, 2).unwrap();
+            let t = DeviceTensor::alloc(&g, held.numel() as usize * s.dtype.size()).unwrap();
+            m.register(s.clone(), held, Arc::new(t.clone())).unwrap();
+            halves.push(t);
+        }
+        m.restore(5).unwrap();
+        for ((s, t), bytes) in specs.iter().zip(&halves).zip(&full) {
+            let e = s.dtype.size();
+            let want = columns(bytes, rows, cols, e, r as usize * cols / 2, cols / 2);
+            assert!(
+                same(t, &on_device(&g, &want)),
+                "dp=3,zero=1 -> tp=2 rank {r}: {}",
+                s.name
+            );
+        }
+    }
+}
+
+#[test]
+fn raw_device_pointers_are_checked_and_round_trip() {
+    let Some(g) = gpu("raw_device_pointers_are_checked_and_round_trip") else {
+        return;
+    };
+    // Memory owned elsewhere (here a cudarc slice kept alive by the test).
+    let owner = DeviceTensor::alloc(&g, 1 << 20).unwrap();
+    let bytes = det_bytes(9, 1 << 20);
+    owner.upload(0, &bytes).unwrap();
+    // SAFETY: `owner` outlives the raw tensors.
+    let raw = unsafe { DeviceTensor::from_raw(&g, owner.device_ptr(), 1 << 20, None) }.unwrap();
+    assert_eq!(raw.download().unwrap(), bytes);
+    // SAFETY: as above (the call fails before using it).
+    let e = unsafe { DeviceTensor::from_raw(&g, owner.device_ptr() + 4096, 1 << 20, None) }
+        .unwrap_err();
+    assert!(e.to_string().contains("past the end"), "{e}");
+    let host = vec![0u8; 4096];
+    // SAFETY: a host pointer: the check refuses it.
+    let e = unsafe { DeviceTensor::from_raw(&g, host.as_ptr() as u64, 4096, None) }.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+
+    let (store, _dir) = store();
+    let mut m = manager(&store, "raw", "dp=1", 0);
+    m.register(
+        spec("w", DType::F32, &[512, 512], None),
+        NdBox::full(&[512, 512]),
+        Arc::new(raw.clone()),
+    )
+    .unwrap();
+    m.save_now(1)
+        .unwrap()
+        .wait_committed(Duration::from_secs(60))
+        .unwrap();
+    let dst = DeviceTensor::alloc(&g, 1 << 20).unwrap();
+    // SAFETY: `dst` outlives the raw tensor.
+    let raw_dst = unsafe { DeviceTensor::from_raw(&g, dst.device_ptr(), 1 << 20, None) }.unwrap();
+    let mut m2 = manager(&store, "raw", "dp=1", 0);
+    m2.register(
+        spec("w", DType::F32, &[512, 512], None),
+        NdBox::full(&[512, 512]),
+        Arc::new(raw_dst),
+    )
+    .unwrap();
+    m2.restore(1).unwrap();
+    assert!(same(&dst, &owner));
+}
+
+/// A survivor holding rows 0..48 of a [64, 40] f32 tensor in device memory; the rank needs
+/// columns 8..32 of all rows: rows 0..48 come from the survivor, the rest from the store.
+fn peer_case(
+    g: &Arc<Gpu>,
+    ex: &PeerExchange,
+    test: &str,
+) -> (ckpt_trainer::cuda::peer::PeerRestoreStats, bool) {
+    let (store, _dir) = store();
+    let shape = [64u64, 40];
+    let full = det_bytes(21, 64 * 40 * 4);
+    let s = spec("w", DType::F32, &shape, None);
+    let mut m = manager(&store, test, "dp=1", 0);
+    m.register(
+        s.clone(),
+        NdBox::full(&shape),
+        Arc::new(on_device(g, &full)),
+    )
+    .unwrap();
+    m.save_now(3)
+        .unwrap()
+        .wait_committed(Duration::from_secs(60))
+        .unwrap();
+
+    let rows_held = NdBox::new(vec![0, 0], vec![48, 40]).unwrap();
+    let survivor = on_device(g, &full[..48 * 40 * 4]);
+    let want_box = NdBox::new(vec![0, 8], vec![64, 24]).unwrap();
+    let dest = DeviceTensor::alloc(g, 64 * 24 * 4).unwrap();
+    let p = plan(
+        3,
+        &[Need {
+            rank: 0,
+            tensor: "w".into(),
+            bbox: want_box.clone(),
+            elem: 4,
+        }],
+        &[Holding {
+            rank: 0,
+            tensor: "w".into(),
+            bbox: rows_held.clone(),
+            elem: 4,
+            step: 3,
+        }],
+        &fast_link(),
+    );
+    assert!(p.use_peers && p.store_reads.len() == 1, "{p:?}");
+    let pt = |held: &NdBox, memory: &DeviceTensor| PeerTensor {
+        name: "w".into(),
+        dtype: DType::F32,
+        shape: shape.to_vec(),
+        held: held.clone(),
+        memory: memory.clone(),
+    };
+    let reader = runtime()
+        .block_on(StepReader::open(&store, test, 3))
+        .unwrap();
+    let stats = restore_with_peers(
+        &reader,
+        Some(ex),
+        &p,
+        0,
+        &[pt(&rows_held, &survivor)],
+        &[pt(&want_box, &dest)],
+        1 << 20,
+    )
+    .unwrap();
+    let want = columns(&full, 64, 40, 4, 8, 24);
+    (stats, same(&dest, &on_device(g, &want)))
+}
+
+#[test]
+fn a_local_re_layout_copies_on_the_device_and_reads_the_rest_from_the_store() {
+    let Some(g) = gpu("a_local_re_layout_copies_on_the_device_and_reads_the_rest_from_the_store")
+    else {
+        return;
+    };
+    let ex = PeerExchange::local(&g).unwrap();
+    let (stats, ok) = peer_case(&g, &ex, "local");
+    assert!(ok);
+    assert_eq!(stats.peers.bytes_local, 48 * 24 * 4, "{stats:?}");
+    assert_eq!(stats.store.bytes_copied, 16 * 24 * 4, "{stats:?}");
+}
+
+#[test]
+fn nccl_sends_a_region_on_one_gpu() {
+    let Some(g) = gpu("nccl_sends_a_region_on_one_gpu") else {
+        return;
+    };
+    if !nccl("nccl_sends_a_region_on_one_gpu") {
+        return;
+    }
+    let id = PeerExchange::unique_id().unwrap();
+    let mut ex = PeerExchange::new(&g, 0, 1, &id).unwrap();
+    ex.local_via_nccl = true;
+    let (stats, ok) = peer_case(&g, &ex, "nccl1");
+    assert!(ok);
+    assert_eq!(stats.peers.bytes_sent, 48 * 24 * 4, "{stats:?}");
+    assert_eq!(stats.peers.bytes_received, 48 * 24 * 4, "{stats:?}");
+}
+
+#[test]
+fn nccl_sends_regions_between_two_gpus() {
+    let Some(_g) = gpu("nccl_sends_regions_between_two_gpus") else {
+        return;
+    };
+    if Gpu::count().unwrap() < 2 {
+        eprintln!("SKIPPED nccl_sends_regions_between_two_gpus: one GPU");
+        return;
+    }
+    if !nccl("nccl_sends_regions_between_two_gpus") {
+        return;
+    }
+    // Rank 0 survived with the whole [128, 64] tensor; under the new layout rank 0 keeps the
+    // top half and rank 1 (a fresh GPU) needs the bottom half.
+    let shape = [128u64, 64];
+    let full = det_bytes(33, 128 * 64 * 2);
+    let top = NdBox::new(vec![0, 0], vec![64, 64]).unwrap();
+    let bottom = NdBox::new(vec![64, 0], vec![64, 64]).unwrap();
+    let p = plan(
+        9,
+        &[
+            Need {
+                rank: 0,
+                tensor: "w".into(),
+                bbox: top.clone(),
+                elem: 2,
+            },
+            Need {
+                rank: 1,
+                tensor: "w".into(),
+                bbox: bottom.clone(),
+                elem: 2,
+            },
+        ],
+        &[Holding {
+            rank: 0,
+            tensor: "w".into(),
+            bbox: NdBox::full(&shape),
+            elem: 2,
+            step: 9,
+        }],
+        &fast_link(),
+    );
+    assert!(p.use_peers && p.store_reads.is_empty(), "{p:?}");
+    let id = PeerExchange::unique_id().unwrap();
+    let handles: Vec<_> = (0..2u32)
+        .map(|r| {
+            let (p, full, top, bottom) = (p.clone(), full.clone(), top.clone(), bottom.clone());
+            std::thread::spawn(move || {
+                let g = Gpu::open(r as usize).unwrap();
+                let ex = PeerExchange::new(&g, r, 2, &id).unwrap();
+                let pt = |held: &NdBox, memory: DeviceTensor| PeerTensor {
+                    name: "w".into(),
+                    dtype: DType::Bf16,
+                    shape: shape.to_vec(),
+                    held: held.clone(),
+                    memory,
+                };
+                let sources = if r == 0 {
+                    vec![pt(&NdBox::full(&shape), on_device(&g, &full))]
+                } else {
+                    vec![]
+                };
+                let mine = if r == 0 { &top } else { &bottom };
+                let dest = DeviceTensor::alloc(&g, 64 * 64 * 2).unwrap();
+                let st = ex.execute(&p, &sources, &[pt(mine, dest.clone())]).unwrap();
+                let half = if r == 0 {
+                    &full[..64 * 64 * 2]
+                } else {
+                    &full[64 * 64 * 2..]
+                };
+                (st, dest.download().unwrap() == half)
+            })
+        })
+        .collect();
+    for (r, h) in handles.into_iter().enumerate() {
+        let (st, ok) = h.join().unwrap();
+        assert!(ok, "rank {r}: {st:?}");
+    }
+}
