@@ -165,10 +165,14 @@ pub async fn verify(store: &Store, args: &VerifyArgs, ui: &Ui) -> Result<VerifyO
 impl Report for VerifyOutput {
     fn print(&self, w: &mut dyn Write) -> std::io::Result<()> {
         let r = &self.report;
+        let scope = if self.scope == "store" {
+            "the whole store"
+        } else {
+            self.scope.as_str()
+        };
         writeln!(
             w,
-            "verified {} of {}: {} steps, {} objects, {} chunks, {} in {} ({})",
-            self.scope,
+            "verified {scope} in {}: {} steps, {} objects, {} chunks, {} in {} ({})",
             self.store,
             r.steps,
             r.objects,
