@@ -833,6 +833,24 @@ async fn export_matches_the_view_and_import_round_trips(env: Env) {
         d.totals.bytes_read > 0,
         "different layouts are compared by reading"
     );
+    let dq = diff(
+        &env.store,
+        &DiffArgs {
+            a: CkptRef::at("train", 20),
+            b: CkptRef::at("ft", 2),
+            quick: true,
+        },
+        &q(),
+    )
+    .await
+    .unwrap();
+    assert!(!dq.changed.is_empty());
+    assert!(
+        dq.changed
+            .iter()
+            .all(|c| c.what == "unknown" && c.bytes_differ.is_none())
+    );
+    assert_eq!(dq.totals.bytes_read, 0);
 }
 
 async fn plan_computes_each_new_ranks_reads(env: Env) {

@@ -64,7 +64,8 @@ pub struct TensorBrief {
 pub struct TensorChange {
     /// Name.
     pub name: String,
-    /// `values`, `dtype`, `shape` or `dtype and shape`.
+    /// `values`, `dtype`, `shape`, `dtype and shape`, or `unknown` (`--quick` on tensors saved
+    /// under different layouts: their chunks cannot be compared without reading).
     pub what: String,
     /// dtype in A.
     pub dtype_a: String,
@@ -381,7 +382,11 @@ pub async fn diff(store: &Store, args: &DiffArgs, ui: &Ui) -> Result<DiffReport>
         }
         changed.push(TensorChange {
             name: tb.name.clone(),
-            what: what.into(),
+            what: if what == "values" && delta.is_none() {
+                "unknown".into()
+            } else {
+                what.into()
+            },
             dtype_a: ta.dtype.to_string(),
             dtype_b: tb.dtype.to_string(),
             shape_a: ta.shape.clone(),
@@ -601,6 +606,7 @@ impl Report for DiffReport {
             for c in &self.changed {
                 let change = match c.what.as_str() {
                     "values" => format!("{} {}", c.dtype_b, fmt::shape(&c.shape_b)),
+                    "unknown" => "saved under another layout: compare without --quick".into(),
                     _ => format!(
                         "{} {} -> {} {}",
                         c.dtype_a,
