@@ -1097,10 +1097,16 @@ impl MemorySource for DeviceRegion {
 struct InFlight<'a> {
     gpu: &'a Gpu,
     slots: [Option<(Bounce, Option<cudarc::driver::CudaEvent>)>; 2],
+    done: bool,
 }
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
+        if !self.done {
+            // An error may have left copies queued without an event: drain the stream before
+            // the buffers can be reused.
+            let _ = cu("draining the restore stream", || self.gpu.h2d.synchronize());
+        }
         for s in &mut self.slots {
             if let Some((b, ev)) = s.take() {
                 if let Some(ev) = ev {
@@ -1133,6 +1139,7 @@ impl MemorySink for DeviceRegion {
         let mut fl = InFlight {
             gpu,
             slots: [None, None],
+            done: false,
         };
         let size = gpu.bounce.size;
         // One buffer (waiting for the pool), and a second for double-buffering only if one is
@@ -1173,6 +1180,7 @@ impl MemorySink for DeviceRegion {
                 cu("waiting for a host-to-device copy", || e.synchronize())?;
             }
         }
+        fl.done = true;
         Ok(())
     }
 }
@@ -1578,13 +1586,23 @@ pub mod peer {
         region: &NdBox,
         what: &str,
     ) -> Result<&'a PeerTensor> {
-        ts.iter()
+        let t = ts
+            .iter()
             .find(|t| t.name == name && t.held.contains(region))
             .ok_or_else(|| {
                 Error::invalid(format!(
                     "no {what} tensor {name:?} on this rank holds the region {region}"
                 ))
-            })
+            })?;
+        let want = t.held.numel() as usize * t.dtype.size();
+        if t.memory.len() != want {
+            return Err(Error::invalid(format!(
+                "{what} tensor {name:?}: held box {} needs {want} bytes, its memory has {}",
+                t.held,
+                t.memory.len()
+            )));
+        }
+        Ok(t)
     }
 
     /// What one rank moved.
