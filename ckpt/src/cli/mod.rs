@@ -47,7 +47,7 @@ pub type Result<T, E = CliError> = std::result::Result<T, E>;
 /// Look into checkpoint stores: list, inspect, compare, verify, collect garbage, export to and
 /// import from safetensors, plan resharding, plot training runs, mount.
 #[derive(Debug, Parser)]
-#[command(name = "ckpt", version, about, long_about = None, propagate_version = true)]
+#[command(name = "ckpt", version, long_about = None, propagate_version = true)]
 #[command(
     after_help = "A checkpoint is named RUN@STEP; RUN alone or RUN@latest means the newest \
 committed step.\nExit codes: 0 ok, 1 error, 2 usage, 3 damaged data found."
