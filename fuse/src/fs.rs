@@ -199,8 +199,14 @@ struct Seq {
 }
 
 enum Handle {
-    File { ino: u64, seq: Mutex<Seq> },
-    Dir { entries: Arc<Vec<DirEntry>> },
+    File {
+        ino: u64,
+        seq: Mutex<Seq>,
+    },
+    Dir {
+        entries: Arc<Vec<DirEntry>>,
+        attrs: OnceCell<Arc<Vec<Attr>>>,
+    },
 }
 
 /// The filesystem model over one store.
@@ -724,14 +730,60 @@ impl CkptFs {
     /// listing read in several calls stays consistent.
     pub async fn opendir(&self, ino: u64) -> FsResult<u64> {
         let entries = Arc::new(self.readdir(ino).await?);
-        Ok(self.add_handle(Handle::Dir { entries }))
+        Ok(self.add_handle(Handle::Dir {
+            entries,
+            attrs: OnceCell::new(),
+        }))
     }
 
     /// The entries listed when directory handle `fh` was opened.
     pub fn dir_entries(&self, fh: u64) -> FsResult<Arc<Vec<DirEntry>>> {
         match self.handles.lock().expect("handles").get(&fh).map(|h| &**h) {
-            Some(Handle::Dir { entries }) => Ok(entries.clone()),
+            Some(Handle::Dir { entries, .. }) => Ok(entries.clone()),
             _ => Err(FsError::BadHandle(format!("no open directory handle {fh}"))),
+        }
+    }
+
+    /// The entries of directory handle `fh` with their attributes (for `readdirplus`, which
+    /// saves `ls -l` a lookup per entry). Inside a step the attributes are exact and cached
+    /// like a lookup's. Runs (in the root) and steps (in a run) get stand-ins that expire at
+    /// once, so listing a run does not open every step's commit record: a `stat` of one asks
+    /// again.
+    pub async fn dir_entries_plus(
+        &self,
+        fh: u64,
+    ) -> FsResult<(Arc<Vec<DirEntry>>, Arc<Vec<Attr>>)> {
+        let h = self.handles.lock().expect("handles").get(&fh).cloned();
+        let Some(Handle::Dir { entries, attrs }) = h.as_deref() else {
+            return Err(FsError::BadHandle(format!("no open directory handle {fh}")));
+        };
+        let attrs = attrs
+            .get_or_try_init(|| async {
+                let mut out = Vec::with_capacity(entries.len());
+                for e in entries.iter() {
+                    let node = self.node(e.ino)?;
+                    let a = match (&node, e.name.as_str()) {
+                        (_, "." | "..") | (Node::Root | Node::Run(_) | Node::Step(..), _) => {
+                            self.stand_in(e)
+                        }
+                        _ => self.attr_of(e.ino, &node).await?,
+                    };
+                    out.push(a);
+                }
+                Ok::<_, FsError>(Arc::new(out))
+            })
+            .await?
+            .clone();
+        Ok((entries.clone(), attrs))
+    }
+
+    fn stand_in(&self, e: &DirEntry) -> Attr {
+        Attr {
+            ino: e.ino,
+            kind: e.kind,
+            size: 0,
+            mtime: self.started,
+            ttl: Duration::ZERO,
         }
     }
 

@@ -9,7 +9,7 @@ use ckpt_store::ErrorKind;
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags,
     KernelConfig, LockOwner, OpenAccMode, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory,
-    ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, Request,
+    ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, Request,
 };
 use tokio::runtime::Handle;
 use tracing::{debug, warn};
@@ -117,7 +117,11 @@ impl Filesystem for FuseAdapter {
         }
         let _ = config.set_max_background(64);
         // Symlinks never change their target within a step; `latest` is short-lived anyway.
-        let want = InitFlags::FUSE_PARALLEL_DIROPS | InitFlags::FUSE_CACHE_SYMLINKS;
+        // Readdirplus when the kernel sees lookups following a listing (`ls -l`).
+        let want = InitFlags::FUSE_PARALLEL_DIROPS
+            | InitFlags::FUSE_CACHE_SYMLINKS
+            | InitFlags::FUSE_DO_READDIRPLUS
+            | InitFlags::FUSE_READDIRPLUS_AUTO;
         let _ = config.add_capabilities(want & config.capabilities());
         Ok(())
     }
@@ -245,6 +249,46 @@ impl Filesystem for FuseAdapter {
                 reply.error(errno(&e))
             }
         }
+    }
+
+    fn readdirplus(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectoryPlus,
+    ) {
+        let (uid, gid) = (self.uid, self.gid);
+        self.spawn("readdirplus", move |fs| async move {
+            match fs.dir_entries_plus(fh.0).await {
+                Ok((entries, attrs)) => {
+                    for (i, (e, a)) in entries
+                        .iter()
+                        .zip(attrs.iter())
+                        .enumerate()
+                        .skip(offset as usize)
+                    {
+                        let fa = file_attr(a, uid, gid);
+                        if reply.add(
+                            INodeNo(e.ino),
+                            (i + 1) as u64,
+                            &e.name,
+                            &a.ttl,
+                            &fa,
+                            Generation(0),
+                        ) {
+                            break;
+                        }
+                    }
+                    reply.ok();
+                }
+                Err(e) => {
+                    log_error("readdirplus", ino.0, &e);
+                    reply.error(errno(&e))
+                }
+            }
+        });
     }
 
     fn releasedir(

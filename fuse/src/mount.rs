@@ -329,6 +329,19 @@ pub fn spawn_mount(store: Store, opts: &MountOptions) -> Result<MountHandle> {
 
     let session =
         fuser::Session::new(adapter, &mountpoint, &cfg).map_err(|e| mount_error(&mountpoint, e))?;
+    // The device fd fusermount3 passes over has no close-on-exec flag: a process this one
+    // starts later would inherit it and keep a dead mount's connection alive.
+    {
+        use std::os::fd::{AsFd, AsRawFd};
+        let fd = session.as_fd().as_raw_fd();
+        // SAFETY: fcntl on a descriptor the session owns, which stays open during the call.
+        unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFD);
+            if flags >= 0 {
+                libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC);
+            }
+        }
+    }
     let conn = connection_of(&mountpoint);
     let (tx, events) = channel();
     let done = tx.clone();

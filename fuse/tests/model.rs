@@ -558,3 +558,42 @@ async fn damage_is_logged_with_object_and_tensor() {
         "{line}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readdirplus_attributes_match_lookups() {
+    let ts = test_store();
+    sharded_run(&ts.store).await;
+    let fs = CkptFs::new(ts.store.clone(), opts(1 << 20));
+    for dir in [
+        "train/2/tensors",
+        "train/2/ranks/1",
+        "train/2/blobs/0",
+        "train/2",
+    ] {
+        let d = fs.resolve(dir).await.unwrap();
+        let fh = fs.opendir(d.ino).await.unwrap();
+        let (entries, attrs) = fs.dir_entries_plus(fh).await.unwrap();
+        assert_eq!(entries.len(), attrs.len());
+        for (e, a) in entries.iter().zip(attrs.iter()).skip(2) {
+            let looked = fs.lookup(d.ino, OsStr::new(&e.name)).await.unwrap();
+            assert_eq!(a, &looked, "{dir}/{}", e.name);
+        }
+        fs.release(fh);
+    }
+    // Steps listed in a run get attributes that expire at once (no commit record read).
+    let run = fs.resolve("train").await.unwrap();
+    let before = ts.metrics.snapshot();
+    let fh = fs.opendir(run.ino).await.unwrap();
+    let (entries, attrs) = fs.dir_entries_plus(fh).await.unwrap();
+    let gets = (ts.metrics.snapshot() - before).gets;
+    assert_eq!(gets, 0, "listing a run opens no step");
+    for (e, a) in entries.iter().zip(attrs.iter()) {
+        assert_eq!(a.kind, e.kind);
+        if e.name == "latest" {
+            assert_eq!(a.size, 1, "the link's exact size");
+        } else {
+            assert_eq!(a.ttl, Duration::ZERO, "{}", e.name);
+        }
+    }
+    fs.release(fh);
+}

@@ -654,6 +654,12 @@ fn start_child(store_dir: &Path) -> Child {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+    // Serving, not just mounted (fusermount3 may still be handing the device over).
+    assert_eq!(
+        std::fs::read_dir(&c.mnt).unwrap().count(),
+        1,
+        "the child serves one run"
+    );
     c
 }
 
@@ -716,8 +722,21 @@ fn a_killed_mount_goes_away_by_itself() {
     let mut c = start_child(store_dir.path());
     c.child.kill().unwrap();
     c.child.wait().unwrap();
-    assert!(
-        wait_unmounted(&c.mnt, Duration::from_secs(10)),
-        "fusermount3's auto-unmount did not clear the mount of a killed process"
-    );
+    if !wait_unmounted(&c.mnt, Duration::from_secs(10)) {
+        let diag = Command::new("sh")
+            .arg("-c")
+            .arg(format!(
+                "ps -eo pid,ppid,stat,args | grep -v grep | grep fusermount3; \
+                 for p in $(pgrep -x fusermount3); do echo fds of $p; ls -l /proc/$p/fd; done; \
+                 grep {} /proc/self/mountinfo; ls -l /proc/{}/fd",
+                c.mnt.display(),
+                std::process::id()
+            ))
+            .output()
+            .unwrap();
+        panic!(
+            "fusermount3's auto-unmount did not clear the mount of a killed process:\n{}",
+            String::from_utf8_lossy(&diag.stdout)
+        );
+    }
 }
