@@ -620,10 +620,11 @@ fn resharded_restores_onto_other_layouts_on_the_device() {
         assert!(same(t, &on_device(&g, bytes)), "tp=2 -> dp=1: {}", s.name);
     }
 
-    // 2. Saved by dp=3 with ZeRO-1: each rank holds the whole tensor and saves its flat range
-    //    (partial rows: strided device-to-host copies of sub-boxes).
-    let mut ms: Vec<CheckpointManager> = (0..3)
-        .map(|r| manager(&store, "b", "dp=3,zero=1", r))
+    // 2. Saved by dp=4 with ZeRO-1: each rank holds the whole tensors and saves its range of
+    //    their flat concatenation (3 x 28896 elements in ranges of 21672: partial rows, so
+    //    strided device-to-host copies of sub-boxes).
+    let mut ms: Vec<CheckpointManager> = (0..4)
+        .map(|r| manager(&store, "b", "dp=4,zero=1", r))
         .collect();
     for m in ms.iter_mut() {
         for (s, t) in specs.iter().zip(&got) {
@@ -638,8 +639,8 @@ fn resharded_restores_onto_other_layouts_on_the_device() {
     hs[0].wait_committed(Duration::from_secs(60)).unwrap();
     let commit = runtime().block_on(store.read_commit("b", 5)).unwrap().0;
     assert!(
-        commit.tensor(&specs[0].name).unwrap().shards.len() >= 3,
-        "ZeRO partitions were saved by every rank"
+        commit.tensor(&specs[0].name).unwrap().shards.len() >= 2,
+        "the first tensor is cut across ranks"
     );
 
     // Restored by tp=2: column halves on two ranks.
@@ -658,7 +659,7 @@ fn resharded_restores_onto_other_layouts_on_the_device() {
             let want = columns(bytes, rows, cols, e, r as usize * cols / 2, cols / 2);
             assert!(
                 same(t, &on_device(&g, &want)),
-                "dp=3,zero=1 -> tp=2 rank {r}: {}",
+                "dp=4,zero=1 -> tp=2 rank {r}: {}",
                 s.name
             );
         }
