@@ -408,7 +408,7 @@ fn device_compare_counts_differing_bytes() {
 
 #[test]
 fn staging_slabs_are_page_locked_once_a_gpu_is_open() {
-    let Some(_g) = gpu("staging_slabs_are_page_locked_once_a_gpu_is_open") else {
+    let Some(g) = gpu("staging_slabs_are_page_locked_once_a_gpu_is_open") else {
         return;
     };
     let pool = StagingPool::new(
@@ -419,9 +419,9 @@ fn staging_slabs_are_page_locked_once_a_gpu_is_open() {
         true,
     );
     let mut s = pool.acquire();
-    assert!(cuda::is_page_locked(s.bytes_mut().as_ptr()).unwrap());
+    assert!(g.is_page_locked(s.bytes_mut().as_ptr()).unwrap());
     let v = vec![0u8; 1 << 20];
-    assert!(!cuda::is_page_locked(v.as_ptr()).unwrap());
+    assert!(!g.is_page_locked(v.as_ptr()).unwrap());
 }
 
 #[test]
@@ -666,21 +666,45 @@ fn resharded_restores_onto_other_layouts_on_the_device() {
     }
 }
 
+/// Device memory owned outside ckpt (as a framework's tensor is): a plain `cuMemAlloc`.
+struct Foreign {
+    g: Arc<Gpu>,
+    ptr: u64,
+}
+
+impl Foreign {
+    fn new(g: &Arc<Gpu>, len: usize) -> Foreign {
+        g.context().bind_to_thread().unwrap();
+        // SAFETY: freed in Drop.
+        let ptr = unsafe { cudarc::driver::result::malloc_sync(len) }.unwrap();
+        Foreign { g: g.clone(), ptr }
+    }
+}
+
+impl Drop for Foreign {
+    fn drop(&mut self) {
+        self.g.synchronize().unwrap();
+        // SAFETY: allocated in new; the device is idle.
+        unsafe { cudarc::driver::result::free_sync(self.ptr) }.unwrap();
+    }
+}
+
 #[test]
 fn raw_device_pointers_are_checked_and_round_trip() {
     let Some(g) = gpu("raw_device_pointers_are_checked_and_round_trip") else {
         return;
     };
-    // Memory owned elsewhere (here a cudarc slice kept alive by the test).
-    let owner = DeviceTensor::alloc(&g, 1 << 20).unwrap();
-    let bytes = det_bytes(9, 1 << 20);
-    owner.upload(0, &bytes).unwrap();
-    // SAFETY: `owner` outlives the raw tensors.
-    let raw = unsafe { DeviceTensor::from_raw(&g, owner.device_ptr(), 1 << 20, None) }.unwrap();
+    let n = 1 << 20;
+    let mem = Foreign::new(&g, n);
+    let dst_mem = Foreign::new(&g, n);
+    let bytes = det_bytes(9, n);
+    // SAFETY: `mem` outlives the raw tensors (dropped at the end of the test).
+    let raw = unsafe { DeviceTensor::from_raw(&g, mem.ptr, n, None) }.unwrap();
+    raw.upload(0, &bytes).unwrap();
     assert_eq!(raw.download().unwrap(), bytes);
-    // SAFETY: as above (the call fails before using it).
-    let e = unsafe { DeviceTensor::from_raw(&g, owner.device_ptr() + 4096, 1 << 20, None) }
-        .unwrap_err();
+    // Past the end of the allocation (whatever it was rounded up to).
+    // SAFETY: the call fails before using the memory.
+    let e = unsafe { DeviceTensor::from_raw(&g, mem.ptr + 4096, 64 << 20, None) }.unwrap_err();
     assert!(e.to_string().contains("past the end"), "{e}");
     let host = vec![0u8; 4096];
     // SAFETY: a host pointer: the check refuses it.
@@ -699,18 +723,18 @@ fn raw_device_pointers_are_checked_and_round_trip() {
         .unwrap()
         .wait_committed(Duration::from_secs(60))
         .unwrap();
-    let dst = DeviceTensor::alloc(&g, 1 << 20).unwrap();
-    // SAFETY: `dst` outlives the raw tensor.
-    let raw_dst = unsafe { DeviceTensor::from_raw(&g, dst.device_ptr(), 1 << 20, None) }.unwrap();
+    // SAFETY: `dst_mem` outlives the raw tensor.
+    let raw_dst = unsafe { DeviceTensor::from_raw(&g, dst_mem.ptr, n, None) }.unwrap();
     let mut m2 = manager(&store, "raw", "dp=1", 0);
     m2.register(
         spec("w", DType::F32, &[512, 512], None),
         NdBox::full(&[512, 512]),
-        Arc::new(raw_dst),
+        Arc::new(raw_dst.clone()),
     )
     .unwrap();
     m2.restore(1).unwrap();
-    assert!(same(&dst, &owner));
+    assert!(same(&raw_dst, &raw));
+    drop((m, m2, raw, raw_dst));
 }
 
 /// A survivor holding rows 0..48 of a [64, 40] f32 tensor in device memory; the rank needs
