@@ -564,13 +564,28 @@ impl CkptFs {
         }
     }
 
+    /// The path of a node, for messages (`train/2/ranks/1`; files by index in the step).
     fn describe(&self, n: &Node) -> String {
         match n {
             Node::Root => "the mount's root".into(),
-            Node::Run(r) => format!("run {r}"),
+            Node::Run(r) => r.to_string(),
             Node::Latest(r) => format!("{r}/latest"),
-            Node::Step(r, s) => format!("step {s} of run {r}"),
-            Node::In(r, s, i) => format!("{i:?} of step {s} of run {r}"),
+            Node::Step(r, s) => format!("{r}/{s}"),
+            Node::In(r, s, i) => {
+                let rel = match i {
+                    Item::CommitJson => "COMMIT.json".to_string(),
+                    Item::Model => "model.safetensors".to_string(),
+                    Item::TensorsDir => "tensors".to_string(),
+                    Item::Tensor(t) => format!("tensors/(tensor #{t})"),
+                    Item::RanksDir => "ranks".to_string(),
+                    Item::RankDir(k) => format!("ranks/{k}"),
+                    Item::RankTensor(k, t) => format!("ranks/{k}/(tensor #{t})"),
+                    Item::BlobsDir => "blobs".to_string(),
+                    Item::BlobRankDir(k) => format!("blobs/{k}"),
+                    Item::Blob(k, b) => format!("blobs/{k}/(blob #{b})"),
+                };
+                format!("{r}/{s}/{rel}")
+            }
         }
     }
 

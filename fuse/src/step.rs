@@ -491,7 +491,6 @@ fn commit_json(
     blob_ranks: &BTreeMap<u32, RankBlobs>,
     has_model: bool,
 ) -> Vec<u8> {
-    let mut v = serde_json::to_value(c).unwrap_or_else(|e| json!({ "error": e.to_string() }));
     let mut t = Map::new();
     for (i, e) in c.tensors.iter().enumerate() {
         if tensors.file(i) != e.name {
@@ -513,13 +512,21 @@ fn commit_json(
             b.insert(r.to_string(), Value::Object(m));
         }
     }
-    if let Value::Object(o) = &mut v {
-        o.insert(
-            "fs_names".into(),
-            json!({ "tensors": t, "blobs": b, "model_safetensors": has_model }),
-        );
-    }
-    let mut out = serde_json::to_vec_pretty(&v).unwrap_or_default();
+    // The record's own field order (format, run, step, layout, ...) reads better than the
+    // sorted keys of a JSON map, so `fs_names` is appended to its pretty text.
+    let names = json!({ "tensors": t, "blobs": b, "model_safetensors": has_model });
+    let record = serde_json::to_string_pretty(c).unwrap_or_else(|e| {
+        serde_json::to_string_pretty(&json!({ "error": e.to_string() })).unwrap_or_default()
+    });
+    let names = serde_json::to_string_pretty(&names)
+        .unwrap_or_default()
+        .replace('\n', "\n  ");
+    let body = record
+        .trim_end()
+        .strip_suffix('}')
+        .unwrap_or(&record)
+        .trim_end();
+    let mut out = format!("{body},\n  \"fs_names\": {names}\n}}").into_bytes();
     out.push(b'\n');
     out
 }

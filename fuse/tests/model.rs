@@ -179,9 +179,14 @@ async fn every_file_holds_the_saved_bytes() {
         .count();
     assert_eq!(holders, 4, "the replicated norm shows on every rank");
 
-    // COMMIT.json: the commit record, pretty.
-    let j: serde_json::Value =
-        serde_json::from_slice(&fs.read_path("train/2/COMMIT.json").await.unwrap()).unwrap();
+    // COMMIT.json: the commit record, pretty, in its own field order, then `fs_names`.
+    let text = String::from_utf8(fs.read_path("train/2/COMMIT.json").await.unwrap()).unwrap();
+    assert!(
+        text.starts_with("{\n  \"format\": 1,\n  \"run\": \"train\""),
+        "{text}"
+    );
+    assert!(text.ends_with("\n}\n") && text.contains("\n  \"fs_names\": {\n    \""));
+    let j: serde_json::Value = serde_json::from_str(&text).unwrap();
     assert_eq!(j["step"], 2);
     assert_eq!(j["run"], "train");
     assert_eq!(j["tensors"].as_array().unwrap().len(), e2.tensors.len());
