@@ -270,10 +270,14 @@ pub fn spawn_mount(store: Store, opts: &MountOptions) -> Result<MountHandle> {
         .build()
         .map_err(|e| Error::io("starting the mount's runtime", &"tokio", e))?;
     let url = store.url().to_string();
-    // A store that cannot be listed would only show up as EIO on `ls`: say so now.
-    runtime
-        .block_on(store.list_runs())
-        .map_err(|e| e.context(format!("cannot mount {url}: listing its runs failed")))?;
+    // A store that cannot be listed would only show up as EIO on `ls`: say so now. (On a
+    // thread of its own, so that a caller inside an async runtime may mount too.)
+    std::thread::scope(|s| {
+        s.spawn(|| runtime.block_on(store.list_runs()))
+            .join()
+            .unwrap_or_else(|_| Err(Error::internal("listing the store panicked")))
+    })
+    .map_err(|e| e.context(format!("cannot mount {url}: listing its runs failed")))?;
     let fs = Arc::new(CkptFs::new(
         store,
         FsOptions {

@@ -740,3 +740,28 @@ fn a_killed_mount_goes_away_by_itself() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mounting_from_inside_an_async_runtime() {
+    let ts = test_store();
+    save(
+        &ts.store,
+        "train",
+        1,
+        Layout::SINGLE,
+        &specs()[..2],
+        1,
+        true,
+    )
+    .await;
+    let store = ts.store.clone();
+    let m = Mounted::new(store, 1 << 20);
+    let p = m.p("train/1/COMMIT.json");
+    let got = tokio::task::spawn_blocking(move || std::fs::read(p))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(got.starts_with(b"{\n  \"format\""));
+    // Dropping the guard here (in async context) unmounts too.
+    drop(m);
+}
