@@ -58,6 +58,14 @@ pub fn find_fusermount3() -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// Whether /etc/fuse.conf lets users other than root mount with allow_other.
+fn user_allow_other() -> bool {
+    std::fs::read_to_string("/etc/fuse.conf").is_ok_and(|c| {
+        c.lines()
+            .any(|l| l.split('#').next().unwrap_or("").trim() == "user_allow_other")
+    })
+}
+
 fn is_root() -> bool {
     // SAFETY: geteuid cannot fail and touches no memory.
     unsafe { libc::geteuid() == 0 }
@@ -313,9 +321,12 @@ pub fn spawn_mount(store: Store, opts: &MountOptions) -> Result<MountHandle> {
     } else {
         SessionACL::Owner
     };
-    // With fusermount3 installed, the kernel mount outlives no process: if this one is killed,
-    // fusermount3 unmounts. It needs the mount to admit root besides the owner.
-    let auto_unmount = find_fusermount3().is_some();
+    // With fusermount3 installed, the mount does not outlive this process even when it is
+    // killed: fusermount3 unmounts. `fuser` then needs the mount to admit root besides the
+    // owner (the kernel's allow_other), which users other than root may only ask for when
+    // /etc/fuse.conf says user_allow_other.
+    let auto_unmount =
+        find_fusermount3().is_some() && (is_root() || opts.allow_other || user_allow_other());
     if auto_unmount {
         cfg.mount_options.push(MountOption::AutoUnmount);
         if cfg.acl == SessionACL::Owner {
@@ -323,8 +334,8 @@ pub fn spawn_mount(store: Store, opts: &MountOptions) -> Result<MountHandle> {
         }
     } else {
         warn!(
-            "fusermount3 not found: if this process is killed, the mount stays until \
-             `umount {}` (install the `fuse3` package to have it cleaned up)",
+            "no auto-unmount (fusermount3 missing, or user_allow_other not set in \
+             /etc/fuse.conf): if this process is killed, the mount stays until `umount {}`",
             mountpoint.display()
         );
     }
