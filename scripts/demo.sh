@@ -1,48 +1,69 @@
 #!/usr/bin/env bash
-# The main job: train on 4 ranks, checkpoint, crash (SIGKILL) midway, recover on a smaller
-# layout from the newest committed checkpoint, and check the result is bit-identical to a
-# run that never crashed. Everything on the default local store (./demo-store).
+# The main job, on the default local store (./demo-store):
+#   1. a reference run of the reference workload, never interrupted;
+#   2. the same job under `ckpt resume` on 4 simulated nodes (one rank each, dp=2,tp=2,
+#      ZeRO-1), one rank killed with SIGKILL midway: the supervisor detects it, stops the job,
+#      restarts it resharded on the 3 nodes left (dp=1,tp=2) from the newest committed
+#      checkpoint, and the job finishes;
+#   3. the final state compared bit for bit with the reference, then `ckpt ls`, `ckpt verify`
+#      and `ckpt plot` of what happened.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 store="${CKPT_DEMO_STORE:-$PWD/demo-store}"
 params="${CKPT_DEMO_PARAMS:-20M}"
 steps=40
-every=10
+every=5
 echo "== building (release)"
 cargo build --release -q -p ckpt-trainer --bin ckpt-train
-cargo build --release -q -p ckpt --bin ckpt 2>/dev/null || true
-train=target/release/ckpt-train
-ckpt=target/release/ckpt
-rm -rf "$store"
+cargo build --release -q -p ckpt --bin ckpt
+train="$PWD/target/release/ckpt-train"
+ckpt="$PWD/target/release/ckpt"
+rm -rf "$store" "$store.logs"
+mkdir -p "$store"
 export CKPT_LOG=${CKPT_LOG:-warn}
 
-echo "== 1. reference run: $params parameters, dp=2,tp=2,zero=1, $steps steps, a checkpoint every $every"
-ref=$($train --store "$store" --run reference --layout dp=2,tp=2,zero=1 --params "$params" \
-  --steps $steps --ckpt-every $every --metrics-out "$store.reference.jsonl" | sed -n 's/^digest //p')
-echo "   final state digest: $ref"
+echo "== 1. reference: $params parameters, dp=2,tp=2,zero=1, $steps steps, a checkpoint every $every, never interrupted"
+ref=$("$train" --store "$store" --run reference --layout dp=2,tp=2 --zero 1 --params "$params" \
+  --steps $steps --ckpt-every $every | sed -n 's/^digest //p')
+echo "   final state digest $ref"
 
-echo "== 2. the same job, one process per rank; rank 2 is killed with SIGKILL at step ~25"
-pids=()
-for r in 0 1 2 3; do
-  $train --store "$store" --run demo --layout dp=2,tp=2,zero=1 --params "$params" \
-    --steps $steps --ckpt-every $every --rank $r --step-time-ms 100 \
-    > "$store.rank$r.out" 2> "$store.rank$r.err" &
-  pids+=($!)
+echo "== 2. the same job under ckpt resume on 4 nodes; a rank gets SIGKILL midway"
+"$ckpt" --store "$store" resume --run demo --nodes 4 --ranks-per-node 1 --layout dp=2,tp=2 \
+  --heartbeat-timeout 3s --stop-grace 2s --backoff 200ms --logs "$store.logs" -- \
+  "$train" --zero 1 --params "$params" --steps $steps --ckpt-every $every --step-time-ms 150 \
+  > "$store.resume.txt" 2> "$store.resume.err" &
+sup=$!
+victim=""
+for _ in $(seq 1 600); do
+  step=$(grep -ho '"step":[0-9]*' "$store.logs"/rank-0.gen-*.out 2>/dev/null | tail -1 || true)
+  # Wait until training is well under way (rank 2 of the first generation is alive).
+  for p in $(pgrep -f "$train" || true); do
+    if tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx 'CKPT_RANK=2' &&
+       tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx 'CKPT_RUN=demo'; then
+      victim=$p
+    fi
+  done
+  if [ -n "$victim" ] && [ "$("$ckpt" --store "$store" ls demo --json 2>/dev/null | grep -c '"committed": true' || true)" -ge 2 ]; then
+    break
+  fi
+  sleep 0.2
 done
-sleep 2.7
-kill -9 "${pids[2]}"
-echo "   killed rank 2 (pid ${pids[2]}); stopping the survivors"
-sleep 0.5
-for p in "${pids[0]}" "${pids[1]}" "${pids[3]}"; do kill -9 "$p" 2>/dev/null || true; done
-wait 2>/dev/null || true
-if [ -x "$ckpt" ]; then "$ckpt" --store "$store" ls demo || true; fi
+if [ -n "$victim" ]; then
+  echo "   killing rank 2 (pid $victim) with SIGKILL"
+  kill -9 "$victim"
+fi
+wait $sup || { cat "$store.resume.txt" "$store.resume.err"; echo "== the supervised job failed" >&2; exit 1; }
+sed 's/^/   /' "$store.resume.txt"
 
-echo "== 3. recover on 2 ranks (dp=1,tp=2,zero=3) from the newest committed checkpoint"
-got=$($train --store "$store" --run demo --layout dp=1,tp=2,zero=3 --params "$params" \
-  --steps $steps --ckpt-every $every --resume | sed -n 's/^digest //p')
-echo "   final state digest: $got"
-if [ -x "$ckpt" ]; then "$ckpt" --store "$store" verify demo || true; fi
-
+got=""
+for f in $(ls "$store.logs"/rank-0.gen-*.out | sort -t- -k3 -n); do
+  d=$(sed -n 's/^digest //p' "$f")
+  [ -n "$d" ] && got=$d
+done
+echo "== 3. final state digest $got"
+"$ckpt" --store "$store" ls demo | sed 's/^/   /'
+"$ckpt" --store "$store" verify demo | sed 's/^/   /'
+"$ckpt" --store "$store" plot demo --out "$store.demo.png" >/dev/null && echo "   plot: $store.demo.png"
 if [ "$got" = "$ref" ]; then
   echo "== OK: the recovered, resharded run ended bit-identical to the uninterrupted one"
 else

@@ -4,6 +4,8 @@
 //! - [`store`] is `ckpt-store`: the content-addressed store, the commit protocol, the read
 //!   engine, verify and GC;
 //! - [`fuse`] is `ckpt-fuse`: checkpoints as directories and files;
+//! - [`trainer`] is `ckpt-trainer`: the save pipeline, restore and `CheckpointManager`;
+//! - [`recovery`] is `ckpt-recovery`: the recovery coordinator and the supervisor;
 //! - [`cli`] holds one library function per `ckpt` subcommand; the `ckpt` binary only parses
 //!   arguments, installs the tracing subscriber and calls [`cli::main`].
 //!
@@ -20,7 +22,9 @@
 #![warn(missing_docs)]
 
 pub use ckpt_fuse as fuse;
+pub use ckpt_recovery as recovery;
 pub use ckpt_store as store;
+pub use ckpt_trainer as trainer;
 
 pub use ckpt_store::{
     CommitRecord, DType, Error, ErrorKind, GcOptions, GcReport, Layout, NdBox, Result,

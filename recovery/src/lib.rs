@@ -1,1 +1,17 @@
-//! The recovery coordinator: detect failures, decide, reshard, resume.
+//! `ckpt-recovery`: the recovery coordinator.
+//!
+//! - [`coordinator`]: the decision logic as a state machine with no I/O (events in, actions
+//!   out), tested with decision tables;
+//! - [`heartbeat`]: the rank side and the supervisor side of heartbeats over a local socket;
+//! - [`supervisor`]: the local driver behind `ckpt resume`: launches ranks, supervises,
+//!   relaunches survivors on a new layout after a failure, keeps the recovery log.
+
+#![warn(missing_docs)]
+
+pub mod coordinator;
+pub mod heartbeat;
+pub mod supervisor;
+
+pub use coordinator::{Action, Config, Coordinator, Event, ExitStatus, Record, Topology};
+pub use heartbeat::HeartbeatClient;
+pub use supervisor::{Report, SupervisorOptions, choose_step, restore_plan, run};

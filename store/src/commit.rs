@@ -170,6 +170,44 @@ impl Store {
         Ok(m)
     }
 
+    /// Mark `generation` of `run` as started (fences committers of older generations).
+    pub async fn start_generation(&self, run: &str, generation: u64) -> Result<()> {
+        validate_run(run)?;
+        let path = self.keys().generation_marker(run, generation);
+        let body =
+            serde_json::to_vec(&serde_json::json!({"generation": generation, "t_ms": now_ms()}))
+                .map_err(|e| Error::internal(e.to_string()))?;
+        match self
+            .put_object(&path, vec![body.into()], PutMode::Create)
+            .await
+        {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == ErrorKind::Conflict => Err(Error::new(
+                ErrorKind::Conflict,
+                format!(
+                    "generation {generation} of run {run} was already started by another supervisor"
+                ),
+            )),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The newest started generation of `run`, if any supervisor marked one.
+    pub async fn newest_generation(&self, run: &str) -> Result<Option<u64>> {
+        validate_run(run)?;
+        let dir = self.keys().generations_dir(run);
+        let metas: Vec<_> = self
+            .object_store()
+            .list(Some(&dir))
+            .try_collect()
+            .await
+            .map_err(|e| Error::backend("listing", &dir, e))?;
+        Ok(metas
+            .iter()
+            .filter_map(|m| self.keys().parse_generation_marker(&m.location))
+            .max())
+    }
+
     /// Read a step's commit record. `NotFound` if the step is not committed.
     pub async fn read_commit(&self, run: &str, step: u64) -> Result<(CommitRecord, StepId)> {
         validate_run(run)?;
@@ -352,6 +390,18 @@ impl Store {
             stats,
         };
         self.failpoints().hit("before_commit").await?;
+        // Epoch fencing: once a supervisor has started a newer generation, this one's
+        // committer is stale.
+        if let Some(newer) = self.newest_generation(run).await?
+            && newer > generation
+        {
+            return Err(Error::new(
+                ErrorKind::Fenced,
+                format!(
+                    "step {step} of run {run}: generation {newer} has started; this committer (generation {generation}) is stale and must not commit"
+                ),
+            ));
+        }
         let path = self.keys().commit(run, step);
         match self.put_json(&path, &record, PutMode::Create).await {
             Ok(hash) => {

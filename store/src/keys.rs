@@ -124,6 +124,25 @@ impl Keys {
         self.step_dir(run, step).join("COMMIT")
     }
 
+    /// `runs/<run>/generations/`: one marker per started job generation.
+    pub fn generations_dir(&self, run: &str) -> Path {
+        self.join(["runs", run, "generations"])
+    }
+
+    /// The marker a supervisor creates when it starts `generation` of `run`.
+    pub fn generation_marker(&self, run: &str, generation: u64) -> Path {
+        self.generations_dir(run).join(format!("{generation:020}"))
+    }
+
+    /// The generation of a marker key.
+    pub fn parse_generation_marker(&self, path: &Path) -> Option<u64> {
+        let rest = self.strip(path)?;
+        match rest.as_slice() {
+            ["runs", _, "generations", g] => parse_step_segment(g),
+            _ => None,
+        }
+    }
+
     /// `runs/<run>/<log>/`: an append-only log made of numbered parts.
     pub fn log_dir(&self, run: &str, log: &str) -> Path {
         self.join(["runs", run, log])

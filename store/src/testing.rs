@@ -5,7 +5,6 @@
 use std::net::TcpListener;
 use std::path::{Path as FsPath, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::store::{Store, StoreConfig};
@@ -157,7 +156,9 @@ impl S3Server {
 
     /// The object store client for the bucket.
     #[cfg(feature = "s3")]
-    pub fn object_store(&self) -> Arc<crate::wrap::MetricsStore<object_store::aws::AmazonS3>> {
+    pub fn object_store(
+        &self,
+    ) -> std::sync::Arc<crate::wrap::MetricsStore<object_store::aws::AmazonS3>> {
         let s = object_store::aws::AmazonS3Builder::new()
             .with_endpoint(&self.endpoint)
             .with_bucket_name(&self.bucket)
@@ -168,7 +169,7 @@ impl S3Server {
             .with_secret_access_key(S3_SECRET)
             .build()
             .expect("S3 client");
-        Arc::new(crate::wrap::MetricsStore::new(s))
+        std::sync::Arc::new(crate::wrap::MetricsStore::new(s))
     }
 
     /// A [`Store`] on the bucket below `prefix`.

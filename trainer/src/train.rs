@@ -209,6 +209,16 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
         layout.zero = z;
         layout.validate()?;
     }
+    if let Some(w) = std::env::var("CKPT_WORLD_SIZE")
+        .ok()
+        .and_then(|w| w.parse::<u32>().ok())
+        && w != layout.world()
+    {
+        return Err(Error::invalid(format!(
+            "the supervisor runs {w} ranks but the layout {layout} has {}: under `ckpt resume` leave --layout out (the supervisor sets CKPT_LAYOUT)",
+            layout.world()
+        )));
+    }
     let mut store = ckpt_store::open(&args.store)?;
     if let Some(cs) = args.chunk_size {
         let mut cfg = store.config().clone();
@@ -392,6 +402,11 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
         sh.outcome.lock().resumed_from = resumed;
     }
 
+    // Supervised (ckpt resume): beat after every step and in between.
+    let heartbeat = ckpt_recovery::HeartbeatClient::from_env();
+    if let Some(hb) = &heartbeat {
+        hb.step(progress.lock().step, None);
+    }
     let start = progress.lock().step + 1;
     let mut pending: Option<(SaveHandle, Instant, f64)> = None;
     let mut saves: Vec<(SaveHandle, f64)> = Vec::new();
@@ -416,6 +431,9 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
             p.data_pos += 1;
         }
         record_loss(sh, rank, step, part);
+        if let Some(hb) = &heartbeat {
+            hb.step(step, Some((part.sse, part.gsq, part.n)));
+        }
         if let Some(ms) = Some(a.step_time_ms).filter(|&m| m > 0) {
             let left = Duration::from_millis(ms).saturating_sub(t_step.elapsed());
             std::thread::sleep(left);

@@ -25,6 +25,7 @@ pub mod plan;
 pub mod plot;
 pub mod progress;
 pub mod render;
+pub mod resume;
 pub mod stats;
 pub mod verify;
 
@@ -70,7 +71,7 @@ pub struct Cli {
     pub command: Command,
 }
 
-/// The subcommands. (`resume` joins them with the recovery coordinator.)
+/// The subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// List runs, or the steps of a run with their sizes.
@@ -93,6 +94,8 @@ pub enum Command {
     Plot(plot::PlotArgs),
     /// Mount the store read-only: every checkpoint as directories and files.
     Mount(mount::MountArgs),
+    /// Run a training command under the supervisor: detect failures, restart resharded.
+    Resume(resume::ResumeArgs),
 }
 
 /// How a command ended when it did not fail.
@@ -177,6 +180,17 @@ pub async fn run(url: Option<&str>, command: Command, ui: &Ui) -> Result<Outcome
         Command::Plan(a) => emit(ui, &plan::plan(&store, &a, ui).await?),
         Command::Plot(a) => emit(ui, &plot::plot(&store, &a, ui).await?),
         Command::Mount(_) => unreachable!("mount is dispatched before the runtime starts"),
+        Command::Resume(a) => {
+            let r = resume::resume(store.url(), &a, ui).await?;
+            emit(ui, &r)?;
+            if !r.report.ok {
+                return Err(CliError::error(format!(
+                    "run {} did not finish: {}",
+                    a.run, r.report.reason
+                )));
+            }
+            Ok(())
+        }
     }?;
     Ok(Outcome::Ok)
 }

@@ -1,0 +1,156 @@
+//! `ckpt resume --run NAME --nodes N --ranks-per-node R [--layout L] [--spares S]
+//! [--max-restarts K] -- COMMAND...`: run a training command under the local supervisor (see
+//! `ckpt-recovery`): launch its ranks on simulated nodes, detect a dead or hung rank, stop the
+//! job, restart on the surviving nodes from the newest committed checkpoint, resharded.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use ckpt_recovery::{Config, SupervisorOptions, Topology};
+use serde::Serialize;
+
+use super::parse::duration;
+use super::{CliError, Report, Result, Ui};
+
+/// Arguments of `ckpt resume`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ResumeArgs {
+    /// Run name (passed to the ranks as CKPT_RUN).
+    #[arg(long)]
+    pub run: String,
+    /// Nodes that run ranks.
+    #[arg(long, default_value_t = 1)]
+    pub nodes: u32,
+    /// Ranks per node.
+    #[arg(long, default_value_t = 1)]
+    pub ranks_per_node: u32,
+    /// Spare nodes, used first to replace failed ones.
+    #[arg(long, default_value_t = 0)]
+    pub spares: u32,
+    /// Layout to start with (default: dp = nodes x ranks per node).
+    #[arg(long)]
+    pub layout: Option<String>,
+    /// Restarts before giving up.
+    #[arg(long, default_value_t = 3)]
+    pub max_restarts: u32,
+    /// A rank with no heartbeat for this long has failed.
+    #[arg(long, default_value = "10s", value_parser = duration)]
+    pub heartbeat_timeout: Duration,
+    /// A rank whose step has not advanced for this long is hung.
+    #[arg(long, default_value = "5m", value_parser = duration)]
+    pub hang_timeout: Duration,
+    /// Time a rank has to send its first heartbeat (start-up and restore).
+    #[arg(long, default_value = "5m", value_parser = duration)]
+    pub startup_timeout: Duration,
+    /// SIGTERM, then SIGKILL after this long.
+    #[arg(long, default_value = "10s", value_parser = duration)]
+    pub stop_grace: Duration,
+    /// First restart delay (doubles with every restart).
+    #[arg(long, default_value = "1s", value_parser = duration)]
+    pub backoff: Duration,
+    /// Write each rank's stdout and stderr into this directory.
+    #[arg(long)]
+    pub logs: Option<PathBuf>,
+    /// The command each rank runs, after `--`.
+    #[arg(last = true, required = true)]
+    pub command: Vec<String>,
+}
+
+/// What `ckpt resume` prints.
+#[derive(Debug, Serialize)]
+pub struct ResumeOutput {
+    /// The supervisor's report.
+    #[serde(flatten)]
+    pub report: ckpt_recovery::Report,
+}
+
+impl Report for ResumeOutput {
+    fn print(&self, w: &mut dyn Write) -> std::io::Result<()> {
+        for r in &self.report.records {
+            let at = r["at_ms"].as_u64().unwrap_or(0) as f64 / 1000.0;
+            let line = match r["kind"].as_str().unwrap_or("") {
+                "started" => format!(
+                    "generation {} started: {} on nodes {}{}",
+                    r["generation"],
+                    r["layout"].as_str().unwrap_or(""),
+                    r["nodes"],
+                    r["resume_from"]
+                        .as_u64()
+                        .map_or(String::new(), |s| format!(", resuming from step {s}"))
+                ),
+                "failure" => format!(
+                    "FAILURE rank {} (node {}): {} [{}; detected after {:.2} s]",
+                    r["rank"],
+                    r["node"],
+                    r["detail"].as_str().unwrap_or(""),
+                    r["how"].as_str().unwrap_or(""),
+                    r["detection_s"].as_f64().unwrap_or(0.0)
+                ),
+                "recovery" => format!(
+                    "decision: restart as {} from step {}, {} steps lost, in {:.1} s",
+                    r["layout"].as_str().unwrap_or(""),
+                    r["step"]
+                        .as_u64()
+                        .map_or("none (from scratch)".into(), |s| s.to_string()),
+                    r["steps_lost"],
+                    r["backoff_s"].as_f64().unwrap_or(0.0)
+                ),
+                "resumed" => format!(
+                    "resumed: step {} done {:.2} s after the failure",
+                    r["step"],
+                    r["since_failure_s"].as_f64().unwrap_or(0.0)
+                ),
+                "finished" => format!(
+                    "finished: {} ({} restarts)",
+                    r["reason"].as_str().unwrap_or(""),
+                    r["restarts"]
+                ),
+                other => format!("{other}: {r}"),
+            };
+            writeln!(w, "{at:9.2}s  {line}")?;
+        }
+        writeln!(
+            w,
+            "{}: {}",
+            if self.report.ok { "OK" } else { "FAILED" },
+            self.report.reason
+        )
+    }
+}
+
+/// Supervise the command (see the module docs).
+pub async fn resume(url: &str, args: &ResumeArgs, _ui: &Ui) -> Result<ResumeOutput> {
+    let world = args.nodes * args.ranks_per_node;
+    let layout = match &args.layout {
+        Some(l) => l
+            .parse()
+            .map_err(|e: ckpt_store::Error| CliError::usage(e.to_string()))?,
+        None => ckpt_store::Layout::new(world.max(1), 1, 1, 0).map_err(CliError::from)?,
+    };
+    let mut cfg = Config::new(
+        Topology {
+            nodes: args.nodes,
+            ranks_per_node: args.ranks_per_node.max(1),
+            spares: args.spares,
+        },
+        layout,
+    );
+    cfg.max_restarts = args.max_restarts;
+    cfg.heartbeat_timeout = args.heartbeat_timeout;
+    cfg.hang_timeout = args.hang_timeout;
+    cfg.startup_timeout = args.startup_timeout;
+    cfg.stop_grace = args.stop_grace;
+    cfg.backoff = args.backoff;
+    let opts = SupervisorOptions {
+        store_url: url.to_string(),
+        run: args.run.clone(),
+        config: cfg,
+        command: args.command.clone(),
+        logs_dir: args.logs.clone(),
+        heartbeat_interval: (args.heartbeat_timeout / 10)
+            .clamp(Duration::from_millis(50), Duration::from_secs(1)),
+    };
+    let report = ckpt_recovery::run(opts).await.map_err(CliError::from)?;
+    Ok(ResumeOutput { report })
+}

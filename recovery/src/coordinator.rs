@@ -1,0 +1,774 @@
+//! The recovery coordinator as a state machine with no I/O: events in, actions out.
+//!
+//! ```text
+//!            start                 failure detected               all stopped
+//!   Idle ----------> Running -------------------------> Stopping ------------> Choosing
+//!                     ^   |  all ranks exited 0                                   |
+//!                     |   +---------------------> Done(ok)                        | step chosen
+//!                     |                                                           v
+//!                     +------------------------ Backoff <------------ decide layout, or
+//!                        backoff elapsed: start generation + 1        Done(failed) when the
+//!                                                                      survivors cannot hold
+//!                                                                      the model or restarts
+//!                                                                      are exhausted
+//! ```
+//!
+//! A rank is failed when it exits abnormally, sends no heartbeat for `heartbeat_timeout`
+//! (a stopped or dead process), or makes no step progress for `hang_timeout` (a hang), and
+//! its node is excluded. The remaining ranks get SIGTERM, then SIGKILL after `stop_grace`.
+//! The new layout keeps tp x pp and uses spare nodes first; otherwise it shrinks dp to what
+//! the surviving nodes hold. Restarts back off exponentially.
+//!
+//! Time is a `Duration` since the supervisor started, passed in with every event, so tests
+//! replay any schedule exactly.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use ckpt_store::Layout;
+use serde::Serialize;
+
+/// Nodes and ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Topology {
+    /// Nodes that run ranks at the start.
+    pub nodes: u32,
+    /// Ranks per node.
+    pub ranks_per_node: u32,
+    /// Spare nodes, used first to replace failed ones.
+    pub spares: u32,
+}
+
+/// Settings of the coordinator.
+#[derive(Debug, Clone, Serialize)]
+pub struct Config {
+    /// Nodes.
+    pub topology: Topology,
+    /// The layout to start with.
+    pub layout: Layout,
+    /// Restarts before giving up.
+    pub max_restarts: u32,
+    /// A rank with no heartbeat for this long is failed.
+    pub heartbeat_timeout: Duration,
+    /// A rank whose step has not advanced for this long is hung.
+    pub hang_timeout: Duration,
+    /// Time a rank has to send its first heartbeat (start-up and restore).
+    pub startup_timeout: Duration,
+    /// SIGTERM, then SIGKILL after this long.
+    pub stop_grace: Duration,
+    /// First restart delay; doubles with every restart.
+    pub backoff: Duration,
+    /// Longest restart delay.
+    pub backoff_max: Duration,
+}
+
+impl Config {
+    /// Defaults for `topology` and `layout`.
+    pub fn new(topology: Topology, layout: Layout) -> Self {
+        Config {
+            topology,
+            layout,
+            max_restarts: 3,
+            heartbeat_timeout: Duration::from_secs(10),
+            hang_timeout: Duration::from_secs(60),
+            startup_timeout: Duration::from_secs(120),
+            stop_grace: Duration::from_secs(5),
+            backoff: Duration::from_millis(200),
+            backoff_max: Duration::from_secs(30),
+        }
+    }
+}
+
+/// How a rank process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum ExitStatus {
+    /// Exited with a code.
+    Code(i32),
+    /// Killed by a signal.
+    Signal(i32),
+}
+
+impl ExitStatus {
+    /// Exit code 0.
+    pub fn success(&self) -> bool {
+        matches!(self, ExitStatus::Code(0))
+    }
+}
+
+impl std::fmt::Display for ExitStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ExitStatus::Code(c) => write!(f, "exit code {c}"),
+            ExitStatus::Signal(s) => write!(f, "signal {s}"),
+        }
+    }
+}
+
+/// Something the coordinator learns.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// Begin (generation 0).
+    Start {
+        /// Time.
+        now: Duration,
+    },
+    /// Time passes.
+    Tick {
+        /// Time.
+        now: Duration,
+    },
+    /// A rank reports its progress.
+    Heartbeat {
+        /// Its generation.
+        generation: u64,
+        /// The rank.
+        rank: u32,
+        /// The last step it completed.
+        step: u64,
+        /// Time.
+        now: Duration,
+    },
+    /// A rank process ended.
+    Exited {
+        /// Its generation.
+        generation: u64,
+        /// The rank.
+        rank: u32,
+        /// How.
+        status: ExitStatus,
+        /// Time.
+        now: Duration,
+    },
+    /// The driver found the newest committed step whose objects are all present.
+    StepChosen {
+        /// The generation that asked.
+        generation: u64,
+        /// The step, or `None` when the run has no usable checkpoint.
+        step: Option<u64>,
+        /// Time.
+        now: Duration,
+    },
+}
+
+/// Where a rank runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Assignment {
+    /// Rank.
+    pub rank: u32,
+    /// Node.
+    pub node: u32,
+    /// Rank within the node.
+    pub local_rank: u32,
+}
+
+/// A record of the recovery log.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Record {
+    /// A generation started.
+    Started {
+        /// Generation.
+        generation: u64,
+        /// Layout.
+        layout: String,
+        /// Nodes in use.
+        nodes: Vec<u32>,
+        /// The step restored from.
+        resume_from: Option<u64>,
+        /// Milliseconds since the supervisor started.
+        at_ms: u64,
+    },
+    /// A rank failed.
+    Failure {
+        /// Generation.
+        generation: u64,
+        /// Rank.
+        rank: u32,
+        /// Its node (excluded from now on).
+        node: u32,
+        /// `exit`, `signal`, `heartbeat`, `hang` or `startup`.
+        how: String,
+        /// Details.
+        detail: String,
+        /// The last step the rank reported.
+        last_step: Option<u64>,
+        /// Seconds from the failure's evidence (last heartbeat or progress) to detection;
+        /// 0 for exits, which are seen at once.
+        detection_s: f64,
+        /// Milliseconds since the supervisor started.
+        at_ms: u64,
+    },
+    /// What recovery decided (logged as `recovery`).
+    #[serde(rename = "recovery")]
+    Decision {
+        /// Generation that failed.
+        generation: u64,
+        /// Surviving usable nodes.
+        nodes: Vec<u32>,
+        /// The new layout.
+        layout: String,
+        /// The step to restore.
+        step: Option<u64>,
+        /// Steps trained past that step and lost.
+        steps_lost: u64,
+        /// The restart delay.
+        backoff_s: f64,
+        /// Milliseconds since the supervisor started.
+        at_ms: u64,
+    },
+    /// The first step after a restart completed.
+    Resumed {
+        /// Generation.
+        generation: u64,
+        /// The step completed.
+        step: u64,
+        /// Seconds from the failure's detection to this step.
+        since_failure_s: f64,
+        /// Milliseconds since the supervisor started.
+        at_ms: u64,
+    },
+    /// The job ended.
+    Finished {
+        /// Whether it completed.
+        ok: bool,
+        /// Why it ended.
+        reason: String,
+        /// Restarts made.
+        restarts: u32,
+        /// Milliseconds since the supervisor started.
+        at_ms: u64,
+    },
+}
+
+/// What the driver must do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    /// Launch the ranks of a generation.
+    Start {
+        /// Generation.
+        generation: u64,
+        /// Layout.
+        layout: Layout,
+        /// Where each rank runs.
+        assignments: Vec<Assignment>,
+        /// The step the ranks restore (they resume from the newest committed one).
+        resume_from: Option<u64>,
+    },
+    /// Signal ranks of a generation: SIGTERM, or SIGKILL.
+    Signal {
+        /// Generation.
+        generation: u64,
+        /// Ranks.
+        ranks: Vec<u32>,
+        /// SIGKILL instead of SIGTERM.
+        kill: bool,
+    },
+    /// Find the newest committed step whose chunks are all present; answer with
+    /// [`Event::StepChosen`].
+    ChooseStep {
+        /// Generation asking.
+        generation: u64,
+    },
+    /// Append to the recovery log.
+    Record(Record),
+    /// The job is over.
+    Done {
+        /// Completed.
+        ok: bool,
+        /// Why.
+        reason: String,
+    },
+}
+
+#[derive(Debug, Clone)]
+struct RankState {
+    node: u32,
+    started: Duration,
+    last_beat: Option<Duration>,
+    last_step: Option<u64>,
+    last_progress: Duration,
+    exited: Option<ExitStatus>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Phase {
+    Idle,
+    Running,
+    Stopping { kill_at: Duration, killed: bool },
+    Choosing,
+    Backoff { until: Duration, step: Option<u64> },
+    Done,
+}
+
+/// The coordinator (see the module docs).
+#[derive(Debug)]
+pub struct Coordinator {
+    cfg: Config,
+    phase: Phase,
+    generation: u64,
+    layout: Layout,
+    ranks: BTreeMap<u32, RankState>,
+    excluded: BTreeSet<u32>,
+    restarts: u32,
+    max_step: u64,
+    failed_at: Option<Duration>,
+    resume_from: Option<u64>,
+    resumed_reported: bool,
+}
+
+fn ms(d: Duration) -> u64 {
+    d.as_millis() as u64
+}
+
+impl Coordinator {
+    /// A coordinator that has not started.
+    pub fn new(cfg: Config) -> Self {
+        Coordinator {
+            layout: cfg.layout,
+            cfg,
+            phase: Phase::Idle,
+            generation: 0,
+            ranks: BTreeMap::new(),
+            excluded: BTreeSet::new(),
+            restarts: 0,
+            max_step: 0,
+            failed_at: None,
+            resume_from: None,
+            resumed_reported: true,
+        }
+    }
+
+    /// The current generation.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// The current layout.
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    /// Restarts so far.
+    pub fn restarts(&self) -> u32 {
+        self.restarts
+    }
+
+    /// Whether the job is over.
+    pub fn is_done(&self) -> bool {
+        self.phase == Phase::Done
+    }
+
+    /// Ranks of the current generation that have not exited.
+    pub fn live_ranks(&self) -> Vec<u32> {
+        self.ranks
+            .iter()
+            .filter(|(_, r)| r.exited.is_none())
+            .map(|(k, _)| *k)
+            .collect()
+    }
+
+    /// Nodes not excluded, in order (spares last).
+    fn usable_nodes(&self) -> Vec<u32> {
+        let t = self.cfg.topology;
+        (0..t.nodes + t.spares)
+            .filter(|n| !self.excluded.contains(n))
+            .collect()
+    }
+
+    fn assign(&self, layout: &Layout, nodes: &[u32]) -> Vec<Assignment> {
+        let rpn = self.cfg.topology.ranks_per_node;
+        (0..layout.world())
+            .map(|rank| Assignment {
+                rank,
+                node: nodes[(rank / rpn) as usize],
+                local_rank: rank % rpn,
+            })
+            .collect()
+    }
+
+    fn start_generation(&mut self, now: Duration, resume_from: Option<u64>) -> Vec<Action> {
+        let rpn = self.cfg.topology.ranks_per_node;
+        let needed = self.layout.world().div_ceil(rpn) as usize;
+        let nodes: Vec<u32> = self.usable_nodes().into_iter().take(needed).collect();
+        let assignments = self.assign(&self.layout, &nodes);
+        self.ranks = assignments
+            .iter()
+            .map(|a| {
+                (
+                    a.rank,
+                    RankState {
+                        node: a.node,
+                        started: now,
+                        last_beat: None,
+                        last_step: None,
+                        last_progress: now,
+                        exited: None,
+                    },
+                )
+            })
+            .collect();
+        self.phase = Phase::Running;
+        self.resume_from = resume_from;
+        vec![
+            Action::Record(Record::Started {
+                generation: self.generation,
+                layout: self.layout.to_string(),
+                nodes: nodes.clone(),
+                resume_from,
+                at_ms: ms(now),
+            }),
+            Action::Start {
+                generation: self.generation,
+                layout: self.layout,
+                assignments,
+                resume_from,
+            },
+        ]
+    }
+
+    /// Feed one event; returns what to do.
+    pub fn on_event(&mut self, ev: Event) -> Vec<Action> {
+        match ev {
+            Event::Start { now } => {
+                if self.phase != Phase::Idle {
+                    return vec![];
+                }
+                let t = self.cfg.topology;
+                if self.layout.world() > t.nodes * t.ranks_per_node {
+                    return self.finish(
+                        now,
+                        false,
+                        format!(
+                            "the layout {} needs {} ranks but {} nodes x {} ranks per node give {}",
+                            self.layout,
+                            self.layout.world(),
+                            t.nodes,
+                            t.ranks_per_node,
+                            t.nodes * t.ranks_per_node
+                        ),
+                    );
+                }
+                self.start_generation(now, None)
+            }
+            Event::Heartbeat {
+                generation,
+                rank,
+                step,
+                now,
+            } => {
+                if generation != self.generation {
+                    return vec![];
+                }
+                let mut out = vec![];
+                if let Some(r) = self.ranks.get_mut(&rank) {
+                    r.last_beat = Some(now);
+                    if r.last_step.is_none_or(|s| step > s) {
+                        r.last_step = Some(step);
+                        r.last_progress = now;
+                    }
+                    self.max_step = self.max_step.max(step);
+                    if !self.resumed_reported && self.resume_from.is_none_or(|s| step > s) {
+                        self.resumed_reported = true;
+                        out.push(Action::Record(Record::Resumed {
+                            generation,
+                            step,
+                            since_failure_s: self
+                                .failed_at
+                                .map_or(0.0, |f| (now.saturating_sub(f)).as_secs_f64()),
+                            at_ms: ms(now),
+                        }));
+                    }
+                }
+                out
+            }
+            Event::Exited {
+                generation,
+                rank,
+                status,
+                now,
+            } => self.on_exit(generation, rank, status, now),
+            Event::Tick { now } => self.on_tick(now),
+            Event::StepChosen {
+                generation,
+                step,
+                now,
+            } => {
+                if generation != self.generation || self.phase != Phase::Choosing {
+                    return vec![];
+                }
+                self.decide(step, now)
+            }
+        }
+    }
+
+    fn on_exit(
+        &mut self,
+        generation: u64,
+        rank: u32,
+        status: ExitStatus,
+        now: Duration,
+    ) -> Vec<Action> {
+        if generation != self.generation {
+            return vec![];
+        }
+        let Some(r) = self.ranks.get_mut(&rank) else {
+            return vec![];
+        };
+        if r.exited.is_some() {
+            return vec![];
+        }
+        r.exited = Some(status);
+        match self.phase.clone() {
+            Phase::Running => {
+                if status.success() {
+                    if self
+                        .ranks
+                        .values()
+                        .all(|r| r.exited.is_some_and(|s| s.success()))
+                    {
+                        return self.finish(now, true, "every rank finished".into());
+                    }
+                    return vec![];
+                }
+                let how = match status {
+                    ExitStatus::Signal(_) => "signal",
+                    ExitStatus::Code(_) => "exit",
+                };
+                self.fail(
+                    rank,
+                    how,
+                    format!("rank {rank} ended with {status}"),
+                    0.0,
+                    now,
+                )
+            }
+            Phase::Stopping { killed, .. } => {
+                // SIGKILL we did not send is a second failure (its node died too).
+                if status == ExitStatus::Signal(9) && !killed {
+                    let node = self.ranks[&rank].node;
+                    self.excluded.insert(node);
+                    let mut out = vec![Action::Record(Record::Failure {
+                        generation,
+                        rank,
+                        node,
+                        how: "signal".into(),
+                        detail: format!("rank {rank} was killed while the job was stopping"),
+                        last_step: self.ranks[&rank].last_step,
+                        detection_s: 0.0,
+                        at_ms: ms(now),
+                    })];
+                    out.extend(self.maybe_all_stopped(now));
+                    return out;
+                }
+                self.maybe_all_stopped(now)
+            }
+            _ => vec![],
+        }
+    }
+
+    fn on_tick(&mut self, now: Duration) -> Vec<Action> {
+        match self.phase.clone() {
+            Phase::Running => {
+                let cfg = &self.cfg;
+                let mut found: Option<(u32, &'static str, String, f64)> = None;
+                for (&rank, r) in &self.ranks {
+                    if r.exited.is_some() {
+                        continue;
+                    }
+                    match r.last_beat {
+                        None if now.saturating_sub(r.started) > cfg.startup_timeout => {
+                            found = Some((
+                                rank,
+                                "startup",
+                                format!(
+                                    "rank {rank} sent no heartbeat within {:?} of starting",
+                                    cfg.startup_timeout
+                                ),
+                                now.saturating_sub(r.started).as_secs_f64(),
+                            ));
+                        }
+                        Some(b) if now.saturating_sub(b) > cfg.heartbeat_timeout => {
+                            found = Some((
+                                rank,
+                                "heartbeat",
+                                format!(
+                                    "rank {rank} missed its heartbeats for {:.1} s (stopped or unreachable)",
+                                    now.saturating_sub(b).as_secs_f64()
+                                ),
+                                now.saturating_sub(b).as_secs_f64(),
+                            ));
+                        }
+                        Some(_) if now.saturating_sub(r.last_progress) > cfg.hang_timeout => {
+                            found = Some((
+                                rank,
+                                "hang",
+                                format!(
+                                    "rank {rank} made no step progress for {:.1} s (last step {:?})",
+                                    now.saturating_sub(r.last_progress).as_secs_f64(),
+                                    r.last_step
+                                ),
+                                now.saturating_sub(r.last_progress).as_secs_f64(),
+                            ));
+                        }
+                        _ => {}
+                    }
+                    if found.is_some() {
+                        break;
+                    }
+                }
+                match found {
+                    Some((rank, how, detail, since)) => self.fail(rank, how, detail, since, now),
+                    None => vec![],
+                }
+            }
+            Phase::Stopping { kill_at, killed } if !killed && now >= kill_at => {
+                self.phase = Phase::Stopping {
+                    kill_at,
+                    killed: true,
+                };
+                let live = self.live_ranks();
+                if live.is_empty() {
+                    return self.maybe_all_stopped(now);
+                }
+                vec![Action::Signal {
+                    generation: self.generation,
+                    ranks: live,
+                    kill: true,
+                }]
+            }
+            Phase::Backoff { until, step } if now >= until => {
+                self.generation += 1;
+                self.resumed_reported = false;
+                self.start_generation(now, step)
+            }
+            _ => vec![],
+        }
+    }
+
+    fn fail(
+        &mut self,
+        rank: u32,
+        how: &str,
+        detail: String,
+        detection_s: f64,
+        now: Duration,
+    ) -> Vec<Action> {
+        let node = self.ranks[&rank].node;
+        self.excluded.insert(node);
+        self.failed_at = Some(now);
+        let mut out = vec![Action::Record(Record::Failure {
+            generation: self.generation,
+            rank,
+            node,
+            how: how.into(),
+            detail,
+            last_step: self.ranks[&rank].last_step,
+            detection_s,
+            at_ms: ms(now),
+        })];
+        // A hung or silent rank is still alive: it is stopped with the others.
+        let live = self.live_ranks();
+        self.phase = Phase::Stopping {
+            kill_at: now + self.cfg.stop_grace,
+            killed: false,
+        };
+        if !live.is_empty() {
+            out.push(Action::Signal {
+                generation: self.generation,
+                ranks: live,
+                kill: false,
+            });
+        }
+        out.extend(self.maybe_all_stopped(now));
+        out
+    }
+
+    fn maybe_all_stopped(&mut self, _now: Duration) -> Vec<Action> {
+        if !matches!(self.phase, Phase::Stopping { .. }) || !self.live_ranks().is_empty() {
+            return vec![];
+        }
+        self.phase = Phase::Choosing;
+        vec![Action::ChooseStep {
+            generation: self.generation,
+        }]
+    }
+
+    /// The layout after a failure: the same when enough nodes remain (spares first), else dp
+    /// shrunk to what the usable nodes hold; `Err` says why none works.
+    pub fn next_layout(&self) -> Result<Layout, String> {
+        let t = self.cfg.topology;
+        let usable = self.usable_nodes().len() as u32;
+        let capacity = usable * t.ranks_per_node;
+        let cur = self.layout;
+        if capacity >= cur.world() {
+            return Ok(cur);
+        }
+        let mp = cur.tp * cur.pp;
+        let dp = capacity / mp;
+        if dp == 0 {
+            return Err(format!(
+                "the {usable} usable nodes hold {capacity} ranks but one model replica needs tp x pp = {} x {} = {mp}; \
+                 add nodes (--spares), or restart with a smaller tp or pp (e.g. --layout dp=1,tp={},pp=1 if the model fits)",
+                cur.tp,
+                cur.pp,
+                capacity.max(1).min(cur.tp)
+            ));
+        }
+        Ok(Layout { dp, ..cur })
+    }
+
+    fn decide(&mut self, step: Option<u64>, now: Duration) -> Vec<Action> {
+        self.restarts += 1;
+        if self.restarts > self.cfg.max_restarts {
+            return self.finish(
+                now,
+                false,
+                format!(
+                    "gave up after {} restarts (--max-restarts {})",
+                    self.cfg.max_restarts, self.cfg.max_restarts
+                ),
+            );
+        }
+        let layout = match self.next_layout() {
+            Ok(l) => l,
+            Err(why) => return self.finish(now, false, format!("cannot restart: {why}")),
+        };
+        self.layout = layout;
+        let exp = self.restarts.saturating_sub(1).min(16);
+        let backoff = (self.cfg.backoff * 2u32.pow(exp)).min(self.cfg.backoff_max);
+        let steps_lost = step.map_or(self.max_step, |s| self.max_step.saturating_sub(s));
+        self.phase = Phase::Backoff {
+            until: now + backoff,
+            step,
+        };
+        vec![Action::Record(Record::Decision {
+            generation: self.generation,
+            nodes: self.usable_nodes(),
+            layout: layout.to_string(),
+            step,
+            steps_lost,
+            backoff_s: backoff.as_secs_f64(),
+            at_ms: ms(now),
+        })]
+    }
+
+    fn finish(&mut self, now: Duration, ok: bool, reason: String) -> Vec<Action> {
+        self.phase = Phase::Done;
+        let mut out = vec![Action::Record(Record::Finished {
+            ok,
+            reason: reason.clone(),
+            restarts: self.restarts,
+            at_ms: ms(now),
+        })];
+        let live = self.live_ranks();
+        if !live.is_empty() {
+            out.push(Action::Signal {
+                generation: self.generation,
+                ranks: live,
+                kill: true,
+            });
+        }
+        out.push(Action::Done { ok, reason });
+        out
+    }
+}

@@ -1,0 +1,173 @@
+//! Heartbeats from ranks to the supervisor over a Unix datagram socket.
+//!
+//! A rank sends a beat after every step (its step and the partial sums of its loss, so the
+//! supervisor can log the exact global loss) and, from a background thread, every
+//! `interval` in between, so a long step is not mistaken for a dead rank. A process stopped
+//! with SIGSTOP sends nothing (its threads are stopped too): a missed heartbeat. A training
+//! loop that hangs keeps beating without progress: a hang.
+
+use std::os::unix::net::UnixDatagram;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// One heartbeat.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Beat {
+    /// Generation.
+    pub g: u64,
+    /// Rank.
+    pub r: u32,
+    /// Last step completed (0 before the first).
+    pub s: u64,
+    /// Partial sum of squared errors of step `s` (fixed point, decimal string).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sse: Option<String>,
+    /// Partial sum of squared gradients (fixed point, decimal string).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gsq: Option<String>,
+    /// Elements in the partial sums.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub n: Option<u64>,
+}
+
+/// Environment variable naming the supervisor's socket.
+pub const ENV_SOCKET: &str = "CKPT_HEARTBEAT";
+/// Environment variable with the heartbeat interval in milliseconds.
+pub const ENV_INTERVAL: &str = "CKPT_HEARTBEAT_MS";
+
+/// The rank side.
+#[derive(Debug)]
+pub struct HeartbeatClient {
+    sock: Arc<UnixDatagram>,
+    path: PathBuf,
+    generation: u64,
+    rank: u32,
+    step: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+}
+
+impl HeartbeatClient {
+    /// A client for the supervisor at `path`, beating every `interval` from a thread.
+    pub fn connect(
+        path: &Path,
+        generation: u64,
+        rank: u32,
+        interval: Duration,
+    ) -> std::io::Result<Self> {
+        let sock = Arc::new(UnixDatagram::unbound()?);
+        sock.set_nonblocking(true)?;
+        let c = HeartbeatClient {
+            sock,
+            path: path.to_path_buf(),
+            generation,
+            rank,
+            step: Arc::new(AtomicU64::new(0)),
+            stop: Arc::new(AtomicBool::new(false)),
+        };
+        let (sock, path, step, stop) = (
+            c.sock.clone(),
+            c.path.clone(),
+            c.step.clone(),
+            c.stop.clone(),
+        );
+        std::thread::Builder::new()
+            .name("ckpt-heartbeat".into())
+            .spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let b = Beat {
+                        g: generation,
+                        r: rank,
+                        s: step.load(Ordering::Relaxed),
+                        sse: None,
+                        gsq: None,
+                        n: None,
+                    };
+                    if let Ok(bytes) = serde_json::to_vec(&b) {
+                        let _ = sock.send_to(&bytes, &path);
+                    }
+                    std::thread::sleep(interval);
+                }
+            })?;
+        Ok(c)
+    }
+
+    /// A client from the environment the supervisor sets (`CKPT_HEARTBEAT`,
+    /// `CKPT_GENERATION`, `CKPT_RANK`), or `None` when not supervised.
+    pub fn from_env() -> Option<Self> {
+        let path = std::env::var_os(ENV_SOCKET)?;
+        let generation = std::env::var("CKPT_GENERATION").ok()?.parse().ok()?;
+        let rank = std::env::var("CKPT_RANK").ok()?.parse().ok()?;
+        let ms: u64 = std::env::var(ENV_INTERVAL)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(500);
+        Self::connect(
+            Path::new(&path),
+            generation,
+            rank,
+            Duration::from_millis(ms),
+        )
+        .ok()
+    }
+
+    /// Report that `step` is complete, with the step's partial loss sums if known.
+    pub fn step(&self, step: u64, partial: Option<(u128, u128, u64)>) {
+        self.step.store(step, Ordering::Relaxed);
+        let b = Beat {
+            g: self.generation,
+            r: self.rank,
+            s: step,
+            sse: partial.map(|p| p.0.to_string()),
+            gsq: partial.map(|p| p.1.to_string()),
+            n: partial.map(|p| p.2),
+        };
+        if let Ok(bytes) = serde_json::to_vec(&b) {
+            let _ = self.sock.send_to(&bytes, &self.path);
+        }
+    }
+}
+
+impl Drop for HeartbeatClient {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn beats_arrive_from_steps_and_the_thread() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("hb.sock");
+        let server = UnixDatagram::bind(&path).unwrap();
+        server
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let c = HeartbeatClient::connect(&path, 3, 7, Duration::from_millis(20)).unwrap();
+        c.step(5, Some((10, 40, 2)));
+        let mut buf = [0u8; 512];
+        let mut saw_partial = false;
+        let mut saw_periodic = 0;
+        for _ in 0..20 {
+            let n = server.recv(&mut buf).unwrap();
+            let b: Beat = serde_json::from_slice(&buf[..n]).unwrap();
+            assert_eq!((b.g, b.r), (3, 7));
+            if b.sse.as_deref() == Some("10") {
+                saw_partial = true;
+                assert_eq!(b.s, 5);
+            } else {
+                saw_periodic += 1;
+            }
+            if saw_partial && saw_periodic > 2 {
+                break;
+            }
+        }
+        assert!(saw_partial && saw_periodic > 2);
+    }
+}

@@ -1,0 +1,430 @@
+//! Recovery with real processes: `ckpt-train` under the local supervisor, ranks killed with
+//! SIGKILL at random moments (during steps, saves and restores), stopped with SIGSTOP, and
+//! too few survivors; the job finishes bit-identical to an uninterrupted run or stops with a
+//! reason.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use ckpt_recovery::{Config, SupervisorOptions, Topology};
+use ckpt_tests::{bin, digest_in, env_of, find_processes, signal};
+
+const PARAMS: &str = "40K";
+
+fn train_cmd(steps: u64, every: u64, step_ms: u64) -> Vec<String> {
+    let b = bin("ckpt-train", "ckpt-trainer");
+    vec![
+        b.to_string_lossy().to_string(),
+        "--steps".into(),
+        steps.to_string(),
+        "--ckpt-every".into(),
+        every.to_string(),
+        "--params".into(),
+        PARAMS.into(),
+        "--seed".into(),
+        "5".into(),
+        "--step-time-ms".into(),
+        step_ms.to_string(),
+    ]
+}
+
+fn reference_digest(dir: &Path, steps: u64) -> String {
+    let out = std::process::Command::new(bin("ckpt-train", "ckpt-trainer"))
+        .arg("--store")
+        .arg(dir.join("ref"))
+        .args([
+            "--run",
+            "ref",
+            "--steps",
+            &steps.to_string(),
+            "--ckpt-every",
+            "1000",
+            "--params",
+            PARAMS,
+            "--seed",
+            "5",
+        ])
+        .env("CKPT_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    digest_in(&String::from_utf8_lossy(&out.stdout)).unwrap()
+}
+
+fn options(
+    store: &Path,
+    run: &str,
+    topo: Topology,
+    layout: &str,
+    cmd: Vec<String>,
+    logs: PathBuf,
+) -> SupervisorOptions {
+    let mut cfg = Config::new(topo, layout.parse().unwrap());
+    cfg.max_restarts = 6;
+    cfg.heartbeat_timeout = Duration::from_secs(2);
+    cfg.hang_timeout = Duration::from_secs(20);
+    cfg.startup_timeout = Duration::from_secs(60);
+    cfg.stop_grace = Duration::from_secs(2);
+    cfg.backoff = Duration::from_millis(100);
+    SupervisorOptions {
+        store_url: store.to_string_lossy().to_string(),
+        run: run.into(),
+        config: cfg,
+        command: cmd,
+        logs_dir: Some(logs),
+        heartbeat_interval: Duration::from_millis(100),
+    }
+}
+
+/// Live rank processes of `run`: (pid, rank, generation).
+fn ranks_of(run: &str) -> Vec<(u32, u32, u64)> {
+    find_processes(&[("CKPT_RUN", run)])
+        .into_iter()
+        .filter_map(|(pid, env)| {
+            let r = env_of(&env, "CKPT_RANK")?.parse().ok()?;
+            let g = env_of(&env, "CKPT_GENERATION")?.parse().ok()?;
+            // Zombies keep their environment; skip processes that are gone.
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            if stat.split_whitespace().nth(2) == Some("Z") {
+                return None;
+            }
+            Some((pid, r, g))
+        })
+        .collect()
+}
+
+fn final_digest(logs: &Path) -> Option<String> {
+    let mut best: Option<(u64, String)> = None;
+    for e in std::fs::read_dir(logs).ok()?.flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        if let Some(g) = name
+            .strip_prefix("rank-0.gen-")
+            .and_then(|s| s.strip_suffix(".out"))
+            && let Ok(g) = g.parse::<u64>()
+            && let Some(d) = digest_in(&std::fs::read_to_string(e.path()).unwrap_or_default())
+            && best.as_ref().is_none_or(|(bg, _)| g > *bg)
+        {
+            best = Some((g, d));
+        }
+    }
+    best.map(|b| b.1)
+}
+
+/// A tiny deterministic RNG so a failing schedule can be replayed from its seed.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        self.0 >> 33
+    }
+    fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next() % (hi - lo)
+    }
+}
+
+#[test]
+fn random_sigkills_during_steps_saves_and_restores() {
+    let seed: u64 = std::env::var("CKPT_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        });
+    eprintln!("random schedule seed {seed} (replay with CKPT_TEST_SEED={seed})");
+    let mut rng = Rng(seed);
+    let mut dir = tempfile::tempdir().unwrap();
+    if std::env::var_os("CKPT_TEST_KEEP").is_some() {
+        eprintln!("keeping {}", dir.path().display());
+        dir.disable_cleanup(true);
+    }
+    let steps = 30;
+    let want = reference_digest(dir.path(), steps);
+    let store = dir.path().join("store");
+    let run = format!("chaos{}", seed % 100_000);
+    // 4 nodes x 2 ranks; the job uses 2 of them (dp=2,tp=2), so failed nodes are replaced
+    // until only one node is left, which still holds dp=1,tp=2.
+    let topo = Topology {
+        nodes: 4,
+        ranks_per_node: 2,
+        spares: 0,
+    };
+    let cmd = train_cmd(steps, 4, 60);
+    let opts = options(
+        &store,
+        &run,
+        topo,
+        "dp=2,tp=2",
+        cmd,
+        dir.path().join("logs"),
+    );
+    // Saves take a while (a failpoint sleeps after the chunks), so kills land inside them.
+    // SAFETY: set before any thread of this test reads the environment.
+    unsafe { std::env::set_var("CKPT_FAILPOINTS", "after_chunks=sleep(150)") };
+    let sup = std::thread::spawn(move || {
+        tokio::runtime::Runtime::new()
+            .unwrap()
+            .block_on(ckpt_recovery::run(opts))
+            .unwrap()
+    });
+    let mut kills = Vec::new();
+    let mut last_gen = u64::MAX;
+    let t0 = Instant::now();
+    // Three kills: one a short random time into a generation (restoring or early steps), one
+    // later (steps and saves), one right when a generation starts (restore).
+    let plan = [rng.range(300, 900), rng.range(900, 2500), rng.range(0, 150)];
+    for delay in plan {
+        // Wait for a new generation's ranks to appear.
+        let (g, started) = loop {
+            let live = ranks_of(&run);
+            if let Some(g) = live.iter().map(|x| x.2).max()
+                && (last_gen == u64::MAX || g > last_gen)
+                && live.iter().filter(|x| x.2 == g).count() == 4
+            {
+                break (g, Instant::now());
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(240),
+                "no new generation appeared; kills so far {kills:?}"
+            );
+            if sup.is_finished() {
+                break (u64::MAX, Instant::now());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        if g == u64::MAX {
+            break;
+        }
+        last_gen = g;
+        std::thread::sleep(Duration::from_millis(delay).saturating_sub(started.elapsed()));
+        let live: Vec<_> = ranks_of(&run).into_iter().filter(|x| x.2 == g).collect();
+        if live.is_empty() {
+            break;
+        }
+        let (pid, rank, _) = live[rng.range(0, live.len() as u64) as usize];
+        signal(pid, libc::SIGKILL);
+        kills.push((g, rank, delay));
+    }
+    let report = sup.join().unwrap();
+    unsafe { std::env::remove_var("CKPT_FAILPOINTS") };
+    eprintln!("kills {kills:?}; report {:#?}", report.records);
+    assert!(
+        report.ok,
+        "the job did not finish: {} (seed {seed})",
+        report.reason
+    );
+    assert!(
+        report.restarts as usize >= kills.len().min(3),
+        "restarts {} for kills {kills:?}",
+        report.restarts
+    );
+    let failures = report
+        .records
+        .iter()
+        .filter(|r| r["kind"] == "failure")
+        .count();
+    assert!(
+        failures >= kills.len(),
+        "{failures} failures logged for {} kills",
+        kills.len()
+    );
+    let got = final_digest(&dir.path().join("logs")).expect("rank 0 printed a digest");
+    assert_eq!(
+        got, want,
+        "seed {seed}: the recovered job's final state differs from an uninterrupted run"
+    );
+    // The recovery log is in the store, with detection, decision and plan.
+    let st = ckpt_store::open(store.to_str().unwrap()).unwrap();
+    let log = tokio::runtime::Runtime::new()
+        .unwrap()
+        .block_on(ckpt_store::logs::read_log(
+            &st,
+            &run,
+            ckpt_store::logs::EVENTS,
+        ))
+        .unwrap();
+    assert!(
+        log.iter()
+            .any(|r| r["kind"] == "recovery" && r["plan"].is_array()),
+        "{log:#?}"
+    );
+}
+
+#[test]
+fn a_hang_is_detected_within_the_timeout_plus_one_heartbeat() {
+    let dir = tempfile::tempdir().unwrap();
+    let steps = 14;
+    let want = reference_digest(dir.path(), steps);
+    let store = dir.path().join("store");
+    let run = "hang";
+    let topo = Topology {
+        nodes: 3,
+        ranks_per_node: 1,
+        spares: 1,
+    };
+    let cmd = train_cmd(steps, 3, 100);
+    let opts = options(&store, run, topo, "dp=3", cmd, dir.path().join("logs"));
+    let timeout = opts.config.heartbeat_timeout;
+    let interval = opts.heartbeat_interval;
+    let sup = std::thread::spawn(move || {
+        tokio::runtime::Runtime::new()
+            .unwrap()
+            .block_on(ckpt_recovery::run(opts))
+            .unwrap()
+    });
+    let t0 = Instant::now();
+    let victim = loop {
+        let live = ranks_of(run);
+        if live.len() == 3 {
+            std::thread::sleep(Duration::from_millis(800));
+            break live[1].0;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60));
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    signal(victim, libc::SIGSTOP);
+    let report = sup.join().unwrap();
+    assert!(report.ok, "{}", report.reason);
+    let f = report
+        .records
+        .iter()
+        .find(|r| r["kind"] == "failure")
+        .expect("a failure record");
+    assert_eq!(f["how"], "heartbeat", "{f}");
+    let detection = f["detection_s"].as_f64().unwrap();
+    // Missed beats are counted from the last beat, which came at most one interval before
+    // the stop; ticks run every 50 ms.
+    let limit = (timeout + interval + Duration::from_millis(100)).as_secs_f64();
+    assert!(
+        detection >= timeout.as_secs_f64() && detection <= limit,
+        "detected after {detection} s, limit {limit} s"
+    );
+    // The spare replaced the stopped node: the layout is unchanged.
+    assert_eq!(report.layout, "dp=3,tp=1,pp=1");
+    assert_eq!(final_digest(&dir.path().join("logs")).unwrap(), want);
+}
+
+#[test]
+fn too_few_survivors_for_tp_x_pp_stop_with_a_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = "few";
+    let topo = Topology {
+        nodes: 2,
+        ranks_per_node: 1,
+        spares: 0,
+    };
+    let cmd = train_cmd(200, 5, 50);
+    let opts = options(
+        &dir.path().join("store"),
+        run,
+        topo,
+        "tp=2",
+        cmd,
+        dir.path().join("logs"),
+    );
+    let sup = std::thread::spawn(move || {
+        tokio::runtime::Runtime::new()
+            .unwrap()
+            .block_on(ckpt_recovery::run(opts))
+            .unwrap()
+    });
+    let t0 = Instant::now();
+    loop {
+        let live = ranks_of(run);
+        if live.len() == 2 {
+            std::thread::sleep(Duration::from_millis(500));
+            signal(live[0].0, libc::SIGKILL);
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60));
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let report = sup.join().unwrap();
+    assert!(!report.ok);
+    assert!(
+        report.reason.contains("tp x pp = 2 x 1 = 2") && report.reason.contains("add nodes"),
+        "{}",
+        report.reason
+    );
+    assert!(ranks_of(run).is_empty(), "ranks were left running");
+}
+
+#[test]
+fn a_stale_generation_cannot_commit() {
+    // Generation 1 has started (a supervisor marked it); a rank process of generation 0 saves
+    // and tries to commit: refused, and the step stays invisible.
+    let dir = tempfile::tempdir().unwrap();
+    let store_path = dir.path().join("store");
+    let store = ckpt_store::open(store_path.to_str().unwrap()).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(store.start_generation("stale", 1)).unwrap();
+    let m = dir.path().join("m.jsonl");
+    let out = std::process::Command::new(bin("ckpt-train", "ckpt-trainer"))
+        .arg("--store")
+        .arg(&store_path)
+        .args([
+            "--run",
+            "stale",
+            "--steps",
+            "2",
+            "--ckpt-every",
+            "2",
+            "--params",
+            PARAMS,
+            "--generation",
+            "0",
+        ])
+        .arg("--metrics-out")
+        .arg(&m)
+        .env("CKPT_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("generation 1 has started") && err.contains("stale"),
+        "{err}"
+    );
+    assert!(
+        rt.block_on(store.committed_steps("stale"))
+            .unwrap()
+            .is_empty()
+    );
+    // The same save from generation 1 commits.
+    let out = std::process::Command::new(bin("ckpt-train", "ckpt-trainer"))
+        .arg("--store")
+        .arg(&store_path)
+        .args([
+            "--run",
+            "stale",
+            "--steps",
+            "2",
+            "--ckpt-every",
+            "2",
+            "--params",
+            PARAMS,
+            "--generation",
+            "1",
+        ])
+        .env("CKPT_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        rt.block_on(store.committed_steps("stale")).unwrap(),
+        vec![2]
+    );
+}
