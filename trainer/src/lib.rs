@@ -5,7 +5,8 @@
 //! - [`save`]: [`Checkpointer`], the snapshot -> persist -> commit pipeline;
 //! - [`restore`]: restore onto this rank's boxes under the current layout;
 //! - [`manager`]: [`CheckpointManager`] (interval policy, retention, auto-resume, final
-//!   checkpoint on SIGTERM, [`Stateful`] items);
+//!   checkpoint on SIGTERM, [`Stateful`] items, loss-spike monitoring and rollback);
+//! - [`monitor`]: spike detection and the alert/rollback policy, pure;
 //! - [`workload`]: the reference workload behind the `ckpt-train` binary;
 //! - `cuda` (feature `cuda`): device tensors, pinned staging, restore to the device, and
 //!   recovery from peers' GPU memory over NCCL.
@@ -16,14 +17,16 @@
 pub mod cuda;
 pub mod manager;
 pub mod memory;
+pub mod monitor;
 pub mod restore;
 pub mod save;
 pub mod staging;
 pub mod train;
 pub mod workload;
 
-pub use manager::{CheckpointManager, ManagerConfig, Scope, Stateful, TensorMemory};
+pub use manager::{CheckpointManager, ManagerConfig, Rollback, Scope, Stateful, TensorMemory};
 pub use memory::{HostTensor, HostView, MemorySink, MemorySource, PinnedSource};
+pub use monitor::{Decision, Monitor, MonitorConfig, Observation, Spike, SpikeAction};
 pub use restore::{RestoreTarget, restore_targets};
 pub use save::{
     BackPressure, Checkpointer, CheckpointerConfig, SaveHandle, SaveReport, SaveState, SaveTensor,

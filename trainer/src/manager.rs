@@ -13,18 +13,39 @@
 //! }
 //! mgr.finish()?;
 //! ```
+//!
+//! With a monitor ([`ManagerConfig::monitor`], see [`crate::monitor`]), the loop reports each
+//! step's loss and acts on the decision:
+//!
+//! ```text
+//! match mgr.observe(&Observation::new(step, loss).batch(batch).grad_norm(g)) {
+//!     Decision::Continue | Decision::Alert(_) => {}
+//!     Decision::Rollback(spike) => {
+//!         // Restores the newest committed step before the spike (tensors, Stateful items
+//!         // and the monitor's window); the closure moves the data position past the spike.
+//!         let rb = mgr.rollback(&spike, |_| loader.skip_through(spike.batch))?;
+//!         step = rb.to_step;
+//!     }
+//!     Decision::Stop(stop) => return Err(stop.to_string()),
+//! }
+//! ```
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use ckpt_store::logs::{EVENTS, LogWriter};
 use ckpt_store::placement::place_rank;
 use ckpt_store::{Error, GcOptions, NdBox, Result, StepReader, Store, TensorSpec};
 use parking_lot::Mutex;
-use tracing::{info, warn};
+use serde_json::json;
+use tracing::{info, instrument, warn};
 
 use crate::memory::{HostTensor, HostView, MemorySink, MemorySource};
+use crate::monitor::{
+    Decision, Monitor, MonitorConfig, MonitorState, Observation, RollbackEntry, Spike, StopReason,
+};
 use crate::restore::{RestoreTarget, restore_targets};
 use crate::save::{
     Checkpointer, CheckpointerConfig, SaveHandle, SaveState, SaveTensor, Stage, runtime,
@@ -99,6 +120,9 @@ pub struct ManagerConfig {
     pub final_on_sigterm: bool,
     /// Bytes in flight during a restore.
     pub restore_budget: usize,
+    /// Loss-spike monitoring and its action (default: off). The manager sees a loss only
+    /// through [`CheckpointManager::observe`].
+    pub monitor: MonitorConfig,
 }
 
 impl ManagerConfig {
@@ -113,11 +137,29 @@ impl ManagerConfig {
             retention_grace: Duration::from_secs(3600),
             final_on_sigterm: true,
             restore_budget: 256 << 20,
+            monitor: MonitorConfig::default(),
         }
     }
 }
 
 type StatefulItem = (String, Scope, Arc<Mutex<dyn Stateful>>);
+
+/// The blob (`rank/<name>`) that keeps the monitor's window and rollback history with each
+/// checkpoint; reserved.
+pub const MONITOR_BLOB: &str = "ckpt-monitor";
+
+/// A rollback carried out by [`CheckpointManager::rollback`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rollback {
+    /// The step of the spike.
+    pub from_step: u64,
+    /// The checkpoint restored: the loop goes on with step `to_step + 1`.
+    pub to_step: u64,
+    /// The data batches skipped (first, last), as the loop's closure said.
+    pub skipped: Option<(u64, u64)>,
+    /// Rollbacks of the run so far, this one included.
+    pub count: usize,
+}
 
 struct Registered {
     spec: TensorSpec,
@@ -137,6 +179,10 @@ pub struct CheckpointManager {
     stop: bool,
     retention: Option<tokio::task::JoinHandle<()>>,
     retained_step: Option<u64>,
+    monitor: Monitor,
+    events: Option<LogWriter>,
+    /// The step of the last spike this manager decided about (it logs that rollback).
+    decided: Option<u64>,
 }
 
 impl std::fmt::Debug for CheckpointManager {
@@ -148,6 +194,9 @@ impl std::fmt::Debug for CheckpointManager {
 impl CheckpointManager {
     /// A manager for one rank.
     pub fn new(store: Store, cfg: ManagerConfig) -> Result<Self> {
+        cfg.monitor
+            .validate()
+            .map_err(|e| Error::invalid(format!("monitor settings: {e}")))?;
         let ckpt = Checkpointer::new(store, cfg.ckpt.clone())?;
         let sigterm = Arc::new(AtomicBool::new(false));
         if cfg.final_on_sigterm {
@@ -156,6 +205,9 @@ impl CheckpointManager {
         }
         Ok(CheckpointManager {
             ckpt,
+            monitor: Monitor::new(cfg.monitor.clone()),
+            events: None,
+            decided: None,
             cfg,
             tensors: Vec::new(),
             stateful: Vec::new(),
@@ -211,6 +263,11 @@ impl CheckpointManager {
         item: Arc<Mutex<dyn Stateful>>,
     ) -> Result<()> {
         ckpt_store::model::validate_name(name)?;
+        if name == MONITOR_BLOB || self.stateful.iter().any(|(n, _, _)| n == name) {
+            return Err(Error::invalid(format!(
+                "stateful item {name:?} is registered twice or reserved"
+            )));
+        }
         self.stateful.push((name.to_string(), scope, item));
         Ok(())
     }
@@ -297,6 +354,11 @@ impl CheckpointManager {
                 Scope::Global => {}
                 Scope::PerRank => blobs.push((format!("rank/{name}"), item.lock().state_dict())),
             }
+        }
+        if self.monitor.enabled() {
+            let state = serde_json::to_vec(&self.monitor.state())
+                .map_err(|e| Error::internal(format!("monitor state: {e}")))?;
+            blobs.push((format!("rank/{MONITOR_BLOB}"), state));
         }
         Ok(SaveState { tensors, blobs })
     }
@@ -409,6 +471,9 @@ impl CheckpointManager {
                 ))
             })?;
         }
+        if self.monitor.enabled() {
+            self.restore_monitor(&reader, same_layout)?;
+        }
         if same_layout {
             let m = runtime().block_on(reader.manifest(cfg.rank))?;
             let refs = m
@@ -431,6 +496,182 @@ impl CheckpointManager {
         Ok(())
     }
 
+    /// The monitor's window and history from `reader`: this rank's when the layout is the same,
+    /// rank 0's otherwise; a fresh window (a new warm-up) when the step has none.
+    fn restore_monitor(&mut self, reader: &StepReader, same_layout: bool) -> Result<()> {
+        let blob = format!("rank/{MONITOR_BLOB}");
+        let rank = if same_layout { self.cfg.ckpt.rank } else { 0 };
+        let m = runtime().block_on(reader.manifest(rank))?;
+        if !m.blobs.iter().any(|b| b.name == blob) {
+            info!(
+                step = reader.commit().step,
+                "the checkpoint has no monitor state: the spike monitor warms up again"
+            );
+            self.monitor.reset_window();
+            return Ok(());
+        }
+        let bytes = runtime().block_on(reader.read_blob(rank, &blob))?;
+        let state: MonitorState = serde_json::from_slice(&bytes).map_err(|e| {
+            Error::corrupt(format!(
+                "monitor state of rank {rank} at step {} of run {}: {e}",
+                reader.commit().step,
+                self.cfg.ckpt.run
+            ))
+        })?;
+        self.monitor.load_state(state);
+        Ok(())
+    }
+
+    /// The spike monitor.
+    pub fn monitor(&self) -> &Monitor {
+        &self.monitor
+    }
+
+    /// Report a step's loss (and batch, gradient norm) to the monitor and get what to do. A
+    /// spike is logged (a tracing warning and a `spike` record in the run's events log), and a
+    /// stop also gets a `stop` record with the rollback history. Call it before saving the
+    /// step: a spike's state must not be checkpointed. Does nothing with the action `off`.
+    pub fn observe(&mut self, o: &Observation) -> Decision {
+        let d = self.monitor.observe(o);
+        let (spike, action) = match &d {
+            Decision::Continue => return d,
+            Decision::Alert(s) => (s, "alert"),
+            Decision::Rollback(s) => (s, "rollback"),
+            Decision::Stop(st) => (&st.spike, "stop"),
+        };
+        self.decided = Some(spike.step);
+        warn!(
+            run = %self.cfg.ckpt.run,
+            step = spike.step,
+            batch = ?spike.batch,
+            loss = spike.loss,
+            action,
+            "{spike}"
+        );
+        let mut rec = json!({
+            "kind": "spike", "step": spike.step, "batch": spike.batch, "what": spike.kind.as_str(),
+            "loss": finite(spike.loss), "grad_norm": spike.grad_norm.and_then(finite),
+            "threshold": spike.threshold, "median": spike.median, "action": action,
+        });
+        if let Some(r) = o.partial_of_rank {
+            rec["rank"] = json!(r);
+        }
+        self.log_event(rec);
+        if let Decision::Stop(st) = &d {
+            warn!(run = %self.cfg.ckpt.run, "{st}");
+            self.log_stop(st.spike.step, &st.reason, &st.history);
+        }
+        d
+    }
+
+    /// Roll back after `spike`: wait for the save in flight, restore the newest committed step
+    /// before the spike (tensors, [`Stateful`] items, the monitor's window; the rollback
+    /// history is kept), then call `skip_data(restored_step)`, which moves the loop's data
+    /// position past the spike's batch and returns the batches it skipped. Logs a `rollback`
+    /// record when this manager decided the rollback. Every rank of the job calls it for the
+    /// same spike. Without a committed step before the spike, logs a `stop` and fails.
+    #[instrument(skip_all, fields(run = %self.cfg.ckpt.run, from_step = spike.step))]
+    pub fn rollback(
+        &mut self,
+        spike: &Spike,
+        skip_data: impl FnOnce(u64) -> Option<(u64, u64)>,
+    ) -> Result<Rollback> {
+        if let Some(h) = self.ckpt.last()
+            && let Err(e) = h.wait_committed(self.cfg.ckpt.commit_timeout)
+        {
+            warn!(
+                step = h.step(),
+                "rolling back past a checkpoint that did not commit: {e}"
+            );
+        }
+        let store = self.ckpt.store().clone();
+        let run = self.cfg.ckpt.run.clone();
+        let target = runtime()
+            .block_on(store.list_steps(&run))?
+            .into_iter()
+            .filter(|s| s.committed && s.step < spike.step)
+            .map(|s| s.step)
+            .max();
+        let logs = self.decided == Some(spike.step);
+        let Some(to) = target else {
+            let reason = StopReason::NoCheckpoint;
+            let history = self.monitor.history().to_vec();
+            if logs {
+                self.log_stop(spike.step, &reason, &history);
+            }
+            let Decision::Stop(st) = self.monitor.stop(*spike, reason) else {
+                unreachable!("stop() makes a stop")
+            };
+            return Err(Error::not_found(format!("run {run}: {st}")));
+        };
+        let history = self.monitor.history().to_vec();
+        self.restore(to)?;
+        let mut monitor_state = self.monitor.state();
+        monitor_state.rollbacks = history;
+        self.monitor.load_state(monitor_state);
+        let skipped = skip_data(to);
+        let entry = RollbackEntry {
+            from_step: spike.step,
+            to_step: to,
+            reason: spike.reason(),
+            skipped,
+        };
+        self.monitor.record_rollback(entry.clone());
+        let count = self.monitor.history().len();
+        info!(
+            to_step = to,
+            ?skipped,
+            count,
+            "rolled back to the newest checkpoint before the spike"
+        );
+        if logs {
+            self.log_event(json!({
+                "kind": "rollback", "from_step": entry.from_step, "to_step": to,
+                "reason": entry.reason, "skipped": skipped, "count": count,
+                "max": self.cfg.monitor.max_rollbacks,
+            }));
+        }
+        Ok(Rollback {
+            from_step: spike.step,
+            to_step: to,
+            skipped,
+            count,
+        })
+    }
+
+    fn log_stop(&mut self, step: u64, reason: &StopReason, history: &[RollbackEntry]) {
+        self.log_event(json!({
+            "kind": "stop", "step": step, "reason": reason.to_string(), "why": reason,
+            "rollbacks": history,
+        }));
+    }
+
+    /// Append a record to the run's events log and write it out at once (events are rare and
+    /// should be readable while the run goes on). Failures are warnings: a log must not stop
+    /// training.
+    fn log_event(&mut self, rec: serde_json::Value) {
+        if self.events.is_none() {
+            let name = format!("monitor-rank-{}", self.cfg.ckpt.rank);
+            match LogWriter::new(self.ckpt.store(), &self.cfg.ckpt.run, EVENTS, &name) {
+                Ok(w) => self.events = Some(w),
+                Err(e) => {
+                    warn!("opening the events log: {e}");
+                    return;
+                }
+            }
+        }
+        let Some(w) = self.events.as_mut() else {
+            return;
+        };
+        if let Err(e) = w.append(&rec) {
+            warn!("events log record: {e}");
+            return;
+        }
+        if let Err(e) = runtime().block_on(w.flush()) {
+            warn!("writing the events log: {e}");
+        }
+    }
+
     /// Wait for the save in flight to commit (or fail), and for retention.
     pub fn finish(&mut self) -> Result<()> {
         if let Some(h) = self.ckpt.last() {
@@ -445,4 +686,9 @@ impl CheckpointManager {
         }
         Ok(())
     }
+}
+
+/// `x` if finite (JSON has no NaN), else `None`.
+fn finite(x: f64) -> Option<f64> {
+    x.is_finite().then_some(x)
 }
