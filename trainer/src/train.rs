@@ -4,6 +4,27 @@
 //! All ranks run as threads of one process (a barrier per step stands in for the collectives
 //! of real training), or one rank per process with `--rank` (or `CKPT_RANK`, as the
 //! supervisor sets it).
+//!
+//! # Monitors
+//!
+//! Every step logs its loss, gradient norm, data batch, step time and host memory (device
+//! memory is `null`: the workload runs on the CPU) to the run's metrics log. The spike
+//! monitor ([`crate::monitor`], `--on-spike`) judges each step before it may be saved:
+//!
+//! - all ranks as threads: rank 0 sums the exact global loss after a barrier, asks its
+//!   manager's monitor, and every rank reads the decision after a second barrier, so all act
+//!   at the same step (a rollback restores every rank to the same checkpoint and skips the
+//!   same batches; a stop stops all);
+//! - one rank per process with a world of 1: the rank's partial sums are the global loss;
+//! - one rank per process with a world above 1: a rank knows only its partial sums and there
+//!   is no collective to agree through, so `--on-spike rollback` is refused (ranks acting on
+//!   different views would restore different steps). `alert` watches each rank's own share
+//!   of the loss (the mean over the elements it owns; a corrupted batch raises every share),
+//!   records carry the rank, and a NaN a rank sees stops that rank.
+//!
+//! `--inject-spike-at B` and `--inject-nan-at B` corrupt data batch `B` (targets ×1000, or
+//! NaN) to test this end to end; `--skip-batches A-B` never reads batches A..=B, which is
+//! what a rollback that skipped them should equal.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -12,13 +33,18 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use ckpt_store::logs::{LogWriter, METRICS};
-use ckpt_store::{Error, Failpoints, Layout, Result, StepReader, Store};
+use ckpt_store::{Error, ErrorKind, Failpoints, Layout, Result, StepReader, Store};
 use clap::Parser;
 use parking_lot::Mutex;
 use serde_json::json;
 use tracing::{info, warn};
 
 use crate::manager::{CheckpointManager, ManagerConfig, Scope};
+use crate::monitor::{
+    DEFAULT_GRAD_FACTOR, DEFAULT_LOSS_K, DEFAULT_LOSS_MIN_RISE, DEFAULT_MAX_ROLLBACKS,
+    DEFAULT_WARMUP, DEFAULT_WINDOW, Decision, MonitorConfig, Observation, RollbackEntry, Spike,
+    SpikeAction, host_memory_bytes,
+};
 use crate::save::{BackPressure, CheckpointerConfig, SaveHandle, runtime};
 use crate::workload::{ModelConfig, Partial, Progress, RankState, TrainConfig, step_digest};
 
@@ -56,6 +82,36 @@ pub fn parse_count(s: &str) -> std::result::Result<u64, String> {
     Ok((v * mult as f64).round() as u64)
 }
 
+/// Factor on the targets of a batch named by `--inject-spike-at`.
+pub const SPIKE_SCALE: f32 = 1000.0;
+
+/// `A-B` (or `A`): an inclusive range of data batches.
+pub fn parse_batch_range(s: &str) -> std::result::Result<(u64, u64), String> {
+    let num = |x: &str| {
+        x.trim()
+            .parse::<u64>()
+            .map_err(|_| format!("{s:?} is not a batch range like 11-15"))
+    };
+    let (a, b) = match s.split_once('-') {
+        Some((a, b)) => (num(a)?, num(b)?),
+        None => (num(s)?, num(s)?),
+    };
+    if a == 0 || b < a {
+        return Err(format!(
+            "batch range {s:?} must be A-B with 1 <= A <= B (batches count from 1)"
+        ));
+    }
+    Ok((a, b))
+}
+
+/// The first batch at or after `pos` that no range in `skips` covers.
+pub fn next_batch(skips: &[(u64, u64)], mut pos: u64) -> u64 {
+    while let Some(&(_, b)) = skips.iter().find(|(a, b)| (*a..=*b).contains(&pos)) {
+        pos = b + 1;
+    }
+    pos
+}
+
 /// Arguments of `ckpt-train`.
 #[derive(Debug, Clone, Parser)]
 #[command(
@@ -85,6 +141,10 @@ pub struct TrainArgs {
     /// Number of parameters (suffixes K, M, G).
     #[arg(long, default_value = "1M", value_parser = parse_count)]
     pub params: u64,
+    /// Model width, instead of deriving it from --params (a multiple of tp; e.g. 8 for a
+    /// model of a few thousand parameters that trains 10,000 steps in seconds).
+    #[arg(long)]
+    pub d_model: Option<u64>,
     /// Transformer layers.
     #[arg(long, default_value_t = 4)]
     pub layers: u32,
@@ -139,6 +199,66 @@ pub struct TrainArgs {
     /// Failpoints, e.g. after_chunks=kill (also from CKPT_FAILPOINTS).
     #[arg(long, env = "CKPT_FAILPOINTS")]
     pub failpoints: Option<String>,
+    /// What a loss spike, gradient-norm blow-up or NaN does: off; alert (a warning and a
+    /// `spike` event; a NaN stops the run, since it poisons every later step); rollback
+    /// (restore the newest checkpoint before the spike, skip the batches from it through the
+    /// spike, go on; at most --max-rollbacks times, then stop).
+    #[arg(long, env = "CKPT_ON_SPIKE", value_enum, default_value_t = SpikeAction::Alert)]
+    pub on_spike: SpikeAction,
+    /// Healthy steps whose losses form the spike baseline.
+    #[arg(long, default_value_t = DEFAULT_WINDOW)]
+    pub spike_window: usize,
+    /// Healthy steps before loss and gradient thresholds apply (NaN is caught at once).
+    #[arg(long, default_value_t = DEFAULT_WARMUP)]
+    pub spike_warmup: usize,
+    /// A loss above median + K x 1.4826 x MAD of the window is a spike.
+    #[arg(long, default_value_t = DEFAULT_LOSS_K)]
+    pub spike_k: f64,
+    /// ... and above the median by at least this fraction of it.
+    #[arg(long, default_value_t = DEFAULT_LOSS_MIN_RISE)]
+    pub spike_min_rise: f64,
+    /// A gradient norm above F x the window's median is a blow-up (0: off).
+    #[arg(long, default_value_t = DEFAULT_GRAD_FACTOR)]
+    pub grad_blowup: f64,
+    /// Rollbacks allowed in the run; the next spike stops it with the history.
+    #[arg(long, default_value_t = DEFAULT_MAX_ROLLBACKS)]
+    pub max_rollbacks: usize,
+    /// Corrupt these data batches: targets scaled by 1000 (a loss spike). Batch N is read at
+    /// step N unless batches were skipped.
+    #[arg(long, value_delimiter = ',', value_name = "BATCH")]
+    pub inject_spike_at: Vec<u64>,
+    /// Corrupt these data batches with NaN targets.
+    #[arg(long, value_delimiter = ',', value_name = "BATCH")]
+    pub inject_nan_at: Vec<u64>,
+    /// Never read these data batches, e.g. 31-35,60-61 (the run a rollback should equal).
+    #[arg(long, value_delimiter = ',', value_name = "A-B", value_parser = parse_batch_range)]
+    pub skip_batches: Vec<(u64, u64)>,
+}
+
+impl TrainArgs {
+    /// The monitor settings these arguments give.
+    pub fn monitor_config(&self) -> MonitorConfig {
+        MonitorConfig {
+            action: self.on_spike,
+            window: self.spike_window,
+            warmup: self.spike_warmup,
+            loss_k: self.spike_k,
+            loss_min_rise: self.spike_min_rise,
+            grad_factor: self.grad_blowup,
+            max_rollbacks: self.max_rollbacks,
+        }
+    }
+
+    /// The factor on the targets of data batch `batch` (1 unless injected).
+    pub fn target_scale(&self, batch: u64) -> f32 {
+        if self.inject_nan_at.contains(&batch) {
+            f32::NAN
+        } else if self.inject_spike_at.contains(&batch) {
+            SPIKE_SCALE
+        } else {
+            1.0
+        }
+    }
 }
 
 /// `--back-pressure`.
@@ -163,6 +283,10 @@ pub struct Outcome {
     pub losses: Vec<(u64, f64)>,
     /// Checkpoint figures.
     pub checkpoints: Vec<serde_json::Value>,
+    /// Spikes the monitor reported (the deciding rank's).
+    pub spikes: Vec<Spike>,
+    /// Rollbacks carried out, oldest first.
+    pub rollbacks: Vec<RollbackEntry>,
 }
 
 struct Shared {
@@ -174,6 +298,10 @@ struct Shared {
     world_threads: u32,
     barrier: Option<Barrier>,
     board: Mutex<std::collections::BTreeMap<u64, (Partial, u32)>>,
+    /// Rank 0's monitor decision for the current step (threads mode).
+    decision: Mutex<Decision>,
+    /// A rank failed to roll back (threads mode: all then stop).
+    rollback_failed: AtomicBool,
     stop_now: AtomicBool,
     sigterm: Arc<AtomicBool>,
     metrics: Mutex<Option<std::fs::File>>,
@@ -230,7 +358,30 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
     if let Some(fp) = &args.failpoints {
         store = store.with_failpoints(Failpoints::parse(fp)?);
     }
-    let model = ModelConfig::for_params(args.params, args.layers);
+    let model = match args.d_model {
+        None => ModelConfig::for_params(args.params, args.layers),
+        Some(d) if d == 0 || !d.is_multiple_of(layout.tp as u64) => {
+            return Err(Error::invalid(format!(
+                "--d-model {d} must be a positive multiple of tp={}",
+                layout.tp
+            )));
+        }
+        Some(d) => ModelConfig {
+            vocab: 8 * d,
+            d_model: d,
+            ffn: 4 * d,
+            layers: args.layers.max(1),
+        },
+    };
+    args.monitor_config()
+        .validate()
+        .map_err(|e| Error::invalid(format!("spike monitor: {e}")))?;
+    if args.on_spike == SpikeAction::Rollback && args.rank.is_some() && layout.world() > 1 {
+        return Err(Error::invalid(format!(
+            "--on-spike rollback needs the exact global loss, and with one rank per process (--rank or CKPT_RANK) over the {} ranks of {layout} each rank knows only its partial sums: run all ranks in one process (leave out --rank), or use --on-spike alert, which watches each rank's share of the loss",
+            layout.world()
+        )));
+    }
     if let Some(r) = args.rank
         && r >= layout.world()
     {
@@ -286,6 +437,8 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
         world_threads: threads,
         barrier: (threads > 1).then(|| Barrier::new(threads as usize)),
         board: Mutex::default(),
+        decision: Mutex::new(Decision::Continue),
+        rollback_failed: AtomicBool::new(false),
         stop_now: AtomicBool::new(false),
         sigterm,
         metrics: Mutex::new(metrics),
@@ -356,6 +509,7 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
     mc.every_steps = Some(a.ckpt_every.max(1));
     mc.keep_last = a.keep_last;
     mc.keep_every = a.keep_every;
+    mc.monitor = a.monitor_config();
     // One rank per process: the manager takes the final checkpoint on SIGTERM, unless the
     // supervisor says the job is being stopped after a failure (no commit is possible then).
     mc.final_on_sigterm =
@@ -411,11 +565,18 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
     let mut pending: Option<(SaveHandle, Instant, f64)> = None;
     let mut saves: Vec<(SaveHandle, f64)> = Vec::new();
     let mut last = start.saturating_sub(1);
-    for step in start..=a.steps {
+    let mut stopped: Option<Error> = None;
+    let mut step = start;
+    while step <= a.steps {
         let t_step = Instant::now();
-        let batch = progress.lock().data_pos;
+        let batch = {
+            let mut p = progress.lock();
+            p.data_pos = next_batch(&a.skip_batches, p.data_pos);
+            p.data_pos
+        };
+        let scale = a.target_scale(batch);
         // Forward and backward read the weights: they overlap with a pending snapshot copy.
-        let part = state.partial_loss(batch, 1.0);
+        let part = state.partial_loss(batch, scale);
         if let Some((h, t0, call_s)) = pending.take() {
             let tw = Instant::now();
             h.wait_snapshot()?;
@@ -424,13 +585,12 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
             saves.push((h, stall));
         }
         // The optimizer step mutates the state.
-        state.update(step, batch, 1.0);
+        state.update(step, batch, scale);
         {
             let mut p = progress.lock();
             p.step = step;
-            p.data_pos += 1;
+            p.data_pos = batch + 1;
         }
-        record_loss(sh, rank, step, part);
         if let Some(hb) = &heartbeat {
             hb.step(step, Some((part.sse, part.gsq, part.n)));
         }
@@ -438,15 +598,38 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
             let left = Duration::from_millis(ms).saturating_sub(t_step.elapsed());
             std::thread::sleep(left);
         }
-        // Lockstep with the other rank threads; rank 0 decides about SIGTERM for all.
-        if let Some(b) = &sh.barrier {
-            b.wait();
-            if rank == 0 && sh.sigterm.load(Ordering::SeqCst) {
-                sh.stop_now.store(true, Ordering::SeqCst);
+        // Lockstep with the other rank threads: rank 0 logs the global loss and decides about
+        // spikes and SIGTERM for all, before anything of this step is saved.
+        match decide(sh, &mut mgr, rank, step, batch, part, t_step) {
+            Decision::Continue | Decision::Alert(_) => {}
+            Decision::Rollback(spike) => {
+                if let Some((h, t0, _)) = pending.take() {
+                    h.wait_snapshot()?;
+                    saves.push((h, t0.elapsed().as_secs_f64()));
+                }
+                let r = mgr.rollback(&spike, |_| {
+                    let mut p = progress.lock();
+                    let first = p.data_pos;
+                    let through = spike.batch?;
+                    p.data_pos = p.data_pos.max(through + 1);
+                    (through >= first).then_some((first, through))
+                });
+                let r = agree(sh, r)?;
+                if let Some(hb) = &heartbeat {
+                    hb.step(r.to_step, None);
+                }
+                emit_finished(sh, rank, &mut saves, false)?;
+                last = r.to_step;
+                step = r.to_step + 1;
+                continue;
             }
-            b.wait();
-        } else if sh.sigterm.load(Ordering::SeqCst) {
-            sh.stop_now.store(true, Ordering::SeqCst);
+            Decision::Stop(st) => {
+                stopped = Some(Error::new(
+                    ErrorKind::InvalidInput,
+                    format!("run {}: {st}", a.run),
+                ));
+                break;
+            }
         }
         let stop = sh.stop_now.load(Ordering::SeqCst);
         last = step;
@@ -470,6 +653,7 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
             info!(rank, step, "stopping after the final checkpoint (SIGTERM)");
             break;
         }
+        step += 1;
     }
     if let Some((h, t0, _)) = pending.take() {
         h.wait_snapshot()?;
@@ -478,9 +662,14 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
     mgr.finish()?;
     emit_finished(sh, rank, &mut saves, true)?;
     if rank == 0 || sh.world_threads == 1 {
-        sh.outcome.lock().last_step = last;
+        let mut out = sh.outcome.lock();
+        out.last_step = last;
+        out.rollbacks = mgr.monitor().history().to_vec();
     }
-    Ok(())
+    match stopped {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
 }
 
 /// One more than any generation that saved in `run`: the newest commit's, and those of
@@ -505,37 +694,112 @@ async fn next_generation(store: &Store, run: &str) -> Result<u64> {
     Ok(g)
 }
 
-fn record_loss(sh: &Shared, rank: u32, step: u64, part: Partial) {
+/// This step's observation, logged and judged; returns what every rank does next.
+///
+/// One rank per process: the rank's own partial sums (the global loss when the world is 1).
+/// Threads: every rank adds its partial to the board; after a barrier rank 0 logs the exact
+/// global loss, asks its manager's monitor and checks SIGTERM; after a second barrier every
+/// rank reads the same decision.
+fn decide(
+    sh: &Shared,
+    mgr: &mut CheckpointManager,
+    rank: u32,
+    step: u64,
+    batch: u64,
+    part: Partial,
+    t_step: Instant,
+) -> Decision {
     if sh.args.rank.is_some() {
         // One rank per process: only partial sums are known here.
+        let whole = sh.layout.world() == 1;
         let mut v = json!({
-            "kind": "step", "step": step, "rank": rank,
+            "kind": "step", "step": step, "batch": batch, "rank": rank,
             "sse": part.sse.to_string(), "gsq": part.gsq.to_string(), "n": part.n,
+            "nonfinite": part.nonfinite,
         });
-        if sh.layout.world() == 1 {
+        add_step_figures(&mut v, t_step);
+        if whole {
             v["loss"] = json!(part.loss());
             v["grad_norm"] = json!(part.grad_norm());
             sh.outcome.lock().losses.push((step, part.loss()));
         }
         sh.emit(v);
-        return;
-    }
-    let done = {
-        let mut b = sh.board.lock();
-        let e = b.entry(step).or_default();
-        e.0.add(&part);
-        e.1 += 1;
-        if e.1 == sh.world_threads {
-            b.remove(&step).map(|x| x.0)
-        } else {
-            None
+        if sh.sigterm.load(Ordering::SeqCst) {
+            sh.stop_now.store(true, Ordering::SeqCst);
         }
-    };
-    if let Some(tot) = done {
+        if part.n == 0 && !part.nonfinite {
+            // This rank owns no elements (a replica): nothing of its own to watch.
+            return Decision::Continue;
+        }
+        let mut o = Observation::new(step, part.loss())
+            .batch(batch)
+            .grad_norm(part.grad_norm());
+        if !whole {
+            o.partial_of_rank = Some(rank);
+        }
+        let d = mgr.observe(&o);
+        note_spike(sh, &d);
+        return d;
+    }
+    sh.board.lock().entry(step).or_default().0.add(&part);
+    if let Some(b) = &sh.barrier {
+        b.wait();
+    }
+    if rank == 0 {
+        let tot = sh.board.lock().remove(&step).unwrap_or_default().0;
         sh.outcome.lock().losses.push((step, tot.loss()));
-        sh.emit(json!({
-            "kind": "step", "step": step, "loss": tot.loss(), "grad_norm": tot.grad_norm(),
-        }));
+        let mut v = json!({
+            "kind": "step", "step": step, "batch": batch, "loss": tot.loss(),
+            "grad_norm": tot.grad_norm(),
+        });
+        add_step_figures(&mut v, t_step);
+        sh.emit(v);
+        let o = Observation::new(step, tot.loss())
+            .batch(batch)
+            .grad_norm(tot.grad_norm());
+        let d = mgr.observe(&o);
+        note_spike(sh, &d);
+        *sh.decision.lock() = d;
+        if sh.sigterm.load(Ordering::SeqCst) {
+            sh.stop_now.store(true, Ordering::SeqCst);
+        }
+    }
+    if let Some(b) = &sh.barrier {
+        b.wait();
+    }
+    sh.decision.lock().clone()
+}
+
+/// Step time (so far) and memory on a step record.
+fn add_step_figures(v: &mut serde_json::Value, t_step: Instant) {
+    v["step_time_s"] = json!(t_step.elapsed().as_secs_f64());
+    v["host_mem_bytes"] = json!(host_memory_bytes());
+    // The reference workload keeps its state in host memory.
+    v["device_mem_bytes"] = serde_json::Value::Null;
+}
+
+fn note_spike(sh: &Shared, d: &Decision) {
+    let spike = match d {
+        Decision::Continue => return,
+        Decision::Alert(s) | Decision::Rollback(s) => *s,
+        Decision::Stop(st) => st.spike,
+    };
+    sh.outcome.lock().spikes.push(spike);
+}
+
+/// Threads mode: every rank rolled back, or all fail (the ranks must stay in lockstep).
+fn agree(sh: &Shared, r: Result<crate::manager::Rollback>) -> Result<crate::manager::Rollback> {
+    let Some(b) = &sh.barrier else { return r };
+    if r.is_err() {
+        sh.rollback_failed.store(true, Ordering::SeqCst);
+    }
+    b.wait();
+    let failed = sh.rollback_failed.load(Ordering::SeqCst);
+    match r {
+        Ok(_) if failed => Err(Error::internal(
+            "another rank failed to roll back; stopping every rank",
+        )),
+        r => r,
     }
 }
 
@@ -589,4 +853,50 @@ fn emit_finished(
         sh.flush_log();
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batch_ranges_parse_and_skip() {
+        assert_eq!(parse_batch_range("11-15"), Ok((11, 15)));
+        assert_eq!(parse_batch_range(" 7 "), Ok((7, 7)));
+        for bad in ["0-3", "5-4", "a-b", "3-", ""] {
+            assert!(parse_batch_range(bad).is_err(), "{bad:?}");
+        }
+        let skips = [(3, 4), (5, 6), (10, 10)];
+        let cases = [(1, 1), (3, 7), (4, 7), (7, 7), (10, 11), (12, 12)];
+        for (pos, want) in cases {
+            assert_eq!(next_batch(&skips, pos), want, "from {pos}");
+        }
+        assert_eq!(next_batch(&[], 9), 9);
+    }
+
+    #[test]
+    fn injection_scales_targets() {
+        let a = TrainArgs::parse_from([
+            "ckpt-train",
+            "--store",
+            "/tmp/x",
+            "--run",
+            "r",
+            "--steps",
+            "9",
+            "--inject-spike-at",
+            "3,5",
+            "--inject-nan-at",
+            "4",
+            "--skip-batches",
+            "6-7,9",
+        ]);
+        assert_eq!(a.target_scale(3), SPIKE_SCALE);
+        assert_eq!(a.target_scale(5), SPIKE_SCALE);
+        assert!(a.target_scale(4).is_nan());
+        assert_eq!(a.target_scale(2), 1.0);
+        assert_eq!(a.skip_batches, vec![(6, 7), (9, 9)]);
+        assert_eq!(a.on_spike, SpikeAction::Alert);
+        assert_eq!(a.monitor_config().window, DEFAULT_WINDOW);
+    }
 }
