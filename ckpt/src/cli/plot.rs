@@ -1,6 +1,10 @@
 //! `ckpt plot RUN --out FILE.png|svg`: a run's loss (and gradient norm) on one wall-clock time
-//! axis, with checkpoints, failures, recoveries, rollbacks and loss spikes marked, from the
-//! run's metrics and events logs ([`ckpt_store::logs`]).
+//! axis, with checkpoints, failures, recoveries, rollbacks, loss spikes and monitor stops
+//! marked, from the run's metrics and events logs ([`ckpt_store::logs`]).
+//!
+//! On a linear axis the steps of a spike are left out of the axis range (a spike is often a
+//! thousand times the loss and would flatten the rest): their curve is clipped at the top of
+//! the panel and the spike's marker there is labelled with its value.
 //!
 //! Records read (others are ignored):
 //!
@@ -9,7 +13,8 @@
 //! - events: `{"kind":"failure","rank","node","how","t_ms"}`,
 //!   `{"kind":"recovery","generation","layout","step","steps_lost","t_ms"}`,
 //!   `{"kind":"rollback","from_step","to_step","reason","t_ms"}`,
-//!   `{"kind":"spike","step","loss","action","t_ms"}`.
+//!   `{"kind":"spike","step","loss","action","t_ms"}`,
+//!   `{"kind":"stop","step","reason","t_ms"}` (the monitor stopped the run).
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -78,6 +83,8 @@ pub struct PlotReport {
     pub rollbacks: usize,
     /// Loss spikes marked.
     pub spikes: usize,
+    /// Monitor stops marked.
+    pub stops: usize,
     /// Seconds from the first record to the last.
     pub span_s: f64,
     /// Bytes of the file.
@@ -125,6 +132,8 @@ pub struct Series {
     pub rollbacks: Vec<Mark>,
     /// Loss spikes.
     pub spikes: Vec<Mark>,
+    /// Runs stopped by the spike monitor.
+    pub stops: Vec<Mark>,
     /// Seconds from the first record to the last.
     pub span: f64,
 }
@@ -222,8 +231,21 @@ pub fn series(metrics: &[Value], events: &[Value]) -> Series {
             }),
             Some("spike") => s.spikes.push(Mark {
                 t,
-                label: format!("spike @{}", uint(v, "step").unwrap_or(0)),
+                label: format!(
+                    "{} @{}",
+                    match text(v, "what") {
+                        Some("nonfinite") => "NaN",
+                        Some("grad_norm") => "grad blow-up",
+                        _ => "spike",
+                    },
+                    uint(v, "step").unwrap_or(0)
+                ),
                 v: num(v, "loss").filter(|x| x.is_finite()),
+            }),
+            Some("stop") => s.stops.push(Mark {
+                t,
+                label: format!("stopped @{}", uint(v, "step").unwrap_or(0)),
+                v: None,
             }),
             _ => {}
         }
@@ -312,6 +334,7 @@ pub async fn plot(store: &Store, args: &PlotArgs, ui: &Ui) -> Result<PlotReport>
         recoveries: s.recoveries.len(),
         rollbacks: s.rollbacks.len(),
         spikes: s.spikes.len(),
+        stops: s.stops.len(),
         span_s: s.span,
         bytes: bytes.len() as u64,
     })
@@ -329,6 +352,7 @@ const FAIL: Color = Color::rgb(214, 39, 40);
 const RECOVER: Color = Color::rgb(23, 190, 207);
 const ROLLBACK: Color = Color::rgb(255, 127, 14);
 const SPIKE: Color = Color::rgb(255, 127, 14);
+const STOP: Color = Color::rgb(150, 20, 20);
 
 /// A y axis: maps values to pixels.
 struct Axis {
@@ -459,7 +483,14 @@ fn value_label(v: f64) -> String {
     }
     let a = v.abs();
     if !(1e-3..1e5).contains(&a) {
-        return format!("{v:.0e}");
+        // Three significant digits: 2.5e-4 must not read 3e-4.
+        let e = format!("{v:.2e}");
+        return match e.split_once('e') {
+            Some((m, x)) if m.contains('.') => {
+                format!("{}e{x}", m.trim_end_matches('0').trim_end_matches('.'))
+            }
+            _ => e,
+        };
     }
     let s = format!("{v:.4}");
     let s = s.trim_end_matches('0').trim_end_matches('.');
@@ -492,6 +523,25 @@ fn decimate(pts: &[(f32, f32)]) -> Vec<(f32, f32)> {
         idx.dedup();
         out.extend(idx.into_iter().map(|k| pts[k]));
         i = j;
+    }
+    out
+}
+
+/// The loss (and grad-norm) points of spike steps, as (step, time bits): for each spike, the
+/// newest point of its step at or before the spike's record whose loss is the spike's (the
+/// monitor logs the same number), or, for a NaN, none (it is not drawn anyway).
+fn spike_points(s: &Series) -> std::collections::HashSet<(u64, u64)> {
+    let mut out = std::collections::HashSet::new();
+    for m in &s.spikes {
+        let Some(v) = m.v else { continue };
+        if let Some(p) = s
+            .loss
+            .iter()
+            .filter(|p| p.v == v && p.t <= m.t + 1e-9)
+            .max_by(|a, b| a.t.total_cmp(&b.t))
+        {
+            out.insert((p.step, p.t.to_bits()));
+        }
     }
     out
 }
@@ -566,7 +616,11 @@ pub fn draw(c: &mut dyn Canvas, run: &str, s: &Series, log_y: bool) {
         (s.recoveries.len(), "recovery", "recoveries"),
         (s.rollbacks.len(), "rollback", "rollbacks"),
         (s.spikes.len(), "loss spike", "loss spikes"),
+        (s.stops.len(), "stop", "stops"),
     ] {
+        if n == 0 && one == "stop" {
+            continue;
+        }
         summary.push(format!("{n} {}", if n == 1 { one } else { many }));
     }
     summary.push(format!("over {}", fmt::duration(s.span)));
@@ -580,18 +634,24 @@ pub fn draw(c: &mut dyn Canvas, run: &str, s: &Series, log_y: bool) {
         false,
     );
 
-    // Panels: frame and grid.
+    // Panels: frame and grid. On a linear axis, spike steps stay out of the range.
+    let spiky = spike_points(s);
+    let in_range = |p: &&Point, log: bool| log || !spiky.contains(&(p.step, p.t.to_bits()));
     let loss_axis = Axis::new(
         s.loss
             .iter()
+            .filter(|p| in_range(p, log_y))
             .map(|p| p.v)
-            .chain(s.spikes.iter().filter_map(|m| m.v)),
+            .chain(s.spikes.iter().filter_map(|m| m.v).filter(|_| log_y)),
         log_y,
         loss_top,
         loss_bottom,
     );
     let grad_axis = Axis::new(
-        s.grad_norm.iter().map(|p| p.v),
+        s.grad_norm
+            .iter()
+            .filter(|p| in_range(p, false))
+            .map(|p| p.v),
         false,
         grad_top,
         grad_bottom,
@@ -682,20 +742,38 @@ pub fn draw(c: &mut dyn Canvas, run: &str, s: &Series, log_y: bool) {
         false,
     );
 
-    // Events: vertical lines through both panels, labels at the top of the loss panel.
-    let mut events: Vec<(&Mark, Pen, Color)> = Vec::new();
+    // Events: vertical lines through both panels, labels at the top of the loss panel (spikes
+    // get a label and no line: their marker sits on the curve).
+    let spike_labels: Vec<Mark> = s
+        .spikes
+        .iter()
+        .map(|m| Mark {
+            label: match m.v {
+                Some(v) => format!("{} ({})", m.label, value_label(v)),
+                None => m.label.clone(),
+            },
+            ..m.clone()
+        })
+        .collect();
+    let mut events: Vec<(&Mark, Option<Pen>, Color)> = Vec::new();
     for m in &s.failures {
-        events.push((m, Pen::dashed(FAIL, 1.6, &[5.0, 4.0]), FAIL));
+        events.push((m, Some(Pen::dashed(FAIL, 1.6, &[5.0, 4.0])), FAIL));
     }
     for m in &s.recoveries {
-        events.push((m, Pen::solid(RECOVER, 1.6), Color::rgb(14, 130, 145)));
+        events.push((m, Some(Pen::solid(RECOVER, 1.6)), Color::rgb(14, 130, 145)));
     }
     for m in &s.rollbacks {
         events.push((
             m,
-            Pen::dashed(ROLLBACK, 1.6, &[8.0, 3.0, 2.0, 3.0]),
+            Some(Pen::dashed(ROLLBACK, 1.6, &[8.0, 3.0, 2.0, 3.0])),
             Color::rgb(200, 95, 0),
         ));
+    }
+    for m in &s.stops {
+        events.push((m, Some(Pen::solid(STOP, 2.2)), STOP));
+    }
+    for m in &spike_labels {
+        events.push((m, None, Color::rgb(200, 95, 0)));
     }
     events.sort_by(|a, b| a.0.t.total_cmp(&b.0.t));
     // Labels go in rows at the top of the loss panel: each in the first row where it does not
@@ -703,7 +781,9 @@ pub fn draw(c: &mut dyn Canvas, run: &str, s: &Series, log_y: bool) {
     let mut row_end: Vec<f32> = Vec::new();
     for (m, pen, tc) in &events {
         let x = x_of(m.t);
-        c.line(&[(x, loss_top), (x, grad_bottom.max(loss_bottom))], pen);
+        if let Some(pen) = pen {
+            c.line(&[(x, loss_top), (x, grad_bottom.max(loss_bottom))], pen);
+        }
         let tw = text_width(&m.label, 11.0);
         let (x0, anchor) = if x + 3.0 + tw > right {
             (x - 3.0 - tw, Anchor::End)
@@ -738,10 +818,11 @@ pub fn draw(c: &mut dyn Canvas, run: &str, s: &Series, log_y: bool) {
         (&s.grad_norm, &grad_axis, GRAD),
     ] {
         for seg in segments(pts) {
+            // Clipped to the panel: spikes left out of the range run off its top.
             let px: Vec<(f32, f32)> = seg
                 .iter()
                 .filter(|p| !axis.log || p.v > 0.0)
-                .map(|p| (x_of(p.t), axis.y(p.v)))
+                .map(|p| (x_of(p.t), axis.y(p.v).clamp(axis.top, axis.bottom)))
                 .collect();
             let px = decimate(&px);
             if px.len() == 1 {
@@ -795,6 +876,9 @@ pub fn draw(c: &mut dyn Canvas, run: &str, s: &Series, log_y: bool) {
     if !s.spikes.is_empty() {
         legend.push(("loss spike", 4, SPIKE));
     }
+    if !s.stops.is_empty() {
+        legend.push(("stop", 5, STOP));
+    }
     let title_end = left + text_width(&format!("run {run}"), 19.0) + 24.0;
     let item_w = |n: &str| 30.0 + text_width(n, 11.5) + 16.0;
     let total: f32 = legend.iter().map(|(n, _, _)| item_w(n)).sum();
@@ -833,6 +917,7 @@ pub fn draw(c: &mut dyn Canvas, run: &str, s: &Series, log_y: bool) {
                 &[(x0, y - 4.0), (x1, y - 4.0)],
                 &Pen::dashed(*color, 2.0, &[8.0, 3.0, 2.0, 3.0]),
             ),
+            5 => c.line(&[(x0, y - 4.0), (x1, y - 4.0)], &Pen::solid(*color, 2.2)),
             _ => c.circle(
                 mid,
                 y - 4.0,
@@ -850,7 +935,7 @@ impl Report for PlotReport {
     fn print(&self, w: &mut dyn Write) -> std::io::Result<()> {
         writeln!(
             w,
-            "wrote {} ({}, {}): {} loss points{}, {} checkpoints, {} failures, {} recoveries, {} rollbacks, {} spikes over {}",
+            "wrote {} ({}, {}): {} loss points{}, {} checkpoints, {} failures, {} recoveries, {} rollbacks, {} spikes, {} stops over {}",
             self.out,
             self.format,
             fmt::bytes(self.bytes),
@@ -862,6 +947,7 @@ impl Report for PlotReport {
             self.recoveries,
             self.rollbacks,
             self.spikes,
+            self.stops,
             fmt::duration(self.span_s)
         )
     }
@@ -888,6 +974,9 @@ mod tests {
         assert_eq!(elapsed_label(129600.0), "1d12h");
         assert_eq!(value_label(2.5), "2.5");
         assert_eq!(value_label(1e-5), "1e-5");
+        assert_eq!(value_label(2.5e-4), "2.5e-4");
+        assert_eq!(value_label(-7.5e-4), "-7.5e-4");
+        assert_eq!(value_label(1.234e6), "1.23e6");
     }
 
     #[test]
@@ -921,5 +1010,56 @@ mod tests {
             2,
             "the resume from step 2 starts a new segment"
         );
+    }
+
+    /// A spike a thousand times the loss stays out of a linear axis' range (the rest of the
+    /// curve stays readable), is labelled with its value, and a monitor stop is marked.
+    #[test]
+    fn spikes_stay_out_of_the_range_and_stops_are_marked() {
+        let mut metrics = Vec::new();
+        for step in 1..=50u64 {
+            let loss = if step == 30 {
+                1000.0
+            } else {
+                1.5 - step as f64 * 0.01
+            };
+            metrics.push(serde_json::json!({"kind":"step","step":step,"loss":loss,"grad_norm":2.0,"t_ms":1000 * step}));
+        }
+        // After the rollback to 25, step 30 comes again, healthy.
+        for step in 26..=35u64 {
+            metrics.push(serde_json::json!({"kind":"step","step":step,"loss":1.2,"grad_norm":2.0,"t_ms":60_000 + 1000 * step}));
+        }
+        let events = vec![
+            serde_json::json!({"kind":"spike","step":30,"what":"loss","loss":1000.0,"action":"rollback","t_ms":30_010}),
+            serde_json::json!({"kind":"rollback","from_step":30,"to_step":25,"t_ms":30_050}),
+            serde_json::json!({"kind":"spike","step":35,"what":"nonfinite","loss":null,"action":"stop","t_ms":95_010}),
+            serde_json::json!({"kind":"stop","step":35,"reason":"NaN","t_ms":95_020}),
+        ];
+        let s = series(&metrics, &events);
+        assert_eq!(
+            (s.spikes.len(), s.rollbacks.len(), s.stops.len()),
+            (2, 1, 1)
+        );
+        assert_eq!(s.spikes[1].label, "NaN @35");
+        let spiky = spike_points(&s);
+        assert_eq!(spiky.len(), 1, "only the first step 30 is the spike's");
+        assert!(spiky.contains(&(30, 29.0f64.to_bits())));
+        let mut c = Svg::new(1200.0, 720.0);
+        draw(&mut c, "r", &s, false);
+        let svg = c.finish();
+        for want in [
+            "spike @30 (1000)",
+            "stopped @35",
+            "rollback 30→25",
+            "1 stop",
+        ] {
+            assert!(svg.contains(want), "the SVG shows {want:?}");
+        }
+        assert!(svg.contains(">1.2</text>"), "ticks follow the healthy loss");
+        assert!(!svg.contains(">200</text>"), "no tick scaled to the spike");
+        // On a log axis everything fits: the spike is in the range.
+        let mut c = Svg::new(1200.0, 720.0);
+        draw(&mut c, "r", &s, true);
+        assert!(c.finish().contains(">1000</text>"));
     }
 }
