@@ -39,8 +39,8 @@ pub struct StoreConfig {
     pub pack_target: usize,
     /// How hard to compress.
     pub codec: CodecPolicy,
-    /// Compress only while every writer is busy, so compression never makes a save slower
-    /// than storing raw on a sink faster than the compressor (default on for local disks).
+    /// Decide per chunk from measured throughputs whether compressing pays (see `Governor`):
+    /// on a sink faster than the compressor, chunks are stored raw (default on).
     pub adaptive_codec: bool,
     /// Object writes in flight (default 8).
     pub write_concurrency: usize,
@@ -80,7 +80,6 @@ impl StoreConfig {
     pub fn for_remote() -> Self {
         StoreConfig {
             codec: CodecPolicy::MAX,
-            adaptive_codec: false,
             write_concurrency: 16,
             read_concurrency: 16,
             multipart_threshold: 64 << 20,
@@ -159,6 +158,81 @@ pub struct PutReport {
     pub refs: Vec<ChunkRef>,
     /// Figures.
     pub stats: PutStats,
+}
+
+/// Decides, chunk by chunk, whether compressing pays, from what the current write measured.
+///
+/// With compression the pipeline takes `max(S / (compress x cpus), S x ratio / sink)`
+/// instead of `S / sink`, so compressing helps only when the compressor, on every CPU,
+/// outruns the sink. On a local disk faster than the compressor chunks go raw; on a slow sink
+/// (an object store) they are compressed. Only chunks that would wait for a busy writer are
+/// candidates, and the first few writes go raw while the sink is measured.
+#[derive(Debug)]
+struct Governor {
+    t0: std::sync::OnceLock<Instant>,
+    cpus: usize,
+    written: std::sync::atomic::AtomicU64,
+    writes: std::sync::atomic::AtomicU64,
+    comp_bytes: std::sync::atomic::AtomicU64,
+    comp_ns: std::sync::atomic::AtomicU64,
+}
+
+impl Governor {
+    fn new(cpus: usize) -> Self {
+        Governor {
+            t0: std::sync::OnceLock::new(),
+            cpus: cpus.max(1),
+            written: Default::default(),
+            writes: Default::default(),
+            comp_bytes: Default::default(),
+            comp_ns: Default::default(),
+        }
+    }
+
+    /// A write is about to start: the sink's clock starts with the first one.
+    fn write_started(&self) {
+        self.t0.get_or_init(Instant::now);
+    }
+
+    fn record_write(&self, bytes: usize) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.written.fetch_add(bytes as u64, Relaxed);
+        self.writes.fetch_add(1, Relaxed);
+    }
+
+    fn record_compress(&self, bytes: usize, took: std::time::Duration) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.comp_bytes.fetch_add(bytes as u64, Relaxed);
+        self.comp_ns.fetch_add(took.as_nanos() as u64, Relaxed);
+    }
+
+    fn policy(&self, cfg: &StoreConfig, writers_busy: bool) -> CodecPolicy {
+        use std::sync::atomic::Ordering::Relaxed;
+        if !cfg.adaptive_codec || cfg.codec == CodecPolicy::Raw {
+            return cfg.codec;
+        }
+        if !writers_busy || self.writes.load(Relaxed) < 8 {
+            return CodecPolicy::Raw;
+        }
+        let Some(t0) = self.t0.get() else {
+            return CodecPolicy::Raw;
+        };
+        let secs = t0.elapsed().as_secs_f64().max(1e-6);
+        let sink = self.written.load(Relaxed) as f64 / secs;
+        let (cb, cn) = (self.comp_bytes.load(Relaxed), self.comp_ns.load(Relaxed));
+        // zstd-1 on byte planes, per core, on the machines measured (BENCHMARKS.md).
+        let comp = if cn == 0 {
+            400e6
+        } else {
+            cb as f64 / (cn as f64 / 1e9)
+        };
+        // Hashing and copying need CPU too: ask for a clear margin.
+        if comp * self.cpus as f64 > sink * 1.5 {
+            cfg.codec
+        } else {
+            CodecPolicy::Raw
+        }
+    }
 }
 
 /// Which chunks the store is known to hold, and where.
@@ -453,6 +527,7 @@ impl Store {
         let t0 = Instant::now();
         let cfg = self.cfg.clone();
         let budget = Arc::new(Semaphore::new(cfg.inflight_bytes));
+        let governor = Arc::new(Governor::new(cfg.cpu_threads));
         let writers = Arc::new(Semaphore::new(cfg.write_concurrency));
         let mut stats = PutStats::default();
         let mut slots: Vec<Slot> = Vec::new();
@@ -510,11 +585,7 @@ impl Store {
                 .acquire_many_owned(len.max(1) as u32)
                 .await
                 .map_err(|_| Error::internal("in-flight budget closed"))?;
-            let policy = if cfg.adaptive_codec && writers.available_permits() > 0 {
-                CodecPolicy::Raw
-            } else {
-                cfg.codec
-            };
+            let policy = governor.policy(&cfg, writers.available_permits() == 0);
             if len < cfg.pack_threshold {
                 let data = c.data.clone();
                 let enc = tokio::task::spawn_blocking(move || {
@@ -543,10 +614,17 @@ impl Store {
             }
             let store = self.clone();
             let writers = writers.clone();
+            let gov = governor.clone();
             tasks.spawn(async move {
                 let data = c.data;
+                let g2 = gov.clone();
                 let enc: Encoded = tokio::task::spawn_blocking(move || {
-                    codec::encode(&data, c.elem as usize, policy)
+                    let t = Instant::now();
+                    let e = codec::encode(&data, c.elem as usize, policy);
+                    if policy != CodecPolicy::Raw {
+                        g2.record_compress(data.len(), t.elapsed());
+                    }
+                    e
                 })
                 .await?;
                 let r = ChunkRef {
@@ -562,9 +640,12 @@ impl Store {
                     .acquire()
                     .await
                     .map_err(|_| Error::internal("writer pool closed"))?;
+                let stored = enc.len();
+                gov.write_started();
                 store
                     .put_object(&path, enc.parts, PutMode::Overwrite)
                     .await?;
+                gov.record_write(stored);
                 drop(permit);
                 Ok(vec![(i, r)])
             });

@@ -1,18 +1,20 @@
 //! Helpers for cross-crate scenarios: the workspace's binaries, processes found by their
 //! environment, signals.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Mutex;
 
 /// The workspace's target directory for the running profile (`target/debug`).
 pub fn target_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    // target/<profile>/deps/<test>
-    exe.parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>")
-        .to_path_buf()
+    let exe = std::env::current_exe().expect("executable path");
+    // Tests live in target/<profile>/deps/, binaries in target/<profile>/.
+    let dir = exe.parent().expect("a parent directory");
+    if dir.file_name().is_some_and(|n| n == "deps") {
+        dir.parent().expect("target/<profile>").to_path_buf()
+    } else {
+        dir.to_path_buf()
+    }
 }
 
 static BUILD: Mutex<()> = Mutex::new(());

@@ -1,0 +1,932 @@
+//! `ckpt-bench`: the benchmarks behind BENCHMARKS.md, each figure next to the machine's limit
+//! measured in the same run (memcpy, O_DIRECT disk, blake3, zstd). Prints JSON lines.
+//!
+//! ```text
+//! ckpt-bench limits --dir DIR --gib 2          memcpy, blake3, O_DIRECT, io_uring, backends
+//! ckpt-bench store  --dir DIR --gib 2          save throughput, codecs, dedup, memory
+//! ckpt-bench train  --dir DIR --params 150M    stall, time to commit, restore, RSS, slowdown
+//! ```
+
+use std::fs::OpenOptions;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use ckpt_store::direct::AlignedBuf;
+use ckpt_store::{
+    BlobIn, CodecPolicy, DType, DedupIndex, Layout, NdBox, RankWrite, ShardIn, Store, StoreConfig,
+};
+use ckpt_trainer::workload::{ModelConfig, RankState, TrainConfig};
+use ckpt_trainer::{CheckpointManager, CheckpointerConfig, ManagerConfig, runtime};
+use serde_json::{Value, json};
+
+fn emit(v: Value) {
+    println!("{v}");
+}
+
+fn gbps(bytes: u64, s: f64) -> f64 {
+    bytes as f64 / s / 1e9
+}
+
+fn arg(args: &[String], name: &str, default: &str) -> String {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .cloned()
+        .unwrap_or_else(|| default.to_string())
+}
+
+// ----- limits ------------------------------------------------------------------------------
+
+fn memcpy_warm(bytes: usize, threads: usize) -> f64 {
+    let src = vec![7u8; bytes];
+    let mut dst = vec![1u8; bytes];
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let per = bytes.div_ceil(threads);
+        std::thread::scope(|s| {
+            for (d, c) in dst.chunks_mut(per).zip(src.chunks(per)) {
+                s.spawn(move || d.copy_from_slice(c));
+            }
+        });
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(&dst);
+    gbps(bytes as u64, best)
+}
+
+fn blake3_raw(data: &[u8], threads: usize) -> f64 {
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let per = (4 << 20) as usize;
+        let chunks: Vec<&[u8]> = data.chunks(per).collect();
+        let n = chunks.len().div_ceil(threads);
+        std::thread::scope(|s| {
+            for part in chunks.chunks(n) {
+                s.spawn(move || {
+                    for c in part {
+                        std::hint::black_box(blake3::hash(c));
+                    }
+                });
+            }
+        });
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    gbps(data.len() as u64, best)
+}
+
+/// O_DIRECT sequential write of `bytes` into one file with `qd` threads of `bs` requests.
+fn odirect_write(path: &Path, bytes: usize, qd: usize, bs: usize) -> f64 {
+    let _ = std::fs::remove_file(path);
+    let f = OpenOptions::new()
+        .create(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .unwrap();
+    f.set_len(bytes as u64).unwrap();
+    let mut buf = AlignedBuf::zeroed(bs);
+    for (i, b) in buf.full_mut().iter_mut().enumerate() {
+        *b = (i * 31) as u8;
+    }
+    let t = Instant::now();
+    let n = bytes / bs;
+    std::thread::scope(|s| {
+        for k in 0..qd {
+            let (f, buf) = (&f, &buf);
+            s.spawn(move || {
+                let mut i = k;
+                while i < n {
+                    f.write_all_at(&buf[..], (i * bs) as u64).unwrap();
+                    i += qd;
+                }
+            });
+        }
+    });
+    f.sync_data().unwrap();
+    gbps((n * bs) as u64, t.elapsed().as_secs_f64())
+}
+
+fn odirect_read(path: &Path, qd: usize, bs: usize) -> f64 {
+    let f = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .unwrap();
+    let bytes = f.metadata().unwrap().len() as usize;
+    let n = bytes / bs;
+    let t = Instant::now();
+    std::thread::scope(|s| {
+        for k in 0..qd {
+            let f = &f;
+            s.spawn(move || {
+                let mut buf = AlignedBuf::zeroed(bs);
+                let mut i = k;
+                while i < n {
+                    f.read_exact_at(buf.full_mut(), (i * bs) as u64).unwrap();
+                    i += qd;
+                }
+            });
+        }
+    });
+    gbps((n * bs) as u64, t.elapsed().as_secs_f64())
+}
+
+/// io_uring O_DIRECT writes, `qd` in flight, one file.
+fn io_uring_write(path: &Path, bytes: usize, qd: usize, bs: usize) -> f64 {
+    use io_uring::{IoUring, opcode, types};
+    use std::os::fd::AsRawFd;
+    let _ = std::fs::remove_file(path);
+    let f = OpenOptions::new()
+        .create(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .unwrap();
+    let mut ring = IoUring::new(qd as u32 * 2).unwrap();
+    let bufs: Vec<AlignedBuf> = (0..qd).map(|_| AlignedBuf::zeroed(bs)).collect();
+    let n = bytes / bs;
+    let t = Instant::now();
+    let (mut next, mut done, mut inflight) = (0usize, 0usize, 0usize);
+    while done < n {
+        while inflight < qd && next < n {
+            let b = &bufs[next % qd];
+            let e = opcode::Write::new(types::Fd(f.as_raw_fd()), b.as_ptr(), bs as u32)
+                .offset((next * bs) as u64)
+                .build()
+                .user_data(next as u64);
+            // SAFETY: the buffer outlives the request (we wait for every completion below).
+            unsafe { ring.submission().push(&e).unwrap() };
+            next += 1;
+            inflight += 1;
+        }
+        ring.submit_and_wait(1).unwrap();
+        for c in ring.completion() {
+            assert!(c.result() >= 0, "io_uring write failed: {}", c.result());
+            done += 1;
+            inflight -= 1;
+        }
+    }
+    f.sync_data().unwrap();
+    gbps((n * bs) as u64, t.elapsed().as_secs_f64())
+}
+
+/// `count` objects of `size` bytes through an ObjectStore with 8 puts in flight.
+fn backend_puts(store: Arc<dyn ckpt_store::ObjectStore>, count: usize, size: usize) -> f64 {
+    use ckpt_store::ObjectStoreExt;
+    let data = Bytes::from(vec![3u8; size]);
+    let t = Instant::now();
+    runtime().block_on(async {
+        use futures::StreamExt;
+        futures::stream::iter(0..count)
+            .map(|i| {
+                let s = store.clone();
+                let d = data.clone();
+                async move {
+                    s.put(
+                        &ckpt_store::object_store::path::Path::from(format!("b/{i:06}")),
+                        d.into(),
+                    )
+                    .await
+                    .unwrap();
+                }
+            })
+            .buffer_unordered(8)
+            .collect::<Vec<_>>()
+            .await;
+    });
+    gbps((count * size) as u64, t.elapsed().as_secs_f64())
+}
+
+fn limits(dir: &Path, gib: f64) -> Value {
+    let bytes = ((gib * (1u64 << 30) as f64) as usize) / (8 << 20) * (8 << 20);
+    std::fs::create_dir_all(dir).unwrap();
+    let f = dir.join("limits.bin");
+    let data = ckpt_store::testing::det_bytes(1, 1 << 30);
+    let v = json!({
+        "bench": "limits", "bytes": bytes,
+        "memcpy_warm_1t_gbps": memcpy_warm(1 << 30, 1),
+        "memcpy_warm_2t_gbps": memcpy_warm(1 << 30, 2),
+        "blake3_1t_gbps": blake3_raw(&data, 1),
+        "blake3_2t_gbps": blake3_raw(&data, 2),
+        "odirect_write_qd8_4m_gbps": odirect_write(&f, bytes, 8, 4 << 20),
+        "odirect_read_qd8_4m_gbps": odirect_read(&f, 8, 4 << 20),
+        "odirect_write_qd1_4m_gbps": odirect_write(&f, bytes, 1, 4 << 20),
+    });
+    let _ = std::fs::remove_file(&f);
+    v
+}
+
+fn backends(dir: &Path, gib: f64) -> Value {
+    let size = 4 << 20;
+    let count = ((gib * (1u64 << 30) as f64) as usize) / size;
+    let lfs = dir.join("lfs");
+    let dfs = dir.join("dfs");
+    for d in [&lfs, &dfs] {
+        let _ = std::fs::remove_dir_all(d);
+        std::fs::create_dir_all(d).unwrap();
+    }
+    let f = dir.join("uring.bin");
+    let v = json!({
+        "bench": "backends", "objects": count, "object_bytes": size,
+        "object_store_local_fsync_gbps": backend_puts(Arc::new(ckpt_store::object_store::local::LocalFileSystem::new_with_prefix(&lfs).unwrap().with_fsync(true)), count, size),
+        "object_store_local_nofsync_gbps": backend_puts(Arc::new(ckpt_store::object_store::local::LocalFileSystem::new_with_prefix(&lfs).unwrap()), count, size),
+        "directfs_gbps": backend_puts(Arc::new(ckpt_store::DirectFs::new(&dfs).unwrap()), count, size),
+        "directfs_16mib_gbps": backend_puts(Arc::new(ckpt_store::DirectFs::new(dir.join("dfs16")).unwrap()), count / 4, size * 4),
+        "io_uring_one_file_qd8_gbps": io_uring_write(&f, count * size, 8, size),
+        "threads_one_file_qd8_gbps": odirect_write(&f, count * size, 8, size),
+    });
+    let _ = std::fs::remove_dir_all(&lfs);
+    let _ = std::fs::remove_dir_all(&dfs);
+    let _ = std::fs::remove_file(&f);
+    v
+}
+
+// ----- store -------------------------------------------------------------------------------
+
+/// A training state's bytes: bf16 weights N(0, 0.02), and fp32 master, exp_avg, exp_avg_sq.
+struct Synth {
+    parts: Vec<(String, DType, Bytes)>,
+}
+
+fn synth(total: usize) -> Synth {
+    let params = total / 14;
+    let mut s = 0x1234_5678_9abc_def0u64;
+    let mut normal = move || {
+        let mut u = [0f64; 2];
+        for x in &mut u {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            *x = ((s >> 11) as f64 / (1u64 << 53) as f64).max(1e-300);
+        }
+        (-2.0 * u[0].ln()).sqrt() * (2.0 * std::f64::consts::PI * u[1]).cos()
+    };
+    let mut w = Vec::with_capacity(params * 2);
+    let mut master = Vec::with_capacity(params * 4);
+    let mut m = Vec::with_capacity(params * 4);
+    let mut v = Vec::with_capacity(params * 4);
+    for _ in 0..params {
+        let x = (normal() * 0.02) as f32;
+        master.extend_from_slice(&x.to_le_bytes());
+        w.extend_from_slice(&ckpt_trainer::workload::to_bf16(x).to_le_bytes());
+        let g = (normal() * 1e-3) as f32;
+        m.extend_from_slice(&g.to_le_bytes());
+        v.extend_from_slice(&(g * g * 0.9 + 1e-9).to_le_bytes());
+    }
+    Synth {
+        parts: vec![
+            ("weights.bf16".into(), DType::Bf16, Bytes::from(w)),
+            ("master.f32".into(), DType::F32, Bytes::from(master)),
+            ("exp_avg.f32".into(), DType::F32, Bytes::from(m)),
+            ("exp_avg_sq.f32".into(), DType::F32, Bytes::from(v)),
+        ],
+    }
+}
+
+fn codec_table(s: &Synth) -> Vec<Value> {
+    let mut out = Vec::new();
+    for (name, dt, data) in &s.parts {
+        let sample = Bytes::copy_from_slice(&data[..data.len().min(64 << 20)]);
+        let chunks: Vec<Bytes> = (0..sample.len())
+            .step_by(4 << 20)
+            .map(|i| sample.slice(i..(i + (4 << 20)).min(sample.len())))
+            .collect();
+        for (label, elem, policy) in [
+            ("planes zstd-1", dt.size(), CodecPolicy::FAST),
+            (
+                "planes zstd-3",
+                dt.size(),
+                CodecPolicy::Compress {
+                    level: 3,
+                    min_saving_permille: 20,
+                },
+            ),
+            ("plain zstd-1", 1, CodecPolicy::FAST),
+        ] {
+            let t = Instant::now();
+            let enc: Vec<_> = chunks
+                .iter()
+                .map(|c| ckpt_store::codec::encode(c, elem, policy))
+                .collect();
+            let ct = t.elapsed().as_secs_f64();
+            let stored: usize = enc.iter().map(|e| e.len()).sum();
+            let objs: Vec<Bytes> = enc.iter().map(|e| e.to_bytes()).collect();
+            let t = Instant::now();
+            for (o, c) in objs.iter().zip(&chunks) {
+                let id = ckpt_store::ChunkId::of(c);
+                std::hint::black_box(
+                    ckpt_store::codec::decode(o, &id, c.len() as u64, &"bench").unwrap(),
+                );
+            }
+            let dt_s = t.elapsed().as_secs_f64();
+            out.push(json!({
+                "bench": "codec", "data": name, "codec": label,
+                "ratio": stored as f64 / sample.len() as f64,
+                "compress_mbps": sample.len() as f64 / ct / 1e6,
+                "decode_and_verify_mbps": sample.len() as f64 / dt_s / 1e6,
+            }));
+        }
+    }
+    out
+}
+
+/// Save the synthetic state as 4 ranks (each a quarter of every tensor) and time it.
+fn save4(
+    store: &Store,
+    run: &str,
+    step: u64,
+    s: &Synth,
+    indexes: &[Arc<DedupIndex>],
+    commit: bool,
+) -> (f64, u64, u64) {
+    let layout = Layout::new(4, 1, 1, 0).unwrap();
+    let t = Instant::now();
+    let res: Vec<_> = runtime().block_on(async {
+        let mut hs = Vec::new();
+        for rank in 0..4u32 {
+            let mut shards = Vec::new();
+            for (name, dt, data) in &s.parts {
+                let n = (data.len() / dt.size()) as u64;
+                let part = n / 4;
+                let lo = part * rank as u64;
+                let hi = if rank == 3 { n } else { lo + part };
+                // A slice of the state, as a snapshot in staging would be: no copy.
+                let b = data.slice((lo as usize) * dt.size()..(hi as usize) * dt.size());
+                shards.push(ShardIn {
+                    name: name.clone(),
+                    dtype: *dt,
+                    shape: vec![n],
+                    bbox: NdBox::new(vec![lo], vec![hi - lo]).unwrap(),
+                    data: Some(b),
+                    replica_of: None,
+                    placement: None,
+                });
+            }
+            let store = store.clone();
+            let idx = indexes[rank as usize].clone();
+            let w = RankWrite {
+                run: run.into(),
+                step,
+                rank,
+                layout,
+                generation: 0,
+            };
+            hs.push(tokio::spawn(async move {
+                store
+                    .write_rank(
+                        &w,
+                        shards,
+                        vec![BlobIn {
+                            name: "rng".into(),
+                            data: Bytes::from_static(b"rng"),
+                        }],
+                        &idx,
+                    )
+                    .await
+                    .unwrap()
+            }));
+        }
+        let mut out = Vec::new();
+        for h in hs {
+            out.push(h.await.unwrap());
+        }
+        if commit {
+            store.commit_step(run, step).await.unwrap();
+        }
+        out
+    });
+    let secs = t.elapsed().as_secs_f64();
+    let written: u64 = res.iter().map(|r| r.2.bytes_written).sum();
+    let logical: u64 = res.iter().map(|r| r.0.stats.logical_bytes).sum();
+    (secs, written, logical)
+}
+
+fn rss_peak_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+fn rss_now_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+fn reset_peak() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+fn store_bench(dir: &Path, gib: f64) {
+    let total = (gib * (1u64 << 30) as f64) as usize;
+    let s = synth(total);
+    let bytes: usize = s.parts.iter().map(|p| p.2.len()).sum();
+    if std::env::var("CKPT_BENCH_VARIANTS").is_err() {
+        for v in codec_table(&s) {
+            emit(v);
+        }
+    }
+    let disk_w = odirect_write(
+        &dir.join("limit.bin"),
+        bytes / (8 << 20) * (8 << 20),
+        8,
+        4 << 20,
+    );
+    let _ = std::fs::remove_file(dir.join("limit.bin"));
+    let variants: Vec<(&str, CodecPolicy, bool, usize, usize)> =
+        match std::env::var("CKPT_BENCH_VARIANTS").as_deref() {
+            Ok("io") => vec![
+                ("raw 4MiB x8", CodecPolicy::Raw, false, 4 << 20, 8),
+                ("raw 8MiB x8", CodecPolicy::Raw, false, 8 << 20, 8),
+                ("raw 4MiB x16", CodecPolicy::Raw, false, 4 << 20, 16),
+                ("raw 16MiB x8", CodecPolicy::Raw, false, 16 << 20, 8),
+            ],
+            _ => vec![
+                ("adaptive (default)", CodecPolicy::FAST, true, 4 << 20, 8),
+                ("raw", CodecPolicy::Raw, false, 4 << 20, 8),
+                ("always zstd-1 planes", CodecPolicy::FAST, false, 4 << 20, 8),
+            ],
+        };
+    for (label, policy, adaptive, chunk, writers) in variants {
+        let d = dir.join(format!("store-{}", label.replace(' ', "_")));
+        let _ = std::fs::remove_dir_all(&d);
+        let cfg = StoreConfig {
+            codec: policy,
+            adaptive_codec: adaptive,
+            chunk_size: chunk,
+            write_concurrency: writers,
+            inflight_bytes: (256 << 20).max(chunk * writers * 2 + (16 << 20)),
+            ..StoreConfig::default()
+        };
+        let store = ckpt_store::open(d.to_str().unwrap())
+            .unwrap()
+            .with_config(cfg.clone())
+            .unwrap();
+        let idx: Vec<Arc<DedupIndex>> = (0..4).map(|_| Arc::new(DedupIndex::new())).collect();
+        reset_peak();
+        let base = rss_now_kib();
+        let (t1, w1, logical) = save4(&store, "b", 1, &s, &idx, true);
+        let peak = rss_peak_kib().saturating_sub(base);
+        let (t2, w2, _) = save4(&store, "b", 2, &s, &idx, true);
+        emit(json!({
+            "bench": "save", "codec": label, "bytes": logical, "seconds": t1,
+            "gbps": gbps(logical, t1), "disk_odirect_write_gbps": disk_w,
+            "ratio_to_disk": gbps(logical, t1) / disk_w,
+            "stored_ratio": w1 as f64 / logical as f64,
+            "second_save_seconds": t2, "second_save_bytes_written": w2,
+            "second_over_first": t2 / t1,
+            "extra_rss_mib": peak / 1024, "inflight_budget_mib": cfg.inflight_bytes >> 20,
+        }));
+        let _ = std::fs::remove_dir_all(&d);
+    }
+    // Hashing inside the pipeline: a store that discards writes, no compression.
+    let null = Store::new(Arc::new(NullStore), Default::default(), "null://")
+        .with_config(StoreConfig {
+            codec: CodecPolicy::Raw,
+            adaptive_codec: false,
+            ..StoreConfig::default()
+        })
+        .unwrap();
+    let idx: Vec<Arc<DedupIndex>> = (0..4).map(|_| Arc::new(DedupIndex::new())).collect();
+    let (t, _, logical) = save4(&null, "n", 1, &s, &idx, false);
+    let all: Vec<u8> = s
+        .parts
+        .iter()
+        .flat_map(|p| p.2.iter().copied())
+        .take(1 << 30)
+        .collect();
+    let raw2 = blake3_raw(&all, 2);
+    emit(json!({
+        "bench": "pipeline_hash", "bytes": logical, "pipeline_gbps": gbps(logical, t),
+        "blake3_raw_2t_gbps": raw2, "ratio": gbps(logical, t) / raw2,
+        "note": "write_rank into a store that discards writes: copy-free slicing, hashing on the blocking pool, raw codec",
+    }));
+}
+
+/// An ObjectStore that accepts and discards every write (for the pipeline-hashing figure).
+#[derive(Debug)]
+struct NullStore;
+
+impl std::fmt::Display for NullStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NullStore")
+    }
+}
+
+#[async_trait::async_trait]
+impl ckpt_store::ObjectStore for NullStore {
+    async fn put_opts(
+        &self,
+        _: &ckpt_store::object_store::path::Path,
+        _: ckpt_store::object_store::PutPayload,
+        _: ckpt_store::object_store::PutOptions,
+    ) -> ckpt_store::object_store::Result<ckpt_store::object_store::PutResult> {
+        Ok(ckpt_store::object_store::PutResult {
+            e_tag: None,
+            version: None,
+            extensions: Default::default(),
+        })
+    }
+    async fn put_multipart_opts(
+        &self,
+        _: &ckpt_store::object_store::path::Path,
+        _: ckpt_store::object_store::PutMultipartOptions,
+    ) -> ckpt_store::object_store::Result<Box<dyn ckpt_store::object_store::MultipartUpload>> {
+        Err(ckpt_store::object_store::Error::NotImplemented {
+            operation: "multipart".into(),
+            implementer: "NullStore".into(),
+        })
+    }
+    async fn get_opts(
+        &self,
+        p: &ckpt_store::object_store::path::Path,
+        _: ckpt_store::object_store::GetOptions,
+    ) -> ckpt_store::object_store::Result<ckpt_store::object_store::GetResult> {
+        // Manifests are re-read by the committer: keep nothing, so commits are skipped.
+        Err(ckpt_store::object_store::Error::NotFound {
+            path: p.to_string(),
+            source: "null store".into(),
+        })
+    }
+    fn delete_stream(
+        &self,
+        s: futures::stream::BoxStream<
+            'static,
+            ckpt_store::object_store::Result<ckpt_store::object_store::path::Path>,
+        >,
+    ) -> futures::stream::BoxStream<
+        'static,
+        ckpt_store::object_store::Result<ckpt_store::object_store::path::Path>,
+    > {
+        s
+    }
+    fn list(
+        &self,
+        _: Option<&ckpt_store::object_store::path::Path>,
+    ) -> futures::stream::BoxStream<
+        'static,
+        ckpt_store::object_store::Result<ckpt_store::object_store::ObjectMeta>,
+    > {
+        use futures::StreamExt;
+        futures::stream::empty().boxed()
+    }
+    async fn list_with_delimiter(
+        &self,
+        _: Option<&ckpt_store::object_store::path::Path>,
+    ) -> ckpt_store::object_store::Result<ckpt_store::object_store::ListResult> {
+        Ok(ckpt_store::object_store::ListResult {
+            common_prefixes: vec![],
+            objects: vec![],
+            extensions: Default::default(),
+        })
+    }
+    async fn copy_opts(
+        &self,
+        _: &ckpt_store::object_store::path::Path,
+        _: &ckpt_store::object_store::path::Path,
+        _: ckpt_store::object_store::CopyOptions,
+    ) -> ckpt_store::object_store::Result<()> {
+        Ok(())
+    }
+}
+
+// ----- train -------------------------------------------------------------------------------
+
+fn managers(
+    store: &Store,
+    run: &str,
+    layout: Layout,
+    ranks: &[RankState],
+    prefault: bool,
+    generation: u64,
+) -> Vec<CheckpointManager> {
+    ranks
+        .iter()
+        .map(|r| {
+            let mut c = CheckpointerConfig::new(run, r.rank, layout);
+            c.staging_bytes = r.held_bytes() as usize + (8 << 20) + (64 << 10) * 4 * r.params.len();
+            c.prefault = prefault;
+            c.generation = generation;
+            c.copy_threads = 2;
+            let mut mc = ManagerConfig::new(c);
+            mc.final_on_sigterm = false;
+            let mut m = CheckpointManager::new(store.clone(), mc).unwrap();
+            r.register(&mut m).unwrap();
+            m
+        })
+        .collect()
+}
+
+/// One checkpoint of every rank: (stall = save() until every snapshot is taken, time until
+/// committed).
+fn checkpoint(mgrs: &mut [CheckpointManager], step: u64) -> (f64, f64) {
+    let t = Instant::now();
+    let hs: Vec<_> = mgrs.iter_mut().map(|m| m.save_now(step).unwrap()).collect();
+    for h in &hs {
+        h.wait_snapshot().unwrap();
+    }
+    let stall = t.elapsed().as_secs_f64();
+    for h in &hs {
+        h.wait_persisted().unwrap();
+    }
+    hs[0].wait_committed(Duration::from_secs(600)).unwrap();
+    (stall, t.elapsed().as_secs_f64())
+}
+
+fn train_bench(dir: &Path, params: u64) {
+    let model = ModelConfig::for_params(params, 4);
+    let train = TrainConfig {
+        seed: 3,
+        lr: 1e-3,
+        frozen: 0.0,
+    };
+    let layout: Layout = "dp=1,tp=2,pp=2".parse().unwrap();
+    let ranks: Vec<RankState> = (0..4)
+        .map(|r| RankState::new(model, train, layout, r).unwrap())
+        .collect();
+    let state: u64 = ranks.iter().map(|r| r.held_bytes()).sum();
+    let d = dir.join("train-store");
+    let _ = std::fs::remove_dir_all(&d);
+    let store = ckpt_store::open(d.to_str().unwrap()).unwrap();
+    let memcpy = memcpy_warm(state as usize, 1);
+    let memcpy2 = memcpy_warm(state as usize, 2);
+    let disk_w = odirect_write(
+        &dir.join("limit.bin"),
+        state as usize / (8 << 20) * (8 << 20),
+        8,
+        4 << 20,
+    );
+    let disk_r = odirect_read(&dir.join("limit.bin"), 8, 4 << 20);
+    let _ = std::fs::remove_file(dir.join("limit.bin"));
+    let rss0 = rss_now_kib();
+    reset_peak();
+    let mut mgrs = managers(&store, "t", layout, &ranks, false, 0);
+    // Steps: forward/backward (reads), optimizer (writes); checkpoints at steps 1, 2, 3.
+    let step_time = |ranks: &[RankState], s: u64| {
+        let t = Instant::now();
+        std::thread::scope(|sc| {
+            for r in ranks {
+                sc.spawn(move || {
+                    std::hint::black_box(r.partial_loss(s, 1.0));
+                    r.update(s, s, 1.0);
+                });
+            }
+        });
+        t.elapsed().as_secs_f64()
+    };
+    let base_step = step_time(&ranks, 1);
+    let (stall1, commit1) = checkpoint(&mut mgrs, 1);
+    step_time(&ranks, 2);
+    let (stall2, commit2) = checkpoint(&mut mgrs, 2);
+    step_time(&ranks, 3);
+    let (stall3, commit3) = checkpoint(&mut mgrs, 3);
+    // Overlapped: save, then the next step right away (its reads overlap the copy; its
+    // optimizer writes wait only for tensors not yet copied). Stall = extra time of that step.
+    let quiet = step_time(&ranks, 4);
+    let t = Instant::now();
+    let hs: Vec<_> = mgrs.iter_mut().map(|m| m.save_now(4).unwrap()).collect();
+    let call = t.elapsed().as_secs_f64();
+    let overlapped_step = step_time(&ranks, 5);
+    let overlap_stall = call + (overlapped_step - quiet).max(0.0);
+    for h in &hs {
+        h.wait_persisted().unwrap();
+    }
+    hs[0].wait_committed(Duration::from_secs(600)).unwrap();
+    // Training slowed by a background persist: step times while a persist is in flight.
+    let hs: Vec<_> = mgrs.iter_mut().map(|m| m.save_now(6).unwrap()).collect();
+    for h in &hs {
+        h.wait_snapshot().unwrap();
+    }
+    let during = step_time(&ranks, 7);
+    let persisting = hs
+        .iter()
+        .any(|h| matches!(h.stage(), ckpt_trainer::Stage::Snapshotted));
+    for h in &hs {
+        h.wait_persisted().unwrap();
+    }
+    hs[0].wait_committed(Duration::from_secs(600)).unwrap();
+    let after = step_time(&ranks, 8);
+    let peak = rss_peak_kib().saturating_sub(rss0) * 1024;
+    let staging: usize = mgrs
+        .iter()
+        .map(|m| m.checkpointer().staging().capacity)
+        .sum();
+    emit(json!({
+        "bench": "train_save", "state_bytes": state, "params": model.param_count(), "layout": layout.to_string(),
+        "memcpy_warm_1t_gbps": memcpy, "memcpy_warm_2t_gbps": memcpy2, "memcpy_state_s": state as f64 / memcpy / 1e9,
+        "stall_first_s": stall1, "stall_steady_s": (stall2 + stall3) / 2.0,
+        "stall_first_over_memcpy": stall1 / (state as f64 / memcpy / 1e9),
+        "stall_steady_over_memcpy": (stall2 + stall3) / 2.0 / (state as f64 / memcpy / 1e9),
+        "stall_overlapped_s": overlap_stall, "step_s": quiet,
+        "committed_first_s": commit1, "committed_steady_s": (commit2 + commit3) / 2.0,
+        "disk_odirect_write_gbps": disk_w, "disk_write_state_s": state as f64 / disk_w / 1e9,
+        "committed_over_disk": (commit2 + commit3) / 2.0 / (state as f64 / disk_w / 1e9),
+        "step_during_persist_s": during, "step_after_s": after, "persist_in_flight": persisting,
+        "slowdown": during / after.min(base_step),
+        "extra_rss_bytes": peak, "staging_bytes": staging, "extra_rss_over_state": peak as f64 / state as f64,
+    }));
+    drop(mgrs);
+    // Restore, same layout and another (tp=4), into fresh states.
+    for (label, l) in [
+        ("same layout", layout),
+        (
+            "tp=2,pp=2 -> dp=2,tp=2 (zero=1)",
+            "dp=2,tp=2,pp=1,zero=1".parse().unwrap(),
+        ),
+        ("tp=2,pp=2 -> tp=4", "tp=4".parse().unwrap()),
+    ] {
+        let fresh: Vec<RankState> = (0..l.world())
+            .map(|r| RankState::new(model, train, l, r).unwrap())
+            .collect();
+        let needed: u64 = fresh.iter().map(|r| r.held_bytes()).sum();
+        let mut mg = managers(&store, "t", l, &fresh, false, 1);
+        let before = store.metrics().unwrap().snapshot();
+        let t = Instant::now();
+        std::thread::scope(|s| {
+            for m in mg.iter_mut() {
+                s.spawn(move || m.restore(6).unwrap());
+            }
+        });
+        let secs = t.elapsed().as_secs_f64();
+        let used = store.metrics().unwrap().snapshot() - before;
+        emit(json!({
+            "bench": "restore", "layout": label, "bytes_needed": needed, "seconds": secs,
+            "gbps": gbps(needed, secs), "bytes_read": used.get_bytes,
+            "read_over_needed": used.get_bytes as f64 / needed as f64,
+            "disk_odirect_read_gbps": disk_r, "over_disk_read": secs / (needed as f64 / disk_r / 1e9),
+        }));
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// Recovery timings: `ckpt-train` under the supervisor on 4 nodes, one rank killed (SIGKILL)
+/// or stopped (SIGSTOP) after the second checkpoint; the recovery log gives detection,
+/// decision, restart and the first step after it.
+fn recovery_bench(dir: &Path, params: &str, how: &str) {
+    use ckpt_recovery::{Config, SupervisorOptions, Topology};
+    let train = ckpt_tests::bin("ckpt-train", "ckpt-trainer");
+    let store = dir.join(format!("recovery-{how}"));
+    let _ = std::fs::remove_dir_all(&store);
+    let logs = dir.join(format!("recovery-{how}-logs"));
+    let _ = std::fs::remove_dir_all(&logs);
+    let run = format!("bench{how}");
+    let mut cfg = Config::new(
+        Topology {
+            nodes: 4,
+            ranks_per_node: 1,
+            spares: 0,
+        },
+        "dp=2,tp=2".parse().unwrap(),
+    );
+    cfg.heartbeat_timeout = Duration::from_secs(2);
+    cfg.stop_grace = Duration::from_secs(2);
+    cfg.backoff = Duration::from_millis(100);
+    let opts = SupervisorOptions {
+        store_url: store.to_string_lossy().to_string(),
+        run: run.clone(),
+        config: cfg,
+        command: vec![
+            train.to_string_lossy().to_string(),
+            "--params".into(),
+            params.into(),
+            "--steps".into(),
+            "30".into(),
+            "--ckpt-every".into(),
+            "5".into(),
+            "--step-time-ms".into(),
+            "200".into(),
+            "--zero".into(),
+            "1".into(),
+        ],
+        logs_dir: Some(logs.clone()),
+        heartbeat_interval: Duration::from_millis(100),
+    };
+    let t0 = Instant::now();
+    let sup = std::thread::spawn(move || {
+        tokio::runtime::Runtime::new()
+            .unwrap()
+            .block_on(ckpt_recovery::run(opts))
+            .unwrap()
+    });
+    let st = ckpt_store::open(store.to_str().unwrap()).unwrap();
+    // After the second committed checkpoint, hit rank 1.
+    let victim = loop {
+        let committed = runtime()
+            .block_on(st.committed_steps(&run))
+            .unwrap_or_default();
+        let live = ckpt_tests::find_processes(&[("CKPT_RUN", run.as_str()), ("CKPT_RANK", "1")]);
+        if committed.len() >= 2 && !live.is_empty() {
+            std::thread::sleep(Duration::from_millis(300));
+            break live[0].0;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(600),
+            "the job did not reach two checkpoints"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let hit_at = t0.elapsed();
+    ckpt_tests::signal(
+        victim,
+        if how == "hang" {
+            libc::SIGSTOP
+        } else {
+            libc::SIGKILL
+        },
+    );
+    let report = sup.join().unwrap();
+    let rec = |k: &str| {
+        report
+            .records
+            .iter()
+            .find(|r| r["kind"] == k)
+            .cloned()
+            .unwrap_or_default()
+    };
+    let ms = |v: &Value| v["at_ms"].as_f64().unwrap_or(f64::NAN) / 1000.0;
+    let (f, r) = (rec("failure"), rec("recovery"));
+    let started = report
+        .records
+        .iter()
+        .filter(|x| x["kind"] == "started")
+        .nth(1)
+        .cloned()
+        .unwrap_or_default();
+    let resumed = rec("resumed");
+    // Restore seconds from the restarted ranks' logs ("restored ... seconds=...").
+    let mut restore_s: f64 = 0.0;
+    for e in std::fs::read_dir(&logs).unwrap().flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        if name.ends_with(".err") && name.contains("gen-1") {
+            let text = std::fs::read_to_string(e.path()).unwrap_or_default();
+            for l in text.lines().filter(|l| l.contains("restored")) {
+                if let Some(v) = l
+                    .split("seconds")
+                    .nth(1)
+                    .and_then(|x| {
+                        x.trim_start_matches(|c: char| !c.is_ascii_digit())
+                            .split(|c: char| !c.is_ascii_digit() && c != '.')
+                            .next()
+                    })
+                    .and_then(|x| x.parse::<f64>().ok())
+                {
+                    restore_s = restore_s.max(v);
+                }
+            }
+        }
+    }
+    let hit = hit_at.as_secs_f64() - 0.0;
+    emit(json!({
+        "bench": "recovery", "how": how, "params": params, "ok": report.ok,
+        "detection_s": ms(&f) - hit, "detection_reported_s": f["detection_s"],
+        "decision_s": ms(&r) - ms(&f), "backoff_s": r["backoff_s"],
+        "start_to_first_step_s": ms(&resumed) - ms(&started), "restore_s": restore_s,
+        "failure_to_first_step_s": ms(&resumed) - ms(&f), "steps_lost": r["steps_lost"],
+        "layout_after": r["layout"], "restore_plan": r["plan"],
+    }));
+    let _ = std::fs::remove_dir_all(&store);
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let dir = PathBuf::from(arg(&args, "--dir", "bench-out"));
+    std::fs::create_dir_all(&dir).unwrap();
+    match args.get(1).map(String::as_str) {
+        Some("limits") => {
+            let gib: f64 = arg(&args, "--gib", "2").parse().unwrap();
+            emit(limits(&dir, gib));
+            emit(backends(&dir, gib.min(1.0)));
+        }
+        Some("store") => store_bench(&dir, arg(&args, "--gib", "2").parse().unwrap()),
+        Some("train") => train_bench(
+            &dir,
+            ckpt_trainer::train::parse_count(&arg(&args, "--params", "150M")).unwrap(),
+        ),
+        Some("recovery") => {
+            let p = arg(&args, "--params", "20M");
+            recovery_bench(&dir, &p, "crash");
+            recovery_bench(&dir, &p, "hang");
+        }
+        _ => {
+            eprintln!(
+                "usage: ckpt-bench limits|store|train|recovery --dir DIR [--gib N] [--params N]"
+            );
+            std::process::exit(2);
+        }
+    }
+}
