@@ -440,11 +440,15 @@ impl Store {
         timeout: Duration,
     ) -> Result<CommitOutcome> {
         let t0 = Instant::now();
+        // Start polling fast (ranks of one job finish within milliseconds of each other on
+        // one machine) and back off to `poll`.
+        let mut pause = poll.min(Duration::from_millis(5));
         loop {
             match self.commit_step_as(run, step, generation).await {
                 Ok(o) => return Ok(o),
                 Err(e) if e.kind() == ErrorKind::Incomplete && t0.elapsed() < timeout => {
-                    tokio::time::sleep(poll).await;
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(poll);
                 }
                 Err(e) => return Err(e),
             }

@@ -112,10 +112,11 @@ fn round_up(n: usize, a: usize) -> usize {
     n.div_ceil(a) * a
 }
 
-thread_local! {
-    // Reused per blocking thread: staging memory is touched once, not per object.
-    static WRITE_BUF: std::cell::RefCell<Option<AlignedBuf>> = const { std::cell::RefCell::new(None) };
-}
+/// Aligned write buffers, reused across writes (touched once, not per object) and bounded by
+/// the number of writes in flight rather than by the number of threads that ever wrote.
+static WRITE_BUFS: std::sync::Mutex<Vec<AlignedBuf>> = std::sync::Mutex::new(Vec::new());
+/// Buffers kept for reuse at most (more in flight are freed when they finish).
+const KEEP_BUFS: usize = 16;
 
 /// The local-directory store (see the module docs).
 #[derive(Debug)]
@@ -230,13 +231,29 @@ fn new_staging(dest: &FsPath, direct: &AtomicBool) -> std::io::Result<(File, Pat
 /// Write `payload` to `file` with aligned pieces; the file ends up exactly `len` bytes long.
 fn write_aligned(file: &File, payload: &PutPayload) -> std::io::Result<()> {
     let total = payload.content_length();
-    WRITE_BUF.with(|cell| {
-        let mut cell = cell.borrow_mut();
-        let need = IO_PIECE.min(round_up(total.max(1), ALIGN));
-        if cell.as_ref().is_none_or(|b| b.capacity() < need) {
-            *cell = Some(AlignedBuf::zeroed(need));
+    let need = IO_PIECE.min(round_up(total.max(1), ALIGN));
+    let mut buf = {
+        let mut pool = WRITE_BUFS.lock().unwrap_or_else(|e| e.into_inner());
+        match pool.iter().position(|b| b.capacity() >= need) {
+            Some(i) => pool.swap_remove(i),
+            None => AlignedBuf::zeroed(IO_PIECE.max(need)),
         }
-        let buf = cell.as_mut().expect("set above");
+    };
+    let res = write_with(file, payload, total, &mut buf);
+    let mut pool = WRITE_BUFS.lock().unwrap_or_else(|e| e.into_inner());
+    if pool.len() < KEEP_BUFS {
+        pool.push(buf);
+    }
+    res
+}
+
+fn write_with(
+    file: &File,
+    payload: &PutPayload,
+    total: usize,
+    buf: &mut AlignedBuf,
+) -> std::io::Result<()> {
+    {
         let cap = buf.capacity().min(IO_PIECE);
         let mut file_off = 0u64;
         let mut fill = 0usize;
@@ -268,7 +285,7 @@ fn write_aligned(file: &File, payload: &PutPayload) -> std::io::Result<()> {
             file.set_len(total as u64)?;
         }
         file.sync_data()
-    })
+    }
 }
 
 fn sync_dir(path: &FsPath) -> std::io::Result<()> {

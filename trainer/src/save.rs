@@ -34,10 +34,29 @@ pub fn runtime() -> &'static tokio::runtime::Runtime {
             .worker_threads(2)
             .max_blocking_threads(32)
             .thread_name("ckpt-io")
+            .on_thread_start(lower_io_priority)
             .enable_all()
             .build()
             .expect("tokio runtime")
     })
+}
+
+/// Persisting runs at a lower CPU priority (nice `CKPT_IO_NICE`, default 10) than training:
+/// where the training loop itself runs on the CPU, a background persist then slows its steps
+/// little and takes the cores the loop leaves idle. (The snapshot copy threads keep normal
+/// priority: the loop may be waiting for them.)
+fn lower_io_priority() {
+    let nice: i32 = std::env::var("CKPT_IO_NICE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10);
+    if nice != 0 {
+        // SAFETY: plain libc calls on the calling thread.
+        unsafe {
+            let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+            libc::setpriority(libc::PRIO_PROCESS, tid, nice);
+        }
+    }
 }
 
 /// What to do when a save is asked for while the previous one is still persisting.
@@ -97,7 +116,8 @@ pub struct CheckpointerConfig {
     pub generation: u64,
     /// Whether this rank commits (rank 0 by default).
     pub committer: bool,
-    /// Bound on staging memory (bytes).
+    /// Bound on staging memory (bytes); 0 = as much as one snapshot needs (the pool grows to
+    /// the size of the first snapshot and stays there).
     pub staging_bytes: usize,
     /// Allocate and touch all staging memory up front.
     pub prefault: bool,
@@ -118,7 +138,7 @@ impl CheckpointerConfig {
             layout,
             generation: 0,
             committer: rank == 0,
-            staging_bytes: 1 << 30,
+            staging_bytes: 0,
             prefault: false,
             copy_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
             back_pressure: BackPressure::Wait,
@@ -338,7 +358,7 @@ impl Checkpointer {
                 capacity: cfg.staging_bytes.max(slab),
                 slab,
             },
-            cfg.prefault,
+            cfg.prefault && cfg.staging_bytes > 0,
         );
         Ok(Checkpointer {
             store,
@@ -372,6 +392,26 @@ impl Checkpointer {
     /// The save in flight, if any.
     pub fn last(&self) -> Option<SaveHandle> {
         self.last.lock().clone()
+    }
+
+    /// Size the staging pool for snapshots of `state` (when the bound is automatic) and, with
+    /// `prefault`, allocate and touch it now, so the first save does not pay for fresh memory.
+    pub fn prepare_staging(&self, state: &SaveState, prefault: bool) {
+        let slab = self.pool.slab_size();
+        if self.cfg.staging_bytes == 0 {
+            let lens: Vec<usize> = state
+                .tensors
+                .iter()
+                .filter(|t| t.source.is_some() && t.replica_of.is_none())
+                .map(|t| (t.bbox.numel() * t.dtype.size() as u64) as usize)
+                .collect();
+            let per_batch = (self.cfg.copy_threads.max(1) * 4).max(1);
+            self.pool
+                .ensure_capacity(slabs_needed(&lens, slab, per_batch) * slab);
+        }
+        if prefault {
+            self.pool.prefault();
+        }
     }
 
     pub(crate) fn seed_dedup(&self, step: u64, refs: Vec<ChunkRef>) {
@@ -483,6 +523,20 @@ impl Checkpointer {
         self.pool.reset_peak();
 
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Result<Bytes>>();
+        // When staging holds the whole snapshot, the persist starts after the copy: the copy
+        // then has every core to itself and the loop waits least. A smaller pool streams: the
+        // persist must free slabs while the copy goes on.
+        let slab = self.pool.slab_size();
+        let lens: Vec<usize> = pins.iter().map(|p| p.2).collect();
+        if self.cfg.staging_bytes == 0 {
+            let per_batch = (self.cfg.copy_threads.max(1) * 4).max(1);
+            self.pool
+                .ensure_capacity(slabs_needed(&lens, slab, per_batch) * slab);
+        }
+        let cap_slabs = (self.pool.stats().capacity / slab).max(1);
+        let per_batch = (self.cfg.copy_threads.max(1) * 4).clamp(1, cap_slabs);
+        let fits = slabs_needed(&lens, slab, per_batch) <= cap_slabs;
+        let (snap_done_tx, snap_done_rx) = tokio::sync::oneshot::channel::<()>();
         // Snapshot thread.
         {
             let pool = self.pool.clone();
@@ -491,16 +545,19 @@ impl Checkpointer {
             let names: Vec<String> = metas.iter().map(|m| m.name.clone()).collect();
             std::thread::Builder::new()
                 .name(format!("ckpt-snapshot-{}", self.cfg.rank))
-                .spawn(move || match snapshot(&pool, pins, threads, &tx) {
-                    Ok(()) => {
-                        let s = t0.elapsed().as_secs_f64();
-                        shared.set(Stage::Snapshotted, |r| r.snapshot_s = s);
+                .spawn(move || {
+                    match snapshot(&pool, pins, threads, &tx) {
+                        Ok(()) => {
+                            let s = t0.elapsed().as_secs_f64();
+                            shared.set(Stage::Snapshotted, |r| r.snapshot_s = s);
+                        }
+                        Err((i, e)) => {
+                            let e = e.context(format!("snapshot of tensor {:?}", names[i]));
+                            let _ = tx.send(Err(Error::new(e.kind(), e.to_string())));
+                            shared.set(Stage::Failed(e.to_string()), |_| {});
+                        }
                     }
-                    Err((i, e)) => {
-                        let e = e.context(format!("snapshot of tensor {:?}", names[i]));
-                        let _ = tx.send(Err(Error::new(e.kind(), e.to_string())));
-                        shared.set(Stage::Failed(e.to_string()), |_| {});
-                    }
+                    let _ = snap_done_tx.send(());
                 })
                 .map_err(|e| Error::internal(format!("starting the snapshot thread: {e}")))?;
         }
@@ -518,6 +575,9 @@ impl Checkpointer {
                 generation: cfg.generation,
             };
             runtime().spawn(async move {
+                if fits {
+                    let _ = snap_done_rx.await;
+                }
                 let index = prepare_index(&dedup).await;
                 let chunks = futures::stream::unfold(rx, |mut rx| async move {
                     rx.recv().await.map(|x| (x, rx))
@@ -636,50 +696,38 @@ fn snapshot(
             p.complete().map_err(|e| (i, e))?;
         }
     }
-    // Carve slabs: (slab index, start) per job, 64-byte aligned starts.
-    let mut place: Vec<(usize, usize)> = Vec::with_capacity(jobs.len());
-    let mut fills: Vec<usize> = Vec::new();
-    for j in &jobs {
-        let at = fills.last().map(|f| f.next_multiple_of(64));
-        match at {
-            Some(a) if a + j.len <= slab => {
-                place.push((fills.len() - 1, a));
-                *fills.last_mut().expect("a slab") = a + j.len;
-            }
-            _ => {
-                place.push((fills.len(), 0));
-                fills.push(j.len);
-            }
-        }
-    }
     // Batches of whole slabs, never more than the pool holds, so a batch can always start
     // once earlier batches are persisted.
     let cap_slabs = (pool.stats().capacity / slab).max(1);
     let per_batch = (threads * 4).clamp(1, cap_slabs);
-    let mut first_job = 0usize;
-    let mut slab_base = 0usize;
-    while slab_base < fills.len() {
-        let slab_end = (slab_base + per_batch).min(fills.len());
-        let last_job = place.partition_point(|(s, _)| *s < slab_end);
-        let group = &jobs[first_job..last_job];
-        let places = &place[first_job..last_job];
-        let mut slabs: Vec<_> = (slab_base..slab_end).map(|_| pool.acquire()).collect();
+    let lens: Vec<usize> = jobs.iter().map(|j| j.len).collect();
+    for b in carve(&lens, slab, per_batch) {
+        let group = &jobs[b.jobs.clone()];
+        let places = &b.place;
+        let mut slabs: Vec<_> = b.fills.iter().map(|_| pool.acquire()).collect();
         {
-            // Disjoint destination slices, one per job.
-            let mut dsts: Vec<&mut [u8]> = Vec::with_capacity(group.len());
+            // Disjoint destination slices, one per job, in slab order within each slab.
+            let mut order: Vec<usize> = (0..group.len()).collect();
+            order.sort_by_key(|&k| places[k]);
+            let mut dsts: Vec<Option<&mut [u8]>> = (0..group.len()).map(|_| None).collect();
             let mut rest: Vec<&mut [u8]> = slabs.iter_mut().map(|s| s.bytes_mut()).collect();
             let mut cut: Vec<usize> = vec![0; rest.len()];
-            for (j, (si, at)) in group.iter().zip(places) {
-                let local = si - slab_base;
-                let buf = std::mem::take(&mut rest[local]);
-                let (_, tail) = buf.split_at_mut(at - cut[local]);
-                let (dst, tail) = tail.split_at_mut(j.len);
-                rest[local] = tail;
-                cut[local] = at + j.len;
-                dsts.push(dst);
+            for k in order {
+                let (si, at) = places[k];
+                let len = group[k].len;
+                let buf = std::mem::take(&mut rest[si]);
+                let (_, tail) = buf.split_at_mut(at - cut[si]);
+                let (dst, tail) = tail.split_at_mut(len);
+                rest[si] = tail;
+                cut[si] = at + len;
+                dsts[k] = Some(dst);
             }
             let pins_ref = &pins;
-            let work: Vec<(&Job, &mut [u8])> = group.iter().zip(dsts).collect();
+            let work: Vec<(&Job, &mut [u8])> = group
+                .iter()
+                .zip(dsts)
+                .map(|(j, d)| (j, d.expect("every job has a destination")))
+                .collect();
             let per = work.len().div_ceil(threads).max(1);
             let res: Vec<std::result::Result<(), (usize, Error)>> = std::thread::scope(|s| {
                 let mut handles = Vec::new();
@@ -717,11 +765,11 @@ fn snapshot(
         }
         let frozen: Vec<Bytes> = slabs
             .into_iter()
-            .zip(&fills[slab_base..slab_end])
+            .zip(&b.fills)
             .map(|(s, &f)| s.freeze(f))
             .collect();
         for (j, (si, at)) in group.iter().zip(places) {
-            let chunk = frozen[si - slab_base].slice(*at..at + j.len);
+            let chunk = frozen[*si].slice(*at..at + j.len);
             if tx.send(Ok(chunk)).is_err() {
                 // The persist ended (it failed and reported why); stop copying.
                 return Ok(());
@@ -733,8 +781,116 @@ fn snapshot(
                 p.complete().map_err(|e| (i, e))?;
             }
         }
-        first_job = last_job;
-        slab_base = slab_end;
     }
     Ok(())
+}
+
+/// One batch of a snapshot: consecutive jobs and the slabs they are copied into.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Batch {
+    /// The jobs (indices into the job list).
+    pub jobs: std::ops::Range<usize>,
+    /// Per job: (slab within the batch, byte offset in it).
+    pub place: Vec<(usize, usize)>,
+    /// Bytes used in each slab.
+    pub fills: Vec<usize>,
+}
+
+/// Place jobs of `lens` bytes (each at most `slab`) into batches of at most `per_batch` slabs,
+/// first fit within the batch, 64-byte aligned, so shards smaller than a slab share slabs and
+/// little is wasted.
+pub(crate) fn carve(lens: &[usize], slab: usize, per_batch: usize) -> Vec<Batch> {
+    let mut out: Vec<Batch> = Vec::new();
+    let mut cur = Batch {
+        jobs: 0..0,
+        place: Vec::new(),
+        fills: Vec::new(),
+    };
+    for (j, &len) in lens.iter().enumerate() {
+        let fit = cur
+            .fills
+            .iter()
+            .position(|f| f.next_multiple_of(64) + len <= slab);
+        let (si, at) = match fit {
+            Some(si) => (si, cur.fills[si].next_multiple_of(64)),
+            None if cur.fills.len() < per_batch => {
+                cur.fills.push(0);
+                (cur.fills.len() - 1, 0)
+            }
+            None => {
+                let next = Batch {
+                    jobs: j..j,
+                    place: Vec::new(),
+                    fills: vec![0],
+                };
+                out.push(std::mem::replace(&mut cur, next));
+                (0, 0)
+            }
+        };
+        cur.fills[si] = at + len;
+        cur.place.push((si, at));
+        cur.jobs.end = j + 1;
+    }
+    if !cur.place.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
+/// Slabs a snapshot of shards of `lens` bytes needs at once (chunked by `slab`).
+pub(crate) fn slabs_needed(lens: &[usize], slab: usize, per_batch: usize) -> usize {
+    let mut jobs = Vec::new();
+    for &len in lens {
+        let mut off = 0;
+        while off < len {
+            jobs.push(slab.min(len - off));
+            off += slab;
+        }
+    }
+    carve(&jobs, slab, per_batch)
+        .iter()
+        .map(|b| b.fills.len())
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn carving_packs_small_jobs_and_keeps_batches_bounded() {
+        // 1.5 MiB jobs: first fit puts two per 4 MiB slab, and a 1 MiB job fills a gap.
+        let m = 1 << 20;
+        let lens = [3 * m / 2, 3 * m / 2, 3 * m / 2, m, 4 * m, 100];
+        let b = carve(&lens, 4 * m, 8);
+        assert_eq!(b.len(), 1);
+        assert_eq!(b[0].fills.len(), 3, "{:?}", b[0]);
+        assert_eq!(
+            b[0].place[3].0, 0,
+            "the 1 MiB job goes into the first slab's gap"
+        );
+        // Batches never exceed their slab count, and jobs stay in order across batches.
+        let many = vec![4 * m; 20];
+        let bs = carve(&many, 4 * m, 8);
+        assert_eq!(
+            bs.iter().map(|b| b.fills.len()).collect::<Vec<_>>(),
+            vec![8, 8, 4]
+        );
+        assert_eq!(bs[1].jobs, 8..16);
+        // Every placement lies inside its slab and never overlaps another.
+        for b in carve(&[m, 3 * m, 2 * m, 2 * m, 1, 4 * m - 64], 4 * m, 4) {
+            let mut spans: Vec<(usize, usize, usize)> = b
+                .place
+                .iter()
+                .zip(b.jobs.clone())
+                .map(|(&(s, a), j)| (s, a, a + [m, 3 * m, 2 * m, 2 * m, 1, 4 * m - 64][j]))
+                .collect();
+            spans.sort();
+            for w in spans.windows(2) {
+                assert!(w[0].0 != w[1].0 || w[0].2 <= w[1].1, "{spans:?}");
+            }
+            assert!(spans.iter().all(|s| s.2 <= 4 * m));
+        }
+        assert_eq!(slabs_needed(&[10 * m], 4 * m, 8), 3);
+    }
 }

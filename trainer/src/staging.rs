@@ -56,6 +56,7 @@ struct PoolState {
     allocated: usize,
     in_use: usize,
     peak_in_use: usize,
+    capacity: usize,
 }
 
 /// A bounded pool of page-aligned slabs.
@@ -101,20 +102,35 @@ impl StagingPool {
                 capacity: cap,
                 slab: cfg.slab,
             },
-            state: Mutex::new(PoolState::default()),
+            state: Mutex::new(PoolState {
+                capacity: cap,
+                ..PoolState::default()
+            }),
             freed: Condvar::new(),
             hook: HookSlot(SLAB_HOOK.read().clone()),
         });
         if prefault {
-            let n = cap / cfg.slab;
-            let mut st = pool.state.lock();
-            for _ in 0..n {
-                let b = pool.new_slab();
-                st.free.push(b);
-                st.allocated += cfg.slab;
-            }
+            pool.prefault();
         }
         pool
+    }
+
+    /// Allocate and touch slabs up to the bound now (not during a snapshot).
+    pub fn prefault(&self) {
+        let mut st = self.state.lock();
+        while st.allocated + self.cfg.slab <= st.capacity {
+            let b = self.new_slab();
+            st.free.push(b);
+            st.allocated += self.cfg.slab;
+        }
+    }
+
+    /// Raise the bound to at least `bytes` (never lowers it).
+    pub fn ensure_capacity(&self, bytes: usize) {
+        let mut st = self.state.lock();
+        st.capacity = st.capacity.max(bytes.next_multiple_of(self.cfg.slab));
+        drop(st);
+        self.freed.notify_all();
     }
 
     fn new_slab(&self) -> AlignedBuf {
@@ -144,7 +160,7 @@ impl StagingPool {
                     pool: self.clone(),
                 };
             }
-            if st.allocated + self.cfg.slab <= self.cfg.capacity {
+            if st.allocated + self.cfg.slab <= st.capacity {
                 st.allocated += self.cfg.slab;
                 st.in_use += self.cfg.slab;
                 st.peak_in_use = st.peak_in_use.max(st.in_use);
@@ -166,7 +182,7 @@ impl StagingPool {
             allocated: st.allocated,
             in_use: st.in_use,
             peak_in_use: st.peak_in_use,
-            capacity: self.cfg.capacity,
+            capacity: st.capacity,
         }
     }
 
