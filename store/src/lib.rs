@@ -40,6 +40,7 @@
 
 #![warn(missing_docs)]
 
+pub mod cache;
 pub mod catalog;
 pub mod codec;
 pub mod commit;
@@ -68,6 +69,7 @@ pub use bytes;
 pub use object_store;
 pub use object_store::{ObjectStore, ObjectStoreExt};
 
+pub use cache::ChunkCache;
 pub use catalog::StepListing;
 pub use codec::{Codec, CodecPolicy};
 pub use commit::{CommitOutcome, now_ms};

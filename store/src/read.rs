@@ -113,6 +113,7 @@ pub struct StepReader {
     id: StepId,
     manifests: Arc<Mutex<HashMap<u32, Arc<RankManifest>>>>,
     source: Option<Arc<dyn ChunkSource>>,
+    cache: Option<Arc<crate::cache::ChunkCache>>,
 }
 
 impl std::fmt::Debug for StepReader {
@@ -131,6 +132,7 @@ impl StepReader {
             id,
             manifests: Arc::default(),
             source: None,
+            cache: None,
         })
     }
 
@@ -143,6 +145,13 @@ impl StepReader {
     /// Consult `source` before the store for every chunk.
     pub fn with_source(mut self, source: Arc<dyn ChunkSource>) -> Self {
         self.source = Some(source);
+        self
+    }
+
+    /// Share decoded chunks through `cache` (readers of one process restoring onto a new
+    /// layout then fetch each chunk once).
+    pub fn with_cache(mut self, cache: Arc<crate::cache::ChunkCache>) -> Self {
+        self.cache = Some(cache);
         self
     }
 
@@ -282,8 +291,25 @@ impl StepReader {
             }
             warn!(chunk = %r.id, "a chunk source returned damaged bytes; reading the store");
         }
-        stats.stored_bytes += r.stored as u64;
-        self.store.get_chunk(r).await
+        match &self.cache {
+            Some(c) => {
+                let mut fetched = false;
+                let b = c
+                    .get_or_fetch(r.id, || {
+                        fetched = true;
+                        self.store.get_chunk(r)
+                    })
+                    .await?;
+                if fetched {
+                    stats.stored_bytes += r.stored as u64;
+                }
+                Ok(b)
+            }
+            None => {
+                stats.stored_bytes += r.stored as u64;
+                self.store.get_chunk(r).await
+            }
+        }
     }
 
     /// Execute a plan into `out` (which must be the plan's box, row-major).

@@ -87,3 +87,65 @@ async fn sharded_step_as_one_safetensors_file() {
     assert_eq!(st2.names().len(), 1);
     assert!(SafetensorsView::new(reader.commit(), Some(&["nope".to_string()])).is_err());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readers_sharing_a_cache_fetch_each_chunk_once() {
+    let store = memory_store(tiny_config());
+    let data = det_bytes(9, 64 * 64 * 4);
+    let wr = RankWrite {
+        run: "c".into(),
+        step: 1,
+        rank: 0,
+        layout: Layout::SINGLE,
+        generation: 0,
+    };
+    let shard = ShardIn {
+        name: "w".into(),
+        dtype: DType::F32,
+        shape: vec![64, 64],
+        bbox: NdBox::full(&[64, 64]),
+        data: Some(Bytes::from(data.clone())),
+        replica_of: None,
+        placement: None,
+    };
+    store
+        .write_rank(&wr, vec![shard], vec![], &DedupIndex::new())
+        .await
+        .unwrap();
+    store.commit_step("c", 1).await.unwrap();
+    let cache = ckpt_store::ChunkCache::new(1 << 20);
+    // Two "ranks" reading column halves: both need every chunk of the rows.
+    let left = NdBox::new(vec![0, 0], vec![64, 32]).unwrap();
+    let right = NdBox::new(vec![0, 32], vec![64, 32]).unwrap();
+    let r1 = StepReader::open(&store, "c", 1)
+        .await
+        .unwrap()
+        .with_cache(cache.clone());
+    let r2 = StepReader::open(&store, "c", 1)
+        .await
+        .unwrap()
+        .with_cache(cache.clone());
+    let mut a = vec![0u8; 64 * 32 * 4];
+    let mut b = vec![0u8; 64 * 32 * 4];
+    let s1 = r1.read_into("w", &left, &mut a).await.unwrap();
+    let s2 = r2.read_into("w", &right, &mut b).await.unwrap();
+    assert_eq!(
+        s1.stored_bytes as usize,
+        data.len() + 16 * 4,
+        "the first reader fetches every chunk"
+    );
+    assert_eq!(
+        s2.stored_bytes, 0,
+        "the second reader finds them all in the cache"
+    );
+    for row in 0..64 {
+        assert_eq!(
+            &a[row * 128..row * 128 + 128],
+            &data[row * 256..row * 256 + 128]
+        );
+        assert_eq!(
+            &b[row * 128..row * 128 + 128],
+            &data[row * 256 + 128..row * 256 + 256]
+        );
+    }
+}
