@@ -24,7 +24,8 @@
 //!         // Restores the newest committed step before the spike (tensors, Stateful items
 //!         // and the monitor's window); the closure moves the data position past the spike.
 //!         let rb = mgr.rollback(&spike, |_| loader.skip_through(spike.batch))?;
-//!         step = rb.to_step;
+//!         next_step = rb.to_step + 1; // nothing of the spike's step is saved
+//!         continue;
 //!     }
 //!     Decision::Stop(stop) => return Err(stop.to_string()),
 //! }
@@ -576,13 +577,8 @@ impl CheckpointManager {
         spike: &Spike,
         skip_data: impl FnOnce(u64) -> Option<(u64, u64)>,
     ) -> Result<Rollback> {
-        if let Some(h) = self.ckpt.last()
-            && let Err(e) = h.wait_committed(self.cfg.ckpt.commit_timeout)
-        {
-            warn!(
-                step = h.step(),
-                "rolling back past a checkpoint that did not commit: {e}"
-            );
+        if let Some(h) = self.ckpt.last() {
+            self.settle(&h);
         }
         let store = self.ckpt.store().clone();
         let run = self.cfg.ckpt.run.clone();
@@ -637,6 +633,41 @@ impl CheckpointManager {
             skipped,
             count,
         })
+    }
+
+    /// Wait until `h` committed, failed or was skipped (or the commit timeout passed).
+    /// `SaveHandle::wait_committed` would keep polling for the commit record after a commit
+    /// that failed once the rank had persisted (a fenced committer), until the timeout; a
+    /// rollback must not sit out ten minutes for a step it will not use.
+    fn settle(&self, h: &SaveHandle) {
+        let key = self.store().keys().commit(&self.cfg.ckpt.run, h.step());
+        let t0 = Instant::now();
+        let mut pause = Duration::from_millis(10);
+        loop {
+            let why = match h.stage() {
+                Stage::Committed => return,
+                Stage::Failed(e) | Stage::Skipped(e) => e,
+                Stage::Snapshotting | Stage::Snapshotted => match h.wait_persisted() {
+                    Ok(_) => continue,
+                    Err(e) => e.to_string(),
+                },
+                Stage::Persisted => match runtime().block_on(self.store().exists(&key)) {
+                    Ok(true) => return,
+                    Ok(false) if t0.elapsed() < self.cfg.ckpt.commit_timeout => {
+                        std::thread::sleep(pause);
+                        pause = (pause * 2).min(Duration::from_millis(200));
+                        continue;
+                    }
+                    Ok(false) => format!("not committed within {:?}", self.cfg.ckpt.commit_timeout),
+                    Err(e) => e.to_string(),
+                },
+            };
+            warn!(
+                step = h.step(),
+                "rolling back past a checkpoint that did not commit: {why}"
+            );
+            return;
+        }
     }
 
     fn log_stop(&mut self, step: u64, reason: &StopReason, history: &[RollbackEntry]) {
