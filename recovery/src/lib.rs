@@ -4,11 +4,14 @@
 //!   out), tested with decision tables;
 //! - [`heartbeat`]: the rank side and the supervisor side of heartbeats over a local socket;
 //! - [`supervisor`]: the local driver behind `ckpt resume`: launches ranks, supervises,
-//!   relaunches survivors on a new layout after a failure, keeps the recovery log.
+//!   relaunches survivors on a new layout after a failure, keeps the recovery log;
+//! - [`driver`]: what both drivers share (launching ranks, the recovery log, choosing the
+//!   step to restore).
 
 #![warn(missing_docs)]
 
 pub mod coordinator;
+pub mod driver;
 pub mod heartbeat;
 pub mod supervisor;
 

@@ -1,0 +1,437 @@
+//! What every driver of the [`Coordinator`](crate::Coordinator) does the same way, whether it
+//! runs on one machine (`supervisor`) or on many through etcd (`agent`): launch a
+//! rank with its environment, signal it, choose the step to restore and plan the restore,
+//! number generations, and write the recovery log and the loss metrics into the run's logs.
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use ckpt_store::logs::{EVENTS, LogWriter, METRICS};
+use ckpt_store::placement::{stage_of, tp_box};
+use ckpt_store::{Error, Layout, Result, StepReader, Store};
+use serde::Serialize;
+use serde_json::json;
+use tokio::sync::mpsc;
+use tracing::{error, info, warn};
+
+use crate::coordinator::{Assignment, ExitStatus, Record};
+use crate::heartbeat::{ENV_INTERVAL, ENV_SOCKET};
+
+/// Bytes one rank of a new layout reads to restore.
+#[derive(Debug, Clone, Serialize)]
+pub struct RankPlan {
+    /// Rank.
+    pub rank: u32,
+    /// Bytes of the boxes it holds.
+    pub bytes_needed: u64,
+    /// Stored bytes of the chunks it fetches.
+    pub bytes_fetched: u64,
+    /// Chunks it fetches.
+    pub chunks: u64,
+}
+
+/// What each rank of `layout` reads to restore `step`: the tensor-parallel shard of every
+/// tensor on its pipeline stage (as the reference workload holds). Tensors saved without a
+/// placement are read whole by every rank.
+pub async fn restore_plan(
+    store: &Store,
+    run: &str,
+    step: u64,
+    layout: &Layout,
+) -> Result<Vec<RankPlan>> {
+    let reader = StepReader::open(store, run, step).await?;
+    let mut out = Vec::new();
+    for rank in 0..layout.world() {
+        let c = layout.coords(rank);
+        let mut p = RankPlan {
+            rank,
+            bytes_needed: 0,
+            bytes_fetched: 0,
+            chunks: 0,
+        };
+        for t in &reader.commit().tensors {
+            let bbox = match t.spec() {
+                Some(spec) => {
+                    if stage_of(&spec.placement.stage, layout.pp) != c.pp {
+                        continue;
+                    }
+                    tp_box(&spec, c.tp, layout.tp)?
+                }
+                None => ckpt_store::NdBox::full(&t.shape),
+            };
+            let plan = reader.plan(&t.name, &bbox).await?;
+            p.bytes_needed += plan.bytes_needed();
+            p.bytes_fetched += plan.stored_bytes_fetched();
+            p.chunks += plan.chunks.len() as u64;
+        }
+        out.push(p);
+    }
+    Ok(out)
+}
+
+/// The newest committed step of `run` whose chunk and pack objects are all present (one HEAD
+/// per distinct object), with the steps skipped and why.
+pub async fn choose_step(store: &Store, run: &str) -> Result<(Option<u64>, Vec<String>)> {
+    let mut skipped = Vec::new();
+    let mut steps = store.committed_steps(run).await?;
+    steps.reverse();
+    for s in steps {
+        match step_objects_missing(store, run, s).await {
+            Ok(missing) if missing.is_empty() => return Ok((Some(s), skipped)),
+            Ok(missing) => skipped.push(format!(
+                "step {s}: {} objects missing (first: {})",
+                missing.len(),
+                missing[0]
+            )),
+            Err(e) => skipped.push(format!("step {s}: {e}")),
+        }
+    }
+    Ok((None, skipped))
+}
+
+async fn step_objects_missing(store: &Store, run: &str, step: u64) -> Result<Vec<String>> {
+    let reader = StepReader::open(store, run, step).await?;
+    let mut objects = HashSet::new();
+    for e in &reader.commit().ranks {
+        let m = reader.manifest(e.rank).await?;
+        for c in m
+            .tensors
+            .iter()
+            .flat_map(|t| &t.chunks)
+            .chain(m.blobs.iter().flat_map(|b| &b.chunks))
+        {
+            objects.insert(store.object_of(c));
+        }
+    }
+    let mut missing = Vec::new();
+    let checks = futures::future::join_all(objects.iter().map(|p| store.exists(p))).await;
+    for (p, ok) in objects.iter().zip(checks) {
+        if !ok? {
+            missing.push(p.to_string());
+        }
+    }
+    missing.sort();
+    Ok(missing)
+}
+
+/// The first generation number no earlier supervision of `run` used: one past the newest
+/// generation marker and the newest generation that committed a step.
+pub async fn first_free_generation(store: &Store, run: &str) -> Result<u64> {
+    let marked = store.newest_generation(run).await?.map_or(0, |g| g + 1);
+    let committed = match store.latest_committed(run).await? {
+        Some(s) => store.read_commit(run, s).await?.0.generation + 1,
+        None => 0,
+    };
+    Ok(marked.max(committed))
+}
+
+/// The choose-step answer, with skipped steps logged.
+pub async fn choose_step_logged(store: &Store, run: &str) -> Result<Option<u64>> {
+    let (step, skipped) = choose_step(store, run).await?;
+    for s in &skipped {
+        warn!("not restoring {s}");
+    }
+    Ok(step)
+}
+
+/// How ranks are launched: the same for every rank of a job.
+#[derive(Debug, Clone)]
+pub struct Launch {
+    /// Store URL (`CKPT_STORE`).
+    pub store_url: String,
+    /// Run name (`CKPT_RUN`).
+    pub run: String,
+    /// The command, program first.
+    pub command: Vec<String>,
+    /// Where rank stdout/stderr go (`rank-R.gen-G.{out,err}`); inherited when `None`.
+    pub logs_dir: Option<PathBuf>,
+    /// The heartbeat socket the ranks beat to (`CKPT_HEARTBEAT`).
+    pub heartbeat_socket: PathBuf,
+    /// How often ranks beat between steps (`CKPT_HEARTBEAT_MS`).
+    pub heartbeat_interval: Duration,
+    /// Ranks per node (`LOCAL_WORLD_SIZE`).
+    pub ranks_per_node: u32,
+    /// Kill the ranks when the launching process dies (an agent whose machine is gone must not
+    /// leave ranks behind).
+    pub die_with_parent: bool,
+}
+
+/// A rank exit: the tag given at launch, the rank, and how it ended.
+pub type RankExit = (u64, u32, ExitStatus);
+
+impl Launch {
+    /// Start rank `a` of generation `generation` under `layout`; its exit is sent on `exits`
+    /// with `tag`. Returns its process id.
+    pub fn spawn(
+        &self,
+        generation: u64,
+        layout: &Layout,
+        a: &Assignment,
+        master: (&str, u16),
+        tag: u64,
+        exits: &mpsc::UnboundedSender<RankExit>,
+    ) -> Result<u32> {
+        let mut cmd = tokio::process::Command::new(&self.command[0]);
+        cmd.args(&self.command[1..])
+            .env("CKPT_STORE", &self.store_url)
+            .env("CKPT_RUN", &self.run)
+            .env("CKPT_RANK", a.rank.to_string())
+            .env("CKPT_WORLD_SIZE", layout.world().to_string())
+            .env("CKPT_LAYOUT", layout.to_string())
+            .env("CKPT_GENERATION", generation.to_string())
+            .env("CKPT_RESUME", "true")
+            .env("CKPT_NODE", a.node.to_string())
+            .env("CKPT_LOCAL_RANK", a.local_rank.to_string())
+            .env("CKPT_FINAL_ON_SIGTERM", "0")
+            .env(ENV_SOCKET, &self.heartbeat_socket)
+            .env(
+                ENV_INTERVAL,
+                self.heartbeat_interval.as_millis().to_string(),
+            )
+            .env("RANK", a.rank.to_string())
+            .env("WORLD_SIZE", layout.world().to_string())
+            .env("LOCAL_RANK", a.local_rank.to_string())
+            .env("LOCAL_WORLD_SIZE", self.ranks_per_node.to_string())
+            .env("MASTER_ADDR", master.0)
+            .env("MASTER_PORT", master.1.to_string())
+            .stdin(Stdio::null())
+            .kill_on_drop(true);
+        if self.die_with_parent {
+            // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
+            unsafe {
+                cmd.pre_exec(|| {
+                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        if let Some(dir) = &self.logs_dir {
+            std::fs::create_dir_all(dir).map_err(|e| Error::io("creating", &dir.display(), e))?;
+            let f = |ext: &str| {
+                let p = dir.join(format!("rank-{}.gen-{generation}.{ext}", a.rank));
+                std::fs::File::create(&p)
+                    .map_err(|e| Error::io("creating a rank log", &p.display(), e))
+            };
+            cmd.stdout(f("out")?);
+            cmd.stderr(f("err")?);
+        }
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| Error::io("starting", &self.command[0], e))?;
+        let pid = child.id().unwrap_or(0);
+        let tx = exits.clone();
+        let rank = a.rank;
+        tokio::spawn(async move {
+            let status = match child.wait().await {
+                Ok(s) => {
+                    use std::os::unix::process::ExitStatusExt;
+                    match (s.code(), s.signal()) {
+                        (Some(c), _) => ExitStatus::Code(c),
+                        (None, Some(sig)) => ExitStatus::Signal(sig),
+                        _ => ExitStatus::Code(-1),
+                    }
+                }
+                Err(_) => ExitStatus::Code(-1),
+            };
+            let _ = tx.send((tag, rank, status));
+        });
+        Ok(pid)
+    }
+}
+
+/// SIGTERM (with SIGCONT, so a stopped process handles it) or SIGKILL to a rank we started.
+pub fn signal_rank(pid: u32, kill: bool) {
+    if pid == 0 {
+        return;
+    }
+    let pid = pid as i32;
+    // SAFETY: plain signals to a child process we started.
+    unsafe {
+        if kill {
+            libc::kill(pid, libc::SIGKILL);
+        } else {
+            libc::kill(pid, libc::SIGTERM);
+            // A stopped (SIGSTOP) process handles SIGTERM only once continued.
+            libc::kill(pid, libc::SIGCONT);
+        }
+    }
+}
+
+/// A free TCP port on this machine for `MASTER_PORT` (29500 if none can be found).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind(("0.0.0.0", 0))
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or(29500)
+}
+
+/// A new private directory under the system's temporary directory (for a heartbeat socket).
+pub fn private_dir(what: &str) -> Result<PathBuf> {
+    let base = std::env::temp_dir();
+    for i in 0..1000u32 {
+        let p = base.join(format!("ckpt-{what}-{}-{i}", std::process::id()));
+        match std::fs::create_dir(&p) {
+            Ok(()) => return Ok(p),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(Error::io("creating", &p.display(), e)),
+        }
+    }
+    Err(Error::internal(format!(
+        "no temporary directory for the {what} socket"
+    )))
+}
+
+/// Remove a directory from [`private_dir`], ignoring errors.
+pub fn remove_private_dir(p: &Path) {
+    let _ = std::fs::remove_dir_all(p);
+}
+
+/// The recovery log of a run (JSON lines in the run's `events` log), kept also in memory for
+/// the driver's report.
+#[derive(Debug)]
+pub struct RecoveryLog {
+    store: Store,
+    run: String,
+    events: LogWriter,
+    /// The records written, in order.
+    pub records: Vec<serde_json::Value>,
+}
+
+impl RecoveryLog {
+    /// A log written by `writer` (unique per process: a name such as `supervisor` or
+    /// `leader-3`).
+    pub fn new(store: &Store, run: &str, writer: &str) -> Result<Self> {
+        Ok(RecoveryLog {
+            store: store.clone(),
+            run: run.to_string(),
+            events: LogWriter::new(store, run, EVENTS, writer)?,
+            records: Vec::new(),
+        })
+    }
+
+    /// A coordinator record as it is logged: its generation renumbered by `generation` (the
+    /// coordinator may count from 0; the store's generations go on across supervisions), and
+    /// the restore plan added to a decision. Also logged through `tracing`.
+    pub async fn render(&self, rec: &Record, generation: impl Fn(u64) -> u64) -> serde_json::Value {
+        let mut v = serde_json::to_value(rec).unwrap_or_default();
+        if let Some(g) = v.get("generation").and_then(|g| g.as_u64()) {
+            v["generation"] = json!(generation(g));
+        }
+        log_record(rec);
+        if let Record::Decision {
+            step: Some(s),
+            layout,
+            ..
+        } = rec
+            && let Ok(l) = layout.parse::<Layout>()
+        {
+            match restore_plan(&self.store, &self.run, *s, &l).await {
+                Ok(plan) => v["plan"] = json!(plan),
+                Err(e) => warn!("restore plan: {e}"),
+            }
+        }
+        v
+    }
+
+    /// Append a record to the log and write it out (a failed write is logged, not fatal: the
+    /// job matters more than its log).
+    pub async fn write(&mut self, v: serde_json::Value) -> Result<()> {
+        self.events.append(&v)?;
+        if let Err(e) = self.events.flush().await {
+            warn!("writing the recovery log: {e}");
+        }
+        self.records.push(v);
+        Ok(())
+    }
+}
+
+/// Per-step loss and gradient norm of the whole job, summed from the partial sums every rank
+/// sends with its step heartbeat, into the run's `metrics` log.
+#[derive(Debug)]
+pub struct LossBoard {
+    metrics: LogWriter,
+    partial: BTreeMap<(u64, u64), (u128, u128, u64, u32)>,
+}
+
+impl LossBoard {
+    /// A board writing as `writer`.
+    pub fn new(store: &Store, run: &str, writer: &str) -> Result<Self> {
+        Ok(LossBoard {
+            metrics: LogWriter::new(store, run, METRICS, writer)?,
+            partial: BTreeMap::new(),
+        })
+    }
+
+    /// Add one rank's partial sums (fixed point, decimal strings) of `step` in `generation`;
+    /// once all `world` ranks have reported the step, its metrics record is logged.
+    pub async fn add(
+        &mut self,
+        generation: u64,
+        step: u64,
+        sse: &str,
+        gsq: &str,
+        n: u64,
+        world: u32,
+    ) -> Result<()> {
+        let e = self.partial.entry((generation, step)).or_default();
+        e.0 += sse.parse::<u128>().unwrap_or(0);
+        e.1 += gsq.parse::<u128>().unwrap_or(0);
+        e.2 += n;
+        e.3 += 1;
+        if e.3 >= world {
+            let (sse, gsq, n, _) = self.partial.remove(&(generation, step)).unwrap_or_default();
+            let scale = (1u64 << 40) as f64;
+            self.metrics.append(&json!({
+                "kind": "step", "step": step, "generation": generation,
+                "loss": sse as f64 / scale / n.max(1) as f64,
+                "grad_norm": (gsq as f64 / scale).sqrt(),
+            }))?;
+            if self.metrics.pending() >= 50 {
+                let _ = self.metrics.flush().await;
+            }
+        }
+        Ok(())
+    }
+
+    /// Write what is buffered.
+    pub async fn flush(&mut self) {
+        let _ = self.metrics.flush().await;
+    }
+}
+
+fn log_record(rec: &Record) {
+    match rec {
+        Record::Failure {
+            rank,
+            node,
+            how,
+            detail,
+            ..
+        } => {
+            error!(rank, node, how = %how, "rank failed: {detail}")
+        }
+        Record::Decision {
+            layout,
+            step,
+            steps_lost,
+            ..
+        } => {
+            warn!(layout = %layout, step = ?step, steps_lost, "recovering")
+        }
+        Record::Started {
+            generation, layout, ..
+        } => info!(generation, layout = %layout, "generation started"),
+        Record::Resumed {
+            step,
+            since_failure_s,
+            ..
+        } => {
+            info!(step, since_failure_s, "training resumed")
+        }
+        Record::Finished { ok, reason, .. } => info!(ok, "job finished: {reason}"),
+    }
+}
