@@ -26,7 +26,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use ckpt_store::Layout;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Nodes and ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -80,7 +80,7 @@ impl Config {
 }
 
 /// How a rank process ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ExitStatus {
     /// Exited with a code.
     Code(i32),
@@ -151,7 +151,7 @@ pub enum Event {
 }
 
 /// Where a rank runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Assignment {
     /// Rank.
     pub rank: u32,
@@ -186,7 +186,8 @@ pub enum Record {
         rank: u32,
         /// Its node (excluded from now on).
         node: u32,
-        /// `exit`, `signal`, `heartbeat`, `hang` or `startup`.
+        /// `exit`, `signal`, `heartbeat`, `hang`, `startup`, or `node` (found lost when a
+        /// coordinator took over).
         how: String,
         /// Details.
         detail: String,
@@ -280,6 +281,34 @@ pub enum Action {
     },
 }
 
+/// What a coordinator taking over from a lost one knows about the generation it inherits (an
+/// agent elected after the previous coordinator's node died; see `agent`). See
+/// [`Coordinator::take_over`].
+#[derive(Debug, Clone)]
+pub struct TakeOver {
+    /// The generation running (or being stopped).
+    pub generation: u64,
+    /// Its layout.
+    pub layout: Layout,
+    /// Where its ranks run.
+    pub assignments: Vec<Assignment>,
+    /// Nodes the previous coordinator had excluded.
+    pub excluded: BTreeSet<u32>,
+    /// Restarts the previous coordinator had made.
+    pub restarts: u32,
+    /// The highest step any rank reported (for the steps lost).
+    pub max_step: u64,
+    /// The previous coordinator had begun stopping the generation (after a failure it
+    /// recorded, or at the end).
+    pub stopping: bool,
+    /// ... and had already sent SIGKILL.
+    pub killed: bool,
+    /// Ranks of the generation known to have ended, and how.
+    pub exited: BTreeMap<u32, ExitStatus>,
+    /// Nodes found lost (their agent is gone), with why; their ranks are gone too.
+    pub lost_nodes: BTreeMap<u32, String>,
+}
+
 #[derive(Debug, Clone)]
 struct RankState {
     node: u32,
@@ -365,6 +394,117 @@ impl Coordinator {
             .filter(|(_, r)| r.exited.is_none())
             .map(|(k, _)| *k)
             .collect()
+    }
+
+    /// Nodes excluded after failures, in order.
+    pub fn excluded(&self) -> Vec<u32> {
+        self.excluded.iter().copied().collect()
+    }
+
+    /// A coordinator that carries on from a lost one, at the generation it ran (see
+    /// [`TakeOver`]), with the actions to take now:
+    ///
+    /// - every rank of the generation ended with success: the job is done;
+    /// - a lost node ran ranks of the generation, or a rank ended abnormally and the previous
+    ///   coordinator had not begun stopping: each such node is failed (a `failure` record with
+    ///   `how` = `node`, or `exit`/`signal`) and excluded, and the job stops and restarts from
+    ///   the newest committed step on a new generation, as after any failure;
+    /// - the previous coordinator had begun stopping: stopping goes on (SIGTERM again, SIGKILL
+    ///   after the grace period), then the step is chosen and the job restarts;
+    /// - otherwise nothing is lost: the ranks keep running under the new coordinator.
+    ///
+    /// Lost nodes that ran no rank of the generation are excluded without a record.
+    pub fn take_over(cfg: Config, t: TakeOver, now: Duration) -> (Self, Vec<Action>) {
+        let mut c = Coordinator::new(cfg);
+        c.generation = t.generation;
+        c.layout = t.layout;
+        c.excluded = t.excluded;
+        c.restarts = t.restarts;
+        c.max_step = t.max_step;
+        c.phase = Phase::Running;
+        c.ranks = t
+            .assignments
+            .iter()
+            .map(|a| {
+                (
+                    a.rank,
+                    RankState {
+                        node: a.node,
+                        started: now,
+                        last_beat: None,
+                        last_step: None,
+                        last_progress: now,
+                        exited: t.exited.get(&a.rank).copied(),
+                    },
+                )
+            })
+            .collect();
+        if !t.stopping
+            && !c.ranks.is_empty()
+            && c.ranks
+                .values()
+                .all(|r| r.exited.is_some_and(|s| s.success()))
+        {
+            let out = c.finish(now, true, "every rank finished".into());
+            return (c, out);
+        }
+        // One failure per node: the first rank found on it.
+        let mut failed: BTreeMap<u32, (u32, &'static str, String)> = BTreeMap::new();
+        for (&rank, r) in c.ranks.iter_mut() {
+            if let Some(why) = t.lost_nodes.get(&r.node) {
+                if r.exited.is_none() {
+                    r.exited = Some(ExitStatus::Signal(9));
+                    failed.entry(r.node).or_insert((
+                        rank,
+                        "node",
+                        format!("node {} was lost: {why}", r.node),
+                    ));
+                }
+            } else if !t.stopping
+                && let Some(st) = r.exited.filter(|s| !s.success())
+            {
+                let how = match st {
+                    ExitStatus::Signal(_) => "signal",
+                    ExitStatus::Code(_) => "exit",
+                };
+                failed
+                    .entry(r.node)
+                    .or_insert((rank, how, format!("rank {rank} ended with {st}")));
+            }
+        }
+        c.excluded.extend(t.lost_nodes.keys().copied());
+        if failed.is_empty() && !t.stopping {
+            return (c, vec![]);
+        }
+        let mut out = Vec::new();
+        for (node, (rank, how, detail)) in failed {
+            c.excluded.insert(node);
+            out.push(Action::Record(Record::Failure {
+                generation: c.generation,
+                rank,
+                node,
+                how: how.into(),
+                detail,
+                last_step: None,
+                detection_s: 0.0,
+                at_ms: ms(now),
+            }));
+        }
+        c.failed_at = Some(now);
+        c.phase = Phase::Stopping {
+            kill_at: now + c.cfg.stop_grace,
+            killed: t.killed,
+        };
+        let live = c.live_ranks();
+        if !live.is_empty() {
+            out.push(Action::Signal {
+                generation: c.generation,
+                ranks: live,
+                kill: t.killed,
+            });
+        }
+        out.extend(c.maybe_all_stopped(now));
+        (c, out)
     }
 
     /// Nodes not excluded, in order (spares last).
@@ -770,5 +910,192 @@ impl Coordinator {
         }
         out.push(Action::Done { ok, reason });
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(nodes: u32, spares: u32, layout: &str) -> Config {
+        let mut c = Config::new(
+            Topology {
+                nodes,
+                ranks_per_node: 1,
+                spares,
+            },
+            layout.parse().unwrap(),
+        );
+        c.stop_grace = Duration::from_millis(500);
+        c.backoff = Duration::from_millis(100);
+        c
+    }
+
+    fn inherited(layout: &str, nodes: &[u32]) -> TakeOver {
+        TakeOver {
+            generation: 5,
+            layout: layout.parse().unwrap(),
+            assignments: nodes
+                .iter()
+                .enumerate()
+                .map(|(r, &node)| Assignment {
+                    rank: r as u32,
+                    node,
+                    local_rank: 0,
+                })
+                .collect(),
+            excluded: BTreeSet::new(),
+            restarts: 1,
+            max_step: 12,
+            stopping: false,
+            killed: false,
+            exited: BTreeMap::new(),
+            lost_nodes: BTreeMap::new(),
+        }
+    }
+
+    fn ms(t: u64) -> Duration {
+        Duration::from_millis(t)
+    }
+
+    #[test]
+    fn the_lost_coordinators_node_is_failed_and_the_job_restarts_without_it() {
+        let mut t = inherited("dp=3", &[0, 1, 2]);
+        t.lost_nodes.insert(1, "it ran the coordinator".into());
+        let (mut c, out) = Coordinator::take_over(cfg(3, 0, "dp=3"), t, ms(0));
+        assert!(matches!(
+            &out[0],
+            Action::Record(Record::Failure { generation: 5, rank: 1, node: 1, how, .. }) if how == "node"
+        ));
+        assert_eq!(
+            out[1],
+            Action::Signal {
+                generation: 5,
+                ranks: vec![0, 2],
+                kill: false
+            }
+        );
+        assert_eq!(out.len(), 2);
+        assert!(
+            c.on_event(Event::Exited {
+                generation: 5,
+                rank: 0,
+                status: ExitStatus::Signal(15),
+                now: ms(10)
+            })
+            .is_empty()
+        );
+        let out = c.on_event(Event::Exited {
+            generation: 5,
+            rank: 2,
+            status: ExitStatus::Signal(15),
+            now: ms(20),
+        });
+        assert_eq!(out, vec![Action::ChooseStep { generation: 5 }]);
+        let out = c.on_event(Event::StepChosen {
+            generation: 5,
+            step: Some(8),
+            now: ms(30),
+        });
+        assert!(matches!(
+            &out[0],
+            Action::Record(Record::Decision { layout, step: Some(8), steps_lost: 4, .. })
+                if layout == "dp=2,tp=1,pp=1"
+        ));
+        assert_eq!(c.restarts(), 2);
+        let out = c.on_event(Event::Tick { now: ms(300) });
+        assert!(matches!(
+            &out[1],
+            Action::Start { generation: 6, assignments, resume_from: Some(8), .. }
+                if assignments.iter().map(|a| a.node).collect::<Vec<_>>() == [0, 2]
+        ));
+        assert_eq!(c.excluded(), vec![1]);
+    }
+
+    #[test]
+    fn a_coordinator_lost_on_a_node_without_ranks_changes_nothing() {
+        let mut t = inherited("dp=2", &[0, 1]);
+        t.lost_nodes.insert(2, "it ran the coordinator".into());
+        let (mut c, out) = Coordinator::take_over(cfg(2, 1, "dp=2"), t, ms(0));
+        assert!(out.is_empty(), "{out:?}");
+        assert_eq!(c.excluded(), vec![2]);
+        assert_eq!(c.live_ranks(), vec![0, 1]);
+        // The ranks carry on and finish under the new coordinator.
+        for r in 0..2 {
+            let out = c.on_event(Event::Exited {
+                generation: 5,
+                rank: r,
+                status: ExitStatus::Code(0),
+                now: ms(100),
+            });
+            if r == 1 {
+                assert_eq!(
+                    out.last(),
+                    Some(&Action::Done {
+                        ok: true,
+                        reason: "every rank finished".into()
+                    })
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn stopping_goes_on_where_the_previous_coordinator_left_it() {
+        // It had sent SIGKILL: exits with signal 9 are not new failures.
+        let mut t = inherited("dp=3", &[0, 1, 2]);
+        t.stopping = true;
+        t.killed = true;
+        t.excluded.insert(2);
+        t.exited.insert(2, ExitStatus::Signal(9));
+        let (mut c, out) = Coordinator::take_over(cfg(3, 0, "dp=3"), t, ms(0));
+        assert_eq!(
+            out,
+            vec![Action::Signal {
+                generation: 5,
+                ranks: vec![0, 1],
+                kill: true
+            }]
+        );
+        assert!(
+            c.on_event(Event::Exited {
+                generation: 5,
+                rank: 0,
+                status: ExitStatus::Signal(9),
+                now: ms(5)
+            })
+            .is_empty()
+        );
+        let out = c.on_event(Event::Exited {
+            generation: 5,
+            rank: 1,
+            status: ExitStatus::Signal(9),
+            now: ms(6),
+        });
+        assert_eq!(out, vec![Action::ChooseStep { generation: 5 }]);
+        assert_eq!(c.excluded(), vec![2]);
+    }
+
+    #[test]
+    fn an_unrecorded_abnormal_exit_is_a_failure_and_a_finished_job_is_done() {
+        let mut t = inherited("dp=2", &[0, 1]);
+        t.exited.insert(1, ExitStatus::Code(3));
+        let (_, out) = Coordinator::take_over(cfg(2, 1, "dp=2"), t, ms(0));
+        assert!(matches!(
+            &out[0],
+            Action::Record(Record::Failure { rank: 1, node: 1, how, .. }) if how == "exit"
+        ));
+        let mut t = inherited("dp=2", &[0, 1]);
+        t.exited.insert(0, ExitStatus::Code(0));
+        t.exited.insert(1, ExitStatus::Code(0));
+        let (c, out) = Coordinator::take_over(cfg(2, 0, "dp=2"), t, ms(0));
+        assert!(c.is_done());
+        assert_eq!(
+            out.last(),
+            Some(&Action::Done {
+                ok: true,
+                reason: "every rank finished".into()
+            })
+        );
     }
 }
