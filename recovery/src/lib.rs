@@ -5,11 +5,15 @@
 //! - [`heartbeat`]: the rank side and the supervisor side of heartbeats over a local socket;
 //! - [`supervisor`]: the local driver behind `ckpt resume`: launches ranks, supervises,
 //!   relaunches survivors on a new layout after a failure, keeps the recovery log;
+//! - `agent` (feature `etcd`): the driver across machines behind `ckpt agent`: one agent
+//!   per machine, membership through etcd leases, one elected coordinator;
 //! - [`driver`]: what both drivers share (launching ranks, the recovery log, choosing the
 //!   step to restore).
 
 #![warn(missing_docs)]
 
+#[cfg(feature = "etcd")]
+pub mod agent;
 pub mod coordinator;
 pub mod driver;
 pub mod heartbeat;
