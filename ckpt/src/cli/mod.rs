@@ -11,6 +11,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use serde::Serialize;
 
+pub mod agent;
 pub mod diff;
 pub mod error;
 pub mod export;
@@ -96,6 +97,9 @@ pub enum Command {
     Mount(mount::MountArgs),
     /// Run a training command under the supervisor: detect failures, restart resharded.
     Resume(resume::ResumeArgs),
+    /// One machine's agent of a job across machines: membership and coordination through
+    /// etcd, this machine's ranks started and stopped as the coordinator decides.
+    Agent(agent::AgentArgs),
 }
 
 /// How a command ended when it did not fail.
@@ -182,6 +186,17 @@ pub async fn run(url: Option<&str>, command: Command, ui: &Ui) -> Result<Outcome
         Command::Mount(_) => unreachable!("mount is dispatched before the runtime starts"),
         Command::Resume(a) => {
             let r = resume::resume(store.url(), &a, ui).await?;
+            emit(ui, &r)?;
+            if !r.report.ok {
+                return Err(CliError::error(format!(
+                    "run {} did not finish: {}",
+                    a.run, r.report.reason
+                )));
+            }
+            Ok(())
+        }
+        Command::Agent(a) => {
+            let r = agent::agent(store.url(), &a, ui).await?;
             emit(ui, &r)?;
             if !r.report.ok {
                 return Err(CliError::error(format!(

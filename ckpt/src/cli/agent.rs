@@ -1,0 +1,192 @@
+//! `ckpt agent --etcd URL --run RUN --node N --nodes TOTAL --ranks-per-node R [--spares S]
+//! [--layout L] [--max-restarts K] -- COMMAND...`: one node of a job across machines (see
+//! `ckpt_recovery::agent`): registers the node in etcd, campaigns to coordinate, starts and
+//! stops this machine's ranks as the coordinator's plans say, and relays their heartbeats and
+//! exits. Run one per machine, each with its own `--node`.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use ckpt_recovery::agent::{AgentOptions, AgentReport};
+use ckpt_recovery::{Config, Topology};
+use ckpt_store::ErrorKind;
+use serde::Serialize;
+
+use super::parse::duration;
+use super::resume::ResumeOutput;
+use super::{CliError, Report, Result, Ui};
+
+/// Arguments of `ckpt agent`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct AgentArgs {
+    /// etcd endpoints, comma-separated (e.g. http://10.0.0.5:2379).
+    #[arg(long, env = "CKPT_ETCD", value_name = "URL")]
+    pub etcd: String,
+    /// Key prefix of the job in etcd (default /ckpt/RUN).
+    #[arg(long)]
+    pub prefix: Option<String>,
+    /// Run name (passed to the ranks as CKPT_RUN).
+    #[arg(long)]
+    pub run: String,
+    /// This machine's node id, 0..nodes+spares (unique per agent).
+    #[arg(long)]
+    pub node: u32,
+    /// Nodes that run ranks at the start.
+    #[arg(long)]
+    pub nodes: u32,
+    /// Ranks per node.
+    #[arg(long, default_value_t = 1)]
+    pub ranks_per_node: u32,
+    /// Spare nodes (ids after the first --nodes), used first to replace failed ones.
+    #[arg(long, default_value_t = 0)]
+    pub spares: u32,
+    /// Layout to start with (default: dp = nodes x ranks per node).
+    #[arg(long)]
+    pub layout: Option<String>,
+    /// Restarts before giving up.
+    #[arg(long, default_value_t = 3)]
+    pub max_restarts: u32,
+    /// The agent's etcd lease: a node silent this long is dead (whole seconds).
+    #[arg(long, default_value = "3s", value_parser = duration)]
+    pub lease_ttl: Duration,
+    /// How long the coordinator waits for the first --nodes nodes to join.
+    #[arg(long, default_value = "60s", value_parser = duration)]
+    pub join_timeout: Duration,
+    /// A rank with no heartbeat for this long has failed.
+    #[arg(long, default_value = "10s", value_parser = duration)]
+    pub heartbeat_timeout: Duration,
+    /// A rank whose step has not advanced for this long is hung.
+    #[arg(long, default_value = "5m", value_parser = duration)]
+    pub hang_timeout: Duration,
+    /// Time a rank has to send its first heartbeat (start-up and restore).
+    #[arg(long, default_value = "5m", value_parser = duration)]
+    pub startup_timeout: Duration,
+    /// SIGTERM, then SIGKILL after this long.
+    #[arg(long, default_value = "10s", value_parser = duration)]
+    pub stop_grace: Duration,
+    /// First restart delay (doubles with every restart).
+    #[arg(long, default_value = "1s", value_parser = duration)]
+    pub backoff: Duration,
+    /// Address other machines reach this one at (MASTER_ADDR when it runs rank 0; default:
+    /// the host name).
+    #[arg(long)]
+    pub addr: Option<String>,
+    /// Write this node's rank stdout and stderr into this directory.
+    #[arg(long)]
+    pub logs: Option<PathBuf>,
+    /// The command each rank runs, after `--`.
+    #[arg(last = true, required = true)]
+    pub command: Vec<String>,
+}
+
+/// What `ckpt agent` prints.
+#[derive(Debug, Serialize)]
+pub struct AgentOutput {
+    /// The agent's report.
+    #[serde(flatten)]
+    pub report: AgentReport,
+}
+
+impl Report for AgentOutput {
+    fn print(&self, w: &mut dyn Write) -> std::io::Result<()> {
+        let r = &self.report;
+        for g in &r.generations {
+            writeln!(
+                w,
+                "node {}: generation {} as {} (coordinator node {}), ranks here {:?}",
+                r.node, g.generation, g.layout, g.leader, g.ranks
+            )?;
+        }
+        if r.records.is_empty() {
+            return writeln!(
+                w,
+                "{}: {} ({} restarts, final layout {})",
+                if r.ok { "OK" } else { "FAILED" },
+                r.reason,
+                r.restarts,
+                r.layout
+            );
+        }
+        writeln!(w, "as the coordinator:")?;
+        let (takeovers, records): (Vec<_>, Vec<_>) = r
+            .records
+            .iter()
+            .cloned()
+            .partition(|v| v["kind"] == "takeover");
+        for t in takeovers {
+            writeln!(
+                w,
+                "{:9.2}s  took over at generation {} from node {} (nodes lost: {})",
+                t["at_ms"].as_u64().unwrap_or(0) as f64 / 1000.0,
+                t["generation"],
+                t["previous"],
+                t["lost_nodes"]
+            )?;
+        }
+        ResumeOutput {
+            report: ckpt_recovery::Report {
+                ok: r.ok,
+                reason: r.reason.clone(),
+                restarts: r.restarts,
+                records,
+                layout: r.layout.clone(),
+            },
+        }
+        .print(w)
+    }
+}
+
+/// Run this node's agent (see the module docs).
+pub async fn agent(url: &str, args: &AgentArgs, _ui: &Ui) -> Result<AgentOutput> {
+    let world = args.nodes * args.ranks_per_node;
+    let layout = match &args.layout {
+        Some(l) => l
+            .parse()
+            .map_err(|e: ckpt_store::Error| CliError::usage(e.to_string()))?,
+        None => ckpt_store::Layout::new(world.max(1), 1, 1, 0).map_err(CliError::from)?,
+    };
+    let mut cfg = Config::new(
+        Topology {
+            nodes: args.nodes,
+            ranks_per_node: args.ranks_per_node.max(1),
+            spares: args.spares,
+        },
+        layout,
+    );
+    cfg.max_restarts = args.max_restarts;
+    cfg.heartbeat_timeout = args.heartbeat_timeout;
+    cfg.hang_timeout = args.hang_timeout;
+    cfg.startup_timeout = args.startup_timeout;
+    cfg.stop_grace = args.stop_grace;
+    cfg.backoff = args.backoff;
+    let opts = AgentOptions {
+        etcd: args.etcd.clone(),
+        prefix: args.prefix.clone(),
+        node: args.node,
+        store_url: url.to_string(),
+        run: args.run.clone(),
+        config: cfg,
+        command: args.command.clone(),
+        logs_dir: args.logs.clone(),
+        heartbeat_interval: (args.heartbeat_timeout / 10)
+            .clamp(Duration::from_millis(50), Duration::from_secs(1)),
+        lease_ttl: args.lease_ttl,
+        join_timeout: args.join_timeout,
+        addr: args.addr.clone(),
+    };
+    let report = ckpt_recovery::agent::run(opts)
+        .await
+        .map_err(|e| match e.kind() {
+            ErrorKind::Backend if e.message().starts_with("etcd at") => {
+                CliError::error(e.to_string())
+                    .hint("check that etcd runs at the --etcd URL and that this machine reaches it")
+            }
+            ErrorKind::Fenced => CliError::error(e.to_string()).hint(
+                "this node has left the job and the coordinator carries on without it; \
+                 an agent restarted with the same --node joins as a fresh node",
+            ),
+            _ => CliError::from(e),
+        })?;
+    Ok(AgentOutput { report })
+}
