@@ -90,3 +90,118 @@ pub fn digest_in(text: &str) -> Option<String> {
         .find_map(|l| l.strip_prefix("digest "))
         .map(str::to_string)
 }
+
+/// Send `sig` to every process of the process group `pgid` (a whole simulated machine: an
+/// agent started in its own group, and its ranks).
+pub fn signal_group(pgid: u32, sig: i32) {
+    // SAFETY: a plain libc call.
+    unsafe {
+        libc::kill(-(pgid as i32), sig);
+    }
+}
+
+/// A free TCP port on the loopback interface.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind(("127.0.0.1", 0))
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}
+
+/// A real etcd server on free loopback ports, in its own data directory; stopped (SIGTERM)
+/// when dropped.
+pub struct Etcd {
+    /// Client URL (`http://127.0.0.1:PORT`).
+    pub url: String,
+    child: std::process::Child,
+    /// Data directory and server log (`etcd.log`).
+    pub dir: tempfile::TempDir,
+}
+
+/// The etcd binary: `CKPT_ETCD_BIN`, else `etcd` on `PATH`, else `/usr/bin/etcd`. Panics when
+/// there is none: these tests never skip.
+pub fn etcd_binary() -> PathBuf {
+    if let Some(p) = std::env::var_os("CKPT_ETCD_BIN") {
+        return PathBuf::from(p);
+    }
+    let on_path = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|d| d.join("etcd"))
+            .find(|p| p.is_file())
+    });
+    let p = on_path.unwrap_or_else(|| PathBuf::from("/usr/bin/etcd"));
+    assert!(
+        p.is_file(),
+        "etcd is not installed ({} is missing): run scripts/install-test-deps.sh \
+         (Debian package etcd-server), or set CKPT_ETCD_BIN",
+        p.display()
+    );
+    p
+}
+
+impl Etcd {
+    /// Start a single-member cluster and wait until it reports healthy.
+    pub fn start() -> Etcd {
+        let bin = etcd_binary();
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        for attempt in 0..5 {
+            let (client, peer) = (free_port(), free_port());
+            let url = format!("http://127.0.0.1:{client}");
+            let peer_url = format!("http://127.0.0.1:{peer}");
+            let log = std::fs::File::create(dir.path().join("etcd.log")).expect("etcd log");
+            let mut child = Command::new(&bin)
+                .args(["--name", "t", "--data-dir"])
+                .arg(dir.path().join(format!("data-{attempt}")))
+                .args([
+                    "--listen-client-urls",
+                    &url,
+                    "--advertise-client-urls",
+                    &url,
+                ])
+                .args(["--listen-peer-urls", &peer_url])
+                .args(["--initial-advertise-peer-urls", &peer_url])
+                .args(["--initial-cluster", &format!("t={peer_url}")])
+                .stdout(log.try_clone().expect("etcd log"))
+                .stderr(log)
+                .spawn()
+                .unwrap_or_else(|e| panic!("starting {}: {e}", bin.display()));
+            let t0 = std::time::Instant::now();
+            while t0.elapsed() < std::time::Duration::from_secs(20) {
+                if let Ok(Some(_)) = child.try_wait() {
+                    break; // a port was taken after all: try others
+                }
+                if etcd_healthy(client) {
+                    return Etcd { url, child, dir };
+                }
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let log = std::fs::read_to_string(dir.path().join("etcd.log")).unwrap_or_default();
+        panic!("etcd did not become healthy; its log:\n{log}");
+    }
+}
+
+fn etcd_healthy(port: u16) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(std::time::Duration::from_secs(1)));
+    if s.write_all(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        .is_err()
+    {
+        return false;
+    }
+    let mut body = String::new();
+    let _ = s.read_to_string(&mut body);
+    body.contains("\"health\":\"true\"")
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        signal(self.child.id(), libc::SIGTERM);
+        let _ = self.child.wait();
+    }
+}

@@ -1,0 +1,466 @@
+//! Recovery across machines: a real etcd server on loopback, one `ckpt agent` process per
+//! node (each in its own process group, as if on its own machine), `ckpt-train` as the job.
+//! A whole node (agent and ranks) is killed with SIGKILL; the other agents agree on one new
+//! plan, the job resumes from the newest committed checkpoint and finishes bit-identical to an
+//! uninterrupted run. Then the same with the coordinator's node, and with a rank stopped
+//! (SIGSTOP) on a live node, found by the heartbeats its agent no longer relays.
+
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ckpt_recovery::agent::{JobState, job_state};
+use ckpt_tests::{Etcd, bin, digest_in, env_of, find_processes, signal, signal_group};
+use serde_json::Value;
+
+const PARAMS: &str = "40K";
+// Long enough that the survivors are still training when the loss is detected (a 2 s lease),
+// so they are stopped and restarted rather than finishing on their own.
+const STEPS: u64 = 50;
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn reference_digest(dir: &Path) -> String {
+    let out = Command::new(bin("ckpt-train", "ckpt-trainer"))
+        .arg("--store")
+        .arg(dir.join("ref"))
+        .args(["--run", "ref", "--steps", &STEPS.to_string()])
+        .args(["--ckpt-every", "1000", "--params", PARAMS, "--seed", "5"])
+        .env("CKPT_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    digest_in(&String::from_utf8_lossy(&out.stdout)).unwrap()
+}
+
+/// One node: its agent process (leader of its own process group) and where its output goes.
+struct Node {
+    id: u32,
+    child: Child,
+    out: PathBuf,
+    err: PathBuf,
+}
+
+struct Job {
+    dir: tempfile::TempDir,
+    etcd: Etcd,
+    run: String,
+    nodes: Vec<Node>,
+}
+
+impl Job {
+    /// Start `nodes + spares` agents of a job with layout `layout`.
+    fn start(run: &str, nodes: u32, spares: u32, layout: &str) -> Job {
+        let mut dir = tempfile::tempdir().unwrap();
+        if std::env::var_os("CKPT_TEST_KEEP").is_some() {
+            eprintln!("keeping {}", dir.path().display());
+            dir.disable_cleanup(true);
+        }
+        let etcd = Etcd::start();
+        let ckpt = bin("ckpt", "ckpt");
+        let train = bin("ckpt-train", "ckpt-trainer");
+        let mut v = Vec::new();
+        for id in 0..nodes + spares {
+            let out = dir.path().join(format!("agent-{id}.json"));
+            let err = dir.path().join(format!("agent-{id}.err"));
+            let child = Command::new(&ckpt)
+                .arg("--store")
+                .arg(dir.path().join("store"))
+                .args(["--json", "-v", "agent", "--etcd", &etcd.url, "--run", run])
+                .args(["--node", &id.to_string(), "--nodes", &nodes.to_string()])
+                .args(["--spares", &spares.to_string(), "--layout", layout])
+                .args(["--lease-ttl", "2s", "--heartbeat-timeout", "3s"])
+                .args([
+                    "--stop-grace",
+                    "2s",
+                    "--backoff",
+                    "100ms",
+                    "--max-restarts",
+                    "4",
+                ])
+                .args(["--join-timeout", "30s", "--addr", "127.0.0.1"])
+                .arg("--logs")
+                .arg(dir.path().join(format!("logs/node-{id}")))
+                .arg("--")
+                .arg(&train)
+                .args(["--steps", &STEPS.to_string(), "--ckpt-every", "4"])
+                .args(["--params", PARAMS, "--seed", "5", "--step-time-ms", "80"])
+                .env("CKPT_LOG", "warn")
+                .stdin(Stdio::null())
+                .stdout(std::fs::File::create(&out).unwrap())
+                .stderr(std::fs::File::create(&err).unwrap())
+                // Its own process group: a machine of its own, killed as a whole.
+                .process_group(0)
+                .spawn()
+                .unwrap();
+            v.push(Node {
+                id,
+                child,
+                out,
+                err,
+            });
+        }
+        Job {
+            dir,
+            etcd,
+            run: run.to_string(),
+            nodes: v,
+        }
+    }
+
+    fn prefix(&self) -> String {
+        format!("/ckpt/{}", self.run)
+    }
+
+    fn state(&self) -> JobState {
+        rt().block_on(job_state(&self.etcd.url, &self.prefix()))
+            .unwrap()
+    }
+
+    fn committed(&self) -> Vec<u64> {
+        let store = ckpt_store::open(self.dir.path().join("store").to_str().unwrap()).unwrap();
+        rt().block_on(store.committed_steps(&self.run))
+            .unwrap_or_default()
+    }
+
+    fn logs(&self) -> String {
+        let mut s = String::new();
+        for n in &self.nodes {
+            s += &format!(
+                "--- agent {} stderr:\n{}\n",
+                n.id,
+                std::fs::read_to_string(&n.err).unwrap_or_default()
+            );
+        }
+        s
+    }
+
+    /// Wait until generation 0 runs on every node and has committed step `step`.
+    fn wait_for_step(&self, step: u64) -> JobState {
+        let t0 = Instant::now();
+        loop {
+            let st = self.state();
+            if st.plan.is_some() && self.committed().iter().any(|&s| s >= step) {
+                return st;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(45),
+                "step {step} was not committed in time\n{}",
+                self.logs()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGKILL a node's whole process group: its agent and its ranks.
+    fn kill_node(&mut self, id: u32) {
+        let n = self.nodes.iter_mut().find(|n| n.id == id).unwrap();
+        signal_group(n.child.id(), libc::SIGKILL);
+        let st = n.child.wait().unwrap();
+        assert!(!st.success());
+    }
+
+    /// Wait for every agent but `killed` to exit; their reports.
+    fn reports(&mut self, killed: u32) -> Vec<Value> {
+        let t0 = Instant::now();
+        let mut out = Vec::new();
+        for i in 0..self.nodes.len() {
+            if self.nodes[i].id == killed {
+                continue;
+            }
+            let status = loop {
+                if let Some(s) = self.nodes[i].child.try_wait().unwrap() {
+                    break s;
+                }
+                // The job is killed by `Drop` on the way out.
+                assert!(
+                    t0.elapsed() < Duration::from_secs(60),
+                    "agent {} did not finish in time\n{}",
+                    self.nodes[i].id,
+                    self.logs()
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            };
+            let n = &self.nodes[i];
+            let text = std::fs::read_to_string(&n.out).unwrap();
+            let err = std::fs::read_to_string(&n.err).unwrap_or_default();
+            assert!(status.success(), "agent {} failed: {text}\n{err}", n.id);
+            let v: Value = serde_json::from_str(&text)
+                .unwrap_or_else(|e| panic!("agent {} printed no report ({e}): {text}", n.id));
+            out.push(v);
+        }
+        out
+    }
+
+    /// Rank 0's digest in the newest generation that printed one.
+    fn final_digest(&self) -> Option<String> {
+        let mut best: Option<(u64, String)> = None;
+        for n in &self.nodes {
+            let dir = self.dir.path().join(format!("logs/node-{}", n.id));
+            let Ok(entries) = std::fs::read_dir(dir) else {
+                continue;
+            };
+            for e in entries.flatten() {
+                let name = e.file_name().to_string_lossy().to_string();
+                if let Some(g) = name
+                    .strip_prefix("rank-0.gen-")
+                    .and_then(|s| s.strip_suffix(".out"))
+                    .and_then(|g| g.parse::<u64>().ok())
+                    && let Some(d) =
+                        digest_in(&std::fs::read_to_string(e.path()).unwrap_or_default())
+                    && best.as_ref().is_none_or(|(bg, _)| g > *bg)
+                {
+                    best = Some((g, d));
+                }
+            }
+        }
+        best.map(|b| b.1)
+    }
+
+    fn recovery_log(&self) -> Vec<Value> {
+        let store = ckpt_store::open(self.dir.path().join("store").to_str().unwrap()).unwrap();
+        rt().block_on(ckpt_store::logs::read_log(
+            &store,
+            &self.run,
+            ckpt_store::logs::EVENTS,
+        ))
+        .unwrap()
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        for n in &mut self.nodes {
+            if let Ok(None) = n.child.try_wait() {
+                signal_group(n.child.id(), libc::SIGKILL);
+                let _ = n.child.wait();
+            }
+        }
+    }
+}
+
+/// What every test checks after the kill: one plan per generation, survivors that agree on
+/// the last one, the killed node out of it, and the reference digest.
+fn check_agreement(job: &Job, reports: &[Value], killed: u32, want: &str) -> JobState {
+    let st = job.state();
+    let done = st.done.as_ref().expect("a done record");
+    assert!(done.ok, "{done:?}");
+    // One plan per generation, each written once; the current plan is the newest.
+    assert!(st.plans.len() >= 2, "plans {:?}", st.plans.keys());
+    for (g, (p, version)) in &st.plans {
+        assert_eq!(
+            *version, 1,
+            "plan of generation {g} was written {version} times"
+        );
+        assert_eq!(p.generation, *g);
+    }
+    let (last_gen, (last, _)) = st.plans.iter().next_back().unwrap();
+    assert_eq!(st.plan.as_ref(), Some(last));
+    assert!(
+        last.assignments.iter().all(|a| a.node != killed),
+        "the killed node {killed} is still in {last:?}"
+    );
+    assert!(last.excluded.contains(&killed), "{last:?}");
+    // The survivors were stopped (SIGTERM) and restarted from a checkpoint before the end.
+    let (first_gen, _) = st.plans.iter().next().unwrap();
+    assert!(
+        st.signals
+            .get(first_gen)
+            .is_some_and(|s| !s.ranks.is_empty()),
+        "generation {first_gen} was not stopped: {:?}",
+        st.signals
+    );
+    assert!(
+        last.resume_from.is_some_and(|s| s < STEPS),
+        "resumed from {:?}",
+        last.resume_from
+    );
+    // Every survivor acted on the same plans, in the same order, ending with the newest.
+    let seen = |r: &Value| -> Vec<(u64, String)> {
+        r["generations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|g| {
+                (
+                    g["generation"].as_u64().unwrap(),
+                    g["layout"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect()
+    };
+    for r in reports {
+        assert_eq!(
+            seen(r).last(),
+            Some(&(*last_gen, last.layout.clone())),
+            "node {} ended on another plan: {r}",
+            r["node"]
+        );
+        assert_eq!(r["layout"], last.layout.as_str());
+        assert_eq!(seen(r), seen(&reports[0]), "nodes disagree");
+    }
+    let got = job.final_digest().expect("rank 0 printed a digest");
+    assert_eq!(
+        got, want,
+        "the recovered job's final state differs from an uninterrupted run"
+    );
+    st
+}
+
+#[test]
+fn a_killed_node_is_replaced_by_a_smaller_layout_and_the_job_finishes() {
+    let dir = tempfile::tempdir().unwrap();
+    let want = reference_digest(dir.path());
+    let t0 = Instant::now();
+    let mut job = Job::start("etcd-node", 3, 0, "dp=3");
+    let st = job.wait_for_step(8);
+    let leader = st.leader.expect("a coordinator");
+    let victim = (0..3).rev().find(|&n| n != leader).unwrap();
+    let killed_at = Instant::now();
+    job.kill_node(victim);
+    let reports = job.reports(victim);
+    let recovered = killed_at.elapsed();
+    let st = check_agreement(&job, &reports, victim, &want);
+    // Two generations: dp=3 on 3 nodes, then dp=2 on the two survivors.
+    let layouts: Vec<&str> = st.plans.values().map(|(p, _)| p.layout.as_str()).collect();
+    assert_eq!(layouts, ["dp=3,tp=1,pp=1", "dp=2,tp=1,pp=1"]);
+    // One coordinator throughout, and it was a survivor.
+    let coordinators: Vec<&Value> = reports
+        .iter()
+        .filter(|r| r["coordinated"] == true)
+        .collect();
+    assert_eq!(coordinators.len(), 1, "{reports:?}");
+    assert_eq!(coordinators[0]["node"], leader);
+    assert!(st.plans.values().all(|(p, _)| p.leader == leader));
+    // The recovery log says which node was lost, how, and what was decided.
+    let log = job.recovery_log();
+    let failure = log
+        .iter()
+        .find(|r| r["kind"] == "failure")
+        .expect("a failure record");
+    assert_eq!(failure["node"], victim, "{failure}");
+    assert_eq!(failure["how"], "node", "{failure}");
+    let detection = failure["detection_s"].as_f64().unwrap();
+    assert!(
+        (0.5..=6.0).contains(&detection),
+        "node loss detected {detection} s after its last heartbeats (lease 2 s)"
+    );
+    assert!(
+        log.iter()
+            .any(|r| r["kind"] == "recovery" && r["layout"] == "dp=2,tp=1,pp=1"),
+        "{log:#?}"
+    );
+    eprintln!(
+        "killed node {victim} (coordinator {leader}); detected after {detection:.2} s; \
+         resumed from step {:?}; survivors finished {:.2} s after the kill; test {:.1} s",
+        st.plan.as_ref().unwrap().resume_from,
+        recovered.as_secs_f64(),
+        t0.elapsed().as_secs_f64()
+    );
+}
+
+#[test]
+fn a_killed_coordinator_is_succeeded_and_a_spare_takes_its_place() {
+    let dir = tempfile::tempdir().unwrap();
+    let want = reference_digest(dir.path());
+    let t0 = Instant::now();
+    // 3 nodes run dp=3; node 3 is a spare.
+    let mut job = Job::start("etcd-leader", 3, 1, "dp=3");
+    let st = job.wait_for_step(8);
+    let leader = st.leader.expect("a coordinator");
+    let killed_at = Instant::now();
+    job.kill_node(leader);
+    let reports = job.reports(leader);
+    let recovered = killed_at.elapsed();
+    let st = check_agreement(&job, &reports, leader, &want);
+    // The spare replaced the lost node: the layout is kept.
+    let (_, (last, _)) = st.plans.iter().next_back().unwrap();
+    assert_eq!(last.layout, "dp=3,tp=1,pp=1");
+    assert!(last.assignments.iter().any(|a| a.node == 3), "{last:?}");
+    // Exactly one survivor took over, and it published the new plan.
+    let successors: Vec<u64> = reports
+        .iter()
+        .filter(|r| r["coordinated"] == true)
+        .map(|r| r["node"].as_u64().unwrap())
+        .collect();
+    assert_eq!(successors.len(), 1, "{reports:?}");
+    assert_eq!(last.leader as u64, successors[0]);
+    assert_eq!(st.plans.values().next().unwrap().0.leader, leader);
+    let log = job.recovery_log();
+    let takeover = log
+        .iter()
+        .find(|r| r["kind"] == "takeover")
+        .expect("a takeover record");
+    assert_eq!(takeover["previous"], leader, "{takeover}");
+    assert_eq!(takeover["node"], successors[0]);
+    assert!(
+        log.iter()
+            .any(|r| r["kind"] == "failure" && r["node"] == leader && r["how"] == "node"),
+        "{log:#?}"
+    );
+    eprintln!(
+        "killed the coordinator's node {leader}; node {} took over; resumed from step {:?}; \
+         survivors finished {:.2} s after the kill; test {:.1} s",
+        successors[0],
+        last.resume_from,
+        recovered.as_secs_f64(),
+        t0.elapsed().as_secs_f64()
+    );
+}
+
+#[test]
+fn a_stopped_rank_is_found_by_the_heartbeats_its_agent_no_longer_relays() {
+    let dir = tempfile::tempdir().unwrap();
+    let want = reference_digest(dir.path());
+    let mut job = Job::start("etcd-hang", 3, 0, "dp=3");
+    let st = job.wait_for_step(8);
+    let leader = st.leader.expect("a coordinator");
+    let victim = (0..3).rev().find(|&n| n != leader).unwrap();
+    let node = victim.to_string();
+    let ranks: Vec<u32> = find_processes(&[("CKPT_RUN", "etcd-hang"), ("CKPT_NODE", &node)])
+        .into_iter()
+        .filter(|(_, env)| env_of(env, "CKPT_GENERATION") == Some("0"))
+        .map(|(pid, _)| pid)
+        .collect();
+    assert_eq!(ranks.len(), 1, "rank processes of node {victim}: {ranks:?}");
+    let stopped_at = Instant::now();
+    signal(ranks[0], libc::SIGSTOP);
+    // The agent is alive: it takes part to the end, with no ranks in the new plan.
+    let reports = job.reports(u32::MAX);
+    let st = check_agreement(&job, &reports, victim, &want);
+    let log = job.recovery_log();
+    let failure = log
+        .iter()
+        .find(|r| r["kind"] == "failure")
+        .expect("a failure record");
+    assert_eq!(failure["how"], "heartbeat", "{failure}");
+    assert_eq!(failure["node"], victim, "{failure}");
+    // Detected within the timeout (3 s), plus a beat interval and a relay interval (0.3 s
+    // each), plus slack for a loaded 2-core machine.
+    let detection = failure["detection_s"].as_f64().unwrap();
+    assert!(
+        (3.0..=4.6).contains(&detection),
+        "detected {detection} s after the last relayed heartbeat"
+    );
+    let stopped_node = reports
+        .iter()
+        .find(|r| r["node"] == victim)
+        .expect("the stopped rank's agent reported");
+    assert_eq!(stopped_node["generations"].as_array().unwrap().len(), 2);
+    eprintln!(
+        "stopped rank on node {victim}; detected after {detection:.2} s without heartbeats; \
+         resumed from step {:?}; finished {:.2} s after the SIGSTOP",
+        st.plan.as_ref().unwrap().resume_from,
+        stopped_at.elapsed().as_secs_f64()
+    );
+}
