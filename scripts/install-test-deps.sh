@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything the tests need on a fresh machine (idempotent; run as root for apt):
 #   - Debian: fuse3 (fusermount3 for auto-unmount), etcd-server/etcd-client (recovery tests),
-#     protobuf-compiler (etcd-client's build script), python3-venv
+#     protobuf-compiler and libprotobuf-dev (etcd-client's build script), python3-venv
 #   - s3s-fs 0.14.1, a real S3-compatible server that checks signatures (newer releases need a
 #     newer rustc than this machine's), into .ci-tools/bin
 #   - Python's reference safetensors and numpy, into .ci-tools/venv (interop tests)
@@ -15,6 +15,8 @@ command -v fusermount3 >/dev/null 2>&1 || need+=(fuse3)
 command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
 command -v etcdctl >/dev/null 2>&1 || need+=(etcd-client)
 command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
+# etcd-client's build script also needs the well-known .proto files.
+[ -f /usr/include/google/protobuf/descriptor.proto ] || need+=(libprotobuf-dev)
 python3 -c 'import ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
 if ((${#need[@]})); then
   echo "installing Debian packages: ${need[*]}"

@@ -15,13 +15,16 @@ use tokio::sync::OnceCell;
 use crate::error::{Error, ErrorKind, Result};
 use crate::id::ChunkId;
 
+/// One fetch in flight: its result, shared by every caller that asked meanwhile.
+type Fetch = OnceCell<std::result::Result<Bytes, (ErrorKind, String)>>;
+
 #[derive(Default)]
 struct State {
     map: HashMap<ChunkId, (Bytes, u64)>,
     lru: BTreeMap<u64, ChunkId>,
     tick: u64,
     bytes: usize,
-    inflight: HashMap<ChunkId, Arc<OnceCell<std::result::Result<Bytes, (ErrorKind, String)>>>>,
+    inflight: HashMap<ChunkId, Arc<Fetch>>,
     hits: u64,
     misses: u64,
 }
@@ -139,10 +142,11 @@ mod tests {
                 .await
                 .unwrap();
         }
-        let st = c.state.lock().unwrap();
-        assert!(st.bytes <= 250);
-        assert!(!st.map.contains_key(&id));
-        drop(st);
+        {
+            let st = c.state.lock().unwrap();
+            assert!(st.bytes <= 250);
+            assert!(!st.map.contains_key(&id));
+        }
         // Errors are not cached.
         let e = c
             .get_or_fetch(ChunkId::of(b"d"), || async { Err(Error::corrupt("bad")) })

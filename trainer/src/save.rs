@@ -278,8 +278,14 @@ impl SaveHandle {
         let key = self.store.keys().commit(&self.run, self.shared.step);
         let mut pause = Duration::from_millis(20);
         loop {
-            if self.stage() == Stage::Committed {
-                return Ok(self.report());
+            match self.stage() {
+                Stage::Committed => return Ok(self.report()),
+                // This rank's own commit failed (stale generation, coverage, ...): that is
+                // the answer; do not wait for the timeout.
+                Stage::Failed(_) => {
+                    return self.shared.wait_for(|s| matches!(s, Stage::Committed));
+                }
+                _ => {}
             }
             if runtime().block_on(self.store.exists(&key))? {
                 self.shared.set(Stage::Committed, |_| {});
