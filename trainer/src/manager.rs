@@ -32,13 +32,13 @@
 //! ```
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use ckpt_store::logs::{EVENTS, LogWriter};
 use ckpt_store::placement::place_rank;
-use ckpt_store::{Error, GcOptions, NdBox, Result, StepReader, Store, TensorSpec};
+use ckpt_store::{ChunkCache, Error, GcOptions, NdBox, Result, StepReader, Store, TensorSpec};
 use parking_lot::Mutex;
 use serde_json::json;
 use tracing::{info, instrument, warn};
@@ -51,6 +51,26 @@ use crate::restore::{RestoreTarget, restore_targets};
 use crate::save::{
     Checkpointer, CheckpointerConfig, SaveHandle, SaveState, SaveTensor, Stage, runtime,
 };
+
+/// The chunk cache that every restore running in this process at the same time shares.
+///
+/// Ranks run as threads of one process (one process per node, or the reference workload)
+/// restore at about the same time; after a reshard their boxes cut the same chunks (a
+/// tensor-parallel split along columns needs a part of every row, so every chunk of the old
+/// shard), and each chunk is then fetched and decoded once instead of once per rank. Chunks
+/// are content-addressed, so sharing across stores and runs is sound. The cache lives while
+/// some restore holds it and is freed when the last one ends; `cap` sizes a new one. A caller
+/// that restores ranks one after another holds the returned cache across them.
+pub fn shared_restore_cache(cap: usize) -> Arc<ChunkCache> {
+    static CACHE: Mutex<Weak<ChunkCache>> = Mutex::new(Weak::new());
+    let mut slot = CACHE.lock();
+    if let Some(c) = slot.upgrade() {
+        return c;
+    }
+    let c = ChunkCache::new(cap);
+    *slot = Arc::downgrade(&c);
+    c
+}
 
 /// State that is not a tensor: RNG, data-loader position, LR schedule.
 pub trait Stateful: Send {
@@ -119,7 +139,8 @@ pub struct ManagerConfig {
     pub retention_grace: Duration,
     /// Save a final checkpoint when SIGTERM arrives (preemption).
     pub final_on_sigterm: bool,
-    /// Bytes in flight during a restore.
+    /// Bytes in flight during a restore; also the size of the chunk cache that the ranks of
+    /// one process share while they restore (see [`shared_restore_cache`]).
     pub restore_budget: usize,
     /// Loss-spike monitoring and its action (default: off). The manager sees a loss only
     /// through [`CheckpointManager::observe`].
@@ -435,7 +456,10 @@ impl CheckpointManager {
         let t0 = Instant::now();
         let store = self.ckpt.store().clone();
         let cfg = self.cfg.ckpt.clone();
-        let reader = runtime().block_on(StepReader::open(&store, &cfg.run, step))?;
+        let cache = shared_restore_cache(self.cfg.restore_budget);
+        let reader = runtime()
+            .block_on(StepReader::open(&store, &cfg.run, step))?
+            .with_cache(cache.clone());
         let mut targets = Vec::with_capacity(self.tensors.len());
         for r in &self.tensors {
             let elem = r.spec.dtype.size();
@@ -485,10 +509,13 @@ impl CheckpointManager {
             self.ckpt.seed_dedup(step, refs);
         }
         self.last_saved_step = Some(step);
+        let (hits, misses) = cache.counts();
         info!(
             step,
             bytes = stats.bytes_copied,
             chunks = stats.chunks,
+            cache_hits = hits,
+            cache_misses = misses,
             seconds = t0.elapsed().as_secs_f64(),
             from = %reader.commit().layout,
             to = %cfg.layout,

@@ -332,3 +332,80 @@ fn restore_errors_name_the_problem() {
     );
     let _ = StoreConfig::default();
 }
+
+#[test]
+fn ranks_of_one_process_share_chunks_while_they_reshard() {
+    // Saved with tp=2 splitting the columns; restored with tp=4. Each new rank needs a quarter
+    // of every row, so both new ranks over one old shard need every chunk of it: without the
+    // shared cache the store would serve each chunk twice.
+    let store = memory_store(tiny_config());
+    let (rows, cols) = (64u64, 256u64);
+    let full = det_bytes(9, (rows * cols * 4) as usize);
+    let col = |r: u64, parts: u64| {
+        NdBox::new(vec![0, r * cols / parts], vec![rows, cols / parts]).unwrap()
+    };
+    let slice = |b: &NdBox| -> Vec<u8> {
+        let (c0, n) = (b.offsets[1] as usize, b.lengths[1] as usize);
+        (0..rows as usize)
+            .flat_map(|i| {
+                let at = (i * cols as usize + c0) * 4;
+                full[at..at + n * 4].to_vec()
+            })
+            .collect()
+    };
+    let w = spec("w", &[rows, cols], Some(1));
+    let manager = |rank: u32, layout: &str| {
+        let mut c = ManagerConfig::new(CheckpointerConfig::new(
+            "share",
+            rank,
+            layout.parse().unwrap(),
+        ));
+        c.final_on_sigterm = false;
+        CheckpointManager::new(store.clone(), c).unwrap()
+    };
+    let mut saved = Vec::new();
+    for r in 0..2u32 {
+        let mut m = manager(r, "tp=2");
+        let b = col(r as u64, 2);
+        m.register(
+            w.clone(),
+            b.clone(),
+            Arc::new(HostTensor::from_vec(slice(&b))),
+        )
+        .unwrap();
+        saved.push((m.save_now(1).unwrap(), m));
+    }
+    for (h, _) in &saved {
+        h.wait_persisted().unwrap();
+    }
+    saved[0].0.wait_committed(Duration::from_secs(60)).unwrap();
+    let stored = runtime()
+        .block_on(store.read_commit("share", 1))
+        .unwrap()
+        .0
+        .stats
+        .logical_bytes;
+
+    // Restore the four new ranks one after another, holding the process's cache meanwhile
+    // (ranks running as threads hold it by overlapping).
+    let keep = ckpt_trainer::manager::shared_restore_cache(64 << 20);
+    let before = metrics(&store);
+    for r in 0..4u32 {
+        let b = col(r as u64, 4);
+        let t = Arc::new(HostTensor::zeroed(slice(&b).len()));
+        let mut m = manager(r, "tp=4");
+        m.register(w.clone(), b.clone(), t.clone()).unwrap();
+        m.restore(1).unwrap();
+        assert_eq!(*t.read(), slice(&b), "rank {r} restored other bytes");
+    }
+    let read = (metrics(&store) - before).get_bytes;
+    let (hits, misses) = keep.counts();
+    assert!(
+        read <= stored + stored / 4,
+        "read {read} bytes for {stored} stored: chunks were fetched once per rank"
+    );
+    assert!(
+        hits > 0,
+        "no chunk was shared ({hits} hits, {misses} misses)"
+    );
+}
