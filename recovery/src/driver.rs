@@ -156,6 +156,10 @@ pub struct Launch {
     /// Kill the ranks when the launching process dies (an agent whose machine is gone must not
     /// leave ranks behind).
     pub die_with_parent: bool,
+    /// The live replica agents, (node, address) in node order; empty without peer replicas.
+    /// A rank gets its node's agent (`CKPT_PEER_AGENT`), the next live node's as the keeper
+    /// of its copy (`CKPT_PEER_BUDDY`), and all of them, its own first (`CKPT_PEERS`).
+    pub peer_agents: Vec<(u32, String)>,
 }
 
 /// A rank exit: the tag given at launch, the rank, and how it ended.
@@ -198,6 +202,11 @@ impl Launch {
             .env("MASTER_PORT", master.1.to_string())
             .stdin(Stdio::null())
             .kill_on_drop(true);
+        if let Some((agent, buddy, peers)) = peer_env(&self.peer_agents, a.node) {
+            cmd.env("CKPT_PEER_AGENT", agent)
+                .env("CKPT_PEER_BUDDY", buddy)
+                .env("CKPT_PEERS", peers);
+        }
         if self.die_with_parent {
             // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
             unsafe {
@@ -241,6 +250,26 @@ impl Launch {
         });
         Ok(pid)
     }
+}
+
+/// The replica environment of a rank on `node`: its agent, its buddy (the next live node's
+/// agent, wrapping around; none when the node is alone) and every agent, its own first.
+fn peer_env(agents: &[(u32, String)], node: u32) -> Option<(String, String, String)> {
+    let i = agents.iter().position(|(n, _)| *n == node)?;
+    let own = agents[i].1.clone();
+    let buddy = if agents.len() > 1 {
+        agents[(i + 1) % agents.len()].1.clone()
+    } else {
+        String::new()
+    };
+    let mut all = vec![own.clone()];
+    all.extend(
+        agents
+            .iter()
+            .filter(|(n, _)| *n != node)
+            .map(|(_, a)| a.clone()),
+    );
+    Some((own, buddy, all.join(",")))
 }
 
 /// SIGTERM (with SIGCONT, so a stopped process handles it) or SIGKILL to a rank we started.

@@ -8,8 +8,8 @@
 //! signals, the choice of the newest committed step whose objects are all present, the restore
 //! plan, relaunches, and the recovery log (JSON lines in the run's `events` log).
 
-use std::collections::HashMap;
-use std::path::PathBuf;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use ckpt_store::{Error, Result};
@@ -41,6 +41,11 @@ pub struct SupervisorOptions {
     pub logs_dir: Option<PathBuf>,
     /// How often ranks beat between steps.
     pub heartbeat_interval: Duration,
+    /// Peer replicas: the command that starts one node's replica agent (such as
+    /// `ckpt replica-agent`; `--listen 127.0.0.1:0 --node N --watch-stdin` is appended, and the agent prints
+    /// `listening ADDR` first). One agent runs per node for the whole supervision; a failed
+    /// node's agent is killed with its ranks.
+    pub replica_agent: Option<Vec<String>>,
 }
 
 /// The outcome of a supervised job.
@@ -71,7 +76,14 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
     let sock_path = sock_dir.join("heartbeat.sock");
     let sock = UnixDatagram::bind(&sock_path)
         .map_err(|e| Error::io("binding the heartbeat socket", &sock_path.display(), e))?;
-    let launch = Launch {
+    let mut agents = match &opts.replica_agent {
+        Some(cmd) => {
+            let t = &opts.config.topology;
+            start_agents(cmd, t.nodes + t.spares, opts.logs_dir.as_deref()).await?
+        }
+        None => BTreeMap::new(),
+    };
+    let mut launch = Launch {
         store_url: opts.store_url.clone(),
         run: opts.run.clone(),
         command: opts.command.clone(),
@@ -80,6 +92,7 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
         heartbeat_interval: opts.heartbeat_interval,
         ranks_per_node: opts.config.topology.ranks_per_node,
         die_with_parent: false,
+        peer_agents: Vec::new(),
     };
     let (exit_tx, mut exit_rx) = mpsc::unbounded_channel::<RankExit>();
     let mut log = RecoveryLog::new(&store, &opts.run, "supervisor")?;
@@ -103,6 +116,15 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
                     } => {
                         let g = base + generation;
                         store.start_generation(&opts.run, g).await?;
+                        // A failed node's agent goes with it.
+                        for n in coord.excluded() {
+                            if let Some(mut a) = agents.remove(&n) {
+                                let _ = a.child.start_kill();
+                                info!(node = n, "replica agent of the failed node stopped");
+                            }
+                        }
+                        launch.peer_agents =
+                            agents.iter().map(|(n, a)| (*n, a.addr.clone())).collect();
                         let port = free_port();
                         for a in assignments {
                             let pid = launch.spawn(
@@ -146,6 +168,9 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
         }
         if let Some((ok, reason)) = outcome.take() {
             losses.flush().await;
+            for a in agents.values_mut() {
+                let _ = a.child.start_kill();
+            }
             remove_private_dir(&sock_dir);
             return Ok(Report {
                 ok,
@@ -177,4 +202,68 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
             }
         }
     }
+}
+
+/// A node's replica agent.
+struct AgentProc {
+    child: tokio::process::Child,
+    addr: String,
+}
+
+/// Start one replica agent per node and learn their addresses.
+async fn start_agents(
+    cmd: &[String],
+    nodes: u32,
+    logs: Option<&Path>,
+) -> Result<BTreeMap<u32, AgentProc>> {
+    use tokio::io::AsyncBufReadExt;
+    let Some(prog) = cmd.first() else {
+        return Err(Error::invalid("an empty replica agent command"));
+    };
+    let mut out = BTreeMap::new();
+    for node in 0..nodes {
+        let mut c = tokio::process::Command::new(prog);
+        c.args(&cmd[1..])
+            .args([
+                "--listen",
+                "127.0.0.1:0",
+                "--node",
+                &node.to_string(),
+                "--watch-stdin",
+            ])
+            .stdin(std::process::Stdio::piped()) // the agent ends when this closes
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true);
+        if let Some(dir) = logs {
+            std::fs::create_dir_all(dir).map_err(|e| Error::io("creating", &dir.display(), e))?;
+            let p = dir.join(format!("agent-{node}.err"));
+            let f = std::fs::File::create(&p)
+                .map_err(|e| Error::io("creating an agent log", &p.display(), e))?;
+            c.stderr(f);
+        }
+        let mut child = c
+            .spawn()
+            .map_err(|e| Error::io("starting the replica agent", prog, e))?;
+        let stdout = child.stdout.take().expect("piped");
+        let mut lines = tokio::io::BufReader::new(stdout).lines();
+        let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+            .await
+            .map_err(|_| Error::internal(format!("replica agent of node {node} did not start")))?
+            .map_err(|e| Error::io("reading the replica agent's address", prog, e))?
+            .unwrap_or_default();
+        let Some(addr) = line.strip_prefix("listening ") else {
+            return Err(Error::internal(format!(
+                "replica agent of node {node} printed {line:?} instead of its address"
+            )));
+        };
+        info!(node, addr, "replica agent started");
+        out.insert(
+            node,
+            AgentProc {
+                child,
+                addr: addr.trim().to_string(),
+            },
+        );
+    }
+    Ok(out)
 }

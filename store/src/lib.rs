@@ -53,6 +53,7 @@ pub mod keys;
 pub mod logs;
 pub mod model;
 pub mod pack;
+pub mod peer;
 pub mod placement;
 pub mod read;
 pub mod st_view;
@@ -83,6 +84,7 @@ pub use model::{
     BlobEntry, BlobLoc, ChunkRef, CommitRecord, Coords, DType, FORMAT_VERSION, Layout, NdBox,
     RankEntry, RankManifest, ShardLoc, TensorEntry, TensorShard, WriteStats,
 };
+pub use peer::{PeerLink, PeerSource, PeerUpload};
 pub use placement::{Placed, Placement, Stage, TensorSpec, ZeroGroup};
 pub use read::{ChunkSource, ReadPlan, ReadStats, StepReader};
 pub use st_view::SafetensorsView;

@@ -77,6 +77,7 @@ fn options(
         command: cmd,
         logs_dir: Some(logs),
         heartbeat_interval: Duration::from_millis(100),
+        replica_agent: None,
     }
 }
 
@@ -435,4 +436,135 @@ fn a_stale_generation_cannot_commit() {
         rt.block_on(store.committed_steps("stale")).unwrap(),
         vec![2]
     );
+}
+
+/// Processes whose command line has all of `words`.
+fn processes_with_args(words: &[&str]) -> Vec<u32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(cmd) = std::fs::read(e.path().join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<String> = cmd
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).to_string())
+            .collect();
+        if words.iter().all(|w| args.iter().any(|a| a == w)) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+#[test]
+fn a_lost_node_is_restored_from_peer_replicas() {
+    // 3 nodes x 2 ranks (dp=3,tp=2: one data-parallel replica per node), one replica agent
+    // per node. Right after a checkpoint commits, node 1 dies (its agent and both its ranks,
+    // SIGKILL). The job goes on with dp=2 on nodes 0 and 2, and every byte of the restore
+    // comes from the agents' memory, including the shards node 1 wrote (node 2 holds its copy).
+    let dir = tempfile::tempdir().unwrap();
+    let steps = 24;
+    let want = reference_digest(dir.path(), steps);
+    let store = dir.path().join("store");
+    let run = "peers";
+    let topo = Topology {
+        nodes: 3,
+        ranks_per_node: 2,
+        spares: 0,
+    };
+    let mut opts = options(
+        &store,
+        run,
+        topo,
+        "dp=3,tp=2",
+        train_cmd(steps, 8, 100),
+        dir.path().join("logs"),
+    );
+    let ckpt = bin("ckpt", "ckpt");
+    opts.replica_agent = Some(vec![
+        ckpt.to_string_lossy().to_string(),
+        "replica-agent".into(),
+    ]);
+    let sup = std::thread::spawn(move || {
+        tokio::runtime::Runtime::new()
+            .unwrap()
+            .block_on(ckpt_recovery::run(opts))
+            .unwrap()
+    });
+    let st = ckpt_store::open(store.to_str().unwrap()).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let t0 = Instant::now();
+    // The first commit (step 8); the next save is 8 steps of 100 ms away.
+    let step = loop {
+        if let Some(s) = rt.block_on(st.latest_committed(run)).unwrap() {
+            break s;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(120), "no checkpoint");
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    // Let the buddy copies land (they follow each rank's persist asynchronously).
+    std::thread::sleep(Duration::from_millis(150));
+    let agent = processes_with_args(&["replica-agent", "--node", "1"]);
+    assert_eq!(agent.len(), 1, "one agent for node 1");
+    let node1 = find_processes(&[("CKPT_RUN", run), ("CKPT_NODE", "1")]);
+    assert_eq!(node1.len(), 2, "two ranks on node 1");
+    signal(agent[0], libc::SIGKILL);
+    for (pid, _) in &node1 {
+        signal(*pid, libc::SIGKILL);
+    }
+    let report = sup.join().unwrap();
+    assert!(report.ok, "the job did not finish: {}", report.reason);
+    assert_eq!(report.layout, "dp=2,tp=2,pp=1");
+    let got = final_digest(&dir.path().join("logs")).expect("rank 0 printed a digest");
+    assert_eq!(
+        got, want,
+        "the recovered job differs from an uninterrupted run"
+    );
+
+    // Node 1's ranks (2 and 3) wrote shards of the restored step.
+    let (commit, _) = rt.block_on(st.read_commit(run, step)).unwrap();
+    let by_node1: usize = commit
+        .tensors
+        .iter()
+        .flat_map(|t| &t.shards)
+        .filter(|s| s.rank == 2 || s.rank == 3)
+        .count();
+    assert!(by_node1 > 0, "node 1 wrote nothing of step {step}");
+    let events = rt
+        .block_on(ckpt_store::logs::read_log(
+            &st,
+            run,
+            ckpt_store::logs::EVENTS,
+        ))
+        .unwrap();
+    let restores: Vec<_> = events
+        .iter()
+        .filter(|e| e["kind"] == "restore" && e["step"] == step)
+        .collect();
+    assert_eq!(
+        restores.len(),
+        4,
+        "four restarted ranks restored: {events:#?}"
+    );
+    for r in &restores {
+        assert!(
+            r["bytes_from_peers"].as_u64().unwrap() > 0,
+            "nothing came from the agents: {r}"
+        );
+        assert_eq!(
+            r["bytes_from_store"], 0,
+            "the agents held the whole step, yet the store was read: {r}"
+        );
+    }
+    let t1 = Instant::now();
+    while !processes_with_args(&["replica-agent"]).is_empty() {
+        assert!(
+            t1.elapsed() < Duration::from_secs(5),
+            "agents outlived the supervision"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }

@@ -38,7 +38,9 @@ use std::time::{Duration, Instant};
 
 use ckpt_store::logs::{EVENTS, LogWriter};
 use ckpt_store::placement::place_rank;
-use ckpt_store::{ChunkCache, Error, GcOptions, NdBox, Result, StepReader, Store, TensorSpec};
+use ckpt_store::{
+    ChunkCache, Error, GcOptions, NdBox, PeerSource, Result, StepReader, Store, TensorSpec,
+};
 use parking_lot::Mutex;
 use serde_json::json;
 use tracing::{info, instrument, warn};
@@ -457,9 +459,13 @@ impl CheckpointManager {
         let store = self.ckpt.store().clone();
         let cfg = self.cfg.ckpt.clone();
         let cache = shared_restore_cache(self.cfg.restore_budget);
-        let reader = runtime()
+        let mut reader = runtime()
             .block_on(StepReader::open(&store, &cfg.run, step))?
             .with_cache(cache.clone());
+        // Replica agents first (memory of the surviving nodes), the store for the rest.
+        if let Some(link) = cfg.peer.as_ref().filter(|l| !l.peers.is_empty()) {
+            reader = reader.with_source(PeerSource::new(&link.peers));
+        }
         let mut targets = Vec::with_capacity(self.tensors.len());
         for r in &self.tensors {
             let elem = r.spec.dtype.size();
@@ -510,13 +516,22 @@ impl CheckpointManager {
         }
         self.last_saved_step = Some(step);
         let (hits, misses) = cache.counts();
+        let seconds = t0.elapsed().as_secs_f64();
+        self.log_event(json!({
+            "kind": "restore", "step": step, "rank": cfg.rank, "generation": cfg.generation,
+            "from_layout": reader.commit().layout.to_string(), "to_layout": cfg.layout.to_string(),
+            "bytes": stats.bytes_copied, "bytes_from_peers": stats.source_bytes,
+            "bytes_from_store": stats.stored_bytes, "seconds": seconds,
+        }));
         info!(
             step,
             bytes = stats.bytes_copied,
+            from_peers = stats.source_bytes,
+            from_store = stats.stored_bytes,
             chunks = stats.chunks,
             cache_hits = hits,
             cache_misses = misses,
-            seconds = t0.elapsed().as_secs_f64(),
+            seconds,
             from = %reader.commit().layout,
             to = %cfg.layout,
             "restored"

@@ -16,12 +16,12 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use ckpt_store::{
-    BlobIn, ChunkRef, DType, DedupIndex, Error, ErrorKind, Layout, NdBox, Placement, RankWrite,
-    Result, ShardMeta, Store,
+    BlobIn, ChunkRef, DType, DedupIndex, Error, ErrorKind, Layout, NdBox, PeerLink, PeerUpload,
+    Placement, RankWrite, Result, ShardMeta, Store,
 };
 use parking_lot::{Condvar, Mutex};
 use serde::Serialize;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::memory::{MemorySource, PinnedSource};
 use crate::staging::{PoolConfig, PoolStats, StagingPool};
@@ -127,6 +127,9 @@ pub struct CheckpointerConfig {
     pub back_pressure: BackPressure,
     /// How long the committer waits for the other ranks' manifests.
     pub commit_timeout: Duration,
+    /// Hand every snapshot to a replica agent as well (see [`ckpt_store::peer`]); from
+    /// [`PeerLink::from_env`] by default, so ranks under `ckpt resume --peer-replicas` use it.
+    pub peer: Option<PeerLink>,
 }
 
 impl CheckpointerConfig {
@@ -143,6 +146,7 @@ impl CheckpointerConfig {
             copy_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
             back_pressure: BackPressure::Wait,
             commit_timeout: Duration::from_secs(600),
+            peer: PeerLink::from_env(),
         }
     }
 }
@@ -585,8 +589,18 @@ impl Checkpointer {
                     let _ = snap_done_rx.await;
                 }
                 let index = prepare_index(&dedup).await;
-                let chunks = futures::stream::unfold(rx, |mut rx| async move {
-                    rx.recv().await.map(|x| (x, rx))
+                // Every chunk goes to the replica agent too, as the store takes it.
+                let upload = cfg
+                    .peer
+                    .as_ref()
+                    .map(|l| Arc::new(PeerUpload::start(l, cfg.generation, cfg.rank, step, 8)));
+                let up = upload.clone();
+                let chunks = futures::stream::unfold((rx, up), |(mut rx, up)| async move {
+                    let x = rx.recv().await?;
+                    if let (Some(u), Ok(b)) = (&up, &x) {
+                        u.chunk(b.clone()).await;
+                    }
+                    Some((x, (rx, up)))
                 });
                 let res = store
                     .write_rank_stream(&w, metas, blobs, chunks, &index)
@@ -606,6 +620,10 @@ impl Checkpointer {
                     .iter()
                     .flat_map(|t| t.chunks.iter().cloned())
                     .collect();
+                let ids: Vec<_> = match upload {
+                    Some(_) => refs.iter().map(|r| r.id).collect(),
+                    None => Vec::new(),
+                };
                 dedup.lock().pending = Some((step, refs));
                 shared.set(Stage::Persisted, |r| {
                     r.persist_s = persisted;
@@ -613,6 +631,12 @@ impl Checkpointer {
                     r.bytes_skipped = stats.bytes_skipped;
                     r.staging_peak = peak;
                 });
+                if let Some(u) = upload {
+                    match u.finish(ids).await {
+                        Ok(bytes) => debug!(step, bytes, "snapshot handed to the replica agent"),
+                        Err(e) => warn!(step, "peer replica not made (the store has it): {e}"),
+                    }
+                }
                 if !cfg.committer {
                     return;
                 }

@@ -26,6 +26,7 @@ pub mod plan;
 pub mod plot;
 pub mod progress;
 pub mod render;
+pub mod replica;
 pub mod resume;
 pub mod stats;
 pub mod verify;
@@ -100,6 +101,10 @@ pub enum Command {
     /// One machine's agent of a job across machines: membership and coordination through
     /// etcd, this machine's ranks started and stopped as the coordinator decides.
     Agent(agent::AgentArgs),
+    /// One node's keeper of peer replicas: holds its ranks' newest snapshots in memory, copies
+    /// them to another node's agent, serves chunks to restores (started by `resume
+    /// --peer-replicas`).
+    ReplicaAgent(replica::ReplicaArgs),
 }
 
 /// How a command ended when it did not fail.
@@ -146,6 +151,9 @@ pub fn execute(cli: Cli) -> Result<Outcome> {
         .enable_all()
         .build()
         .map_err(|e| CliError::error(format!("cannot start the async runtime: {e}")))?;
+    if let Command::ReplicaAgent(a) = &cli.command {
+        return rt.block_on(replica::replica_agent(a)).map(|()| Outcome::Ok);
+    }
     rt.block_on(run(cli.store.as_deref(), cli.command, &ui))
 }
 
@@ -184,6 +192,7 @@ pub async fn run(url: Option<&str>, command: Command, ui: &Ui) -> Result<Outcome
         Command::Plan(a) => emit(ui, &plan::plan(&store, &a, ui).await?),
         Command::Plot(a) => emit(ui, &plot::plot(&store, &a, ui).await?),
         Command::Mount(_) => unreachable!("mount is dispatched before the runtime starts"),
+        Command::ReplicaAgent(_) => unreachable!("replica-agent needs no store"),
         Command::Resume(a) => {
             let r = resume::resume(store.url(), &a, ui).await?;
             emit(ui, &r)?;

@@ -52,6 +52,11 @@ pub struct ResumeArgs {
     /// Write each rank's stdout and stderr into this directory.
     #[arg(long)]
     pub logs: Option<PathBuf>,
+    /// Keep peer replicas: one `ckpt replica-agent` per node holds its ranks' newest snapshots
+    /// in memory with a copy on the next node, and a restore after a failure reads the lost
+    /// shards from there (every chunk verified) and only the rest from the store.
+    #[arg(long)]
+    pub peer_replicas: bool,
     /// The command each rank runs, after `--`.
     #[arg(last = true, required = true)]
     pub command: Vec<String>,
@@ -150,6 +155,16 @@ pub async fn resume(url: &str, args: &ResumeArgs, _ui: &Ui) -> Result<ResumeOutp
         logs_dir: args.logs.clone(),
         heartbeat_interval: (args.heartbeat_timeout / 10)
             .clamp(Duration::from_millis(50), Duration::from_secs(1)),
+        replica_agent: match args.peer_replicas {
+            true => Some(vec![
+                std::env::current_exe()
+                    .map_err(|e| CliError::error(format!("cannot find the ckpt binary: {e}")))?
+                    .display()
+                    .to_string(),
+                "replica-agent".into(),
+            ]),
+            false => None,
+        },
     };
     let report = ckpt_recovery::run(opts).await.map_err(CliError::from)?;
     Ok(ResumeOutput { report })

@@ -273,6 +273,7 @@ pub async fn run(opts: AgentOptions) -> Result<AgentReport> {
             heartbeat_interval: opts.heartbeat_interval,
             ranks_per_node: t.ranks_per_node,
             die_with_parent: true,
+            peer_agents: Vec::new(),
         },
         opts,
         sess,

@@ -831,6 +831,14 @@ fn recovery_bench(dir: &Path, params: &str, how: &str) {
         ],
         logs_dir: Some(logs.clone()),
         heartbeat_interval: Duration::from_millis(100),
+        replica_agent: how.ends_with("peers").then(|| {
+            vec![
+                ckpt_tests::bin("ckpt", "ckpt")
+                    .to_string_lossy()
+                    .to_string(),
+                "replica-agent".into(),
+            ]
+        }),
     };
     let t0 = Instant::now();
     let sup = std::thread::spawn(move || {
@@ -906,6 +914,23 @@ fn recovery_bench(dir: &Path, params: &str, how: &str) {
             }
         }
     }
+    // Where the restarted ranks' bytes came from (their `restore` events).
+    let events = runtime()
+        .block_on(ckpt_store::logs::read_log(
+            &st,
+            &run,
+            ckpt_store::logs::EVENTS,
+        ))
+        .unwrap_or_default();
+    let restores: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["kind"] == "restore" && e["generation"].as_u64() > Some(0))
+        .collect();
+    let sum = |k: &str| restores.iter().filter_map(|e| e[k].as_u64()).sum::<u64>();
+    let slowest = restores
+        .iter()
+        .filter_map(|e| e["seconds"].as_f64())
+        .fold(0.0, f64::max);
     let hit = hit_at.as_secs_f64() - 0.0;
     emit(json!({
         "bench": "recovery", "how": how, "params": params, "ok": report.ok,
@@ -914,6 +939,8 @@ fn recovery_bench(dir: &Path, params: &str, how: &str) {
         "start_to_first_step_s": ms(&resumed) - ms(&started), "restore_s": restore_s,
         "failure_to_first_step_s": ms(&resumed) - ms(&f), "steps_lost": r["steps_lost"],
         "layout_after": r["layout"], "restore_plan": r["plan"],
+        "restore_event_s": slowest, "restored_bytes": sum("bytes"),
+        "bytes_from_peers": sum("bytes_from_peers"), "bytes_from_store": sum("bytes_from_store"),
     }));
     let _ = std::fs::remove_dir_all(&store);
 }
@@ -937,6 +964,7 @@ fn main() {
             let p = arg(&args, "--params", "20M");
             recovery_bench(&dir, &p, "crash");
             recovery_bench(&dir, &p, "hang");
+            recovery_bench(&dir, &p, "crash-peers");
         }
         _ => {
             eprintln!(
