@@ -2,9 +2,11 @@
 # The main job, on the default local store (./demo-store):
 #   1. a reference run of the reference workload, never interrupted;
 #   2. the same job under `ckpt resume` on 4 simulated nodes (one rank each, dp=2,tp=2,
-#      ZeRO-1), one rank killed with SIGKILL midway: the supervisor detects it, stops the job,
-#      restarts it resharded on the 3 nodes left (dp=1,tp=2) from the newest committed
-#      checkpoint, and the job finishes;
+#      ZeRO-1, a replica agent per node keeping the newest snapshots in memory with a copy on
+#      the next node), one rank killed with SIGKILL midway: the supervisor detects it, stops
+#      the job (the dead node's agent goes with it), restarts it resharded on the 3 nodes left
+#      (dp=1,tp=2) from the newest committed checkpoint, read from the surviving agents'
+#      memory where they hold it and from the store otherwise, and the job finishes;
 #   3. the final state compared bit for bit with the reference, then `ckpt ls`, `ckpt verify`
 #      and `ckpt plot` of what happened.
 set -euo pipefail
@@ -27,8 +29,8 @@ ref=$("$train" --store "$store" --run reference --layout dp=2,tp=2 --zero 1 --pa
   --steps $steps --ckpt-every $every | sed -n 's/^digest //p')
 echo "   final state digest $ref"
 
-echo "== 2. the same job under ckpt resume on 4 nodes; a rank gets SIGKILL midway"
-"$ckpt" --store "$store" resume --run demo --nodes 4 --ranks-per-node 1 --layout dp=2,tp=2 \
+echo "== 2. the same job under ckpt resume on 4 nodes with peer replicas; a rank gets SIGKILL midway"
+"$ckpt" --store "$store" resume --run demo --nodes 4 --ranks-per-node 1 --layout dp=2,tp=2 --peer-replicas \
   --heartbeat-timeout 3s --stop-grace 2s --backoff 200ms --logs "$store.logs" -- \
   "$train" --zero 1 --params "$params" --steps $steps --ckpt-every $every --step-time-ms 150 \
   > "$store.resume.txt" 2> "$store.resume.err" &

@@ -21,4 +21,4 @@ pub mod supervisor;
 
 pub use coordinator::{Action, Config, Coordinator, Event, ExitStatus, Record, Topology};
 pub use heartbeat::HeartbeatClient;
-pub use supervisor::{Report, SupervisorOptions, choose_step, restore_plan, run};
+pub use supervisor::{Report, RestoreSummary, SupervisorOptions, choose_step, restore_plan, run};

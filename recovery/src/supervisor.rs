@@ -12,6 +12,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use ckpt_store::logs::EVENTS;
 use ckpt_store::{Error, Result};
 use serde::Serialize;
 use tokio::net::UnixDatagram;
@@ -61,6 +62,50 @@ pub struct Report {
     pub records: Vec<serde_json::Value>,
     /// The final layout.
     pub layout: String,
+    /// How each restarted generation's ranks restored (from their `restore` events).
+    pub restores: Vec<RestoreSummary>,
+}
+
+/// The restores of one generation's ranks, summed.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct RestoreSummary {
+    /// Generation.
+    pub generation: u64,
+    /// The step restored.
+    pub step: u64,
+    /// Ranks that restored.
+    pub ranks: u32,
+    /// Bytes the ranks restored.
+    pub bytes: u64,
+    /// Raw bytes served by peer replicas.
+    pub bytes_from_peers: u64,
+    /// Stored bytes read from the store.
+    pub bytes_from_store: u64,
+    /// Seconds of the slowest rank.
+    pub slowest_s: f64,
+}
+
+/// Sum the `restore` events of generations after `base` (the first of this supervision
+/// restores nothing it caused).
+pub fn restore_summaries(events: &[serde_json::Value], base: u64) -> Vec<RestoreSummary> {
+    let mut by: BTreeMap<u64, RestoreSummary> = BTreeMap::new();
+    for e in events.iter().filter(|e| e["kind"] == "restore") {
+        let Some(g) = e["generation"].as_u64().filter(|g| *g > base) else {
+            continue;
+        };
+        let s = by.entry(g).or_insert_with(|| RestoreSummary {
+            generation: g,
+            ..RestoreSummary::default()
+        });
+        let n = |k: &str| e[k].as_u64().unwrap_or(0);
+        s.step = n("step");
+        s.ranks += 1;
+        s.bytes += n("bytes");
+        s.bytes_from_peers += n("bytes_from_peers");
+        s.bytes_from_store += n("bytes_from_store");
+        s.slowest_s = s.slowest_s.max(e["seconds"].as_f64().unwrap_or(0.0));
+    }
+    by.into_values().collect()
 }
 
 /// Supervise the job (see the module docs) until it completes or recovery gives up.
@@ -171,6 +216,13 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
             for a in agents.values_mut() {
                 let _ = a.child.start_kill();
             }
+            let restores = match ckpt_store::logs::read_log(&store, &opts.run, EVENTS).await {
+                Ok(ev) => restore_summaries(&ev, base),
+                Err(e) => {
+                    tracing::warn!("reading the restore events: {e}");
+                    Vec::new()
+                }
+            };
             remove_private_dir(&sock_dir);
             return Ok(Report {
                 ok,
@@ -178,6 +230,7 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
                 restarts: coord.restarts(),
                 records: log.records,
                 layout: coord.layout().to_string(),
+                restores,
             });
         }
         tokio::select! {
@@ -266,4 +319,36 @@ async fn start_agents(
         );
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn restore_events_are_summed_per_generation_after_the_first() {
+        let ev = vec![
+            json!({"kind": "restore", "generation": 3, "step": 4, "bytes": 9, "bytes_from_peers": 9, "bytes_from_store": 0, "seconds": 0.5}),
+            json!({"kind": "restore", "generation": 4, "step": 8, "bytes": 10, "bytes_from_peers": 6, "bytes_from_store": 5, "seconds": 0.25}),
+            json!({"kind": "restore", "generation": 4, "step": 8, "bytes": 10, "bytes_from_peers": 0, "bytes_from_store": 11, "seconds": 1.5}),
+            json!({"kind": "spike", "generation": 4}),
+            json!({"kind": "restore", "generation": 5, "step": 12, "bytes": 1}),
+        ];
+        let s = restore_summaries(&ev, 3);
+        assert_eq!(s.len(), 2);
+        assert_eq!(
+            s[0],
+            RestoreSummary {
+                generation: 4,
+                step: 8,
+                ranks: 2,
+                bytes: 20,
+                bytes_from_peers: 6,
+                bytes_from_store: 16,
+                slowest_s: 1.5,
+            }
+        );
+        assert_eq!((s[1].generation, s[1].ranks, s[1].bytes), (5, 1, 1));
+    }
 }

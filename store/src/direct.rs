@@ -108,6 +108,46 @@ impl Drop for AlignedBuf {
     }
 }
 
+/// Aligned read buffers, reused: a restore reads gigabytes in chunk-sized objects, and memory
+/// touched for the first time fills several times slower than memory reused on these
+/// machines. A buffer returns here when the last `Bytes` over it is dropped.
+static READ_BUFS: std::sync::Mutex<Vec<AlignedBuf>> = std::sync::Mutex::new(Vec::new());
+/// Read buffers kept for reuse at most.
+const KEEP_READ_BUFS: usize = 16;
+
+/// A buffer of at least `need` bytes from the pool (one not more than twice as large), or a
+/// new one.
+fn read_buf(need: usize) -> AlignedBuf {
+    let mut pool = READ_BUFS.lock().unwrap_or_else(|e| e.into_inner());
+    match pool
+        .iter()
+        .position(|b| b.capacity() >= need && b.capacity() <= 2 * need.max(ALIGN))
+    {
+        Some(i) => pool.swap_remove(i),
+        None => AlignedBuf::zeroed(need),
+    }
+}
+
+/// The owner of a read's `Bytes`: gives its buffer back to [`READ_BUFS`] when dropped.
+struct PooledRead(Option<AlignedBuf>);
+
+impl AsRef<[u8]> for PooledRead {
+    fn as_ref(&self) -> &[u8] {
+        self.0.as_deref().unwrap_or(&[])
+    }
+}
+
+impl Drop for PooledRead {
+    fn drop(&mut self) {
+        if let Some(b) = self.0.take() {
+            let mut pool = READ_BUFS.lock().unwrap_or_else(|e| e.into_inner());
+            if pool.len() < KEEP_READ_BUFS {
+                pool.push(b);
+            }
+        }
+    }
+}
+
 fn round_up(n: usize, a: usize) -> usize {
     n.div_ceil(a) * a
 }
@@ -327,7 +367,7 @@ fn read_range(
     };
     let start = r.start as usize & !(ALIGN - 1);
     let end = round_up(r.end as usize, ALIGN);
-    let mut buf = AlignedBuf::zeroed(end - start);
+    let mut buf = read_buf(end - start);
     let mut got = 0usize;
     let want = (r.end as usize) - start;
     {
@@ -345,7 +385,7 @@ fn read_range(
         }
     }
     buf.set_len(want);
-    let bytes = Bytes::from_owner(buf).slice(r.start as usize - start..);
+    let bytes = Bytes::from_owner(PooledRead(Some(buf))).slice(r.start as usize - start..);
     Ok((bytes, r, meta))
 }
 

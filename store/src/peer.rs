@@ -519,6 +519,28 @@ struct Peer {
 pub struct PeerSource {
     peers: Vec<Peer>,
     served: AtomicU64,
+    bufs: Arc<Mutex<Vec<Vec<u8>>>>,
+}
+
+/// Receive buffers kept for reuse (memory touched before fills faster than new memory).
+const KEEP_BUFS: usize = 16;
+
+/// The owner of a received chunk's `Bytes`: its buffer goes back to the source's pool.
+struct Pooled(Vec<u8>, Arc<Mutex<Vec<Vec<u8>>>>);
+
+impl AsRef<[u8]> for Pooled {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        let mut pool = self.1.lock().expect("buffers");
+        if pool.len() < KEEP_BUFS {
+            pool.push(std::mem::take(&mut self.0));
+        }
+    }
 }
 
 impl std::fmt::Debug for PeerSource {
@@ -541,6 +563,7 @@ impl PeerSource {
                 })
                 .collect(),
             served: AtomicU64::new(0),
+            bufs: Arc::default(),
         })
     }
 
@@ -573,9 +596,10 @@ impl PeerSource {
                         "the agent sent {n} bytes for a chunk of {len}"
                     )));
                 }
-                let mut buf = vec![0u8; n as usize];
+                let mut buf = self.bufs.lock().expect("buffers").pop().unwrap_or_default();
+                buf.resize(n as usize, 0);
                 s.read_exact(&mut buf).await?;
-                Some(Bytes::from(buf))
+                Some(Bytes::from_owner(Pooled(buf, self.bufs.clone())))
             }
             b'N' => None,
             other => return Err(std::io::Error::other(format!("answer {other:#04x}"))),

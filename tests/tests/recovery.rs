@@ -559,6 +559,17 @@ fn a_lost_node_is_restored_from_peer_replicas() {
             "the agents held the whole step, yet the store was read: {r}"
         );
     }
+    // The supervisor's report sums them per generation.
+    assert_eq!(report.restores.len(), 1, "{:?}", report.restores);
+    let sum = &report.restores[0];
+    assert_eq!((sum.ranks, sum.step, sum.bytes_from_store), (4, step, 0));
+    assert_eq!(
+        sum.bytes_from_peers,
+        restores
+            .iter()
+            .map(|r| r["bytes_from_peers"].as_u64().unwrap())
+            .sum::<u64>()
+    );
     let t1 = Instant::now();
     while !processes_with_args(&["replica-agent"]).is_empty() {
         assert!(

@@ -5,6 +5,8 @@
 
 use std::sync::Arc;
 
+use parking_lot::Mutex;
+
 use ckpt_store::placement::flat_range_boxes;
 use ckpt_store::{DType, Error, NdBox, ReadStats, Result, StepReader};
 use futures::{StreamExt, TryStreamExt, stream};
@@ -91,11 +93,18 @@ pub async fn restore_targets(
             a = b;
         }
     }
+    // Piece buffers are reused: memory touched for the first time fills several times slower
+    // than memory reused, and a restore moves the whole state through these buffers. Each
+    // piece overwrites all of its buffer (checked below), so stale bytes never leak.
+    let bufs: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
+    let bufs = &bufs;
     let results: Vec<ReadStats> = stream::iter(pieces)
         .map(|(i, a, b)| async move {
             let t = &targets[i];
             let elem = t.dtype.size() as u64;
-            let mut buf = vec![0u8; ((b - a) * elem) as usize];
+            let want = ((b - a) * elem) as usize;
+            let mut buf = bufs.lock().pop().unwrap_or_default();
+            buf.resize(want, 0);
             let mut at = 0usize;
             let mut stats = ReadStats::default();
             for bx in flat_range_boxes(&t.bbox.lengths, a, b) {
@@ -115,9 +124,21 @@ pub async fn restore_targets(
                 stats.add(&st);
                 at += len;
             }
+            if stats.bytes_copied != want as u64 {
+                return Err(Error::internal(format!(
+                    "tensor {:?}: a piece of {want} bytes received {} bytes",
+                    t.name, stats.bytes_copied
+                )));
+            }
             let sink = t.sink.clone();
             let off = (a * elem) as usize;
-            tokio::task::spawn_blocking(move || sink.write_at(off, &buf)).await??;
+            let (res, buf) = tokio::task::spawn_blocking(move || {
+                let r = sink.write_at(off, &buf);
+                (r, buf)
+            })
+            .await?;
+            res?;
+            bufs.lock().push(buf);
             Ok::<_, Error>(stats)
         })
         .buffer_unordered(parallel)

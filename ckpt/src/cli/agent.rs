@@ -131,6 +131,7 @@ impl Report for AgentOutput {
                 restarts: r.restarts,
                 records,
                 layout: r.layout.clone(),
+                restores: Vec::new(),
             },
         }
         .print(w)

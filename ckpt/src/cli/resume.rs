@@ -115,6 +115,20 @@ impl Report for ResumeOutput {
             };
             writeln!(w, "{at:9.2}s  {line}")?;
         }
+        for r in &self.report.restores {
+            writeln!(
+                w,
+                "restore of generation {}: {} ranks read {} of step {} ({} from peer replicas, \
+                 {} stored from the store), slowest rank {:.2} s",
+                r.generation,
+                r.ranks,
+                super::fmt::bytes(r.bytes),
+                r.step,
+                super::fmt::bytes(r.bytes_from_peers),
+                super::fmt::bytes(r.bytes_from_store),
+                r.slowest_s
+            )?;
+        }
         writeln!(
             w,
             "{}: {}",
