@@ -118,8 +118,8 @@ impl Report for ResumeOutput {
         for r in &self.report.restores {
             writeln!(
                 w,
-                "restore of generation {}: {} ranks read {} of step {} ({} from peer replicas, \
-                 {} stored from the store), slowest rank {:.2} s",
+                "restore of generation {}: {} ranks restored {} of step {} ({} from peer replicas, \
+                 {} read from the store), slowest rank {:.2} s",
                 r.generation,
                 r.ranks,
                 super::fmt::bytes(r.bytes),
