@@ -61,6 +61,11 @@ struct Job {
 impl Job {
     /// Start `nodes + spares` agents of a job with layout `layout`.
     fn start(run: &str, nodes: u32, spares: u32, layout: &str) -> Job {
+        Job::start_with(run, nodes, spares, layout, &[])
+    }
+
+    /// The same, with `extra` flags for every agent.
+    fn start_with(run: &str, nodes: u32, spares: u32, layout: &str, extra: &[&str]) -> Job {
         let mut dir = tempfile::tempdir().unwrap();
         if std::env::var_os("CKPT_TEST_KEEP").is_some() {
             eprintln!("keeping {}", dir.path().display());
@@ -89,6 +94,7 @@ impl Job {
                     "4",
                 ])
                 .args(["--join-timeout", "30s", "--addr", "127.0.0.1"])
+                .args(extra)
                 .arg("--logs")
                 .arg(dir.path().join(format!("logs/node-{id}")))
                 .arg("--")
@@ -322,7 +328,7 @@ fn a_killed_node_is_replaced_by_a_smaller_layout_and_the_job_finishes() {
     let dir = tempfile::tempdir().unwrap();
     let want = reference_digest(dir.path());
     let t0 = Instant::now();
-    let mut job = Job::start("etcd-node", 3, 0, "dp=3");
+    let mut job = Job::start_with("etcd-node", 3, 0, "dp=3", &["--peer-replicas"]);
     let st = job.wait_for_step(8);
     let leader = st.leader.expect("a coordinator");
     let victim = (0..3).rev().find(|&n| n != leader).unwrap();
@@ -360,6 +366,36 @@ fn a_killed_node_is_replaced_by_a_smaller_layout_and_the_job_finishes() {
             .any(|r| r["kind"] == "recovery" && r["layout"] == "dp=2,tp=1,pp=1"),
         "{log:#?}"
     );
+    // Peer replicas: the restarted ranks read from the surviving agents' memory, including
+    // the shards the lost node wrote (its copy lives on the next node's agent); what the
+    // survivors overwrote with newer snapshots while the loss went undetected comes from the
+    // store.
+    let from = st.plan.as_ref().unwrap().resume_from;
+    let restores: Vec<&Value> = log
+        .iter()
+        .filter(|r| r["kind"] == "restore" && r["step"].as_u64() == from)
+        .collect();
+    assert_eq!(restores.len(), 2, "{log:#?}");
+    let store = ckpt_store::open(job.dir.path().join("store").to_str().unwrap()).unwrap();
+    let (commit, _) = rt()
+        .block_on(store.read_commit(&job.run, from.unwrap()))
+        .unwrap();
+    let lost: u64 = commit
+        .tensors
+        .iter()
+        .flat_map(|t| t.shards.iter().map(move |s| (t, s)))
+        .filter(|(_, s)| s.rank == victim)
+        .map(|(t, s)| s.bbox.numel() * t.dtype.size() as u64)
+        .sum();
+    assert!(lost > 0, "the lost node wrote nothing of step {from:?}");
+    for r in &restores {
+        let peers = r["bytes_from_peers"].as_u64().unwrap();
+        assert!(
+            peers >= lost,
+            "{peers} bytes from peers, but the lost node's {lost} bytes alone are held by its \
+             buddy: {r}"
+        );
+    }
     eprintln!(
         "killed node {victim} (coordinator {leader}); detected after {detection:.2} s; \
          resumed from step {:?}; survivors finished {:.2} s after the kill; test {:.1} s",

@@ -72,6 +72,10 @@ pub struct AgentArgs {
     /// the host name).
     #[arg(long)]
     pub addr: Option<String>,
+    /// Keep peer replicas: this agent holds its node's newest snapshots in memory (with a copy
+    /// on the next node's agent), and restores read lost shards from the agents first.
+    #[arg(long)]
+    pub peer_replicas: bool,
     /// Write this node's rank stdout and stderr into this directory.
     #[arg(long)]
     pub logs: Option<PathBuf>,
@@ -175,6 +179,7 @@ pub async fn agent(url: &str, args: &AgentArgs, _ui: &Ui) -> Result<AgentOutput>
         lease_ttl: args.lease_ttl,
         join_timeout: args.join_timeout,
         addr: args.addr.clone(),
+        peer_replicas: args.peer_replicas,
     };
     let report = ckpt_recovery::agent::run(opts)
         .await

@@ -133,6 +133,9 @@ pub struct NodeMsg {
     pub port: u16,
     /// The agent's process id.
     pub pid: u32,
+    /// Where this node's replica agent listens (`host:port`), with peer replicas on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replica: Option<String>,
 }
 
 /// `plan` and `plans/<gen>`: what a generation runs, where.

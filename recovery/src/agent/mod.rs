@@ -90,6 +90,9 @@ pub struct AgentOptions {
     /// The address other machines reach this one at (`MASTER_ADDR` when it runs rank 0);
     /// default: the host name.
     pub addr: Option<String>,
+    /// Keep peer replicas: this agent also serves as the node's replica agent (see
+    /// `ckpt_store::peer`), registered with the node so every agent's ranks find it.
+    pub peer_replicas: bool,
 }
 
 impl AgentOptions {
@@ -461,11 +464,17 @@ impl Agent {
                 )));
             }
         }
+        let host = self.opts.addr.clone().unwrap_or_else(host_name);
+        let replica = match self.opts.peer_replicas {
+            true => Some(self.serve_replicas(&host).await?),
+            false => None,
+        };
         let me = NodeMsg {
             node: self.opts.node,
-            addr: self.opts.addr.clone().unwrap_or_else(host_name),
+            addr: host,
             port: free_port(),
             pid: std::process::id(),
+            replica,
         };
         let key = self.key(Key::Node(self.opts.node));
         // A restarted agent waits for its predecessor's lease to expire.
@@ -492,6 +501,43 @@ impl Agent {
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+    }
+
+    /// Serve this node's peer replicas from this process (they live as long as the agent, so
+    /// a lost machine loses its replica with its ranks); returns the address to publish.
+    async fn serve_replicas(&mut self, host: &str) -> Result<String> {
+        let l = tokio::net::TcpListener::bind((host, 0))
+            .await
+            .map_err(|e| Error::io("listening for peer replicas on", &host, e))?;
+        let port = l
+            .local_addr()
+            .map_err(|e| Error::io("listening for peer replicas on", &host, e))?
+            .port();
+        let state = ckpt_store::peer::AgentState::new();
+        tokio::spawn(async move {
+            if let Err(e) = ckpt_store::peer::serve(l, state).await {
+                warn!("the replica agent stopped: {e}");
+            }
+        });
+        let addr = format!("{host}:{port}");
+        info!(node = self.opts.node, addr, "serving peer replicas");
+        Ok(addr)
+    }
+
+    /// The replica agents of the registered (live) nodes, for the ranks' environment.
+    async fn peer_agents(&mut self) -> Result<Vec<(u32, String)>> {
+        if !self.opts.peer_replicas {
+            return Ok(Vec::new());
+        }
+        let prefix = format!("{}/nodes/", self.keys.prefix());
+        let (_, kvs) = self.sess.get_prefix(&prefix).await?;
+        let mut out: Vec<(u32, String)> = kvs
+            .iter()
+            .filter_map(|kv| serde_json::from_slice::<NodeMsg>(kv.value()).ok())
+            .filter_map(|n| n.replica.map(|r| (n.node, r)))
+            .collect();
+        out.sort();
+        Ok(out)
     }
 
     /// Try to become the coordinator.
@@ -615,6 +661,9 @@ impl Agent {
         });
         let g = p.generation;
         self.current = Some(p.clone());
+        if !mine.is_empty() {
+            self.launch.peer_agents = self.peer_agents().await?;
+        }
         for a in mine {
             match self.launch.spawn(
                 g,
