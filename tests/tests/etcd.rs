@@ -100,7 +100,10 @@ impl Job {
                 .arg("--")
                 .arg(&train)
                 .args(["--steps", &STEPS.to_string(), "--ckpt-every", "4"])
-                .args(["--params", PARAMS, "--seed", "5", "--step-time-ms", "80"])
+                // 50 steps of at least 120 ms: the kill after step 8 lands well before the end
+                // even when the machine is busy (a job that finished first has nothing to
+                // recover).
+                .args(["--params", PARAMS, "--seed", "5", "--step-time-ms", "120"])
                 .env("CKPT_LOG", "warn")
                 .stdin(Stdio::null())
                 .stdout(std::fs::File::create(&out).unwrap())
@@ -157,6 +160,11 @@ impl Job {
         loop {
             let st = self.state();
             if st.plan.is_some() && self.committed().iter().any(|&s| s >= step) {
+                assert!(
+                    st.done.is_none(),
+                    "the job finished before the test could interrupt it\n{}",
+                    self.logs()
+                );
                 return st;
             }
             assert!(
