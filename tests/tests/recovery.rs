@@ -480,7 +480,7 @@ fn a_lost_node_is_restored_from_peer_replicas() {
         run,
         topo,
         "dp=3,tp=2",
-        train_cmd(steps, 8, 100),
+        train_cmd(steps, 8, 150),
         dir.path().join("logs"),
     );
     let ckpt = bin("ckpt", "ckpt");
@@ -497,7 +497,7 @@ fn a_lost_node_is_restored_from_peer_replicas() {
     let st = ckpt_store::open(store.to_str().unwrap()).unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let t0 = Instant::now();
-    // The first commit (step 8); the next save is 8 steps of 100 ms away.
+    // The first commit (step 8); the next save is 8 steps of 150 ms away.
     let step = loop {
         if let Some(s) = rt.block_on(st.latest_committed(run)).unwrap() {
             break s;
