@@ -40,6 +40,27 @@ pub fn bin(name: &str, package: &str) -> PathBuf {
     p
 }
 
+/// Run the local supervisor (`ckpt resume`'s engine) on a thread of its own with its own
+/// runtime; join the handle for its report.
+pub fn spawn_supervisor(
+    opts: ckpt_recovery::SupervisorOptions,
+) -> std::thread::JoinHandle<ckpt_recovery::Report> {
+    std::thread::spawn(move || {
+        tokio::runtime::Runtime::new()
+            .expect("a runtime")
+            .block_on(ckpt_recovery::run(opts))
+            .expect("the supervisor ran")
+    })
+}
+
+/// The command that starts one node's replica agent: `ckpt replica-agent`.
+pub fn replica_agent_command() -> Vec<String> {
+    vec![
+        bin("ckpt", "ckpt").to_string_lossy().to_string(),
+        "replica-agent".into(),
+    ]
+}
+
 /// Processes whose environment has `key=value` for every pair, as (pid, environment).
 pub fn find_processes(want: &[(&str, &str)]) -> Vec<(u32, Vec<(String, String)>)> {
     let mut out = Vec::new();

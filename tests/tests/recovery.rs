@@ -7,7 +7,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use ckpt_recovery::{Config, SupervisorOptions, Topology};
-use ckpt_tests::{bin, digest_in, env_of, find_processes, signal};
+use ckpt_tests::{
+    bin, digest_in, env_of, find_processes, replica_agent_command, signal, spawn_supervisor,
+};
 
 const PARAMS: &str = "40K";
 
@@ -171,12 +173,7 @@ fn random_sigkills_during_steps_saves_and_restores() {
     // Saves take a while (a failpoint sleeps after the chunks), so kills land inside them.
     // SAFETY: set before any thread of this test reads the environment.
     unsafe { std::env::set_var("CKPT_FAILPOINTS", "after_chunks=sleep(150)") };
-    let sup = std::thread::spawn(move || {
-        tokio::runtime::Runtime::new()
-            .unwrap()
-            .block_on(ckpt_recovery::run(opts))
-            .unwrap()
-    });
+    let sup = spawn_supervisor(opts);
     let mut kills = Vec::new();
     let mut last_gen = u64::MAX;
     let t0 = Instant::now();
@@ -277,12 +274,7 @@ fn a_hang_is_detected_within_the_timeout_plus_one_heartbeat() {
     let timeout = opts.config.heartbeat_timeout;
     let interval = opts.heartbeat_interval;
     let sup_start = Instant::now();
-    let sup = std::thread::spawn(move || {
-        tokio::runtime::Runtime::new()
-            .unwrap()
-            .block_on(ckpt_recovery::run(opts))
-            .unwrap()
-    });
+    let sup = spawn_supervisor(opts);
     let t0 = Instant::now();
     let victim = loop {
         let live = ranks_of(run);
@@ -340,12 +332,7 @@ fn too_few_survivors_for_tp_x_pp_stop_with_a_reason() {
         cmd,
         dir.path().join("logs"),
     );
-    let sup = std::thread::spawn(move || {
-        tokio::runtime::Runtime::new()
-            .unwrap()
-            .block_on(ckpt_recovery::run(opts))
-            .unwrap()
-    });
+    let sup = spawn_supervisor(opts);
     let t0 = Instant::now();
     loop {
         let live = ranks_of(run);
@@ -483,17 +470,8 @@ fn a_lost_node_is_restored_from_peer_replicas() {
         train_cmd(steps, 8, 150),
         dir.path().join("logs"),
     );
-    let ckpt = bin("ckpt", "ckpt");
-    opts.replica_agent = Some(vec![
-        ckpt.to_string_lossy().to_string(),
-        "replica-agent".into(),
-    ]);
-    let sup = std::thread::spawn(move || {
-        tokio::runtime::Runtime::new()
-            .unwrap()
-            .block_on(ckpt_recovery::run(opts))
-            .unwrap()
-    });
+    opts.replica_agent = Some(replica_agent_command());
+    let sup = spawn_supervisor(opts);
     let st = ckpt_store::open(store.to_str().unwrap()).unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let t0 = Instant::now();

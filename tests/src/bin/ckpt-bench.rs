@@ -841,22 +841,12 @@ fn recovery_bench(dir: &Path, params: &str, how: &str) {
         ],
         logs_dir: Some(logs.clone()),
         heartbeat_interval: Duration::from_millis(100),
-        replica_agent: how.ends_with("peers").then(|| {
-            vec![
-                ckpt_tests::bin("ckpt", "ckpt")
-                    .to_string_lossy()
-                    .to_string(),
-                "replica-agent".into(),
-            ]
-        }),
+        replica_agent: how
+            .ends_with("peers")
+            .then(ckpt_tests::replica_agent_command),
     };
     let t0 = Instant::now();
-    let sup = std::thread::spawn(move || {
-        tokio::runtime::Runtime::new()
-            .unwrap()
-            .block_on(ckpt_recovery::run(opts))
-            .unwrap()
-    });
+    let sup = ckpt_tests::spawn_supervisor(opts);
     let st = ckpt_store::open(store.to_str().unwrap()).unwrap();
     // After the second committed checkpoint, hit rank 1.
     let victim = loop {
