@@ -39,6 +39,12 @@ use crate::id::{ChunkId, Hash};
 use crate::model::ChunkRef;
 use crate::read::ChunkSource;
 
+/// How long connecting to an agent may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long one chunk's transfer to or from an agent may stall before the agent is given up
+/// (by default; `CKPT_PEER_TIMEOUT_MS` or [`PeerLink::timeout`] set it).
+pub const IO_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// The largest chunk a frame may carry (no allocation is driven by an untrusted length).
 pub const MAX_CHUNK: u64 = 1 << 30;
 /// The most chunks one snapshot may list.
@@ -56,11 +62,14 @@ pub struct PeerLink {
     pub buddy: Option<String>,
     /// Every live agent, this node's first: where a restore looks for chunks.
     pub peers: Vec<String>,
+    /// How long a transfer to or from an agent may stall before the agent is given up (the
+    /// persist or restore then goes on without it).
+    pub timeout: Duration,
 }
 
 impl PeerLink {
-    /// `CKPT_PEER_AGENT`, `CKPT_PEER_BUDDY`, `CKPT_PEERS` (comma-separated) and `CKPT_NODE`;
-    /// `None` when `CKPT_PEER_AGENT` is unset (no replicas).
+    /// `CKPT_PEER_AGENT`, `CKPT_PEER_BUDDY`, `CKPT_PEERS` (comma-separated), `CKPT_NODE` and
+    /// `CKPT_PEER_TIMEOUT_MS`; `None` when `CKPT_PEER_AGENT` is unset (no replicas).
     pub fn from_env() -> Option<PeerLink> {
         let agent = std::env::var("CKPT_PEER_AGENT")
             .ok()
@@ -81,11 +90,16 @@ impl PeerLink {
             .ok()
             .and_then(|s| s.parse().ok())
             .unwrap_or(0);
+        let timeout = std::env::var("CKPT_PEER_TIMEOUT_MS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .map_or(IO_TIMEOUT, Duration::from_millis);
         Some(PeerLink {
             node,
             agent,
             buddy,
             peers,
+            timeout,
         })
     }
 }
@@ -318,7 +332,13 @@ fn finish(state: &Arc<AgentState>, c: Incoming, ids: Vec<ChunkId>) {
             step: c.step,
             buddy: String::new(),
         };
-        if let Err(e) = forward(&c.buddy, &head, &ordered, &ids).await {
+        let fwd = forward(&c.buddy, &head, &ordered, &ids);
+        // A buddy that stops reading must not pin old snapshots here for ever.
+        let limit = IO_TIMEOUT + Duration::from_secs(ordered.len() as u64);
+        let res = tokio::time::timeout(limit, fwd)
+            .await
+            .unwrap_or_else(|_| Err(Error::internal("the buddy agent stopped taking the copy")));
+        if let Err(e) = res {
             warn!(buddy = %c.buddy, rank = c.rank, step = c.step, "copy to the buddy agent failed: {e}");
         }
     });
@@ -428,10 +448,11 @@ impl PeerUpload {
             buddy: link.buddy.clone().unwrap_or_default(),
         };
         let addr = link.agent.clone();
+        let timeout = link.timeout;
         let started = std::thread::Builder::new()
             .name(format!("ckpt-peer-{rank}"))
             .spawn(move || {
-                let _ = done_tx.send(upload(&addr, head, rx));
+                let _ = done_tx.send(upload(&addr, head, rx, timeout));
             });
         if let Err(e) = started {
             warn!("peer replica: the upload thread did not start: {e}");
@@ -478,10 +499,29 @@ impl PeerUpload {
     }
 }
 
-fn upload(addr: &str, head: Begin, mut rx: tokio::sync::mpsc::Receiver<Msg>) -> Result<u64> {
+fn upload(
+    addr: &str,
+    head: Begin,
+    mut rx: tokio::sync::mpsc::Receiver<Msg>,
+    timeout: Duration,
+) -> Result<u64> {
     use std::io::Write;
-    let s = std::net::TcpStream::connect(addr)
+    use std::net::ToSocketAddrs;
+    let to = addr
+        .to_socket_addrs()
+        .map_err(|e| net("resolving the replica agent", addr, e))?
+        .next()
+        .ok_or_else(|| {
+            Error::invalid(format!(
+                "replica agent address {addr:?} resolves to nothing"
+            ))
+        })?;
+    let s = std::net::TcpStream::connect_timeout(&to, CONNECT_TIMEOUT)
         .map_err(|e| net("connecting to the replica agent", addr, e))?;
+    // A stopped or wedged agent must not hold up the persist: a write that cannot go on for
+    // this long ends the upload, and the persist goes on without a replica.
+    s.set_write_timeout(Some(timeout))
+        .map_err(|e| net("setting a timeout for", addr, e))?;
     let _ = s.set_nodelay(true);
     let mut w = std::io::BufWriter::with_capacity(1 << 20, s);
     let e = |e| net("handing a snapshot to the replica agent", addr, e);
@@ -520,6 +560,7 @@ pub struct PeerSource {
     peers: Vec<Peer>,
     served: AtomicU64,
     bufs: Arc<Mutex<Vec<Vec<u8>>>>,
+    timeout: Duration,
 }
 
 /// Receive buffers kept for reuse (memory touched before fills faster than new memory).
@@ -551,8 +592,14 @@ impl std::fmt::Debug for PeerSource {
 }
 
 impl PeerSource {
-    /// A source over the agents at `addrs`.
+    /// A source over the agents at `addrs`, giving an agent up after [`IO_TIMEOUT`] without
+    /// progress.
     pub fn new(addrs: &[String]) -> Arc<Self> {
+        Self::with_timeout(addrs, IO_TIMEOUT)
+    }
+
+    /// The same with another timeout.
+    pub fn with_timeout(addrs: &[String], timeout: Duration) -> Arc<Self> {
         Arc::new(PeerSource {
             peers: addrs
                 .iter()
@@ -564,6 +611,7 @@ impl PeerSource {
                 .collect(),
             served: AtomicU64::new(0),
             bufs: Arc::default(),
+            timeout,
         })
     }
 
@@ -616,7 +664,8 @@ impl ChunkSource for PeerSource {
             if p.dead.load(Ordering::Relaxed) {
                 continue;
             }
-            match self.ask(p, &r.id, r.len as u64).await {
+            let asked = tokio::time::timeout(self.timeout, self.ask(p, &r.id, r.len as u64)).await;
+            match asked.unwrap_or_else(|_| Err(std::io::Error::other("no answer in time"))) {
                 Ok(Some(b)) => {
                     self.served.fetch_add(b.len() as u64, Ordering::Relaxed);
                     return Some(b);
@@ -664,6 +713,7 @@ mod tests {
             agent: a.clone(),
             buddy: Some(b.clone()),
             peers: vec![a.clone(), b.clone()],
+            timeout: IO_TIMEOUT,
         };
         let data: Vec<Vec<u8>> = (0..5u8).map(|i| vec![i; 1000 + i as usize]).collect();
         let ids: Vec<ChunkId> = data.iter().map(|d| ChunkId::of(d)).collect();
@@ -701,6 +751,7 @@ mod tests {
             agent: a.clone(),
             buddy: None,
             peers: vec![a.clone()],
+            timeout: IO_TIMEOUT,
         };
         let up = PeerUpload::start(&link, 1, 0, 1, 4);
         up.chunk(Bytes::from_static(b"half")).await;
@@ -725,6 +776,42 @@ mod tests {
         assert!(sa.get(&ChunkId::of(b"old generation")).is_none());
         assert!(sa.get(&ChunkId::of(b"new generation")).is_some());
         assert_eq!(sa.holdings().snapshots, 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_wedged_agent_holds_up_neither_a_persist_nor_a_restore() {
+        // Accepts connections, never reads or answers (a SIGSTOPped agent looks like this).
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let held = Arc::new(Mutex::new(Vec::new()));
+        let h2 = held.clone();
+        tokio::spawn(async move {
+            while let Ok((s, _)) = l.accept().await {
+                h2.lock().unwrap().push(s);
+            }
+        });
+        let t = Duration::from_millis(300);
+        let link = PeerLink {
+            node: 0,
+            agent: addr.clone(),
+            buddy: None,
+            peers: vec![addr.clone()],
+            timeout: t,
+        };
+        let t0 = std::time::Instant::now();
+        let up = PeerUpload::start(&link, 0, 0, 1, 2);
+        let big = Bytes::from(vec![7u8; 4 << 20]);
+        for _ in 0..16 {
+            up.chunk(big.clone()).await; // 64 MiB: far past the socket buffers
+        }
+        assert!(up.finish(vec![ChunkId::of(&big); 16]).await.is_err());
+        let src = PeerSource::with_timeout(&[addr], t);
+        assert!(src.fetch(&chunk(&big)).await.is_none());
+        assert!(
+            src.fetch(&chunk(&big)).await.is_none(),
+            "given up, not asked again"
+        );
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
     }
 
     #[tokio::test]
