@@ -54,7 +54,8 @@ pub struct ResumeArgs {
     pub logs: Option<PathBuf>,
     /// Keep peer replicas: one `ckpt replica-agent` per node holds its ranks' newest snapshots
     /// in memory with a copy on the next node, and a restore after a failure reads the lost
-    /// shards from there (every chunk verified) and only the rest from the store.
+    /// shards from there (every chunk verified) and only the rest from the store. Each agent
+    /// holds about twice a node's state in host memory.
     #[arg(long)]
     pub peer_replicas: bool,
     /// The command each rank runs, after `--`.
