@@ -6,6 +6,7 @@
 //! ckpt-bench store  --dir DIR --gib 2          save throughput, codecs, dedup, memory
 //! ckpt-bench train  --dir DIR --params 150M    stall, time to commit, restore, RSS, slowdown
 //! ckpt-bench recovery --dir DIR --params 20M   detection, restart, restore from store or peers
+//! ckpt-bench peers  --dir DIR --params 100M    restore from peer replicas vs. the store
 //! ```
 
 use std::fs::OpenOptions;
@@ -17,7 +18,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use ckpt_store::direct::AlignedBuf;
 use ckpt_store::{
-    BlobIn, CodecPolicy, DType, DedupIndex, Layout, NdBox, RankWrite, ShardIn, Store, StoreConfig,
+    BlobIn, CodecPolicy, DType, DedupIndex, Layout, NdBox, PeerLink, RankWrite, ShardIn, Store,
+    StoreConfig,
 };
 use ckpt_trainer::workload::{ModelConfig, RankState, TrainConfig};
 use ckpt_trainer::{CheckpointManager, CheckpointerConfig, ManagerConfig, runtime};
@@ -616,6 +618,19 @@ fn managers(
     prefault: bool,
     generation: u64,
 ) -> Vec<CheckpointManager> {
+    managers_with(store, run, layout, ranks, prefault, generation, &|_| None)
+}
+
+/// [`managers`] with a peer-replica link per rank.
+fn managers_with(
+    store: &Store,
+    run: &str,
+    layout: Layout,
+    ranks: &[RankState],
+    prefault: bool,
+    generation: u64,
+    link: &dyn Fn(u32) -> Option<PeerLink>,
+) -> Vec<CheckpointManager> {
     ranks
         .iter()
         .map(|r| {
@@ -623,6 +638,7 @@ fn managers(
             // when `prefault` (as a long-running job would, outside its first save).
             let mut c = CheckpointerConfig::new(run, r.rank, layout);
             c.generation = generation;
+            c.peer = link(r.rank);
             c.copy_threads = 2;
             let mut mc = ManagerConfig::new(c);
             mc.final_on_sigterm = false;
@@ -945,6 +961,121 @@ fn recovery_bench(dir: &Path, params: &str, how: &str) {
     let _ = std::fs::remove_dir_all(&store);
 }
 
+/// Restore from peer replicas vs. from the store, in isolation: 2 ranks (tp=2), one replica
+/// agent process per rank's node; a save hands every chunk to the agents (each keeps a copy of
+/// the other's); node 1's agent is then killed and the whole state restored into fresh,
+/// touched memory twice: from the store only, and from the surviving agent (node 0's own
+/// shards and node 1's through the buddy copy).
+fn peers_bench(dir: &Path, params: u64) {
+    use std::io::BufRead;
+    let model = ModelConfig::for_params(params, 2);
+    let train = TrainConfig {
+        seed: 4,
+        lr: 1e-3,
+        frozen: 0.0,
+    };
+    let layout: Layout = "tp=2".parse().unwrap();
+    let ranks: Vec<RankState> = (0..2)
+        .map(|r| RankState::new(model, train, layout, r).unwrap())
+        .collect();
+    let state: u64 = ranks.iter().map(|r| r.held_bytes()).sum();
+    let d = dir.join("peers-store");
+    let _ = std::fs::remove_dir_all(&d);
+    let store = ckpt_store::open(d.to_str().unwrap()).unwrap();
+    let mut agents = Vec::new();
+    for node in 0..2 {
+        let mut c = std::process::Command::new(ckpt_tests::bin("ckpt", "ckpt"))
+            .args(["replica-agent", "--listen", "127.0.0.1:0", "--node"])
+            .arg(node.to_string())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(c.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let addr = line.trim().strip_prefix("listening ").unwrap().to_string();
+        agents.push((c, addr));
+    }
+    let addrs: Vec<String> = agents.iter().map(|a| a.1.clone()).collect();
+    let link = |r: u32| {
+        Some(PeerLink {
+            node: r,
+            agent: addrs[r as usize].clone(),
+            buddy: Some(addrs[1 - r as usize].clone()),
+            peers: vec![addrs[0].clone()],
+            timeout: ckpt_store::peer::IO_TIMEOUT,
+        })
+    };
+    let mut mgrs = managers_with(&store, "p", layout, &ranks, true, 0, &link);
+    let (_, committed) = checkpoint(&mut mgrs, 1);
+    drop(mgrs);
+    // Both agents hold both ranks' snapshots once the buddy copies land.
+    let t = Instant::now();
+    loop {
+        let held: Vec<u64> = addrs
+            .iter()
+            .map(|a| {
+                runtime()
+                    .block_on(ckpt_store::peer::holdings(a))
+                    .unwrap()
+                    .bytes
+            })
+            .collect();
+        if held.iter().all(|&b| b >= state) || t.elapsed() > Duration::from_secs(60) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Node 1 is lost with its agent.
+    let (mut lost, _) = agents.remove(1);
+    lost.kill().unwrap();
+    lost.wait().unwrap();
+    let limit = dir.join("peers-limit.bin");
+    odirect_write(&limit, state as usize / (8 << 20) * (8 << 20), 8, 4 << 20);
+    let mut out =
+        json!({"bench": "peer_restore", "state_bytes": state, "save_committed_s": committed});
+    for (label, peers) in [("store", false), ("peers", true)] {
+        let fresh: Vec<RankState> = (0..2)
+            .map(|r| RankState::new(model, train, layout, r).unwrap())
+            .collect();
+        std::thread::scope(|sc| {
+            for r in &fresh {
+                sc.spawn(move || r.update(1, 1, 1.0));
+            }
+        });
+        let none = |_| None;
+        let mut mg = if peers {
+            managers_with(&store, "p", layout, &fresh, false, 1, &link)
+        } else {
+            managers_with(&store, "p", layout, &fresh, false, 1, &none)
+        };
+        let disk_r = odirect_read(&limit, 8, 4 << 20);
+        let before = store.metrics().unwrap().snapshot();
+        let t = Instant::now();
+        std::thread::scope(|s| {
+            for m in mg.iter_mut() {
+                s.spawn(move || m.restore(1).unwrap());
+            }
+        });
+        let secs = t.elapsed().as_secs_f64();
+        let used = store.metrics().unwrap().snapshot() - before;
+        out[format!("{label}_restore_s")] = json!(secs);
+        out[format!("{label}_gbps")] = json!(gbps(state, secs));
+        out[format!("{label}_store_bytes_read")] = json!(used.get_bytes);
+        out[format!("{label}_disk_read_gbps")] = json!(disk_r);
+    }
+    out["peers_speedup"] =
+        json!(out["store_restore_s"].as_f64().unwrap() / out["peers_restore_s"].as_f64().unwrap());
+    emit(out);
+    for (mut c, _) in agents {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    let _ = std::fs::remove_file(&limit);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let dir = PathBuf::from(arg(&args, "--dir", "bench-out"));
@@ -966,9 +1097,13 @@ fn main() {
             recovery_bench(&dir, &p, "hang");
             recovery_bench(&dir, &p, "crash-peers");
         }
+        Some("peers") => peers_bench(
+            &dir,
+            ckpt_trainer::train::parse_count(&arg(&args, "--params", "100M")).unwrap(),
+        ),
         _ => {
             eprintln!(
-                "usage: ckpt-bench limits|store|train|recovery --dir DIR [--gib N] [--params N]"
+                "usage: ckpt-bench limits|store|train|recovery|peers --dir DIR [--gib N] [--params N]"
             );
             std::process::exit(2);
         }
