@@ -240,7 +240,8 @@ fn random_sigkills_during_steps_saves_and_restores() {
         got, want,
         "seed {seed}: the recovered job's final state differs from an uninterrupted run"
     );
-    // The recovery log is in the store, with detection, decision and plan.
+    // The recovery log is in the store, with detection, decision and plan (a restart from
+    // scratch, when a kill landed before the first commit, has no step and no plan).
     let st = ckpt_store::open(store.to_str().unwrap()).unwrap();
     let log = tokio::runtime::Runtime::new()
         .unwrap()
@@ -250,10 +251,20 @@ fn random_sigkills_during_steps_saves_and_restores() {
             ckpt_store::logs::EVENTS,
         ))
         .unwrap();
-    assert!(
-        log.iter()
-            .any(|r| r["kind"] == "recovery" && r["plan"].is_array()),
-        "{log:#?}"
+    let decisions: Vec<&serde_json::Value> =
+        log.iter().filter(|r| r["kind"] == "recovery").collect();
+    assert!(decisions.len() >= kills.len().min(1), "{log:#?}");
+    for d in &decisions {
+        assert!(
+            d["step"].is_null() || d["plan"].is_array(),
+            "a restart from step {} without a restore plan: {d}",
+            d["step"]
+        );
+    }
+    assert_eq!(
+        log.iter().filter(|r| r["kind"] == "failure").count(),
+        failures,
+        "the store's log and the supervisor's report differ: {log:#?}"
     );
 }
 
