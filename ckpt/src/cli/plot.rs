@@ -190,11 +190,14 @@ pub fn series(metrics: &[Value], events: &[Value]) -> Series {
                     s.grad_norm.push(Point { t, step, v: g });
                 }
             }
-            Some("checkpoint") => s.checkpoints.push(Mark {
-                t,
-                label: format!("ckpt {}", uint(v, "step").unwrap_or(0)),
-                v: None,
-            }),
+            // Every rank logs its part of a checkpoint; one mark per checkpoint.
+            Some("checkpoint") if uint(v, "rank").is_none() || uint(v, "rank") == rank0 => {
+                s.checkpoints.push(Mark {
+                    t,
+                    label: format!("ckpt {}", uint(v, "step").unwrap_or(0)),
+                    v: None,
+                })
+            }
             _ => {}
         }
     }
@@ -990,6 +993,8 @@ mod tests {
             rec(serde_json::json!({"kind":"step","step":2,"loss":2.5,"rank":0,"t_ms":2000})),
             rec(serde_json::json!({"kind":"step","step":3,"loss":"nan","rank":0,"t_ms":3000})),
             rec(serde_json::json!({"kind":"checkpoint","step":2,"t_ms":2500})),
+            rec(serde_json::json!({"kind":"checkpoint","step":3,"rank":0,"t_ms":3100})),
+            rec(serde_json::json!({"kind":"checkpoint","step":3,"rank":1,"t_ms":3101})),
             rec(serde_json::json!({"kind":"step","step":2,"loss":2.6,"rank":0,"t_ms":90000})),
         ];
         let events = vec![
@@ -1001,7 +1006,7 @@ mod tests {
         let s = series(&metrics, &events);
         assert_eq!(s.loss.len(), 3);
         assert_eq!(s.grad_norm.len(), 1);
-        assert_eq!(s.checkpoints.len(), 1);
+        assert_eq!(s.checkpoints.len(), 2, "one mark per checkpoint, not per rank");
         assert_eq!(s.failures[0].label, "✕ rank 1 signal");
         assert!(s.recoveries[0].label.contains("−1 steps"));
         assert_eq!(s.span, 89.0);
