@@ -1006,7 +1006,11 @@ mod tests {
         let s = series(&metrics, &events);
         assert_eq!(s.loss.len(), 3);
         assert_eq!(s.grad_norm.len(), 1);
-        assert_eq!(s.checkpoints.len(), 2, "one mark per checkpoint, not per rank");
+        assert_eq!(
+            s.checkpoints.len(),
+            2,
+            "one mark per checkpoint, not per rank"
+        );
         assert_eq!(s.failures[0].label, "✕ rank 1 signal");
         assert!(s.recoveries[0].label.contains("−1 steps"));
         assert_eq!(s.span, 89.0);
