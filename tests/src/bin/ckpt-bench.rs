@@ -669,21 +669,50 @@ fn checkpoint(mgrs: &mut [CheckpointManager], step: u64) -> (f64, f64) {
     (stall, t.elapsed().as_secs_f64())
 }
 
-fn train_bench(dir: &Path, params: u64) {
-    let model = ModelConfig::for_params(params, 4);
+/// The reference workload's ranks under `layout` (a model of `params` parameters split over
+/// `world` ranks), their total state, and an empty local store at `dir/name`.
+fn bench_job(
+    dir: &Path,
+    name: &str,
+    params: u64,
+    layout: Layout,
+    seed: u64,
+) -> (ModelConfig, TrainConfig, Vec<RankState>, u64, Store) {
+    let model = ModelConfig::for_params(params, layout.world());
     let train = TrainConfig {
-        seed: 3,
+        seed,
         lr: 1e-3,
         frozen: 0.0,
     };
-    let layout: Layout = "dp=1,tp=2,pp=2".parse().unwrap();
-    let ranks: Vec<RankState> = (0..4)
-        .map(|r| RankState::new(model, train, layout, r).unwrap())
-        .collect();
+    let ranks = fresh_ranks(model, train, layout);
     let state: u64 = ranks.iter().map(|r| r.held_bytes()).sum();
-    let d = dir.join("train-store");
+    let d = dir.join(name);
     let _ = std::fs::remove_dir_all(&d);
     let store = ckpt_store::open(d.to_str().unwrap()).unwrap();
+    (model, train, ranks, state, store)
+}
+
+/// New ranks of `layout`, as a restarted process has them before it restores: model and
+/// optimizer built, their memory touched (one optimizer step, as initialization would).
+fn touched_ranks(model: ModelConfig, train: TrainConfig, layout: Layout) -> Vec<RankState> {
+    let ranks = fresh_ranks(model, train, layout);
+    std::thread::scope(|sc| {
+        for r in &ranks {
+            sc.spawn(move || r.update(1, 1, 1.0));
+        }
+    });
+    ranks
+}
+
+fn fresh_ranks(model: ModelConfig, train: TrainConfig, layout: Layout) -> Vec<RankState> {
+    (0..layout.world())
+        .map(|r| RankState::new(model, train, layout, r).unwrap())
+        .collect()
+}
+
+fn train_bench(dir: &Path, params: u64) {
+    let layout: Layout = "dp=1,tp=2,pp=2".parse().unwrap();
+    let (model, train, ranks, state, store) = bench_job(dir, "train-store", params, layout, 3);
     let memcpy = memcpy_warm(state as usize, 1);
     let memcpy2 = memcpy_warm(state as usize, 2);
     let disk_w = odirect_write(
@@ -782,16 +811,7 @@ fn train_bench(dir: &Path, params: u64) {
         ),
         ("tp=2,pp=2 -> tp=4", "tp=4".parse().unwrap()),
     ] {
-        let fresh: Vec<RankState> = (0..l.world())
-            .map(|r| RankState::new(model, train, l, r).unwrap())
-            .collect();
-        // A restarted process has built its model and optimizer before it restores: one
-        // optimizer step touches all of that memory, as initialization would.
-        std::thread::scope(|sc| {
-            for r in &fresh {
-                sc.spawn(move || r.update(1, 1, 1.0));
-            }
-        });
+        let fresh = touched_ranks(model, train, l);
         let needed: u64 = fresh.iter().map(|r| r.held_bytes()).sum();
         let mut mg = managers(&store, "t", l, &fresh, false, 1);
         let disk_r = odirect_read(&dir.join("limit.bin"), 8, 4 << 20);
@@ -813,7 +833,7 @@ fn train_bench(dir: &Path, params: u64) {
         }));
     }
     let _ = std::fs::remove_file(dir.join("limit.bin"));
-    let _ = std::fs::remove_dir_all(&d);
+    let _ = std::fs::remove_dir_all(dir.join("train-store"));
 }
 
 /// Recovery timings: `ckpt-train` under the supervisor on 4 nodes, one rank killed (SIGKILL)
@@ -968,20 +988,8 @@ fn recovery_bench(dir: &Path, params: &str, how: &str) {
 /// shards and node 1's through the buddy copy).
 fn peers_bench(dir: &Path, params: u64) {
     use std::io::BufRead;
-    let model = ModelConfig::for_params(params, 2);
-    let train = TrainConfig {
-        seed: 4,
-        lr: 1e-3,
-        frozen: 0.0,
-    };
     let layout: Layout = "tp=2".parse().unwrap();
-    let ranks: Vec<RankState> = (0..2)
-        .map(|r| RankState::new(model, train, layout, r).unwrap())
-        .collect();
-    let state: u64 = ranks.iter().map(|r| r.held_bytes()).sum();
-    let d = dir.join("peers-store");
-    let _ = std::fs::remove_dir_all(&d);
-    let store = ckpt_store::open(d.to_str().unwrap()).unwrap();
+    let (model, train, ranks, state, store) = bench_job(dir, "peers-store", params, layout, 4);
     let mut agents = Vec::new();
     for node in 0..2 {
         let mut c = std::process::Command::new(ckpt_tests::bin("ckpt", "ckpt"))
@@ -1036,14 +1044,7 @@ fn peers_bench(dir: &Path, params: u64) {
     let mut out =
         json!({"bench": "peer_restore", "state_bytes": state, "save_committed_s": committed});
     for (label, peers) in [("store", false), ("peers", true)] {
-        let fresh: Vec<RankState> = (0..2)
-            .map(|r| RankState::new(model, train, layout, r).unwrap())
-            .collect();
-        std::thread::scope(|sc| {
-            for r in &fresh {
-                sc.spawn(move || r.update(1, 1, 1.0));
-            }
-        });
+        let fresh = touched_ranks(model, train, layout);
         let none = |_| None;
         let mut mg = if peers {
             managers_with(&store, "p", layout, &fresh, false, 1, &link)
@@ -1073,7 +1074,7 @@ fn peers_bench(dir: &Path, params: u64) {
         let _ = c.wait();
     }
     let _ = std::fs::remove_file(&limit);
-    let _ = std::fs::remove_dir_all(&d);
+    let _ = std::fs::remove_dir_all(dir.join("peers-store"));
 }
 
 fn main() {
