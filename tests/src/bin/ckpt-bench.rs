@@ -704,6 +704,24 @@ fn touched_ranks(model: ModelConfig, train: TrainConfig, layout: Layout) -> Vec<
     ranks
 }
 
+/// Every manager restores `step` at once (ranks as threads): seconds, and the store's
+/// requests and bytes meanwhile.
+fn timed_restore(
+    store: &Store,
+    mgrs: &mut [CheckpointManager],
+    step: u64,
+) -> (f64, ckpt_store::MetricsSnapshot) {
+    let before = store.metrics().unwrap().snapshot();
+    let t = Instant::now();
+    std::thread::scope(|s| {
+        for m in mgrs.iter_mut() {
+            s.spawn(move || m.restore(step).unwrap());
+        }
+    });
+    let secs = t.elapsed().as_secs_f64();
+    (secs, store.metrics().unwrap().snapshot() - before)
+}
+
 fn fresh_ranks(model: ModelConfig, train: TrainConfig, layout: Layout) -> Vec<RankState> {
     (0..layout.world())
         .map(|r| RankState::new(model, train, layout, r).unwrap())
@@ -815,15 +833,7 @@ fn train_bench(dir: &Path, params: u64) {
         let needed: u64 = fresh.iter().map(|r| r.held_bytes()).sum();
         let mut mg = managers(&store, "t", l, &fresh, false, 1);
         let disk_r = odirect_read(&dir.join("limit.bin"), 8, 4 << 20);
-        let before = store.metrics().unwrap().snapshot();
-        let t = Instant::now();
-        std::thread::scope(|s| {
-            for m in mg.iter_mut() {
-                s.spawn(move || m.restore(6).unwrap());
-            }
-        });
-        let secs = t.elapsed().as_secs_f64();
-        let used = store.metrics().unwrap().snapshot() - before;
+        let (secs, used) = timed_restore(&store, &mut mg, 6);
         emit(json!({
             "bench": "restore", "layout": label, "bytes_needed": needed, "seconds": secs,
             "gbps": gbps(needed, secs), "bytes_read": used.get_bytes,
@@ -1052,15 +1062,7 @@ fn peers_bench(dir: &Path, params: u64) {
             managers_with(&store, "p", layout, &fresh, false, 1, &none)
         };
         let disk_r = odirect_read(&limit, 8, 4 << 20);
-        let before = store.metrics().unwrap().snapshot();
-        let t = Instant::now();
-        std::thread::scope(|s| {
-            for m in mg.iter_mut() {
-                s.spawn(move || m.restore(1).unwrap());
-            }
-        });
-        let secs = t.elapsed().as_secs_f64();
-        let used = store.metrics().unwrap().snapshot() - before;
+        let (secs, used) = timed_restore(&store, &mut mg, 1);
         out[format!("{label}_restore_s")] = json!(secs);
         out[format!("{label}_gbps")] = json!(gbps(state, secs));
         out[format!("{label}_store_bytes_read")] = json!(used.get_bytes);
