@@ -9,12 +9,12 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use ckpt_recovery::agent::{AgentOptions, AgentReport};
-use ckpt_recovery::{Config, Topology};
+use ckpt_recovery::Topology;
 use ckpt_store::ErrorKind;
 use serde::Serialize;
 
 use super::parse::duration;
-use super::resume::ResumeOutput;
+use super::resume::{RestartArgs, ResumeOutput};
 use super::{CliError, Report, Result, Ui};
 
 /// Arguments of `ckpt agent`.
@@ -44,30 +44,15 @@ pub struct AgentArgs {
     /// Layout to start with (default: dp = nodes x ranks per node).
     #[arg(long)]
     pub layout: Option<String>,
-    /// Restarts before giving up.
-    #[arg(long, default_value_t = 3)]
-    pub max_restarts: u32,
     /// The agent's etcd lease: a node silent this long is dead (whole seconds).
     #[arg(long, default_value = "3s", value_parser = duration)]
     pub lease_ttl: Duration,
     /// How long the coordinator waits for the first --nodes nodes to join.
     #[arg(long, default_value = "60s", value_parser = duration)]
     pub join_timeout: Duration,
-    /// A rank with no heartbeat for this long has failed.
-    #[arg(long, default_value = "10s", value_parser = duration)]
-    pub heartbeat_timeout: Duration,
-    /// A rank whose step has not advanced for this long is hung.
-    #[arg(long, default_value = "5m", value_parser = duration)]
-    pub hang_timeout: Duration,
-    /// Time a rank has to send its first heartbeat (start-up and restore).
-    #[arg(long, default_value = "5m", value_parser = duration)]
-    pub startup_timeout: Duration,
-    /// SIGTERM, then SIGKILL after this long.
-    #[arg(long, default_value = "10s", value_parser = duration)]
-    pub stop_grace: Duration,
-    /// First restart delay (doubles with every restart).
-    #[arg(long, default_value = "1s", value_parser = duration)]
-    pub backoff: Duration,
+    /// Failure detection and restarts.
+    #[command(flatten)]
+    pub restarts: RestartArgs,
     /// Address other machines reach this one at (MASTER_ADDR when it runs rank 0; default:
     /// the host name).
     #[arg(long)]
@@ -144,27 +129,12 @@ impl Report for AgentOutput {
 
 /// Run this node's agent (see the module docs).
 pub async fn agent(url: &str, args: &AgentArgs, _ui: &Ui) -> Result<AgentOutput> {
-    let world = args.nodes * args.ranks_per_node;
-    let layout = match &args.layout {
-        Some(l) => l
-            .parse()
-            .map_err(|e: ckpt_store::Error| CliError::usage(e.to_string()))?,
-        None => ckpt_store::Layout::new(world.max(1), 1, 1, 0).map_err(CliError::from)?,
+    let topology = Topology {
+        nodes: args.nodes,
+        ranks_per_node: args.ranks_per_node.max(1),
+        spares: args.spares,
     };
-    let mut cfg = Config::new(
-        Topology {
-            nodes: args.nodes,
-            ranks_per_node: args.ranks_per_node.max(1),
-            spares: args.spares,
-        },
-        layout,
-    );
-    cfg.max_restarts = args.max_restarts;
-    cfg.heartbeat_timeout = args.heartbeat_timeout;
-    cfg.hang_timeout = args.hang_timeout;
-    cfg.startup_timeout = args.startup_timeout;
-    cfg.stop_grace = args.stop_grace;
-    cfg.backoff = args.backoff;
+    let cfg = args.restarts.config(topology, args.layout.as_deref())?;
     let opts = AgentOptions {
         etcd: args.etcd.clone(),
         prefix: args.prefix.clone(),
@@ -174,8 +144,7 @@ pub async fn agent(url: &str, args: &AgentArgs, _ui: &Ui) -> Result<AgentOutput>
         config: cfg,
         command: args.command.clone(),
         logs_dir: args.logs.clone(),
-        heartbeat_interval: (args.heartbeat_timeout / 10)
-            .clamp(Duration::from_millis(50), Duration::from_secs(1)),
+        heartbeat_interval: args.restarts.heartbeat_interval(),
         lease_ttl: args.lease_ttl,
         join_timeout: args.join_timeout,
         addr: args.addr.clone(),

@@ -196,27 +196,24 @@ pub async fn run(url: Option<&str>, command: Command, ui: &Ui) -> Result<Outcome
         Command::Resume(a) => {
             let r = resume::resume(store.url(), &a, ui).await?;
             emit(ui, &r)?;
-            if !r.report.ok {
-                return Err(CliError::error(format!(
-                    "run {} did not finish: {}",
-                    a.run, r.report.reason
-                )));
-            }
-            Ok(())
+            finished(&a.run, r.report.ok, &r.report.reason)
         }
         Command::Agent(a) => {
             let r = agent::agent(store.url(), &a, ui).await?;
             emit(ui, &r)?;
-            if !r.report.ok {
-                return Err(CliError::error(format!(
-                    "run {} did not finish: {}",
-                    a.run, r.report.reason
-                )));
-            }
-            Ok(())
+            finished(&a.run, r.report.ok, &r.report.reason)
         }
     }?;
     Ok(Outcome::Ok)
+}
+
+/// A supervised job's end: an error when the run did not finish.
+fn finished(run: &str, ok: bool, reason: &str) -> Result<()> {
+    if ok {
+        Ok(())
+    } else {
+        Err(CliError::error(format!("run {run} did not finish: {reason}")))
+    }
 }
 
 /// A report every command returns: JSON for `--json`, text otherwise.

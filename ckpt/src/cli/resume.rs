@@ -31,6 +31,26 @@ pub struct ResumeArgs {
     /// Layout to start with (default: dp = nodes x ranks per node).
     #[arg(long)]
     pub layout: Option<String>,
+    /// Failure detection and restarts.
+    #[command(flatten)]
+    pub restarts: RestartArgs,
+    /// Write each rank's stdout and stderr into this directory.
+    #[arg(long)]
+    pub logs: Option<PathBuf>,
+    /// Keep peer replicas: one `ckpt replica-agent` per node holds its ranks' newest snapshots
+    /// in memory with a copy on the next node, and a restore after a failure reads the lost
+    /// shards from there (every chunk verified) and only the rest from the store. Each agent
+    /// holds about twice a node's state in host memory.
+    #[arg(long)]
+    pub peer_replicas: bool,
+    /// The command each rank runs, after `--`.
+    #[arg(last = true, required = true)]
+    pub command: Vec<String>,
+}
+
+/// Failure detection and restart flags, shared by `ckpt resume` and `ckpt agent`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RestartArgs {
     /// Restarts before giving up.
     #[arg(long, default_value_t = 3)]
     pub max_restarts: u32,
@@ -49,18 +69,35 @@ pub struct ResumeArgs {
     /// First restart delay (doubles with every restart).
     #[arg(long, default_value = "1s", value_parser = duration)]
     pub backoff: Duration,
-    /// Write each rank's stdout and stderr into this directory.
-    #[arg(long)]
-    pub logs: Option<PathBuf>,
-    /// Keep peer replicas: one `ckpt replica-agent` per node holds its ranks' newest snapshots
-    /// in memory with a copy on the next node, and a restore after a failure reads the lost
-    /// shards from there (every chunk verified) and only the rest from the store. Each agent
-    /// holds about twice a node's state in host memory.
-    #[arg(long)]
-    pub peer_replicas: bool,
-    /// The command each rank runs, after `--`.
-    #[arg(last = true, required = true)]
-    pub command: Vec<String>,
+}
+
+impl RestartArgs {
+    /// The coordinator's settings for `topology`, starting with `layout` (default: dp over
+    /// every rank).
+    pub fn config(&self, topology: Topology, layout: Option<&str>) -> Result<Config> {
+        let layout = match layout {
+            Some(l) => l
+                .parse()
+                .map_err(|e: ckpt_store::Error| CliError::usage(e.to_string()))?,
+            None => {
+                let world = topology.nodes * topology.ranks_per_node;
+                ckpt_store::Layout::new(world.max(1), 1, 1, 0).map_err(CliError::from)?
+            }
+        };
+        let mut cfg = Config::new(topology, layout);
+        cfg.max_restarts = self.max_restarts;
+        cfg.heartbeat_timeout = self.heartbeat_timeout;
+        cfg.hang_timeout = self.hang_timeout;
+        cfg.startup_timeout = self.startup_timeout;
+        cfg.stop_grace = self.stop_grace;
+        cfg.backoff = self.backoff;
+        Ok(cfg)
+    }
+
+    /// How often ranks beat: a tenth of the heartbeat timeout, 50 ms to 1 s.
+    pub fn heartbeat_interval(&self) -> Duration {
+        (self.heartbeat_timeout / 10).clamp(Duration::from_millis(50), Duration::from_secs(1))
+    }
 }
 
 /// What `ckpt resume` prints.
@@ -141,35 +178,19 @@ impl Report for ResumeOutput {
 
 /// Supervise the command (see the module docs).
 pub async fn resume(url: &str, args: &ResumeArgs, _ui: &Ui) -> Result<ResumeOutput> {
-    let world = args.nodes * args.ranks_per_node;
-    let layout = match &args.layout {
-        Some(l) => l
-            .parse()
-            .map_err(|e: ckpt_store::Error| CliError::usage(e.to_string()))?,
-        None => ckpt_store::Layout::new(world.max(1), 1, 1, 0).map_err(CliError::from)?,
+    let topology = Topology {
+        nodes: args.nodes,
+        ranks_per_node: args.ranks_per_node.max(1),
+        spares: args.spares,
     };
-    let mut cfg = Config::new(
-        Topology {
-            nodes: args.nodes,
-            ranks_per_node: args.ranks_per_node.max(1),
-            spares: args.spares,
-        },
-        layout,
-    );
-    cfg.max_restarts = args.max_restarts;
-    cfg.heartbeat_timeout = args.heartbeat_timeout;
-    cfg.hang_timeout = args.hang_timeout;
-    cfg.startup_timeout = args.startup_timeout;
-    cfg.stop_grace = args.stop_grace;
-    cfg.backoff = args.backoff;
+    let cfg = args.restarts.config(topology, args.layout.as_deref())?;
     let opts = SupervisorOptions {
         store_url: url.to_string(),
         run: args.run.clone(),
         config: cfg,
         command: args.command.clone(),
         logs_dir: args.logs.clone(),
-        heartbeat_interval: (args.heartbeat_timeout / 10)
-            .clamp(Duration::from_millis(50), Duration::from_secs(1)),
+        heartbeat_interval: args.restarts.heartbeat_interval(),
         replica_agent: match args.peer_replicas {
             true => Some(vec![
                 std::env::current_exe()
