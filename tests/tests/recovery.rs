@@ -374,27 +374,18 @@ fn a_stale_generation_cannot_commit() {
     let store = ckpt_store::open(store_path.to_str().unwrap()).unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(store.start_generation("stale", 1)).unwrap();
-    let m = dir.path().join("m.jsonl");
-    let out = std::process::Command::new(bin("ckpt-train", "ckpt-trainer"))
-        .arg("--store")
-        .arg(&store_path)
-        .args([
-            "--run",
-            "stale",
-            "--steps",
-            "2",
-            "--ckpt-every",
-            "2",
-            "--params",
-            PARAMS,
-            "--generation",
-            "0",
-        ])
-        .arg("--metrics-out")
-        .arg(&m)
-        .env("CKPT_LOG", "warn")
-        .output()
-        .unwrap();
+    // A save of step 2 as a rank of `generation`.
+    let save_as = |generation: &str| {
+        std::process::Command::new(bin("ckpt-train", "ckpt-trainer"))
+            .arg("--store")
+            .arg(&store_path)
+            .args(["--run", "stale", "--steps", "2", "--ckpt-every", "2"])
+            .args(["--params", PARAMS, "--generation", generation])
+            .env("CKPT_LOG", "warn")
+            .output()
+            .unwrap()
+    };
+    let out = save_as("0");
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -407,24 +398,7 @@ fn a_stale_generation_cannot_commit() {
             .is_empty()
     );
     // The same save from generation 1 commits.
-    let out = std::process::Command::new(bin("ckpt-train", "ckpt-trainer"))
-        .arg("--store")
-        .arg(&store_path)
-        .args([
-            "--run",
-            "stale",
-            "--steps",
-            "2",
-            "--ckpt-every",
-            "2",
-            "--params",
-            PARAMS,
-            "--generation",
-            "1",
-        ])
-        .env("CKPT_LOG", "warn")
-        .output()
-        .unwrap();
+    let out = save_as("1");
     assert!(
         out.status.success(),
         "{}",
