@@ -319,6 +319,20 @@ struct RankState {
     exited: Option<ExitStatus>,
 }
 
+impl RankState {
+    /// A rank started on `node` at `now`, with no beat yet.
+    fn started(node: u32, now: Duration, exited: Option<ExitStatus>) -> Self {
+        RankState {
+            node,
+            started: now,
+            last_beat: None,
+            last_step: None,
+            last_progress: now,
+            exited,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 enum Phase {
     Idle,
@@ -428,14 +442,7 @@ impl Coordinator {
             .map(|a| {
                 (
                     a.rank,
-                    RankState {
-                        node: a.node,
-                        started: now,
-                        last_beat: None,
-                        last_step: None,
-                        last_progress: now,
-                        exited: t.exited.get(&a.rank).copied(),
-                    },
+                    RankState::started(a.node, now, t.exited.get(&a.rank).copied()),
                 )
             })
             .collect();
@@ -533,19 +540,7 @@ impl Coordinator {
         let assignments = self.assign(&self.layout, &nodes);
         self.ranks = assignments
             .iter()
-            .map(|a| {
-                (
-                    a.rank,
-                    RankState {
-                        node: a.node,
-                        started: now,
-                        last_beat: None,
-                        last_step: None,
-                        last_progress: now,
-                        exited: None,
-                    },
-                )
-            })
+            .map(|a| (a.rank, RankState::started(a.node, now, None)))
             .collect();
         self.phase = Phase::Running;
         self.resume_from = resume_from;

@@ -8,8 +8,8 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use ckpt_recovery::agent::{AgentOptions, AgentReport};
 use ckpt_recovery::Topology;
+use ckpt_recovery::agent::{AgentOptions, AgentReport};
 use ckpt_store::ErrorKind;
 use serde::Serialize;
 

@@ -212,7 +212,9 @@ fn finished(run: &str, ok: bool, reason: &str) -> Result<()> {
     if ok {
         Ok(())
     } else {
-        Err(CliError::error(format!("run {run} did not finish: {reason}")))
+        Err(CliError::error(format!(
+            "run {run} did not finish: {reason}"
+        )))
     }
 }
 

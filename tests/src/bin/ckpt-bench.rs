@@ -409,26 +409,24 @@ fn save4(
     (secs, written, logical)
 }
 
-fn rss_peak_kib() -> u64 {
+/// A `kB` field of `/proc/self/status` (0 when absent).
+fn status_kib(field: &str) -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
             s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
+                .find(|l| l.starts_with(field))
                 .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
         })
         .unwrap_or(0)
 }
 
+fn rss_peak_kib() -> u64 {
+    status_kib("VmHWM:")
+}
+
 fn rss_now_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-        })
-        .unwrap_or(0)
+    status_kib("VmRSS:")
 }
 
 fn reset_peak() {
