@@ -40,6 +40,25 @@ pub fn bin(name: &str, package: &str) -> PathBuf {
     p
 }
 
+/// The final state digest of an uninterrupted `ckpt-train` run of `steps` steps of a model of
+/// `params` parameters (seed 5), saved under `dir/ref`: what a recovered job must end with.
+pub fn reference_digest(dir: &std::path::Path, steps: u64, params: &str) -> String {
+    let out = Command::new(bin("ckpt-train", "ckpt-trainer"))
+        .arg("--store")
+        .arg(dir.join("ref"))
+        .args(["--run", "ref", "--steps", &steps.to_string()])
+        .args(["--ckpt-every", "1000", "--params", params, "--seed", "5"])
+        .env("CKPT_LOG", "warn")
+        .output()
+        .expect("ckpt-train runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    digest_in(&String::from_utf8_lossy(&out.stdout)).expect("a digest line")
+}
+
 /// Run the local supervisor (`ckpt resume`'s engine) on a thread of its own with its own
 /// runtime; join the handle for its report.
 pub fn spawn_supervisor(

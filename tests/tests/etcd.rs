@@ -6,12 +6,14 @@
 //! (SIGSTOP) on a live node, found by the heartbeats its agent no longer relays.
 
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ckpt_recovery::agent::{JobState, job_state};
-use ckpt_tests::{Etcd, bin, digest_in, env_of, find_processes, signal, signal_group};
+use ckpt_tests::{
+    Etcd, bin, digest_in, env_of, find_processes, reference_digest, signal, signal_group,
+};
 use serde_json::Value;
 
 const PARAMS: &str = "40K";
@@ -24,23 +26,6 @@ fn rt() -> tokio::runtime::Runtime {
         .enable_all()
         .build()
         .unwrap()
-}
-
-fn reference_digest(dir: &Path) -> String {
-    let out = Command::new(bin("ckpt-train", "ckpt-trainer"))
-        .arg("--store")
-        .arg(dir.join("ref"))
-        .args(["--run", "ref", "--steps", &STEPS.to_string()])
-        .args(["--ckpt-every", "1000", "--params", PARAMS, "--seed", "5"])
-        .env("CKPT_LOG", "warn")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    digest_in(&String::from_utf8_lossy(&out.stdout)).unwrap()
 }
 
 /// One node: its agent process (leader of its own process group) and where its output goes.
@@ -358,7 +343,7 @@ fn check_agreement(job: &Job, reports: &[Value], killed: u32, want: &str) -> Job
 #[test]
 fn a_killed_node_is_replaced_by_a_smaller_layout_and_the_job_finishes() {
     let dir = tempfile::tempdir().unwrap();
-    let want = reference_digest(dir.path());
+    let want = reference_digest(dir.path(), STEPS, PARAMS);
     let t0 = Instant::now();
     let mut job = Job::start_with("etcd-node", 3, 0, "dp=3", &["--peer-replicas"]);
     let st = job.wait_for_step(8);
@@ -440,7 +425,7 @@ fn a_killed_node_is_replaced_by_a_smaller_layout_and_the_job_finishes() {
 #[test]
 fn a_killed_coordinator_is_succeeded_and_a_spare_takes_its_place() {
     let dir = tempfile::tempdir().unwrap();
-    let want = reference_digest(dir.path());
+    let want = reference_digest(dir.path(), STEPS, PARAMS);
     let t0 = Instant::now();
     // 3 nodes run dp=3; node 3 is a spare.
     let mut job = Job::start("etcd-leader", 3, 1, "dp=3");
@@ -489,7 +474,7 @@ fn a_killed_coordinator_is_succeeded_and_a_spare_takes_its_place() {
 #[test]
 fn a_stopped_rank_is_found_by_the_heartbeats_its_agent_no_longer_relays() {
     let dir = tempfile::tempdir().unwrap();
-    let want = reference_digest(dir.path());
+    let want = reference_digest(dir.path(), STEPS, PARAMS);
     let mut job = Job::start("etcd-hang", 3, 0, "dp=3");
     let st = job.wait_for_step(8);
     let leader = st.leader.expect("a coordinator");

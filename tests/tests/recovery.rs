@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use ckpt_recovery::{Config, SupervisorOptions, Topology};
 use ckpt_tests::{
-    bin, digest_in, env_of, find_processes, replica_agent_command, signal, spawn_supervisor,
+    bin, digest_in, env_of, find_processes, reference_digest, replica_agent_command, signal,
+    spawn_supervisor,
 };
 
 const PARAMS: &str = "40K";
@@ -28,33 +29,6 @@ fn train_cmd(steps: u64, every: u64, step_ms: u64) -> Vec<String> {
         "--step-time-ms".into(),
         step_ms.to_string(),
     ]
-}
-
-fn reference_digest(dir: &Path, steps: u64) -> String {
-    let out = std::process::Command::new(bin("ckpt-train", "ckpt-trainer"))
-        .arg("--store")
-        .arg(dir.join("ref"))
-        .args([
-            "--run",
-            "ref",
-            "--steps",
-            &steps.to_string(),
-            "--ckpt-every",
-            "1000",
-            "--params",
-            PARAMS,
-            "--seed",
-            "5",
-        ])
-        .env("CKPT_LOG", "warn")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    digest_in(&String::from_utf8_lossy(&out.stdout)).unwrap()
 }
 
 fn options(
@@ -151,7 +125,7 @@ fn random_sigkills_during_steps_saves_and_restores() {
         dir.disable_cleanup(true);
     }
     let steps = 30;
-    let want = reference_digest(dir.path(), steps);
+    let want = reference_digest(dir.path(), steps, PARAMS);
     let store = dir.path().join("store");
     let run = format!("chaos{}", seed % 100_000);
     // 4 nodes x 2 ranks; the job uses 2 of them (dp=2,tp=2), so failed nodes are replaced
@@ -272,7 +246,7 @@ fn random_sigkills_during_steps_saves_and_restores() {
 fn a_hang_is_detected_within_the_timeout_plus_one_heartbeat() {
     let dir = tempfile::tempdir().unwrap();
     let steps = 14;
-    let want = reference_digest(dir.path(), steps);
+    let want = reference_digest(dir.path(), steps, PARAMS);
     let store = dir.path().join("store");
     let run = "hang";
     let topo = Topology {
@@ -439,7 +413,7 @@ fn a_lost_node_is_restored_from_peer_replicas() {
     // comes from the agents' memory, including the shards node 1 wrote (node 2 holds its copy).
     let dir = tempfile::tempdir().unwrap();
     let steps = 24;
-    let want = reference_digest(dir.path(), steps);
+    let want = reference_digest(dir.path(), steps, PARAMS);
     let store = dir.path().join("store");
     let run = "peers";
     let topo = Topology {
