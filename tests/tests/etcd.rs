@@ -1,3 +1,4 @@
+#![cfg(feature = "etcd")]
 //! Recovery across machines: a real etcd server on loopback, one `ckpt agent` process per
 //! node (each in its own process group, as if on its own machine), `ckpt-train` as the job.
 //! A whole node (agent and ranks) is killed with SIGKILL; the other agents agree on one new

@@ -11,6 +11,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use serde::Serialize;
 
+#[cfg(feature = "etcd")]
 pub mod agent;
 pub mod diff;
 pub mod error;
@@ -100,11 +101,26 @@ pub enum Command {
     Resume(resume::ResumeArgs),
     /// One machine's agent of a job across machines: membership and coordination through
     /// etcd, this machine's ranks started and stopped as the coordinator decides.
+    #[cfg(feature = "etcd")]
     Agent(agent::AgentArgs),
+    /// One machine's agent of a job across machines (needs a build with the `etcd` feature:
+    /// `cargo build --release -p ckpt --features etcd`, which needs `protoc`).
+    #[cfg(not(feature = "etcd"))]
+    Agent(NoEtcdArgs),
     /// One node's keeper of peer replicas: holds its ranks' newest snapshots in memory, copies
     /// them to another node's agent, serves chunks to restores (started by `resume
     /// --peer-replicas`).
     ReplicaAgent(replica::ReplicaArgs),
+}
+
+/// The arguments of `ckpt agent` in a build without the `etcd` feature: anything, since the
+/// command only explains how to get a build that has it.
+#[cfg(not(feature = "etcd"))]
+#[derive(Debug, Clone, clap::Args)]
+pub struct NoEtcdArgs {
+    /// Ignored.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
+    pub args: Vec<String>,
 }
 
 /// How a command ended when it did not fail.
@@ -198,11 +214,20 @@ pub async fn run(url: Option<&str>, command: Command, ui: &Ui) -> Result<Outcome
             emit(ui, &r)?;
             finished(&a.run, r.report.ok, &r.report.reason)
         }
+        #[cfg(feature = "etcd")]
         Command::Agent(a) => {
             let r = agent::agent(store.url(), &a, ui).await?;
             emit(ui, &r)?;
             finished(&a.run, r.report.ok, &r.report.reason)
         }
+        #[cfg(not(feature = "etcd"))]
+        Command::Agent(_) => Err(CliError::usage(
+            "this ckpt was built without the etcd feature, which `ckpt agent` needs",
+        )
+        .hint(
+            "build it with `cargo build --release -p ckpt --features etcd` \
+             (the etcd client's build needs protoc: apt-get install protobuf-compiler)",
+        )),
     }?;
     Ok(Outcome::Ok)
 }
