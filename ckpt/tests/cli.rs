@@ -25,7 +25,7 @@ use serde_json::Value;
 macro_rules! on_both {
     ($($case:ident),* $(,)?) => {
         mod on_local { $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $case() { super::$case(super::local()).await } )* }
-        mod on_s3 { $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $case() { super::$case(super::s3()).await } )* }
+        mod on_s3 { $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $case() { ckpt_store::require!(ckpt_store::testing::Need::S3Server, concat!(stringify!($case), " on S3")); super::$case(super::s3()).await } )* }
     };
 }
 
@@ -38,6 +38,7 @@ on_both!(
     export_matches_the_view_and_import_round_trips,
     plan_computes_each_new_ranks_reads,
     plot_draws_png_and_svg,
+    a_closed_pipe_ends_quietly,
     errors_name_what_exists_and_exit_codes_hold,
 );
 
@@ -1145,4 +1146,32 @@ async fn errors_name_what_exists_and_exit_codes_hold(env: Env) {
         .ckpt(&["mount", "/nonexistent/dir", "--foreground"])
         .code(2);
     assert!(r.err.contains("is not a directory"), "{}", r.err);
+}
+
+/// `ckpt ls --json | head -0`: the reader is gone before the first byte; like any Unix tool,
+/// the command exits 0 without a word (it printed "error: writing the output: Broken pipe").
+async fn a_closed_pipe_ends_quietly(env: Env) {
+    save_step(&env.store, "train", 10, false, &DedupIndex::new()).await;
+    for args in [
+        &["ls", "--json"][..],
+        &["ls", "train"],
+        &["inspect", "train@10", "--json"],
+        &["inspect", "train@10"],
+    ] {
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ckpt"))
+            .args(args)
+            .env("CKPT_STORE", &env.url)
+            .envs(env.vars.iter().map(|(k, v)| (*k, v.as_str())))
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Close the read end before the command can have written anything: it still has to
+        // open the store and read the step.
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "ckpt {args:?}: {err}");
+        assert!(err.is_empty(), "ckpt {args:?} wrote to stderr: {err}");
+    }
 }

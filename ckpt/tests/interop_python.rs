@@ -12,27 +12,16 @@ use common::{Env, local, s3, tmp};
 
 macro_rules! on_both {
     ($($case:ident),* $(,)?) => {
-        mod on_local { $( #[test] fn $case() { super::$case(super::local()) } )* }
-        mod on_s3 { $( #[test] fn $case() { super::$case(super::s3()) } )* }
+        mod on_local { use ckpt_store::{require, testing::Need}; $( #[test] fn $case() { require!(Need::Python, stringify!($case)); super::$case(super::local()) } )* }
+        mod on_s3 { use ckpt_store::{require, testing::Need}; $( #[test] fn $case() { require!(Need::Python, stringify!($case)); require!(Need::S3Server, concat!(stringify!($case), " on S3")); super::$case(super::s3()) } )* }
     };
 }
 
 on_both!(python_files_round_trip_through_ckpt);
 
-/// The Python with safetensors and numpy: `$CKPT_PYTHON`, or the venv that
-/// scripts/install-test-deps.sh makes. Missing is a failure, never a skip.
+/// The Python with safetensors and numpy (each test checks `Need::Python` first).
 fn python() -> PathBuf {
-    if let Ok(p) = std::env::var("CKPT_PYTHON") {
-        return PathBuf::from(p);
-    }
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.ci-tools/venv/bin/python");
-    assert!(
-        p.exists(),
-        "the interop tests need Python with safetensors and numpy: run scripts/install-test-deps.sh \
-         or set CKPT_PYTHON (looked for {})",
-        p.display()
-    );
-    p
+    ckpt_store::testing::find_python().expect("checked by the test")
 }
 
 fn py(args: &[&str]) -> String {

@@ -1,5 +1,5 @@
-//! Real kernel mounts (root and /dev/fuse required: these tests fail, never skip, without
-//! them). Every mount is cleaned up by a guard, with `umount -l` as the last resort.
+//! Real kernel mounts (root, /dev/fuse and fusermount3: each test skips with one line saying
+//! what is missing, and fails instead where `CKPT_TEST_REQUIRE_ALL` is set, as in CI). Every mount is cleaned up by a guard, with `umount -l` as the last resort.
 
 mod common;
 
@@ -12,6 +12,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ckpt_fuse::{MountHandle, MountOptions, mounted_at, spawn_mount};
+use ckpt_store::require;
+use ckpt_store::testing::Need;
 use ckpt_store::{DType, ErrorKind, Layout, StepReader, Store};
 use common::*;
 
@@ -94,6 +96,7 @@ fn walk(root: &Path) -> BTreeSet<(String, bool)> {
 
 #[test]
 fn sharded_checkpoint_through_the_kernel() {
+    require!(Need::Fuse, "sharded_checkpoint_through_the_kernel");
     let rt = rt();
     let ts = test_store();
     let (e1, e2) = rt.block_on(sharded_run(&ts.store));
@@ -223,6 +226,14 @@ fn hex(b: &[u8]) -> String {
 
 #[test]
 fn model_safetensors_equals_export_and_loads_in_python() {
+    require!(
+        Need::Fuse,
+        "model_safetensors_equals_export_and_loads_in_python"
+    );
+    require!(
+        Need::Python,
+        "model_safetensors_equals_export_and_loads_in_python"
+    );
     let rt = rt();
     let ts = test_store();
     // numpy has no bfloat16: the same 4-rank tp+ZeRO layout with f16 in its place.
@@ -283,6 +294,7 @@ fn read_range(f: &File, off: u64, len: usize) -> std::io::Result<Vec<u8>> {
 
 #[test]
 fn random_reads_equal_the_exported_file() {
+    require!(Need::Fuse, "random_reads_equal_the_exported_file");
     let rt = rt();
     let ts = test_store();
     rt.block_on(sharded_run(&ts.store));
@@ -317,6 +329,10 @@ fn random_reads_equal_the_exported_file() {
 
 #[test]
 fn damaged_chunk_is_eio_for_exactly_the_reads_that_touch_it() {
+    require!(
+        Need::Fuse,
+        "damaged_chunk_is_eio_for_exactly_the_reads_that_touch_it"
+    );
     let rt = rt();
     let ts = test_store();
     let (_, e2) = rt.block_on(sharded_run(&ts.store));
@@ -428,6 +444,7 @@ fn damaged_chunk_is_eio_for_exactly_the_reads_that_touch_it() {
 
 #[test]
 fn hostile_names_stay_inside_the_mount() {
+    require!(Need::Fuse, "hostile_names_stay_inside_the_mount");
     let rt = rt();
     let ts = test_store();
     let exp = rt.block_on(hostile_run(&ts.store));
@@ -474,6 +491,7 @@ fn hostile_names_stay_inside_the_mount() {
 
 #[test]
 fn two_readers_at_once() {
+    require!(Need::Fuse, "two_readers_at_once");
     let rt = rt();
     let ts = test_store();
     let (_, e2) = rt.block_on(sharded_run(&ts.store));
@@ -528,6 +546,7 @@ fn two_readers_at_once() {
 
 #[test]
 fn unmount_while_idle_and_refusal_while_busy() {
+    require!(Need::Fuse, "unmount_while_idle_and_refusal_while_busy");
     let rt = rt();
     let ts = test_store();
     rt.block_on(sharded_run(&ts.store));
@@ -552,6 +571,7 @@ fn unmount_while_idle_and_refusal_while_busy() {
 
 #[test]
 fn mount_of_an_empty_store() {
+    require!(Need::Fuse, "mount_of_an_empty_store");
     let ts = test_store();
     let m = Mounted::new(ts.store.clone(), 1 << 20);
     let md = std::fs::metadata(&m.path).unwrap();
@@ -568,6 +588,10 @@ fn mount_of_an_empty_store() {
 
 #[test]
 fn busy_and_missing_mountpoints_are_refused_clearly() {
+    require!(
+        Need::Fuse,
+        "busy_and_missing_mountpoints_are_refused_clearly"
+    );
     let ts = test_store();
     let m = Mounted::new(ts.store.clone(), 1 << 20);
     let again = MountOptions {
@@ -692,6 +716,10 @@ fn saved_store() -> (tempfile::TempDir, Expected) {
 
 #[test]
 fn mount_blocking_unmounts_cleanly_on_sigint_and_sigterm() {
+    require!(
+        Need::Fuse,
+        "mount_blocking_unmounts_cleanly_on_sigint_and_sigterm"
+    );
     let (store_dir, e) = saved_store();
     for sig in [libc::SIGTERM, libc::SIGINT] {
         let mut c = start_child(store_dir.path());
@@ -714,6 +742,7 @@ fn mount_blocking_unmounts_cleanly_on_sigint_and_sigterm() {
 
 #[test]
 fn a_killed_mount_goes_away_by_itself() {
+    require!(Need::Fuse, "a_killed_mount_goes_away_by_itself");
     assert!(
         ckpt_fuse::find_fusermount3().is_some(),
         "fusermount3 missing: install the fuse3 package (scripts/install-test-deps.sh)"
@@ -743,6 +772,7 @@ fn a_killed_mount_goes_away_by_itself() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mounting_from_inside_an_async_runtime() {
+    require!(Need::Fuse, "mounting_from_inside_an_async_runtime");
     let ts = test_store();
     save(
         &ts.store,

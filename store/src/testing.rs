@@ -60,16 +60,11 @@ pub fn memory_store(cfg: StoreConfig) -> Store {
 
 /// Where the `s3s-fs` binary is: `$CKPT_S3S_FS`, `PATH`, or `.ci-tools/bin` above the crate.
 pub fn find_s3s_fs() -> Option<PathBuf> {
-    if let Ok(p) = std::env::var("CKPT_S3S_FS") {
-        return Some(PathBuf::from(p));
+    if let Some(p) = std::env::var_os("CKPT_S3S_FS") {
+        return Some(PathBuf::from(p)).filter(|p| p.is_file());
     }
-    if let Ok(path) = std::env::var("PATH") {
-        for d in std::env::split_paths(&path) {
-            let c = d.join("s3s-fs");
-            if c.is_file() {
-                return Some(c);
-            }
-        }
+    if let Some(c) = find_on_path("s3s-fs") {
+        return Some(c);
     }
     let mut dir: Option<&FsPath> = Some(FsPath::new(env!("CARGO_MANIFEST_DIR")));
     while let Some(d) = dir {
@@ -80,6 +75,135 @@ pub fn find_s3s_fs() -> Option<PathBuf> {
         dir = d.parent();
     }
     None
+}
+
+/// Set (to anything but `0` or empty) where no test may be skipped: a test whose dependency on
+/// the machine (below) is missing then fails instead. `.ci/run` and `scripts/test.sh` set it.
+pub const REQUIRE_ALL: &str = "CKPT_TEST_REQUIRE_ALL";
+
+/// Something a test needs from the machine beyond Rust.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Need {
+    /// The S3-compatible test server `s3s-fs` ([`find_s3s_fs`]).
+    S3Server,
+    /// An `etcd` server binary (`CKPT_ETCD_BIN`, `PATH`, `/usr/bin/etcd`).
+    Etcd,
+    /// Kernel FUSE mounts: `/dev/fuse`, `fusermount3`, and root.
+    Fuse,
+    /// A Python with `safetensors` and `numpy` (`CKPT_PYTHON`, or `.ci-tools/venv`).
+    Python,
+}
+
+/// What is missing for `need` on this machine, and how to get it; `None` when nothing is.
+pub fn missing(need: Need) -> Option<String> {
+    const INSTALL: &str = "scripts/install-test-deps.sh installs it";
+    match need {
+        Need::S3Server => find_s3s_fs().is_none().then(|| {
+            format!("the S3 test server s3s-fs is not installed ({INSTALL}, or set CKPT_S3S_FS)")
+        }),
+        Need::Etcd => find_etcd().is_none().then(|| {
+            format!("etcd is not installed (Debian package etcd-server; {INSTALL}, or set CKPT_ETCD_BIN)")
+        }),
+        Need::Fuse => {
+            if !FsPath::new("/dev/fuse").exists() {
+                Some("/dev/fuse does not exist (load the fuse module, or give the container the device)".into())
+            } else if !on_path("fusermount3") {
+                Some(format!("fusermount3 is not installed (Debian package fuse3; {INSTALL})"))
+            } else if is_root() {
+                None
+            } else {
+                Some("FUSE tests mount as root: run them as root".into())
+            }
+        }
+        Need::Python => find_python().is_none().then(|| {
+            format!("no Python with safetensors and numpy ({INSTALL} into .ci-tools/venv, or set CKPT_PYTHON)")
+        }),
+    }
+}
+
+/// Whether a test named `test` can run here: `false` after one line on stderr saying what is
+/// missing and how to get it (the test then returns early, a skip); a panic instead where
+/// [`REQUIRE_ALL`] is set, so that CI never skips.
+pub fn available(need: Need, test: &str) -> bool {
+    match missing(need) {
+        None => true,
+        Some(why) => {
+            skip(test, &why);
+            false
+        }
+    }
+}
+
+/// Report that `test` is skipped because of `why`: one line on stderr, or a panic where
+/// [`REQUIRE_ALL`] is set.
+pub fn skip(test: &str, why: &str) {
+    let required = std::env::var(REQUIRE_ALL).is_ok_and(|v| !v.is_empty() && v != "0");
+    assert!(
+        !required,
+        "{test}: {why} ({REQUIRE_ALL} is set: nothing may be skipped)"
+    );
+    // Straight to the file descriptor: the test harness captures `eprintln!`, and a skip
+    // must be seen.
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
+}
+
+/// Return from the calling test, with one line saying why, when `need` is missing here (see
+/// [`available`]).
+#[macro_export]
+macro_rules! require {
+    ($need:expr) => {
+        if !$crate::testing::available($need, module_path!()) {
+            return;
+        }
+    };
+    ($need:expr, $test:expr) => {
+        if !$crate::testing::available($need, $test) {
+            return;
+        }
+    };
+}
+
+/// The etcd binary: `CKPT_ETCD_BIN`, else `etcd` on `PATH`, else `/usr/bin/etcd`.
+pub fn find_etcd() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("CKPT_ETCD_BIN") {
+        return Some(PathBuf::from(p)).filter(|p| p.is_file());
+    }
+    find_on_path("etcd").or_else(|| Some(PathBuf::from("/usr/bin/etcd")).filter(|p| p.is_file()))
+}
+
+/// The Python with safetensors and numpy: `CKPT_PYTHON`, else `.ci-tools/venv/bin/python`
+/// above this crate.
+pub fn find_python() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("CKPT_PYTHON") {
+        return Some(PathBuf::from(p)).filter(|p| p.is_file());
+    }
+    let mut dir: Option<&FsPath> = Some(FsPath::new(env!("CARGO_MANIFEST_DIR")));
+    while let Some(d) = dir {
+        let c = d.join(".ci-tools/venv/bin/python");
+        if c.is_file() {
+            return Some(c);
+        }
+        dir = d.parent();
+    }
+    None
+}
+
+fn find_on_path(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+fn on_path(name: &str) -> bool {
+    find_on_path(name).is_some()
+}
+
+fn is_root() -> bool {
+    // The owner of this process's /proc entry is its effective user.
+    use std::os::unix::fs::MetadataExt as _;
+    std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
 }
 
 /// A real S3-compatible server (`s3s-fs`, which checks SigV4 signatures) on a free loopback
@@ -100,8 +224,8 @@ pub const S3_KEY: &str = "ckpt-test";
 pub const S3_SECRET: &str = "ckpt-test-secret";
 
 impl S3Server {
-    /// Start the server. Panics with what to install when the binary is missing: S3 tests
-    /// must fail loudly, never skip.
+    /// Start the server. Panics with what to install when the binary is missing: a test
+    /// checks [`available`]`(Need::S3Server, ..)` first to skip instead.
     pub fn start() -> S3Server {
         let bin = find_s3s_fs().unwrap_or_else(|| {
             panic!(

@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use bytes::Bytes;
-use ckpt_store::testing::{S3Server, det_bytes, local_store, memory_store, tiny_config};
+use ckpt_store::testing::{Need, S3Server, det_bytes, local_store, memory_store, tiny_config};
 use ckpt_store::writer::{BlobIn, RankWrite, ShardIn};
 use ckpt_store::{
     CommitOutcome, DType, DedupIndex, ErrorKind, GcOptions, Layout, NdBox, ObjectStoreExt as _,
@@ -51,7 +51,7 @@ macro_rules! conformance {
     ($($case:ident),* $(,)?) => {
         mod on_memory { use super::*; $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $case() { super::$case(memory(tiny_config())).await } )* }
         mod on_local { use super::*; $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $case() { super::$case(local(tiny_config())).await } )* }
-        mod on_s3 { use super::*; $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $case() { super::$case(s3(tiny_config())).await } )* }
+        mod on_s3 { use super::*; $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $case() { ckpt_store::require!(Need::S3Server, concat!(stringify!($case), " on S3")); super::$case(s3(tiny_config())).await } )* }
     };
 }
 

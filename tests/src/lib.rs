@@ -19,18 +19,26 @@ pub fn target_dir() -> PathBuf {
 
 static BUILD: Mutex<()> = Mutex::new(());
 
-/// Path to a binary of the workspace, built if missing (`cargo test -p ckpt-tests` alone
-/// does not build other packages' binaries).
+/// Path to a binary of the workspace, built when missing or older than any source of the
+/// library crates it is built from (`cargo test -p ckpt-tests` alone builds neither other
+/// packages' binaries nor their changes): a test never runs a stale binary.
 pub fn bin(name: &str, package: &str) -> PathBuf {
     let p = target_dir().join(name);
     let _g = BUILD.lock().unwrap_or_else(|e| e.into_inner());
-    if !p.is_file() {
+    let built = std::fs::metadata(&p).and_then(|m| m.modified()).ok();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the workspace root");
+    if built.is_none_or(|b| newest_source(root).is_some_and(|s| s > b)) {
         let profile = target_dir()
             .file_name()
             .map(|s| s.to_string_lossy().to_string())
             .unwrap_or_default();
         let mut c = Command::new(env!("CARGO"));
         c.args(["build", "-p", package, "--bin", name]);
+        if package == "ckpt" && cfg!(feature = "etcd") {
+            c.args(["--features", "etcd"]);
+        }
         if profile == "release" {
             c.arg("--release");
         }
@@ -38,6 +46,40 @@ pub fn bin(name: &str, package: &str) -> PathBuf {
         assert!(st.success(), "building {name} failed");
     }
     p
+}
+
+/// The newest modification time of the library crates' sources and manifests below the
+/// workspace `root` (the crates a binary can be built from; the tests crate is not one).
+fn newest_source(root: &std::path::Path) -> Option<std::time::SystemTime> {
+    fn walk(dir: &std::path::Path, newest: &mut Option<std::time::SystemTime>) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let path = e.path();
+            match e.file_type() {
+                Ok(t) if t.is_dir() => walk(&path, newest),
+                Ok(t) if t.is_file() => {
+                    if let Ok(m) = e.metadata().and_then(|m| m.modified()) {
+                        *newest = (*newest).max(Some(m));
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    let mut newest = None;
+    let mut files = vec![root.join("Cargo.toml"), root.join("Cargo.lock")];
+    for krate in ["store", "trainer", "recovery", "fuse", "ckpt"] {
+        walk(&root.join(krate).join("src"), &mut newest);
+        files.push(root.join(krate).join("Cargo.toml"));
+    }
+    for f in files {
+        if let Ok(m) = std::fs::metadata(f).and_then(|m| m.modified()) {
+            newest = newest.max(Some(m));
+        }
+    }
+    newest
 }
 
 /// The final state digest of an uninterrupted `ckpt-train` run of `steps` steps of a model of
@@ -158,25 +200,13 @@ pub struct Etcd {
     pub dir: tempfile::TempDir,
 }
 
-/// The etcd binary: `CKPT_ETCD_BIN`, else `etcd` on `PATH`, else `/usr/bin/etcd`. Panics when
-/// there is none: these tests never skip.
+/// The etcd binary (see [`ckpt_store::testing::find_etcd`]). Panics when there is none: a
+/// test checks `require!(Need::Etcd)` first.
 pub fn etcd_binary() -> PathBuf {
-    if let Some(p) = std::env::var_os("CKPT_ETCD_BIN") {
-        return PathBuf::from(p);
-    }
-    let on_path = std::env::var_os("PATH").and_then(|paths| {
-        std::env::split_paths(&paths)
-            .map(|d| d.join("etcd"))
-            .find(|p| p.is_file())
-    });
-    let p = on_path.unwrap_or_else(|| PathBuf::from("/usr/bin/etcd"));
-    assert!(
-        p.is_file(),
-        "etcd is not installed ({} is missing): run scripts/install-test-deps.sh \
-         (Debian package etcd-server), or set CKPT_ETCD_BIN",
-        p.display()
-    );
-    p
+    ckpt_store::testing::find_etcd().expect(
+        "etcd is not installed: run scripts/install-test-deps.sh (Debian package etcd-server), \
+         or set CKPT_ETCD_BIN",
+    )
 }
 
 impl Etcd {

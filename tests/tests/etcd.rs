@@ -343,6 +343,10 @@ fn check_agreement(job: &Job, reports: &[Value], killed: u32, want: &str) -> Job
 
 #[test]
 fn a_killed_node_is_replaced_by_a_smaller_layout_and_the_job_finishes() {
+    ckpt_store::require!(
+        ckpt_store::testing::Need::Etcd,
+        "a_killed_node_is_replaced_by_a_smaller_layout_and_the_job_finishes"
+    );
     let dir = tempfile::tempdir().unwrap();
     let want = reference_digest(dir.path(), STEPS, PARAMS);
     let t0 = Instant::now();
@@ -425,6 +429,10 @@ fn a_killed_node_is_replaced_by_a_smaller_layout_and_the_job_finishes() {
 
 #[test]
 fn a_killed_coordinator_is_succeeded_and_a_spare_takes_its_place() {
+    ckpt_store::require!(
+        ckpt_store::testing::Need::Etcd,
+        "a_killed_coordinator_is_succeeded_and_a_spare_takes_its_place"
+    );
     let dir = tempfile::tempdir().unwrap();
     let want = reference_digest(dir.path(), STEPS, PARAMS);
     let t0 = Instant::now();
@@ -474,6 +482,10 @@ fn a_killed_coordinator_is_succeeded_and_a_spare_takes_its_place() {
 
 #[test]
 fn a_stopped_rank_is_found_by_the_heartbeats_its_agent_no_longer_relays() {
+    ckpt_store::require!(
+        ckpt_store::testing::Need::Etcd,
+        "a_stopped_rank_is_found_by_the_heartbeats_its_agent_no_longer_relays"
+    );
     let dir = tempfile::tempdir().unwrap();
     let want = reference_digest(dir.path(), STEPS, PARAMS);
     let mut job = Job::start("etcd-hang", 3, 0, "dp=3");

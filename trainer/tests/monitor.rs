@@ -522,16 +522,21 @@ fn rollback_needs_the_global_loss_with_one_rank_per_process() {
     );
 }
 
-/// `ckpt` from this workspace's target directory, built if missing.
+/// `ckpt` from this workspace's target directory, built (or found up to date by cargo) first:
+/// `cargo test -p ckpt-trainer` does not build another package's binary, and a binary left
+/// in target/ may be stale.
 fn ckpt_bin() -> PathBuf {
     let p = Path::new(BIN).with_file_name("ckpt");
-    if !p.is_file() {
-        let st = Command::new(env!("CARGO"))
-            .args(["build", "-p", "ckpt", "--bin", "ckpt"])
-            .status()
-            .expect("cargo build");
-        assert!(st.success(), "building ckpt failed");
+    let mut c = Command::new(env!("CARGO"));
+    c.args(["build", "-p", "ckpt", "--bin", "ckpt"]);
+    if p.parent()
+        .and_then(Path::file_name)
+        .is_some_and(|d| d == "release")
+    {
+        c.arg("--release");
     }
+    let st = c.status().expect("cargo build");
+    assert!(st.success(), "building ckpt failed");
     p
 }
 

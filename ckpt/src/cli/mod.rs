@@ -254,15 +254,18 @@ pub fn emit<R: Report>(ui: &Ui, r: &R) -> Result<()> {
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     let res = if ui.json {
-        serde_json::to_writer_pretty(&mut out, r)
+        // Serialized first, so that a closed pipe is an I/O error of its own kind below
+        // rather than a serde error wrapping it.
+        serde_json::to_string_pretty(r)
             .map_err(std::io::Error::other)
-            .and_then(|()| writeln!(out))
+            .and_then(|s| writeln!(out, "{s}"))
     } else {
         r.print(&mut out)
-    };
+    }
+    .and_then(|()| out.flush());
     match res {
         Ok(()) => Ok(()),
-        // `ckpt ls | head` closes the pipe: not an error.
+        // `ckpt ls --json | head` closes the pipe: not an error, as for any Unix tool.
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
         Err(e) => Err(CliError::error(format!("writing the output: {e}"))),
     }

@@ -399,15 +399,5 @@ impl Rng {
 
 /// The Python with `safetensors` and `numpy`: `$CKPT_PYTHON`, else the repository's venv.
 pub fn python() -> PathBuf {
-    if let Ok(p) = std::env::var("CKPT_PYTHON") {
-        return PathBuf::from(p);
-    }
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci-tools/venv/bin/python");
-    assert!(
-        p.is_file(),
-        "no Python with safetensors: set CKPT_PYTHON or run scripts/install-test-deps.sh \
-         (looked for {})",
-        p.display()
-    );
-    p
+    ckpt_store::testing::find_python().expect("the test checks Need::Python first")
 }
