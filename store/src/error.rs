@@ -25,6 +25,11 @@ pub enum ErrorKind {
     Io,
     /// A bug: an invariant of ckpt itself did not hold.
     Internal,
+    /// No usable accelerator here: no CUDA driver, no such device, no NCCL library.
+    NoDevice,
+    /// A CUDA or NCCL call failed on a device that is there (a device error, a failed
+    /// collective): the device or its peers are in trouble, not the store.
+    Device,
 }
 
 impl ErrorKind {
@@ -40,6 +45,8 @@ impl ErrorKind {
             ErrorKind::Backend => "storage backend",
             ErrorKind::Io => "i/o",
             ErrorKind::Internal => "internal",
+            ErrorKind::NoDevice => "no device",
+            ErrorKind::Device => "device",
         }
     }
 }

@@ -32,7 +32,7 @@
 //!
 //! Every entry point checks `cudarc::driver::sys::is_culib_present()` before any other cudarc
 //! call (cudarc panics when the library is missing) and catches unwinds as a second line of
-//! defence: without a driver, [`Gpu::open`] returns an [`ErrorKind::NotFound`] error saying
+//! defence: without a driver, [`Gpu::open`] returns an [`ErrorKind::NoDevice`] error saying
 //! that no CUDA driver was found, never a panic.
 //!
 //! # Recovery from peers' GPU memory
@@ -77,7 +77,7 @@ pub fn nccl_present() -> bool {
 
 fn no_driver() -> Error {
     Error::new(
-        ErrorKind::NotFound,
+        ErrorKind::NoDevice,
         "no CUDA driver was found: libcuda.so could not be loaded, so device tensors cannot be \
          used here (they need an NVIDIA GPU and its driver; host tensors work without)",
     )
@@ -96,9 +96,9 @@ fn panic_text(p: &(dyn Any + Send)) -> String {
 fn driver_error(what: &str, e: DriverError) -> Error {
     use sys::CUresult as R;
     let kind = match e.0 {
-        R::CUDA_ERROR_NO_DEVICE | R::CUDA_ERROR_INVALID_DEVICE => ErrorKind::NotFound,
+        R::CUDA_ERROR_NO_DEVICE | R::CUDA_ERROR_INVALID_DEVICE => ErrorKind::NoDevice,
         R::CUDA_ERROR_INVALID_VALUE => ErrorKind::InvalidInput,
-        _ => ErrorKind::Backend,
+        _ => ErrorKind::Device,
     };
     let hint = match e.0 {
         R::CUDA_ERROR_NO_DEVICE => " (the driver is installed but sees no CUDA device)",
@@ -117,7 +117,7 @@ fn cu<T>(what: &str, f: impl FnOnce() -> std::result::Result<T, DriverError>) ->
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => Err(driver_error(what, e)),
         Err(p) => Err(Error::new(
-            ErrorKind::NotFound,
+            ErrorKind::NoDevice,
             format!("CUDA: {what}: the CUDA library failed: {}", panic_text(&*p)),
         )),
     }
@@ -303,7 +303,7 @@ impl Gpu {
 
     /// Open GPU `ordinal` (its primary context). Returns the handle already open for this
     /// ordinal, if any (the options are then those it was opened with). Without a driver or a
-    /// device, a [`ErrorKind::NotFound`] error.
+    /// device, a [`ErrorKind::NoDevice`] error.
     pub fn open_with(ordinal: usize, opts: GpuOptions) -> Result<Arc<Gpu>> {
         if !driver_present() {
             return Err(no_driver());
@@ -384,7 +384,7 @@ impl Gpu {
             .get_or_init(|| Kernels::load(&self.ctx).map_err(|e| e.message().to_string()))
         {
             Ok(k) => Ok(k),
-            Err(e) => Err(Error::new(ErrorKind::Backend, e.clone())),
+            Err(e) => Err(Error::new(ErrorKind::Device, e.clone())),
         }
     }
 
@@ -1632,7 +1632,7 @@ pub mod peer {
     fn nc<T>(what: &str, f: impl FnOnce() -> std::result::Result<T, nccl::NcclError>) -> Result<T> {
         if !nccl_present() {
             return Err(Error::new(
-                ErrorKind::NotFound,
+                ErrorKind::NoDevice,
                 format!(
                     "NCCL: {what}: libnccl.so could not be loaded (install NCCL, or link \
                      libnccl.so.2 as libnccl.so on the library path)"
@@ -1642,11 +1642,11 @@ pub mod peer {
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => Err(Error::new(
-                ErrorKind::Backend,
+                ErrorKind::Device,
                 format!("NCCL: {what}: {:?}", e.0),
             )),
             Err(p) => Err(Error::new(
-                ErrorKind::NotFound,
+                ErrorKind::NoDevice,
                 format!("NCCL: {what}: {}", super::panic_text(&*p)),
             )),
         }
@@ -2076,7 +2076,7 @@ mod tests {
             return;
         }
         let e = Gpu::open(0).unwrap_err();
-        assert_eq!(e.kind(), ErrorKind::NotFound);
+        assert_eq!(e.kind(), ErrorKind::NoDevice);
         assert!(e.to_string().contains("no CUDA driver was found"), "{e}");
         assert!(Gpu::count().is_err());
     }

@@ -29,8 +29,8 @@ pub use memory::{HostTensor, HostView, MemorySink, MemorySource, PinnedSource};
 pub use monitor::{Decision, Monitor, MonitorConfig, Observation, Spike, SpikeAction};
 pub use restore::{RestoreTarget, restore_targets};
 pub use save::{
-    BackPressure, Checkpointer, CheckpointerConfig, SaveHandle, SaveReport, SaveState, SaveTensor,
-    Stage, runtime,
+    BackPressure, Checkpointer, CheckpointerConfig, SaveFailure, SaveHandle, SaveReport, SaveState,
+    SaveTensor, Stage, runtime,
 };
 pub use staging::{PoolConfig, PoolStats, StagingPool};
 

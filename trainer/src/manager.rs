@@ -39,7 +39,8 @@ use std::time::{Duration, Instant};
 use ckpt_store::logs::{EVENTS, LogWriter};
 use ckpt_store::placement::place_rank;
 use ckpt_store::{
-    ChunkCache, Error, GcOptions, NdBox, PeerSource, Result, StepReader, Store, TensorSpec,
+    ChunkCache, Error, ErrorKind, GcOptions, NdBox, PeerSource, Result, StepReader, Store,
+    TensorSpec,
 };
 use parking_lot::Mutex;
 use serde_json::json;
@@ -387,8 +388,17 @@ impl CheckpointManager {
         Ok(SaveState { tensors, blobs })
     }
 
-    /// Save `step` now.
+    /// Save `step` now. After a save of this writer was fenced (a newer generation of the run
+    /// took over), every later save fails with that error at once: a fenced writer stops.
     pub fn save_now(&mut self, step: u64) -> Result<SaveHandle> {
+        if let Some(Stage::Failed(f)) = self.ckpt.last().map(|h| h.stage())
+            && f.kind == ErrorKind::Fenced
+        {
+            return Err(Error::new(
+                ErrorKind::Fenced,
+                format!("not saving step {step}: {}", f.message),
+            ));
+        }
         self.apply_retention();
         let state = self.save_state()?;
         let h = self.ckpt.save(step, state)?;
@@ -688,7 +698,8 @@ impl CheckpointManager {
         loop {
             let why = match h.stage() {
                 Stage::Committed => return,
-                Stage::Failed(e) | Stage::Skipped(e) => e,
+                Stage::Failed(e) => e.message,
+                Stage::Skipped(e) => e,
                 Stage::Snapshotting | Stage::Snapshotted => match h.wait_persisted() {
                     Ok(_) => continue,
                     Err(e) => e.to_string(),

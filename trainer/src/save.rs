@@ -164,8 +164,35 @@ pub enum Stage {
     Committed,
     /// Not taken (back-pressure), with the reason.
     Skipped(String),
-    /// Failed, with the error.
-    Failed(String),
+    /// Failed, with the error's kind and message, as the stage that failed reported it.
+    Failed(SaveFailure),
+}
+
+/// Why a save failed: the kind of the error where it happened (a fenced writer stays
+/// [`ErrorKind::Fenced`], damaged input [`ErrorKind::Corrupt`], a coverage hole
+/// [`ErrorKind::Incomplete`], ...) and its message. The kind decides what the caller does:
+/// only [`ErrorKind::Backend`] and [`ErrorKind::Io`] are worth another try.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SaveFailure {
+    /// The kind of the error at the stage that failed.
+    pub kind: ErrorKind,
+    /// Its message.
+    pub message: String,
+}
+
+impl From<&Error> for SaveFailure {
+    fn from(e: &Error) -> Self {
+        SaveFailure {
+            kind: e.kind(),
+            message: e.to_string(),
+        }
+    }
+}
+
+impl std::fmt::Display for SaveFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
 }
 
 /// Figures of one save.
@@ -214,8 +241,8 @@ impl Shared {
             match &g.0 {
                 Stage::Failed(e) => {
                     return Err(Error::new(
-                        ErrorKind::Backend,
-                        format!("checkpoint of step {} failed: {e}", self.step),
+                        e.kind,
+                        format!("checkpoint of step {} failed: {}", self.step, e.message),
                     ));
                 }
                 Stage::Skipped(why) => {
@@ -564,7 +591,7 @@ impl Checkpointer {
                         Err((i, e)) => {
                             let e = e.context(format!("snapshot of tensor {:?}", names[i]));
                             let _ = tx.send(Err(Error::new(e.kind(), e.to_string())));
-                            shared.set(Stage::Failed(e.to_string()), |_| {});
+                            shared.set(Stage::Failed(SaveFailure::from(&e)), |_| {});
                         }
                     }
                     let _ = snap_done_tx.send(());
@@ -609,7 +636,7 @@ impl Checkpointer {
                     Ok(x) => x,
                     Err(e) => {
                         warn!(step, rank = cfg.rank, "checkpoint failed: {e}");
-                        shared.set(Stage::Failed(e.to_string()), |_| {});
+                        shared.set(Stage::Failed(SaveFailure::from(&e)), |_| {});
                         return;
                     }
                 };
@@ -663,7 +690,7 @@ impl Checkpointer {
                     }
                     Err(e) => {
                         warn!(step, "commit failed: {e}");
-                        shared.set(Stage::Failed(e.to_string()), |_| {});
+                        shared.set(Stage::Failed(SaveFailure::from(&e)), |_| {});
                     }
                 }
             });

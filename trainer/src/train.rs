@@ -818,7 +818,15 @@ fn emit_finished(
             Stage::Persisted => rank != 0 || all,
             Stage::Failed(e) => {
                 warn!(rank, step = h.step(), "checkpoint failed: {e}");
-                sh.emit(json!({"kind": "checkpoint_failed", "step": h.step(), "rank": rank, "error": e}));
+                sh.emit(json!({"kind": "checkpoint_failed", "step": h.step(), "rank": rank, "error": e.message, "error_kind": e.kind.as_str()}));
+                // A newer generation owns the run: this job must stop, not go on training
+                // without checkpoints. Other failures skip one checkpoint.
+                if e.kind == ErrorKind::Fenced {
+                    return Err(Error::new(
+                        ErrorKind::Fenced,
+                        format!("checkpoint of step {} failed: {}", h.step(), e.message),
+                    ));
+                }
                 continue;
             }
             Stage::Skipped(why) => {

@@ -121,12 +121,12 @@ fn without_a_driver_opening_a_gpu_is_a_clear_error_not_a_panic() {
     if cuda::driver_present() {
         // A driver: an ordinal no machine has is still an error, not a panic.
         let e = Gpu::open(1 << 20).unwrap_err();
-        assert_eq!(e.kind(), ErrorKind::NotFound, "{e}");
+        assert_eq!(e.kind(), ErrorKind::NoDevice, "{e}");
         eprintln!("a CUDA driver is present ({} devices)", count.unwrap());
         drop(open);
     } else {
         let e = open.unwrap_err();
-        assert_eq!(e.kind(), ErrorKind::NotFound);
+        assert_eq!(e.kind(), ErrorKind::NoDevice);
         assert!(e.to_string().contains("no CUDA driver was found"), "{e}");
         assert!(count.unwrap_err().to_string().contains("no CUDA driver"));
     }

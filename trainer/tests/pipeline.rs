@@ -409,3 +409,41 @@ fn ranks_of_one_process_share_chunks_while_they_reshard() {
         "no chunk was shared ({hits} hits, {misses} misses)"
     );
 }
+
+/// A failed save reports the kind of the error where it failed, not a retryable backend
+/// fault: a stale writer is fenced, a step whose other ranks never came is incomplete.
+#[test]
+fn a_failed_save_keeps_the_kind_of_its_error() {
+    let (store, _d) = local_store(tiny_config());
+    let t = HostTensor::from_vec(det_bytes(3, 20_000));
+    let state = || SaveState {
+        tensors: vec![one("t", &t, 20_000)],
+        blobs: vec![],
+    };
+    let mut newer = CheckpointerConfig::new("kind", 0, Layout::SINGLE);
+    newer.generation = 2;
+    let ck = Checkpointer::new(store.clone(), newer).unwrap();
+    ck.save(5, state())
+        .unwrap()
+        .wait_committed(Duration::from_secs(30))
+        .unwrap();
+    // A writer of an older generation saving the same step is fenced, and says so.
+    let mut older = CheckpointerConfig::new("kind", 0, Layout::SINGLE);
+    older.generation = 1;
+    let stale = Checkpointer::new(store.clone(), older).unwrap();
+    let h = stale.save(5, state()).unwrap();
+    let e = h.wait_committed(Duration::from_secs(30)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Fenced, "{e}");
+    let Stage::Failed(f) = h.stage() else {
+        panic!("a failed stage expected, got {:?}", h.stage())
+    };
+    assert_eq!(f.kind, ErrorKind::Fenced, "{f}");
+    // The committer of a two-rank step whose other rank never writes: incomplete, within
+    // the commit timeout.
+    let mut lonely = CheckpointerConfig::new("kind2", 0, "dp=2".parse().expect("a layout"));
+    lonely.commit_timeout = Duration::from_millis(300);
+    let ck = Checkpointer::new(store.clone(), lonely).unwrap();
+    let h = ck.save(1, state()).unwrap();
+    let e = h.wait_committed(Duration::from_secs(30)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Incomplete, "{e}");
+}

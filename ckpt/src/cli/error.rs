@@ -126,6 +126,18 @@ impl From<ckpt_store::Error> for CliError {
                 ),
             ),
             ErrorKind::Io => (Failure::Error, None),
+            ErrorKind::NoDevice => (
+                Failure::Error,
+                Some(
+                    "device tensors need an NVIDIA GPU with its driver (and NCCL for transfers between GPUs)",
+                ),
+            ),
+            ErrorKind::Device => (
+                Failure::Error,
+                Some(
+                    "a GPU or a collective failed: check the device (nvidia-smi) and the other ranks",
+                ),
+            ),
             _ => (
                 Failure::Error,
                 Some(
