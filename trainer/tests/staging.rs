@@ -189,18 +189,24 @@ fn ranks_sharing_a_small_pool_all_commit() {
             .zip(&data)
             .enumerate()
             .map(|(r, (ck, (big, small)))| {
-                let mut tensors = vec![tensor(
+                // Small tensors first: their slab must not stay pinned by a pack while the
+                // big tensor needs the pool.
+                let mut tensors: Vec<SaveTensor> = small
+                    .iter()
+                    .enumerate()
+                    .map(|(k, s)| {
+                        tensor(
+                            &format!("small{r}.{k}"),
+                            &HostTensor::from_vec(s.clone()),
+                            s.len() as u64,
+                        )
+                    })
+                    .collect();
+                tensors.push(tensor(
                     &format!("big{r}"),
                     &HostTensor::from_vec(big.clone()),
                     big.len() as u64,
-                )];
-                for (k, s) in small.iter().enumerate() {
-                    tensors.push(tensor(
-                        &format!("small{r}.{k}"),
-                        &HostTensor::from_vec(s.clone()),
-                        s.len() as u64,
-                    ));
-                }
+                ));
                 ck.save(
                     1,
                     SaveState {
