@@ -6,7 +6,8 @@
 #   snap_s     save call to snapshot complete (the copy into staging)
 #   durable_s  save call to the commit record (persist_s + commit_s of rank 0)
 #   peak_mib   staging in use at its peak (whole process)
-# and the final digest, which must be the same for every bound.
+# and the final digest, which must be the same for every bound. Each store is deleted after
+# its row (STEPS / EVERY saves of the whole state each).
 # Usage: scripts/bench-staging.sh [PARAMS] [LAYOUT] [BOUNDS...]
 #   default: 16M dp=1 unbounded 128M 64M 16M 4M   (4M = one chunk of the default chunk size)
 # CKPT_TRAIN picks the binary (default: a release build); BENCH_DIR the working directory.
@@ -18,7 +19,7 @@ shift $(($# > 2 ? 2 : $#))
 BOUNDS=("$@")
 [ ${#BOUNDS[@]} -gt 0 ] || BOUNDS=(unbounded 128M 64M 16M 4M)
 OUT="${BENCH_DIR:-$PWD/bench-out/staging}"
-STEPS="${STEPS:-12}"
+STEPS="${STEPS:-8}"
 EVERY="${EVERY:-2}"
 if [ -z "${CKPT_TRAIN:-}" ]; then
   cargo build --release -q -p ckpt-trainer --bin ckpt-train
@@ -42,7 +43,7 @@ for b in "${BOUNDS[@]}"; do
     sed -n 's/^digest //p')
   t1=$(date +%s.%N)
   # Rank 0's checkpoint records after the first save.
-  jq -s --arg b "$b" --arg d "$digest" --argjson wall "$(echo "$t1 - $t0" | bc)" '
+  jq -rs --arg b "$b" --arg d "$digest" --argjson wall "$(echo "$t1 - $t0" | bc)" '
     def median: sort | if length == 0 then null else .[(length / 2 | floor)] end;
     [.[] | select(.kind == "checkpoint" and .rank == 0)] | sort_by(.step) | .[1:] as $s
     | [$b, ($s | length),
@@ -51,4 +52,5 @@ for b in "${BOUNDS[@]}"; do
        ($s | map(.staging_peak) | max / 1048576), $wall, $d[0:16]]
     | @tsv' "$m" |
     awk -F'\t' '{ printf "%-10s %6d %9.3f %9.3f %10.3f %9.0f %8.1f  %s\n", $1, $2, $3, $4, $5, $6, $7, $8 }'
+  rm -rf "$store" # the figures are in the metrics; the disk is not
 done
