@@ -140,8 +140,12 @@ pub struct ManagerConfig {
     pub keep_every: Option<u64>,
     /// Objects younger than this are never deleted by retention's sweep.
     pub retention_grace: Duration,
-    /// Save a final checkpoint when SIGTERM arrives (preemption).
+    /// Save a final checkpoint when SIGTERM arrives (preemption). A second SIGTERM ends the
+    /// process at once (exit status 143) whatever the final checkpoint is doing.
     pub final_on_sigterm: bool,
+    /// The most the final checkpoint (after SIGTERM) may take, persist and commit together;
+    /// past it the save fails with an error naming what it waits for.
+    pub final_deadline: Duration,
     /// Bytes in flight during a restore; also the size of the chunk cache that the ranks of
     /// one process share while they restore (see [`shared_restore_cache`]).
     pub restore_budget: usize,
@@ -161,6 +165,7 @@ impl ManagerConfig {
             keep_every: None,
             retention_grace: Duration::from_secs(3600),
             final_on_sigterm: true,
+            final_deadline: Duration::from_secs(300),
             restore_budget: 256 << 20,
             monitor: MonitorConfig::default(),
         }
@@ -225,8 +230,7 @@ impl CheckpointManager {
         let ckpt = Checkpointer::new(store, cfg.ckpt.clone())?;
         let sigterm = Arc::new(AtomicBool::new(false));
         if cfg.final_on_sigterm {
-            signal_hook::flag::register(signal_hook::consts::SIGTERM, sigterm.clone())
-                .map_err(|e| Error::internal(format!("installing the SIGTERM handler: {e}")))?;
+            on_sigterm(&sigterm)?;
         }
         Ok(CheckpointManager {
             ckpt,
@@ -319,7 +323,7 @@ impl CheckpointManager {
             info!(step, "SIGTERM: taking a final checkpoint");
             let h = self.save_now(step)?;
             self.stop = true;
-            h.wait_committed(self.cfg.ckpt.commit_timeout)?;
+            h.wait_committed(self.final_wait())?;
             return Ok(Some(h));
         }
         let due_steps = self
@@ -756,13 +760,25 @@ impl CheckpointManager {
         }
     }
 
-    /// Wait for the save in flight to commit (or fail), and for retention.
+    /// How long a save may still take: the commit timeout, or the final deadline once SIGTERM
+    /// has arrived.
+    fn final_wait(&self) -> Duration {
+        if self.sigterm_received() {
+            self.cfg.final_deadline.min(self.cfg.ckpt.commit_timeout)
+        } else {
+            self.cfg.ckpt.commit_timeout
+        }
+    }
+
+    /// Wait for the save in flight to commit (or fail), and for retention; within the commit
+    /// timeout (the final deadline after SIGTERM).
     pub fn finish(&mut self) -> Result<()> {
         if let Some(h) = self.ckpt.last() {
+            let within = self.final_wait();
             if self.cfg.ckpt.committer {
-                h.wait_committed(self.cfg.ckpt.commit_timeout)?;
+                h.wait_committed(within)?;
             } else {
-                h.wait_persisted()?;
+                h.wait_persisted_within(within)?;
             }
         }
         if let Some(r) = self.retention.take() {
@@ -770,6 +786,28 @@ impl CheckpointManager {
         }
         Ok(())
     }
+}
+
+/// On SIGTERM set `flag`; on a SIGTERM that finds `flag` already set, say so on stderr and
+/// end the process at once with status 143 (128 + SIGTERM): the first asks for a final
+/// checkpoint, the second means "now", whatever that checkpoint is waiting for.
+pub(crate) fn on_sigterm(flag: &Arc<AtomicBool>) -> Result<()> {
+    let f = flag.clone();
+    let action = move || {
+        if f.swap(true, Ordering::SeqCst) {
+            const MSG: &[u8] =
+                b"ckpt: second SIGTERM: exiting without waiting for the final checkpoint\n";
+            // SAFETY: write(2) and _exit(2) are async-signal-safe.
+            unsafe {
+                libc::write(2, MSG.as_ptr().cast(), MSG.len());
+                libc::_exit(143);
+            }
+        }
+    };
+    // SAFETY: the action only does async-signal-safe things (an atomic swap, write, _exit).
+    unsafe { signal_hook::low_level::register(signal_hook::consts::SIGTERM, action) }
+        .map(|_| ())
+        .map_err(|e| Error::internal(format!("installing the SIGTERM handler: {e}")))
 }
 
 /// `x` if finite (JSON has no NaN), else `None`.

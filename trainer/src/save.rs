@@ -117,8 +117,15 @@ pub struct CheckpointerConfig {
     /// Whether this rank commits (rank 0 by default).
     pub committer: bool,
     /// Bound on staging memory (bytes); 0 = as much as one snapshot needs (the pool grows to
-    /// the size of the first snapshot and stays there).
+    /// the size of the first snapshot and stays there). Any bound works, down to one chunk: a
+    /// smaller pool makes the snapshot wait for the persist of earlier chunks.
     pub staging_bytes: usize,
+    /// A staging pool shared with other checkpointers of this process (ranks as threads);
+    /// its bound replaces `staging_bytes`. `None`: this checkpointer's own pool.
+    pub pool: Option<Arc<StagingPool>>,
+    /// How long a snapshot waits for staging space while no slab comes back to the pool
+    /// before the save fails (the persist is stuck); see [`StagingPool::acquire_many`].
+    pub stall_timeout: Duration,
     /// Allocate and touch all staging memory up front.
     pub prefault: bool,
     /// Threads copying into staging.
@@ -142,6 +149,8 @@ impl CheckpointerConfig {
             generation: 0,
             committer: rank == 0,
             staging_bytes: 0,
+            pool: None,
+            stall_timeout: Duration::from_secs(300),
             prefault: false,
             copy_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
             back_pressure: BackPressure::Wait,
@@ -236,6 +245,15 @@ impl Shared {
     }
 
     fn wait_for(&self, done: impl Fn(&Stage) -> bool) -> Result<SaveReport> {
+        self.wait_until(done, None)
+    }
+
+    /// [`Shared::wait_for`], failing at `deadline` with an error naming the stage it is in.
+    fn wait_until(
+        &self,
+        done: impl Fn(&Stage) -> bool,
+        deadline: Option<(Instant, Duration)>,
+    ) -> Result<SaveReport> {
         let mut g = self.stage.lock();
         loop {
             match &g.0 {
@@ -252,7 +270,22 @@ impl Shared {
                     ));
                 }
                 s if done(s) => return Ok(g.1.clone()),
-                _ => self.cond.wait(&mut g),
+                s => match deadline {
+                    None => self.cond.wait(&mut g),
+                    Some((at, within)) => {
+                        if Instant::now() >= at {
+                            let what = match s {
+                                Stage::Snapshotting => "still copying into staging",
+                                _ => "still writing its chunks and manifest",
+                            };
+                            return Err(Error::incomplete(format!(
+                                "checkpoint of step {} not done within {within:?}: {what}",
+                                self.step
+                            )));
+                        }
+                        self.cond.wait_until(&mut g, at);
+                    }
+                },
             }
         }
     }
@@ -299,13 +332,22 @@ impl SaveHandle {
             .wait_for(|s| matches!(s, Stage::Persisted | Stage::Committed))
     }
 
-    /// Block until the step is committed (by whichever rank commits), or `timeout`.
+    /// Block until this rank's chunks and manifest are in the store, or `timeout`.
+    pub fn wait_persisted_within(&self, timeout: Duration) -> Result<SaveReport> {
+        self.shared.wait_until(
+            |s| matches!(s, Stage::Persisted | Stage::Committed),
+            Some((Instant::now() + timeout, timeout)),
+        )
+    }
+
+    /// Block until the step is committed (by whichever rank commits), or `timeout` (which
+    /// covers the persist too).
     pub fn wait_committed(&self, timeout: Duration) -> Result<SaveReport> {
-        self.wait_persisted()?;
+        let t0 = Instant::now();
+        self.wait_persisted_within(timeout)?;
         if self.stage() == Stage::Committed {
             return self.shared.wait_for(|s| matches!(s, Stage::Committed));
         }
-        let t0 = Instant::now();
         let key = self.store.keys().commit(&self.run, self.shared.step);
         let mut pause = Duration::from_millis(20);
         loop {
@@ -390,13 +432,22 @@ impl Checkpointer {
             )));
         }
         let slab = store.config().chunk_size;
-        let pool = StagingPool::new(
-            PoolConfig {
-                capacity: cfg.staging_bytes.max(slab),
-                slab,
-            },
-            cfg.prefault && cfg.staging_bytes > 0,
-        );
+        let pool = match &cfg.pool {
+            Some(p) if p.slab_size() != slab => {
+                return Err(Error::invalid(format!(
+                    "the shared staging pool has slabs of {} bytes but the store's chunks are {slab} bytes",
+                    p.slab_size()
+                )));
+            }
+            Some(p) => p.clone(),
+            None => StagingPool::new(
+                PoolConfig {
+                    capacity: cfg.staging_bytes.max(slab),
+                    slab,
+                },
+                cfg.prefault && cfg.staging_bytes > 0,
+            ),
+        };
         Ok(Checkpointer {
             store,
             cfg,
@@ -435,7 +486,7 @@ impl Checkpointer {
     /// `prefault`, allocate and touch it now, so the first save does not pay for fresh memory.
     pub fn prepare_staging(&self, state: &SaveState, prefault: bool) {
         let slab = self.pool.slab_size();
-        if self.cfg.staging_bytes == 0 {
+        if self.cfg.staging_bytes == 0 && self.cfg.pool.is_none() {
             let lens: Vec<usize> = state
                 .tensors
                 .iter()
@@ -565,7 +616,7 @@ impl Checkpointer {
         // persist must free slabs while the copy goes on.
         let slab = self.pool.slab_size();
         let lens: Vec<usize> = pins.iter().map(|p| p.2).collect();
-        if self.cfg.staging_bytes == 0 {
+        if self.cfg.staging_bytes == 0 && self.cfg.pool.is_none() {
             let per_batch = (self.cfg.copy_threads.max(1) * 4).max(1);
             self.pool
                 .ensure_capacity(slabs_needed(&lens, slab, per_batch) * slab);
@@ -573,6 +624,9 @@ impl Checkpointer {
         let cap_slabs = (self.pool.stats().capacity / slab).max(1);
         let per_batch = (self.cfg.copy_threads.max(1) * 4).clamp(1, cap_slabs);
         let fits = slabs_needed(&lens, slab, per_batch) <= cap_slabs;
+        // The persist starts when the snapshot is done or as soon as the snapshot has to wait
+        // for staging space (the pool is shared, or still holds chunks of a previous save):
+        // only the persist frees slabs, so a snapshot never waits on a persist that waits for it.
         let (snap_done_tx, snap_done_rx) = tokio::sync::oneshot::channel::<()>();
         // Snapshot thread.
         {
@@ -580,21 +634,31 @@ impl Checkpointer {
             let threads = self.cfg.copy_threads.max(1);
             let shared = shared.clone();
             let names: Vec<String> = metas.iter().map(|m| m.name.clone()).collect();
+            let stall = self.cfg.stall_timeout;
+            let rank = self.cfg.rank;
             std::thread::Builder::new()
                 .name(format!("ckpt-snapshot-{}", self.cfg.rank))
                 .spawn(move || {
-                    match snapshot(&pool, pins, threads, &tx) {
+                    let mut go = Some(snap_done_tx);
+                    let start_persist = move || {
+                        if let Some(t) = go.take() {
+                            let _ = t.send(());
+                        }
+                    };
+                    match snapshot(&pool, pins, threads, stall, start_persist, &tx) {
                         Ok(()) => {
                             let s = t0.elapsed().as_secs_f64();
                             shared.set(Stage::Snapshotted, |r| r.snapshot_s = s);
                         }
                         Err((i, e)) => {
-                            let e = e.context(format!("snapshot of tensor {:?}", names[i]));
+                            let e = e.context(format!(
+                                "snapshot of tensor {:?} (step {step}, rank {rank})",
+                                names[i]
+                            ));
                             let _ = tx.send(Err(Error::new(e.kind(), e.to_string())));
                             shared.set(Stage::Failed(SaveFailure::from(&e)), |_| {});
                         }
                     }
-                    let _ = snap_done_tx.send(());
                 })
                 .map_err(|e| Error::internal(format!("starting the snapshot thread: {e}")))?;
         }
@@ -622,8 +686,15 @@ impl Checkpointer {
                     .as_ref()
                     .map(|l| Arc::new(PeerUpload::start(l, cfg.generation, cfg.rank, step, 8)));
                 let up = upload.clone();
-                let chunks = futures::stream::unfold((rx, up), |(mut rx, up)| async move {
-                    let x = rx.recv().await?;
+                // A chunk small enough to go into a pack is copied out of its slab: a pack is
+                // written only once it is full, and a slab pinned by a pack that waits for
+                // more chunks would wait for the snapshot that waits for the slab.
+                let small = store.config().pack_threshold;
+                let chunks = futures::stream::unfold((rx, up), move |(mut rx, up)| async move {
+                    let x = match rx.recv().await? {
+                        Ok(b) if b.len() < small => Ok(Bytes::copy_from_slice(&b)),
+                        x => x,
+                    };
                     if let (Some(u), Ok(b)) = (&up, &x) {
                         u.chunk(b.clone()).await;
                     }
@@ -719,10 +790,15 @@ async fn prepare_index(dedup: &Mutex<DedupTracker>) -> DedupIndex {
 /// Small shards share slabs (each chunk is a slice of a slab), so a thousand biases do not
 /// take a thousand slabs. Releases each pin as soon as its tensor is copied. On error returns
 /// the tensor index.
+///
+/// Each batch takes its slabs all at once ([`StagingPool::acquire_many`]); `start_persist`
+/// runs before the first wait for staging space and when the copy is done.
 fn snapshot(
     pool: &Arc<StagingPool>,
     pins: Vec<(usize, Box<dyn PinnedSource>, usize)>,
     threads: usize,
+    stall: Duration,
+    mut start_persist: impl FnMut(),
     tx: &tokio::sync::mpsc::UnboundedSender<Result<Bytes>>,
 ) -> std::result::Result<(), (usize, Error)> {
     let slab = pool.slab_size();
@@ -761,7 +837,10 @@ fn snapshot(
     for b in carve(&lens, slab, per_batch) {
         let group = &jobs[b.jobs.clone()];
         let places = &b.place;
-        let mut slabs: Vec<_> = b.fills.iter().map(|_| pool.acquire()).collect();
+        let first = pins[group[0].tensor].as_ref().map_or(0, |(i, _)| *i);
+        let mut slabs = pool
+            .acquire_many(b.fills.len(), stall, &mut start_persist)
+            .map_err(|e| (first, e))?;
         {
             // Disjoint destination slices, one per job, in slab order within each slab.
             let mut order: Vec<usize> = (0..group.len()).collect();

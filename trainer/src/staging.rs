@@ -7,14 +7,22 @@
 //! more slabs than are free waits for the persist of earlier chunks: memory never exceeds the
 //! bound.
 //!
+//! Any bound of at least one slab makes progress, also with several ranks sharing one pool:
+//! a snapshot takes the slabs of a batch all at once or none ([`StagingPool::acquire_many`]),
+//! so it never holds part of the pool while it waits for the rest; every slab it holds has
+//! been handed to its persist, which frees it once the store has the chunk. A wait in which
+//! no slab comes back for the stall timeout fails with an error naming the wait.
+//!
 //! A [`SlabHook`] installed with [`set_slab_hook`] sees every slab that pools created after it
 //! allocate and free: the CUDA path (feature `cuda`) uses it to page-lock slabs once, so
 //! device-to-host copies land in them by DMA. Without a hook nothing changes.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use ckpt_store::direct::AlignedBuf;
+use ckpt_store::{Error, Result};
 use parking_lot::{Condvar, Mutex, RwLock};
 
 /// Sees each slab a pool allocates (after it is touched) and frees (before it is released).
@@ -57,6 +65,8 @@ struct PoolState {
     in_use: usize,
     peak_in_use: usize,
     capacity: usize,
+    /// Slabs returned so far (progress, for the stall timeout).
+    returned: u64,
 }
 
 /// A bounded pool of page-aligned slabs.
@@ -175,6 +185,66 @@ impl StagingPool {
         }
     }
 
+    /// Take `n` slabs at once, or none: waits until `n` are free (or can be allocated), so a
+    /// waiting caller never holds part of the pool that another waiter needs. `n` is clamped to
+    /// the bound. `on_wait` runs once, before the first wait (a snapshot starts its persist
+    /// then: only the persist frees slabs). Fails when no slab came back to the pool for
+    /// `stall` while waiting: whoever holds them is not making progress.
+    pub fn acquire_many(
+        self: &Arc<Self>,
+        n: usize,
+        stall: Duration,
+        mut on_wait: impl FnMut(),
+    ) -> Result<Vec<Slab>> {
+        let slab = self.cfg.slab;
+        let mut st = self.state.lock();
+        let n = n.clamp(1, (st.capacity / slab).max(1));
+        let mut waited = false;
+        let mut seen = st.returned;
+        let mut since = Instant::now();
+        loop {
+            let can_alloc = (st.capacity.saturating_sub(st.allocated)) / slab;
+            if st.free.len() + can_alloc >= n {
+                let from_free = n.min(st.free.len());
+                let keep = st.free.len() - from_free;
+                let mut bufs: Vec<Option<AlignedBuf>> = st.free.drain(keep..).map(Some).collect();
+                let fresh = n - from_free;
+                st.allocated += fresh * slab;
+                st.in_use += n * slab;
+                st.peak_in_use = st.peak_in_use.max(st.in_use);
+                drop(st);
+                bufs.extend((0..fresh).map(|_| Some(self.new_slab())));
+                return Ok(bufs
+                    .into_iter()
+                    .map(|buf| Slab {
+                        buf,
+                        pool: self.clone(),
+                    })
+                    .collect());
+            }
+            if !waited {
+                waited = true;
+                parking_lot::MutexGuard::unlocked(&mut st, &mut on_wait);
+                continue;
+            }
+            if st.returned != seen {
+                seen = st.returned;
+                since = Instant::now();
+            }
+            let left = stall.saturating_sub(since.elapsed());
+            if left.is_zero() {
+                return Err(Error::new(
+                    ckpt_store::ErrorKind::Backend,
+                    format!(
+                        "waited {stall:?} for {n} staging slab(s) of {slab} bytes and none came back: the staging pool (bound {} bytes) has {} bytes in use by chunks that are not written to the store yet, and their persist made no progress",
+                        st.capacity, st.in_use
+                    ),
+                ));
+            }
+            self.freed.wait_for(&mut st, left);
+        }
+    }
+
     /// Current figures.
     pub fn stats(&self) -> PoolStats {
         let st = self.state.lock();
@@ -195,9 +265,11 @@ impl StagingPool {
     fn give_back(&self, b: AlignedBuf) {
         let mut st = self.state.lock();
         st.in_use -= self.cfg.slab;
+        st.returned += 1;
         st.free.push(b);
         drop(st);
-        self.freed.notify_one();
+        // Waiters want different numbers of slabs: wake all, each checks.
+        self.freed.notify_all();
     }
 }
 
@@ -303,6 +375,50 @@ mod tests {
         assert_eq!(st.allocated, 3 * 4096);
         assert_eq!(st.in_use, 0);
         assert_eq!(st.peak_in_use, 3 * 4096);
+    }
+
+    #[test]
+    fn acquire_many_takes_all_or_none_and_fails_when_nothing_comes_back() {
+        let pool = StagingPool::new(
+            PoolConfig {
+                capacity: 2 * 4096,
+                slab: 4096,
+            },
+            false,
+        );
+        let long = Duration::from_secs(30);
+        let one = pool.acquire_many(1, long, || panic!("no wait")).unwrap();
+        // Two wanted, one free: the waiter holds nothing meanwhile, and says it waits.
+        let p2 = pool.clone();
+        let waited = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let w2 = waited.clone();
+        let waiter = std::thread::spawn(move || {
+            p2.acquire_many(2, long, || {
+                w2.store(true, std::sync::atomic::Ordering::SeqCst)
+            })
+            .unwrap()
+            .len()
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!waiter.is_finished());
+        assert!(waited.load(std::sync::atomic::Ordering::SeqCst));
+        assert_eq!(pool.stats().in_use, 4096, "a waiter holds no slab");
+        drop(one);
+        assert_eq!(waiter.join().unwrap(), 2);
+        // More than the bound is clamped to the bound.
+        assert_eq!(pool.acquire_many(5, long, || {}).unwrap().len(), 2);
+        // Nothing ever comes back: a clear error after the stall timeout.
+        let held = pool.acquire_many(2, long, || {}).unwrap();
+        let t = std::time::Instant::now();
+        let e = pool
+            .acquire_many(1, Duration::from_millis(200), || {})
+            .unwrap_err();
+        assert!(t.elapsed() < Duration::from_secs(5));
+        assert!(
+            e.to_string().contains("staging") && e.to_string().contains("no progress"),
+            "{e}"
+        );
+        drop(held);
     }
 
     #[test]

@@ -28,14 +28,14 @@
 
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use ckpt_store::logs::{LogWriter, METRICS};
 use ckpt_store::{Error, ErrorKind, Failpoints, Layout, Result, StepReader, Store};
 use clap::Parser;
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 use serde_json::json;
 use tracing::{info, warn};
 
@@ -46,6 +46,7 @@ use crate::monitor::{
     SpikeAction, host_memory_bytes,
 };
 use crate::save::{BackPressure, CheckpointerConfig, SaveHandle, runtime};
+use crate::staging::{PoolConfig, StagingPool};
 use crate::workload::{ModelConfig, Partial, Progress, RankState, TrainConfig, step_digest};
 
 /// Parse sizes and counts with suffixes: `16M`, `2G`, `512K`, `4MiB`, `1e6`.
@@ -171,7 +172,9 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 0.0)]
     pub frozen: f64,
     /// Staging memory bound per rank (default: the rank's state, so the snapshot never waits
-    /// for the persist).
+    /// for the persist). Any bound works, down to one chunk: a smaller one makes the snapshot
+    /// wait for the persist of earlier chunks. Ranks running as threads share one pool of
+    /// ranks x this bound.
     #[arg(long, value_parser = parse_count)]
     pub staging: Option<u64>,
     /// Allocate and touch staging memory at start.
@@ -296,7 +299,9 @@ struct Shared {
     layout: Layout,
     model: ModelConfig,
     world_threads: u32,
-    barrier: Option<Barrier>,
+    barrier: Option<Lockstep>,
+    /// The staging pool the rank threads share (with --staging).
+    pool: Option<Arc<StagingPool>>,
     board: Mutex<std::collections::BTreeMap<u64, (Partial, u32)>>,
     /// Rank 0's monitor decision for the current step (threads mode).
     decision: Mutex<Decision>,
@@ -418,8 +423,7 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
     let log = LogWriter::new(&store, &args.run, METRICS, &writer_name)?;
     let sigterm = Arc::new(AtomicBool::new(false));
     if args.rank.is_none() {
-        signal_hook::flag::register(signal_hook::consts::SIGTERM, sigterm.clone())
-            .map_err(|e| Error::internal(format!("installing the SIGTERM handler: {e}")))?;
+        crate::manager::on_sigterm(&sigterm)?;
     }
     info!(
         run = %args.run,
@@ -428,6 +432,17 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
         state_bytes = model.state_bytes(),
         "training"
     );
+    let pool = args.staging.filter(|_| threads > 1).map(|s| {
+        let slab = store.config().chunk_size;
+        let per_rank = (s as usize).max(slab);
+        StagingPool::new(
+            PoolConfig {
+                capacity: per_rank * threads as usize,
+                slab,
+            },
+            args.prefault,
+        )
+    });
     let shared = Arc::new(Shared {
         generation,
         args: args.clone(),
@@ -435,7 +450,8 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
         layout,
         model,
         world_threads: threads,
-        barrier: (threads > 1).then(|| Barrier::new(threads as usize)),
+        barrier: (threads > 1).then(|| Lockstep::new(threads as usize)),
+        pool,
         board: Mutex::default(),
         decision: Mutex::new(Decision::Continue),
         rollback_failed: AtomicBool::new(false),
@@ -451,16 +467,26 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
         handles.push(
             std::thread::Builder::new()
                 .name(format!("rank-{r}"))
-                .spawn(move || rank_main(&sh, r))
+                .spawn(move || {
+                    let res = rank_main(&sh, r);
+                    if let (Err(e), Some(b)) = (&res, &sh.barrier) {
+                        // The other rank threads would wait for this one forever.
+                        b.abort(&format!("rank {r} failed: {e}"));
+                    }
+                    res
+                })
                 .map_err(|e| Error::internal(format!("starting rank {r}: {e}")))?,
         );
     }
-    let mut first_err = None;
+    let mut first_err: Option<Error> = None;
     for h in handles {
         match h.join() {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
-                first_err.get_or_insert(e);
+                // The rank that failed first, rather than the ranks it stopped.
+                if first_err.as_ref().is_none_or(Lockstep::is_abort) {
+                    first_err = Some(e);
+                }
             }
             Err(_) => {
                 first_err.get_or_insert(Error::internal("a rank thread panicked"));
@@ -498,6 +524,7 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
         .map(|s| s as usize)
         .unwrap_or_else(|| state.held_bytes() as usize + sh.store.config().chunk_size);
     ck.prefault = a.prefault;
+    ck.pool = sh.pool.clone();
     ck.copy_threads = (std::thread::available_parallelism().map_or(2, |n| n.get())
         / sh.world_threads as usize)
         .max(1);
@@ -600,7 +627,7 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
         }
         // Lockstep with the other rank threads: rank 0 logs the global loss and decides about
         // spikes and SIGTERM for all, before anything of this step is saved.
-        match decide(sh, &mut mgr, rank, step, batch, part, t_step) {
+        match decide(sh, &mut mgr, rank, step, batch, part, t_step)? {
             Decision::Continue | Decision::Alert(_) => {}
             Decision::Rollback(spike) => {
                 if let Some((h, t0, _)) = pending.take() {
@@ -632,6 +659,10 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
             }
         }
         let stop = sh.stop_now.load(Ordering::SeqCst);
+        if stop {
+            // The final checkpoint gets the manager's final deadline.
+            mgr.request_stop();
+        }
         last = step;
         let t_save = Instant::now();
         let h = if step == a.steps || stop {
@@ -708,7 +739,7 @@ fn decide(
     batch: u64,
     part: Partial,
     t_step: Instant,
-) -> Decision {
+) -> Result<Decision> {
     if sh.args.rank.is_some() {
         // One rank per process: only partial sums are known here.
         let whole = sh.layout.world() == 1;
@@ -729,7 +760,7 @@ fn decide(
         }
         if part.n == 0 && !part.nonfinite {
             // This rank owns no elements (a replica): nothing of its own to watch.
-            return Decision::Continue;
+            return Ok(Decision::Continue);
         }
         let mut o = Observation::new(step, part.loss())
             .batch(batch)
@@ -739,11 +770,11 @@ fn decide(
         }
         let d = mgr.observe(&o);
         note_spike(sh, &d);
-        return d;
+        return Ok(d);
     }
     sh.board.lock().entry(step).or_default().0.add(&part);
     if let Some(b) = &sh.barrier {
-        b.wait();
+        b.wait()?;
     }
     if rank == 0 {
         let tot = sh.board.lock().remove(&step).unwrap_or_default().0;
@@ -765,9 +796,61 @@ fn decide(
         }
     }
     if let Some(b) = &sh.barrier {
-        b.wait();
+        b.wait()?;
     }
-    sh.decision.lock().clone()
+    Ok(sh.decision.lock().clone())
+}
+
+/// The rank threads' per-step barrier, which a failing rank breaks: the others then fail
+/// too instead of waiting for it forever.
+struct Lockstep {
+    n: usize,
+    /// (arrived in this round, round, why it was broken)
+    state: Mutex<(usize, u64, Option<String>)>,
+    cond: Condvar,
+}
+
+impl Lockstep {
+    const ABORT: &'static str = "stopped because another rank failed";
+
+    fn new(n: usize) -> Self {
+        Lockstep {
+            n,
+            state: Mutex::new((0, 0, None)),
+            cond: Condvar::new(),
+        }
+    }
+
+    fn wait(&self) -> Result<()> {
+        let mut g = self.state.lock();
+        if let Some(why) = &g.2 {
+            return Err(Error::internal(format!("{} ({why})", Self::ABORT)));
+        }
+        let round = g.1;
+        g.0 += 1;
+        if g.0 == self.n {
+            g.0 = 0;
+            g.1 += 1;
+            self.cond.notify_all();
+        }
+        while g.1 == round && g.2.is_none() {
+            self.cond.wait(&mut g);
+        }
+        match &g.2 {
+            Some(why) if g.1 == round => Err(Error::internal(format!("{} ({why})", Self::ABORT))),
+            _ => Ok(()),
+        }
+    }
+
+    fn abort(&self, why: &str) {
+        let mut g = self.state.lock();
+        g.2.get_or_insert_with(|| why.to_string());
+        self.cond.notify_all();
+    }
+
+    fn is_abort(e: &Error) -> bool {
+        e.to_string().contains(Self::ABORT)
+    }
 }
 
 /// Step time (so far) and memory on a step record.
@@ -793,7 +876,7 @@ fn agree(sh: &Shared, r: Result<crate::manager::Rollback>) -> Result<crate::mana
     if r.is_err() {
         sh.rollback_failed.store(true, Ordering::SeqCst);
     }
-    b.wait();
+    b.wait()?;
     let failed = sh.rollback_failed.load(Ordering::SeqCst);
     match r {
         Ok(_) if failed => Err(Error::internal(
