@@ -946,11 +946,6 @@ async fn failed_commit_is_never_a_dedup_base(b: Backend) {
     )
     .await
     .unwrap();
-    assert_eq!(
-        base.base_step(),
-        Some(1),
-        "the failed step 2 is never the base"
-    );
     for r in &refs {
         assert!(
             store.exists(&store.object_of(r)).await.unwrap(),
@@ -958,6 +953,11 @@ async fn failed_commit_is_never_a_dedup_base(b: Backend) {
             r.location()
         );
     }
+    assert_eq!(
+        base.base_step(),
+        Some(1),
+        "the failed step 2 is never the base"
+    );
     store.commit_step(run, 3).await.unwrap();
     let v = store.verify(&VerifyScope::Store, None).await.unwrap();
     assert!(v.is_clean(), "{v:?}");
@@ -1129,6 +1129,14 @@ async fn gc_racing_saves_never_breaks_a_commit(b: Backend) {
     let tick = Duration::from_secs(600);
     let grace = hours(1);
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Stops the GC loop however this test ends (a failed assertion included).
+    struct StopOnDrop(std::sync::Arc<std::sync::atomic::AtomicBool>);
+    impl Drop for StopOnDrop {
+        fn drop(&mut self) {
+            self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+    let _stop_gc = StopOnDrop(stop.clone());
     let passes = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let gc_task = {
         let (store, clock, stop, passes) =
@@ -1180,11 +1188,11 @@ async fn gc_racing_saves_never_breaks_a_commit(b: Backend) {
         if k % 15 == 9 {
             // After an abandoned step, the job pauses for longer than the grace period; GC
             // passes over everything (and sweeps the abandoned step).
-            if let Some((s, h)) = commit.take() {
-                if h.await.unwrap().is_ok() {
-                    check(store.clone(), s).await;
-                    committed.push(s);
-                }
+            if let Some((s, h)) = commit.take()
+                && h.await.unwrap().is_ok()
+            {
+                check(store.clone(), s).await;
+                committed.push(s);
             }
             clock.advance(grace * 2);
             let p = passes.load(std::sync::atomic::Ordering::SeqCst);
@@ -1214,11 +1222,11 @@ async fn gc_racing_saves_never_breaks_a_commit(b: Backend) {
         for res in futures::future::join_all(saves).await {
             res.unwrap();
         }
-        if let Some((s, h)) = commit.take() {
-            if h.await.unwrap().is_ok() {
-                check(store.clone(), s).await;
-                committed.push(s);
-            }
+        if let Some((s, h)) = commit.take()
+            && h.await.unwrap().is_ok()
+        {
+            check(store.clone(), s).await;
+            committed.push(s);
         }
         // Every fifth step is abandoned: its commit never happens.
         if k % 5 != 3 {
