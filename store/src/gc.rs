@@ -5,11 +5,14 @@
 //!    pending save builds on it). Other committed steps are deleted, commit record first, so
 //!    a step vanishes atomically. Incomplete steps whose objects are all older than the grace
 //!    period are abandoned saves and are deleted too.
-//! 2. **Mark**: every chunk and pack referenced by a manifest that remains (committed or in
-//!    flight).
-//! 3. **Sweep**: delete chunk and pack objects nobody references, but only if they are older
-//!    than the grace period, so a save that has written chunks but not yet its manifest loses
-//!    nothing.
+//!    Commit records go first, manifests after.
+//! 2. **Sweep lock**: a sweep never overlaps a save in flight (see [`crate::lease`] and
+//!    FORMAT.md, "What GC may delete, and when"); with a writer lease live, the sweep is left
+//!    for a later run ([`GcReport::sweep_deferred`]).
+//! 3. **Mark**: every chunk and pack referenced by a manifest that remains (committed or in
+//!    flight), listed after the sweep lock is taken.
+//! 4. **Sweep**: delete chunk and pack objects nobody references and older than the grace
+//!    period, in batches, yielding to a save that starts meanwhile.
 //!
 //! With neither `keep_last` nor `keep_every`, retention keeps every committed step and GC only
 //! sweeps.
@@ -23,6 +26,7 @@ use object_store::path::Path;
 use serde::Serialize;
 use tracing::{info, instrument};
 
+use crate::catalog::StepListing;
 use crate::error::{Error, Result};
 use crate::keys::StepObject;
 use crate::model::RankManifest;
@@ -82,6 +86,20 @@ pub struct GcReport {
     pub bytes_kept: u64,
     /// Nothing was deleted.
     pub dry_run: bool,
+    /// Why the sweep did not run, or stopped early (saves in flight hold writer leases).
+    pub sweep_deferred: Option<String>,
+}
+
+/// Objects deleted between two checks for saves that started meanwhile.
+const SWEEP_BATCH: usize = 1000;
+
+/// The steps of `run` the caller protects.
+fn protected(opts: &GcOptions, run: &str) -> Vec<u64> {
+    opts.protect
+        .iter()
+        .filter(|(r, _)| r == run)
+        .map(|(_, s)| *s)
+        .collect()
 }
 
 /// Which committed steps of one run retention keeps.
@@ -122,7 +140,9 @@ impl Store {
         let grace = chrono::Duration::from_std(opts.grace)
             .map_err(|_| Error::invalid("grace period is too long"))?;
         let runs = self.list_runs().await?;
-        let mut live_manifests: Vec<(String, u64, u32)> = Vec::new();
+        // 1. Retention: drop the commit records of the committed steps it does not keep (the
+        //    step then vanishes at once).
+        let mut dropped: Vec<(String, BTreeSet<u64>, Vec<StepListing>)> = Vec::new();
         for run in &runs {
             let steps = self.list_steps(run).await?;
             let committed: Vec<u64> = steps
@@ -131,42 +151,103 @@ impl Store {
                 .map(|s| s.step)
                 .collect();
             let in_scope = opts.runs.is_empty() || opts.runs.contains(run);
-            let protect: Vec<u64> = opts
-                .protect
-                .iter()
-                .filter(|(r, _)| r == run)
-                .map(|(_, s)| *s)
-                .collect();
+            let protect = protected(opts, run);
             let keep = if in_scope {
                 retained(&committed, opts.keep_last, opts.keep_every, &protect)
             } else {
                 committed.iter().copied().collect()
             };
-            for s in &steps {
-                let doomed = if s.committed {
-                    !keep.contains(&s.step)
+            let mut doomed = BTreeSet::new();
+            for &s in &committed {
+                if keep.contains(&s) {
+                    report.steps_kept.push((run.clone(), s));
                 } else {
-                    in_scope && now - s.last_modified > grace && !protect.contains(&s.step)
-                };
+                    report.steps_deleted.push((run.clone(), s));
+                    doomed.insert(s);
+                }
+            }
+            if !opts.dry_run && !doomed.is_empty() {
+                let commits = doomed.iter().map(|&s| self.keys().commit(run, s)).collect();
+                self.delete_all(commits).await?;
+            }
+            dropped.push((run.clone(), doomed, steps));
+        }
+        // 2. A sweep excludes saves in flight (FORMAT.md, "What GC may delete"): take the
+        //    sweep lock, and with a live writer lease leave the sweep for a later run.
+        let lock = if opts.sweep && !opts.dry_run {
+            match self.take_sweep_lock(now, opts.grace).await? {
+                Ok(lock) => Some(lock),
+                Err(writers) => {
+                    report.sweep_deferred = Some(format!(
+                        "{} save(s) in flight hold a writer lease ({}); nothing was swept",
+                        writers.len(),
+                        writers[0]
+                    ));
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let res = self
+            .gc_manifests_and_sweep(opts, now, grace, dropped, lock.is_some(), &mut report)
+            .await;
+        if let Some(lock) = lock {
+            // Best effort: a lock left behind lapses after the grace period.
+            let _ = self.delete_all(vec![lock]).await;
+        }
+        res?;
+        info!(
+            steps_deleted = report.steps_deleted.len(),
+            objects_deleted = report.objects_deleted,
+            bytes_freed = report.bytes_freed,
+            "gc done"
+        );
+        Ok(report)
+    }
+
+    /// GC after retention: delete the manifests of dropped and abandoned steps, then (when
+    /// `sweep`, under the sweep lock) mark and sweep.
+    async fn gc_manifests_and_sweep(
+        &self,
+        opts: &GcOptions,
+        now: DateTime<Utc>,
+        grace: chrono::Duration,
+        dropped: Vec<(String, BTreeSet<u64>, Vec<StepListing>)>,
+        sweep: bool,
+        report: &mut GcReport,
+    ) -> Result<()> {
+        // List the steps again (after the sweep lock, so every manifest written by a save that
+        // ended before it is seen), delete the manifests of dropped and abandoned steps, and
+        // collect every other one.
+        let mut live_manifests: Vec<(String, u64, u32)> = Vec::new();
+        for (run, dropped, listed) in dropped {
+            let steps = if opts.dry_run {
+                listed
+            } else {
+                self.list_steps(&run).await?
+            };
+            let in_scope = opts.runs.is_empty() || opts.runs.contains(&run);
+            let protect = protected(opts, &run);
+            for s in &steps {
+                let committed = s.committed && !dropped.contains(&s.step);
+                let doomed = !committed
+                    && !protect.contains(&s.step)
+                    && (dropped.contains(&s.step) || (in_scope && now - s.last_modified > grace));
                 if !doomed {
-                    if s.committed {
-                        report.steps_kept.push((run.clone(), s.step));
-                    }
                     live_manifests.extend(s.ranks.iter().map(|&r| (run.clone(), s.step, r)));
                     continue;
                 }
-                if s.committed {
-                    report.steps_deleted.push((run.clone(), s.step));
-                } else {
+                if !dropped.contains(&s.step) {
                     report.incomplete_deleted.push((run.clone(), s.step));
                 }
                 if !opts.dry_run {
-                    self.delete_step(run, s.step, s.committed).await?;
+                    self.delete_step(&run, s.step, false).await?;
                 }
             }
         }
-        if !opts.sweep {
-            return Ok(report);
+        if !opts.sweep || (!sweep && !opts.dry_run) {
+            return Ok(());
         }
         // Mark.
         let manifests: Vec<RankManifest> = stream::iter(live_manifests)
@@ -194,7 +275,7 @@ impl Store {
             }
         }
         // Sweep.
-        let mut doomed: Vec<Path> = Vec::new();
+        let mut doomed: Vec<(Path, u64)> = Vec::new();
         for dir in [self.keys().chunks_dir(), self.keys().packs_dir()] {
             let metas: Vec<_> = self
                 .object_store()
@@ -213,22 +294,38 @@ impl Store {
                     report.objects_kept += 1;
                     report.bytes_kept += m.size;
                 } else {
-                    report.objects_deleted += 1;
-                    report.bytes_freed += m.size;
-                    doomed.push(m.location);
+                    doomed.push((m.location, m.size));
                 }
             }
         }
-        if !opts.dry_run && !doomed.is_empty() {
-            self.delete_all(doomed).await?;
+        if opts.dry_run {
+            report.objects_deleted += doomed.len() as u64;
+            report.bytes_freed += doomed.iter().map(|(_, n)| n).sum::<u64>();
+            return Ok(());
         }
-        info!(
-            steps_deleted = report.steps_deleted.len(),
-            objects_deleted = report.objects_deleted,
-            bytes_freed = report.bytes_freed,
-            "gc done"
-        );
-        Ok(report)
+        // Delete in batches; a save that started meanwhile waits for this sweep, so yield to
+        // it between batches (the rest waits for a later run).
+        let mut rest = doomed.as_slice();
+        while !rest.is_empty() {
+            let writers = self.list_locks(now, opts.grace).await?.writers;
+            if !writers.is_empty() {
+                report.objects_kept += rest.len() as u64;
+                report.bytes_kept += rest.iter().map(|(_, n)| n).sum::<u64>();
+                report.sweep_deferred = Some(format!(
+                    "a save started ({}); {} unreferenced object(s) are left for a later sweep",
+                    writers[0],
+                    rest.len()
+                ));
+                break;
+            }
+            let (batch, tail) = rest.split_at(rest.len().min(SWEEP_BATCH));
+            self.delete_all(batch.iter().map(|(p, _)| p.clone()).collect())
+                .await?;
+            report.objects_deleted += batch.len() as u64;
+            report.bytes_freed += batch.iter().map(|(_, n)| n).sum::<u64>();
+            rest = tail;
+        }
+        Ok(())
     }
 
     /// Delete a step: its commit record first (the step is then invisible), then manifests.

@@ -6,6 +6,8 @@
 //! <prefix>/runs/<run>/steps/<step:020>/rank-<r:06>.manifest
 //! <prefix>/runs/<run>/steps/<step:020>/COMMIT            the commit record; existence = complete
 //! <prefix>/runs/<run>/<log name>/<part>.jsonl            append-only logs (metrics, events)
+//! <prefix>/locks/writer-<id>                            a save in flight (writer lease)
+//! <prefix>/locks/sweep-<id>                             a GC sweep in progress
 //! ```
 //!
 //! Nothing else in ckpt builds key strings.
@@ -139,6 +141,33 @@ impl Keys {
         let rest = self.strip(path)?;
         match rest.as_slice() {
             ["runs", _, "generations", g] => parse_step_segment(g),
+            _ => None,
+        }
+    }
+
+    /// `locks/`: writer leases and GC sweep locks (see FORMAT.md, "What GC may delete").
+    pub fn locks_dir(&self) -> Path {
+        self.join(["locks"])
+    }
+
+    /// The lease a writer holds while its save may reference objects it has not yet recorded
+    /// in a manifest.
+    pub fn writer_lock(&self, name: &str) -> Path {
+        self.locks_dir().join(format!("writer-{name}"))
+    }
+
+    /// The lock a GC holds while it sweeps.
+    pub fn sweep_lock(&self, name: &str) -> Path {
+        self.locks_dir().join(format!("sweep-{name}"))
+    }
+
+    /// Whether a key under `locks/` is a writer lease (`Some(true)`) or a sweep lock
+    /// (`Some(false)`).
+    pub fn parse_lock(&self, path: &Path) -> Option<bool> {
+        let rest = self.strip(path)?;
+        match rest.as_slice() {
+            ["locks", name] if name.starts_with("writer-") => Some(true),
+            ["locks", name] if name.starts_with("sweep-") => Some(false),
             _ => None,
         }
     }

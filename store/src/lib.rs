@@ -50,6 +50,7 @@ pub mod failpoint;
 pub mod gc;
 pub mod id;
 pub mod keys;
+pub mod lease;
 pub mod logs;
 pub mod model;
 pub mod pack;
@@ -80,6 +81,7 @@ pub use failpoint::{FailAction, Failpoints};
 pub use gc::{GcOptions, GcReport};
 pub use id::{ChunkId, Hash, PackId, StepId};
 pub use keys::{Keys, validate_run};
+pub use lease::{DedupBase, LockListing, WriterLease, writer_id};
 pub use model::{
     BlobEntry, BlobLoc, ChunkRef, CommitRecord, Coords, DType, FORMAT_VERSION, Layout, NdBox,
     RankEntry, RankManifest, ShardLoc, TensorEntry, TensorShard, WriteStats,

@@ -336,3 +336,222 @@ fn free_port() -> u16 {
         .map(|a| a.port())
         .expect("a free loopback port")
 }
+
+/// A clock for object ages that tests move by hand, so "older than the grace period" takes no
+/// waiting (see [`ClockStore`]).
+#[derive(Debug, Clone)]
+pub struct TestClock(std::sync::Arc<std::sync::atomic::AtomicI64>);
+
+impl TestClock {
+    /// A clock at the real time now.
+    pub fn starting_now() -> Self {
+        TestClock(std::sync::Arc::new(std::sync::atomic::AtomicI64::new(
+            chrono::Utc::now().timestamp_millis(),
+        )))
+    }
+
+    /// The clock's time.
+    pub fn now(&self) -> chrono::DateTime<chrono::Utc> {
+        let ms = self.0.load(std::sync::atomic::Ordering::SeqCst);
+        chrono::DateTime::from_timestamp_millis(ms).expect("clock in range")
+    }
+
+    /// Move the clock forward.
+    pub fn advance(&self, d: Duration) {
+        self.0
+            .fetch_add(d.as_millis() as i64, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// An [`object_store::ObjectStore`] over any backend (memory, a local directory, S3) whose
+/// objects carry modification times from a [`TestClock`]: every object written through it is
+/// stamped with the clock's time, and listings and heads report that stamp. Everything else
+/// (the bytes, conditional creates, deletes, listing order) is the backend's own. GC given
+/// `now = clock.now()` then sees exactly the ages the test set.
+#[derive(Debug)]
+pub struct ClockStore {
+    inner: std::sync::Arc<dyn object_store::ObjectStore>,
+    clock: TestClock,
+    stamps: std::sync::Arc<
+        std::sync::Mutex<
+            std::collections::HashMap<object_store::path::Path, chrono::DateTime<chrono::Utc>>,
+        >,
+    >,
+}
+
+impl ClockStore {
+    /// `store` with its object ages taken from `clock` (same backend, prefix and settings; its
+    /// own failpoints).
+    pub fn wrap(store: &Store, clock: &TestClock) -> Store {
+        let os = ClockStore {
+            inner: store.object_store().clone(),
+            clock: clock.clone(),
+            stamps: Default::default(),
+        };
+        Store::new(
+            std::sync::Arc::new(os),
+            store.keys().prefix().clone(),
+            store.url(),
+        )
+        .with_config(store.config().clone())
+        .expect("config")
+    }
+
+    fn stamp(&self, p: &object_store::path::Path) -> Option<chrono::DateTime<chrono::Utc>> {
+        self.stamps
+            .lock()
+            .expect("stamps")
+            .insert(p.clone(), self.clock.now())
+    }
+
+    fn unstamp(&self, p: &object_store::path::Path, before: Option<chrono::DateTime<chrono::Utc>>) {
+        let mut g = self.stamps.lock().expect("stamps");
+        match before {
+            Some(t) => g.insert(p.clone(), t),
+            None => g.remove(p),
+        };
+    }
+
+    fn restamp(
+        stamps: &std::sync::Mutex<
+            std::collections::HashMap<object_store::path::Path, chrono::DateTime<chrono::Utc>>,
+        >,
+        mut m: object_store::ObjectMeta,
+    ) -> object_store::ObjectMeta {
+        if let Some(t) = stamps.lock().expect("stamps").get(&m.location) {
+            m.last_modified = *t;
+        }
+        m
+    }
+}
+
+impl std::fmt::Display for ClockStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Clock({})", self.inner)
+    }
+}
+
+#[async_trait::async_trait]
+impl object_store::ObjectStore for ClockStore {
+    async fn put_opts(
+        &self,
+        location: &object_store::path::Path,
+        payload: object_store::PutPayload,
+        opts: object_store::PutOptions,
+    ) -> object_store::Result<object_store::PutResult> {
+        // Stamped before the write, so no listing ever sees the backend's own time.
+        let before = self.stamp(location);
+        let r = self.inner.put_opts(location, payload, opts).await;
+        if r.is_err() {
+            self.unstamp(location, before);
+        }
+        r
+    }
+
+    async fn put_multipart_opts(
+        &self,
+        location: &object_store::path::Path,
+        opts: object_store::PutMultipartOptions,
+    ) -> object_store::Result<Box<dyn object_store::MultipartUpload>> {
+        // Stamped when the upload starts (a little older than the finished object).
+        let before = self.stamp(location);
+        let r = self.inner.put_multipart_opts(location, opts).await;
+        if r.is_err() {
+            self.unstamp(location, before);
+        }
+        r
+    }
+
+    async fn get_opts(
+        &self,
+        location: &object_store::path::Path,
+        options: object_store::GetOptions,
+    ) -> object_store::Result<object_store::GetResult> {
+        let mut r = self.inner.get_opts(location, options).await?;
+        r.meta = Self::restamp(&self.stamps, r.meta);
+        Ok(r)
+    }
+
+    async fn get_ranges(
+        &self,
+        location: &object_store::path::Path,
+        ranges: &[std::ops::Range<u64>],
+    ) -> object_store::Result<Vec<bytes::Bytes>> {
+        self.inner.get_ranges(location, ranges).await
+    }
+
+    fn delete_stream(
+        &self,
+        locations: futures::stream::BoxStream<
+            'static,
+            object_store::Result<object_store::path::Path>,
+        >,
+    ) -> futures::stream::BoxStream<'static, object_store::Result<object_store::path::Path>> {
+        use futures::StreamExt;
+        let stamps = self.stamps.clone();
+        self.inner
+            .delete_stream(locations)
+            .inspect(move |r| {
+                if let Ok(p) = r {
+                    stamps.lock().expect("stamps").remove(p);
+                }
+            })
+            .boxed()
+    }
+
+    fn list(
+        &self,
+        prefix: Option<&object_store::path::Path>,
+    ) -> futures::stream::BoxStream<'static, object_store::Result<object_store::ObjectMeta>> {
+        use futures::StreamExt;
+        let stamps = self.stamps.clone();
+        self.inner
+            .list(prefix)
+            .map(move |r| r.map(|m| Self::restamp(&stamps, m)))
+            .boxed()
+    }
+
+    async fn list_with_delimiter(
+        &self,
+        prefix: Option<&object_store::path::Path>,
+    ) -> object_store::Result<object_store::ListResult> {
+        let mut r = self.inner.list_with_delimiter(prefix).await?;
+        r.objects = r
+            .objects
+            .into_iter()
+            .map(|m| Self::restamp(&self.stamps, m))
+            .collect();
+        Ok(r)
+    }
+
+    async fn copy_opts(
+        &self,
+        from: &object_store::path::Path,
+        to: &object_store::path::Path,
+        options: object_store::CopyOptions,
+    ) -> object_store::Result<()> {
+        let before = self.stamp(to);
+        let r = self.inner.copy_opts(from, to, options).await;
+        if r.is_err() {
+            self.unstamp(to, before);
+        }
+        r
+    }
+
+    async fn rename_opts(
+        &self,
+        from: &object_store::path::Path,
+        to: &object_store::path::Path,
+        options: object_store::RenameOptions,
+    ) -> object_store::Result<()> {
+        let before = self.stamp(to);
+        let r = self.inner.rename_opts(from, to, options).await;
+        match &r {
+            Ok(()) => {
+                self.stamps.lock().expect("stamps").remove(from);
+            }
+            Err(_) => self.unstamp(to, before),
+        }
+        r
+    }
+}

@@ -5,11 +5,13 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use bytes::Bytes;
-use ckpt_store::testing::{Need, S3Server, det_bytes, local_store, memory_store, tiny_config};
+use ckpt_store::testing::{
+    ClockStore, Need, S3Server, TestClock, det_bytes, local_store, memory_store, tiny_config,
+};
 use ckpt_store::writer::{BlobIn, RankWrite, ShardIn};
 use ckpt_store::{
-    CommitOutcome, DType, DedupIndex, ErrorKind, GcOptions, Layout, NdBox, ObjectStoreExt as _,
-    StepReader, Store, StoreConfig, VerifyScope,
+    ChunkRef, CommitOutcome, DType, DedupBase, DedupIndex, ErrorKind, FailAction, GcOptions,
+    Layout, NdBox, ObjectStoreExt as _, StepReader, Store, StoreConfig, VerifyScope, writer_id,
 };
 
 /// A backend under test, with whatever keeps it alive.
@@ -68,6 +70,9 @@ conformance!(
     gc_keeps_retained_and_in_flight,
     listing_runs_and_steps,
     multipart_large_objects,
+    failed_commit_is_never_a_dedup_base,
+    gc_never_sweeps_under_a_save_in_flight,
+    gc_racing_saves_never_breaks_a_commit,
 );
 
 fn w(run: &str, step: u64, rank: u32, layout: Layout) -> RankWrite {
@@ -832,4 +837,429 @@ async fn multipart_large_objects(b: Backend) {
         r.read("big", &bx).await.unwrap(),
         data[(12 << 20) - 10..(12 << 20) + 10]
     );
+}
+
+// ----- GC never removes what a committed step references (FORMAT.md, "What GC may delete") --
+
+/// One rank's save the way `Checkpointer` does it: take a writer lease (which waits for any GC
+/// sweep), skip only what a step found committed after that references, write, release. Returns the chunks the manifest
+/// references (for the next save's base).
+async fn leased_save(
+    store: &Store,
+    run: &str,
+    wr: &RankWrite,
+    shards: Vec<ShardIn>,
+    base: &mut DedupBase,
+    writer: &str,
+) -> ckpt_store::Result<Vec<ChunkRef>> {
+    let lease = store
+        .lease_dedup_base(run, writer, &base.candidates())
+        .await?;
+    let index = base.pinned(lease.base());
+    let res = store.write_rank(wr, shards, vec![], &index).await;
+    store.release_lease(lease).await?;
+    let (m, _, _) = res?;
+    let refs: Vec<ChunkRef> = m.tensors.iter().flat_map(|t| t.chunks.clone()).collect();
+    base.persisted(wr.step, refs.clone());
+    Ok(refs)
+}
+
+fn hours(h: i64) -> Duration {
+    Duration::from_secs(h as u64 * 3600)
+}
+
+/// A save whose commit failed left chunks and a manifest; GC later sweeps that abandoned step
+/// with its chunks. The next save must not skip those chunks: it commits and verifies clean,
+/// and the older committed step still restores.
+async fn failed_commit_is_never_a_dedup_base(b: Backend) {
+    let clock = TestClock::starting_now();
+    let store = &ClockStore::wrap(b.store(), &clock);
+    let run = "failed";
+    let writer = writer_id(0, 0);
+    let mut base = DedupBase::new();
+    let frozen = det_bytes(1, 8192);
+    let t = |w: &[u8]| {
+        vec![
+            shard(
+                "frozen",
+                DType::F32,
+                &[2048],
+                NdBox::full(&[2048]),
+                frozen.clone(),
+            ),
+            shard("w", DType::F32, &[2048], NdBox::full(&[2048]), w.to_vec()),
+        ]
+    };
+    let (w1, w2) = (det_bytes(10, 8192), det_bytes(20, 8192));
+    leased_save(
+        store,
+        run,
+        &w(run, 1, 0, Layout::SINGLE),
+        t(&w1),
+        &mut base,
+        &writer,
+    )
+    .await
+    .unwrap();
+    store.commit_step(run, 1).await.unwrap();
+
+    // Step 2: chunks and manifest written, the commit fails (a transient error, a timeout).
+    leased_save(
+        store,
+        run,
+        &w(run, 2, 0, Layout::SINGLE),
+        t(&w2),
+        &mut base,
+        &writer,
+    )
+    .await
+    .unwrap();
+    store.failpoints().set("before_commit", FailAction::Error);
+    let e = store.commit_step(run, 2).await.unwrap_err();
+    assert!(e.to_string().contains("before_commit"), "{e}");
+    store.failpoints().clear();
+
+    // Two hours later GC sweeps the abandoned step 2 and the chunks only it referenced.
+    clock.advance(hours(2));
+    let g = store
+        .gc(
+            &GcOptions {
+                grace: hours(1),
+                ..Default::default()
+            },
+            clock.now(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(g.incomplete_deleted, vec![(run.to_string(), 2)], "{g:?}");
+    assert!(g.objects_deleted >= 1, "{g:?}");
+
+    // Step 3 holds the same bytes step 2 did: a save that dedups against step 2 would point at
+    // the swept chunks.
+    let refs = leased_save(
+        store,
+        run,
+        &w(run, 3, 0, Layout::SINGLE),
+        t(&w2),
+        &mut base,
+        &writer,
+    )
+    .await
+    .unwrap();
+    for r in &refs {
+        assert!(
+            store.exists(&store.object_of(r)).await.unwrap(),
+            "step 3 references {} which is not in the store",
+            r.location()
+        );
+    }
+    assert_eq!(
+        base.base_step(),
+        Some(1),
+        "the failed step 2 is never the base"
+    );
+    store.commit_step(run, 3).await.unwrap();
+    let v = store.verify(&VerifyScope::Store, None).await.unwrap();
+    assert!(v.is_clean(), "{v:?}");
+    let r3 = StepReader::open(store, run, 3).await.unwrap();
+    assert_eq!(r3.read_tensor("w").await.unwrap(), w2);
+    assert_eq!(r3.read_tensor("frozen").await.unwrap(), frozen);
+    let r1 = StepReader::open(store, run, 1).await.unwrap();
+    assert_eq!(r1.read_tensor("w").await.unwrap(), w1);
+}
+
+/// Retention drops the step a writer dedups against while that writer's save is in flight: its
+/// writer lease defers the sweep, so the chunks the save skips survive; once the save's
+/// manifest is written, GC sweeps again and the new step still verifies. A save waits for a
+/// sweep in progress, and a lease left by a dead writer lapses after the grace period.
+async fn gc_never_sweeps_under_a_save_in_flight(b: Backend) {
+    let clock = TestClock::starting_now();
+    let store = &ClockStore::wrap(b.store(), &clock);
+    let run = "leased";
+    let (x, y) = (det_bytes(1, 8192), det_bytes(2, 8192));
+    let save = |data: &[u8]| {
+        vec![shard(
+            "w",
+            DType::F32,
+            &[2048],
+            NdBox::full(&[2048]),
+            data.to_vec(),
+        )]
+    };
+    // Steps 1 (x) and 2 (y), committed two hours ago.
+    let mut other = DedupBase::new();
+    let refs1 = leased_save(
+        store,
+        run,
+        &w(run, 1, 0, Layout::SINGLE),
+        save(&x),
+        &mut other,
+        "o",
+    )
+    .await
+    .unwrap();
+    store.commit_step(run, 1).await.unwrap();
+    leased_save(
+        store,
+        run,
+        &w(run, 2, 0, Layout::SINGLE),
+        save(&y),
+        &mut other,
+        "o",
+    )
+    .await
+    .unwrap();
+    store.commit_step(run, 2).await.unwrap();
+    clock.advance(hours(2));
+
+    // A writer restored step 1 (its base) and saves x again as step 3: it takes its lease ...
+    let mut base = DedupBase::new();
+    base.seed(1, refs1.clone());
+    let lease = store
+        .lease_dedup_base(run, &writer_id(0, 1), &base.candidates())
+        .await
+        .unwrap();
+    assert_eq!(lease.base(), Some(1));
+    let index = base.pinned(lease.base());
+    // ... and GC with keep_last = 1 runs before its manifest is written.
+    let opts = GcOptions {
+        keep_last: Some(1),
+        grace: hours(1),
+        ..Default::default()
+    };
+    let g = store.gc(&opts, clock.now()).await.unwrap();
+    assert_eq!(g.steps_deleted, vec![(run.to_string(), 1)], "{g:?}");
+    assert!(g.sweep_deferred.is_some(), "{g:?}");
+    assert_eq!(g.objects_deleted, 0, "{g:?}");
+    assert_eq!(store.committed_steps(run).await.unwrap(), vec![2]);
+    for r in &refs1 {
+        assert!(
+            store.exists(&store.object_of(r)).await.unwrap(),
+            "GC swept {} under a save in flight",
+            r.location()
+        );
+    }
+    let (_, _, st) = store
+        .write_rank(&w(run, 3, 0, Layout::SINGLE), save(&x), vec![], &index)
+        .await
+        .unwrap();
+    assert_eq!(
+        st.objects_written, 0,
+        "the save skips step 1's chunks: {st:?}"
+    );
+    store.release_lease(lease).await.unwrap();
+    store.commit_step(run, 3).await.unwrap();
+
+    // The next GC sweeps; step 3 (which references x) still verifies.
+    clock.advance(hours(2));
+    let g = store.gc(&opts, clock.now()).await.unwrap();
+    assert_eq!(g.sweep_deferred, None, "{g:?}");
+    assert!(g.objects_deleted >= 1, "y is swept: {g:?}");
+    let left: Vec<u64> = store
+        .list_steps(run)
+        .await
+        .unwrap()
+        .iter()
+        .map(|s| s.step)
+        .collect();
+    assert_eq!(left, vec![3]);
+    let v = store.verify(&VerifyScope::Store, None).await.unwrap();
+    assert!(v.is_clean(), "{v:?}");
+    let r3 = StepReader::open(store, run, 3).await.unwrap();
+    assert_eq!(r3.read_tensor("w").await.unwrap(), x);
+
+    // A writer whose base is gone skips nothing.
+    let mut stale = DedupBase::new();
+    stale.seed(2, vec![]);
+    let l = store
+        .lease_dedup_base(run, &writer_id(0, 2), &stale.candidates())
+        .await
+        .unwrap();
+    assert_eq!(l.base(), None);
+    assert!(stale.pinned(l.base()).is_empty());
+    store.release_lease(l).await.unwrap();
+
+    // A save waits while a sweep holds its lock.
+    let sweep = store.keys().sweep_lock("test");
+    store
+        .put_object(
+            &sweep,
+            vec![Bytes::from_static(b"{}")],
+            ckpt_store::object_store::PutMode::Create,
+        )
+        .await
+        .unwrap();
+    let waiting = {
+        let store = store.clone();
+        tokio::spawn(async move { store.lease_dedup_base("leased", "waiter", &[3]).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiting.is_finished(), "a save went on during a sweep");
+    store.delete_all(vec![sweep]).await.unwrap();
+    let l = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("the save goes on once the sweep ends")
+        .unwrap()
+        .unwrap();
+    assert_eq!(l.base(), Some(3));
+
+    // That lease is never released (the writer died): it lapses after the grace period.
+    clock.advance(hours(2));
+    let g = store.gc(&opts, clock.now()).await.unwrap();
+    assert_eq!(g.sweep_deferred, None, "{g:?}");
+    let locks = store.list_locks(clock.now(), hours(1)).await.unwrap();
+    assert!(
+        locks.writers.is_empty() && locks.lapsed.is_empty(),
+        "{locks:?}"
+    );
+}
+
+/// Two ranks save 50 steps, each save racing the commit of the previous step, while GC with
+/// keep_last = 1 runs in a loop; tensors revert to earlier contents (so saves skip chunks only
+/// an older step references), every fifth step is never committed (abandoned), and after some
+/// of those time jumps past the grace period. Every committed step reads back exactly, and at the end the
+/// whole store verifies clean.
+async fn gc_racing_saves_never_breaks_a_commit(b: Backend) {
+    let clock = TestClock::starting_now();
+    let store = ClockStore::wrap(b.store(), &clock);
+    let run = "race";
+    let layout = Layout::new(2, 1, 1, 0).unwrap();
+    // A tick is 10 minutes; a save spans at most one tick and a commit two, well within the
+    // grace period (the assumption FORMAT.md states).
+    let tick = Duration::from_secs(600);
+    let grace = hours(1);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Stops the GC loop however this test ends (a failed assertion included).
+    struct StopOnDrop(std::sync::Arc<std::sync::atomic::AtomicBool>);
+    impl Drop for StopOnDrop {
+        fn drop(&mut self) {
+            self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+    let _stop_gc = StopOnDrop(stop.clone());
+    let passes = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let gc_task = {
+        let (store, clock, stop, passes) =
+            (store.clone(), clock.clone(), stop.clone(), passes.clone());
+        tokio::spawn(async move {
+            let opts = GcOptions {
+                keep_last: Some(1),
+                grace,
+                ..Default::default()
+            };
+            let mut swept = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let g = store.gc(&opts, clock.now()).await.expect("gc");
+                swept += g.objects_deleted;
+                passes.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+            swept
+        })
+    };
+    // Rank r's half of tensor "a" in version v (a few versions, so contents come back).
+    let half = |name: u64, r: u32, v: u64| det_bytes(name * 1000 + u64::from(r) * 100 + v, 4096);
+    let version = |k: u64, t: u64| match t {
+        0 => 0,     // never changes
+        1 => k % 2, // x y x y ...: a save may skip chunks only the step before last holds
+        _ => k / 2, // changes every other step: the step after an abandoned one repeats it
+    };
+    let mut bases = [DedupBase::new(), DedupBase::new()];
+    let writers = [writer_id(0, 0), writer_id(1, 0)];
+    let mut commit: Option<(
+        u64,
+        tokio::task::JoinHandle<ckpt_store::Result<CommitOutcome>>,
+    )> = None;
+    let mut committed = Vec::new();
+    let check = |store: Store, step: u64| async move {
+        let r = StepReader::open(&store, run, step).await.unwrap();
+        for t in 0..3u64 {
+            let want = [half(t, 0, version(step, t)), half(t, 1, version(step, t))].concat();
+            assert_eq!(
+                r.read_tensor(&format!("t{t}"))
+                    .await
+                    .unwrap_or_else(|e| panic!("step {step}: {e}")),
+                want,
+                "step {step} tensor t{t}"
+            );
+        }
+    };
+    for k in 1..=50u64 {
+        clock.advance(tick);
+        if k % 15 == 9 {
+            // After an abandoned step, the job pauses for longer than the grace period; GC
+            // passes over everything (and sweeps the abandoned step).
+            if let Some((s, h)) = commit.take()
+                && h.await.unwrap().is_ok()
+            {
+                check(store.clone(), s).await;
+                committed.push(s);
+            }
+            clock.advance(grace * 2);
+            let p = passes.load(std::sync::atomic::Ordering::SeqCst);
+            while passes.load(std::sync::atomic::Ordering::SeqCst) < p + 2 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+        // Both ranks save step k at once, racing GC and the commit of step k - 1.
+        let saves = (0..2u32).zip(bases.iter_mut()).map(|(r, base)| {
+            let store = store.clone();
+            let writer = writers[r as usize].clone();
+            async move {
+                let shards = (0..3u64)
+                    .map(|t| {
+                        shard(
+                            &format!("t{t}"),
+                            DType::F32,
+                            &[2048],
+                            NdBox::new(vec![u64::from(r) * 1024], vec![1024]).unwrap(),
+                            half(t, r, version(k, t)),
+                        )
+                    })
+                    .collect();
+                leased_save(&store, run, &w(run, k, r, layout), shards, base, &writer).await
+            }
+        });
+        for res in futures::future::join_all(saves).await {
+            res.unwrap();
+        }
+        if let Some((s, h)) = commit.take()
+            && h.await.unwrap().is_ok()
+        {
+            check(store.clone(), s).await;
+            committed.push(s);
+        }
+        // Every fifth step is abandoned: its commit never happens.
+        if k % 5 != 3 {
+            let store = store.clone();
+            commit = Some((
+                k,
+                tokio::spawn(async move { store.commit_step(run, k).await }),
+            ));
+        }
+    }
+    if let Some((s, h)) = commit.take() {
+        h.await.unwrap().unwrap();
+        check(store.clone(), s).await;
+        committed.push(s);
+    }
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let swept = gc_task.await.unwrap();
+    assert_eq!(committed.len(), 40, "{committed:?}");
+    assert!(swept > 0, "GC swept nothing: the race was not exercised");
+    clock.advance(grace * 2);
+    store
+        .gc(
+            &GcOptions {
+                keep_last: Some(1),
+                grace,
+                ..Default::default()
+            },
+            clock.now(),
+        )
+        .await
+        .unwrap();
+    let v = store.verify(&VerifyScope::Store, None).await.unwrap();
+    assert!(v.is_clean(), "{v:?}");
+    assert_eq!(store.committed_steps(run).await.unwrap(), vec![50]);
+    check(store.clone(), 50).await;
 }

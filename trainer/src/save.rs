@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use ckpt_store::{
-    BlobIn, ChunkRef, DType, DedupIndex, Error, ErrorKind, Layout, NdBox, PeerLink, PeerUpload,
-    Placement, RankWrite, Result, ShardMeta, Store,
+    BlobIn, ChunkRef, DType, DedupBase, DedupIndex, Error, ErrorKind, Layout, NdBox, PeerLink,
+    PeerUpload, Placement, RankWrite, Result, ShardMeta, Store, WriterLease,
 };
 use parking_lot::{Condvar, Mutex};
 use serde::Serialize;
@@ -376,34 +376,15 @@ impl SaveHandle {
     }
 }
 
-/// Which chunks a rank's next save can skip: those of the last save it persisted (or the
-/// step it restored), see `prepare_index`.
-#[derive(Debug, Default)]
-pub(crate) struct DedupTracker {
-    committed: Vec<ChunkRef>,
-    committed_step: Option<u64>,
-    pending: Option<(u64, Vec<ChunkRef>)>,
-}
-
-impl DedupTracker {
-    pub(crate) fn seed(&mut self, step: u64, refs: Vec<ChunkRef>) {
-        self.committed = refs;
-        self.committed_step = Some(step);
-        self.pending = None;
-    }
-
-    pub(crate) fn base_step(&self) -> Option<u64> {
-        self.committed_step
-    }
-}
-
 /// Saves one rank's state (see the module docs).
 pub struct Checkpointer {
     store: Store,
     cfg: CheckpointerConfig,
     pool: Arc<StagingPool>,
     last: Mutex<Option<SaveHandle>>,
-    dedup: Arc<Mutex<DedupTracker>>,
+    dedup: Arc<Mutex<DedupBase>>,
+    /// Names this checkpointer's dedup leases in the store.
+    writer: String,
 }
 
 impl std::fmt::Debug for Checkpointer {
@@ -448,12 +429,14 @@ impl Checkpointer {
                 cfg.prefault && cfg.staging_bytes > 0,
             ),
         };
+        let writer = ckpt_store::writer_id(cfg.rank, cfg.generation);
         Ok(Checkpointer {
             store,
             cfg,
             pool,
             last: Mutex::new(None),
             dedup: Arc::default(),
+            writer,
         })
     }
 
@@ -667,6 +650,7 @@ impl Checkpointer {
             let store = self.store.clone();
             let cfg = self.cfg.clone();
             let dedup = self.dedup.clone();
+            let writer = self.writer.clone();
             let pool = self.pool.clone();
             let w = RankWrite {
                 run: cfg.run.clone(),
@@ -679,7 +663,14 @@ impl Checkpointer {
                 if fits {
                     let _ = snap_done_rx.await;
                 }
-                let index = prepare_index(&dedup).await;
+                let (index, lease) = match prepare_index(&store, &cfg.run, &writer, &dedup).await {
+                    Ok(x) => x,
+                    Err(e) => {
+                        warn!(step, rank = cfg.rank, "checkpoint failed: {e}");
+                        shared.set(Stage::Failed(e.to_string()), |_| {});
+                        return;
+                    }
+                };
                 // Every chunk goes to the replica agent too, as the store takes it.
                 let upload = cfg
                     .peer
@@ -703,6 +694,11 @@ impl Checkpointer {
                 let res = store
                     .write_rank_stream(&w, metas, blobs, chunks, &index)
                     .await;
+                // Written (the manifest now protects what it references) or failed: no lease
+                // needed any more.
+                if let Err(e) = store.release_lease(lease).await {
+                    debug!(step, "dedup lease not released (GC lets it lapse): {e}");
+                }
                 let (manifest, _entry, stats) = match res {
                     Ok(x) => x,
                     Err(e) => {
@@ -722,7 +718,7 @@ impl Checkpointer {
                     Some(_) => refs.iter().map(|r| r.id).collect(),
                     None => Vec::new(),
                 };
-                dedup.lock().pending = Some((step, refs));
+                dedup.lock().persisted(step, refs);
                 shared.set(Stage::Persisted, |r| {
                     r.persist_s = persisted;
                     r.bytes_written = stats.bytes_written;
@@ -770,20 +766,21 @@ impl Checkpointer {
     }
 }
 
-/// Before a persist: the chunks of the previous save of this rank become the dedup base.
-///
-/// They are safe to reference even before that step commits: its manifest references them,
-/// and GC keeps every object a remaining manifest references; it deletes an uncommitted
-/// step's manifests only after the grace period, by which time this save has committed (or
-/// the job died and restarts from a committed step, seeding the index from that).
-async fn prepare_index(dedup: &Mutex<DedupTracker>) -> DedupIndex {
-    let mut d = dedup.lock();
-    if let Some((step, refs)) = d.pending.take() {
-        d.seed(step, refs);
-    }
-    let index = DedupIndex::new();
-    index.extend(d.committed.iter());
-    index
+/// Before a persist: take a writer lease (no GC sweep runs until this save's manifest is
+/// written) and pick the step this save deduplicates against (see [`ckpt_store::lease`]). The
+/// previous save becomes the base only once its commit record is found; until then (or if that
+/// commit failed) the base stays the older committed step, and with neither committed the save
+/// skips nothing. A step whose commit failed is never a base: GC may sweep it with its chunks.
+async fn prepare_index(
+    store: &Store,
+    run: &str,
+    writer: &str,
+    dedup: &Mutex<DedupBase>,
+) -> Result<(DedupIndex, WriterLease)> {
+    let candidates = dedup.lock().candidates();
+    let lease = store.lease_dedup_base(run, writer, &candidates).await?;
+    let index = dedup.lock().pinned(lease.base());
+    Ok((index, lease))
 }
 
 /// Copy every pinned source into slabs with `threads` threads, sending chunks in order.

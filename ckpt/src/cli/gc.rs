@@ -208,6 +208,10 @@ impl Report for GcOutput {
             r.objects_kept,
             fmt::bytes(r.bytes_kept),
             r.objects_in_grace
-        )
+        )?;
+        if let Some(why) = &r.sweep_deferred {
+            writeln!(w, "  sweep      deferred: {why}")?;
+        }
+        Ok(())
     }
 }

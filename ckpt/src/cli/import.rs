@@ -411,7 +411,8 @@ pub struct ImportReport {
     pub seconds: f64,
 }
 
-/// Chunks of the newest committed step of every run.
+/// Chunks of the newest committed step of every run. Call it holding a writer lease (so no GC
+/// sweep runs until the new manifest references them; FORMAT.md, "What GC may delete").
 async fn seed_index(store: &Store, index: &DedupIndex) -> Result<()> {
     let runs = store.list_runs().await?;
     let manifests: Vec<RankManifest> = stream::iter(runs)
@@ -517,6 +518,9 @@ pub async fn import(store: &Store, args: &ImportArgs, ui: &Ui) -> Result<ImportR
         )));
     }
 
+    let lease = store
+        .lease_dedup_base(&args.run, &ckpt_store::writer_id(0, 0), &[])
+        .await?;
     let index = DedupIndex::new();
     seed_index(store, &index).await?;
     let known = index.len();
@@ -694,6 +698,9 @@ pub async fn import(store: &Store, args: &ImportArgs, ui: &Ui) -> Result<ImportR
         },
     };
     store.write_rank_manifest(&manifest).await?;
+    // The manifest now protects what it references; the lease may go (or lapse, on an error
+    // above).
+    let _ = store.release_lease(lease).await;
     store.commit_step(&args.run, args.step).await?;
     Ok(ImportReport {
         run: args.run.clone(),

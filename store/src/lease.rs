@@ -1,0 +1,279 @@
+//! Writer leases and sweep locks: what keeps GC from deleting an object a save is about to
+//! reference (FORMAT.md, "What GC may delete, and when").
+//!
+//! GC deletes chunk and pack objects only in a *sweep*, and a sweep never overlaps a save that
+//! may reference objects no manifest records yet. The exclusion needs only plain puts, lists
+//! and deletes with read-after-write consistency, so it holds on a local directory and on S3:
+//!
+//! - **Writer**: put `locks/writer-<id>`, *then* list `locks/` and wait while a live
+//!   `sweep-*` lock exists; only then check that its dedup base is still committed, and write
+//!   chunks and its rank manifest; then delete the lease.
+//! - **Sweep**: put `locks/sweep-<id>`, *then* list `locks/`; with a live writer lease there,
+//!   delete the lock and leave the sweep for later. Otherwise list the steps, mark, and delete;
+//!   between delete batches, yield to any writer that has appeared since.
+//!
+//! Either the writer's listing sees the sweep lock (it waits until that sweep is over), or the
+//! sweep's listing sees the writer's lease (it does not sweep). A sweep that runs while no
+//! save is in flight marks every manifest written before it started, and a step whose commit
+//! record exists keeps its manifests, so a base found committed after the sweeps it waited for
+//! has all its objects until the save's own manifest protects them.
+//!
+//! Leases and locks count for the grace period from their write; a dead writer's or GC's
+//! lapses then (and GC deletes it).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use futures::TryStreamExt;
+use object_store::PutMode;
+use object_store::path::Path;
+use tracing::{debug, info};
+
+use crate::commit::now_ms;
+use crate::error::{Error, ErrorKind, Result};
+use crate::keys::validate_run;
+use crate::model::ChunkRef;
+use crate::store::{DedupIndex, Store};
+
+/// How long a writer waits for a GC sweep to end before its save fails.
+pub const SWEEP_WAIT: Duration = Duration::from_secs(120);
+
+/// The default grace period, after which a lease or lock left behind lapses.
+pub const LOCK_LAPSE: Duration = Duration::from_secs(3600);
+
+/// A save in flight: while it exists, no GC sweeps. Release it with [`Store::release_lease`]
+/// once the save's rank manifest is written (or the save failed).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WriterLease {
+    path: Path,
+    base: Option<u64>,
+}
+
+impl WriterLease {
+    /// The committed step the save may skip chunks of, if any.
+    pub fn base(&self) -> Option<u64> {
+        self.base
+    }
+}
+
+/// A name for a writer's leases, unique across processes and restarts: rank, generation,
+/// process and a per-process counter.
+pub fn writer_id(rank: u32, generation: u64) -> String {
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    let seq = SEQ.fetch_add(1, Ordering::Relaxed);
+    let nanos = Utc::now().timestamp_nanos_opt().unwrap_or_default();
+    format!(
+        "rank-{rank:06}-g{generation}-p{}-{nanos:x}-{seq}",
+        std::process::id()
+    )
+}
+
+/// Fresh key names: a lease or lock key is never written twice, so deleting a lapsed one never
+/// deletes a live one.
+fn fresh(name: &str) -> String {
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    format!("{name}-{}", SEQ.fetch_add(1, Ordering::Relaxed))
+}
+
+/// The leases and locks under `locks/` as one listing saw them.
+#[derive(Debug, Default, Clone)]
+pub struct LockListing {
+    /// Live writer leases.
+    pub writers: Vec<Path>,
+    /// Live sweep locks.
+    pub sweeps: Vec<Path>,
+    /// Leases and locks older than the lapse time.
+    pub lapsed: Vec<Path>,
+}
+
+impl Store {
+    /// List `locks/`: what is live at `now` (younger than `lapse`) and what lapsed.
+    pub async fn list_locks(&self, now: DateTime<Utc>, lapse: Duration) -> Result<LockListing> {
+        let lapse = chrono::Duration::from_std(lapse)
+            .map_err(|_| Error::invalid("grace period is too long"))?;
+        let dir = self.keys().locks_dir();
+        let metas: Vec<_> = self
+            .object_store()
+            .list(Some(&dir))
+            .try_collect()
+            .await
+            .map_err(|e| Error::backend("listing", &dir, e))?;
+        let mut out = LockListing::default();
+        for m in metas {
+            let Some(writer) = self.keys().parse_lock(&m.location) else {
+                continue;
+            };
+            if now - m.last_modified > lapse {
+                out.lapsed.push(m.location);
+            } else if writer {
+                out.writers.push(m.location);
+            } else {
+                out.sweeps.push(m.location);
+            }
+        }
+        Ok(out)
+    }
+
+    async fn put_lock(&self, path: &Path, what: &str) -> Result<()> {
+        let body = serde_json::to_vec(&serde_json::json!({"what": what, "t_ms": now_ms()}))
+            .map_err(|e| Error::internal(e.to_string()))?;
+        self.put_object(path, vec![body.into()], PutMode::Overwrite)
+            .await
+    }
+
+    /// Start a save by `writer` of `run`: take a writer lease, wait for any GC sweep to end
+    /// (at most [`SWEEP_WAIT`]), then pick the first of `candidates` whose commit record exists
+    /// as the dedup base (see the module docs). With no base the save must skip no chunk it
+    /// did not write itself.
+    pub async fn lease_dedup_base(
+        &self,
+        run: &str,
+        writer: &str,
+        candidates: &[u64],
+    ) -> Result<WriterLease> {
+        validate_run(run)?;
+        let path = self.keys().writer_lock(&fresh(writer));
+        self.put_lock(&path, &format!("save of run {run}"))
+            .await
+            .map_err(|e| e.context("taking a writer lease"))?;
+        let lease = WriterLease { path, base: None };
+        let t0 = Instant::now();
+        let mut pause = Duration::from_millis(5);
+        loop {
+            let locks = match self.list_locks(Utc::now(), LOCK_LAPSE).await {
+                Ok(l) => l,
+                Err(e) => {
+                    let _ = self.release_lease(lease).await;
+                    return Err(e);
+                }
+            };
+            let Some(sweep) = locks.sweeps.first() else {
+                break;
+            };
+            if t0.elapsed() > SWEEP_WAIT {
+                let _ = self.release_lease(lease).await;
+                return Err(Error::new(
+                    ErrorKind::Conflict,
+                    format!(
+                        "a GC sweep ({sweep}) has been running for over {} s; this save of run \
+                         {run} waits for it and gave up (a crashed GC's lock lapses after {} s)",
+                        SWEEP_WAIT.as_secs(),
+                        LOCK_LAPSE.as_secs()
+                    ),
+                ));
+            }
+            debug!(%sweep, "waiting for a GC sweep to end");
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(500));
+        }
+        for &step in candidates {
+            match self.exists(&self.keys().commit(run, step)).await {
+                Ok(true) => {
+                    return Ok(WriterLease {
+                        base: Some(step),
+                        ..lease
+                    });
+                }
+                Ok(false) => debug!(run, step, "not committed (or deleted): not a dedup base"),
+                Err(e) => {
+                    let _ = self.release_lease(lease).await;
+                    return Err(e);
+                }
+            }
+        }
+        Ok(lease)
+    }
+
+    /// End a save's lease (its manifest is written, or it failed).
+    pub async fn release_lease(&self, lease: WriterLease) -> Result<()> {
+        self.delete_all(vec![lease.path]).await
+    }
+
+    /// Take a sweep lock for a GC at `now`: `Ok(Some(lock))` when no writer holds a live lease
+    /// (the sweep may go on), `Ok(None)` when one does (the lock is given back at once).
+    pub(crate) async fn take_sweep_lock(
+        &self,
+        now: DateTime<Utc>,
+        lapse: Duration,
+    ) -> Result<std::result::Result<Path, Vec<Path>>> {
+        let path = self.keys().sweep_lock(&fresh(&writer_id(0, 0)));
+        self.put_lock(&path, "gc sweep").await?;
+        let locks = self.list_locks(now, lapse).await?;
+        if !locks.lapsed.is_empty() {
+            info!(n = locks.lapsed.len(), "deleting lapsed leases and locks");
+            self.delete_all(locks.lapsed).await?;
+        }
+        if locks.writers.is_empty() {
+            Ok(Ok(path))
+        } else {
+            self.delete_all(vec![path]).await?;
+            Ok(Err(locks.writers))
+        }
+    }
+}
+
+/// What a rank's next save may skip: the chunks of the committed step it last saved or
+/// restored. The chunks of a save whose commit is not yet known stay *pending* until a lease
+/// finds that step committed; a step whose commit failed never becomes the base.
+///
+/// Use: [`DedupBase::candidates`], then [`Store::lease_dedup_base`], then
+/// [`DedupBase::pinned`] for the index; release the lease when the save's manifest is written.
+#[derive(Debug, Default, Clone)]
+pub struct DedupBase {
+    base: Option<(u64, Vec<ChunkRef>)>,
+    pending: Option<(u64, Vec<ChunkRef>)>,
+}
+
+impl DedupBase {
+    /// Nothing known.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// `step` is committed (restored from it, say) and this rank's part references `refs`.
+    pub fn seed(&mut self, step: u64, refs: Vec<ChunkRef>) {
+        self.base = Some((step, refs));
+        self.pending = None;
+    }
+
+    /// This rank's manifest of `step` is written; whether the step commits is not known yet.
+    pub fn persisted(&mut self, step: u64, refs: Vec<ChunkRef>) {
+        self.pending = Some((step, refs));
+    }
+
+    /// The committed step the last pinned save built on.
+    pub fn base_step(&self) -> Option<u64> {
+        self.base.as_ref().map(|(s, _)| *s)
+    }
+
+    /// The steps to try as the base, best first: the pending save, then the base.
+    pub fn candidates(&self) -> Vec<u64> {
+        let mut c: Vec<u64> = self.pending.iter().map(|(s, _)| *s).collect();
+        if let Some(b) = self.base_step()
+            && !c.contains(&b)
+        {
+            c.push(b);
+        }
+        c
+    }
+
+    /// The index for a save whose lease found `base` committed
+    /// ([`WriterLease::base`] over [`DedupBase::candidates`]): that step's chunks, or nothing.
+    pub fn pinned(&mut self, base: Option<u64>) -> DedupIndex {
+        let index = DedupIndex::new();
+        let Some(step) = base else {
+            // Neither step is committed any more (or ever was): skip nothing.
+            self.base = None;
+            return index;
+        };
+        if self.pending.as_ref().is_some_and(|(s, _)| *s == step) {
+            self.base = self.pending.take();
+        }
+        match &self.base {
+            Some((s, refs)) if *s == step => index.extend(refs.iter()),
+            _ => self.base = None,
+        }
+        index
+    }
+}
