@@ -1178,11 +1178,15 @@ async fn a_flipped_bit_in_a_commit_record_or_manifest_fails_every_command() {
             let r = env.ckpt(&["export", "train@10", "--out", out.path().to_str().unwrap()]);
             assert_eq!(r.code, 3, "{what}: export: {}{}", r.out, r.err);
             assert!(
-                r.err.contains("step 10 of run train") || r.err.contains("/steps/00000000000000000010/"),
+                r.err.contains("step 10 of run train")
+                    || r.err.contains("/steps/00000000000000000010/"),
                 "{what}: export does not name the step: {}",
                 r.err
             );
-            assert!(common::files_below(out.path()).is_empty(), "{what}: export left files");
+            assert!(
+                common::files_below(out.path()).is_empty(),
+                "{what}: export left files"
+            );
             if key.ends_with("COMMIT") {
                 for args in [
                     &["inspect", "train@10"][..],
@@ -1191,7 +1195,11 @@ async fn a_flipped_bit_in_a_commit_record_or_manifest_fails_every_command() {
                 ] {
                     let r = env.ckpt(args);
                     assert_eq!(r.code, 3, "{what}: {args:?}: {}{}", r.out, r.err);
-                    assert!(r.err.contains("step 10 of run train"), "{what}: {args:?}: {}", r.err);
+                    assert!(
+                        r.err.contains("step 10 of run train"),
+                        "{what}: {args:?}: {}",
+                        r.err
+                    );
                 }
             }
             // Step 20 is intact whatever happened to step 10's objects.

@@ -275,17 +275,23 @@ impl fmt::Display for NdBox {
         if self.ndim() == 0 {
             return f.write_str("[scalar]");
         }
+        if self.offsets.len() != self.lengths.len() {
+            // Only a damaged box read from the store: show it as it is.
+            return write!(
+                f,
+                "[offsets {:?}, lengths {:?}]",
+                self.offsets, self.lengths
+            );
+        }
         f.write_str("[")?;
-        for d in 0..self.ndim() {
+        for (d, (o, l)) in self.offsets.iter().zip(&self.lengths).enumerate() {
             if d > 0 {
                 f.write_str(", ")?;
             }
-            write!(
-                f,
-                "{}..{}",
-                self.offsets[d],
-                self.offsets[d] + self.lengths[d]
-            )?;
+            match o.checked_add(*l) {
+                Some(end) => write!(f, "{o}..{end}")?,
+                None => write!(f, "{o}..{o}+{l}")?,
+            }
         }
         f.write_str("]")
     }

@@ -13,7 +13,9 @@ use tracing::instrument;
 use crate::codec;
 use crate::error::{ErrorKind, Result};
 use crate::id::{ChunkId, PackId};
-use crate::model::{BlobLoc, ChunkRef, CommitRecord, RankManifest, check_coverage, collect_tensors};
+use crate::model::{
+    BlobLoc, ChunkRef, CommitRecord, RankManifest, check_coverage, collect_tensors,
+};
 use crate::pack;
 use crate::store::Store;
 
@@ -525,7 +527,8 @@ fn compare_with_manifests(c: &CommitRecord, ms: &[RankManifest]) -> Vec<(String,
             ));
             continue;
         }
-        let key = |s: &crate::model::ShardLoc| (s.rank, s.bbox.offsets.clone(), s.bbox.lengths.clone());
+        let key =
+            |s: &crate::model::ShardLoc| (s.rank, s.bbox.offsets.clone(), s.bbox.lengths.clone());
         let mut a: Vec<_> = r.shards.iter().map(key).collect();
         let mut b: Vec<_> = t.shards.iter().map(key).collect();
         a.sort();

@@ -65,7 +65,9 @@ fn chunk_data() -> impl Strategy<Value = Vec<u8>> {
         (1..4000usize, any::<u64>()).prop_map(|(n, seed)| {
             // bf16-like: random low bytes, few distinct high bytes.
             let r = det_bytes(seed, n * 2);
-            r.chunks_exact(2).flat_map(|p| [p[0], 0x3c | (p[1] & 1)]).collect()
+            r.chunks_exact(2)
+                .flat_map(|p| [p[0], 0x3c | (p[1] & 1)])
+                .collect()
         }),
     ]
 }
@@ -173,7 +175,11 @@ async fn two_rank_step(rows: u64, cols: u64, cut: u64) -> (Store, Vec<u8>) {
     let row = (cols * 4) as usize;
     let index = DedupIndex::new();
     for rank in 0..2u32 {
-        let (lo, n) = if rank == 0 { (0, cut) } else { (cut, rows - cut) };
+        let (lo, n) = if rank == 0 {
+            (0, cut)
+        } else {
+            (cut, rows - cut)
+        };
         let shards = vec![ShardIn {
             name: "w".into(),
             dtype: DType::F32,
@@ -185,7 +191,13 @@ async fn two_rank_step(rows: u64, cols: u64, cut: u64) -> (Store, Vec<u8>) {
             replica_of: None,
             placement: None,
         }];
-        let w = RankWrite { run: "h".into(), step: 1, rank, layout, generation: 0 };
+        let w = RankWrite {
+            run: "h".into(),
+            step: 1,
+            rank,
+            layout,
+            generation: 0,
+        };
         store.write_rank(&w, shards, vec![], &index).await.unwrap();
     }
     store.commit_step("h", 1).await.unwrap();
@@ -193,12 +205,21 @@ async fn two_rank_step(rows: u64, cols: u64, cut: u64) -> (Store, Vec<u8>) {
 }
 
 fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
 }
 
 /// Values a hostile writer would pick for a length, count or offset.
 fn hostile_u64() -> impl Strategy<Value = u64> {
-    prop_oneof![0..40u64, any::<u64>(), Just(u64::MAX), Just(u64::MAX / 2 + 1), Just(1 << 32)]
+    prop_oneof![
+        0..40u64,
+        any::<u64>(),
+        Just(u64::MAX),
+        Just(u64::MAX / 2 + 1),
+        Just(1 << 32)
+    ]
 }
 
 proptest! {

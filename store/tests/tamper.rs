@@ -128,7 +128,10 @@ async fn a_bit_flip_in_a_commit_record_is_refused_everywhere() {
     let key = store.keys().commit(RUN, 1);
     let orig = store.get_object(&key).await.unwrap().to_vec();
     // The shape, the format, the checksum and the layout, besides offsets everywhere.
-    let at = offsets(&orig, &["512", "\"format\": 2", "\"checksum\": \"", "\"tp\": 2"]);
+    let at = offsets(
+        &orig,
+        &["512", "\"format\": 2", "\"checksum\": \"", "\"tp\": 2"],
+    );
     for (i, &o) in at.iter().enumerate() {
         let mut bad = orig.clone();
         bad[o] ^= 1 << (i % 8);
@@ -199,15 +202,28 @@ async fn verify_rebuilds_the_record_from_the_manifests() {
     };
     // Same size, other dtype; resealed, so the checksum holds.
     let mut forged = good.clone();
-    forged.tensors.iter_mut().find(|t| t.name == "w").unwrap().dtype = DType::F16;
+    forged
+        .tensors
+        .iter_mut()
+        .find(|t| t.name == "w")
+        .unwrap()
+        .dtype = DType::F16;
     put(&store, &key, forged.seal().unwrap()).await;
     let report = verify().await;
     let d = report
         .damaged
         .iter()
-        .find(|d| d.affects.iter().any(|a| a.item == "tensor w" && a.step == 1))
+        .find(|d| {
+            d.affects
+                .iter()
+                .any(|a| a.item == "tensor w" && a.step == 1)
+        })
         .unwrap_or_else(|| panic!("verify does not name tensor w: {:?}", report.damaged));
-    assert!(d.problem.contains("f16") && d.problem.contains("bf16"), "{}", d.problem);
+    assert!(
+        d.problem.contains("f16") && d.problem.contains("bf16"),
+        "{}",
+        d.problem
+    );
     let e = StepReader::open(&store, RUN, 1)
         .await
         .unwrap()
@@ -222,10 +238,10 @@ async fn verify_rebuilds_the_record_from_the_manifests() {
     put(&store, &key, forged.seal().unwrap()).await;
     let report = verify().await;
     assert!(
-        report
-            .damaged
+        report.damaged.iter().any(|d| d
+            .affects
             .iter()
-            .any(|d| d.affects.iter().any(|a| a.item.starts_with("blob rank/rng"))),
+            .any(|a| a.item.starts_with("blob rank/rng"))),
         "{:?}",
         report.damaged
     );
@@ -244,7 +260,11 @@ async fn verify_rebuilds_the_record_from_the_manifests() {
     assert!(verify().await.is_clean());
     // ...but its shape flipped to [513] leaves a region no shard covers: refused, and verify
     // names it.
-    old.tensors.iter_mut().find(|t| t.name == "w").unwrap().shape = vec![513];
+    old.tensors
+        .iter_mut()
+        .find(|t| t.name == "w")
+        .unwrap()
+        .shape = vec![513];
     put(&store, &key, serde_json::to_vec_pretty(&old).unwrap()).await;
     assert_refused(&store, "format 1 record with shape 513").await;
     // A format 2 record without its checksum is damaged, not old.
