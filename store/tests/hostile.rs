@@ -323,3 +323,44 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// Raw bytes and mutations of a real rank manifest: parsing and validation never panic;
+    /// what validates can be walked the way the read engine walks it; and a reader that
+    /// pins the manifest's hash (every reader of a committed step) gets an error or the very
+    /// same manifest.
+    #[test]
+    fn rank_manifest_decoder_takes_arbitrary_and_mutated_bytes(
+        muts in prop::collection::vec(mutation(), 1..3),
+        raw in prop::collection::vec(any::<u8>(), 0..300),
+        use_raw in any::<bool>(),
+    ) {
+        let rt = runtime();
+        let (store, _) = rt.block_on(two_rank_step(6, 3, 2));
+        let key = store.keys().rank_manifest("h", 1, 0);
+        let orig = rt.block_on(store.get_object(&key)).unwrap().to_vec();
+        let good: RankManifest = serde_json::from_slice(&orig).unwrap();
+        let mut obj = if use_raw { raw } else { orig.clone() };
+        apply(&mut obj, &muts);
+        if let Ok(m) = serde_json::from_slice::<RankManifest>(&obj)
+            && m.validate("m").is_ok()
+        {
+            for t in &m.tensors {
+                let _ = (t.byte_len(), t.bbox.to_string(), t.bbox.numel());
+                let mut at = 0u64;
+                for c in &t.chunks {
+                    at = at.checked_add(c.len as u64).unwrap();
+                }
+                prop_assert_eq!(at, t.byte_len());
+            }
+        }
+        rt.block_on(store.put_object(&key, vec![obj.clone().into()], PutMode::Overwrite)).unwrap();
+        let (c, _) = rt.block_on(store.read_commit("h", 1)).unwrap();
+        match rt.block_on(store.read_rank_manifest("h", 1, 0, Some(&c.ranks[0]))) {
+            Ok(m) => prop_assert_eq!(m, good),
+            Err(e) => prop_assert_eq!(e.kind(), ckpt_store::ErrorKind::Corrupt, "{}", e),
+        }
+    }
+}
