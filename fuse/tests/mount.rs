@@ -761,7 +761,7 @@ async fn mounting_from_inside_an_async_runtime() {
         .await
         .unwrap()
         .unwrap();
-    assert!(got.starts_with(b"{\n  \"format\""));
+    assert!(got.starts_with(b"{\n  \"checksum\""));
     // Dropping the guard here (in async context) unmounts too.
     drop(m);
 }
