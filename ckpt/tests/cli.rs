@@ -1175,3 +1175,66 @@ async fn a_closed_pipe_ends_quietly(env: Env) {
         assert!(err.is_empty(), "ckpt {args:?} wrote to stderr: {err}");
     }
 }
+
+/// A damaged commit record or rank manifest (one bit flipped, at many offsets) on a local
+/// store: `verify` exits 3 naming the step every time, and export, inspect, diff and plan
+/// refuse the step (exit 3) without writing anything. The decoding is the same on S3.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flipped_bit_in_a_commit_record_or_manifest_fails_every_command() {
+    let env = local();
+    two_steps_and_a_pending_one(&env).await;
+    let commit = env.store.keys().commit("train", 10).to_string();
+    let manifest = env.store.keys().rank_manifest("train", 10, 1).to_string();
+    for key in [commit, manifest] {
+        let file = env.object_file(&key);
+        let orig = std::fs::read(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+        // Offsets across the object, and every digit of the first shape (64 -> 65 and so on).
+        let mut at: Vec<usize> = (0..10).map(|i| i * orig.len() / 10 + 3).collect();
+        let shape = orig
+            .windows(12)
+            .position(|w| w == b"\"shape\": [\n ")
+            .expect("a shape in the object");
+        at.extend(shape + 12..shape + 30);
+        for (i, &o) in at.iter().enumerate() {
+            let mut bad = orig.clone();
+            bad[o] ^= 1 << (i % 8);
+            std::fs::write(&file, &bad).unwrap();
+            let what = format!("bit {} of byte {o} of {key}", i % 8);
+            let r = env.ckpt(&["verify", "train@10"]);
+            assert_eq!(r.code, 3, "{what}: verify: {}{}", r.out, r.err);
+            assert!(r.out.contains("train@10"), "{what}: {}", r.out);
+            let out = tmp();
+            let r = env.ckpt(&["export", "train@10", "--out", out.path().to_str().unwrap()]);
+            assert_eq!(r.code, 3, "{what}: export: {}{}", r.out, r.err);
+            assert!(
+                r.err.contains("step 10 of run train")
+                    || r.err.contains("/steps/00000000000000000010/"),
+                "{what}: export does not name the step: {}",
+                r.err
+            );
+            assert!(
+                common::files_below(out.path()).is_empty(),
+                "{what}: export left files"
+            );
+            if key.ends_with("COMMIT") {
+                for args in [
+                    &["inspect", "train@10"][..],
+                    &["diff", "train@10", "train@20"],
+                    &["plan", "train@10", "--layout", "dp=2"],
+                ] {
+                    let r = env.ckpt(args);
+                    assert_eq!(r.code, 3, "{what}: {args:?}: {}{}", r.out, r.err);
+                    assert!(
+                        r.err.contains("step 10 of run train"),
+                        "{what}: {args:?}: {}",
+                        r.err
+                    );
+                }
+            }
+            // Step 20 is intact whatever happened to step 10's objects.
+            env.ckpt(&["verify", "train@20"]).code(0);
+        }
+        std::fs::write(&file, &orig).unwrap();
+    }
+    env.ckpt(&["verify", "train"]).code(0);
+}

@@ -182,7 +182,8 @@ async fn every_file_holds_the_saved_bytes() {
     // COMMIT.json: the commit record, pretty, in its own field order, then `fs_names`.
     let text = String::from_utf8(fs.read_path("train/2/COMMIT.json").await.unwrap()).unwrap();
     assert!(
-        text.starts_with("{\n  \"format\": 1,\n  \"run\": \"train\""),
+        text.starts_with("{\n  \"checksum\": \"")
+            && text.contains("\",\n  \"format\": 2,\n  \"run\": \"train\""),
         "{text}"
     );
     assert!(text.ends_with("\n}\n") && text.contains("\n  \"fs_names\": {\n    \""));

@@ -791,7 +791,68 @@ async fn mounting_from_inside_an_async_runtime() {
         .await
         .unwrap()
         .unwrap();
-    assert!(got.starts_with(b"{\n  \"format\""));
+    assert!(got.starts_with(b"{\n  \"checksum\""));
     // Dropping the guard here (in async context) unmounts too.
     drop(m);
+}
+
+/// A flipped bit in a step's commit record or in one of its rank manifests: through a fresh
+/// mount every read of the step's tensors and of model.safetensors fails with EIO (never
+/// returns bytes), and the other steps read exactly as saved.
+#[test]
+fn damaged_commit_record_or_manifest_is_eio_never_wrong_bytes() {
+    use ckpt_store::ObjectStoreExt as _;
+    let rt = rt();
+    let ts = test_store();
+    let (e1, e2) = rt.block_on(sharded_run(&ts.store));
+    let commit = ts.store.keys().commit("train", 2);
+    let manifest = ts.store.keys().rank_manifest("train", 2, 1);
+    for key in [commit, manifest] {
+        let orig = rt.block_on(ts.store.get_object(&key)).unwrap();
+        // The first shape's digits, the middle and the end of the object.
+        let shape = orig
+            .windows(9)
+            .position(|w| w == b"\"shape\": ")
+            .expect("a shape");
+        let digit = shape + orig[shape..].iter().position(u8::is_ascii_digit).unwrap();
+        for (i, at) in [digit, digit + 1, orig.len() / 2, orig.len() - 2]
+            .into_iter()
+            .enumerate()
+        {
+            let mut bad = orig.to_vec();
+            bad[at] ^= 1 << (i % 8);
+            rt.block_on(ts.store.object_store().put(&key, bad.into()))
+                .unwrap();
+            let m = Mounted::new(ts.store.clone(), 1 << 20);
+            let what = format!("bit {} of byte {at} of {key}", i % 8);
+            let e = std::fs::read(m.p("train/2/model.safetensors"))
+                .map(|b| b.len())
+                .expect_err(&what);
+            assert_eq!(e.raw_os_error(), Some(libc::EIO), "{what}: {e}");
+            // Tensors held by the damaged rank (or all, for the record) fail too.
+            let mut failed = 0;
+            for (n, t) in &e2.tensors {
+                match std::fs::read(m.p(&format!("train/2/tensors/{n}"))) {
+                    Ok(b) => assert!(b == t.bytes, "{what}: {n} read wrong bytes"),
+                    Err(e) => {
+                        assert_eq!(e.raw_os_error(), Some(libc::EIO), "{what}: {n}: {e}");
+                        failed += 1;
+                    }
+                }
+            }
+            assert!(failed > 0, "{what}: every tensor was read");
+            for (n, t) in &e1.tensors {
+                assert!(
+                    std::fs::read(m.p(&format!("train/1/tensors/{n}"))).unwrap() == t.bytes,
+                    "{what}: step 1's {n} differs"
+                );
+            }
+        }
+        rt.block_on(ts.store.object_store().put(&key, orig.into()))
+            .unwrap();
+    }
+    let m = Mounted::new(ts.store.clone(), 1 << 20);
+    for (n, t) in &e2.tensors {
+        assert!(std::fs::read(m.p(&format!("train/2/tensors/{n}"))).unwrap() == t.bytes);
+    }
 }

@@ -212,16 +212,17 @@ impl Store {
     pub async fn read_commit(&self, run: &str, step: u64) -> Result<(CommitRecord, StepId)> {
         validate_run(run)?;
         let path = self.keys().commit(run, step);
-        let (c, hash, _) =
-            self.get_json::<CommitRecord>(&path)
-                .await
-                .map_err(|e| match e.kind() {
-                    ErrorKind::NotFound => Error::not_found(format!(
-                        "step {step} of run {run} is not committed (no {path})"
-                    )),
-                    _ => e,
-                })?;
-        c.validate(path.as_ref())?;
+        let bytes = self.get_object(&path).await.map_err(|e| match e.kind() {
+            ErrorKind::NotFound => Error::not_found(format!(
+                "step {step} of run {run} is not committed (no {path})"
+            )),
+            _ => e,
+        })?;
+        let hash = crate::id::Hash::of(&bytes);
+        let c = CommitRecord::from_bytes(
+            &bytes,
+            &format!("step {step} of run {run}: commit record {path}"),
+        )?;
         if c.run != run || c.step != step {
             return Err(Error::corrupt(format!(
                 "{path}: says run {} step {}, but lives at run {run} step {step}",
@@ -370,7 +371,8 @@ impl Store {
             check_coverage(&t.name, &t.shape, &t.shards)
                 .map_err(|e| e.context(format!("step {step} of run {run}")))?;
         }
-        let record = CommitRecord {
+        let mut record = CommitRecord {
+            checksum: None,
             format: FORMAT_VERSION,
             run: run.to_string(),
             step,
@@ -403,8 +405,13 @@ impl Store {
             ));
         }
         let path = self.keys().commit(run, step);
-        match self.put_json(&path, &record, PutMode::Create).await {
-            Ok(hash) => {
+        let bytes = record.seal()?;
+        let hash = crate::id::Hash::of(&bytes);
+        match self
+            .put_object(&path, vec![bytes.into()], PutMode::Create)
+            .await
+        {
+            Ok(()) => {
                 info!(run, step, ranks = world, "committed");
                 Ok(CommitOutcome::Committed(record, StepId(hash)))
             }

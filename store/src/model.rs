@@ -12,7 +12,13 @@ use crate::error::{Error, Result};
 use crate::id::{ChunkId, Hash, PackId};
 
 /// The version of manifests and commit records this build writes.
-pub const FORMAT_VERSION: u32 = 1;
+///
+/// Format 2 added the commit record's `checksum`; readers accept a record without one only if
+/// it is of format 1 (written before checksums existed).
+pub const FORMAT_VERSION: u32 = 2;
+
+/// The first format whose commit records carry a `checksum`.
+pub const FIRST_CHECKSUMMED_FORMAT: u32 = 2;
 
 /// The longest tensor or blob name accepted (bytes).
 pub const MAX_NAME_LEN: usize = 4096;
@@ -226,6 +232,7 @@ impl NdBox {
     /// Whether this box lies inside a tensor of `shape`.
     pub fn within(&self, shape: &[u64]) -> bool {
         self.ndim() == shape.len()
+            && self.offsets.len() == shape.len()
             && self
                 .offsets
                 .iter()
@@ -268,17 +275,23 @@ impl fmt::Display for NdBox {
         if self.ndim() == 0 {
             return f.write_str("[scalar]");
         }
+        if self.offsets.len() != self.lengths.len() {
+            // Only a damaged box read from the store: show it as it is.
+            return write!(
+                f,
+                "[offsets {:?}, lengths {:?}]",
+                self.offsets, self.lengths
+            );
+        }
         f.write_str("[")?;
-        for d in 0..self.ndim() {
+        for (d, (o, l)) in self.offsets.iter().zip(&self.lengths).enumerate() {
             if d > 0 {
                 f.write_str(", ")?;
             }
-            write!(
-                f,
-                "{}..{}",
-                self.offsets[d],
-                self.offsets[d] + self.lengths[d]
-            )?;
+            match o.checked_add(*l) {
+                Some(end) => write!(f, "{o}..{end}")?,
+                None => write!(f, "{o}..{o}+{l}")?,
+            }
         }
         f.write_str("]")
     }
@@ -671,15 +684,29 @@ impl RankManifest {
 }
 
 fn check_chunk_lens(chunks: &[ChunkRef], want: u64) -> std::result::Result<(), String> {
-    let total: u64 = chunks.iter().map(|c| c.len as u64).sum();
-    if total != want {
-        return Err(format!("chunks hold {total} bytes, expected {want}"));
-    }
     if let Some(c) = chunks
         .iter()
         .find(|c| c.len as u64 > crate::codec::MAX_CHUNK_LEN)
     {
         return Err(format!("chunk {} claims {} bytes", c.id, c.len));
+    }
+    if let Some(c) = chunks
+        .iter()
+        .find(|c| c.offset.checked_add(c.stored as u64).is_none())
+    {
+        return Err(format!(
+            "chunk {} at offset {} of {} stored bytes ends past any object",
+            c.id, c.offset, c.stored
+        ));
+    }
+    let total = chunks
+        .iter()
+        .try_fold(0u64, |acc, c| acc.checked_add(c.len as u64));
+    if total != Some(want) {
+        return Err(format!(
+            "chunks hold {} bytes, expected {want}",
+            total.map_or("more than 2^64".to_string(), |t| t.to_string())
+        ));
     }
     Ok(())
 }
@@ -775,8 +802,15 @@ pub struct BlobLoc {
 }
 
 /// The global manifest of a committed step. Its existence makes the step complete.
+///
+/// Its bytes are built by [`CommitRecord::seal`] and read by [`CommitRecord::from_bytes`],
+/// which checks the checksum: nothing else encodes or decodes a commit record.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CommitRecord {
+    /// blake3 of the record's bytes with this field's 64 hex digits written as `0`s (the first
+    /// field, from format 2 on; `None` only in format 1 records). Set by [`CommitRecord::seal`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checksum: Option<Hash>,
     /// [`FORMAT_VERSION`] of the writer.
     pub format: u32,
     /// Run name.
@@ -817,39 +851,160 @@ impl CommitRecord {
             + self.blobs.iter().map(|b| b.len).sum::<u64>()
     }
 
+    /// Set [`CommitRecord::checksum`] and return the record's bytes (pretty JSON), the only
+    /// way a commit record is encoded. Every committer of a step gets the same bytes.
+    pub fn seal(&mut self) -> Result<Vec<u8>> {
+        self.checksum = Some(Hash([0; 32]));
+        let mut bytes = serde_json::to_vec_pretty(self)
+            .map_err(|e| Error::internal(format!("serializing a commit record: {e}")))?;
+        let span = checksum_span(&bytes)
+            .ok_or_else(|| Error::internal("a sealed commit record has no checksum field"))?;
+        let sum = Hash::of(&bytes);
+        bytes[span].copy_from_slice(sum.to_hex().as_bytes());
+        self.checksum = Some(sum);
+        Ok(bytes)
+    }
+
+    /// Decode a commit record's bytes, the only way one is decoded: parse, check the checksum
+    /// (required from format 2 on; a format 1 record has none), then [`CommitRecord::validate`].
+    /// `what` names the record (its step) in messages; damage is [`ErrorKind::Corrupt`].
+    ///
+    /// [`ErrorKind::Corrupt`]: crate::ErrorKind::Corrupt
+    pub fn from_bytes(bytes: &[u8], what: &str) -> Result<CommitRecord> {
+        let c: CommitRecord = serde_json::from_slice(bytes).map_err(|e| {
+            Error::corrupt(format!(
+                "{what}: not a valid commit record ({e}; {} bytes, damaged or truncated)",
+                bytes.len()
+            ))
+        })?;
+        match c.checksum {
+            Some(want) => {
+                let got = checksum_span(bytes).and_then(|span| {
+                    (bytes[span.clone()] == *want.to_hex().as_bytes()).then(|| {
+                        let mut zeroed = bytes.to_vec();
+                        zeroed[span].fill(b'0');
+                        Hash::of(&zeroed)
+                    })
+                });
+                if got != Some(want) {
+                    let newer = if c.format > FORMAT_VERSION {
+                        format!(
+                            " (or written in format {} by a newer ckpt; this build reads up to {FORMAT_VERSION})",
+                            c.format
+                        )
+                    } else {
+                        String::new()
+                    };
+                    return Err(Error::corrupt(format!(
+                        "{what}: the record's bytes do not match its checksum {}: it is damaged{newer}; \
+                         do not use this step (`ckpt verify` lists what else is damaged)",
+                        want.short()
+                    )));
+                }
+            }
+            None if c.format < FIRST_CHECKSUMMED_FORMAT && c.format >= 1 => {}
+            None => {
+                return Err(Error::corrupt(format!(
+                    "{what}: a format {} record without a checksum (every record since format {FIRST_CHECKSUMMED_FORMAT} has one): it is damaged",
+                    c.format
+                )));
+            }
+        }
+        c.validate(what)?;
+        Ok(c)
+    }
+
     /// Check what a reader relies on.
     pub fn validate(&self, what: &str) -> Result<()> {
+        let bad = |m: String| Err(Error::corrupt(format!("{what}: {m}")));
         if self.format > FORMAT_VERSION {
             return Err(Error::invalid(format!(
                 "{what}: written in format {} by a newer ckpt; this build reads up to {FORMAT_VERSION}",
                 self.format
             )));
         }
+        if self.format == 0 {
+            return bad("format 0 does not exist (damaged)".into());
+        }
         self.layout.validate().map_err(|e| e.context(what))?;
+        let world = self.layout.world();
+        if !self.ranks.windows(2).all(|w| w[0].rank < w[1].rank)
+            || self.ranks.iter().any(|e| e.rank >= world)
+        {
+            return bad(format!(
+                "its rank manifests are not ranks 0..{world} of the layout {}, each once",
+                self.layout
+            ));
+        }
+        let listed = |r: u32| self.ranks.binary_search_by_key(&r, |e| e.rank).is_ok();
         if !self.tensors.windows(2).all(|w| w[0].name < w[1].name) {
-            return Err(Error::corrupt(format!(
-                "{what}: tensors are not sorted by name or appear twice"
-            )));
+            return bad("tensors are not sorted by name or appear twice".into());
         }
         for t in &self.tensors {
             let n = numel(&t.shape).map_err(|e| e.context(what))?;
             if n.checked_mul(t.dtype.size() as u64).is_none() {
-                return Err(Error::corrupt(format!(
-                    "{what}: tensor {:?} shape {:?} is too large",
+                return bad(format!(
+                    "tensor {:?} shape {:?} is too large",
                     t.name, t.shape
-                )));
+                ));
             }
             for s in &t.shards {
                 if !s.bbox.within(&t.shape) {
-                    return Err(Error::corrupt(format!(
-                        "{what}: tensor {:?} shard {} lies outside the shape {:?}",
+                    return bad(format!(
+                        "tensor {:?} shard {} lies outside the shape {:?}",
                         t.name, s.bbox, t.shape
-                    )));
+                    ));
+                }
+                if !listed(s.rank) {
+                    return bad(format!(
+                        "tensor {:?} shard {} is placed on rank {}, which has no manifest in the record",
+                        t.name, s.bbox, s.rank
+                    ));
                 }
             }
+            // Readers fill the tensor's bytes from its shards: shards that do not cover the
+            // shape exactly once would leave bytes unwritten (or written twice).
+            check_coverage(&t.name, &t.shape, &t.shards)
+                .or_else(|e| bad(format!("{} (the record is damaged)", e.message())))?;
+        }
+        // Readers add these up (the safetensors view's offsets, statistics).
+        let total = self
+            .tensors
+            .iter()
+            .map(TensorEntry::byte_len)
+            .chain(self.blobs.iter().map(|b| b.len))
+            .try_fold(0u64, u64::checked_add);
+        if total.is_none() {
+            return bad("its tensors and blobs hold more than 2^64 bytes".into());
+        }
+        if let Some(b) = self.blobs.iter().find(|b| !listed(b.rank)) {
+            return bad(format!(
+                "blob {:?} is placed on rank {}, which has no manifest in the record",
+                b.name, b.rank
+            ));
         }
         Ok(())
     }
+}
+
+/// Where the 64 hex digits of a commit record's `checksum` lie: after the first `"checksum"`
+/// key (the record's first field), a colon and a quote.
+fn checksum_span(bytes: &[u8]) -> Option<std::ops::Range<usize>> {
+    const KEY: &[u8] = b"\"checksum\"";
+    let mut i = bytes.windows(KEY.len()).position(|w| w == KEY)? + KEY.len();
+    let skip_ws = |i: &mut usize| {
+        while bytes.get(*i).is_some_and(u8::is_ascii_whitespace) {
+            *i += 1;
+        }
+    };
+    skip_ws(&mut i);
+    (bytes.get(i) == Some(&b':')).then_some(())?;
+    i += 1;
+    skip_ws(&mut i);
+    (bytes.get(i) == Some(&b'"')).then_some(())?;
+    i += 1;
+    let end = i.checked_add(64)?;
+    (bytes.get(end) == Some(&b'"')).then_some(i..end)
 }
 
 /// Check that `shards` cover a tensor of `shape` exactly once.

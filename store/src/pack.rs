@@ -150,7 +150,8 @@ pub fn parse_pack(obj: &[u8], what: &dyn std::fmt::Display) -> Result<Vec<PackEn
             stored: u32::from_le_bytes(e[40..44].try_into().expect("4 bytes")),
             raw: u32::from_le_bytes(e[44..48].try_into().expect("4 bytes")),
         };
-        if entry.offset < PACK_HEADER_LEN as u64 || entry.offset + entry.stored as u64 > index_at {
+        let end = entry.offset.checked_add(entry.stored as u64);
+        if entry.offset < PACK_HEADER_LEN as u64 || end.is_none_or(|e| e > index_at) {
             return Err(corrupt(format!(
                 "entry for {} points outside the pack body",
                 entry.id

@@ -227,6 +227,17 @@ impl StepReader {
                     s.rank
                 ))
             })?;
+            if (shard.dtype, &shard.shape) != (t.dtype, &t.shape) {
+                return Err(Error::corrupt(format!(
+                    "{}: the commit record says tensor {tensor:?} is {} {:?}, rank {}'s manifest {} {:?} (damaged)",
+                    self.what(),
+                    t.dtype,
+                    t.shape,
+                    s.rank,
+                    shard.dtype,
+                    shard.shape
+                )));
+            }
             // Start offset of every chunk in the shard's bytes.
             let mut starts = Vec::with_capacity(shard.chunks.len());
             let mut acc = 0u64;

@@ -448,7 +448,12 @@ impl Store {
 
     /// Read a byte range of an object.
     pub async fn get_range(&self, path: &Path, range: std::ops::Range<u64>) -> Result<Bytes> {
-        let want = range.end - range.start;
+        let Some(want) = range.end.checked_sub(range.start) else {
+            return Err(Error::invalid(format!(
+                "{path}: byte range {}..{} ends before it starts",
+                range.start, range.end
+            )));
+        };
         let b = self
             .inner
             .get_range(path, range.clone())
@@ -755,8 +760,15 @@ impl Store {
         let path = self.object_of(r);
         let b = match &r.pack {
             Some(_) => {
-                self.get_range(&path, r.offset..r.offset + r.stored as u64)
-                    .await?
+                let end = r.offset.checked_add(r.stored as u64).ok_or_else(|| {
+                    Error::corrupt(format!(
+                        "chunk {}: offset {} + {} stored bytes overflows",
+                        r.location(),
+                        r.offset,
+                        r.stored
+                    ))
+                })?;
+                self.get_range(&path, r.offset..end).await?
             }
             None => self.get_object(&path).await?,
         };

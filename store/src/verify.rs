@@ -13,7 +13,9 @@ use tracing::instrument;
 use crate::codec;
 use crate::error::{ErrorKind, Result};
 use crate::id::{ChunkId, PackId};
-use crate::model::ChunkRef;
+use crate::model::{
+    BlobLoc, ChunkRef, CommitRecord, RankManifest, check_coverage, collect_tensors,
+};
 use crate::pack;
 use crate::store::Store;
 
@@ -148,6 +150,7 @@ impl Store {
                     continue;
                 }
             };
+            let mut manifests = Vec::with_capacity(commit.ranks.len());
             for entry in &commit.ranks {
                 let key = self.keys().rank_manifest(run, *step, entry.rank);
                 let m = match self
@@ -192,6 +195,20 @@ impl Store {
                             },
                         );
                     }
+                }
+                manifests.push(m);
+            }
+            if manifests.len() == commit.ranks.len() {
+                for (item, problem) in compare_with_manifests(&commit, &manifests) {
+                    report.damaged.push(Damage {
+                        object: commit_key.to_string(),
+                        problem,
+                        affects: vec![Affected {
+                            run: run.clone(),
+                            step: *step,
+                            item,
+                        }],
+                    });
                 }
             }
         }
@@ -446,4 +463,143 @@ impl Refs {
             .1
             .insert(a);
     }
+}
+
+/// Rebuild what the commit record says (ranks, tensor table, coverage, blobs) from the rank
+/// manifests it pins and list every disagreement as (affected item, problem). A record that
+/// passes its checksum can still disagree (a format 1 record has none, or a writer bug).
+fn compare_with_manifests(c: &CommitRecord, ms: &[RankManifest]) -> Vec<(String, String)> {
+    const RECORD: &str = "commit record";
+    let mut out = Vec::new();
+    let world = c.layout.world();
+    let ranks: Vec<u32> = c.ranks.iter().map(|e| e.rank).collect();
+    if ranks != (0..world).collect::<Vec<_>>() {
+        out.push((
+            RECORD.to_string(),
+            format!(
+                "the record lists the manifests of ranks {ranks:?}, but its layout {} has ranks 0..{world}",
+                c.layout
+            ),
+        ));
+    }
+    for m in ms {
+        if m.layout != c.layout || m.generation != c.generation {
+            out.push((
+                format!("manifest of rank {}", m.rank),
+                format!(
+                    "rank {}'s manifest says layout {} generation {}, the commit record layout {} generation {}",
+                    m.rank, m.layout, m.generation, c.layout, c.generation
+                ),
+            ));
+        }
+    }
+    let rebuilt = match collect_tensors(ms) {
+        Ok(t) => t,
+        Err(e) => {
+            out.push((
+                RECORD.to_string(),
+                format!("the rank manifests disagree: {}", e.message()),
+            ));
+            return out;
+        }
+    };
+    let mut theirs: std::collections::BTreeMap<&str, &crate::model::TensorEntry> =
+        c.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+    for t in &rebuilt {
+        let item = format!("tensor {}", t.name);
+        if let Err(e) = check_coverage(&t.name, &t.shape, &t.shards) {
+            out.push((item.clone(), format!("the rank manifests: {}", e.message())));
+        }
+        let Some(r) = theirs.remove(t.name.as_str()) else {
+            out.push((
+                item,
+                "the rank manifests hold it, the commit record does not list it".to_string(),
+            ));
+            continue;
+        };
+        if (r.dtype, &r.shape) != (t.dtype, &t.shape) {
+            out.push((
+                item,
+                format!(
+                    "the commit record says {} {:?}, the rank manifests {} {:?}",
+                    r.dtype, r.shape, t.dtype, t.shape
+                ),
+            ));
+            continue;
+        }
+        let key =
+            |s: &crate::model::ShardLoc| (s.rank, s.bbox.offsets.clone(), s.bbox.lengths.clone());
+        let mut a: Vec<_> = r.shards.iter().map(key).collect();
+        let mut b: Vec<_> = t.shards.iter().map(key).collect();
+        a.sort();
+        b.sort();
+        if a != b {
+            out.push((
+                item,
+                format!(
+                    "the commit record places its shards {}, the rank manifests {}",
+                    shards_text(&r.shards),
+                    shards_text(&t.shards)
+                ),
+            ));
+        } else if r.placement != t.placement {
+            out.push((
+                item,
+                "the commit record's placement differs from the rank manifests'".to_string(),
+            ));
+        }
+    }
+    for name in theirs.keys() {
+        out.push((
+            format!("tensor {name}"),
+            "the commit record lists it, no rank manifest holds it".to_string(),
+        ));
+    }
+    let mut blobs: Vec<BlobLoc> = ms
+        .iter()
+        .flat_map(|m| {
+            m.blobs.iter().map(|b| BlobLoc {
+                rank: m.rank,
+                name: b.name.clone(),
+                len: b.len,
+            })
+        })
+        .collect();
+    let mut listed = c.blobs.clone();
+    let order = |b: &BlobLoc| (b.rank, b.name.clone(), b.len);
+    blobs.sort_by_key(order);
+    listed.sort_by_key(order);
+    for b in &listed {
+        if !blobs.contains(b) {
+            out.push((
+                format!("blob {} of rank {}", b.name, b.rank),
+                format!(
+                    "the commit record lists it with {} bytes, rank {}'s manifest does not hold it so",
+                    b.len, b.rank
+                ),
+            ));
+        }
+    }
+    for b in &blobs {
+        if !listed.contains(b) {
+            out.push((
+                format!("blob {} of rank {}", b.name, b.rank),
+                format!(
+                    "rank {}'s manifest holds it ({} bytes), the commit record does not list it so",
+                    b.rank, b.len
+                ),
+            ));
+        }
+    }
+    out
+}
+
+fn shards_text(s: &[crate::model::ShardLoc]) -> String {
+    let parts: Vec<String> = s
+        .iter()
+        .take(8)
+        .map(|s| format!("rank {} {}", s.rank, s.bbox))
+        .collect();
+    let more = if s.len() > 8 { ", ..." } else { "" };
+    format!("[{}{more}]", parts.join(", "))
 }

@@ -667,7 +667,7 @@ impl Checkpointer {
                     Ok(x) => x,
                     Err(e) => {
                         warn!(step, rank = cfg.rank, "checkpoint failed: {e}");
-                        shared.set(Stage::Failed(e.to_string()), |_| {});
+                        shared.set(Stage::Failed(SaveFailure::from(&e)), |_| {});
                         return;
                     }
                 };

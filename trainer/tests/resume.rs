@@ -131,3 +131,64 @@ fn frozen_layers_are_not_written_again() {
     );
     assert!(ck[1]["bytes_skipped"].as_u64().unwrap() > 0);
 }
+
+/// A flipped bit in the newest step's commit record (or in one of its rank manifests): the
+/// resumed run refuses to restore it, naming the step, instead of training on wrong state.
+#[test]
+fn resume_refuses_a_damaged_commit_record_or_manifest() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("s");
+    let args = ["--layout", "dp=2", "--steps", "6", "--ckpt-every", "3"];
+    train(&store, "run", &args);
+    let step_dir = store.join("runs/run/steps/00000000000000000006");
+    for (file, at) in [
+        ("COMMIT", 100usize),
+        ("COMMIT", 0),
+        ("rank-000001.manifest", 200),
+    ] {
+        let path = step_dir.join(file);
+        let orig = std::fs::read(&path).unwrap();
+        let mut bad = orig.clone();
+        let at = at.min(bad.len() - 1);
+        bad[at] ^= 0x02;
+        std::fs::write(&path, &bad).unwrap();
+        let out = cmd(
+            &store,
+            "run",
+            &[
+                "--layout",
+                "dp=2",
+                "--steps",
+                "9",
+                "--ckpt-every",
+                "3",
+                "--resume",
+            ],
+        )
+        .output()
+        .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "{file} byte {at}: resumed from a damaged step:\n{err}"
+        );
+        assert!(
+            err.contains("step 6 of run run") || err.contains("steps/00000000000000000006/"),
+            "{file} byte {at}: the error does not name the step:\n{err}"
+        );
+        std::fs::write(&path, &orig).unwrap();
+    }
+    train(
+        &store,
+        "run",
+        &[
+            "--layout",
+            "dp=2",
+            "--steps",
+            "9",
+            "--ckpt-every",
+            "3",
+            "--resume",
+        ],
+    );
+}

@@ -1,0 +1,278 @@
+//! A damaged commit record or rank manifest on a real local store: every reader refuses it
+//! with an error naming the step, `verify` reports it, and nothing returns wrong bytes.
+
+use bytes::Bytes;
+use ckpt_store::testing::{det_bytes, local_store, tiny_config};
+use ckpt_store::writer::{BlobIn, RankWrite, ShardIn};
+use ckpt_store::{
+    CommitRecord, DType, DedupIndex, ErrorKind, Layout, NdBox, SafetensorsView, StepReader, Store,
+    VerifyScope,
+};
+use object_store::PutMode;
+use object_store::path::Path;
+
+const RUN: &str = "tamper";
+
+/// Step 1 of [`RUN`]: tensor `w` bf16 [512] split over two tensor-parallel ranks, a small
+/// tensor `b` on rank 0 and a blob per rank. Returns the bytes of `w` and `b`.
+async fn save(store: &Store) -> (Vec<u8>, Vec<u8>) {
+    let layout = Layout::new(1, 2, 1, 0).unwrap();
+    let w = det_bytes(1, 1024);
+    let b = det_bytes(2, 64);
+    let index = DedupIndex::new();
+    for rank in 0..2u32 {
+        let half = NdBox::new(vec![rank as u64 * 256], vec![256]).unwrap();
+        let mut shards = vec![ShardIn {
+            name: "w".into(),
+            dtype: DType::Bf16,
+            shape: vec![512],
+            bbox: half,
+            data: Some(Bytes::copy_from_slice(
+                &w[rank as usize * 512..(rank as usize + 1) * 512],
+            )),
+            replica_of: None,
+            placement: None,
+        }];
+        if rank == 0 {
+            shards.push(ShardIn {
+                name: "b".into(),
+                dtype: DType::F32,
+                shape: vec![16],
+                bbox: NdBox::full(&[16]),
+                data: Some(Bytes::from(b.clone())),
+                replica_of: None,
+                placement: None,
+            });
+        }
+        let blobs = vec![BlobIn {
+            name: format!("rank/rng{rank}"),
+            data: Bytes::from(det_bytes(10 + rank as u64, 40)),
+        }];
+        let rw = RankWrite {
+            run: RUN.into(),
+            step: 1,
+            rank,
+            layout,
+            generation: 0,
+        };
+        store.write_rank(&rw, shards, blobs, &index).await.unwrap();
+    }
+    store.commit_step(RUN, 1).await.unwrap();
+    (w, b)
+}
+
+async fn put(store: &Store, path: &Path, bytes: Vec<u8>) {
+    store
+        .put_object(path, vec![Bytes::from(bytes)], PutMode::Overwrite)
+        .await
+        .unwrap();
+}
+
+/// Every way a reader gets at step 1 fails with a damaged-data error naming the step or the
+/// object, and `verify` reports step 1 as damaged.
+async fn assert_refused(store: &Store, what: &str) {
+    let reading = async {
+        let r = StepReader::open(store, RUN, 1).await?;
+        SafetensorsView::new(r.commit(), None)?;
+        let w = r.read_tensor("w").await?;
+        let b = r.read_tensor("b").await?;
+        Ok::<_, ckpt_store::Error>((w, b))
+    };
+    match reading.await {
+        Ok((w, _)) => panic!("{what}: a damaged step was read ({} bytes of w)", w.len()),
+        Err(e) => {
+            assert_eq!(e.kind(), ErrorKind::Corrupt, "{what}: {e}");
+            let msg = e.to_string();
+            assert!(
+                msg.contains("step 1 of run tamper") || msg.contains("runs/tamper/steps/"),
+                "{what}: the error does not name the step: {msg}"
+            );
+        }
+    }
+    let report = store
+        .verify(&VerifyScope::Step(RUN.into(), 1), None)
+        .await
+        .unwrap();
+    assert!(!report.is_clean(), "{what}: verify found nothing");
+    assert!(
+        report
+            .damaged
+            .iter()
+            .any(|d| d.affects.iter().any(|a| a.run == RUN && a.step == 1)),
+        "{what}: verify does not name step 1: {:?}",
+        report.damaged
+    );
+}
+
+/// Offsets spread over the whole object, plus the ones that matter most.
+fn offsets(bytes: &[u8], extra: &[&str]) -> Vec<usize> {
+    let mut v: Vec<usize> = (0..24).map(|i| i * bytes.len() / 24).collect();
+    v.push(bytes.len() - 1);
+    for needle in extra {
+        let n = needle.as_bytes();
+        let at = bytes
+            .windows(n.len())
+            .position(|w| w == n)
+            .unwrap_or_else(|| panic!("{needle} not in the object"));
+        v.extend(at..at + n.len());
+    }
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bit_flip_in_a_commit_record_is_refused_everywhere() {
+    let (store, _dir) = local_store(tiny_config());
+    let (w, b) = save(&store).await;
+    let key = store.keys().commit(RUN, 1);
+    let orig = store.get_object(&key).await.unwrap().to_vec();
+    // The shape, the format, the checksum and the layout, besides offsets everywhere.
+    let at = offsets(
+        &orig,
+        &["512", "\"format\": 2", "\"checksum\": \"", "\"tp\": 2"],
+    );
+    for (i, &o) in at.iter().enumerate() {
+        let mut bad = orig.clone();
+        bad[o] ^= 1 << (i % 8);
+        put(&store, &key, bad).await;
+        assert_refused(&store, &format!("bit {} of byte {o} of COMMIT", i % 8)).await;
+    }
+    // The shape [512] becoming [513] (the issue's case): refused, not served with stale bytes.
+    let text = String::from_utf8(orig.clone()).unwrap();
+    put(&store, &key, text.replacen("512", "513", 1).into_bytes()).await;
+    assert_refused(&store, "shape 512 -> 513").await;
+
+    put(&store, &key, orig).await;
+    let r = StepReader::open(&store, RUN, 1).await.unwrap();
+    assert_eq!(r.read_tensor("w").await.unwrap(), w);
+    assert_eq!(r.read_tensor("b").await.unwrap(), b);
+    assert!(
+        store
+            .verify(&VerifyScope::Step(RUN.into(), 1), None)
+            .await
+            .unwrap()
+            .is_clean()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bit_flip_in_a_rank_manifest_is_refused_everywhere() {
+    let (store, _dir) = local_store(tiny_config());
+    let (w, _) = save(&store).await;
+    for rank in 0..2 {
+        let key = store.keys().rank_manifest(RUN, 1, rank);
+        let orig = store.get_object(&key).await.unwrap().to_vec();
+        let at = offsets(&orig, &["\"lengths\": [", "\"len\": "]);
+        for (i, &o) in at.iter().enumerate() {
+            let mut bad = orig.clone();
+            bad[o] ^= 1 << (i % 8);
+            put(&store, &key, bad).await;
+            assert_refused(
+                &store,
+                &format!("bit {} of byte {o} of rank {rank}'s manifest", i % 8),
+            )
+            .await;
+        }
+        put(&store, &key, orig).await;
+    }
+    let r = StepReader::open(&store, RUN, 1).await.unwrap();
+    assert_eq!(r.read_tensor("w").await.unwrap(), w);
+}
+
+/// A record whose checksum holds but which disagrees with the manifests it pins (a writer bug,
+/// or a format 1 record, which has no checksum): verify rebuilds the tensor table from the
+/// manifests and names the tensor; readers refuse it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_rebuilds_the_record_from_the_manifests() {
+    let (store, _dir) = local_store(tiny_config());
+    save(&store).await;
+    let key = store.keys().commit(RUN, 1);
+    let orig = store.get_object(&key).await.unwrap().to_vec();
+    let what = "test";
+    let good = CommitRecord::from_bytes(&orig, what).unwrap();
+    assert_eq!(good.format, ckpt_store::FORMAT_VERSION);
+    assert!(good.checksum.is_some());
+
+    let verify = || async {
+        store
+            .verify(&VerifyScope::Step(RUN.into(), 1), None)
+            .await
+            .unwrap()
+    };
+    // Same size, other dtype; resealed, so the checksum holds.
+    let mut forged = good.clone();
+    forged
+        .tensors
+        .iter_mut()
+        .find(|t| t.name == "w")
+        .unwrap()
+        .dtype = DType::F16;
+    put(&store, &key, forged.seal().unwrap()).await;
+    let report = verify().await;
+    let d = report
+        .damaged
+        .iter()
+        .find(|d| {
+            d.affects
+                .iter()
+                .any(|a| a.item == "tensor w" && a.step == 1)
+        })
+        .unwrap_or_else(|| panic!("verify does not name tensor w: {:?}", report.damaged));
+    assert!(
+        d.problem.contains("f16") && d.problem.contains("bf16"),
+        "{}",
+        d.problem
+    );
+    let e = StepReader::open(&store, RUN, 1)
+        .await
+        .unwrap()
+        .read_tensor("w")
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+
+    // A blob the manifests do not hold, and a tensor listed twice by shards of another rank.
+    let mut forged = good.clone();
+    forged.blobs[0].len += 1;
+    put(&store, &key, forged.seal().unwrap()).await;
+    let report = verify().await;
+    assert!(
+        report.damaged.iter().any(|d| d
+            .affects
+            .iter()
+            .any(|a| a.item.starts_with("blob rank/rng"))),
+        "{:?}",
+        report.damaged
+    );
+
+    // Format 1 (no checksum) is still read...
+    let mut old = good.clone();
+    old.checksum = None;
+    old.format = 1;
+    put(&store, &key, serde_json::to_vec_pretty(&old).unwrap()).await;
+    StepReader::open(&store, RUN, 1)
+        .await
+        .unwrap()
+        .read_tensor("w")
+        .await
+        .unwrap();
+    assert!(verify().await.is_clean());
+    // ...but its shape flipped to [513] leaves a region no shard covers: refused, and verify
+    // names it.
+    old.tensors
+        .iter_mut()
+        .find(|t| t.name == "w")
+        .unwrap()
+        .shape = vec![513];
+    put(&store, &key, serde_json::to_vec_pretty(&old).unwrap()).await;
+    assert_refused(&store, "format 1 record with shape 513").await;
+    // A format 2 record without its checksum is damaged, not old.
+    let mut stripped = good.clone();
+    stripped.checksum = None;
+    put(&store, &key, serde_json::to_vec_pretty(&stripped).unwrap()).await;
+    assert_refused(&store, "format 2 record without a checksum").await;
+
+    put(&store, &key, orig).await;
+    assert!(verify().await.is_clean());
+}
