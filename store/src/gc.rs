@@ -9,7 +9,9 @@
 //!    flight).
 //! 3. **Sweep**: delete chunk and pack objects nobody references, but only if they are older
 //!    than the grace period, so a save that has written chunks but not yet its manifest loses
-//!    nothing.
+//!    nothing. On a local directory the sweep also deletes temporary files (`<key>#<n>`) that
+//!    interrupted writes left, once they are older than the grace period (a write in progress
+//!    keeps its file younger than that).
 //!
 //! With neither `keep_last` nor `keep_every`, retention keeps every committed step and GC only
 //! sweeps.
@@ -80,6 +82,13 @@ pub struct GcReport {
     pub objects_kept: u64,
     /// Bytes of the objects kept.
     pub bytes_kept: u64,
+    /// Temporary files of interrupted writes deleted (local directory only).
+    pub temp_files_deleted: u64,
+    /// Bytes they held.
+    pub temp_bytes_freed: u64,
+    /// Temporary files kept because they are younger than the grace period (a write in
+    /// progress, or a crash too recent to be sure).
+    pub temp_files_in_grace: u64,
     /// Nothing was deleted.
     pub dry_run: bool,
 }
@@ -222,6 +231,7 @@ impl Store {
         if !opts.dry_run && !doomed.is_empty() {
             self.delete_all(doomed).await?;
         }
+        self.sweep_temp_files(opts, now, &mut report).await?;
         info!(
             steps_deleted = report.steps_deleted.len(),
             objects_deleted = report.objects_deleted,
@@ -229,6 +239,39 @@ impl Store {
             "gc done"
         );
         Ok(report)
+    }
+
+    /// Delete the temporary files of interrupted writes older than the grace period.
+    async fn sweep_temp_files(
+        &self,
+        opts: &GcOptions,
+        now: DateTime<Utc>,
+        report: &mut GcReport,
+    ) -> Result<()> {
+        let grace = chrono::Duration::from_std(opts.grace)
+            .map_err(|_| Error::invalid("grace period is too long"))?;
+        for t in self.temp_files().await? {
+            if now - t.modified <= grace {
+                report.temp_files_in_grace += 1;
+                continue;
+            }
+            if !opts.dry_run {
+                match std::fs::remove_file(&t.path) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                    Err(e) => {
+                        return Err(Error::io(
+                            "deleting the temporary file",
+                            &t.path.display(),
+                            e,
+                        ));
+                    }
+                }
+            }
+            report.temp_files_deleted += 1;
+            report.temp_bytes_freed += t.bytes;
+        }
+        Ok(())
     }
 
     /// Delete a step: its commit record first (the step is then invisible), then manifests.
