@@ -52,6 +52,7 @@ pub mod id;
 pub mod keys;
 pub mod logs;
 pub mod model;
+pub mod outfile;
 pub mod pack;
 pub mod peer;
 pub mod placement;
