@@ -1238,3 +1238,38 @@ async fn a_flipped_bit_in_a_commit_record_or_manifest_fails_every_command() {
     }
     env.ckpt(&["verify", "train"]).code(0);
 }
+
+/// Temporary files a crash left in a local store: `ckpt verify` names them (exit 0: not
+/// damage), `ckpt gc` deletes the ones older than the grace period and keeps a young one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_reports_and_gc_collects_temp_files_of_interrupted_writes() {
+    let env = local();
+    save_step(&env.store, "train", 10, false, &DedupIndex::new()).await;
+    let plant = |key: &str, age_s: u64| {
+        let p = env.objects_dir.join(key);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        let f = std::fs::File::create(&p).unwrap();
+        f.set_len(4096).unwrap();
+        f.set_modified(std::time::SystemTime::now() - std::time::Duration::from_secs(age_s))
+            .unwrap();
+        p
+    };
+    let old = plant(&format!("chunks/ab/{}#1", "ab".repeat(32)), 7200);
+    let young = plant("runs/train/steps/00000000000000000030/COMMIT#2", 10);
+    let r = env.ckpt(&["verify"]).code(0);
+    assert!(
+        r.out.contains("2 temporary file(s)") && r.out.contains("#1") && r.out.contains("COMMIT#2"),
+        "{}",
+        r.out
+    );
+    let j = env.ckpt(&["verify", "--json"]).code(0).json();
+    assert_eq!(j["temp_files"].as_array().unwrap().len(), 2, "{j}");
+    let r = env.ckpt(&["gc", "--grace", "1h"]).code(0);
+    assert!(
+        r.out.contains("deleted 1 file(s) interrupted writes left") && r.out.contains("kept 1"),
+        "{}",
+        r.out
+    );
+    assert!(!old.exists() && young.exists());
+    env.ckpt(&["verify", "train@10"]).code(0);
+}

@@ -412,3 +412,160 @@ async fn hostile_names_never_leave_out_or_reach_the_terminal(env: Env) {
         .code(2);
     assert!(r.err.contains("no tensor of evil@2 matches"), "{}", r.err);
 }
+
+/// Another user planted symbolic links in `--out` at every name `ckpt export` writes (each
+/// shard, the index json, and their `.NAME.partial` temporary names), dangling or pointing at
+/// a file outside: every export refuses with an error naming the link, even with `--force`,
+/// and the file outside stays untouched. A leftover regular temporary file is replaced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn export_never_writes_through_a_link_planted_in_out() {
+    use std::os::unix::fs::symlink;
+    let env = local();
+    common::save_step(&env.store, "train", 10, false, &DedupIndex::new()).await;
+    let outside = tmp();
+    let victim = outside.path().join("victim");
+    std::fs::write(&victim, b"precious").unwrap();
+    let untouched = || {
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+        assert_eq!(
+            common::files_below(outside.path()),
+            vec!["victim".to_string()],
+            "nothing was created outside --out"
+        );
+    };
+
+    // The names a sharded export writes.
+    let clean = tmp();
+    let dir = clean.path().to_str().unwrap();
+    let j = env
+        .ckpt(&[
+            "export",
+            "train@10",
+            "--out",
+            dir,
+            "--max-shard-size",
+            "8KB",
+            "--json",
+        ])
+        .code(0)
+        .json();
+    let mut names: Vec<String> = j["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["file"].as_str().unwrap().to_string())
+        .collect();
+    assert!(names.len() >= 2, "a sharded export: {j}");
+    names.push("model.safetensors.index.json".into());
+    let partials: Vec<String> = names.iter().map(|n| format!(".{n}.partial")).collect();
+
+    for name in names.iter().chain(&partials) {
+        for target in [victim.clone(), outside.path().join("not-yet")] {
+            let out = tmp();
+            let link = out.path().join(name);
+            symlink(&target, &link).unwrap();
+            let o = out.path().to_str().unwrap();
+            let r = env
+                .ckpt(&[
+                    "export",
+                    "train@10",
+                    "--out",
+                    o,
+                    "--max-shard-size",
+                    "8KB",
+                    "--force",
+                ])
+                .code(1);
+            assert!(
+                r.err.contains(name.as_str()) && r.err.contains("symbolic link"),
+                "the error names the link {name}: {}",
+                r.err
+            );
+            untouched();
+            assert!(
+                std::fs::symlink_metadata(&link)
+                    .unwrap()
+                    .file_type()
+                    .is_symlink(),
+                "the link is left for its owner"
+            );
+            assert_eq!(
+                common::files_below(out.path()),
+                vec![name.clone()],
+                "nothing else was written"
+            );
+        }
+    }
+
+    // A single-file export: a link at the name is refused too (without --force it is
+    // "already holds" it, which a dangling link does not hide).
+    for name in ["model.safetensors", ".model.safetensors.partial"] {
+        let out = tmp();
+        symlink(outside.path().join("not-yet"), out.path().join(name)).unwrap();
+        for force in [false, true] {
+            let mut args = vec!["export", "train@10", "--out", out.path().to_str().unwrap()];
+            if force {
+                args.push("--force");
+            }
+            let r = env.ckpt(&args).code(1);
+            assert!(r.err.contains(name), "{}", r.err);
+        }
+        untouched();
+    }
+
+    // A regular leftover `.model.safetensors.partial` (an interrupted export) is replaced,
+    // and what appears is a regular file.
+    let out = tmp();
+    std::fs::write(out.path().join(".model.safetensors.partial"), b"left over").unwrap();
+    env.ckpt(&["export", "train@10", "--out", out.path().to_str().unwrap()])
+        .code(0);
+    assert_eq!(
+        common::files_below(out.path()),
+        vec!["model.safetensors".to_string()]
+    );
+    let single = out.path().join("model.safetensors");
+    assert!(std::fs::symlink_metadata(&single).unwrap().is_file());
+    assert!(std::fs::metadata(&single).unwrap().len() > 1000);
+}
+
+/// `ckpt plot --out FILE` with a link planted at FILE or at its temporary name: refused with
+/// the link named, the file outside untouched; a regular FILE is replaced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plot_never_writes_through_a_planted_link() {
+    use ckpt_store::logs::{LogWriter, METRICS};
+    use std::os::unix::fs::symlink;
+    let env = local();
+    let mut m = LogWriter::new(&env.store, "train", METRICS, "rank-0").unwrap();
+    for step in 1..=20u64 {
+        m.append(&serde_json::json!({"kind":"step","step":step,"loss":3.0 / step as f64,"t_ms":1_767_000_000_000i64 + step as i64 * 1000}))
+            .unwrap();
+    }
+    m.flush().await.unwrap();
+    let outside = tmp();
+    let victim = outside.path().join("victim");
+    std::fs::write(&victim, b"precious").unwrap();
+    let dir = tmp();
+    let png = dir.path().join("loss.png");
+    for name in ["loss.png", ".loss.png.partial"] {
+        let link = dir.path().join(name);
+        symlink(&victim, &link).unwrap();
+        let r = env
+            .ckpt(&["plot", "train", "--out", png.to_str().unwrap()])
+            .code(1);
+        assert!(
+            r.err.contains(name) && r.err.contains("symbolic link"),
+            "{}",
+            r.err
+        );
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+        std::fs::remove_file(&link).unwrap();
+    }
+    std::fs::write(&png, b"old").unwrap();
+    env.ckpt(&["plot", "train", "--out", png.to_str().unwrap()])
+        .code(0);
+    assert!(std::fs::read(&png).unwrap().starts_with(b"\x89PNG"));
+    assert_eq!(
+        common::files_below(dir.path()),
+        vec!["loss.png".to_string()]
+    );
+}

@@ -222,7 +222,8 @@ impl Launch {
             std::fs::create_dir_all(dir).map_err(|e| Error::io("creating", &dir.display(), e))?;
             let f = |ext: &str| {
                 let p = dir.join(format!("rank-{}.gen-{generation}.{ext}", a.rank));
-                std::fs::File::create(&p)
+                // Never through a link planted in the log directory.
+                ckpt_store::outfile::open_regular(&p, false)
                     .map_err(|e| Error::io("creating a rank log", &p.display(), e))
             };
             cmd.stdout(f("out")?);

@@ -290,7 +290,7 @@ async fn start_agents(
         if let Some(dir) = logs {
             std::fs::create_dir_all(dir).map_err(|e| Error::io("creating", &dir.display(), e))?;
             let p = dir.join(format!("agent-{node}.err"));
-            let f = std::fs::File::create(&p)
+            let f = ckpt_store::outfile::open_regular(&p, false)
                 .map_err(|e| Error::io("creating an agent log", &p.display(), e))?;
             c.stderr(f);
         }

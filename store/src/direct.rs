@@ -8,18 +8,27 @@
 //! (small objects, listing, deletes, conditional gets) is delegated to [`LocalFileSystem`],
 //! so the on-disk layout is exactly `object_store`'s.
 //!
-//! Durability: every object's data is on disk (`fdatasync`) before `put` returns; objects
-//! written with `PutMode::Create` (manifests, commit records) also sync their directory, which
-//! on journaling file systems commits the earlier renames too.
+//! Durability: every object's data is on disk (`fdatasync`) before `put` returns. The
+//! directories that large objects were renamed into, and the parents of directories created
+//! for them, are remembered and fsynced, each once, before the next object written with
+//! `PutMode::Create` (a rank manifest, a commit record) is published; that object's own
+//! directory is fsynced after it. So when a manifest or commit record exists on disk after a
+//! crash, so does every object this store wrote before it, on any file system, without relying
+//! on a journal's ordering. Small objects go through [`LocalFileSystem`] with its fsync on,
+//! which syncs each one's directory as it is written.
+//!
+//! Staging files (`<key>#<n>`, here and in [`LocalFileSystem`]) that a crash leaves behind are
+//! never listed; [`temp_files`] finds them for `ckpt verify` and `ckpt gc`.
 
+use std::collections::BTreeSet;
 use std::fs::{File, OpenOptions};
 use std::io::ErrorKind as IoKind;
 use std::ops::Range;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path as FsPath, PathBuf};
 use std::ptr::NonNull;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -164,6 +173,163 @@ pub struct DirectFs {
     root: PathBuf,
     inner: LocalFileSystem,
     direct: Arc<AtomicBool>,
+    dirs: Arc<DirSync>,
+}
+
+/// Directory fsyncs of one batch in flight at most.
+const SYNC_THREADS: usize = 32;
+
+/// Called with every directory [`DirectFs`] fsyncs before a conditional create (tests).
+pub type DirSyncHook = Arc<dyn Fn(&FsPath) + Send + Sync>;
+
+/// Directories whose entries changed since they were last fsynced, synced in one batch
+/// before the next conditional create.
+#[derive(Default)]
+struct DirSync {
+    dirty: Mutex<BTreeSet<PathBuf>>,
+    /// Held while a batch is synced: a second flush waits until the first one's directories
+    /// are durable (it may depend on them) rather than seeing an empty set and going ahead.
+    flushing: Mutex<()>,
+    syncs: AtomicU64,
+    hook: OnceLock<DirSyncHook>,
+}
+
+impl std::fmt::Debug for DirSync {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DirSync({} synced)", self.syncs.load(Ordering::Relaxed))
+    }
+}
+
+impl DirSync {
+    fn mark(&self, dir: &FsPath) {
+        self.dirty
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(dir.to_path_buf());
+    }
+
+    /// fsync every dirty directory (blocking), [`SYNC_THREADS`] at a time: each directory
+    /// fsync waits for a journal commit or a disk cache flush, which concurrent fsyncs share,
+    /// so a batch of a few hundred costs about as much as a few sequential ones. A directory
+    /// removed since (an emptied one, cleaned up after a delete) has nothing to make durable.
+    fn flush(&self) -> std::io::Result<()> {
+        let _one_at_a_time = self.flushing.lock().unwrap_or_else(|e| e.into_inner());
+        let dirs: Vec<PathBuf> =
+            std::mem::take(&mut *self.dirty.lock().unwrap_or_else(|e| e.into_inner()))
+                .into_iter()
+                .collect();
+        if dirs.is_empty() {
+            return Ok(());
+        }
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let failed: Mutex<Vec<(PathBuf, std::io::Error)>> = Mutex::default();
+        let work = || {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(d) = dirs.get(i) else { break };
+                match File::open(d).and_then(|f| f.sync_all()) {
+                    Ok(()) => {
+                        self.syncs.fetch_add(1, Ordering::Relaxed);
+                        if let Some(h) = self.hook.get() {
+                            h(d);
+                        }
+                    }
+                    Err(e) if e.kind() == IoKind::NotFound => {}
+                    Err(e) => failed
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push((d.clone(), e)),
+                }
+            }
+        };
+        let threads = dirs.len().min(SYNC_THREADS);
+        if threads == 1 {
+            work();
+        } else {
+            std::thread::scope(|s| {
+                for _ in 0..threads {
+                    s.spawn(work);
+                }
+            });
+        }
+        let failed = failed.into_inner().unwrap_or_else(|e| e.into_inner());
+        let Some((d, e)) = failed.first() else {
+            return Ok(());
+        };
+        let err = std::io::Error::new(e.kind(), format!("syncing directory {}: {e}", d.display()));
+        let mut dirty = self.dirty.lock().unwrap_or_else(|e| e.into_inner());
+        dirty.extend(failed.into_iter().map(|(d, _)| d));
+        Err(err)
+    }
+}
+
+/// A temporary file an interrupted write left in a local store (see [`temp_files`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TempFile {
+    /// Its path.
+    pub path: PathBuf,
+    /// Its path below the store's root, `/`-separated.
+    pub key: String,
+    /// Its size.
+    pub bytes: u64,
+    /// When it was last written.
+    pub modified: chrono::DateTime<chrono::Utc>,
+}
+
+/// Whether a file name is a staging name (`<name>#<digits>`): what [`DirectFs`] and
+/// [`LocalFileSystem`] write before renaming into place, never a key ckpt uses.
+pub fn is_temp_name(name: &str) -> bool {
+    match name.rsplit_once('#') {
+        Some((_, n)) => !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()),
+        None => false,
+    }
+}
+
+/// Every staging file below `root` (a local store's directory), not following links. Each is
+/// either being written right now or was left by a write a crash interrupted.
+pub fn temp_files(root: &FsPath) -> std::io::Result<Vec<TempFile>> {
+    let mut out = Vec::new();
+    let mut todo = vec![root.to_path_buf()];
+    while let Some(dir) = todo.pop() {
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(e) => e,
+            // Removed meanwhile (an emptied directory cleaned up by a delete).
+            Err(e) if e.kind() == IoKind::NotFound && dir != root => continue,
+            Err(e) => return Err(e),
+        };
+        for entry in entries {
+            let entry = entry?;
+            let t = entry.file_type()?;
+            let path = entry.path();
+            if t.is_dir() {
+                todo.push(path);
+            } else if t.is_file() && entry.file_name().to_str().is_some_and(is_temp_name) {
+                let meta = match entry.metadata() {
+                    Ok(m) => m,
+                    Err(e) if e.kind() == IoKind::NotFound => continue, // renamed into place
+                    Err(e) => return Err(e),
+                };
+                let key = path
+                    .strip_prefix(root)
+                    .unwrap_or(&path)
+                    .components()
+                    .map(|c| c.as_os_str().to_string_lossy())
+                    .collect::<Vec<_>>()
+                    .join("/");
+                out.push(TempFile {
+                    key,
+                    bytes: meta.len(),
+                    modified: meta
+                        .modified()
+                        .map(chrono::DateTime::<chrono::Utc>::from)
+                        .unwrap_or_default(),
+                    path,
+                });
+            }
+        }
+    }
+    out.sort_by(|a, b| a.key.cmp(&b.key));
+    Ok(out)
 }
 
 impl std::fmt::Display for DirectFs {
@@ -185,7 +351,28 @@ impl DirectFs {
             root,
             inner,
             direct: Arc::new(AtomicBool::new(true)),
+            dirs: Arc::default(),
         })
+    }
+
+    /// Call `hook` with every directory synced before a conditional create (tests; set once).
+    pub fn with_dir_sync_hook(self, hook: DirSyncHook) -> Self {
+        let _ = self.dirs.hook.set(hook);
+        self
+    }
+
+    /// Directories fsynced so far before conditional creates (each once per batch).
+    pub fn dir_syncs(&self) -> u64 {
+        self.dirs.syncs.load(Ordering::Relaxed)
+    }
+
+    /// Make every rename and directory creation so far durable (what a conditional create
+    /// does first).
+    pub async fn sync_dirs(&self) -> std::io::Result<()> {
+        let dirs = self.dirs.clone();
+        tokio::task::spawn_blocking(move || dirs.flush())
+            .await
+            .map_err(std::io::Error::other)?
     }
 
     /// Turn `O_DIRECT` off (for benchmarks comparing with buffered I/O).
@@ -228,12 +415,20 @@ fn os_err(path: &FsPath, e: std::io::Error) -> object_store::Error {
 fn open_direct(path: &FsPath, write: bool, direct: &AtomicBool) -> std::io::Result<File> {
     let mut o = OpenOptions::new();
     if write {
-        o.write(true).create_new(true);
+        // O_EXCL never follows a link planted at the name; O_NOFOLLOW says so twice.
+        o.write(true)
+            .create_new(true)
+            .custom_flags(libc::O_NOFOLLOW);
     } else {
         o.read(true);
     }
     if direct.load(Ordering::Relaxed) {
-        match o.clone().custom_flags(libc::O_DIRECT).open(path) {
+        let flags = if write {
+            libc::O_DIRECT | libc::O_NOFOLLOW
+        } else {
+            libc::O_DIRECT
+        };
+        match o.clone().custom_flags(flags).open(path) {
             Ok(f) => return Ok(f),
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
                 // tmpfs and some network file systems refuse O_DIRECT.
@@ -249,7 +444,35 @@ fn open_direct(path: &FsPath, write: bool, direct: &AtomicBool) -> std::io::Resu
     o.open(path)
 }
 
-fn new_staging(dest: &FsPath, direct: &AtomicBool) -> std::io::Result<(File, PathBuf)> {
+/// Create `dir` and any missing parents, remembering the parent of each directory created
+/// (its new entry must be synced too).
+fn create_dirs(dir: &FsPath, dirs: &DirSync) -> std::io::Result<()> {
+    match std::fs::create_dir(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == IoKind::NotFound => {
+            let parent = dir.parent().ok_or(e)?;
+            create_dirs(parent, dirs)?;
+            match std::fs::create_dir(dir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == IoKind::AlreadyExists => {}
+                Err(e) => return Err(e),
+            }
+        }
+        // Another writer just created it and may not have synced its parent yet.
+        Err(e) if e.kind() == IoKind::AlreadyExists => {}
+        Err(e) => return Err(e),
+    }
+    if let Some(p) = dir.parent() {
+        dirs.mark(p);
+    }
+    Ok(())
+}
+
+fn new_staging(
+    dest: &FsPath,
+    direct: &AtomicBool,
+    dirs: &DirSync,
+) -> std::io::Result<(File, PathBuf)> {
     let mut n = 1u64;
     loop {
         let mut s = dest.as_os_str().to_owned();
@@ -258,11 +481,10 @@ fn new_staging(dest: &FsPath, direct: &AtomicBool) -> std::io::Result<(File, Pat
         match open_direct(&staging, true, direct) {
             Ok(f) => return Ok((f, staging)),
             Err(e) if e.kind() == IoKind::AlreadyExists => n += 1,
-            Err(e) if e.kind() == IoKind::NotFound => {
-                if let Some(parent) = dest.parent() {
-                    std::fs::create_dir_all(parent)?;
-                }
-            }
+            Err(e) if e.kind() == IoKind::NotFound => match dest.parent() {
+                Some(parent) => create_dirs(parent, dirs)?,
+                None => return Err(e),
+            },
             Err(e) => return Err(e),
         }
     }
@@ -399,22 +621,35 @@ impl ObjectStore for DirectFs {
     ) -> OsResult<PutResult> {
         let large = payload.content_length() >= DIRECT_MIN;
         let plain = opts.attributes.is_empty() && !matches!(opts.mode, PutMode::Update(_));
+        let create = matches!(opts.mode, PutMode::Create);
         if !large || !plain {
+            if create {
+                // What this object will reference must be durable before it exists.
+                self.sync_dirs()
+                    .await
+                    .map_err(|e| os_err(&self.fs_path(location), e))?;
+            }
             return self.inner.put_opts(location, payload, opts).await;
         }
         let dest = self.fs_path(location);
         let direct = self.direct.clone();
-        let create = matches!(opts.mode, PutMode::Create);
+        let dirs = self.dirs.clone();
         tokio::task::spawn_blocking(move || {
-            let (file, staging) = new_staging(&dest, &direct).map_err(|e| os_err(&dest, e))?;
+            let (file, staging) =
+                new_staging(&dest, &direct, &dirs).map_err(|e| os_err(&dest, e))?;
             let res = write_aligned(&file, &payload).and_then(|()| {
                 drop(file);
                 if create {
+                    dirs.flush()?;
                     std::fs::hard_link(&staging, &dest)?;
                     let _ = std::fs::remove_file(&staging);
                     sync_dir(&dest)
                 } else {
-                    std::fs::rename(&staging, &dest)
+                    std::fs::rename(&staging, &dest)?;
+                    if let Some(p) = dest.parent() {
+                        dirs.mark(p);
+                    }
+                    Ok(())
                 }
             });
             if let Err(e) = res {
@@ -567,6 +802,129 @@ mod tests {
         // Staging files are never listed.
         let listed: Vec<_> = s.list(None).map(|m| m.unwrap().location).collect().await;
         assert_eq!(listed.len(), 6);
+    }
+
+    /// The directories large objects were renamed into (and the parents of the directories
+    /// created for them) are synced once each, as a batch, before a conditional create
+    /// publishes its object, and not before: a save pays one fsync per directory, not one per
+    /// object.
+    #[tokio::test]
+    async fn directories_are_synced_once_before_a_conditional_create() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = std::fs::canonicalize(dir.path()).unwrap();
+        let commit = root.join("runs/r/steps/1/COMMIT");
+        let commit2 = root.join("runs/r/steps/2/COMMIT");
+        // (directory, commit record 1 exists, commit record 2 exists) at each sync.
+        let synced: Arc<Mutex<Vec<(PathBuf, bool, bool)>>> = Arc::default();
+        let hook: DirSyncHook = {
+            let synced = synced.clone();
+            let (c1, c2) = (commit.clone(), commit2.clone());
+            Arc::new(move |d: &FsPath| {
+                synced
+                    .lock()
+                    .unwrap()
+                    .push((d.to_path_buf(), c1.exists(), c2.exists()))
+            })
+        };
+        let s = DirectFs::new(&root).unwrap().with_dir_sync_hook(hook);
+        let big = |b: u8| PutPayload::from(Bytes::from(vec![b; DIRECT_MIN + 1]));
+        s.put(&Path::from("chunks/aa/one"), big(1)).await.unwrap();
+        s.put(&Path::from("chunks/aa/two"), big(2)).await.unwrap();
+        s.put(&Path::from("packs/bb/three"), big(3)).await.unwrap();
+        assert!(
+            synced.lock().unwrap().is_empty(),
+            "synced before any commit"
+        );
+
+        // A small commit record (through LocalFileSystem).
+        s.put_opts(
+            &Path::from("runs/r/steps/1/COMMIT"),
+            Bytes::from_static(b"{}").into(),
+            PutMode::Create.into(),
+        )
+        .await
+        .unwrap();
+        let got = std::mem::take(&mut *synced.lock().unwrap());
+        let mut dirs: Vec<PathBuf> = got.iter().map(|(d, _, _)| d.clone()).collect();
+        dirs.sort();
+        let want: Vec<PathBuf> = ["", "chunks", "chunks/aa", "packs", "packs/bb"]
+            .iter()
+            .map(|d| {
+                if d.is_empty() {
+                    root.clone()
+                } else {
+                    root.join(d)
+                }
+            })
+            .collect();
+        assert_eq!(dirs, want, "each directory once");
+        assert!(
+            got.iter().all(|s| !s.1),
+            "a sync came after the commit record"
+        );
+        assert!(commit.exists());
+        assert_eq!(s.dir_syncs(), 5);
+
+        // The next step: only the directories that changed (a chunk's, and the parent of the
+        // step's new directory), before a large commit record.
+        s.put(&Path::from("chunks/aa/four"), big(4)).await.unwrap();
+        s.put_opts(
+            &Path::from("runs/r/steps/2/COMMIT"),
+            big(5),
+            PutMode::Create.into(),
+        )
+        .await
+        .unwrap();
+        let mut got = std::mem::take(&mut *synced.lock().unwrap());
+        got.sort();
+        assert_eq!(
+            got,
+            vec![
+                (root.join("chunks/aa"), true, false),
+                (root.join("runs/r/steps"), true, false)
+            ]
+        );
+        assert!(commit2.exists());
+        // Nothing dirty: a create syncs nothing more.
+        s.put_opts(
+            &Path::from("runs/r/steps/3/COMMIT"),
+            Bytes::from_static(b"{}").into(),
+            PutMode::Create.into(),
+        )
+        .await
+        .unwrap();
+        assert!(synced.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn temp_files_are_found_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        std::fs::create_dir_all(root.join("chunks/aa")).unwrap();
+        std::fs::create_dir_all(root.join("runs/r/steps/1")).unwrap();
+        for (name, len) in [
+            ("chunks/aa/abc", 3),
+            ("chunks/aa/abc#1", 5),
+            ("chunks/aa/abc#x", 1),
+            ("runs/r/steps/1/COMMIT#12", 7),
+            ("runs/r/steps/1/rank-000000.manifest", 2),
+        ] {
+            std::fs::write(root.join(name), vec![0u8; len]).unwrap();
+        }
+        // A link named like a temporary file is not followed into, nor reported.
+        std::os::unix::fs::symlink("/etc/passwd", root.join("chunks/aa/x#3")).unwrap();
+        let got: Vec<(String, u64)> = temp_files(root)
+            .unwrap()
+            .into_iter()
+            .map(|t| (t.key, t.bytes))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("chunks/aa/abc#1".to_string(), 5),
+                ("runs/r/steps/1/COMMIT#12".to_string(), 7)
+            ]
+        );
     }
 
     #[tokio::test]

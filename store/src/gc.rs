@@ -12,7 +12,9 @@
 //! 3. **Mark**: every chunk and pack referenced by a manifest that remains (committed or in
 //!    flight), listed after the sweep lock is taken.
 //! 4. **Sweep**: delete chunk and pack objects nobody references and older than the grace
-//!    period, in batches, yielding to a save that starts meanwhile.
+//!    period, in batches, yielding to a save that starts meanwhile. On a local directory the
+//!    sweep also deletes temporary files (`<key>#<n>`) that interrupted writes left, once they
+//!    are older than the grace period (a write in progress keeps its file younger than that).
 //!
 //! With neither `keep_last` nor `keep_every`, retention keeps every committed step and GC only
 //! sweeps.
@@ -84,6 +86,13 @@ pub struct GcReport {
     pub objects_kept: u64,
     /// Bytes of the objects kept.
     pub bytes_kept: u64,
+    /// Temporary files of interrupted writes deleted (local directory only).
+    pub temp_files_deleted: u64,
+    /// Bytes they held.
+    pub temp_bytes_freed: u64,
+    /// Temporary files kept because they are younger than the grace period (a write in
+    /// progress, or a crash too recent to be sure).
+    pub temp_files_in_grace: u64,
     /// Nothing was deleted.
     pub dry_run: bool,
     /// Why the sweep did not run, or stopped early (saves in flight hold writer leases).
@@ -197,6 +206,9 @@ impl Store {
             let _ = self.delete_all(vec![lock]).await;
         }
         res?;
+        if opts.sweep {
+            self.sweep_temp_files(opts, now, &mut report).await?;
+        }
         info!(
             steps_deleted = report.steps_deleted.len(),
             objects_deleted = report.objects_deleted,
@@ -324,6 +336,39 @@ impl Store {
             report.objects_deleted += batch.len() as u64;
             report.bytes_freed += batch.iter().map(|(_, n)| n).sum::<u64>();
             rest = tail;
+        }
+        Ok(())
+    }
+
+    /// Delete the temporary files of interrupted writes older than the grace period.
+    async fn sweep_temp_files(
+        &self,
+        opts: &GcOptions,
+        now: DateTime<Utc>,
+        report: &mut GcReport,
+    ) -> Result<()> {
+        let grace = chrono::Duration::from_std(opts.grace)
+            .map_err(|_| Error::invalid("grace period is too long"))?;
+        for t in self.temp_files().await? {
+            if now - t.modified <= grace {
+                report.temp_files_in_grace += 1;
+                continue;
+            }
+            if !opts.dry_run {
+                match std::fs::remove_file(&t.path) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                    Err(e) => {
+                        return Err(Error::io(
+                            "deleting the temporary file",
+                            &t.path.display(),
+                            e,
+                        ));
+                    }
+                }
+            }
+            report.temp_files_deleted += 1;
+            report.temp_bytes_freed += t.bytes;
         }
         Ok(())
     }

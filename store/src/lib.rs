@@ -53,6 +53,7 @@ pub mod keys;
 pub mod lease;
 pub mod logs;
 pub mod model;
+pub mod outfile;
 pub mod pack;
 pub mod peer;
 pub mod placement;

@@ -293,6 +293,7 @@ pub struct Store {
     url: Arc<str>,
     failpoints: crate::failpoint::Failpoints,
     metrics: Option<Arc<crate::wrap::StoreMetrics>>,
+    local_root: Option<Arc<std::path::Path>>,
 }
 
 enum Slot {
@@ -311,7 +312,34 @@ impl Store {
             url: url.into().into(),
             failpoints: Default::default(),
             metrics: None,
+            local_root: None,
         }
+    }
+
+    /// Say that the store is a local directory (a [`crate::DirectFs`] at `root`, no prefix),
+    /// so that GC and verify also look for temporary files interrupted writes left there.
+    pub fn with_local_root(mut self, root: impl Into<std::path::PathBuf>) -> Self {
+        self.local_root = Some(Arc::from(root.into()));
+        self
+    }
+
+    /// The directory of a local store opened with [`Store::with_local_root`].
+    pub fn local_root(&self) -> Option<&std::path::Path> {
+        self.local_root.as_deref()
+    }
+
+    /// Temporary files that interrupted writes left in a local store (none elsewhere: object
+    /// stores publish an object whole or not at all).
+    pub async fn temp_files(&self) -> Result<Vec<crate::direct::TempFile>> {
+        let Some(root) = self.local_root.clone() else {
+            return Ok(Vec::new());
+        };
+        tokio::task::spawn_blocking(move || {
+            crate::direct::temp_files(&root)
+                .map_err(|e| Error::io("looking for temporary files in", &root.display(), e))
+        })
+        .await
+        .map_err(|e| Error::internal(format!("listing temporary files: {e}")))?
     }
 
     /// An in-memory store (unit tests).

@@ -118,10 +118,12 @@ pub fn open(url: &str) -> Result<Store> {
     } else {
         StoreConfig::default()
     };
+    let mut local_root = None;
     let (raw, prefix): (Box<dyn ObjectStore>, String) = match parsed {
         StoreUrl::Local(p) => {
             let fs = DirectFs::new(&p)
                 .map_err(|e| Error::io("opening the store directory", &p.display(), e))?;
+            local_root = Some(fs.root().to_path_buf());
             (Box::new(fs), String::new())
         }
         StoreUrl::Memory => (
@@ -134,9 +136,13 @@ pub fn open(url: &str) -> Result<Store> {
     };
     let counted = MetricsStore::new(raw);
     let metrics = counted.metrics();
-    Ok(Store::new(Arc::new(counted), Path::from(prefix), url)
+    let store = Store::new(Arc::new(counted), Path::from(prefix), url)
         .with_config(cfg)?
-        .with_metrics(metrics))
+        .with_metrics(metrics);
+    Ok(match local_root {
+        Some(root) => store.with_local_root(root),
+        None => store,
+    })
 }
 
 #[cfg(feature = "s3")]

@@ -65,6 +65,20 @@ pub struct VerifyReport {
     pub bytes: u64,
     /// What is damaged.
     pub damaged: Vec<Damage>,
+    /// Temporary files interrupted writes left (local directory, whole-store verify only):
+    /// not damage, nothing references them; `ckpt gc` deletes them after the grace period.
+    pub temp_files: Vec<TempFileNote>,
+}
+
+/// A temporary file an interrupted write left (see [`crate::direct::temp_files`]).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TempFileNote {
+    /// Its path below the store's root.
+    pub file: String,
+    /// Its size.
+    pub bytes: u64,
+    /// When it was last written, in milliseconds since the epoch.
+    pub modified_ms: i64,
 }
 
 impl VerifyReport {
@@ -213,6 +227,16 @@ impl Store {
             }
         }
         if *scope == VerifyScope::Store {
+            report.temp_files = self
+                .temp_files()
+                .await?
+                .into_iter()
+                .map(|t| TempFileNote {
+                    file: t.key,
+                    bytes: t.bytes,
+                    modified_ms: t.modified.timestamp_millis(),
+                })
+                .collect();
             for dir in [self.keys().chunks_dir(), self.keys().packs_dir()] {
                 let metas: Vec<_> = self
                     .object_store()

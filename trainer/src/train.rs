@@ -408,10 +408,8 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
     let committer_here = ranks.contains(&0);
     let metrics = match &args.metrics_out {
         Some(p) => Some(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(p)
+            // Appended to, never through a link planted at the name.
+            ckpt_store::outfile::open_regular(p, true)
                 .map_err(|e| Error::io("opening the metrics file", &p.display(), e))?,
         ),
         None => None,

@@ -7,6 +7,12 @@
 //! FUSE mount serves as `model.safetensors`, so both are byte-identical. Files appear
 //! atomically (written under a hidden name, synced, renamed); only generated names are ever
 //! created, inside `--out`, whatever the tensors are called.
+//!
+//! `--out` may be a directory other users can write to: every file is created afresh with
+//! `O_EXCL | O_NOFOLLOW` under `.NAME.partial` (a leftover regular one is replaced) and renamed
+//! over `NAME`; a symbolic link, directory or other non-regular file at either name is an
+//! error naming it (even with `--force`), so nothing outside `--out` is ever written through
+//! a link planted there ([`ckpt_store::outfile`]).
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -15,6 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use ckpt_store::direct::AlignedBuf;
+use ckpt_store::outfile::{self, Replacing};
 use ckpt_store::placement::flat_range_boxes;
 use ckpt_store::{CommitRecord, DType, SafetensorsView, StepReader, Store};
 use futures::StreamExt;
@@ -204,11 +211,24 @@ pub async fn export(store: &Store, args: &ExportArgs, ui: &Ui) -> Result<ExportR
     if n > 1 {
         targets.push(INDEX_FILE);
     }
+    // A link or special file at a name the export writes is refused even with --force: it is
+    // not this export's to replace (a planted link would send the bytes outside --out).
+    for f in &targets {
+        let p = args.out.join(f);
+        for q in [
+            p.clone(),
+            Replacing::temp_name(&p).unwrap_or_else(|_| p.clone()),
+        ] {
+            outfile::check_replaceable(&q).map_err(|e| {
+                CliError::error(e.to_string()).hint("remove it, or choose another --out")
+            })?;
+        }
+    }
     if !args.force {
         let present: Vec<&str> = targets
             .iter()
             .copied()
-            .filter(|f| args.out.join(f).exists())
+            .filter(|f| std::fs::symlink_metadata(args.out.join(f)).is_ok())
             .collect();
         if !present.is_empty() {
             return Err(CliError::error(format!(
@@ -228,8 +248,16 @@ pub async fn export(store: &Store, args: &ExportArgs, ui: &Ui) -> Result<ExportR
     let mut files = Vec::with_capacity(n);
     for (view, file) in views.iter().zip(&file_names) {
         let path = args.out.join(file);
-        let bytes = write_atomically(&path, |tmp| {
-            write_view(&reader, &original, view, args.dtype.is_some(), tmp, &pb)
+        let bytes = write_atomically(&path, true, |file, tmp| {
+            write_view(
+                &reader,
+                &original,
+                view,
+                args.dtype.is_some(),
+                file,
+                tmp,
+                &pb,
+            )
         })
         .await
         .map_err(|e| {
@@ -270,10 +298,11 @@ pub async fn export(store: &Store, args: &ExportArgs, ui: &Ui) -> Result<ExportR
             .map_err(|e| CliError::error(format!("index json: {e}")))?;
         text.push(b'\n');
         let path = args.out.join(INDEX_FILE);
-        write_atomically(&path, |tmp| async move {
-            std::fs::write(&tmp, &text)
+        write_atomically(&path, false, |mut file, tmp| async move {
+            file.write(&text)
+                .and_then(|()| file.finish())
                 .map_err(|e| CliError::error(format!("writing {}: {e}", tmp.display())))?;
-            Ok(text.len() as u64)
+            Ok((text.len() as u64, file.into_file()))
         })
         .await?;
         index = Some(INDEX_FILE.to_string());
@@ -299,39 +328,24 @@ fn sync_dir(dir: &Path) {
     }
 }
 
-/// Write `path` through `.NAME.partial` beside it: `write` fills the temporary file, which is
-/// then synced and renamed; on failure it is removed and `path` is untouched.
-async fn write_atomically<F, Fut>(path: &Path, write: F) -> Result<u64>
+/// Write `path` through `.NAME.partial` beside it, created afresh without following links
+/// ([`Replacing`]; `O_DIRECT` when `direct` and the file system allows it): `write` fills the
+/// temporary file and hands it back, it is then synced and renamed; on failure it is removed
+/// and `path` is untouched.
+async fn write_atomically<F, Fut>(path: &Path, direct: bool, write: F) -> Result<u64>
 where
-    F: FnOnce(PathBuf) -> Fut,
-    Fut: std::future::Future<Output = Result<u64>>,
+    F: FnOnce(OutFile, PathBuf) -> Fut,
+    Fut: std::future::Future<Output = Result<(u64, std::fs::File)>>,
 {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .and_then(|n| n.to_str())
-        .ok_or_else(|| CliError::error(format!("bad output path {}", path.display())))?;
-    let tmp = dir.join(format!(".{name}.partial"));
-    match write(tmp.clone()).await {
-        Ok(n) => {
-            let f = std::fs::OpenOptions::new()
-                .write(true)
-                .open(&tmp)
-                .and_then(|f| f.sync_all());
-            if let Err(e) = f.and_then(|()| std::fs::rename(&tmp, path)) {
-                let _ = std::fs::remove_file(&tmp);
-                return Err(CliError::error(format!(
-                    "finishing {}: {e}",
-                    path.display()
-                )));
-            }
-            Ok(n)
-        }
-        Err(e) => {
-            let _ = std::fs::remove_file(&tmp);
-            Err(e)
-        }
-    }
+    let (replacing, file) = OutFile::create(path, direct)
+        .map_err(|e| CliError::error(format!("creating a file for {}: {e}", path.display())))?;
+    let tmp = replacing.temp_path().to_path_buf();
+    // On an error the temporary file is removed when `replacing` drops.
+    let (n, f) = write(file, tmp).await?;
+    replacing
+        .commit(f)
+        .map_err(|e| CliError::error(format!("finishing {}: {e}", path.display())))?;
+    Ok(n)
 }
 
 /// Stream a view into `path`. Up to `PIPELINE` blocks are read at once, and reading goes on
@@ -342,25 +356,25 @@ async fn write_view(
     original: &CommitRecord,
     view: &SafetensorsView,
     converting: bool,
+    file: OutFile,
     path: PathBuf,
     pb: &ProgressBar,
-) -> Result<u64> {
-    let file = OutFile::create(&path)
-        .map_err(|e| CliError::error(format!("creating {}: {e}", path.display())))?;
+) -> Result<(u64, std::fs::File)> {
     let pool: Arc<Mutex<Vec<Vec<u8>>>> = Arc::default();
     // A permit per block outstanding (being read, or queued for the writer): bounds memory.
     let permits = Arc::new(tokio::sync::Semaphore::new(PIPELINE));
     let (tx, rx) = std::sync::mpsc::channel::<(Vec<u8>, OwnedSemaphorePermit)>();
     let writer = {
         let pool = pool.clone();
-        tokio::task::spawn_blocking(move || -> std::io::Result<u64> {
+        tokio::task::spawn_blocking(move || -> std::io::Result<(u64, std::fs::File)> {
             let mut f = file;
             for (block, permit) in rx {
                 f.write(&block)?;
                 pool.lock().expect("buffer pool").push(block);
                 drop(permit);
             }
-            f.finish()
+            let n = f.finish()?;
+            Ok((n, f.into_file()))
         })
     };
 
@@ -400,7 +414,7 @@ async fn write_view(
     }
     drop(reads);
     drop(tx);
-    let written = writer
+    let (written, out) = writer
         .await
         .map_err(|_| CliError::error("the writer thread panicked"))?
         .map_err(|e| {
@@ -420,7 +434,7 @@ async fn write_view(
             view.len()
         )));
     }
-    Ok(written)
+    Ok((written, out))
 }
 
 /// Bytes staged per `O_DIRECT` write.
@@ -438,25 +452,44 @@ struct OutFile {
 }
 
 impl OutFile {
-    fn create(path: &Path) -> std::io::Result<Self> {
-        use std::os::unix::fs::OpenOptionsExt;
-        let mut o = std::fs::OpenOptions::new();
-        o.write(true).create(true).truncate(true);
-        match o.clone().custom_flags(libc::O_DIRECT).open(path) {
-            Ok(f) => Ok(OutFile {
-                f,
-                stage: Some(AlignedBuf::zeroed(STAGE)),
-                fill: 0,
-                at: 0,
-            }),
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(OutFile {
-                f: o.open(path)?,
-                stage: None,
-                fill: 0,
-                at: 0,
-            }),
+    /// Start replacing `path` ([`Replacing`]): the temporary file, with `O_DIRECT` if `direct`
+    /// and the file system takes it.
+    fn create(path: &Path, direct: bool) -> std::io::Result<(Replacing, Self)> {
+        let buffered = |(r, f)| {
+            (
+                r,
+                OutFile {
+                    f,
+                    stage: None,
+                    fill: 0,
+                    at: 0,
+                },
+            )
+        };
+        if !direct {
+            return Replacing::start(path, 0).map(buffered);
+        }
+        match Replacing::start(path, libc::O_DIRECT) {
+            Ok((r, f)) => Ok((
+                r,
+                OutFile {
+                    f,
+                    stage: Some(AlignedBuf::zeroed(STAGE)),
+                    fill: 0,
+                    at: 0,
+                },
+            )),
+            // tmpfs refuses O_DIRECT (after creating the file, which `start` replaces).
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                Replacing::start(path, 0).map(buffered)
+            }
             Err(e) => Err(e),
         }
+    }
+
+    /// The file, once [`OutFile::finish`]ed.
+    fn into_file(self) -> std::fs::File {
+        self.f
     }
 
     fn write(&mut self, mut data: &[u8]) -> std::io::Result<()> {
@@ -480,7 +513,7 @@ impl OutFile {
     }
 
     /// Write what is staged (padded to the alignment, then truncated back); returns the size.
-    fn finish(mut self) -> std::io::Result<u64> {
+    fn finish(&mut self) -> std::io::Result<u64> {
         use std::os::unix::fs::FileExt;
         match self.stage.as_mut() {
             None => self.f.flush()?,
@@ -490,6 +523,7 @@ impl OutFile {
                 self.f.write_all_at(&stage.full_mut()[..padded], self.at)?;
                 self.at += self.fill as u64;
                 self.f.set_len(self.at)?;
+                self.fill = 0;
             }
             Some(_) => {}
         }

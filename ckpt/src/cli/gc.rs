@@ -4,7 +4,9 @@
 //!
 //! What a save in progress needs survives: its chunks are younger than the grace period (GC
 //! never deletes an unreferenced object younger than that), and so is its incomplete step.
-//! `--protect RUN@STEP` keeps a step a pending save builds on whatever retention says.
+//! `--protect RUN@STEP` keeps a step a pending save builds on whatever retention says. On a
+//! local directory, temporary files that interrupted writes left are deleted once older than
+//! the grace period.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -211,6 +213,15 @@ impl Report for GcOutput {
         )?;
         if let Some(why) = &r.sweep_deferred {
             writeln!(w, "  sweep      deferred: {why}")?;
+        }
+        if r.temp_files_deleted + r.temp_files_in_grace > 0 {
+            writeln!(
+                w,
+                "  temporary  {del} {} file(s) interrupted writes left, {deletes} {}; kept {} in the grace period",
+                r.temp_files_deleted,
+                fmt::bytes(r.temp_bytes_freed),
+                r.temp_files_in_grace
+            )?;
         }
         Ok(())
     }

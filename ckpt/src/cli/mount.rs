@@ -56,9 +56,19 @@ fn background(url: Option<&str>, args: &MountArgs, ui: &Ui) -> Result<()> {
     let exe = std::env::current_exe()
         .map_err(|e| CliError::error(format!("cannot find the ckpt binary to restart: {e}")))?;
     // The child's log goes to a file: it outlives this process, so a pipe would break.
-    let log_path = std::env::temp_dir().join(format!("ckpt-mount-{}.log", std::process::id()));
-    let log = std::fs::File::create(&log_path)
-        .map_err(|e| CliError::error(format!("creating {}: {e}", log_path.display())))?;
+    // A new file under a free name: the temporary directory is shared, and a link planted at
+    // the name must not send the log anywhere else.
+    let (log, log_path) = ckpt_store::outfile::create_unique(
+        &std::env::temp_dir(),
+        &format!("ckpt-mount-{}", std::process::id()),
+        ".log",
+    )
+    .map_err(|e| {
+        CliError::error(format!(
+            "creating a log file in {}: {e}",
+            std::env::temp_dir().display()
+        ))
+    })?;
     let mut cmd = Command::new(exe);
     cmd.arg("mount")
         .arg(&args.mountpoint)

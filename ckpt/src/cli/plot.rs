@@ -33,7 +33,8 @@ use super::{CliError, Report, Result, Ui};
 pub struct PlotArgs {
     /// The run.
     pub run: String,
-    /// The image to write: .png or .svg.
+    /// The image to write: .png or .svg (written beside it as .NAME.partial, then renamed; a
+    /// symbolic link or special file at either name is refused).
     #[arg(long, value_name = "FILE")]
     pub out: PathBuf,
     /// Width in pixels.
@@ -318,7 +319,9 @@ pub async fn plot(store: &Store, args: &PlotArgs, ui: &Ui) -> Result<PlotReport>
                 .map_err(|e| CliError::error(format!("encoding the PNG: {e}")))?
         }
     };
-    std::fs::write(&args.out, &bytes)
+    // Through a fresh `.NAME.partial`, renamed over NAME: never through a link planted at
+    // either name (refused, naming it).
+    ckpt_store::outfile::write_replacing(&args.out, &bytes)
         .map_err(|e| CliError::error(format!("writing {}: {e}", args.out.display())))?;
     Ok(PlotReport {
         run: args.run.clone(),

@@ -181,6 +181,29 @@ impl Report for VerifyOutput {
             fmt::duration(self.seconds),
             fmt::rate(r.bytes, self.seconds)
         )?;
+        if !r.temp_files.is_empty() {
+            let bytes: u64 = r.temp_files.iter().map(|t| t.bytes).sum();
+            let shown: Vec<&str> = r
+                .temp_files
+                .iter()
+                .take(3)
+                .map(|t| t.file.as_str())
+                .collect();
+            writeln!(
+                w,
+                "note: {} temporary file(s) ({}) that interrupted writes left: {}{}; not damage \
+                 (nothing references them), `ckpt gc` deletes them once they are older than its \
+                 grace period",
+                r.temp_files.len(),
+                fmt::bytes(bytes),
+                shown.join(", "),
+                if r.temp_files.len() > shown.len() {
+                    ", ..."
+                } else {
+                    ""
+                }
+            )?;
+        }
         if self.clean {
             return writeln!(w, "OK: nothing is damaged");
         }
