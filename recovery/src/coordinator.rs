@@ -1,23 +1,40 @@
 //! The recovery coordinator as a state machine with no I/O: events in, actions out.
 //!
 //! ```text
-//!            start                 failure detected               all stopped
-//!   Idle ----------> Running -------------------------> Stopping ------------> Choosing
-//!                     ^   |  all ranks exited 0                                   |
-//!                     |   +---------------------> Done(ok)                        | step chosen
-//!                     |                                                           v
-//!                     +------------------------ Backoff <------------ decide layout, or
-//!                        backoff elapsed: start generation + 1        Done(failed) when the
-//!                                                                      survivors cannot hold
-//!                                                                      the model or restarts
-//!                                                                      are exhausted
+//!        start     step chosen          failure detected               all stopped
+//!   Idle -----> Choosing ---> Running -------------------> Stopping ------------> Choosing
+//!                              ^   |  all ranks exited 0       |  after a data failure |
+//!                              |   +----------> Done(ok)       +--> Checking ----------+
+//!                              |                                    (step verified)    |
+//!                              |                                                       v
+//!                              +------------------------ Backoff <-------- decide layout, or
+//!                                 backoff elapsed: start generation + 1    Done(failed) when
+//!                                                                           the survivors cannot
+//!                                                                           hold the model or
+//!                                                                           restarts are exhausted
 //! ```
+//!
+//! Every generation, the first included, restores the step the coordinator chose
+//! ([`Action::Start`]'s `resume_from`, which the driver passes to the ranks as
+//! `CKPT_RESUME_STEP`): the newest committed step whose objects are all present and that no
+//! rank has found damaged.
 //!
 //! A rank is failed when it exits abnormally, sends no heartbeat for `heartbeat_timeout`
 //! (a stopped or dead process), or makes no step progress for `hang_timeout` (a hang), and
 //! its node is excluded. The remaining ranks get SIGTERM, then SIGKILL after `stop_grace`.
 //! The new layout keeps tp x pp and uses spare nodes first; otherwise it shrinks dp to what
 //! the surviving nodes hold. Restarts back off exponentially.
+//!
+//! A rank that exits with [`DATA_FAILURE_EXIT`] before its first heartbeat could not restore
+//! the chosen step because of the data (an object missing or damaged). That is not a node
+//! failure: the job is stopped, the driver verifies the step ([`Action::CheckStep`]), and when
+//! the store's copy is damaged the step is marked unusable (a `step_unusable` record), no node
+//! is excluded, and the next older intact step is chosen; such restarts do not count against
+//! `max_restarts` (each marks one more step unusable, so they end). When the step verifies
+//! clean the rank's node is suspect and fails as usual (`how` = `restore`). Steps the driver
+//! finds with objects missing while choosing are marked unusable too. Once an older step is
+//! chosen, the unusable steps after it are retired ([`Action::RetireStep`]): their commit
+//! records go, so the job can save those step numbers again.
 //!
 //! Time is a `Duration` since the supervisor started, passed in with every event, so tests
 //! replay any schedule exactly.
@@ -78,6 +95,12 @@ impl Config {
         }
     }
 }
+
+/// The exit code of a rank that could not restore the step it was given because of the data
+/// (an object missing or damaged: `ErrorKind::NotFound` or `Corrupt`), not because of its
+/// node. `ckpt-train` exits with it; other programs under `ckpt resume` may too (65 is
+/// `EX_DATAERR` of sysexits.h).
+pub const DATA_FAILURE_EXIT: i32 = 65;
 
 /// How a rank process ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -145,6 +168,19 @@ pub enum Event {
         generation: u64,
         /// The step, or `None` when the run has no usable checkpoint.
         step: Option<u64>,
+        /// Newer committed steps the driver found damaged (objects missing), with why.
+        damaged: Vec<(u64, String)>,
+        /// Time.
+        now: Duration,
+    },
+    /// The driver verified a step a rank could not restore ([`Action::CheckStep`]).
+    StepChecked {
+        /// The generation that asked.
+        generation: u64,
+        /// The step.
+        step: u64,
+        /// What is damaged, or `None` when the store's copy verifies clean.
+        damage: Option<String>,
         /// Time.
         now: Duration,
     },
@@ -196,6 +232,20 @@ pub enum Record {
         /// Seconds from the failure's evidence (last heartbeat or progress) to detection;
         /// 0 for exits, which are seen at once.
         detection_s: f64,
+        /// Milliseconds since the supervisor started.
+        at_ms: u64,
+    },
+    /// A committed step cannot be restored: an object is missing or damaged. It is never
+    /// chosen again, and is retired once an older step is chosen.
+    StepUnusable {
+        /// Generation that found it.
+        generation: u64,
+        /// The step.
+        step: u64,
+        /// The rank whose restore failed, or `None` when the driver found it while choosing.
+        rank: Option<u32>,
+        /// What is missing or damaged.
+        why: String,
         /// Milliseconds since the supervisor started.
         at_ms: u64,
     },
@@ -252,7 +302,8 @@ pub enum Action {
         layout: Layout,
         /// Where each rank runs.
         assignments: Vec<Assignment>,
-        /// The step the ranks restore (they resume from the newest committed one).
+        /// The step the ranks restore, exactly (`CKPT_RESUME_STEP`); `None`: the run has no
+        /// usable checkpoint.
         resume_from: Option<u64>,
     },
     /// Signal ranks of a generation: SIGTERM, or SIGKILL.
@@ -264,11 +315,27 @@ pub enum Action {
         /// SIGKILL instead of SIGTERM.
         kill: bool,
     },
-    /// Find the newest committed step whose chunks are all present; answer with
-    /// [`Event::StepChosen`].
+    /// Find the newest committed step whose chunks are all present, other than `skip`;
+    /// answer with [`Event::StepChosen`].
     ChooseStep {
         /// Generation asking.
         generation: u64,
+        /// Steps marked unusable: not candidates.
+        skip: Vec<u64>,
+    },
+    /// Verify every object of `step` (a rank could not restore it); answer with
+    /// [`Event::StepChecked`].
+    CheckStep {
+        /// Generation asking.
+        generation: u64,
+        /// The step.
+        step: u64,
+    },
+    /// Take an unusable step out of the committed steps (delete its commit record; its
+    /// manifests stay until gc's grace period), so that the job can save it again.
+    RetireStep {
+        /// The step.
+        step: u64,
     },
     /// Append to the recovery log.
     Record(Record),
@@ -337,9 +404,20 @@ impl RankState {
 enum Phase {
     Idle,
     Running,
-    Stopping { kill_at: Duration, killed: bool },
-    Choosing,
-    Backoff { until: Duration, step: Option<u64> },
+    Stopping {
+        kill_at: Duration,
+        killed: bool,
+    },
+    /// Waiting for [`Event::StepChosen`]; `first`: for the first generation.
+    Choosing {
+        first: bool,
+    },
+    /// Waiting for [`Event::StepChecked`].
+    Checking,
+    Backoff {
+        until: Duration,
+        step: Option<u64>,
+    },
     Done,
 }
 
@@ -357,6 +435,16 @@ pub struct Coordinator {
     failed_at: Option<Duration>,
     resume_from: Option<u64>,
     resumed_reported: bool,
+    /// Restarts after node failures (what `max_restarts` bounds).
+    node_restarts: u32,
+    /// The stop under way is for a data failure: (rank, step it could not restore).
+    data_failure: Option<(u32, u64)>,
+    /// The stop under way also saw a node failure.
+    node_failed: bool,
+    /// Steps marked unusable.
+    unusable: BTreeSet<u64>,
+    /// Unusable steps already retired.
+    retired: BTreeSet<u64>,
 }
 
 fn ms(d: Duration) -> u64 {
@@ -378,6 +466,11 @@ impl Coordinator {
             failed_at: None,
             resume_from: None,
             resumed_reported: true,
+            node_restarts: 0,
+            data_failure: None,
+            node_failed: false,
+            unusable: BTreeSet::new(),
+            retired: BTreeSet::new(),
         }
     }
 
@@ -434,6 +527,7 @@ impl Coordinator {
         c.layout = t.layout;
         c.excluded = t.excluded;
         c.restarts = t.restarts;
+        c.node_restarts = t.restarts;
         c.max_step = t.max_step;
         c.phase = Phase::Running;
         c.ranks = t
@@ -498,6 +592,7 @@ impl Coordinator {
             }));
         }
         c.failed_at = Some(now);
+        c.node_failed = true;
         c.phase = Phase::Stopping {
             kill_at: now + c.cfg.stop_grace,
             killed: t.killed,
@@ -583,7 +678,12 @@ impl Coordinator {
                         ),
                     );
                 }
-                self.start_generation(now, None)
+                // The first generation restores what the driver chooses, like every other.
+                self.phase = Phase::Choosing { first: true };
+                vec![Action::ChooseStep {
+                    generation: self.generation,
+                    skip: vec![],
+                }]
             }
             Event::Heartbeat {
                 generation,
@@ -626,14 +726,138 @@ impl Coordinator {
             Event::StepChosen {
                 generation,
                 step,
+                damaged,
                 now,
             } => {
-                if generation != self.generation || self.phase != Phase::Choosing {
+                let Phase::Choosing { first } = self.phase else {
+                    return vec![];
+                };
+                if generation != self.generation {
                     return vec![];
                 }
-                self.decide(step, now)
+                self.on_chosen(first, step, damaged, now)
+            }
+            Event::StepChecked {
+                generation,
+                step,
+                damage,
+                now,
+            } => {
+                if generation != self.generation || self.phase != Phase::Checking {
+                    return vec![];
+                }
+                self.on_checked(step, damage, now)
             }
         }
+    }
+
+    /// The driver chose `step`: mark the damaged steps it found unusable, retire those after
+    /// the chosen step, and start (the first generation) or restart.
+    fn on_chosen(
+        &mut self,
+        first: bool,
+        step: Option<u64>,
+        damaged: Vec<(u64, String)>,
+        now: Duration,
+    ) -> Vec<Action> {
+        let mut out = Vec::new();
+        for (s, why) in damaged {
+            if self.unusable.insert(s) {
+                out.push(Action::Record(Record::StepUnusable {
+                    generation: self.generation,
+                    step: s,
+                    rank: None,
+                    why,
+                    at_ms: ms(now),
+                }));
+            }
+        }
+        match step {
+            None if !self.unusable.is_empty() => {
+                let steps: Vec<String> = self.unusable.iter().map(u64::to_string).collect();
+                out.extend(self.finish(
+                    now,
+                    false,
+                    format!(
+                        "no intact checkpoint to resume from: step(s) {} are damaged (see the step_unusable records) \
+                         and no older committed step is intact; `ckpt verify` shows what is damaged",
+                        steps.join(", ")
+                    ),
+                ));
+                return out;
+            }
+            None => {}
+            Some(s) => {
+                let newer: Vec<u64> = self
+                    .unusable
+                    .range(s + 1..)
+                    .filter(|u| !self.retired.contains(u))
+                    .copied()
+                    .collect();
+                for u in newer {
+                    self.retired.insert(u);
+                    out.push(Action::RetireStep { step: u });
+                }
+            }
+        }
+        if first {
+            out.extend(self.start_generation(now, step));
+        } else {
+            out.extend(self.decide(step, now));
+        }
+        out
+    }
+
+    /// The driver verified the step a rank could not restore.
+    fn on_checked(&mut self, step: u64, damage: Option<String>, now: Duration) -> Vec<Action> {
+        let rank = self.data_failure.take().map(|(r, _)| r);
+        let mut out = Vec::new();
+        match damage {
+            Some(why) => {
+                self.unusable.insert(step);
+                out.push(Action::Record(Record::StepUnusable {
+                    generation: self.generation,
+                    step,
+                    rank,
+                    why,
+                    at_ms: ms(now),
+                }));
+            }
+            None => {
+                // The store's copy is intact: what the rank read was not. Its node is suspect.
+                if let Some(rank) = rank
+                    && let Some(r) = self.ranks.get(&rank)
+                {
+                    let node = r.node;
+                    self.excluded.insert(node);
+                    self.node_failed = true;
+                    out.push(Action::Record(Record::Failure {
+                        generation: self.generation,
+                        rank,
+                        node,
+                        how: "restore".into(),
+                        detail: format!(
+                            "rank {rank} could not restore step {step} (exit code {DATA_FAILURE_EXIT}: data missing or damaged), \
+                             but the store's copy of step {step} verifies clean: node {node} is suspect"
+                        ),
+                        last_step: None,
+                        detection_s: 0.0,
+                        at_ms: ms(now),
+                    }));
+                }
+            }
+        }
+        out.extend(self.choose());
+        out
+    }
+
+    /// Ask the driver for the step to restore, skipping the unusable ones.
+    fn choose(&mut self) -> Vec<Action> {
+        self.phase = Phase::Choosing { first: false };
+        vec![Action::ChooseStep {
+            generation: self.generation,
+            skip: self.unusable.iter().copied().collect(),
+        }]
     }
 
     fn on_exit(
@@ -665,6 +889,14 @@ impl Coordinator {
                     }
                     return vec![];
                 }
+                // Before its first heartbeat the rank was restoring: a data failure is about
+                // the step it was given, not its node.
+                if status == ExitStatus::Code(DATA_FAILURE_EXIT)
+                    && self.ranks[&rank].last_beat.is_none()
+                    && let Some(step) = self.resume_from
+                {
+                    return self.stop_for_data(rank, step, now);
+                }
                 let how = match status {
                     ExitStatus::Signal(_) => "signal",
                     ExitStatus::Code(_) => "exit",
@@ -682,6 +914,7 @@ impl Coordinator {
                 if status == ExitStatus::Signal(9) && !killed {
                     let node = self.ranks[&rank].node;
                     self.excluded.insert(node);
+                    self.node_failed = true;
                     let mut out = vec![Action::Record(Record::Failure {
                         generation,
                         rank,
@@ -780,6 +1013,28 @@ impl Coordinator {
         }
     }
 
+    /// Rank `rank` could not restore `step` because of the data: stop the others, excluding
+    /// no node; the step is verified once all have stopped.
+    fn stop_for_data(&mut self, rank: u32, step: u64, now: Duration) -> Vec<Action> {
+        self.data_failure = Some((rank, step));
+        self.failed_at = Some(now);
+        let live = self.live_ranks();
+        self.phase = Phase::Stopping {
+            kill_at: now + self.cfg.stop_grace,
+            killed: false,
+        };
+        let mut out = Vec::new();
+        if !live.is_empty() {
+            out.push(Action::Signal {
+                generation: self.generation,
+                ranks: live,
+                kill: false,
+            });
+        }
+        out.extend(self.maybe_all_stopped(now));
+        out
+    }
+
     fn fail(
         &mut self,
         rank: u32,
@@ -791,6 +1046,7 @@ impl Coordinator {
         let node = self.ranks[&rank].node;
         self.excluded.insert(node);
         self.failed_at = Some(now);
+        self.node_failed = true;
         let mut out = vec![Action::Record(Record::Failure {
             generation: self.generation,
             rank,
@@ -822,10 +1078,14 @@ impl Coordinator {
         if !matches!(self.phase, Phase::Stopping { .. }) || !self.live_ranks().is_empty() {
             return vec![];
         }
-        self.phase = Phase::Choosing;
-        vec![Action::ChooseStep {
-            generation: self.generation,
-        }]
+        if let Some((_, step)) = self.data_failure {
+            self.phase = Phase::Checking;
+            return vec![Action::CheckStep {
+                generation: self.generation,
+                step,
+            }];
+        }
+        self.choose()
     }
 
     /// The layout after a failure: the same when enough nodes remain (spares first), else dp
@@ -854,7 +1114,12 @@ impl Coordinator {
 
     fn decide(&mut self, step: Option<u64>, now: Duration) -> Vec<Action> {
         self.restarts += 1;
-        if self.restarts > self.cfg.max_restarts {
+        // A restart after a data failure alone marked one more step unusable: it does not
+        // count against the budget (there are only so many steps).
+        if std::mem::take(&mut self.node_failed) {
+            self.node_restarts += 1;
+        }
+        if self.node_restarts > self.cfg.max_restarts {
             return self.finish(
                 now,
                 false,
@@ -986,10 +1251,17 @@ mod tests {
             status: ExitStatus::Signal(15),
             now: ms(20),
         });
-        assert_eq!(out, vec![Action::ChooseStep { generation: 5 }]);
+        assert_eq!(
+            out,
+            vec![Action::ChooseStep {
+                generation: 5,
+                skip: vec![]
+            }]
+        );
         let out = c.on_event(Event::StepChosen {
             generation: 5,
             step: Some(8),
+            damaged: vec![],
             now: ms(30),
         });
         assert!(matches!(
@@ -1067,7 +1339,13 @@ mod tests {
             status: ExitStatus::Signal(9),
             now: ms(6),
         });
-        assert_eq!(out, vec![Action::ChooseStep { generation: 5 }]);
+        assert_eq!(
+            out,
+            vec![Action::ChooseStep {
+                generation: 5,
+                skip: vec![]
+            }]
+        );
         assert_eq!(c.excluded(), vec![2]);
     }
 

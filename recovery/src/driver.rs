@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use ckpt_store::logs::{EVENTS, LogWriter, METRICS};
 use ckpt_store::placement::{stage_of, tp_box};
-use ckpt_store::{Error, Layout, Result, StepReader, Store};
+use ckpt_store::{Error, ErrorKind, Layout, Result, StepReader, Store, VerifyScope};
 use serde::Serialize;
 use serde_json::json;
 use tokio::sync::mpsc;
@@ -71,24 +71,89 @@ pub async fn restore_plan(
     Ok(out)
 }
 
+/// What [`choose_step`] found.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Chosen {
+    /// The newest committed step whose objects are all present and that is not skipped.
+    pub step: Option<u64>,
+    /// Newer steps found damaged (an object missing, a manifest or commit record unreadable
+    /// as data), with why: never restorable.
+    pub damaged: Vec<(u64, String)>,
+    /// Newer steps passed over for other reasons (skipped on request, or the store failed
+    /// while checking them), with why.
+    pub passed: Vec<(u64, String)>,
+}
+
 /// The newest committed step of `run` whose chunk and pack objects are all present (one HEAD
-/// per distinct object), with the steps skipped and why.
-pub async fn choose_step(store: &Store, run: &str) -> Result<(Option<u64>, Vec<String>)> {
-    let mut skipped = Vec::new();
+/// per distinct object), not counting the steps in `skip`, with the newer steps passed over
+/// and why.
+pub async fn choose_step(store: &Store, run: &str, skip: &[u64]) -> Result<Chosen> {
+    let mut out = Chosen::default();
     let mut steps = store.committed_steps(run).await?;
     steps.reverse();
     for s in steps {
+        if skip.contains(&s) {
+            out.passed.push((s, "marked unusable".into()));
+            continue;
+        }
         match step_objects_missing(store, run, s).await {
-            Ok(missing) if missing.is_empty() => return Ok((Some(s), skipped)),
-            Ok(missing) => skipped.push(format!(
-                "step {s}: {} objects missing (first: {})",
-                missing.len(),
-                missing[0]
+            Ok(missing) if missing.is_empty() => {
+                out.step = Some(s);
+                return Ok(out);
+            }
+            Ok(missing) => out.damaged.push((
+                s,
+                format!("{} objects missing (first: {})", missing.len(), missing[0]),
             )),
-            Err(e) => skipped.push(format!("step {s}: {e}")),
+            Err(e) if is_data_error(&e) => out.damaged.push((s, e.to_string())),
+            Err(e) => out.passed.push((s, e.to_string())),
         }
     }
-    Ok((None, skipped))
+    Ok(out)
+}
+
+/// Whether `e` says stored data is missing or damaged (as opposed to the store failing).
+pub fn is_data_error(e: &Error) -> bool {
+    matches!(e.kind(), ErrorKind::NotFound | ErrorKind::Corrupt)
+}
+
+/// Verify every object of committed `step` (re-hash its chunks): what is damaged, or `None`
+/// when it verifies clean. A step that is no longer committed is damage too.
+pub async fn check_step(store: &Store, run: &str, step: u64) -> Result<Option<String>> {
+    let scope = VerifyScope::Step(run.to_string(), step);
+    let report = match store.verify(&scope, None).await {
+        Ok(r) => r,
+        Err(e) if is_data_error(&e) => return Ok(Some(e.to_string())),
+        Err(e) => return Err(e),
+    };
+    let Some(first) = report.damaged.first() else {
+        return Ok(None);
+    };
+    let affects: Vec<&str> = first.affects.iter().map(|a| a.item.as_str()).collect();
+    Ok(Some(format!(
+        "{} damaged object(s); first: {}: {} (affects {})",
+        report.damaged.len(),
+        first.object,
+        first.problem,
+        if affects.is_empty() {
+            "nothing".to_string()
+        } else {
+            affects.join(", ")
+        }
+    )))
+}
+
+/// Retire an unusable step: delete its commit record, so it is no longer committed and the
+/// job can save that step again. Its manifests stay (gc sweeps them after its grace period).
+pub async fn retire_step(store: &Store, run: &str, step: u64) -> Result<()> {
+    store
+        .delete_all(vec![store.keys().commit(run, step)])
+        .await?;
+    warn!(
+        run,
+        step, "retired unusable step: its commit record is deleted"
+    );
+    Ok(())
 }
 
 async fn step_objects_missing(store: &Store, run: &str, step: u64) -> Result<Vec<String>> {
@@ -127,13 +192,13 @@ pub async fn first_free_generation(store: &Store, run: &str) -> Result<u64> {
     Ok(marked.max(committed))
 }
 
-/// The choose-step answer, with skipped steps logged.
-pub async fn choose_step_logged(store: &Store, run: &str) -> Result<Option<u64>> {
-    let (step, skipped) = choose_step(store, run).await?;
-    for s in &skipped {
-        warn!("not restoring {s}");
+/// The choose-step answer, with the steps passed over logged.
+pub async fn choose_step_logged(store: &Store, run: &str, skip: &[u64]) -> Result<Chosen> {
+    let chosen = choose_step(store, run, skip).await?;
+    for (s, why) in chosen.damaged.iter().chain(&chosen.passed) {
+        warn!("not restoring step {s}: {why}");
     }
-    Ok(step)
+    Ok(chosen)
 }
 
 /// How ranks are launched: the same for every rank of a job.
@@ -162,16 +227,23 @@ pub struct Launch {
     pub peer_agents: Vec<(u32, String)>,
 }
 
+/// The step a launched rank restores, exactly (set next to `CKPT_RESUME=true` when the
+/// coordinator chose one).
+pub const ENV_RESUME_STEP: &str = "CKPT_RESUME_STEP";
+
 /// A rank exit: the tag given at launch, the rank, and how it ended.
 pub type RankExit = (u64, u32, ExitStatus);
 
 impl Launch {
-    /// Start rank `a` of generation `generation` under `layout`; its exit is sent on `exits`
-    /// with `tag`. Returns its process id.
+    /// Start rank `a` of generation `generation` under `layout`, restoring `resume_from`
+    /// (`CKPT_RESUME_STEP`, absent when `None`); its exit is sent on `exits` with `tag`.
+    /// Returns its process id.
+    #[allow(clippy::too_many_arguments)]
     pub fn spawn(
         &self,
         generation: u64,
         layout: &Layout,
+        resume_from: Option<u64>,
         a: &Assignment,
         master: (&str, u16),
         tag: u64,
@@ -202,6 +274,11 @@ impl Launch {
             .env("MASTER_PORT", master.1.to_string())
             .stdin(Stdio::null())
             .kill_on_drop(true);
+        if let Some(step) = resume_from {
+            cmd.env(ENV_RESUME_STEP, step.to_string());
+        } else {
+            cmd.env_remove(ENV_RESUME_STEP);
+        }
         if let Some((agent, buddy, peers)) = peer_env(&self.peer_agents, a.node) {
             cmd.env("CKPT_PEER_AGENT", agent)
                 .env("CKPT_PEER_BUDDY", buddy)
@@ -462,6 +539,9 @@ fn log_record(rec: &Record) {
         } => {
             info!(step, since_failure_s, "training resumed")
         }
+        Record::StepUnusable {
+            step, rank, why, ..
+        } => warn!(step, rank = ?rank, "step unusable: {why}"),
         Record::Finished { ok, reason, .. } => info!(ok, "job finished: {reason}"),
     }
 }

@@ -19,6 +19,9 @@ pub mod driver;
 pub mod heartbeat;
 pub mod supervisor;
 
-pub use coordinator::{Action, Config, Coordinator, Event, ExitStatus, Record, Topology};
+pub use coordinator::{
+    Action, Config, Coordinator, DATA_FAILURE_EXIT, Event, ExitStatus, Record, Topology,
+};
+pub use driver::ENV_RESUME_STEP;
 pub use heartbeat::HeartbeatClient;
 pub use supervisor::{Report, RestoreSummary, SupervisorOptions, choose_step, restore_plan, run};

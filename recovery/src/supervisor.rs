@@ -5,8 +5,10 @@
 //! the environment (`CKPT_*`, and torchrun's `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
 //! `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`); receives heartbeats on a Unix socket;
 //! feeds exits, heartbeats and ticks to the [`Coordinator`]; and carries out its actions:
-//! signals, the choice of the newest committed step whose objects are all present, the restore
-//! plan, relaunches, and the recovery log (JSON lines in the run's `events` log).
+//! signals, the choice of the newest committed step whose objects are all present (passed to
+//! every rank as `CKPT_RESUME_STEP`), the verification of a step a rank could not restore,
+//! the retirement of unusable steps, the restore plan, relaunches, and the recovery log (JSON
+//! lines in the run's `events` log).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -21,8 +23,8 @@ use tracing::info;
 
 use crate::coordinator::{Action, Config, Coordinator, Event};
 use crate::driver::{
-    Launch, LossBoard, RankExit, RecoveryLog, choose_step_logged, first_free_generation, free_port,
-    private_dir, remove_private_dir, signal_rank,
+    Launch, LossBoard, RankExit, RecoveryLog, check_step, choose_step_logged,
+    first_free_generation, free_port, private_dir, remove_private_dir, retire_step, signal_rank,
 };
 pub use crate::driver::{RankPlan, choose_step, restore_plan};
 use crate::heartbeat::Beat;
@@ -157,7 +159,7 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
                         generation,
                         layout,
                         assignments,
-                        resume_from: _,
+                        resume_from,
                     } => {
                         let g = base + generation;
                         store.start_generation(&opts.run, g).await?;
@@ -175,6 +177,7 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
                             let pid = launch.spawn(
                                 g,
                                 &layout,
+                                resume_from,
                                 &a,
                                 ("127.0.0.1", port),
                                 generation,
@@ -195,14 +198,25 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
                             }
                         }
                     }
-                    Action::ChooseStep { generation } => {
-                        let step = choose_step_logged(&store, &opts.run).await?;
+                    Action::ChooseStep { generation, skip } => {
+                        let c = choose_step_logged(&store, &opts.run, &skip).await?;
                         pending.push(Event::StepChosen {
                             generation,
-                            step,
+                            step: c.step,
+                            damaged: c.damaged,
                             now: t0.elapsed(),
                         });
                     }
+                    Action::CheckStep { generation, step } => {
+                        let damage = check_step(&store, &opts.run, step).await?;
+                        pending.push(Event::StepChecked {
+                            generation,
+                            step,
+                            damage,
+                            now: t0.elapsed(),
+                        });
+                    }
+                    Action::RetireStep { step } => retire_step(&store, &opts.run, step).await?,
                     Action::Record(rec) => {
                         let v = log.render(&rec, |g| base + g).await;
                         log.write(v).await?;

@@ -10,7 +10,8 @@ use ckpt_recovery::coordinator::{
 const CASES: &str = r#"
 # A crash (SIGKILL) on one of 4 single-rank nodes: stop the others, restore, shrink dp.
 config nodes=4 rpn=1 spares=0 layout=dp=4
-0    start            => start g0 dp=4,tp=1,pp=1 nodes=0,1,2,3 from=-
+0    start            => choose g0
+0    chosen g0 none   => start g0 dp=4,tp=1,pp=1 nodes=0,1,2,3 from=-
 100  beat g0 r0 s5    => -
 100  beat g0 r1 s5    => -
 150  exit g0 r2 sig=9 => failure g0 r2 node=2 how=signal; term g0 [0,1,3]
@@ -28,7 +29,8 @@ config nodes=4 rpn=1 spares=0 layout=dp=4
 
 # Spares replace a failed node: the layout stays.
 config nodes=2 rpn=2 spares=1 layout=dp=2,tp=2
-0    start            => start g0 dp=2,tp=2,pp=1 nodes=0,1 from=-
+0    start            => choose g0
+0    chosen g0 none   => start g0 dp=2,tp=2,pp=1 nodes=0,1 from=-
 50   exit g0 r3 code=101 => failure g0 r3 node=1 how=exit; term g0 [0,1,2]
 60   exit g0 r0 sig=15 => -
 60   exit g0 r1 sig=15 => -
@@ -39,7 +41,8 @@ config nodes=2 rpn=2 spares=1 layout=dp=2,tp=2
 # A hang (SIGSTOP: no more heartbeats) is found within the timeout plus one tick; a rank
 # that ignores SIGTERM is killed after the grace period.
 config nodes=2 rpn=1 spares=0 layout=tp=2 heartbeat=1000 grace=500
-0    start            => start g0 dp=1,tp=2,pp=1 nodes=0,1 from=-
+0    start            => choose g0
+0    chosen g0 none   => start g0 dp=1,tp=2,pp=1 nodes=0,1 from=-
 100  beat g0 r0 s1    => -
 100  beat g0 r1 s1    => -
 900  beat g0 r0 s2    => -
@@ -53,7 +56,8 @@ config nodes=2 rpn=1 spares=0 layout=tp=2 heartbeat=1000 grace=500
 
 # No step progress while heartbeats keep coming is a hang too.
 config nodes=2 rpn=1 spares=1 layout=dp=2 hang=2000
-0    start            => start g0 dp=2,tp=1,pp=1 nodes=0,1 from=-
+0    start            => choose g0
+0    chosen g0 none   => start g0 dp=2,tp=1,pp=1 nodes=0,1 from=-
 100  beat g0 r0 s3    => -
 100  beat g0 r1 s3    => -
 1500 beat g0 r0 s4    => -
@@ -63,7 +67,8 @@ config nodes=2 rpn=1 spares=1 layout=dp=2 hang=2000
 
 # Two failures in a row, then too few survivors for tp x pp.
 config nodes=3 rpn=2 spares=0 layout=dp=3,tp=2
-0    start            => start g0 dp=3,tp=2,pp=1 nodes=0,1,2 from=-
+0    start            => choose g0
+0    chosen g0 none   => start g0 dp=3,tp=2,pp=1 nodes=0,1,2 from=-
 10   exit g0 r5 sig=9 => failure g0 r5 node=2 how=signal; term g0 [0,1,2,3,4]
 20   exit g0 r0 sig=15 => -
 20   exit g0 r1 sig=15 => -
@@ -84,7 +89,8 @@ config nodes=3 rpn=2 spares=0 layout=dp=3,tp=2
 
 # Restarts are bounded.
 config nodes=4 rpn=1 spares=0 layout=dp=4 max_restarts=1
-0    start            => start g0 dp=4,tp=1,pp=1 nodes=0,1,2,3 from=-
+0    start            => choose g0
+0    chosen g0 none   => start g0 dp=4,tp=1,pp=1 nodes=0,1,2,3 from=-
 10   exit g0 r0 sig=9 => failure g0 r0 node=0 how=signal; term g0 [1,2,3]
 20   exit g0 r1 sig=15 => -
 20   exit g0 r2 sig=15 => -
@@ -98,7 +104,8 @@ config nodes=4 rpn=1 spares=0 layout=dp=4 max_restarts=1
 
 # Events of an older generation are ignored.
 config nodes=2 rpn=1 spares=0 layout=dp=2
-0    start            => start g0 dp=2,tp=1,pp=1 nodes=0,1 from=-
+0    start            => choose g0
+0    chosen g0 none   => start g0 dp=2,tp=1,pp=1 nodes=0,1 from=-
 10   exit g0 r1 sig=9 => failure g0 r1 node=1 how=signal; term g0 [0]
 20   exit g0 r0 sig=15 => choose g0
 30   chosen g0 none   => decision dp=1,tp=1,pp=1 step=- lost=0
@@ -106,6 +113,63 @@ config nodes=2 rpn=1 spares=0 layout=dp=2
 310  exit g0 r0 sig=9 => -
 320  beat g0 r0 s99   => -
 330  exit g1 r0 code=0 => finished ok; done ok
+
+# A rank cannot restore the chosen step because of its data (exit 65 before its first beat):
+# no node is excluded; the step is verified, marked unusable, and the next older one chosen;
+# the unusable steps after it are retired. Such restarts do not count against max_restarts.
+config nodes=2 rpn=1 spares=1 layout=dp=2 max_restarts=0
+0    start            => choose g0
+0    chosen g0 12     => start g0 dp=2,tp=1,pp=1 nodes=0,1 from=12
+100  exit g0 r1 code=65 => term g0 [0]
+110  exit g0 r0 code=65 => check g0 s12
+120  checked g0 s12 damaged => unusable g0 s12 by=r1; choose g0 skip=12
+130  chosen g0 8      => retire s12; decision dp=2,tp=1,pp=1 step=8 lost=0
+300  tick             => start g1 dp=2,tp=1,pp=1 nodes=0,1 from=8
+400  exit g1 r0 code=65 => term g1 [1]
+410  exit g1 r1 sig=15 => check g1 s8
+420  checked g1 s8 damaged => unusable g1 s8 by=r0; choose g1 skip=8,12
+430  chosen g1 4      => retire s8; decision dp=2,tp=1,pp=1 step=4 lost=0
+700  tick             => start g2 dp=2,tp=1,pp=1 nodes=0,1 from=4
+800  beat g2 r0 s5    => resumed g2 s5
+900  exit g2 r0 code=0 => -
+900  exit g2 r1 code=0 => finished ok; done ok
+
+# Choosing finds the newest step's objects missing: it is marked unusable and retired, and the
+# first generation restores the older step.
+config nodes=1 rpn=1 spares=0 layout=dp=1
+0    start            => choose g0
+0    chosen g0 4 damaged=8 => unusable g0 s8 by=-; retire s8; start g0 dp=1,tp=1,pp=1 nodes=0 from=4
+
+# The rank reports damaged data but the store's copy verifies clean: what it read was damaged
+# on its node, which is failed and replaced by the spare; the same step is chosen again.
+config nodes=2 rpn=1 spares=1 layout=dp=2
+0    start            => choose g0
+0    chosen g0 8      => start g0 dp=2,tp=1,pp=1 nodes=0,1 from=8
+100  exit g0 r0 code=65 => term g0 [1]
+110  exit g0 r1 sig=15 => check g0 s8
+120  checked g0 s8 clean => failure g0 r0 node=0 how=restore; choose g0
+130  chosen g0 8      => decision dp=2,tp=1,pp=1 step=8 lost=0
+300  tick             => start g1 dp=2,tp=1,pp=1 nodes=1,2 from=8
+
+# Exit 65 after the rank's first heartbeat (it had restored) or without a chosen step is an
+# ordinary failure.
+config nodes=3 rpn=1 spares=0 layout=dp=2
+0    start            => choose g0
+0    chosen g0 8      => start g0 dp=2,tp=1,pp=1 nodes=0,1 from=8
+100  beat g0 r0 s8    => -
+200  exit g0 r0 code=65 => failure g0 r0 node=0 how=exit; term g0 [1]
+210  exit g0 r1 sig=15 => choose g0
+220  chosen g0 none   => decision dp=2,tp=1,pp=1 step=- lost=8
+500  tick             => start g1 dp=2,tp=1,pp=1 nodes=1,2 from=-
+510  exit g1 r0 code=65 => failure g1 r0 node=1 how=exit; term g1 [1]
+
+# Every committed step is damaged: the job stops and says so (nothing is retired).
+config nodes=1 rpn=1 spares=0 layout=dp=1
+0    start            => choose g0
+0    chosen g0 4      => start g0 dp=1,tp=1,pp=1 nodes=0 from=4
+100  exit g0 r0 code=65 => check g0 s4
+110  checked g0 s4 damaged => unusable g0 s4 by=r0; choose g0 skip=4
+120  chosen g0 none   => finished fail; done fail
 
 # A layout bigger than the nodes is refused at the start.
 config nodes=1 rpn=2 spares=0 layout=dp=4
@@ -172,9 +236,26 @@ fn parse_event(now: Duration, words: &[&str]) -> Event {
                 now,
             }
         }
+        // chosen gG STEP|none [damaged=S,S..]
         "chosen" => Event::StepChosen {
             generation: num(words[1], 'g'),
             step: (words[2] != "none").then(|| words[2].parse().unwrap()),
+            damaged: words
+                .get(3)
+                .and_then(|w| w.strip_prefix("damaged="))
+                .map(|l| {
+                    l.split(',')
+                        .map(|s| (s.parse().unwrap(), format!("step {s} is damaged")))
+                        .collect()
+                })
+                .unwrap_or_default(),
+            now,
+        },
+        // checked gG sS damaged|clean
+        "checked" => Event::StepChecked {
+            generation: num(words[1], 'g'),
+            step: num(words[2], 's'),
+            damage: (words[3] == "damaged").then(|| "an object is damaged".to_string()),
             now,
         },
         other => panic!("unknown event {other}"),
@@ -211,7 +292,24 @@ fn show(a: &Action) -> Option<String> {
                 r.join(",")
             )
         }
-        Action::ChooseStep { generation } => format!("choose g{generation}"),
+        Action::ChooseStep { generation, skip } if skip.is_empty() => {
+            format!("choose g{generation}")
+        }
+        Action::ChooseStep { generation, skip } => {
+            let s: Vec<String> = skip.iter().map(u64::to_string).collect();
+            format!("choose g{generation} skip={}", s.join(","))
+        }
+        Action::CheckStep { generation, step } => format!("check g{generation} s{step}"),
+        Action::RetireStep { step } => format!("retire s{step}"),
+        Action::Record(Record::StepUnusable {
+            generation,
+            step,
+            rank,
+            ..
+        }) => format!(
+            "unusable g{generation} s{step} by={}",
+            rank.map_or("-".into(), |r| format!("r{r}"))
+        ),
         Action::Record(Record::Failure {
             generation,
             rank,
@@ -294,6 +392,12 @@ fn too_few_survivors_say_what_would_work() {
     c.on_event(Event::Start {
         now: Duration::ZERO,
     });
+    c.on_event(Event::StepChosen {
+        generation: 0,
+        step: None,
+        damaged: vec![],
+        now: Duration::ZERO,
+    });
     let mut acts = c.on_event(Event::Exited {
         generation: 0,
         rank: 3,
@@ -312,6 +416,7 @@ fn too_few_survivors_say_what_would_work() {
     let acts = c.on_event(Event::StepChosen {
         generation: 0,
         step: Some(4),
+        damaged: vec![],
         now: Duration::from_millis(3),
     });
     let reason = acts

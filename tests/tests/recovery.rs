@@ -516,3 +516,277 @@ fn a_lost_node_is_restored_from_peer_replicas() {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Steps `every`, `2 * every`, ... `steps` of `run` committed by an uninterrupted job of two
+/// data-parallel ranks (seed 5, as the reference).
+fn committed_run(store: &Path, run: &str, steps: u64, every: u64) {
+    let out = std::process::Command::new(bin("ckpt-train", "ckpt-trainer"))
+        .arg("--store")
+        .arg(store)
+        .args([
+            "--run", run, "--layout", "dp=2", "--params", PARAMS, "--seed", "5",
+        ])
+        .args([
+            "--steps",
+            &steps.to_string(),
+            "--ckpt-every",
+            &every.to_string(),
+        ])
+        .env("CKPT_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The file of a chunk or pack object that `step` of `run` references and `older` does not.
+fn object_only_in(store: &Path, run: &str, step: u64, older: u64) -> PathBuf {
+    let st = ckpt_store::open(store.to_str().unwrap()).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let objects = |s: u64| {
+        rt.block_on(async {
+            let reader = ckpt_store::StepReader::open(&st, run, s).await.unwrap();
+            let mut out = std::collections::BTreeSet::new();
+            for e in &reader.commit().ranks {
+                let m = reader.manifest(e.rank).await.unwrap();
+                for c in m
+                    .tensors
+                    .iter()
+                    .flat_map(|t| &t.chunks)
+                    .chain(m.blobs.iter().flat_map(|b| &b.chunks))
+                {
+                    out.insert(st.object_of(c).to_string());
+                }
+            }
+            out
+        })
+    };
+    let old = objects(older);
+    let key = objects(step)
+        .into_iter()
+        .find(|k| !old.contains(k))
+        .expect("an object of the newer step only");
+    let p = store.join(key);
+    assert!(p.is_file(), "{} is not a file", p.display());
+    p
+}
+
+/// What `damaged_resume` saw.
+struct Resumed {
+    report: ckpt_recovery::Report,
+    /// The run's events log.
+    log: Vec<serde_json::Value>,
+    /// `CKPT_RESUME_STEP` of the rank processes seen, by generation.
+    resume_env: std::collections::BTreeMap<u64, Option<String>>,
+}
+
+/// Supervise `run` (2 nodes and a spare, dp=2, 12 steps, a checkpoint every 4) after its
+/// step 8 was damaged by `damage`.
+fn resume_damaged(dir: &Path, run: &str, max_restarts: u32, damage: impl FnOnce(&Path)) -> Resumed {
+    let store = dir.join("store");
+    committed_run(&store, run, 8, 4);
+    damage(&object_only_in(&store, run, 8, 4));
+    let topo = Topology {
+        nodes: 2,
+        ranks_per_node: 1,
+        spares: 1,
+    };
+    let mut opts = options(
+        &store,
+        run,
+        topo,
+        "dp=2",
+        train_cmd(12, 4, 20),
+        dir.join("logs"),
+    );
+    opts.config.max_restarts = max_restarts;
+    let sup = spawn_supervisor(opts);
+    let mut resume_env = std::collections::BTreeMap::new();
+    while !sup.is_finished() {
+        for (_, env) in find_processes(&[("CKPT_RUN", run)]) {
+            if let Some(g) = env_of(&env, "CKPT_GENERATION").and_then(|g| g.parse().ok()) {
+                resume_env.insert(g, env_of(&env, "CKPT_RESUME_STEP").map(str::to_string));
+            }
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let report = sup.join().unwrap();
+    eprintln!("{:#?}", report.records);
+    let st = ckpt_store::open(store.to_str().unwrap()).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let log = rt
+        .block_on(ckpt_store::logs::read_log(
+            &st,
+            run,
+            ckpt_store::logs::EVENTS,
+        ))
+        .unwrap();
+    // Whatever happened, every committed step restores: the damaged one was re-saved.
+    assert_eq!(
+        rt.block_on(st.committed_steps(run)).unwrap(),
+        vec![4, 8, 12]
+    );
+    let v = rt
+        .block_on(st.verify(&ckpt_store::VerifyScope::Run(run.into()), None))
+        .unwrap();
+    assert!(v.is_clean(), "{:#?}", v.damaged);
+    Resumed {
+        report,
+        log,
+        resume_env,
+    }
+}
+
+fn of_kind<'a>(records: &'a [serde_json::Value], kind: &str) -> Vec<&'a serde_json::Value> {
+    records.iter().filter(|r| r["kind"] == kind).collect()
+}
+
+#[test]
+fn a_newest_step_with_a_missing_object_is_skipped_and_the_job_resumes_from_the_older_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let want = reference_digest(dir.path(), 12, PARAMS);
+    let r = resume_damaged(dir.path(), "missing", 6, |obj| {
+        std::fs::remove_file(obj).unwrap()
+    });
+    let (report, log) = (r.report, r.log);
+    // The ranks were told the step.
+    assert!(!r.resume_env.is_empty(), "no rank process seen");
+    for (g, step) in &r.resume_env {
+        assert_eq!(step.as_deref(), Some("4"), "generation {g}");
+    }
+    assert!(report.ok, "{}", report.reason);
+    let recs = &report.records;
+    assert!(of_kind(recs, "failure").is_empty(), "a node was blamed");
+    assert_eq!(report.restarts, 0, "{recs:#?}");
+    // Choosing found step 8 incomplete: the log says so, and the first generation restored 4.
+    let unusable = of_kind(recs, "step_unusable");
+    assert_eq!(unusable.len(), 1, "{recs:#?}");
+    assert_eq!(unusable[0]["step"], 8);
+    assert!(unusable[0]["rank"].is_null());
+    let why = unusable[0]["why"].as_str().unwrap();
+    assert!(why.contains("missing"), "{why}");
+    let started = of_kind(recs, "started");
+    assert_eq!(started.len(), 1);
+    assert_eq!(started[0]["resume_from"], 4, "{recs:#?}");
+    assert_eq!(started[0]["nodes"], serde_json::json!([0, 1]));
+    // Every rank restored step 4, none step 8.
+    let restores = of_kind(&log, "restore");
+    assert_eq!(restores.len(), 2, "{log:#?}");
+    assert!(restores.iter().all(|r| r["step"] == 4), "{restores:#?}");
+    assert_eq!(of_kind(&log, "step_unusable").len(), 1, "{log:#?}");
+    assert_eq!(
+        final_digest(&dir.path().join("logs")).expect("rank 0 printed a digest"),
+        want,
+        "the job resumed from step 4 differs from an uninterrupted run"
+    );
+}
+
+#[test]
+fn a_step_found_damaged_only_by_the_restore_is_marked_unusable_and_no_node_is_blamed() {
+    // One object of step 8 has flipped bytes: it exists, so step 8 is chosen and the ranks
+    // fail to restore it. That is the data's fault: no node is excluded, no restart of the
+    // budget (0 here) is spent, step 8 is verified and marked unusable, the job restarts from
+    // step 4 and saves step 8 again.
+    let dir = tempfile::tempdir().unwrap();
+    let want = reference_digest(dir.path(), 12, PARAMS);
+    let r = resume_damaged(dir.path(), "flipped", 0, |obj| {
+        let mut b = std::fs::read(obj).unwrap();
+        let mid = b.len() / 2;
+        for x in &mut b[mid..mid + 16] {
+            *x ^= 0xff;
+        }
+        std::fs::write(obj, b).unwrap();
+    });
+    let (report, log) = (r.report, r.log);
+    let (g, step) = r.resume_env.last_key_value().expect("a rank process seen");
+    assert_eq!(step.as_deref(), Some("4"), "generation {g}");
+    assert!(report.ok, "{}", report.reason);
+    let recs = &report.records;
+    assert!(of_kind(recs, "failure").is_empty(), "a node was blamed");
+    let unusable = of_kind(recs, "step_unusable");
+    assert_eq!(unusable.len(), 1, "{recs:#?}");
+    assert_eq!(unusable[0]["step"], 8);
+    assert!(unusable[0]["rank"].is_u64(), "{:?}", unusable[0]);
+    let why = unusable[0]["why"].as_str().unwrap();
+    assert!(why.contains("damaged object"), "{why}");
+    let decisions = of_kind(recs, "recovery");
+    assert_eq!(decisions.len(), 1, "{recs:#?}");
+    assert_eq!(decisions[0]["step"], 4);
+    let started = of_kind(recs, "started");
+    let from: Vec<_> = started.iter().map(|s| s["resume_from"].clone()).collect();
+    assert_eq!(from, [serde_json::json!(8), serde_json::json!(4)]);
+    for s in &started {
+        assert_eq!(s["nodes"], serde_json::json!([0, 1]), "{s}");
+    }
+    // The ranks said why they stopped.
+    let failed = of_kind(&log, "restore_failed");
+    assert!(!failed.is_empty(), "{log:#?}");
+    assert!(
+        failed
+            .iter()
+            .all(|r| r["step"] == 8 && r["error_kind"] == "damaged data")
+    );
+    assert_eq!(
+        final_digest(&dir.path().join("logs")).expect("rank 0 printed a digest"),
+        want,
+        "the job resumed from step 4 differs from an uninterrupted run"
+    );
+}
+
+#[test]
+fn ckpt_train_resumes_from_exactly_the_step_it_is_given() {
+    // Steps 4 and 8 are committed; CKPT_RESUME_STEP=4 restores 4 (not the newest, 8) and the
+    // run to step 6 equals an uninterrupted one. A step that is not committed is a data
+    // failure: exit code 65.
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let run = "exact";
+    committed_run(&store, run, 8, 4);
+    let resume = |step: &str| {
+        std::process::Command::new(bin("ckpt-train", "ckpt-trainer"))
+            .arg("--store")
+            .arg(&store)
+            .args([
+                "--run", run, "--layout", "dp=2", "--params", PARAMS, "--seed", "5",
+            ])
+            .args(["--steps", "6", "--ckpt-every", "100"])
+            .env("CKPT_RESUME", "true")
+            .env("CKPT_RESUME_STEP", step)
+            .env("CKPT_LOG", "warn")
+            .output()
+            .unwrap()
+    };
+    let out = resume("4");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got = digest_in(&String::from_utf8_lossy(&out.stdout)).expect("a digest");
+    assert_eq!(got, reference_digest(dir.path(), 6, PARAMS));
+    let st = ckpt_store::open(store.to_str().unwrap()).unwrap();
+    let log = tokio::runtime::Runtime::new()
+        .unwrap()
+        .block_on(ckpt_store::logs::read_log(
+            &st,
+            run,
+            ckpt_store::logs::EVENTS,
+        ))
+        .unwrap();
+    let restored: Vec<_> = of_kind(&log, "restore")
+        .iter()
+        .map(|r| r["step"].clone())
+        .collect();
+    assert_eq!(restored, [serde_json::json!(4), serde_json::json!(4)]);
+
+    let out = resume("5");
+    assert_eq!(out.status.code(), Some(ckpt_recovery::DATA_FAILURE_EXIT));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("step 5") && err.contains("not committed"),
+        "{err}"
+    );
+}

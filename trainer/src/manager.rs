@@ -152,6 +152,11 @@ pub struct ManagerConfig {
     /// Loss-spike monitoring and its action (default: off). The manager sees a loss only
     /// through [`CheckpointManager::observe`].
     pub monitor: MonitorConfig,
+    /// The step to resume from, exactly: what a supervisor chose (`ckpt resume` passes it to
+    /// the ranks as `CKPT_RESUME_STEP`; the program's entry point reads it into this field).
+    /// [`CheckpointManager::restore_latest`] restores it instead of the newest committed step,
+    /// which may be one the supervisor found damaged. `None`: the newest committed step.
+    pub resume_step: Option<u64>,
 }
 
 impl ManagerConfig {
@@ -168,6 +173,7 @@ impl ManagerConfig {
             final_deadline: Duration::from_secs(300),
             restore_budget: 256 << 20,
             monitor: MonitorConfig::default(),
+            resume_step: None,
         }
     }
 }
@@ -456,19 +462,53 @@ impl CheckpointManager {
         }));
     }
 
-    /// Restore the newest committed step, if any; returns its number.
+    /// The step a resume restores: [`ManagerConfig::resume_step`] when set (it must be
+    /// committed), else the newest committed step, if any.
+    pub fn resume_target(&self) -> Result<Option<u64>> {
+        let store = self.ckpt.store();
+        let run = &self.cfg.ckpt.run;
+        match self.cfg.resume_step {
+            Some(step) => {
+                if !runtime().block_on(store.exists(&store.keys().commit(run, step)))? {
+                    return Err(Error::not_found(format!(
+                        "the resume step {step} of run {run} is not committed (CKPT_RESUME_STEP or ManagerConfig::resume_step)"
+                    )));
+                }
+                Ok(Some(step))
+            }
+            None => runtime().block_on(store.latest_committed(run)),
+        }
+    }
+
+    /// Restore the step to resume from ([`CheckpointManager::resume_target`]: the configured
+    /// resume step, else the newest committed one), if any; returns its number.
     pub fn restore_latest(&mut self) -> Result<Option<u64>> {
-        let store = self.ckpt.store().clone();
-        let run = self.cfg.ckpt.run.clone();
-        match runtime().block_on(store.latest_committed(&run))? {
+        match self.resume_target()? {
             None => Ok(None),
             Some(step) => self.restore(step).map(|_| Some(step)),
         }
     }
 
     /// Restore `step` onto the held boxes of every registered tensor and the stateful items,
-    /// whatever layout saved it.
+    /// whatever layout saved it. A failure because of the data (an object missing or
+    /// damaged: `NotFound`, `Corrupt`) is also logged as a `restore_failed` event.
     pub fn restore(&mut self, step: u64) -> Result<()> {
+        let r = self.restore_inner(step);
+        if let Err(e) = &r
+            && matches!(e.kind(), ErrorKind::NotFound | ErrorKind::Corrupt)
+        {
+            let cfg = &self.cfg.ckpt;
+            let rec = json!({
+                "kind": "restore_failed", "step": step, "rank": cfg.rank,
+                "generation": cfg.generation, "error_kind": e.kind().as_str(),
+                "error": e.to_string(),
+            });
+            self.log_event(rec);
+        }
+        r
+    }
+
+    fn restore_inner(&mut self, step: u64) -> Result<()> {
         let t0 = Instant::now();
         let store = self.ckpt.store().clone();
         let cfg = self.cfg.ckpt.clone();

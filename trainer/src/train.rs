@@ -165,6 +165,12 @@ pub struct TrainArgs {
     /// Resume from the newest committed checkpoint of the run.
     #[arg(long, env = "CKPT_RESUME")]
     pub resume: bool,
+    /// Resume from exactly this committed step, not the newest (implies --resume). `ckpt
+    /// resume` sets it to the step its coordinator chose. If the step cannot be read because
+    /// of its data (an object missing or damaged), ckpt-train exits with code 65
+    /// (`ckpt_recovery::DATA_FAILURE_EXIT`) so the supervisor does not blame the node.
+    #[arg(long, env = "CKPT_RESUME_STEP")]
+    pub resume_step: Option<u64>,
     /// Write per-step and per-checkpoint metrics as JSON lines here.
     #[arg(long)]
     pub metrics_out: Option<PathBuf>,
@@ -397,7 +403,9 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
     }
     let generation = match args.generation {
         Some(g) => g,
-        None if args.resume => runtime().block_on(next_generation(&store, &args.run))?,
+        None if args.resume || args.resume_step.is_some() => {
+            runtime().block_on(next_generation(&store, &args.run))?
+        }
         None => 0,
     };
     let ranks: Vec<u32> = match args.rank {
@@ -539,6 +547,7 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
     // supervisor says the job is being stopped after a failure (no commit is possible then).
     mc.final_on_sigterm =
         a.rank.is_some() && std::env::var("CKPT_FINAL_ON_SIGTERM").map_or(true, |v| v != "0");
+    mc.resume_step = a.resume_step;
     let mut mgr = CheckpointManager::new(sh.store.clone(), mc)?;
     state.register(&mut mgr)?;
     let progress = Arc::new(Mutex::new(Progress {
@@ -548,11 +557,20 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
     }));
     mgr.register_stateful("progress", Scope::Global, progress.clone())?;
 
-    let latest = runtime().block_on(sh.store.latest_committed(&a.run))?;
+    let resume = a.resume || a.resume_step.is_some();
+    let target = if resume {
+        mgr.resume_target()
+    } else {
+        runtime().block_on(sh.store.latest_committed(&a.run))
+    };
+    let target = target.inspect_err(|e| note_resume_failure(resume, e))?;
     let mut resumed = None;
-    match (a.resume, latest) {
+    match (resume, target) {
         (true, Some(s)) => {
-            mgr.restore(s)?;
+            mgr.restore(s).map_err(|e| {
+                note_resume_failure(true, &e);
+                e.context(format!("restoring step {s} of run {} to resume it", a.run))
+            })?;
             let p = *progress.lock();
             if p.step != s {
                 return Err(Error::corrupt(format!(
@@ -699,6 +717,22 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
         Some(e) => Err(e),
         None => Ok(()),
     }
+}
+
+static RESUME_DATA_FAILURE: AtomicBool = AtomicBool::new(false);
+
+/// Remember that the step to resume from could not be read because of its data.
+fn note_resume_failure(resume: bool, e: &Error) {
+    if resume && matches!(e.kind(), ErrorKind::NotFound | ErrorKind::Corrupt) {
+        RESUME_DATA_FAILURE.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Whether [`run`] failed because the step to resume from cannot be read (an object missing
+/// or damaged), not because of this machine: the binary then exits with
+/// `ckpt_recovery::DATA_FAILURE_EXIT`, which the supervisor reads as "that step is unusable".
+pub fn failed_on_resume_data() -> bool {
+    RESUME_DATA_FAILURE.load(Ordering::SeqCst)
 }
 
 /// One more than any generation that saved in `run`: the newest commit's, and those of

@@ -147,7 +147,7 @@ pub struct PlanMsg {
     pub layout: String,
     /// Rank -> node.
     pub assignments: Vec<Assignment>,
-    /// The step the ranks restore (they resume from the newest committed one).
+    /// The step the ranks restore, exactly (`CKPT_RESUME_STEP`); `None`: no usable checkpoint.
     pub resume_from: Option<u64>,
     /// `MASTER_ADDR` for every rank: the address of rank 0's node.
     pub master_addr: String,

@@ -15,7 +15,10 @@ use super::JobState;
 use super::etcd::Session;
 use super::keys::{BeatsMsg, DoneMsg, ExitMsg, Key, Keys, NodeMsg, PlanMsg, SignalMsg};
 use crate::coordinator::{Action, Assignment, Coordinator, Event, ExitStatus, TakeOver};
-use crate::driver::{LossBoard, RecoveryLog, choose_step_logged, first_free_generation, free_port};
+use crate::driver::{
+    LossBoard, RecoveryLog, check_step, choose_step_logged, first_free_generation, free_port,
+    retire_step,
+};
 
 /// Maps the coordinator's generations to the store's: generation markers are created once,
 /// so a generation some earlier coordinator marked is skipped.
@@ -453,14 +456,25 @@ impl Leader {
                     )
                     .await?;
                 }
-                Action::ChooseStep { generation } => {
-                    let step = choose_step_logged(&self.store, &self.run).await?;
+                Action::ChooseStep { generation, skip } => {
+                    let c = choose_step_logged(&self.store, &self.run, &skip).await?;
                     self.pending.push_back(Event::StepChosen {
                         generation,
-                        step,
+                        step: c.step,
+                        damaged: c.damaged,
                         now: self.now(),
                     });
                 }
+                Action::CheckStep { generation, step } => {
+                    let damage = check_step(&self.store, &self.run, step).await?;
+                    self.pending.push_back(Event::StepChecked {
+                        generation,
+                        step,
+                        damage,
+                        now: self.now(),
+                    });
+                }
+                Action::RetireStep { step } => retire_step(&self.store, &self.run, step).await?,
                 Action::Record(rec) => {
                     let gens = &self.gens;
                     let mut v = self.log.render(&rec, |g| gens.global(g)).await;

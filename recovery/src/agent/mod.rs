@@ -668,6 +668,7 @@ impl Agent {
             match self.launch.spawn(
                 g,
                 &layout,
+                p.resume_from,
                 &a,
                 (&p.master_addr, p.master_port),
                 g,

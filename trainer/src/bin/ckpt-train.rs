@@ -21,7 +21,12 @@ fn main() -> std::process::ExitCode {
         }
         Err(e) => {
             eprintln!("ckpt-train: {e}");
-            std::process::ExitCode::FAILURE
+            if ckpt_trainer::train::failed_on_resume_data() {
+                // Not this machine's fault: the supervisor marks the step unusable.
+                std::process::ExitCode::from(ckpt_recovery::DATA_FAILURE_EXIT as u8)
+            } else {
+                std::process::ExitCode::FAILURE
+            }
         }
     }
 }
