@@ -442,8 +442,11 @@ impl CheckpointManager {
         }));
     }
 
-    /// Restore the newest committed step, if any; returns its number.
+    /// Restore the newest committed step, if any; returns its number. This rank's generation
+    /// is joined first (see [`Checkpointer::join_generation`]), so a job resumed while an older
+    /// one still runs fences the older one before it chooses the step.
     pub fn restore_latest(&mut self) -> Result<Option<u64>> {
+        self.ckpt.join_generation()?;
         let store = self.ckpt.store().clone();
         let run = self.cfg.ckpt.run.clone();
         match runtime().block_on(store.latest_committed(&run))? {
@@ -455,6 +458,8 @@ impl CheckpointManager {
     /// Restore `step` onto the held boxes of every registered tensor and the stateful items,
     /// whatever layout saved it.
     pub fn restore(&mut self, step: u64) -> Result<()> {
+        // A restore starts (or joins) this rank's generation before anything of it is saved.
+        self.ckpt.join_generation()?;
         let t0 = Instant::now();
         let store = self.ckpt.store().clone();
         let cfg = self.cfg.ckpt.clone();

@@ -302,6 +302,11 @@ struct Shared {
     decision: Mutex<Decision>,
     /// A rank failed to roll back (threads mode: all then stop).
     rollback_failed: AtomicBool,
+    /// Threads: why a newer generation fenced this job out, as any rank's checkpointer found
+    /// it, and rank 0's copy of it for the current step (read by every rank after the second
+    /// barrier, so all stop at the same step).
+    fenced: Mutex<Option<String>>,
+    fence_now: Mutex<Option<String>>,
     stop_now: AtomicBool,
     sigterm: Arc<AtomicBool>,
     metrics: Mutex<Option<std::fs::File>>,
@@ -390,11 +395,7 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
             layout.world()
         )));
     }
-    let generation = match args.generation {
-        Some(g) => g,
-        None if args.resume => runtime().block_on(next_generation(&store, &args.run))?,
-        None => 0,
-    };
+    let generation = runtime().block_on(choose_generation(&store, &args))?;
     let ranks: Vec<u32> = match args.rank {
         Some(r) => vec![r],
         None => (0..layout.world()).collect(),
@@ -439,6 +440,8 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
         board: Mutex::default(),
         decision: Mutex::new(Decision::Continue),
         rollback_failed: AtomicBool::new(false),
+        fenced: Mutex::default(),
+        fence_now: Mutex::default(),
         stop_now: AtomicBool::new(false),
         sigterm,
         metrics: Mutex::new(metrics),
@@ -523,6 +526,9 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
     }));
     mgr.register_stateful("progress", Scope::Global, progress.clone())?;
 
+    // Join this job's generation before choosing the step: from here on no older job of the
+    // run commits anything.
+    mgr.checkpointer().join_generation()?;
     let latest = runtime().block_on(sh.store.latest_committed(&a.run))?;
     let mut resumed = None;
     match (a.resume, latest) {
@@ -600,7 +606,15 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
         }
         // Lockstep with the other rank threads: rank 0 logs the global loss and decides about
         // spikes and SIGTERM for all, before anything of this step is saved.
-        match decide(sh, &mut mgr, rank, step, batch, part, t_step) {
+        let decision = decide(sh, &mut mgr, rank, step, batch, part, t_step);
+        // A newer generation owns the run (a job resumed while this one runs): stop at once,
+        // no retries; nothing this job saves can commit any more.
+        if let Some(why) = fence_of(sh, &mgr) {
+            warn!(rank, step, "stopping: {why}");
+            stopped = Some(Error::new(ErrorKind::Fenced, why));
+            break;
+        }
+        match decision {
             Decision::Continue | Decision::Alert(_) => {}
             Decision::Rollback(spike) => {
                 if let Some((h, t0, _)) = pending.take() {
@@ -635,9 +649,18 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
         last = step;
         let t_save = Instant::now();
         let h = if step == a.steps || stop {
-            Some(mgr.save_now(step)?)
+            mgr.save_now(step).map(Some)
         } else {
-            mgr.maybe_save(step)?
+            mgr.maybe_save(step)
+        };
+        let h = match h {
+            // Threads: the ranks stop together at the next step's decision (a rank leaving
+            // alone would leave the others waiting at the barrier).
+            Err(e) if e.kind() == ErrorKind::Fenced && sh.args.rank.is_none() && step < a.steps => {
+                warn!(rank, step, "checkpoint refused: {e}");
+                None
+            }
+            h => h?,
         };
         if let Some(h) = h {
             let call_s = t_save.elapsed().as_secs_f64();
@@ -655,6 +678,10 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
         }
         step += 1;
     }
+    if let Some(e) = stopped.take_if(|e| e.kind() == ErrorKind::Fenced) {
+        // Its pending save cannot commit; waiting for it would only delay the stop.
+        return Err(e);
+    }
     if let Some((h, t0, _)) = pending.take() {
         h.wait_snapshot()?;
         saves.push((h, t0.elapsed().as_secs_f64()));
@@ -669,6 +696,41 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
     match stopped {
         Some(e) => Err(e),
         None => Ok(()),
+    }
+}
+
+/// This job's generation. Set (`--generation`, `CKPT_GENERATION` from a supervisor): every
+/// rank joins it. All ranks in this process: a new generation claimed in the store (above
+/// every started one and every one that saved), so this job fences any older job of the run,
+/// and two jobs started at once get different numbers. One rank per process without a
+/// supervisor: the ranks cannot agree on a fresh number without talking, so each takes the
+/// larger of what the saved steps call for and the newest started generation (the one a
+/// sibling rank of this job may have just marked); pass `--generation` to be explicit.
+async fn choose_generation(store: &Store, args: &TrainArgs) -> Result<u64> {
+    if let Some(g) = args.generation {
+        return Ok(g);
+    }
+    let floor = if args.resume {
+        next_generation(store, &args.run).await?
+    } else {
+        0
+    };
+    if args.rank.is_none() {
+        return store.claim_generation(&args.run, floor).await;
+    }
+    if !args.resume {
+        return Ok(floor);
+    }
+    Ok(floor.max(store.newest_generation(&args.run).await?.unwrap_or(0)))
+}
+
+/// Why a newer generation fenced this job out, if it did. One rank per process: this rank's
+/// checkpointer; threads: what rank 0 saw for this step (the same for every rank).
+fn fence_of(sh: &Shared, mgr: &CheckpointManager) -> Option<String> {
+    if sh.args.rank.is_some() {
+        mgr.checkpointer().fenced().map(|e| e.to_string())
+    } else {
+        sh.fence_now.lock().clone()
     }
 }
 
@@ -742,10 +804,15 @@ fn decide(
         return d;
     }
     sh.board.lock().entry(step).or_default().0.add(&part);
+    if let Some(e) = mgr.checkpointer().fenced() {
+        sh.fenced.lock().get_or_insert_with(|| e.to_string());
+    }
     if let Some(b) = &sh.barrier {
         b.wait();
     }
     if rank == 0 {
+        let f = sh.fenced.lock().clone();
+        *sh.fence_now.lock() = f;
         let tot = sh.board.lock().remove(&step).unwrap_or_default().0;
         sh.outcome.lock().losses.push((step, tot.loss()));
         let mut v = json!({
