@@ -644,12 +644,14 @@ fn ranks_and_agents_die_with_a_killed_ckpt_resume() {
     // agents is left; a new `ckpt resume` of the run finishes bit-identical to an
     // uninterrupted run.
     let dir = tempfile::tempdir().unwrap();
-    let steps: u64 = 30;
+    let steps: u64 = 40;
     let want = reference_digest(dir.path(), steps, PARAMS);
     let store = dir.path().join("store");
     let run = format!("orphans{}", std::process::id());
     let logs = dir.path().join("logs");
-    let resume = |tag: &str| {
+    // The first supervision's ranks take 300 ms a step, so on their own they would train
+    // for 10 s more after the kill: long past the few seconds they are given to die.
+    let resume = |tag: &str, step_ms: u64| {
         let mut c = ckpt_cli(&store);
         c.args(["resume", "--run", &run, "--nodes", "2", "--layout", "dp=2"])
             .args([
@@ -662,7 +664,7 @@ fn ranks_and_agents_die_with_a_killed_ckpt_resume() {
             .arg("--logs")
             .arg(&logs)
             .arg("--")
-            .args(train_cmd(steps, 4, 100))
+            .args(train_cmd(steps, 4, step_ms))
             // Every process of this supervision inherits the tag: found by it below.
             .env("CKPT_TEST_TAG", tag)
             .stdout(std::process::Stdio::null())
@@ -670,7 +672,7 @@ fn ranks_and_agents_die_with_a_killed_ckpt_resume() {
         c
     };
     let tag = format!("{run}-first");
-    let mut sup = resume(&tag).spawn().unwrap();
+    let mut sup = resume(&tag, 300).spawn().unwrap();
     let alive = |tag: &str| -> Vec<u32> {
         find_processes(&[("CKPT_TEST_TAG", tag)])
             .into_iter()
@@ -702,12 +704,12 @@ fn ranks_and_agents_die_with_a_killed_ckpt_resume() {
             break;
         }
         assert!(
-            t1.elapsed() < Duration::from_secs(5),
+            t1.elapsed() < Duration::from_secs(4),
             "processes of the killed ckpt resume are still alive: {left:?}"
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    let out = resume(&format!("{run}-second")).output().unwrap();
+    let out = resume(&format!("{run}-second"), 0).output().unwrap();
     assert!(
         out.status.success(),
         "the second ckpt resume failed: {}",
