@@ -413,6 +413,12 @@ impl Checkpointer {
         }
     }
 
+    /// Take this rank's generation as joined: the caller joined it for every rank of the
+    /// process at once (see `ckpt-train`). A newer generation is then found by the saves.
+    pub fn assume_joined(&self) {
+        self.joined.store(true, Ordering::SeqCst);
+    }
+
     /// The error that fenced this writer out, if a newer generation did.
     pub fn fenced(&self) -> Option<Error> {
         self.fenced

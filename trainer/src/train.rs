@@ -396,6 +396,12 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
         )));
     }
     let generation = runtime().block_on(choose_generation(&store, &args))?;
+    if args.rank.is_none() {
+        // All ranks here: the process joins the generation once, before any rank thread
+        // starts, so that the threads cannot disagree about it (a thread leaving alone would
+        // leave the others waiting at the barrier).
+        runtime().block_on(store.join_generation(&args.run, generation))?;
+    }
     let ranks: Vec<u32> = match args.rank {
         Some(r) => vec![r],
         None => (0..layout.world()).collect(),
@@ -527,8 +533,12 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
     mgr.register_stateful("progress", Scope::Global, progress.clone())?;
 
     // Join this job's generation before choosing the step: from here on no older job of the
-    // run commits anything.
-    mgr.checkpointer().join_generation()?;
+    // run commits anything. (Threads: the process joined it.)
+    if a.rank.is_some() {
+        mgr.checkpointer().join_generation()?;
+    } else {
+        mgr.checkpointer().assume_joined();
+    }
     let latest = runtime().block_on(sh.store.latest_committed(&a.run))?;
     let mut resumed = None;
     match (a.resume, latest) {
