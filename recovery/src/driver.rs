@@ -17,7 +17,7 @@ use tokio::sync::mpsc;
 use tracing::{error, info, warn};
 
 use crate::coordinator::{Assignment, ExitStatus, Record};
-use crate::heartbeat::{ENV_INTERVAL, ENV_SOCKET};
+use crate::heartbeat::{ENV_INTERVAL, ENV_SOCKET, ENV_SUPERVISOR_PID};
 
 /// Bytes one rank of a new layout reads to restore.
 #[derive(Debug, Clone, Serialize)]
@@ -231,6 +231,30 @@ pub struct Launch {
 /// coordinator chose one).
 pub const ENV_RESUME_STEP: &str = "CKPT_RESUME_STEP";
 
+/// Make the child die (SIGKILL) when this process dies: `PR_SET_PDEATHSIG`, and a check that
+/// the parent did not die before the child set it (then the signal would never come).
+///
+/// The kernel sends the signal when the *thread* that forked the child exits, not the
+/// process: spawn from a thread that lives as long as the supervision (the supervisors spawn
+/// from the thread that drives their loop). Ranks also watch their parent from the heartbeat
+/// thread ([`crate::heartbeat`]), and the generation fence stops whatever slips through.
+pub fn die_with_parent(cmd: &mut tokio::process::Command) {
+    let parent = std::process::id() as libc::pid_t;
+    // SAFETY: prctl and getppid are async-signal-safe; nothing else runs between fork and
+    // exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::getppid() != parent {
+                return Err(std::io::Error::other("the launching process died"));
+            }
+            Ok(())
+        });
+    }
+}
+
 /// A rank exit: the tag given at launch, the rank, and how it ended.
 pub type RankExit = (u64, u32, ExitStatus);
 
@@ -261,6 +285,7 @@ impl Launch {
             .env("CKPT_NODE", a.node.to_string())
             .env("CKPT_LOCAL_RANK", a.local_rank.to_string())
             .env("CKPT_FINAL_ON_SIGTERM", "0")
+            .env(ENV_SUPERVISOR_PID, std::process::id().to_string())
             .env(ENV_SOCKET, &self.heartbeat_socket)
             .env(
                 ENV_INTERVAL,
@@ -285,15 +310,7 @@ impl Launch {
                 .env("CKPT_PEERS", peers);
         }
         if self.die_with_parent {
-            // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
-            unsafe {
-                cmd.pre_exec(|| {
-                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    Ok(())
-                });
-            }
+            die_with_parent(&mut cmd);
         }
         if let Some(dir) = &self.logs_dir {
             std::fs::create_dir_all(dir).map_err(|e| Error::io("creating", &dir.display(), e))?;

@@ -38,6 +38,10 @@ pub struct Beat {
 pub const ENV_SOCKET: &str = "CKPT_HEARTBEAT";
 /// Environment variable with the heartbeat interval in milliseconds.
 pub const ENV_INTERVAL: &str = "CKPT_HEARTBEAT_MS";
+/// Environment variable with the process id of the supervisor (or agent) that launched the
+/// rank: the rank's parent. A rank whose parent changes (it died; the rank was re-parented)
+/// ends itself.
+pub const ENV_SUPERVISOR_PID: &str = "CKPT_SUPERVISOR_PID";
 
 /// The rank side.
 #[derive(Debug)]
@@ -58,6 +62,21 @@ impl HeartbeatClient {
         rank: u32,
         interval: Duration,
     ) -> std::io::Result<Self> {
+        Self::connect_watching(path, generation, rank, interval, None)
+    }
+
+    /// [`HeartbeatClient::connect`], and with `supervisor`, end this process (exit status
+    /// 137, as if killed) as soon as that process is gone or this one's parent changes (the
+    /// parent died: a supervisor, or a wrapper between it and the rank): a rank never outlives
+    /// its supervisor, even where the parent-death signal did not fire.
+    pub fn connect_watching(
+        path: &Path,
+        generation: u64,
+        rank: u32,
+        interval: Duration,
+        supervisor: Option<u32>,
+    ) -> std::io::Result<Self> {
+        let parent = std::os::unix::process::parent_id();
         let sock = Arc::new(UnixDatagram::unbound()?);
         sock.set_nonblocking(true)?;
         let c = HeartbeatClient {
@@ -78,6 +97,15 @@ impl HeartbeatClient {
             .name("ckpt-heartbeat".into())
             .spawn(move || {
                 while !stop.load(Ordering::Relaxed) {
+                    if let Some(p) = supervisor
+                        && (std::os::unix::process::parent_id() != parent || !alive(p))
+                    {
+                        eprintln!(
+                            "ckpt: rank {rank} of generation {generation}: its supervisor \
+                             (pid {p}) is gone; stopping so that it does not train on as an orphan"
+                        );
+                        std::process::exit(137);
+                    }
                     let b = Beat {
                         g: generation,
                         r: rank,
@@ -89,14 +117,19 @@ impl HeartbeatClient {
                     if let Ok(bytes) = serde_json::to_vec(&b) {
                         let _ = sock.send_to(&bytes, &path);
                     }
-                    std::thread::sleep(interval);
+                    // Beat every `interval`, watch the parent at least every 100 ms.
+                    let t = std::time::Instant::now();
+                    while t.elapsed() < interval && !stop.load(Ordering::Relaxed) {
+                        std::thread::sleep(interval.min(Duration::from_millis(100)));
+                    }
                 }
             })?;
         Ok(c)
     }
 
     /// A client from the environment the supervisor sets (`CKPT_HEARTBEAT`,
-    /// `CKPT_GENERATION`, `CKPT_RANK`), or `None` when not supervised.
+    /// `CKPT_GENERATION`, `CKPT_RANK`, and `CKPT_SUPERVISOR_PID`, which it watches), or `None`
+    /// when not supervised.
     pub fn from_env() -> Option<Self> {
         let path = std::env::var_os(ENV_SOCKET)?;
         let generation = std::env::var("CKPT_GENERATION").ok()?.parse().ok()?;
@@ -105,11 +138,15 @@ impl HeartbeatClient {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(500);
-        Self::connect(
+        let supervisor = std::env::var(ENV_SUPERVISOR_PID)
+            .ok()
+            .and_then(|p| p.parse().ok());
+        Self::connect_watching(
             Path::new(&path),
             generation,
             rank,
             Duration::from_millis(ms),
+            supervisor,
         )
         .ok()
     }
@@ -129,6 +166,13 @@ impl HeartbeatClient {
             let _ = self.sock.send_to(&bytes, &self.path);
         }
     }
+}
+
+/// Whether process `pid` exists (a signal 0 reaches it, or it exists but is not ours).
+fn alive(pid: u32) -> bool {
+    // SAFETY: signal 0 only checks for existence and permission.
+    let r = unsafe { libc::kill(pid as libc::pid_t, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
 }
 
 impl Drop for HeartbeatClient {

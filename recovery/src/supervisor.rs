@@ -138,7 +138,9 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
         heartbeat_socket: sock_path.clone(),
         heartbeat_interval: opts.heartbeat_interval,
         ranks_per_node: opts.config.topology.ranks_per_node,
-        die_with_parent: false,
+        // Ranks never outlive `ckpt resume`: if it is killed, they die with it rather than
+        // train on as orphans next to the job a new `ckpt resume` would start.
+        die_with_parent: true,
         peer_agents: Vec::new(),
     };
     let (exit_tx, mut exit_rx) = mpsc::unbounded_channel::<RankExit>();
@@ -301,6 +303,7 @@ async fn start_agents(
             .stdin(std::process::Stdio::piped()) // the agent ends when this closes
             .stdout(std::process::Stdio::piped())
             .kill_on_drop(true);
+        crate::driver::die_with_parent(&mut c);
         if let Some(dir) = logs {
             std::fs::create_dir_all(dir).map_err(|e| Error::io("creating", &dir.display(), e))?;
             let p = dir.join(format!("agent-{node}.err"));

@@ -70,6 +70,10 @@ impl Store {
             .map_err(|e| Error::internal(format!("serializing {what}: {e}")))?;
         let hash = crate::id::Hash::of(&bytes);
         let size = bytes.len() as u64;
+        // A writer of a generation older than a started one must not add to the run.
+        self.check_generation(&m.run, m.generation, "this writer")
+            .await
+            .map_err(|e| e.context(what.clone()))?;
         match self
             .put_object(&path, vec![bytes.clone().into()], PutMode::Create)
             .await
@@ -85,19 +89,7 @@ impl Store {
                         // Left by a dead attempt of an older generation (the step never
                         // committed, or this would not be saved again): replace it.
                         Some(g) if g < m.generation => {
-                            if self.exists(&self.keys().commit(&m.run, m.step)).await? {
-                                return Err(Error::new(
-                                    ErrorKind::Conflict,
-                                    format!("{what}: step {} is already committed", m.step),
-                                ));
-                            }
-                            tracing::warn!(
-                                %path,
-                                old = g,
-                                new = m.generation,
-                                "replacing a manifest left by an older generation"
-                            );
-                            self.put_object(&path, vec![bytes.into()], PutMode::Overwrite)
+                            self.replace_older_manifest(m, &what, &existing, g, bytes)
                                 .await?;
                         }
                         Some(g) if g > m.generation => {
@@ -130,6 +122,81 @@ impl Store {
             hash,
             size,
         })
+    }
+
+    /// Replace `existing`, a manifest of the older generation `old` of an uncommitted step,
+    /// with `bytes` (the manifest `m` of a newer generation).
+    ///
+    /// The check "not committed" and the overwrite are two requests, and a committer of
+    /// generation `old` may create the commit record in between, pinned to the bytes this
+    /// replaces. Two rules keep any record from pinning bytes that are gone:
+    /// - this writer's generation is started (its marker exists) before the check, so such a
+    ///   committer finds it when it checks again after its create, and withdraws its record if
+    ///   a manifest it pinned changed (see [`Store::commit_step_as`]);
+    /// - after the overwrite this writer looks for the record again: one pinned to the
+    ///   replaced bytes gets them back, and the write is refused ("already committed").
+    async fn replace_older_manifest(
+        &self,
+        m: &RankManifest,
+        what: &str,
+        existing: &bytes::Bytes,
+        old: u64,
+        bytes: Vec<u8>,
+    ) -> Result<()> {
+        let path = self.keys().rank_manifest(&m.run, m.step, m.rank);
+        let commit = self.keys().commit(&m.run, m.step);
+        self.join_generation(&m.run, m.generation)
+            .await
+            .map_err(|e| e.context(what))?;
+        let committed = || {
+            Error::new(
+                ErrorKind::Conflict,
+                format!("{what}: step {} is already committed", m.step),
+            )
+        };
+        if self.exists(&commit).await? {
+            return Err(committed());
+        }
+        self.failpoints().hit("before_manifest_replace").await?;
+        tracing::warn!(
+            %path,
+            old,
+            new = m.generation,
+            "replacing a manifest left by an older generation"
+        );
+        self.put_object(&path, vec![bytes.into()], PutMode::Overwrite)
+            .await?;
+        if self.exists(&commit).await? {
+            let (c, _) = self.read_commit(&m.run, m.step).await?;
+            let old_hash = crate::id::Hash::of(existing);
+            if c.ranks
+                .iter()
+                .any(|e| e.rank == m.rank && e.hash == old_hash)
+            {
+                tracing::warn!(%path, "a committer of generation {old} committed meanwhile; putting its manifest back");
+                self.put_object(&path, vec![existing.clone()], PutMode::Overwrite)
+                    .await?;
+                return Err(committed().context(format!(
+                    "generation {old} committed it while generation {} replaced this manifest",
+                    m.generation
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether every manifest `record` pins still has the pinned bytes.
+    async fn pins_hold(&self, record: &CommitRecord) -> Result<bool> {
+        for e in &record.ranks {
+            let path = self.keys().rank_manifest(&record.run, record.step, e.rank);
+            match self.get_object(&path).await {
+                Ok(b) if crate::id::Hash::of(&b) == e.hash => {}
+                Ok(_) => return Ok(false),
+                Err(x) if x.kind() == ErrorKind::NotFound => return Ok(false),
+                Err(x) => return Err(x),
+            }
+        }
+        Ok(true)
     }
 
     /// Read and check one rank's manifest; `expect` (from the commit record) pins its hash.
@@ -189,6 +256,43 @@ impl Store {
                 ),
             )),
             Err(e) => Err(e),
+        }
+    }
+
+    /// Join `generation` of `run` as one of its writers: mark it started if no one has (a
+    /// conflict means another rank or the supervisor marked it first), then check that no
+    /// newer generation has started ([`ErrorKind::Fenced`] otherwise). Every writer does this
+    /// before its first save, so whoever resumes a run fences every older writer of it.
+    pub async fn join_generation(&self, run: &str, generation: u64) -> Result<()> {
+        match self.start_generation(run, generation).await {
+            Ok(()) => {}
+            Err(e) if e.kind() == ErrorKind::Conflict => {}
+            Err(e) => return Err(e),
+        }
+        self.check_generation(run, generation, "this writer").await
+    }
+
+    /// Claim a new generation of `run` for a job that resumes it by itself (no supervisor):
+    /// the first number at least `at_least` and above every started generation whose marker
+    /// this call creates. Two jobs claiming at once get different numbers (conditional
+    /// create), so the later one fences the earlier.
+    pub async fn claim_generation(&self, run: &str, at_least: u64) -> Result<u64> {
+        let mut g = at_least.max(self.newest_generation(run).await?.map_or(0, |g| g + 1));
+        loop {
+            match self.start_generation(run, g).await {
+                Ok(()) => return Ok(g),
+                Err(e) if e.kind() == ErrorKind::Conflict => g += 1,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// [`ErrorKind::Fenced`] ("fenced by generation N") if a generation newer than
+    /// `generation` of `run` has started; `who` names the writer in the message.
+    pub async fn check_generation(&self, run: &str, generation: u64, who: &str) -> Result<()> {
+        match self.newest_generation(run).await? {
+            Some(newer) if newer > generation => Err(fenced(run, newer, generation, who)),
+            _ => Ok(()),
         }
     }
 
@@ -271,7 +375,7 @@ impl Store {
         }
         if has_commit {
             let (c, id) = self.read_commit(run, step).await?;
-            return Ok(CommitOutcome::AlreadyCommitted(c, id));
+            return already_committed(c, id, generation);
         }
         if ranks.is_empty() {
             return Err(Error::incomplete(format!(
@@ -392,19 +496,14 @@ impl Store {
             stats,
         };
         self.failpoints().hit("before_commit").await?;
-        // Epoch fencing: once a supervisor has started a newer generation, this one's
-        // committer is stale.
-        if let Some(newer) = self.newest_generation(run).await?
-            && newer > generation
-        {
-            return Err(Error::new(
-                ErrorKind::Fenced,
-                format!(
-                    "step {step} of run {run}: generation {newer} has started; this committer (generation {generation}) is stale and must not commit"
-                ),
-            ));
-        }
+        // Epoch fencing: once a newer generation has started (a supervisor, an agent or a job
+        // resumed by hand marked it), this one's committer is stale.
+        let who = "this committer";
+        self.check_generation(run, generation, who)
+            .await
+            .map_err(|e| e.context(format!("step {step} of run {run}")))?;
         let path = self.keys().commit(run, step);
+        self.failpoints().hit("before_commit_create").await?;
         let bytes = record.seal()?;
         let hash = crate::id::Hash::of(&bytes);
         match self
@@ -413,11 +512,26 @@ impl Store {
         {
             Ok(()) => {
                 info!(run, step, ranks = world, "committed");
+                // A generation started between the check and the create (one request's
+                // window) did not stop this commit, but it does stop this writer; and a writer
+                // of it may have replaced a manifest this record pins (it found no record yet):
+                // then no one could ever restore the record, so it is withdrawn.
+                if let Err(e) = self.check_generation(run, generation, who).await {
+                    if e.kind() == ErrorKind::Fenced && !self.pins_hold(&record).await? {
+                        self.delete_all(vec![path.clone()]).await?;
+                        return Err(e.context(format!(
+                            "step {step} of run {run}: the commit record was withdrawn (a newer generation replaced a manifest it pinned)"
+                        )));
+                    }
+                    return Err(e.context(format!(
+                        "step {step} of run {run} was committed as a newer generation started"
+                    )));
+                }
                 Ok(CommitOutcome::Committed(record, StepId(hash)))
             }
             Err(e) if e.kind() == ErrorKind::Conflict => {
                 let (c, id) = self.read_commit(run, step).await?;
-                Ok(CommitOutcome::AlreadyCommitted(c, id))
+                already_committed(c, id, Some(generation))
             }
             Err(e) => Err(e),
         }
@@ -461,4 +575,35 @@ impl Store {
             }
         }
     }
+}
+
+/// A step someone else committed: theirs, unless a committer of a newer `generation` finds a
+/// record of an older one (its ranks' saves are not in it: not a success).
+fn already_committed(
+    c: CommitRecord,
+    id: StepId,
+    generation: Option<u64>,
+) -> Result<CommitOutcome> {
+    match generation {
+        Some(g) if c.generation < g => Err(Error::new(
+            ErrorKind::Conflict,
+            format!(
+                "step {} of run {} is already committed by generation {}, older than this committer's {g}",
+                c.step, c.run, c.generation
+            ),
+        )),
+        _ => Ok(CommitOutcome::AlreadyCommitted(c, id)),
+    }
+}
+
+/// The error of a writer of `generation` once `newer` has started.
+fn fenced(run: &str, newer: u64, generation: u64, who: &str) -> Error {
+    Error::new(
+        ErrorKind::Fenced,
+        format!(
+            "fenced by generation {newer}: generation {newer} has started in run {run}; {who} \
+             (generation {generation}) is stale and must stop (no retry can succeed; the newer \
+             job owns the run)"
+        ),
+    )
 }

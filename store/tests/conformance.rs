@@ -73,6 +73,8 @@ conformance!(
     failed_commit_is_never_a_dedup_base,
     gc_never_sweeps_under_a_save_in_flight,
     gc_racing_saves_never_breaks_a_commit,
+    a_started_generation_fences_older_writers,
+    replacing_a_manifest_never_breaks_a_racing_commit,
 );
 
 fn w(run: &str, step: u64, rank: u32, layout: Layout) -> RankWrite {
@@ -1262,4 +1264,126 @@ async fn gc_racing_saves_never_breaks_a_commit(b: Backend) {
     assert!(v.is_clean(), "{v:?}");
     assert_eq!(store.committed_steps(run).await.unwrap(), vec![50]);
     check(store.clone(), 50).await;
+}
+
+async fn a_started_generation_fences_older_writers(b: Backend) {
+    // Job A (generation 0) commits step 1; then two jobs resume the run at once, each
+    // claiming a generation: they get different numbers, and from then on only the newest
+    // may write. Older writers and committers are refused with a fence naming it.
+    let store = b.store();
+    let run = "fence";
+    save_as(store, run, 1, 0).await.unwrap();
+    store.commit_step_as(run, 1, Some(0)).await.unwrap();
+    let first = store.claim_generation(run, 1).await.unwrap();
+    let second = store.claim_generation(run, 1).await.unwrap();
+    assert_eq!((first, second), (1, 2), "two claims, two generations");
+    assert_eq!(store.newest_generation(run).await.unwrap(), Some(2));
+    for old in [0, 1] {
+        let e = save_as(store, run, 2, old).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Fenced, "{e}");
+        assert!(e.to_string().contains("fenced by generation 2"), "{e}");
+        let e = store.join_generation(run, old).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Fenced, "{e}");
+    }
+    // The newest generation joins (its marker exists) and writes; an older committer of the
+    // same step is refused, the newest commits.
+    store.join_generation(run, 2).await.unwrap();
+    save_as(store, run, 2, 2).await.unwrap();
+    let e = store.commit_step_as(run, 2, Some(1)).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Fenced, "{e}");
+    let o = store.commit_step_as(run, 2, Some(2)).await.unwrap();
+    assert!(matches!(o, CommitOutcome::Committed(..)));
+    assert_eq!(store.committed_steps(run).await.unwrap(), vec![1, 2]);
+    // A committer of an older generation whose manifests are complete (saved before the newer
+    // job started) is refused at the commit: it must not commit any step after that.
+    save_as(store, "fence2", 1, 4).await.unwrap();
+    store.start_generation("fence2", 5).await.unwrap();
+    let e = store.commit_step_as("fence2", 1, Some(4)).await;
+    let e = e.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Fenced, "{e}");
+    assert!(e.to_string().contains("fenced by generation 5"), "{e}");
+    assert!(store.committed_steps("fence2").await.unwrap().is_empty());
+    assert!(
+        store
+            .verify(&VerifyScope::Store, None)
+            .await
+            .unwrap()
+            .is_clean()
+    );
+}
+
+/// Save a one-tensor step as rank 0 of `generation` (the bytes depend on the generation, so
+/// two generations' manifests differ).
+async fn save_as(store: &Store, run: &str, step: u64, generation: u64) -> ckpt_store::Result<()> {
+    let mut rw = w(run, step, 0, Layout::SINGLE);
+    rw.generation = generation;
+    let data = det_bytes(generation + 11, 64);
+    let sh = vec![shard("t", DType::U8, &[64], NdBox::full(&[64]), data)];
+    store
+        .write_rank(&rw, sh, Vec::new(), &DedupIndex::new())
+        .await
+        .map(|_| ())
+}
+
+fn with_fp(store: &Store, spec: &str) -> Store {
+    store
+        .clone()
+        .with_failpoints(ckpt_store::Failpoints::parse(spec).unwrap())
+}
+
+async fn replacing_a_manifest_never_breaks_a_racing_commit(b: Backend) {
+    // A writer of a newer generation replaces a manifest an older generation left in an
+    // uncommitted step, while a committer of that older generation commits the step: whatever
+    // the interleaving, no commit record ends up pinned to manifest bytes that are gone.
+    let store = b.store();
+    let ms = std::time::Duration::from_millis;
+
+    // 1. The committer has passed its generation check and creates its record only after
+    //    the manifest was replaced: it withdraws the record, and the newer generation commits.
+    save_as(store, "race1", 1, 0).await.unwrap();
+    let slow = with_fp(store, "before_commit_create=sleep(1000)");
+    let c = tokio::spawn(async move { slow.commit_step_as("race1", 1, Some(0)).await });
+    tokio::time::sleep(ms(300)).await;
+    save_as(store, "race1", 1, 1).await.unwrap();
+    let e = c.await.unwrap().unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Fenced, "{e}");
+    assert!(e.to_string().contains("withdrawn"), "{e}");
+    let e = store.read_commit("race1", 1).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound, "{e}");
+    let o = store.commit_step_as("race1", 1, Some(1)).await.unwrap();
+    assert_eq!(o.record().generation, 1);
+
+    // 2. The committer creates its record between the writer's "not committed" check and its
+    //    overwrite: the writer puts the committed manifest back and is refused.
+    save_as(store, "race2", 1, 0).await.unwrap();
+    let slow_c = with_fp(store, "before_commit_create=sleep(800)");
+    let c = tokio::spawn(async move { slow_c.commit_step_as("race2", 1, Some(0)).await });
+    tokio::time::sleep(ms(200)).await;
+    let slow_w = with_fp(store, "before_manifest_replace=sleep(1600)");
+    let wr = tokio::spawn(async move { save_as(&slow_w, "race2", 1, 1).await });
+    let ce = c.await.unwrap().unwrap_err();
+    assert_eq!(
+        ce.kind(),
+        ErrorKind::Fenced,
+        "the committer learns it is stale: {ce}"
+    );
+    let we = wr.await.unwrap().unwrap_err();
+    assert_eq!(we.kind(), ErrorKind::Conflict, "{we}");
+    assert!(we.to_string().contains("already committed"), "{we}");
+    let (rec, _) = store.read_commit("race2", 1).await.unwrap();
+    assert_eq!(rec.generation, 0);
+    let m = store
+        .read_rank_manifest("race2", 1, 0, Some(&rec.ranks[0]))
+        .await
+        .unwrap();
+    assert_eq!(m.generation, 0);
+    let r = StepReader::open(store, "race2", 1).await.unwrap();
+    assert_eq!(r.read_tensor("t").await.unwrap(), det_bytes(11, 64));
+    assert!(
+        store
+            .verify(&VerifyScope::Store, None)
+            .await
+            .unwrap()
+            .is_clean()
+    );
 }

@@ -790,3 +790,209 @@ fn ckpt_train_resumes_from_exactly_the_step_it_is_given() {
         "{err}"
     );
 }
+
+/// `ckpt` (the real binary) with the store in the environment.
+fn ckpt_cli(store: &Path) -> std::process::Command {
+    let mut c = std::process::Command::new(bin("ckpt", "ckpt"));
+    c.env("CKPT_STORE", store).env("CKPT_LOG", "warn");
+    c
+}
+
+/// `ckpt verify RUN` exits 0 (every committed step intact).
+fn assert_verifies(store: &Path, run: &str) {
+    let out = ckpt_cli(store).args(["verify", run]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "ckpt verify {run}: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn a_job_resumed_by_hand_fences_the_job_still_running() {
+    // Job A trains; job B (`ckpt-train --resume`, by hand, no supervisor) is started on the
+    // same run while A still runs. From B's start on, A commits nothing (its saves are fenced
+    // and it stops by itself), B commits every step it saves and ends where an uninterrupted
+    // run ends.
+    let dir = tempfile::tempdir().unwrap();
+    let steps: u64 = 30;
+    let want = reference_digest(dir.path(), steps, PARAMS);
+    let store = dir.path().join("store");
+    let run = "twojobs";
+    let job = |resume: bool, out: &str| {
+        let mut c = std::process::Command::new(bin("ckpt-train", "ckpt-trainer"));
+        c.arg("--store")
+            .arg(&store)
+            .args([
+                "--run",
+                run,
+                "--steps",
+                &steps.to_string(),
+                "--ckpt-every",
+                "2",
+            ])
+            .args(["--params", PARAMS, "--seed", "5", "--step-time-ms", "100"])
+            .env("CKPT_LOG", "warn")
+            .stdout(std::fs::File::create(dir.path().join(format!("{out}.out"))).unwrap())
+            .stderr(std::fs::File::create(dir.path().join(format!("{out}.err"))).unwrap());
+        if resume {
+            c.arg("--resume");
+        }
+        c.spawn().unwrap()
+    };
+    let st = ckpt_store::open(store.to_str().unwrap()).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut a = job(false, "a");
+    let t0 = Instant::now();
+    while rt
+        .block_on(st.latest_committed(run))
+        .unwrap()
+        .is_none_or(|s| s < 6)
+    {
+        assert!(a.try_wait().unwrap().is_none(), "job A ended early");
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "job A commits nothing"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let gen_a = rt.block_on(st.newest_generation(run)).unwrap().unwrap();
+    let mut b = job(true, "b");
+    let b_status = b.wait().unwrap();
+    let read = |f: &str| std::fs::read_to_string(dir.path().join(f)).unwrap();
+    assert!(b_status.success(), "job B failed: {}", read("b.err"));
+    // A stopped by itself, long before its 30 steps of 100 ms were done, fenced.
+    let t1 = Instant::now();
+    let a_status = loop {
+        if let Some(s) = a.try_wait().unwrap() {
+            break s;
+        }
+        if t1.elapsed() > Duration::from_secs(10) {
+            let _ = a.kill();
+            panic!("job A still runs after job B finished: it was not fenced");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(!a_status.success(), "job A ran to its end");
+    let a_err = read("a.err");
+    let gen_b = rt.block_on(st.newest_generation(run)).unwrap().unwrap();
+    assert!(gen_b > gen_a, "job B started no newer generation");
+    assert!(
+        a_err.contains(&format!("fenced by generation {gen_b}")),
+        "job A's error does not say it was fenced: {a_err}"
+    );
+    assert_eq!(digest_in(&read("b.out")), Some(want), "job B's final state");
+    // The step B resumed from, from its restore event.
+    let events = rt
+        .block_on(ckpt_store::logs::read_log(
+            &st,
+            run,
+            ckpt_store::logs::EVENTS,
+        ))
+        .unwrap();
+    let from = events
+        .iter()
+        .find(|e| e["kind"] == "restore" && e["generation"] == gen_b)
+        .and_then(|e| e["step"].as_u64())
+        .expect("job B restored a step");
+    let committed = rt.block_on(st.committed_steps(run)).unwrap();
+    for s in &committed {
+        let g = rt.block_on(st.read_commit(run, *s)).unwrap().0.generation;
+        if *s > from {
+            assert_eq!(
+                g, gen_b,
+                "step {s} was committed by job A after job B started"
+            );
+        }
+    }
+    let after: Vec<u64> = committed.iter().copied().filter(|s| *s > from).collect();
+    let every: Vec<u64> = (from + 1..=steps).filter(|s| s % 2 == 0).collect();
+    assert_eq!(after, every, "job B did not commit every step it saved");
+    assert_verifies(&store, run);
+}
+
+#[test]
+fn ranks_and_agents_die_with_a_killed_ckpt_resume() {
+    // SIGKILL the real `ckpt resume` mid-run: within seconds none of its ranks or replica
+    // agents is left; a new `ckpt resume` of the run finishes bit-identical to an
+    // uninterrupted run.
+    let dir = tempfile::tempdir().unwrap();
+    let steps: u64 = 40;
+    let want = reference_digest(dir.path(), steps, PARAMS);
+    let store = dir.path().join("store");
+    let run = format!("orphans{}", std::process::id());
+    let logs = dir.path().join("logs");
+    // The first supervision's ranks take 300 ms a step, so on their own they would train
+    // for 10 s more after the kill: long past the few seconds they are given to die.
+    let resume = |tag: &str, step_ms: u64| {
+        let mut c = ckpt_cli(&store);
+        c.args(["resume", "--run", &run, "--nodes", "2", "--layout", "dp=2"])
+            .args([
+                "--peer-replicas",
+                "--heartbeat-timeout",
+                "2s",
+                "--backoff",
+                "100ms",
+            ])
+            .arg("--logs")
+            .arg(&logs)
+            .arg("--")
+            .args(train_cmd(steps, 4, step_ms))
+            // Every process of this supervision inherits the tag: found by it below.
+            .env("CKPT_TEST_TAG", tag)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(dir.path().join(format!("{tag}.err"))).unwrap());
+        c
+    };
+    let tag = format!("{run}-first");
+    let mut sup = resume(&tag, 300).spawn().unwrap();
+    let alive = |tag: &str| -> Vec<u32> {
+        find_processes(&[("CKPT_TEST_TAG", tag)])
+            .into_iter()
+            .map(|(pid, _)| pid)
+            .filter(|pid| {
+                std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                    .is_ok_and(|s| s.split_whitespace().nth(2) != Some("Z"))
+            })
+            .collect()
+    };
+    let st = ckpt_store::open(store.to_str().unwrap()).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let t0 = Instant::now();
+    while rt.block_on(st.latest_committed(&run)).unwrap().is_none() {
+        assert!(sup.try_wait().unwrap().is_none(), "ckpt resume ended early");
+        assert!(t0.elapsed() < Duration::from_secs(120), "no checkpoint");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let ranks = ranks_of(&run);
+    assert_eq!(ranks.len(), 2, "two ranks run: {ranks:?}");
+    // The supervisor, two agents and two ranks.
+    assert_eq!(alive(&tag).len(), 5, "{:?}", alive(&tag));
+    signal(sup.id(), libc::SIGKILL);
+    sup.wait().unwrap();
+    let t1 = Instant::now();
+    loop {
+        let left = alive(&tag);
+        if left.is_empty() {
+            break;
+        }
+        assert!(
+            t1.elapsed() < Duration::from_secs(4),
+            "processes of the killed ckpt resume are still alive: {left:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = resume(&format!("{run}-second"), 0).output().unwrap();
+    assert!(
+        out.status.success(),
+        "the second ckpt resume failed: {}",
+        std::fs::read_to_string(dir.path().join(format!("{run}-second.err"))).unwrap_or_default()
+    );
+    assert_eq!(
+        final_digest(&logs).as_deref(),
+        Some(want.as_str()),
+        "the resumed job differs from an uninterrupted run"
+    );
+    assert_verifies(&store, &run);
+}

@@ -482,7 +482,10 @@ impl CheckpointManager {
 
     /// Restore the step to resume from ([`CheckpointManager::resume_target`]: the configured
     /// resume step, else the newest committed one), if any; returns its number.
+    /// This rank's generation is joined first (see [`Checkpointer::join_generation`]), so a
+    /// job resumed while an older one still runs fences the older one before it chooses.
     pub fn restore_latest(&mut self) -> Result<Option<u64>> {
+        self.ckpt.join_generation()?;
         match self.resume_target()? {
             None => Ok(None),
             Some(step) => self.restore(step).map(|_| Some(step)),
@@ -493,6 +496,8 @@ impl CheckpointManager {
     /// whatever layout saved it. A failure because of the data (an object missing or
     /// damaged: `NotFound`, `Corrupt`) is also logged as a `restore_failed` event.
     pub fn restore(&mut self, step: u64) -> Result<()> {
+        // A restore starts (or joins) this rank's generation before anything of it is saved.
+        self.ckpt.join_generation()?;
         let r = self.restore_inner(step);
         if let Err(e) = &r
             && matches!(e.kind(), ErrorKind::NotFound | ErrorKind::Corrupt)

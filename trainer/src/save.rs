@@ -12,6 +12,7 @@
 
 use std::sync::Arc;
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -385,6 +386,12 @@ pub struct Checkpointer {
     dedup: Arc<Mutex<DedupBase>>,
     /// Names this checkpointer's dedup leases in the store.
     writer: String,
+    /// Set once this rank's generation has been joined in the store (marker written, no
+    /// newer generation seen).
+    joined: AtomicBool,
+    /// Why a newer generation fenced this writer out, once one did: every later save is
+    /// refused at once.
+    fenced: Arc<Mutex<Option<String>>>,
 }
 
 impl std::fmt::Debug for Checkpointer {
@@ -437,7 +444,55 @@ impl Checkpointer {
             last: Mutex::new(None),
             dedup: Arc::default(),
             writer,
+            joined: AtomicBool::new(false),
+            fenced: Arc::default(),
         })
+    }
+
+    /// Join this rank's generation in the store, once: mark it started unless someone did,
+    /// and check that no newer generation has started. A job that resumes a run thereby fences
+    /// every older writer of it before its own first save; a newer generation found here
+    /// fences this one ([`ErrorKind::Fenced`]).
+    pub fn join_generation(&self) -> Result<()> {
+        self.check_fenced()?;
+        if self.joined.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        let r = runtime().block_on(
+            self.store
+                .join_generation(&self.cfg.run, self.cfg.generation),
+        );
+        match r {
+            Ok(()) => {
+                self.joined.store(true, Ordering::SeqCst);
+                Ok(())
+            }
+            Err(e) => {
+                note_fenced(&self.fenced, &e);
+                Err(e)
+            }
+        }
+    }
+
+    /// Take this rank's generation as joined: the caller joined it for every rank of the
+    /// process at once (see `ckpt-train`). A newer generation is then found by the saves.
+    pub fn assume_joined(&self) {
+        self.joined.store(true, Ordering::SeqCst);
+    }
+
+    /// The error that fenced this writer out, if a newer generation did.
+    pub fn fenced(&self) -> Option<Error> {
+        self.fenced
+            .lock()
+            .as_ref()
+            .map(|m| Error::new(ErrorKind::Fenced, m.clone()))
+    }
+
+    fn check_fenced(&self) -> Result<()> {
+        match self.fenced() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     /// The settings.
@@ -492,6 +547,8 @@ impl Checkpointer {
     /// Save `state` as `step` (see the module docs). Returns once every tensor is pinned and
     /// the copy has started.
     pub fn save(&self, step: u64, state: SaveState) -> Result<SaveHandle> {
+        // A fenced writer stops: no retry of a save can succeed once a newer job owns the run.
+        self.join_generation()?;
         let mut last = self.last.lock();
         if let Some(prev) = last.as_ref() {
             let busy = matches!(prev.stage(), Stage::Snapshotting | Stage::Snapshotted);
@@ -652,6 +709,7 @@ impl Checkpointer {
             let dedup = self.dedup.clone();
             let writer = self.writer.clone();
             let pool = self.pool.clone();
+            let fenced = self.fenced.clone();
             let w = RankWrite {
                 run: cfg.run.clone(),
                 step,
@@ -703,6 +761,7 @@ impl Checkpointer {
                     Ok(x) => x,
                     Err(e) => {
                         warn!(step, rank = cfg.rank, "checkpoint failed: {e}");
+                        note_fenced(&fenced, &e);
                         shared.set(Stage::Failed(SaveFailure::from(&e)), |_| {});
                         return;
                     }
@@ -757,12 +816,20 @@ impl Checkpointer {
                     }
                     Err(e) => {
                         warn!(step, "commit failed: {e}");
+                        note_fenced(&fenced, &e);
                         shared.set(Stage::Failed(SaveFailure::from(&e)), |_| {});
                     }
                 }
             });
         }
         Ok(handle)
+    }
+}
+
+/// Remember `e` if it is a fence (the first one wins).
+fn note_fenced(fenced: &Mutex<Option<String>>, e: &Error) {
+    if e.kind() == ErrorKind::Fenced {
+        fenced.lock().get_or_insert_with(|| e.to_string());
     }
 }
 

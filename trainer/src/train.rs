@@ -313,6 +313,11 @@ struct Shared {
     decision: Mutex<Decision>,
     /// A rank failed to roll back (threads mode: all then stop).
     rollback_failed: AtomicBool,
+    /// Threads: why a newer generation fenced this job out, as any rank's checkpointer found
+    /// it, and rank 0's copy of it for the current step (read by every rank after the second
+    /// barrier, so all stop at the same step).
+    fenced: Mutex<Option<String>>,
+    fence_now: Mutex<Option<String>>,
     stop_now: AtomicBool,
     sigterm: Arc<AtomicBool>,
     metrics: Mutex<Option<std::fs::File>>,
@@ -401,13 +406,13 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
             layout.world()
         )));
     }
-    let generation = match args.generation {
-        Some(g) => g,
-        None if args.resume || args.resume_step.is_some() => {
-            runtime().block_on(next_generation(&store, &args.run))?
-        }
-        None => 0,
-    };
+    let generation = runtime().block_on(choose_generation(&store, &args))?;
+    if args.rank.is_none() {
+        // All ranks here: the process joins the generation once, before any rank thread
+        // starts, so that the threads cannot disagree about it (a thread leaving alone would
+        // leave the others waiting at the barrier).
+        runtime().block_on(store.join_generation(&args.run, generation))?;
+    }
     let ranks: Vec<u32> = match args.rank {
         Some(r) => vec![r],
         None => (0..layout.world()).collect(),
@@ -461,6 +466,8 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
         board: Mutex::default(),
         decision: Mutex::new(Decision::Continue),
         rollback_failed: AtomicBool::new(false),
+        fenced: Mutex::default(),
+        fence_now: Mutex::default(),
         stop_now: AtomicBool::new(false),
         sigterm,
         metrics: Mutex::new(metrics),
@@ -557,6 +564,13 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
     }));
     mgr.register_stateful("progress", Scope::Global, progress.clone())?;
 
+    // Join this job's generation before choosing the step: from here on no older job of the
+    // run commits anything. (Threads: the process joined it.)
+    if a.rank.is_some() {
+        mgr.checkpointer().join_generation()?;
+    } else {
+        mgr.checkpointer().assume_joined();
+    }
     let resume = a.resume || a.resume_step.is_some();
     let target = if resume {
         mgr.resume_target()
@@ -643,7 +657,15 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
         }
         // Lockstep with the other rank threads: rank 0 logs the global loss and decides about
         // spikes and SIGTERM for all, before anything of this step is saved.
-        match decide(sh, &mut mgr, rank, step, batch, part, t_step)? {
+        let decision = decide(sh, &mut mgr, rank, step, batch, part, t_step)?;
+        // A newer generation owns the run (a job resumed while this one runs): stop at once,
+        // no retries; nothing this job saves can commit any more.
+        if let Some(why) = fence_of(sh, &mgr) {
+            warn!(rank, step, "stopping: {why}");
+            stopped = Some(Error::new(ErrorKind::Fenced, why));
+            break;
+        }
+        match decision {
             Decision::Continue | Decision::Alert(_) => {}
             Decision::Rollback(spike) => {
                 if let Some((h, t0, _)) = pending.take() {
@@ -682,9 +704,18 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
         last = step;
         let t_save = Instant::now();
         let h = if step == a.steps || stop {
-            Some(mgr.save_now(step)?)
+            mgr.save_now(step).map(Some)
         } else {
-            mgr.maybe_save(step)?
+            mgr.maybe_save(step)
+        };
+        let h = match h {
+            // Threads: the ranks stop together at the next step's decision (a rank leaving
+            // alone would leave the others waiting at the barrier).
+            Err(e) if e.kind() == ErrorKind::Fenced && sh.args.rank.is_none() && step < a.steps => {
+                warn!(rank, step, "checkpoint refused: {e}");
+                None
+            }
+            h => h?,
         };
         if let Some(h) = h {
             let call_s = t_save.elapsed().as_secs_f64();
@@ -701,6 +732,10 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
             break;
         }
         step += 1;
+    }
+    if let Some(e) = stopped.take_if(|e| e.kind() == ErrorKind::Fenced) {
+        // Its pending save cannot commit; waiting for it would only delay the stop.
+        return Err(e);
     }
     if let Some((h, t0, _)) = pending.take() {
         h.wait_snapshot()?;
@@ -733,6 +768,42 @@ fn note_resume_failure(resume: bool, e: &Error) {
 /// `ckpt_recovery::DATA_FAILURE_EXIT`, which the supervisor reads as "that step is unusable".
 pub fn failed_on_resume_data() -> bool {
     RESUME_DATA_FAILURE.load(Ordering::SeqCst)
+}
+
+/// This job's generation. Set (`--generation`, `CKPT_GENERATION` from a supervisor): every
+/// rank joins it. All ranks in this process: a new generation claimed in the store (above
+/// every started one and every one that saved), so this job fences any older job of the run,
+/// and two jobs started at once get different numbers. One rank per process without a
+/// supervisor: the ranks cannot agree on a fresh number without talking, so each takes the
+/// larger of what the saved steps call for and the newest started generation (the one a
+/// sibling rank of this job may have just marked); pass `--generation` to be explicit.
+async fn choose_generation(store: &Store, args: &TrainArgs) -> Result<u64> {
+    if let Some(g) = args.generation {
+        return Ok(g);
+    }
+    let resume = args.resume || args.resume_step.is_some();
+    let floor = if resume {
+        next_generation(store, &args.run).await?
+    } else {
+        0
+    };
+    if args.rank.is_none() {
+        return store.claim_generation(&args.run, floor).await;
+    }
+    if !resume {
+        return Ok(floor);
+    }
+    Ok(floor.max(store.newest_generation(&args.run).await?.unwrap_or(0)))
+}
+
+/// Why a newer generation fenced this job out, if it did. One rank per process: this rank's
+/// checkpointer; threads: what rank 0 saw for this step (the same for every rank).
+fn fence_of(sh: &Shared, mgr: &CheckpointManager) -> Option<String> {
+    if sh.args.rank.is_some() {
+        mgr.checkpointer().fenced().map(|e| e.to_string())
+    } else {
+        sh.fence_now.lock().clone()
+    }
 }
 
 /// One more than any generation that saved in `run`: the newest commit's, and those of
@@ -805,10 +876,15 @@ fn decide(
         return Ok(d);
     }
     sh.board.lock().entry(step).or_default().0.add(&part);
+    if let Some(e) = mgr.checkpointer().fenced() {
+        sh.fenced.lock().get_or_insert_with(|| e.to_string());
+    }
     if let Some(b) = &sh.barrier {
         b.wait()?;
     }
     if rank == 0 {
+        let f = sh.fenced.lock().clone();
+        *sh.fence_now.lock() = f;
         let tot = sh.board.lock().remove(&step).unwrap_or_default().0;
         sh.outcome.lock().losses.push((step, tot.loss()));
         let mut v = json!({
