@@ -118,8 +118,22 @@ impl Store {
     async fn put_lock(&self, path: &Path, what: &str) -> Result<()> {
         let body = serde_json::to_vec(&serde_json::json!({"what": what, "t_ms": now_ms()}))
             .map_err(|e| Error::internal(e.to_string()))?;
-        self.put_object(path, vec![body.into()], PutMode::Overwrite)
-            .await
+        // On a local directory, deleting the last lock removes the empty `locks/` directory
+        // (automatic cleanup) and can pull it from under a put of another lock: the put is
+        // an overwrite of a fresh key, so trying again is safe.
+        let mut attempt = 0;
+        loop {
+            match self
+                .put_object(path, vec![body.clone().into()], PutMode::Overwrite)
+                .await
+            {
+                Err(e) if attempt < 4 && matches!(e.kind(), ErrorKind::Backend | ErrorKind::Io) => {
+                    attempt += 1;
+                    tokio::time::sleep(Duration::from_millis(5 << attempt)).await;
+                }
+                r => return r,
+            }
+        }
     }
 
     /// Start a save by `writer` of `run`: take a writer lease, wait for any GC sweep to end

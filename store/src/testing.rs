@@ -164,6 +164,71 @@ macro_rules! require {
     };
 }
 
+/// Path of the binary `name` of the workspace package `package` in `profile_dir` (the
+/// running test's `target/<profile>`), built with `cargo build` (with `features`) when it is
+/// missing or older than any source or manifest of the workspace's library crates: a test
+/// never runs a stale binary, and never rebuilds one the test build just made.
+pub fn workspace_bin(
+    profile_dir: &FsPath,
+    name: &str,
+    package: &str,
+    features: &[&str],
+) -> PathBuf {
+    static BUILD: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let p = profile_dir.join(name);
+    let _g = BUILD.lock().unwrap_or_else(|e| e.into_inner());
+    let built = std::fs::metadata(&p).and_then(|m| m.modified()).ok();
+    let root = FsPath::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the workspace root");
+    if built.is_none_or(|b| newest_source(root).is_some_and(|s| s > b)) {
+        let mut c = Command::new(env!("CARGO"));
+        c.args(["build", "-p", package, "--bin", name]);
+        if !features.is_empty() {
+            c.args(["--features", &features.join(",")]);
+        }
+        if profile_dir.file_name().is_some_and(|d| d == "release") {
+            c.arg("--release");
+        }
+        let st = c.status().expect("cargo build");
+        assert!(st.success(), "building {name} failed");
+    }
+    p
+}
+
+/// The newest modification time of the library crates' sources and manifests below the
+/// workspace `root` (the crates a binary can be built from; the tests crate is not one).
+fn newest_source(root: &FsPath) -> Option<std::time::SystemTime> {
+    fn walk(dir: &FsPath, newest: &mut Option<std::time::SystemTime>) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for e in entries.flatten() {
+            match e.file_type() {
+                Ok(t) if t.is_dir() => walk(&e.path(), newest),
+                Ok(t) if t.is_file() => {
+                    if let Ok(m) = e.metadata().and_then(|m| m.modified()) {
+                        *newest = (*newest).max(Some(m));
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    let mut newest = None;
+    let mut files = vec![root.join("Cargo.toml"), root.join("Cargo.lock")];
+    for krate in ["store", "trainer", "recovery", "fuse", "ckpt"] {
+        walk(&root.join(krate).join("src"), &mut newest);
+        files.push(root.join(krate).join("Cargo.toml"));
+    }
+    for f in files {
+        if let Ok(m) = std::fs::metadata(f).and_then(|m| m.modified()) {
+            newest = newest.max(Some(m));
+        }
+    }
+    newest
+}
+
 /// The etcd binary: `CKPT_ETCD_BIN`, else `etcd` on `PATH`, else `/usr/bin/etcd`.
 pub fn find_etcd() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("CKPT_ETCD_BIN") {

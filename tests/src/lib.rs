@@ -3,7 +3,6 @@
 
 use std::path::PathBuf;
 use std::process::Command;
-use std::sync::Mutex;
 
 /// The workspace's target directory for the running profile (`target/debug`).
 pub fn target_dir() -> PathBuf {
@@ -17,69 +16,16 @@ pub fn target_dir() -> PathBuf {
     }
 }
 
-static BUILD: Mutex<()> = Mutex::new(());
-
 /// Path to a binary of the workspace, built when missing or older than any source of the
 /// library crates it is built from (`cargo test -p ckpt-tests` alone builds neither other
 /// packages' binaries nor their changes): a test never runs a stale binary.
 pub fn bin(name: &str, package: &str) -> PathBuf {
-    let p = target_dir().join(name);
-    let _g = BUILD.lock().unwrap_or_else(|e| e.into_inner());
-    let built = std::fs::metadata(&p).and_then(|m| m.modified()).ok();
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("the workspace root");
-    if built.is_none_or(|b| newest_source(root).is_some_and(|s| s > b)) {
-        let profile = target_dir()
-            .file_name()
-            .map(|s| s.to_string_lossy().to_string())
-            .unwrap_or_default();
-        let mut c = Command::new(env!("CARGO"));
-        c.args(["build", "-p", package, "--bin", name]);
-        if package == "ckpt" && cfg!(feature = "etcd") {
-            c.args(["--features", "etcd"]);
-        }
-        if profile == "release" {
-            c.arg("--release");
-        }
-        let st = c.status().expect("cargo build");
-        assert!(st.success(), "building {name} failed");
-    }
-    p
-}
-
-/// The newest modification time of the library crates' sources and manifests below the
-/// workspace `root` (the crates a binary can be built from; the tests crate is not one).
-fn newest_source(root: &std::path::Path) -> Option<std::time::SystemTime> {
-    fn walk(dir: &std::path::Path, newest: &mut Option<std::time::SystemTime>) {
-        let Ok(entries) = std::fs::read_dir(dir) else {
-            return;
-        };
-        for e in entries.flatten() {
-            let path = e.path();
-            match e.file_type() {
-                Ok(t) if t.is_dir() => walk(&path, newest),
-                Ok(t) if t.is_file() => {
-                    if let Ok(m) = e.metadata().and_then(|m| m.modified()) {
-                        *newest = (*newest).max(Some(m));
-                    }
-                }
-                _ => {}
-            }
-        }
-    }
-    let mut newest = None;
-    let mut files = vec![root.join("Cargo.toml"), root.join("Cargo.lock")];
-    for krate in ["store", "trainer", "recovery", "fuse", "ckpt"] {
-        walk(&root.join(krate).join("src"), &mut newest);
-        files.push(root.join(krate).join("Cargo.toml"));
-    }
-    for f in files {
-        if let Ok(m) = std::fs::metadata(f).and_then(|m| m.modified()) {
-            newest = newest.max(Some(m));
-        }
-    }
-    newest
+    let features: &[&str] = if package == "ckpt" && cfg!(feature = "etcd") {
+        &["etcd"]
+    } else {
+        &[]
+    };
+    ckpt_store::testing::workspace_bin(&target_dir(), name, package, features)
 }
 
 /// The final state digest of an uninterrupted `ckpt-train` run of `steps` steps of a model of

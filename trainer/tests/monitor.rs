@@ -522,22 +522,10 @@ fn rollback_needs_the_global_loss_with_one_rank_per_process() {
     );
 }
 
-/// `ckpt` from this workspace's target directory, built (or found up to date by cargo) first:
-/// `cargo test -p ckpt-trainer` does not build another package's binary, and a binary left
-/// in target/ may be stale.
+/// `ckpt` from this workspace's target directory (built if missing or stale).
 fn ckpt_bin() -> PathBuf {
-    let p = Path::new(BIN).with_file_name("ckpt");
-    let mut c = Command::new(env!("CARGO"));
-    c.args(["build", "-p", "ckpt", "--bin", "ckpt"]);
-    if p.parent()
-        .and_then(Path::file_name)
-        .is_some_and(|d| d == "release")
-    {
-        c.arg("--release");
-    }
-    let st = c.status().expect("cargo build");
-    assert!(st.success(), "building ckpt failed");
-    p
+    let dir = Path::new(BIN).parent().expect("the profile directory");
+    ckpt_store::testing::workspace_bin(dir, "ckpt", "ckpt", &[])
 }
 
 #[test]
