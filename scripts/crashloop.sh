@@ -7,5 +7,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export CKPT_CRASHLOOP_ROUNDS="${1:-100}"
 [ -n "${2:-}" ] && export CKPT_CRASHLOOP_SEED="$2"
-cargo build -q -p ckpt --bin ckpt -p ckpt-trainer --bin ckpt-train
+# The test builds (or finds up to date) the ckpt and ckpt-train binaries it runs.
 cargo test -q -p ckpt-tests --test crashloop -- --nocapture

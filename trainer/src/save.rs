@@ -231,11 +231,18 @@ struct Shared {
     step: u64,
     stage: Mutex<(Stage, SaveReport)>,
     cond: Condvar,
+    /// Whether the stage reached `Persisted` (a commit that fails later turns the stage into
+    /// `Failed`, but this rank's manifest is in the store all the same).
+    persisted: std::sync::atomic::AtomicBool,
 }
 
 impl Shared {
     fn set(&self, stage: Stage, f: impl FnOnce(&mut SaveReport)) {
         let mut g = self.stage.lock();
+        if stage == Stage::Persisted {
+            self.persisted
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+        }
         // Never go back from a failure.
         if !matches!(g.0, Stage::Failed(_)) {
             g.0 = stage;
@@ -329,8 +336,22 @@ impl SaveHandle {
 
     /// Block until this rank's chunks and manifest are in the store.
     pub fn wait_persisted(&self) -> Result<SaveReport> {
-        self.shared
+        match self
+            .shared
             .wait_for(|s| matches!(s, Stage::Persisted | Stage::Committed))
+        {
+            // Persisted, then the commit failed before this call looked: persisted all the
+            // same (the commit's error is for `wait_committed`).
+            Err(_)
+                if self
+                    .shared
+                    .persisted
+                    .load(std::sync::atomic::Ordering::SeqCst) =>
+            {
+                Ok(self.report())
+            }
+            r => r,
+        }
     }
 
     /// Block until this rank's chunks and manifest are in the store, or `timeout`.
@@ -568,6 +589,7 @@ impl Checkpointer {
                         return Ok(SaveHandle {
                             shared: Arc::new(Shared {
                                 step,
+                                persisted: Default::default(),
                                 stage: Mutex::new((
                                     Stage::Skipped(why),
                                     SaveReport {
@@ -631,6 +653,7 @@ impl Checkpointer {
             .collect();
         let shared = Arc::new(Shared {
             step,
+            persisted: Default::default(),
             stage: Mutex::new((
                 Stage::Snapshotting,
                 SaveReport {
