@@ -169,7 +169,8 @@ fn random_kills_never_break_a_committed_step() {
                     &store,
                     &["gc", "--keep-last", "2", "--grace", "1s", "--force"],
                 ),
-                Duration::from_millis(rng.below(400)),
+                // (It takes a few hundred milliseconds here, start-up included.)
+                Duration::from_millis(rng.below(150)),
             ),
         };
         let kind = match what {
