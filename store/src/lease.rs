@@ -42,6 +42,11 @@ pub const SWEEP_WAIT: Duration = Duration::from_secs(120);
 /// The default grace period, after which a lease or lock left behind lapses.
 pub const LOCK_LAPSE: Duration = Duration::from_secs(3600);
 
+/// How long a save waits for the commit record of the previous save (its newest dedup base
+/// candidate) before it falls back to an older committed step: saves taken back to back
+/// would otherwise find the previous commit not yet written and deduplicate nothing.
+pub const PENDING_BASE_WAIT: Duration = Duration::from_secs(1);
+
 /// A save in flight: while it exists, no GC sweeps. Release it with [`Store::release_lease`]
 /// once the save's rank manifest is written (or the save failed).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -181,18 +186,36 @@ impl Store {
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(Duration::from_millis(500));
         }
-        for &step in candidates {
-            match self.exists(&self.keys().commit(run, step)).await {
-                Ok(true) => {
-                    return Ok(WriterLease {
-                        base: Some(step),
-                        ..lease
-                    });
-                }
-                Ok(false) => debug!(run, step, "not committed (or deleted): not a dedup base"),
-                Err(e) => {
-                    let _ = self.release_lease(lease).await;
-                    return Err(e);
+        for (i, &step) in candidates.iter().enumerate() {
+            // The newest candidate is usually the previous save, whose commit may still be on
+            // its way (saves back to back): give it a moment rather than lose its dedup.
+            let until = Instant::now()
+                + if i == 0 {
+                    PENDING_BASE_WAIT
+                } else {
+                    Duration::ZERO
+                };
+            let mut pause = Duration::from_millis(10);
+            loop {
+                match self.exists(&self.keys().commit(run, step)).await {
+                    Ok(true) => {
+                        return Ok(WriterLease {
+                            base: Some(step),
+                            ..lease
+                        });
+                    }
+                    Ok(false) if Instant::now() < until => {
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(Duration::from_millis(200));
+                    }
+                    Ok(false) => {
+                        debug!(run, step, "not committed (or deleted): not a dedup base");
+                        break;
+                    }
+                    Err(e) => {
+                        let _ = self.release_lease(lease).await;
+                        return Err(e);
+                    }
                 }
             }
         }
