@@ -17,7 +17,7 @@ use tokio::sync::mpsc;
 use tracing::{error, info, warn};
 
 use crate::coordinator::{Assignment, ExitStatus, Record};
-use crate::heartbeat::{ENV_INTERVAL, ENV_SOCKET, ENV_SUPERVISOR_PID};
+use crate::rank_env::{HeartbeatEnv, PeerEnv, RankEnv};
 
 /// Bytes one rank of a new layout reads to restore.
 #[derive(Debug, Clone, Serialize)]
@@ -227,10 +227,6 @@ pub struct Launch {
     pub peer_agents: Vec<(u32, String)>,
 }
 
-/// The step a launched rank restores, exactly (set next to `CKPT_RESUME=true` when the
-/// coordinator chose one).
-pub const ENV_RESUME_STEP: &str = "CKPT_RESUME_STEP";
-
 /// Make the child die (SIGKILL) when this process dies: `PR_SET_PDEATHSIG`, and a check that
 /// the parent did not die before the child set it (then the signal would never come).
 ///
@@ -273,41 +269,36 @@ impl Launch {
         tag: u64,
         exits: &mpsc::UnboundedSender<RankExit>,
     ) -> Result<u32> {
+        let peer = peer_env(&self.peer_agents, a.node);
+        let env = RankEnv {
+            store: self.store_url.clone(),
+            run: self.run.clone(),
+            rank: a.rank,
+            world_size: layout.world(),
+            layout: layout.to_string(),
+            generation,
+            resume: true,
+            resume_step: resume_from,
+            node: a.node,
+            local_rank: a.local_rank,
+            local_world_size: self.ranks_per_node,
+            // Stopped after a failure: no commit is possible, so no final checkpoint.
+            final_on_sigterm: false,
+            supervisor_pid: std::process::id(),
+            heartbeat: HeartbeatEnv {
+                socket: self.heartbeat_socket.clone(),
+                interval: self.heartbeat_interval,
+            },
+            peer,
+            master: (master.0.to_string(), master.1),
+        };
         let mut cmd = tokio::process::Command::new(&self.command[0]);
         cmd.args(&self.command[1..])
-            .env("CKPT_STORE", &self.store_url)
-            .env("CKPT_RUN", &self.run)
-            .env("CKPT_RANK", a.rank.to_string())
-            .env("CKPT_WORLD_SIZE", layout.world().to_string())
-            .env("CKPT_LAYOUT", layout.to_string())
-            .env("CKPT_GENERATION", generation.to_string())
-            .env("CKPT_RESUME", "true")
-            .env("CKPT_NODE", a.node.to_string())
-            .env("CKPT_LOCAL_RANK", a.local_rank.to_string())
-            .env("CKPT_FINAL_ON_SIGTERM", "0")
-            .env(ENV_SUPERVISOR_PID, std::process::id().to_string())
-            .env(ENV_SOCKET, &self.heartbeat_socket)
-            .env(
-                ENV_INTERVAL,
-                self.heartbeat_interval.as_millis().to_string(),
-            )
-            .env("RANK", a.rank.to_string())
-            .env("WORLD_SIZE", layout.world().to_string())
-            .env("LOCAL_RANK", a.local_rank.to_string())
-            .env("LOCAL_WORLD_SIZE", self.ranks_per_node.to_string())
-            .env("MASTER_ADDR", master.0)
-            .env("MASTER_PORT", master.1.to_string())
+            .envs(env.to_env())
             .stdin(Stdio::null())
             .kill_on_drop(true);
-        if let Some(step) = resume_from {
-            cmd.env(ENV_RESUME_STEP, step.to_string());
-        } else {
-            cmd.env_remove(ENV_RESUME_STEP);
-        }
-        if let Some((agent, buddy, peers)) = peer_env(&self.peer_agents, a.node) {
-            cmd.env("CKPT_PEER_AGENT", agent)
-                .env("CKPT_PEER_BUDDY", buddy)
-                .env("CKPT_PEERS", peers);
+        for k in env.unset() {
+            cmd.env_remove(k);
         }
         if self.die_with_parent {
             die_with_parent(&mut cmd);
@@ -349,14 +340,10 @@ impl Launch {
 
 /// The replica environment of a rank on `node`: its agent, its buddy (the next live node's
 /// agent, wrapping around; none when the node is alone) and every agent, its own first.
-fn peer_env(agents: &[(u32, String)], node: u32) -> Option<(String, String, String)> {
+fn peer_env(agents: &[(u32, String)], node: u32) -> Option<PeerEnv> {
     let i = agents.iter().position(|(n, _)| *n == node)?;
     let own = agents[i].1.clone();
-    let buddy = if agents.len() > 1 {
-        agents[(i + 1) % agents.len()].1.clone()
-    } else {
-        String::new()
-    };
+    let buddy = (agents.len() > 1).then(|| agents[(i + 1) % agents.len()].1.clone());
     let mut all = vec![own.clone()];
     all.extend(
         agents
@@ -364,7 +351,12 @@ fn peer_env(agents: &[(u32, String)], node: u32) -> Option<(String, String, Stri
             .filter(|(n, _)| *n != node)
             .map(|(_, a)| a.clone()),
     );
-    Some((own, buddy, all.join(",")))
+    Some(PeerEnv {
+        agent: own,
+        buddy,
+        peers: all,
+        timeout: None,
+    })
 }
 
 /// SIGTERM (with SIGCONT, so a stopped process handles it) or SIGKILL to a rank we started.

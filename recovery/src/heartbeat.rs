@@ -14,6 +14,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::rank_env::RankEnv;
+
 /// One heartbeat.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Beat {
@@ -33,15 +35,6 @@ pub struct Beat {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub n: Option<u64>,
 }
-
-/// Environment variable naming the supervisor's socket.
-pub const ENV_SOCKET: &str = "CKPT_HEARTBEAT";
-/// Environment variable with the heartbeat interval in milliseconds.
-pub const ENV_INTERVAL: &str = "CKPT_HEARTBEAT_MS";
-/// Environment variable with the process id of the supervisor (or agent) that launched the
-/// rank: the rank's parent. A rank whose parent changes (it died; the rank was re-parented)
-/// ends itself.
-pub const ENV_SUPERVISOR_PID: &str = "CKPT_SUPERVISOR_PID";
 
 /// The rank side.
 #[derive(Debug)]
@@ -127,28 +120,16 @@ impl HeartbeatClient {
         Ok(c)
     }
 
-    /// A client from the environment the supervisor sets (`CKPT_HEARTBEAT`,
-    /// `CKPT_GENERATION`, `CKPT_RANK`, and `CKPT_SUPERVISOR_PID`, which it watches), or `None`
-    /// when not supervised.
-    pub fn from_env() -> Option<Self> {
-        let path = std::env::var_os(ENV_SOCKET)?;
-        let generation = std::env::var("CKPT_GENERATION").ok()?.parse().ok()?;
-        let rank = std::env::var("CKPT_RANK").ok()?.parse().ok()?;
-        let ms: u64 = std::env::var(ENV_INTERVAL)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(500);
-        let supervisor = std::env::var(ENV_SUPERVISOR_PID)
-            .ok()
-            .and_then(|p| p.parse().ok());
+    /// The client a launched rank runs: beating to its driver's socket, and watching the
+    /// driver's process (see [`HeartbeatClient::connect_watching`]).
+    pub fn from_rank_env(env: &RankEnv) -> std::io::Result<Self> {
         Self::connect_watching(
-            Path::new(&path),
-            generation,
-            rank,
-            Duration::from_millis(ms),
-            supervisor,
+            &env.heartbeat.socket,
+            env.generation,
+            env.rank,
+            env.heartbeat.interval,
+            Some(env.supervisor_pid),
         )
-        .ok()
     }
 
     /// Report that `step` is complete, with the step's partial loss sums if known.

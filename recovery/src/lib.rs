@@ -7,6 +7,7 @@
 //!   relaunches survivors on a new layout after a failure, keeps the recovery log;
 //! - `agent` (feature `etcd`): the driver across machines behind `ckpt agent`: one agent
 //!   per machine, membership through etcd leases, one elected coordinator;
+//! - [`rank_env`]: the environment a driver hands each rank it launches, as one type;
 //! - [`driver`]: what both drivers share (launching ranks, the recovery log, choosing the
 //!   step to restore).
 
@@ -17,11 +18,12 @@ pub mod agent;
 pub mod coordinator;
 pub mod driver;
 pub mod heartbeat;
+pub mod rank_env;
 pub mod supervisor;
 
 pub use coordinator::{
     Action, Config, Coordinator, DATA_FAILURE_EXIT, Event, ExitStatus, Record, Topology,
 };
-pub use driver::ENV_RESUME_STEP;
 pub use heartbeat::HeartbeatClient;
+pub use rank_env::RankEnv;
 pub use supervisor::{Report, RestoreSummary, SupervisorOptions, choose_step, restore_plan, run};

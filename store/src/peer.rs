@@ -42,7 +42,7 @@ use crate::read::ChunkSource;
 /// How long connecting to an agent may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long one chunk's transfer to or from an agent may stall before the agent is given up
-/// (by default; `CKPT_PEER_TIMEOUT_MS` or [`PeerLink::timeout`] set it).
+/// (by default; [`PeerLink::timeout`], from `CKPT_PEER_TIMEOUT_MS` for a launched rank, sets it).
 pub const IO_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The largest chunk a frame may carry (no allocation is driven by an untrusted length).
@@ -51,7 +51,8 @@ pub const MAX_CHUNK: u64 = 1 << 30;
 const MAX_IDS: u32 = 1 << 24;
 
 /// A rank's view of the agents: where to hand its snapshots, where they are copied, and
-/// whom to ask on restore. From the environment a supervisor sets ([`PeerLink::from_env`]).
+/// whom to ask on restore. A launched rank gets it from its driver's environment
+/// (`ckpt_recovery::RankEnv::peer_link`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PeerLink {
     /// This node.
@@ -65,43 +66,6 @@ pub struct PeerLink {
     /// How long a transfer to or from an agent may stall before the agent is given up (the
     /// persist or restore then goes on without it).
     pub timeout: Duration,
-}
-
-impl PeerLink {
-    /// `CKPT_PEER_AGENT`, `CKPT_PEER_BUDDY`, `CKPT_PEERS` (comma-separated), `CKPT_NODE` and
-    /// `CKPT_PEER_TIMEOUT_MS`; `None` when `CKPT_PEER_AGENT` is unset (no replicas).
-    pub fn from_env() -> Option<PeerLink> {
-        let agent = std::env::var("CKPT_PEER_AGENT")
-            .ok()
-            .filter(|s| !s.is_empty())?;
-        let buddy = std::env::var("CKPT_PEER_BUDDY")
-            .ok()
-            .filter(|s| !s.is_empty());
-        let mut peers: Vec<String> = std::env::var("CKPT_PEERS")
-            .unwrap_or_default()
-            .split(',')
-            .filter(|s| !s.is_empty())
-            .map(str::to_string)
-            .collect();
-        if !peers.contains(&agent) {
-            peers.insert(0, agent.clone());
-        }
-        let node = std::env::var("CKPT_NODE")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0);
-        let timeout = std::env::var("CKPT_PEER_TIMEOUT_MS")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .map_or(IO_TIMEOUT, Duration::from_millis);
-        Some(PeerLink {
-            node,
-            agent,
-            buddy,
-            peers,
-            timeout,
-        })
-    }
 }
 
 fn proto(msg: impl Into<String>) -> Error {

@@ -42,15 +42,20 @@ pub fn runtime() -> &'static tokio::runtime::Runtime {
     })
 }
 
-/// Persisting runs at a lower CPU priority (nice `CKPT_IO_NICE`, default 10) than training:
-/// where the training loop itself runs on the CPU, a background persist then slows its steps
-/// little and takes the cores the loop leaves idle. (The snapshot copy threads keep normal
-/// priority: the loop may be waiting for them.)
+/// The nice value of the persist threads; see [`set_io_nice`].
+static IO_NICE: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(10);
+
+/// Persisting runs at a lower CPU priority (nice 10 by default) than training: where the
+/// training loop itself runs on the CPU, a background persist then slows its steps little and
+/// takes the cores the loop leaves idle. (The snapshot copy threads keep normal priority: the
+/// loop may be waiting for them.) Set before the first save: the persist threads take it when
+/// they start (`ckpt-train --io-nice`, `CKPT_IO_NICE`).
+pub fn set_io_nice(nice: i32) {
+    IO_NICE.store(nice, std::sync::atomic::Ordering::Relaxed);
+}
+
 fn lower_io_priority() {
-    let nice: i32 = std::env::var("CKPT_IO_NICE")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(10);
+    let nice = IO_NICE.load(std::sync::atomic::Ordering::Relaxed);
     if nice != 0 {
         // SAFETY: plain libc calls on the calling thread.
         unsafe {
@@ -135,8 +140,9 @@ pub struct CheckpointerConfig {
     pub back_pressure: BackPressure,
     /// How long the committer waits for the other ranks' manifests.
     pub commit_timeout: Duration,
-    /// Hand every snapshot to a replica agent as well (see [`ckpt_store::peer`]); from
-    /// [`PeerLink::from_env`] by default, so ranks under `ckpt resume --peer-replicas` use it.
+    /// Hand every snapshot to a replica agent as well (see [`ckpt_store::peer`]); `None` by
+    /// default. A rank under `ckpt resume --peer-replicas` gets it from its driver:
+    /// `ckpt_recovery::RankEnv::peer_link`.
     pub peer: Option<PeerLink>,
 }
 
@@ -156,7 +162,7 @@ impl CheckpointerConfig {
             copy_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
             back_pressure: BackPressure::Wait,
             commit_timeout: Duration::from_secs(600),
-            peer: PeerLink::from_env(),
+            peer: None,
         }
     }
 }

@@ -32,6 +32,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use ckpt_recovery::{RankEnv, rank_env};
 use ckpt_store::logs::{LogWriter, METRICS};
 use ckpt_store::{Error, ErrorKind, Failpoints, Layout, Result, StepReader, Store};
 use clap::Parser;
@@ -122,13 +123,13 @@ pub fn next_batch(skips: &[(u64, u64)], mut pos: u64) -> u64 {
 )]
 pub struct TrainArgs {
     /// Store URL (directory, s3://bucket/prefix, ...).
-    #[arg(long, env = "CKPT_STORE")]
+    #[arg(long, env = rank_env::STORE)]
     pub store: String,
     /// Run name.
-    #[arg(long, env = "CKPT_RUN")]
+    #[arg(long, env = rank_env::RUN)]
     pub run: String,
     /// Layout, e.g. dp=2,tp=2,pp=1.
-    #[arg(long, env = "CKPT_LAYOUT", default_value = "dp=1,tp=1,pp=1")]
+    #[arg(long, env = rank_env::LAYOUT, default_value = "dp=1,tp=1,pp=1")]
     pub layout: String,
     /// ZeRO stage (0-3); overrides zero= in --layout.
     #[arg(long)]
@@ -156,24 +157,32 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 1e-3)]
     pub lr: f32,
     /// Run only this rank (one rank per process); all ranks as threads otherwise.
-    #[arg(long, env = "CKPT_RANK")]
+    #[arg(long, env = rank_env::RANK)]
     pub rank: Option<u32>,
     /// Job generation (set by the supervisor; otherwise 0 for a new run and, on --resume,
     /// one more than any generation that saved in this run).
-    #[arg(long, env = "CKPT_GENERATION")]
+    #[arg(long, env = rank_env::GENERATION)]
     pub generation: Option<u64>,
     /// Resume from the newest committed checkpoint of the run.
-    #[arg(long, env = "CKPT_RESUME")]
+    #[arg(long, env = rank_env::RESUME)]
     pub resume: bool,
     /// Resume from exactly this committed step, not the newest (implies --resume). `ckpt
     /// resume` sets it to the step its coordinator chose. If the step cannot be read because
     /// of its data (an object missing or damaged), ckpt-train exits with code 65
     /// (`ckpt_recovery::DATA_FAILURE_EXIT`) so the supervisor does not blame the node.
-    #[arg(long, env = "CKPT_RESUME_STEP")]
+    #[arg(long, env = rank_env::RESUME_STEP)]
     pub resume_step: Option<u64>,
     /// Write per-step and per-checkpoint metrics as JSON lines here.
     #[arg(long)]
     pub metrics_out: Option<PathBuf>,
+    /// The nice value of the background persist threads (0: the training loop's priority).
+    #[arg(
+        long,
+        env = "CKPT_IO_NICE",
+        default_value_t = 10,
+        allow_negative_numbers = true
+    )]
+    pub io_nice: i32,
     /// Freeze this fraction of the layers (fine-tuning).
     #[arg(long, default_value_t = 0.0)]
     pub frozen: f64,
@@ -300,6 +309,8 @@ pub struct Outcome {
 
 struct Shared {
     generation: u64,
+    /// What the driver that launched this process handed it (`None`: run by hand).
+    launched: Option<RankEnv>,
     args: TrainArgs,
     store: Store,
     layout: Layout,
@@ -353,9 +364,10 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
         layout.zero = z;
         layout.validate()?;
     }
-    if let Some(w) = std::env::var("CKPT_WORLD_SIZE")
-        .ok()
-        .and_then(|w| w.parse::<u32>().ok())
+    crate::save::set_io_nice(args.io_nice);
+    // Launched by a driver (`ckpt resume`, `ckpt agent`): its environment, read once.
+    let launched = RankEnv::from_env()?;
+    if let Some(w) = launched.as_ref().map(|e| e.world_size)
         && w != layout.world()
     {
         return Err(Error::invalid(format!(
@@ -456,6 +468,7 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
     });
     let shared = Arc::new(Shared {
         generation,
+        launched,
         args: args.clone(),
         store,
         layout,
@@ -538,6 +551,7 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
         .unwrap_or_else(|| state.held_bytes() as usize + sh.store.config().chunk_size);
     ck.prefault = a.prefault;
     ck.pool = sh.pool.clone();
+    ck.peer = sh.launched.as_ref().and_then(RankEnv::peer_link);
     ck.copy_threads = (std::thread::available_parallelism().map_or(2, |n| n.get())
         / sh.world_threads as usize)
         .max(1);
@@ -553,7 +567,7 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
     // One rank per process: the manager takes the final checkpoint on SIGTERM, unless the
     // supervisor says the job is being stopped after a failure (no commit is possible then).
     mc.final_on_sigterm =
-        a.rank.is_some() && std::env::var("CKPT_FINAL_ON_SIGTERM").map_or(true, |v| v != "0");
+        a.rank.is_some() && sh.launched.as_ref().is_none_or(|e| e.final_on_sigterm);
     mc.resume_step = a.resume_step;
     let mut mgr = CheckpointManager::new(sh.store.clone(), mc)?;
     state.register(&mut mgr)?;
@@ -614,7 +628,18 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
     }
 
     // Supervised (ckpt resume): beat after every step and in between.
-    let heartbeat = ckpt_recovery::HeartbeatClient::from_env();
+    let heartbeat = match &sh.launched {
+        Some(e) => Some(
+            ckpt_recovery::HeartbeatClient::from_rank_env(e).map_err(|err| {
+                Error::io(
+                    "connecting to the driver's heartbeat socket",
+                    &e.heartbeat.socket.display(),
+                    err,
+                )
+            })?,
+        ),
+        None => None,
+    };
     if let Some(hb) = &heartbeat {
         hb.step(progress.lock().step, None);
     }
