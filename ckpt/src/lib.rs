@@ -14,7 +14,7 @@
 //! use ckpt::cli::{self, Ui};
 //!
 //! let store = ckpt::store::open("memory://")?;
-//! let listing = cli::ls::ls(&store, &cli::ls::LsArgs::default(), chrono::Utc::now(), &Ui::quiet()).await?;
+//! let listing = cli::ls::ls(&store, &cli::ls::LsArgs::default(), ckpt_store::clock::system_now(), &Ui::quiet()).await?;
 //! assert!(matches!(listing, cli::ls::LsReport::Runs(r) if r.runs.is_empty()));
 //! # Ok(()) }
 //! ```

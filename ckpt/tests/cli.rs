@@ -47,7 +47,7 @@ fn q() -> Ui {
 }
 
 fn now() -> chrono::DateTime<chrono::Utc> {
-    chrono::Utc::now()
+    ckpt_store::clock::system_now()
 }
 
 /// Steps 10 and 20 committed (20 adds a tensor and changes qkv), step 30 incomplete.
@@ -1250,8 +1250,11 @@ async fn verify_reports_and_gc_collects_temp_files_of_interrupted_writes() {
         std::fs::create_dir_all(p.parent().unwrap()).unwrap();
         let f = std::fs::File::create(&p).unwrap();
         f.set_len(4096).unwrap();
-        f.set_modified(std::time::SystemTime::now() - std::time::Duration::from_secs(age_s))
-            .unwrap();
+        f.set_modified(
+            std::time::SystemTime::from(ckpt_store::clock::system_now())
+                - std::time::Duration::from_secs(age_s),
+        )
+        .unwrap();
         p
     };
     let old = plant(&format!("chunks/ab/{}#1", "ab".repeat(32)), 7200);

@@ -251,7 +251,7 @@ impl CkptFs {
             handles: Mutex::default(),
             next_fh: AtomicU64::new(1),
             prefetchers: Arc::new(Semaphore::new(4)),
-            started: SystemTime::now(),
+            started: SystemTime::from(ckpt_store::clock::system_now()),
         }
     }
 

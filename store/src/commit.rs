@@ -49,11 +49,6 @@ impl CommitOutcome {
     }
 }
 
-/// The current time in Unix milliseconds.
-pub fn now_ms() -> i64 {
-    chrono::Utc::now().timestamp_millis()
-}
-
 impl Store {
     /// Write a rank's manifest with a conditional create. Writing the same bytes again is a
     /// no-op (a retried save); different bytes for the same rank and step are a conflict.
@@ -241,9 +236,10 @@ impl Store {
     pub async fn start_generation(&self, run: &str, generation: u64) -> Result<()> {
         validate_run(run)?;
         let path = self.keys().generation_marker(run, generation);
-        let body =
-            serde_json::to_vec(&serde_json::json!({"generation": generation, "t_ms": now_ms()}))
-                .map_err(|e| Error::internal(e.to_string()))?;
+        let body = serde_json::to_vec(
+            &serde_json::json!({"generation": generation, "t_ms": self.now().timestamp_millis()}),
+        )
+        .map_err(|e| Error::internal(e.to_string()))?;
         match self
             .put_object(&path, vec![body.into()], PutMode::Create)
             .await

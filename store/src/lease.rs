@@ -30,7 +30,6 @@ use object_store::PutMode;
 use object_store::path::Path;
 use tracing::{debug, info};
 
-use crate::commit::now_ms;
 use crate::error::{Error, ErrorKind, Result};
 use crate::keys::validate_run;
 use crate::model::ChunkRef;
@@ -67,7 +66,9 @@ impl WriterLease {
 pub fn writer_id(rank: u32, generation: u64) -> String {
     static SEQ: AtomicU64 = AtomicU64::new(0);
     let seq = SEQ.fetch_add(1, Ordering::Relaxed);
-    let nanos = Utc::now().timestamp_nanos_opt().unwrap_or_default();
+    let nanos = crate::clock::system_now()
+        .timestamp_nanos_opt()
+        .unwrap_or_default();
     format!(
         "rank-{rank:06}-g{generation}-p{}-{nanos:x}-{seq}",
         std::process::id()
@@ -121,8 +122,10 @@ impl Store {
     }
 
     async fn put_lock(&self, path: &Path, what: &str) -> Result<()> {
-        let body = serde_json::to_vec(&serde_json::json!({"what": what, "t_ms": now_ms()}))
-            .map_err(|e| Error::internal(e.to_string()))?;
+        let body = serde_json::to_vec(
+            &serde_json::json!({"what": what, "t_ms": self.now().timestamp_millis()}),
+        )
+        .map_err(|e| Error::internal(e.to_string()))?;
         // On a local directory, deleting the last lock removes the empty `locks/` directory
         // (automatic cleanup) and can pull it from under a put of another lock: the put is
         // an overwrite of a fresh key, so trying again is safe.
@@ -160,7 +163,7 @@ impl Store {
         let t0 = Instant::now();
         let mut pause = Duration::from_millis(5);
         loop {
-            let locks = match self.list_locks(Utc::now(), LOCK_LAPSE).await {
+            let locks = match self.list_locks(self.now(), LOCK_LAPSE).await {
                 Ok(l) => l,
                 Err(e) => {
                     let _ = self.release_lease(lease).await;

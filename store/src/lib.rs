@@ -42,6 +42,7 @@
 
 pub mod cache;
 pub mod catalog;
+pub mod clock;
 pub mod codec;
 pub mod commit;
 pub mod direct;
@@ -74,8 +75,9 @@ pub use object_store::{ObjectStore, ObjectStoreExt};
 
 pub use cache::ChunkCache;
 pub use catalog::StepListing;
+pub use clock::{Clock, ManualClock, SystemClock, now_ms};
 pub use codec::{Codec, CodecPolicy};
-pub use commit::{CommitOutcome, now_ms};
+pub use commit::CommitOutcome;
 pub use direct::DirectFs;
 pub use error::{Error, ErrorKind, Result};
 pub use failpoint::{FailAction, Failpoints};

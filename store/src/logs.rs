@@ -43,7 +43,7 @@ impl LogWriter {
             store: store.clone(),
             run: run.to_string(),
             log: log.to_string(),
-            writer: format!("{name}-{}", crate::commit::now_ms()),
+            writer: format!("{name}-{}", crate::clock::now_ms()),
             seq: 0,
             pending: Vec::new(),
             records: 0,
@@ -56,7 +56,7 @@ impl LogWriter {
             .map_err(|e| Error::internal(format!("log record: {e}")))?;
         if let Value::Object(m) = &mut v {
             m.entry("t_ms")
-                .or_insert_with(|| Value::from(crate::commit::now_ms()));
+                .or_insert_with(|| Value::from(crate::clock::now_ms()));
         }
         serde_json::to_writer(&mut self.pending, &v)
             .map_err(|e| Error::internal(format!("log record: {e}")))?;

@@ -294,6 +294,7 @@ pub struct Store {
     failpoints: crate::failpoint::Failpoints,
     metrics: Option<Arc<crate::wrap::StoreMetrics>>,
     local_root: Option<Arc<std::path::Path>>,
+    clock: Arc<dyn crate::clock::Clock>,
 }
 
 enum Slot {
@@ -313,7 +314,20 @@ impl Store {
             failpoints: Default::default(),
             metrics: None,
             local_root: None,
+            clock: Arc::new(crate::clock::SystemClock),
         }
+    }
+
+    /// Use `clock` for every wall-clock decision (lock lapses, record timestamps); the
+    /// system's clock by default.
+    pub fn with_clock(mut self, clock: Arc<dyn crate::clock::Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// Now, by this store's clock.
+    pub fn now(&self) -> chrono::DateTime<chrono::Utc> {
+        self.clock.now()
     }
 
     /// Say that the store is a local directory (a [`crate::DirectFs`] at `root`, no prefix),

@@ -404,29 +404,7 @@ fn free_port() -> u16 {
 
 /// A clock for object ages that tests move by hand, so "older than the grace period" takes no
 /// waiting (see [`ClockStore`]).
-#[derive(Debug, Clone)]
-pub struct TestClock(std::sync::Arc<std::sync::atomic::AtomicI64>);
-
-impl TestClock {
-    /// A clock at the real time now.
-    pub fn starting_now() -> Self {
-        TestClock(std::sync::Arc::new(std::sync::atomic::AtomicI64::new(
-            chrono::Utc::now().timestamp_millis(),
-        )))
-    }
-
-    /// The clock's time.
-    pub fn now(&self) -> chrono::DateTime<chrono::Utc> {
-        let ms = self.0.load(std::sync::atomic::Ordering::SeqCst);
-        chrono::DateTime::from_timestamp_millis(ms).expect("clock in range")
-    }
-
-    /// Move the clock forward.
-    pub fn advance(&self, d: Duration) {
-        self.0
-            .fetch_add(d.as_millis() as i64, std::sync::atomic::Ordering::SeqCst);
-    }
-}
+pub use crate::clock::ManualClock as TestClock;
 
 /// An [`object_store::ObjectStore`] over any backend (memory, a local directory, S3) whose
 /// objects carry modification times from a [`TestClock`]: every object written through it is
@@ -460,6 +438,7 @@ impl ClockStore {
         )
         .with_config(store.config().clone())
         .expect("config")
+        .with_clock(std::sync::Arc::new(clock.clone()))
     }
 
     fn stamp(&self, p: &object_store::path::Path) -> Option<chrono::DateTime<chrono::Utc>> {

@@ -4,7 +4,7 @@ use bytes::Bytes;
 use futures::stream::{self, Stream, StreamExt};
 use tracing::instrument;
 
-use crate::commit::now_ms;
+use crate::clock::now_ms;
 use crate::error::{Error, Result};
 use crate::keys::validate_run;
 use crate::model::{

@@ -682,7 +682,7 @@ async fn gc_keeps_retained_and_in_flight(b: Backend) {
     let young_key = store.object_of(&put.refs[0]);
 
     // Dry run with grace: nothing is deleted.
-    let now = chrono::Utc::now();
+    let now = ckpt_store::clock::system_now();
     let opts = GcOptions {
         keep_last: Some(2),
         keep_every: Some(2),
@@ -766,7 +766,7 @@ async fn gc_keeps_retained_and_in_flight(b: Backend) {
                 grace: Duration::from_secs(3600),
                 ..Default::default()
             },
-            chrono::Utc::now(),
+            ckpt_store::clock::system_now(),
         )
         .await
         .unwrap();
@@ -1114,6 +1114,34 @@ async fn gc_never_sweeps_under_a_save_in_flight(b: Backend) {
         locks.writers.is_empty() && locks.lapsed.is_empty(),
         "{locks:?}"
     );
+
+    // A GC that crashed mid-sweep left its lock: saves wait for it until it lapses by the
+    // store's clock (the same clock that stamps the objects), not by the wall clock.
+    let crashed = store.keys().sweep_lock("crashed");
+    store
+        .put_object(
+            &crashed,
+            vec![Bytes::from_static(b"{}")],
+            ckpt_store::object_store::PutMode::Create,
+        )
+        .await
+        .unwrap();
+    let waiting = {
+        let store = store.clone();
+        tokio::spawn(async move { store.lease_dedup_base("leased", "after-crash", &[]).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !waiting.is_finished(),
+        "a save went on under a fresh sweep lock"
+    );
+    clock.advance(hours(2));
+    let l = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("the save goes on once the crashed sweep's lock lapsed by the store's clock")
+        .unwrap()
+        .unwrap();
+    store.release_lease(l).await.unwrap();
 }
 
 /// Two ranks save 50 steps, each save racing the commit of the previous step, while GC with

@@ -54,7 +54,8 @@ fn plant(path: &std::path::Path, len: usize, age: Duration) {
     std::fs::create_dir_all(path.parent().unwrap()).unwrap();
     let f = std::fs::File::create(path).unwrap();
     f.set_len(len as u64).unwrap();
-    f.set_modified(SystemTime::now() - age).unwrap();
+    f.set_modified(SystemTime::from(ckpt_store::clock::system_now()) - age)
+        .unwrap();
 }
 
 #[tokio::test]
@@ -92,7 +93,7 @@ async fn temp_files_are_reported_by_verify_and_collected_by_gc_after_the_grace_p
     );
 
     // A dry run deletes nothing; a real gc deletes the two old ones, keeps the young one.
-    let now = chrono::Utc::now();
+    let now = ckpt_store::clock::system_now();
     let dry = GcOptions {
         dry_run: true,
         ..GcOptions::default()

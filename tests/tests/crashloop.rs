@@ -114,7 +114,7 @@ fn random_kills_never_break_a_committed_step() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| {
-            std::time::SystemTime::now()
+            std::time::SystemTime::from(ckpt_store::clock::system_now())
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(1, |d| d.as_nanos() as u64)
         });

@@ -112,7 +112,7 @@ fn random_sigkills_during_steps_saves_and_restores() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(|| {
-            std::time::SystemTime::now()
+            std::time::SystemTime::from(ckpt_store::clock::system_now())
                 .duration_since(std::time::UNIX_EPOCH)
                 .unwrap()
                 .as_nanos() as u64

@@ -450,7 +450,7 @@ impl CheckpointManager {
         };
         let store = self.ckpt.store().clone();
         self.retention = Some(runtime().spawn(async move {
-            match store.gc(&opts, chrono::Utc::now()).await {
+            match store.gc(&opts, store.now()).await {
                 Ok(r) if !r.steps_deleted.is_empty() => info!(
                     deleted = ?r.steps_deleted,
                     freed = r.bytes_freed,

@@ -69,7 +69,7 @@ fn a_failed_commit_is_never_the_next_saves_dedup_base() {
     store.failpoints().clear();
 
     // Two hours later `ckpt gc` sweeps the abandoned step and the chunks only it held.
-    let later = chrono::Utc::now() + chrono::Duration::hours(2);
+    let later = ckpt_store::clock::system_now() + chrono::Duration::hours(2);
     let opts = GcOptions {
         grace: Duration::from_secs(3600),
         ..Default::default()

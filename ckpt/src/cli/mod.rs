@@ -187,7 +187,7 @@ pub fn open_store(url: Option<&str>) -> Result<ckpt_store::Store> {
 /// Run one command against the store at `url`, printing its report to stdout.
 pub async fn run(url: Option<&str>, command: Command, ui: &Ui) -> Result<Outcome> {
     let store = open_store(url)?;
-    let now = chrono::Utc::now();
+    let now = ckpt_store::clock::system_now();
     match command {
         Command::Ls(a) => emit(ui, &ls::ls(&store, &a, now, ui).await?),
         Command::Inspect(a) if a.raw => emit(ui, &inspect::raw(&store, &a).await?),
