@@ -902,6 +902,20 @@ async fn plan_computes_each_new_ranks_reads(env: Env) {
         assert!(p.ranks[r as usize].raw_bytes >= want);
         assert!(p.ranks[r as usize].objects > 0);
     }
+    // The recovery driver's plan (what the recovery log records for a generation) reads the
+    // same bytes per rank as `ckpt plan`, ZeRO partitions included.
+    let driver = ckpt_recovery::restore_plan(&env.store, "train", 20, &new)
+        .await
+        .unwrap();
+    assert_eq!(driver.len(), 4);
+    for (d, c) in driver.iter().zip(&p.ranks) {
+        assert_eq!(
+            (d.rank, d.bytes_needed),
+            (c.rank, c.bytes_needed),
+            "rank {}",
+            c.rank
+        );
+    }
     let reader = StepReader::open(&env.store, "train", 20).await.unwrap();
     for read in &p.ranks[3].reads {
         let plan = reader.plan(&read.tensor, &read.bbox).await.unwrap();

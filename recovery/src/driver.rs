@@ -9,7 +9,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use ckpt_store::logs::{EVENTS, LogWriter, METRICS};
-use ckpt_store::placement::{stage_of, tp_box};
+use ckpt_store::placement::restore_boxes;
 use ckpt_store::{Error, ErrorKind, Layout, Result, StepReader, Store, VerifyScope};
 use serde::Serialize;
 use serde_json::json;
@@ -32,9 +32,9 @@ pub struct RankPlan {
     pub chunks: u64,
 }
 
-/// What each rank of `layout` reads to restore `step`: the tensor-parallel shard of every
-/// tensor on its pipeline stage (as the reference workload holds). Tensors saved without a
-/// placement are read whole by every rank.
+/// What each rank of `layout` reads to restore `step`: the boxes the placement rules give it
+/// ([`ckpt_store::placement::restore_boxes`], the same answer as `ckpt plan`'s, ZeRO
+/// partitions included).
 pub async fn restore_plan(
     store: &Store,
     run: &str,
@@ -44,24 +44,14 @@ pub async fn restore_plan(
     let reader = StepReader::open(store, run, step).await?;
     let mut out = Vec::new();
     for rank in 0..layout.world() {
-        let c = layout.coords(rank);
         let mut p = RankPlan {
             rank,
             bytes_needed: 0,
             bytes_fetched: 0,
             chunks: 0,
         };
-        for t in &reader.commit().tensors {
-            let bbox = match t.spec() {
-                Some(spec) => {
-                    if stage_of(&spec.placement.stage, layout.pp) != c.pp {
-                        continue;
-                    }
-                    tp_box(&spec, c.tp, layout.tp)?
-                }
-                None => ckpt_store::NdBox::full(&t.shape),
-            };
-            let plan = reader.plan(&t.name, &bbox).await?;
+        for w in restore_boxes(&reader.commit().tensors, layout, rank)? {
+            let plan = reader.plan(&w.name, &w.bbox).await?;
             p.bytes_needed += plan.bytes_needed();
             p.bytes_fetched += plan.stored_bytes_fetched();
             p.chunks += plan.chunks.len() as u64;

@@ -328,6 +328,49 @@ pub fn place_all(layout: &Layout, specs: &[TensorSpec]) -> Result<Vec<Vec<Placed
         .collect()
 }
 
+/// One box a restoring rank reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Wanted {
+    /// The tensor.
+    pub name: String,
+    /// The region of it.
+    pub bbox: NdBox,
+    /// The tensor was saved without a placement, so it is read whole.
+    pub unplaced: bool,
+}
+
+/// What `rank` of `layout` reads to restore a step whose commit record lists `tensors`: its
+/// boxes by the placement rules ([`place_rank`]) applied to the placements the writer
+/// recorded, then every tensor saved without a placement (imported, or saved by a writer that
+/// did not record one) whole, as replicated. `ckpt plan`, the recovery driver's plan and
+/// resharding restores all ask this one function.
+pub fn restore_boxes(
+    tensors: &[crate::model::TensorEntry],
+    layout: &Layout,
+    rank: u32,
+) -> Result<Vec<Wanted>> {
+    let specs: Vec<TensorSpec> = tensors.iter().filter_map(|t| t.spec()).collect();
+    let mut out: Vec<Wanted> = place_rank(layout, rank, &specs)?
+        .into_iter()
+        .map(|p| Wanted {
+            name: specs[p.spec].name.clone(),
+            bbox: p.bbox,
+            unplaced: false,
+        })
+        .collect();
+    out.extend(
+        tensors
+            .iter()
+            .filter(|t| t.placement.is_none())
+            .map(|t| Wanted {
+                name: t.name.clone(),
+                bbox: NdBox::full(&t.shape),
+                unplaced: true,
+            }),
+    );
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

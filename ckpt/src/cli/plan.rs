@@ -2,16 +2,16 @@
 //! would read to restore the step, from which objects, and how many bytes, without reading
 //! any data (only manifests).
 //!
-//! Each new rank's boxes come from the placement rules
-//! ([`ckpt_store::placement::place_rank`]) applied to the placements the writer recorded in
-//! the commit record; every box is planned with [`StepReader::plan`]. A tensor saved without
+//! Each new rank's boxes come from [`ckpt_store::placement::restore_boxes`] (the placement
+//! rules applied to the placements the writer recorded in the commit record; the recovery
+//! driver plans with the same function); every box is planned with [`StepReader::plan`]. A tensor saved without
 //! placement (imported, or saved by a writer that did not record it) is treated as
 //! replicated: every new rank reads it whole.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::io::Write;
 
-use ckpt_store::placement::{TensorSpec, place_rank};
+use ckpt_store::placement::{Wanted, restore_boxes};
 use ckpt_store::{ChunkId, Layout, NdBox, StepReader, Store};
 use serde::Serialize;
 
@@ -162,7 +162,6 @@ pub async fn plan(store: &Store, args: &PlanArgs, ui: &Ui) -> Result<PlanReport>
     let step = args.ckpt.resolve(store).await?;
     let reader = StepReader::open(store, &args.ckpt.run, step).await?;
     let commit = reader.commit().clone();
-    let specs: Vec<TensorSpec> = commit.tensors.iter().filter_map(|t| t.spec()).collect();
     let unplaced: Vec<String> = commit
         .tensors
         .iter()
@@ -176,7 +175,7 @@ pub async fn plan(store: &Store, args: &PlanArgs, ui: &Ui) -> Result<PlanReport>
     let mut all_objects: HashSet<String> = HashSet::new();
     let mut totals = PlanTotals::default();
     for r in 0..layout.world() {
-        let placed = place_rank(&layout, r, &specs).map_err(|e| {
+        let wanted = restore_boxes(&commit.tensors, &layout, r).map_err(|e| {
             CliError::usage(format!(
                 "{}@{} cannot be placed on {layout}: {}",
                 commit.run,
@@ -184,19 +183,16 @@ pub async fn plan(store: &Store, args: &PlanArgs, ui: &Ui) -> Result<PlanReport>
                 e.message()
             ))
         })?;
-        let mut wanted: Vec<(String, NdBox, bool)> = placed
-            .into_iter()
-            .map(|p| (specs[p.spec].name.clone(), p.bbox, false))
-            .collect();
-        for name in &unplaced {
-            let t = commit.tensor(name).expect("listed");
-            wanted.push((name.clone(), NdBox::full(&t.shape), true));
-        }
         let mut reads = Vec::with_capacity(wanted.len());
         let mut chunks: HashMap<ChunkId, (u64, u64)> = HashMap::new();
         let mut objects: BTreeSet<String> = BTreeSet::new();
         let mut needed = 0u64;
-        for (name, bbox, unplaced) in wanted {
+        for Wanted {
+            name,
+            bbox,
+            unplaced,
+        } in wanted
+        {
             let plan = reader.plan(&name, &bbox).await?;
             needed += plan.bytes_needed();
             let mut cr = Vec::with_capacity(plan.chunks.len());
