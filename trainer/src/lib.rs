@@ -7,6 +7,8 @@
 //! - [`manager`]: [`CheckpointManager`] (interval policy, retention, auto-resume, final
 //!   checkpoint on SIGTERM, [`Stateful`] items, loss-spike monitoring and rollback);
 //! - [`monitor`]: spike detection and the alert/rollback policy, pure;
+//! - [`peer_plan`]: which regions of a restore survivors send from device memory and which come
+//!   from the store, pure (the NCCL exchange that runs a plan is `cuda::peer`);
 //! - [`workload`]: the reference workload behind the `ckpt-train` binary;
 //! - `cuda` (feature `cuda`): device tensors, pinned staging, restore to the device, and
 //!   recovery from peers' GPU memory over NCCL.
@@ -18,6 +20,7 @@ pub mod cuda;
 pub mod manager;
 pub mod memory;
 pub mod monitor;
+pub mod peer_plan;
 pub mod restore;
 pub mod save;
 pub mod staging;

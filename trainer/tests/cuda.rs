@@ -1,7 +1,8 @@
 #![cfg(feature = "cuda")]
 //! The GPU path (feature `cuda`).
 //!
-//! The planner and the no-GPU errors run anywhere. Tests that need a GPU print `SKIPPED` and
+//! The no-GPU errors run anywhere (the planner's tests are unit tests of
+//! `ckpt_trainer::peer_plan`, in the default build). Tests that need a GPU print `SKIPPED` and
 //! pass without one; with `CKPT_REQUIRE_GPU=1` (as `scripts/gpu-check.sh` sets) a missing GPU
 //! fails them instead, and `CKPT_REQUIRE_NCCL=1` does the same for NCCL.
 
@@ -11,11 +12,9 @@ use std::time::{Duration, Instant};
 use ckpt_store::placement::{Placement, Stage as PStage, TensorSpec, ZeroGroup, tp_box};
 use ckpt_store::testing::{det_bytes, local_store};
 use ckpt_store::{DType, ErrorKind, Layout, NdBox, StepReader, Store, StoreConfig};
-use ckpt_trainer::cuda::peer::{
-    Holding, Need, PeerCost, PeerExchange, PeerTensor, Transfer, plan, restore_with_peers, rounds,
-    subtract,
-};
+use ckpt_trainer::cuda::peer::{PeerExchange, PeerTensor, restore_with_peers};
 use ckpt_trainer::cuda::{self, DeviceTensor, Gpu};
+use ckpt_trainer::peer_plan::{Holding, Need, PeerCost, plan};
 use ckpt_trainer::{
     CheckpointManager, CheckpointerConfig, ManagerConfig, PoolConfig, StagingPool, runtime,
 };
@@ -136,238 +135,12 @@ fn without_a_driver_opening_a_gpu_is_a_clear_error_not_a_panic() {
     }
 }
 
-fn need(rank: u32, tensor: &str, off: &[u64], len: &[u64]) -> Need {
-    Need {
-        rank,
-        tensor: tensor.into(),
-        bbox: NdBox::new(off.to_vec(), len.to_vec()).unwrap(),
-        elem: 4,
-    }
-}
-
-fn holding(rank: u32, tensor: &str, off: &[u64], len: &[u64], step: u64) -> Holding {
-    Holding {
-        rank,
-        tensor: tensor.into(),
-        bbox: NdBox::new(off.to_vec(), len.to_vec()).unwrap(),
-        elem: 4,
-        step,
-    }
-}
-
 fn fast_link() -> PeerCost {
     PeerCost {
         link_bytes_per_s: 100e9,
         store_bytes_per_s: 1e9,
         setup_s: 0.0,
     }
-}
-
-fn rng(seed: &mut u64) -> u64 {
-    *seed ^= *seed << 13;
-    *seed ^= *seed >> 7;
-    *seed ^= *seed << 17;
-    *seed
-}
-
-fn random_box(seed: &mut u64, shape: &[u64]) -> NdBox {
-    let mut off = Vec::new();
-    let mut len = Vec::new();
-    for &s in shape {
-        let o = rng(seed) % s;
-        off.push(o);
-        len.push(1 + rng(seed) % (s - o));
-    }
-    NdBox::new(off, len).unwrap()
-}
-
-#[test]
-fn the_plan_covers_every_needed_box_exactly_once() {
-    let mut seed = 0x2545f4914f6cdd1du64;
-    for case in 0..200 {
-        let shape: Vec<u64> = (0..1 + case % 3).map(|_| 2 + rng(&mut seed) % 12).collect();
-        let holdings: Vec<Holding> = (0..rng(&mut seed) % 6)
-            .map(|i| {
-                let b = random_box(&mut seed, &shape);
-                holding(i as u32, "t", &b.offsets, &b.lengths, 3)
-            })
-            .collect();
-        let needs: Vec<Need> = (0..1 + rng(&mut seed) % 4)
-            .map(|r| {
-                let b = random_box(&mut seed, &shape);
-                need(r as u32 + 2, "t", &b.offsets, &b.lengths)
-            })
-            .collect();
-        let p = plan(3, &needs, &holdings, &fast_link());
-        for n in &needs {
-            let mine: Vec<NdBox> = p
-                .transfers
-                .iter()
-                .filter(|t| t.to == n.rank && n.bbox.contains(&t.region))
-                .map(|t| t.region.clone())
-                .chain(
-                    p.store_reads
-                        .iter()
-                        .filter(|r| r.rank == n.rank && n.bbox.contains(&r.region))
-                        .map(|r| r.region.clone()),
-                )
-                .collect();
-            let vol: u64 = mine.iter().map(NdBox::numel).sum();
-            // Needs of one rank may overlap: count only pieces inside this need, which must
-            // cover it; disjointness is checked per need below when the rank has one need.
-            assert!(
-                vol >= n.bbox.numel(),
-                "case {case}: {n:?} not covered by {p:?}"
-            );
-            if needs.iter().filter(|m| m.rank == n.rank).count() == 1 {
-                assert_eq!(vol, n.bbox.numel(), "case {case}: overlap in {p:?}");
-                for (i, a) in mine.iter().enumerate() {
-                    for b in &mine[i + 1..] {
-                        assert!(a.intersect(b).is_none(), "case {case}: {a} and {b} overlap");
-                    }
-                }
-            }
-        }
-        for t in &p.transfers {
-            assert!(
-                holdings
-                    .iter()
-                    .any(|h| h.rank == t.from && h.bbox.contains(&t.region)),
-                "case {case}: {t:?} is not held by its sender"
-            );
-            assert_eq!(t.bytes, t.region.numel() * 4);
-        }
-        assert_eq!(p.use_peers, !p.transfers.is_empty());
-    }
-}
-
-#[test]
-fn subtracting_a_box_leaves_disjoint_boxes_of_the_rest() {
-    let outer = NdBox::new(vec![0, 0, 0], vec![5, 6, 7]).unwrap();
-    let inner = NdBox::new(vec![1, 2, 3], vec![2, 2, 2]).unwrap();
-    let rest = subtract(&outer, &inner);
-    assert_eq!(rest.len(), 6);
-    let vol: u64 = rest.iter().map(NdBox::numel).sum();
-    assert_eq!(vol + inner.numel(), outer.numel());
-    for (i, a) in rest.iter().enumerate() {
-        assert!(outer.contains(a) && a.intersect(&inner).is_none());
-        for b in &rest[i + 1..] {
-            assert!(a.intersect(b).is_none());
-        }
-    }
-    assert!(subtract(&outer, &outer).is_empty());
-}
-
-#[test]
-fn holdings_of_another_step_are_never_used() {
-    let needs = [need(1, "w", &[0, 0], &[8, 8])];
-    let holdings = [holding(0, "w", &[0, 0], &[8, 8], 7)];
-    let p = plan(6, &needs, &holdings, &fast_link());
-    assert!(!p.use_peers);
-    assert!(p.transfers.is_empty());
-    assert!(
-        p.reason.contains("1 holdings of other steps ignored"),
-        "{}",
-        p.reason
-    );
-    assert_eq!(p.store_reads.len(), 1);
-    assert_eq!(p.store_reads[0].region, needs[0].bbox);
-}
-
-#[test]
-fn the_store_is_chosen_when_it_is_faster() {
-    let needs = [need(1, "w", &[0, 0], &[1024, 1024])];
-    let holdings = [holding(0, "w", &[0, 0], &[1024, 1024], 1)];
-    let slow_link = PeerCost {
-        link_bytes_per_s: 1e6,
-        store_bytes_per_s: 10e9,
-        setup_s: 2.0,
-    };
-    let p = plan(1, &needs, &holdings, &slow_link);
-    assert!(!p.use_peers, "{p:?}");
-    assert!(p.est_peer_s > p.est_store_s);
-    assert_eq!(p.store_reads.len(), 1);
-    let p = plan(1, &needs, &holdings, &fast_link());
-    assert!(p.use_peers, "{p:?}");
-    assert_eq!(p.peer_bytes, 4 << 20);
-    assert!(p.store_reads.is_empty());
-}
-
-#[test]
-fn replicas_share_the_sending_and_a_rank_serves_itself_first() {
-    // Four data-parallel survivors hold the whole tensor; four new ranks each need a quarter.
-    let holdings: Vec<Holding> = (0..4)
-        .map(|r| holding(r, "w", &[0, 0], &[64, 16], 1))
-        .collect();
-    let needs: Vec<Need> = (0..4)
-        .map(|q| need(4 + q, "w", &[16 * q as u64, 0], &[16, 16]))
-        .collect();
-    let p = plan(1, &needs, &holdings, &fast_link());
-    let mut senders: Vec<u32> = p.transfers.iter().map(|t| t.from).collect();
-    senders.sort();
-    assert_eq!(senders, vec![0, 1, 2, 3], "{p:?}");
-    // Rank 1 holds the top half and needs rows 8..40: its own part is a local copy.
-    let p = plan(
-        1,
-        &[need(1, "w", &[8, 0], &[32, 16])],
-        &[
-            holding(0, "w", &[0, 0], &[64, 16], 1),
-            holding(1, "w", &[0, 0], &[32, 16], 1),
-        ],
-        &fast_link(),
-    );
-    assert_eq!(p.local_bytes, 24 * 16 * 4, "{p:?}");
-    assert_eq!(p.peer_bytes, 8 * 16 * 4, "{p:?}");
-    assert!(p.transfers.iter().any(|t| t.from == 1 && t.to == 1));
-    // Regions nobody holds come from the store.
-    let p = plan(
-        1,
-        &[need(2, "w", &[0, 0], &[64, 16])],
-        &[holding(0, "w", &[0, 0], &[40, 16], 1)],
-        &fast_link(),
-    );
-    assert!(p.use_peers);
-    assert_eq!(p.store_reads.len(), 1);
-    assert_eq!(
-        p.store_reads[0].region,
-        NdBox::new(vec![40, 0], vec![24, 16]).unwrap()
-    );
-}
-
-#[test]
-fn rounds_bound_the_temporary_memory_of_every_rank() {
-    let t = |from, to, bytes| Transfer {
-        tensor: "t".into(),
-        region: NdBox::full(&[bytes]),
-        from,
-        to,
-        bytes,
-    };
-    let ts = vec![
-        t(0, 1, 40),
-        t(2, 3, 40),
-        t(0, 2, 40),
-        t(1, 1, 40),
-        t(3, 0, 200),
-        t(2, 1, 10),
-    ];
-    let r = rounds(&ts, 100);
-    // The self-copy fits beside the first three; the oversized one goes alone.
-    assert_eq!(r, vec![0..4, 4..5, 5..6]);
-    for round in &r {
-        let mut used = std::collections::BTreeMap::<u32, u64>::new();
-        for x in &ts[round.clone()] {
-            *used.entry(x.from).or_default() += x.bytes;
-            if x.to != x.from {
-                *used.entry(x.to).or_default() += x.bytes;
-            }
-        }
-        assert!(
-            round.len() == 1 || used.values().all(|&u| u <= 100),
-            "{round:?}"
-        );
-    }
-    assert!(rounds(&[], 100).is_empty());
 }
 
 // ---------------------------------------------------------------------------------------------

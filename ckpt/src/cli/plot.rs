@@ -574,30 +574,92 @@ fn segments(pts: &[Point]) -> Vec<&[Point]> {
     out
 }
 
+/// Where everything goes on a canvas: the plot area, its two panels (loss above, gradient
+/// norm below when there is one) and the time scale.
+struct Frame {
+    h: f32,
+    left: f32,
+    right: f32,
+    plot_bottom: f32,
+    loss_top: f32,
+    loss_bottom: f32,
+    grad_top: f32,
+    grad_bottom: f32,
+    has_grad: bool,
+    /// Seconds shown (at least 1).
+    span: f64,
+    /// Seconds between time ticks.
+    tstep: f64,
+}
+
+impl Frame {
+    fn new((w, h): (f32, f32), s: &Series) -> Frame {
+        let left = 74.0f32;
+        let right = w - 24.0;
+        let title_h = 54.0;
+        let bottom_axis = 46.0;
+        let has_grad = !s.grad_norm.is_empty();
+        let plot_top = title_h + 8.0;
+        let plot_bottom = h - bottom_axis;
+        let gap = 18.0;
+        let avail = plot_bottom - plot_top;
+        let (loss_top, loss_bottom, grad_top, grad_bottom) = if has_grad {
+            let lh = (avail - gap) * 0.7;
+            (plot_top, plot_top + lh, plot_top + lh + gap, plot_bottom)
+        } else {
+            (plot_top, plot_bottom, plot_bottom, plot_bottom)
+        };
+        let span = s.span.max(1.0);
+        let tstep = time_step(span, ((right - left) / 110.0).max(2.0) as usize);
+        Frame {
+            h,
+            left,
+            right,
+            plot_bottom,
+            loss_top,
+            loss_bottom,
+            grad_top,
+            grad_bottom,
+            has_grad,
+            span,
+            tstep,
+        }
+    }
+
+    /// The x of `t` seconds after the start.
+    fn x_of(&self, t: f64) -> f32 {
+        self.left + ((t / self.span) as f32) * (self.right - self.left)
+    }
+
+    /// The times of the time ticks.
+    fn time_ticks(&self) -> Vec<f64> {
+        let mut out = Vec::new();
+        let mut t = 0.0;
+        while t <= self.span + 1e-9 {
+            out.push(t);
+            t += self.tstep;
+        }
+        out
+    }
+}
+
 /// Draw the chart of `s` on `c`.
 pub fn draw(c: &mut dyn Canvas, run: &str, s: &Series, log_y: bool) {
-    let (w, h) = c.size();
-    let left = 74.0f32;
-    let right = w - 24.0;
-    let title_h = 54.0;
-    let bottom_axis = 46.0;
-    let has_grad = !s.grad_norm.is_empty();
-    let plot_top = title_h + 8.0;
-    let plot_bottom = h - bottom_axis;
-    let gap = 18.0;
-    let avail = plot_bottom - plot_top;
-    let (loss_top, loss_bottom, grad_top, grad_bottom) = if has_grad {
-        let lh = (avail - gap) * 0.7;
-        (plot_top, plot_top + lh, plot_top + lh + gap, plot_bottom)
-    } else {
-        (plot_top, plot_bottom, plot_bottom, plot_bottom)
-    };
-    let span = s.span.max(1.0);
-    let x_of = |t: f64| left + ((t / span) as f32) * (right - left);
+    let f = Frame::new(c.size(), s);
+    draw_title(c, &f, run, s);
+    let (loss_axis, grad_axis) = axes(&f, s, log_y);
+    draw_panels(c, &f, &loss_axis, &grad_axis);
+    draw_time_axis(c, &f, s);
+    draw_events(c, &f, s);
+    draw_curves(c, &f, s, &loss_axis, &grad_axis);
+    draw_markers(c, &f, s, &loss_axis);
+    draw_legend(c, &f, run, s);
+}
 
-    // Title and summary.
+/// The title and the summary line under it.
+fn draw_title(c: &mut dyn Canvas, f: &Frame, run: &str, s: &Series) {
     c.text(
-        left,
+        f.left,
         26.0,
         &format!("run {run}"),
         19.0,
@@ -631,7 +693,7 @@ pub fn draw(c: &mut dyn Canvas, run: &str, s: &Series, log_y: bool) {
     }
     summary.push(format!("over {}", fmt::duration(s.span)));
     c.text(
-        left,
+        f.left,
         46.0,
         &summary.join(" · "),
         12.5,
@@ -639,8 +701,11 @@ pub fn draw(c: &mut dyn Canvas, run: &str, s: &Series, log_y: bool) {
         Anchor::Start,
         false,
     );
+}
 
-    // Panels: frame and grid. On a linear axis, spike steps stay out of the range.
+/// The y axes of the loss and gradient-norm panels. On a linear axis, spike steps stay out of
+/// the range.
+fn axes(f: &Frame, s: &Series, log_y: bool) -> (Axis, Axis) {
     let spiky = spike_points(s);
     let in_range = |p: &&Point, log: bool| log || !spiky.contains(&(p.step, p.t.to_bits()));
     let loss_axis = Axis::new(
@@ -650,8 +715,8 @@ pub fn draw(c: &mut dyn Canvas, run: &str, s: &Series, log_y: bool) {
             .map(|p| p.v)
             .chain(s.spikes.iter().filter_map(|m| m.v).filter(|_| log_y)),
         log_y,
-        loss_top,
-        loss_bottom,
+        f.loss_top,
+        f.loss_bottom,
     );
     let grad_axis = Axis::new(
         s.grad_norm
@@ -659,14 +724,19 @@ pub fn draw(c: &mut dyn Canvas, run: &str, s: &Series, log_y: bool) {
             .filter(|p| in_range(p, false))
             .map(|p| p.v),
         false,
-        grad_top,
-        grad_bottom,
+        f.grad_top,
+        f.grad_bottom,
     );
-    let mut panels: Vec<(&Axis, &str)> = vec![(&loss_axis, "loss")];
-    if has_grad {
-        panels.push((&grad_axis, "grad norm"));
+    (loss_axis, grad_axis)
+}
+
+/// Each panel's background, value grid and labels, time grid, name and border.
+fn draw_panels(c: &mut dyn Canvas, f: &Frame, loss_axis: &Axis, grad_axis: &Axis) {
+    let (left, right) = (f.left, f.right);
+    let mut panels: Vec<(&Axis, &str)> = vec![(loss_axis, "loss")];
+    if f.has_grad {
+        panels.push((grad_axis, "grad norm"));
     }
-    let tstep = time_step(span, ((right - left) / 110.0).max(2.0) as usize);
     for (axis, name) in &panels {
         c.rect(
             left,
@@ -692,11 +762,9 @@ pub fn draw(c: &mut dyn Canvas, run: &str, s: &Series, log_y: bool) {
                 false,
             );
         }
-        let mut t = 0.0;
-        while t <= span + 1e-9 {
-            let x = x_of(t);
+        for t in f.time_ticks() {
+            let x = f.x_of(t);
             c.line(&[(x, axis.top), (x, axis.bottom)], &Pen::solid(GRID, 1.0));
-            t += tstep;
         }
         c.text(
             18.0,
@@ -716,10 +784,13 @@ pub fn draw(c: &mut dyn Canvas, run: &str, s: &Series, log_y: bool) {
             Some(&Pen::solid(Color::rgb(190, 190, 200), 1.0)),
         );
     }
-    // Time axis.
-    let mut t = 0.0;
-    while t <= span + 1e-9 {
-        let x = x_of(t);
+}
+
+/// The time axis under the panels: ticks, elapsed-time labels and the start time.
+fn draw_time_axis(c: &mut dyn Canvas, f: &Frame, s: &Series) {
+    let plot_bottom = f.plot_bottom;
+    for t in f.time_ticks() {
+        let x = f.x_of(t);
         c.line(
             &[(x, plot_bottom), (x, plot_bottom + 5.0)],
             &Pen::solid(MUTED, 1.0),
@@ -733,23 +804,24 @@ pub fn draw(c: &mut dyn Canvas, run: &str, s: &Series, log_y: bool) {
             Anchor::Middle,
             false,
         );
-        t += tstep;
     }
     let start = super::fmt::time_ms(s.t0_ms)
         .replace('T', " ")
         .replace('Z', " UTC");
     c.text(
-        (left + right) / 2.0,
-        h - 8.0,
+        (f.left + f.right) / 2.0,
+        f.h - 8.0,
         &format!("wall-clock time since {start}"),
         12.0,
         INK,
         Anchor::Middle,
         false,
     );
+}
 
-    // Events: vertical lines through both panels, labels at the top of the loss panel (spikes
-    // get a label and no line: their marker sits on the curve).
+/// Events: vertical lines through both panels, labels at the top of the loss panel (spikes
+/// get a label and no line: their marker sits on the curve).
+fn draw_events(c: &mut dyn Canvas, f: &Frame, s: &Series) {
     let spike_labels: Vec<Mark> = s
         .spikes
         .iter()
@@ -786,12 +858,15 @@ pub fn draw(c: &mut dyn Canvas, run: &str, s: &Series, log_y: bool) {
     // overlap the previous label, right of its line (left of it near the right edge).
     let mut row_end: Vec<f32> = Vec::new();
     for (m, pen, tc) in &events {
-        let x = x_of(m.t);
+        let x = f.x_of(m.t);
         if let Some(pen) = pen {
-            c.line(&[(x, loss_top), (x, grad_bottom.max(loss_bottom))], pen);
+            c.line(
+                &[(x, f.loss_top), (x, f.grad_bottom.max(f.loss_bottom))],
+                pen,
+            );
         }
         let tw = text_width(&m.label, 11.0);
-        let (x0, anchor) = if x + 3.0 + tw > right {
+        let (x0, anchor) = if x + 3.0 + tw > f.right {
             (x - 3.0 - tw, Anchor::End)
         } else {
             (x + 3.0, Anchor::Start)
@@ -805,7 +880,7 @@ pub fn draw(c: &mut dyn Canvas, run: &str, s: &Series, log_y: bool) {
             None => row_end.len() - 1,
         };
         row_end[row] = x0 + tw;
-        let y = loss_top + 15.0 + 15.0 * row as f32;
+        let y = f.loss_top + 15.0 + 15.0 * row as f32;
         c.rect(
             x0 - 2.0,
             y - 10.5,
@@ -817,18 +892,17 @@ pub fn draw(c: &mut dyn Canvas, run: &str, s: &Series, log_y: bool) {
         let tx = if anchor == Anchor::End { x0 + tw } else { x0 };
         c.text(tx, y, &m.label, 11.0, *tc, anchor, false);
     }
+}
 
-    // Curves.
-    for (pts, axis, color) in [
-        (&s.loss, &loss_axis, LOSS),
-        (&s.grad_norm, &grad_axis, GRAD),
-    ] {
+/// The loss and gradient-norm curves, one line per uninterrupted segment.
+fn draw_curves(c: &mut dyn Canvas, f: &Frame, s: &Series, loss_axis: &Axis, grad_axis: &Axis) {
+    for (pts, axis, color) in [(&s.loss, loss_axis, LOSS), (&s.grad_norm, grad_axis, GRAD)] {
         for seg in segments(pts) {
             // Clipped to the panel: spikes left out of the range run off its top.
             let px: Vec<(f32, f32)> = seg
                 .iter()
                 .filter(|p| !axis.log || p.v > 0.0)
-                .map(|p| (x_of(p.t), axis.y(p.v).clamp(axis.top, axis.bottom)))
+                .map(|p| (f.x_of(p.t), axis.y(p.v).clamp(axis.top, axis.bottom)))
                 .collect();
             let px = decimate(&px);
             if px.len() == 1 {
@@ -837,11 +911,15 @@ pub fn draw(c: &mut dyn Canvas, run: &str, s: &Series, log_y: bool) {
             c.line(&px, &Pen::solid(color, 1.6));
         }
     }
-    // Spikes on the loss curve.
+}
+
+/// Spikes as rings on the loss curve, checkpoints as triangles on the bottom edge of the loss
+/// panel.
+fn draw_markers(c: &mut dyn Canvas, f: &Frame, s: &Series, loss_axis: &Axis) {
     for m in &s.spikes {
-        let x = x_of(m.t);
-        let y = m.v.map_or(loss_top + 6.0, |v| {
-            loss_axis.y(v).clamp(loss_top, loss_bottom)
+        let x = f.x_of(m.t);
+        let y = m.v.map_or(f.loss_top + 6.0, |v| {
+            loss_axis.y(v).clamp(f.loss_top, f.loss_bottom)
         });
         c.circle(
             x,
@@ -851,20 +929,23 @@ pub fn draw(c: &mut dyn Canvas, run: &str, s: &Series, log_y: bool) {
             Some(&Pen::solid(SPIKE, 2.0)),
         );
     }
-    // Checkpoints: triangles on the bottom edge of the loss panel.
     for m in &s.checkpoints {
-        let x = x_of(m.t);
-        let y = loss_bottom;
+        let x = f.x_of(m.t);
+        let y = f.loss_bottom;
         c.polygon(
             &[(x, y - 9.0), (x - 5.0, y), (x + 5.0, y)],
             CKPT,
             Some(&Pen::solid(Color::rgb(255, 255, 255), 0.8)),
         );
     }
+}
 
-    // Legend, top right of the loss panel, only for what is present.
+/// The legend, top right (boxed inside the loss panel when the title leaves no room), only for
+/// what is present.
+fn draw_legend(c: &mut dyn Canvas, f: &Frame, run: &str, s: &Series) {
+    let (left, right) = (f.left, f.right);
     let mut legend: Vec<(&str, u8, Color)> = vec![("loss", 0, LOSS)];
-    if has_grad {
+    if f.has_grad {
         legend.push(("grad norm", 0, GRAD));
     }
     if !s.checkpoints.is_empty() {
@@ -890,7 +971,7 @@ pub fn draw(c: &mut dyn Canvas, run: &str, s: &Series, log_y: bool) {
     let total: f32 = legend.iter().map(|(n, _, _)| item_w(n)).sum();
     let boxed = title_end + total > right;
     let (mut lx, ly) = if boxed {
-        (right - total.min(right - left) - 6.0, loss_top + 6.0)
+        (right - total.min(right - left) - 6.0, f.loss_top + 6.0)
     } else {
         (right - total, 10.0)
     };

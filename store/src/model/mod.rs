@@ -1,0 +1,40 @@
+//! The data model: dtypes, n-d boxes, layouts, tensor specs, chunk references, rank manifests
+//! and the commit record (see FORMAT.md for the serialized forms), one subject a file:
+//!
+//! - `dtype`: element types;
+//! - `geometry`: n-d boxes of tensors, shapes, and the contiguous byte runs between boxes;
+//! - `layout`: the parallel layout of a job and a rank's place in it;
+//! - `spec`: a tensor's spec and how it is placed (the rules that place it are
+//!   [`crate::placement`]);
+//! - `manifest`: what one rank saved for a step (chunk references, shards, blobs, statistics);
+//! - `commit_record`: the commit record of a step, its checksum, and building its tensor list;
+//! - `coverage`: checking that shards cover a tensor exactly once.
+//!
+//! Nothing here depends on the placement rules: placement builds on these types.
+
+mod commit_record;
+mod coverage;
+mod dtype;
+mod geometry;
+mod layout;
+mod manifest;
+mod spec;
+
+pub use commit_record::{BlobLoc, CommitRecord, RankEntry, ShardLoc, TensorEntry, collect_tensors};
+pub use coverage::check_coverage;
+pub use dtype::DType;
+pub use geometry::{NdBox, copy_runs, numel};
+pub use layout::{Coords, Layout};
+pub use manifest::{
+    BlobEntry, ChunkRef, MAX_NAME_LEN, RankManifest, TensorShard, WriteStats, validate_name,
+};
+pub use spec::{Placement, Stage, TensorSpec, ZeroGroup};
+
+/// The version of manifests and commit records this build writes.
+///
+/// Format 2 added the commit record's `checksum`; readers accept a record without one only if
+/// it is of format 1 (written before checksums existed).
+pub const FORMAT_VERSION: u32 = 2;
+
+/// The first format whose commit records carry a `checksum`.
+pub const FIRST_CHECKSUMMED_FORMAT: u32 = 2;
