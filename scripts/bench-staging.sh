@@ -22,7 +22,7 @@ OUT="${BENCH_DIR:-$PWD/bench-out/staging}"
 STEPS="${STEPS:-8}"
 EVERY="${EVERY:-2}"
 if [ -z "${CKPT_TRAIN:-}" ]; then
-  cargo build --release -q -p ckpt-trainer --bin ckpt-train
+  cargo build --release -q -p ckpt-train --bin ckpt-train
   CKPT_TRAIN="$PWD/target/release/ckpt-train"
 fi
 rm -rf "$OUT"

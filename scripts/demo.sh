@@ -16,7 +16,7 @@ params="${CKPT_DEMO_PARAMS:-20M}"
 steps=40
 every=5
 echo "== building (release)"
-cargo build --release -q -p ckpt-trainer --bin ckpt-train
+cargo build --release -q -p ckpt-train --bin ckpt-train
 cargo build --release -q -p ckpt --bin ckpt
 train="$PWD/target/release/ckpt-train"
 ckpt="$PWD/target/release/ckpt"

@@ -217,7 +217,7 @@ fn newest_source(root: &FsPath) -> Option<std::time::SystemTime> {
     }
     let mut newest = None;
     let mut files = vec![root.join("Cargo.toml"), root.join("Cargo.lock")];
-    for krate in ["store", "trainer", "recovery", "fuse", "ckpt"] {
+    for krate in ["store", "trainer", "train", "recovery", "fuse", "ckpt"] {
         walk(&root.join(krate).join("src"), &mut newest);
         files.push(root.join(krate).join("Cargo.toml"));
     }

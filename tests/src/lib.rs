@@ -31,7 +31,7 @@ pub fn bin(name: &str, package: &str) -> PathBuf {
 /// The final state digest of an uninterrupted `ckpt-train` run of `steps` steps of a model of
 /// `params` parameters (seed 5), saved under `dir/ref`: what a recovered job must end with.
 pub fn reference_digest(dir: &std::path::Path, steps: u64, params: &str) -> String {
-    let out = Command::new(bin("ckpt-train", "ckpt-trainer"))
+    let out = Command::new(bin("ckpt-train", "ckpt-train"))
         .arg("--store")
         .arg(dir.join("ref"))
         .args(["--run", "ref", "--steps", &steps.to_string()])

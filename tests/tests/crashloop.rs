@@ -34,7 +34,7 @@ impl Rng {
 
 /// `ckpt-train` to step `steps`, a checkpoint every `every` steps.
 fn train(store: &Path, run: &str, steps: u64, every: u64, resume: bool, step_ms: u64) -> Command {
-    let mut c = Command::new(bin("ckpt-train", "ckpt-trainer"));
+    let mut c = Command::new(bin("ckpt-train", "ckpt-train"));
     c.arg("--store")
         .arg(store)
         .args([

@@ -59,7 +59,7 @@ impl Job {
         }
         let etcd = Etcd::start();
         let ckpt = bin("ckpt", "ckpt");
-        let train = bin("ckpt-train", "ckpt-trainer");
+        let train = bin("ckpt-train", "ckpt-train");
         let mut v = Vec::new();
         for id in 0..nodes + spares {
             if id == nodes && spares > 0 {

@@ -15,7 +15,7 @@ use ckpt_tests::{
 const PARAMS: &str = "40K";
 
 fn train_cmd(steps: u64, every: u64, step_ms: u64) -> Vec<String> {
-    let b = bin("ckpt-train", "ckpt-trainer");
+    let b = bin("ckpt-train", "ckpt-train");
     vec![
         b.to_string_lossy().to_string(),
         "--steps".into(),
@@ -350,7 +350,7 @@ fn a_stale_generation_cannot_commit() {
     rt.block_on(store.start_generation("stale", 1)).unwrap();
     // A save of step 2 as a rank of `generation`.
     let save_as = |generation: &str| {
-        std::process::Command::new(bin("ckpt-train", "ckpt-trainer"))
+        std::process::Command::new(bin("ckpt-train", "ckpt-train"))
             .arg("--store")
             .arg(&store_path)
             .args(["--run", "stale", "--steps", "2", "--ckpt-every", "2"])
@@ -520,7 +520,7 @@ fn a_lost_node_is_restored_from_peer_replicas() {
 /// Steps `every`, `2 * every`, ... `steps` of `run` committed by an uninterrupted job of two
 /// data-parallel ranks (seed 5, as the reference).
 fn committed_run(store: &Path, run: &str, steps: u64, every: u64) {
-    let out = std::process::Command::new(bin("ckpt-train", "ckpt-trainer"))
+    let out = std::process::Command::new(bin("ckpt-train", "ckpt-train"))
         .arg("--store")
         .arg(store)
         .args([
@@ -746,7 +746,7 @@ fn ckpt_train_resumes_from_exactly_the_step_it_is_given() {
     let run = "exact";
     committed_run(&store, run, 8, 4);
     let resume = |step: &str| {
-        std::process::Command::new(bin("ckpt-train", "ckpt-trainer"))
+        std::process::Command::new(bin("ckpt-train", "ckpt-train"))
             .arg("--store")
             .arg(&store)
             .args([
@@ -821,7 +821,7 @@ fn a_job_resumed_by_hand_fences_the_job_still_running() {
     let store = dir.path().join("store");
     let run = "twojobs";
     let job = |resume: bool, out: &str| {
-        let mut c = std::process::Command::new(bin("ckpt-train", "ckpt-trainer"));
+        let mut c = std::process::Command::new(bin("ckpt-train", "ckpt-train"));
         c.arg("--store")
             .arg(&store)
             .args([

@@ -9,7 +9,7 @@
 //! - [`monitor`]: spike detection and the alert/rollback policy, pure;
 //! - [`peer_plan`]: which regions of a restore survivors send from device memory and which come
 //!   from the store, pure (the NCCL exchange that runs a plan is `cuda::peer`);
-//! - [`workload`]: the reference workload behind the `ckpt-train` binary;
+//! - [`workload`]: the reference workload's model and state (the `ckpt-train` crate runs it);
 //! - `cuda` (feature `cuda`): device tensors, pinned staging, restore to the device, and
 //!   recovery from peers' GPU memory over NCCL.
 
@@ -24,7 +24,6 @@ pub mod peer_plan;
 pub mod restore;
 pub mod save;
 pub mod staging;
-pub mod train;
 pub mod workload;
 
 pub use manager::{CheckpointManager, ManagerConfig, Rollback, Scope, Stateful, TensorMemory};

@@ -833,10 +833,11 @@ impl CheckpointManager {
     }
 }
 
-/// On SIGTERM set `flag`; on a SIGTERM that finds `flag` already set, say so on stderr and
+/// On SIGTERM set `flag` (a training loop that owns its own signal handling, such as
+/// `ckpt-train` with its ranks as threads, installs it); on a SIGTERM that finds `flag` already set, say so on stderr and
 /// end the process at once with status 143 (128 + SIGTERM): the first asks for a final
 /// checkpoint, the second means "now", whatever that checkpoint is waiting for.
-pub(crate) fn on_sigterm(flag: &Arc<AtomicBool>) -> Result<()> {
+pub fn on_sigterm(flag: &Arc<AtomicBool>) -> Result<()> {
     let f = flag.clone();
     let action = move || {
         if f.swap(true, Ordering::SeqCst) {

@@ -72,7 +72,7 @@ const MAD_TO_SIGMA: f64 = 1.4826;
 const ABS_FLOOR: f64 = 1e-12;
 
 /// What to do about a spike.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum SpikeAction {
     /// Do not monitor.

@@ -849,7 +849,7 @@ fn train_bench(dir: &Path, params: u64) {
 /// decision, restart and the first step after it.
 fn recovery_bench(dir: &Path, params: &str, how: &str) {
     use ckpt_recovery::{Config, SupervisorOptions, Topology};
-    let train = ckpt_tests::bin("ckpt-train", "ckpt-trainer");
+    let train = ckpt_tests::bin("ckpt-train", "ckpt-train");
     let store = dir.join(format!("recovery-{how}"));
     let _ = std::fs::remove_dir_all(&store);
     let logs = dir.join(format!("recovery-{how}-logs"));
@@ -1090,7 +1090,7 @@ fn main() {
         Some("store") => store_bench(&dir, arg(&args, "--gib", "2").parse().unwrap()),
         Some("train") => train_bench(
             &dir,
-            ckpt_trainer::train::parse_count(&arg(&args, "--params", "150M")).unwrap(),
+            ckpt_train::parse_count(&arg(&args, "--params", "150M")).unwrap(),
         ),
         Some("recovery") => {
             let p = arg(&args, "--params", "20M");
@@ -1100,7 +1100,7 @@ fn main() {
         }
         Some("peers") => peers_bench(
             &dir,
-            ckpt_trainer::train::parse_count(&arg(&args, "--params", "100M")).unwrap(),
+            ckpt_train::parse_count(&arg(&args, "--params", "100M")).unwrap(),
         ),
         _ => {
             eprintln!(

@@ -1,4 +1,4 @@
-//! `ckpt-train`: the reference workload (see `ckpt_trainer::train`).
+//! `ckpt-train`: the reference workload (see the `ckpt_train` library).
 
 use clap::Parser;
 
@@ -11,8 +11,8 @@ fn main() -> std::process::ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let args = ckpt_trainer::train::TrainArgs::parse();
-    match ckpt_trainer::train::run(args) {
+    let args = ckpt_train::TrainArgs::parse();
+    match ckpt_train::run(args) {
         Ok(out) => {
             if let Some(d) = out.digest {
                 println!("digest {d}");
@@ -21,7 +21,7 @@ fn main() -> std::process::ExitCode {
         }
         Err(e) => {
             eprintln!("ckpt-train: {e}");
-            if ckpt_trainer::train::failed_on_resume_data() {
+            if ckpt_train::failed_on_resume_data() {
                 // Not this machine's fault: the supervisor marks the step unusable.
                 std::process::ExitCode::from(ckpt_recovery::DATA_FAILURE_EXIT as u8)
             } else {

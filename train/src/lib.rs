@@ -9,7 +9,7 @@
 //!
 //! Every step logs its loss, gradient norm, data batch, step time and host memory (device
 //! memory is `null`: the workload runs on the CPU) to the run's metrics log. The spike
-//! monitor ([`crate::monitor`], `--on-spike`) judges each step before it may be saved:
+//! monitor ([`ckpt_trainer::monitor`], `--on-spike`) judges each step before it may be saved:
 //!
 //! - all ranks as threads: rank 0 sums the exact global loss after a barrier, asks its
 //!   manager's monitor, and every rank reads the decision after a second barrier, so all act
@@ -40,15 +40,15 @@ use parking_lot::{Condvar, Mutex};
 use serde_json::json;
 use tracing::{info, warn};
 
-use crate::manager::{CheckpointManager, ManagerConfig, Scope};
-use crate::monitor::{
+use ckpt_trainer::manager::{CheckpointManager, ManagerConfig, Scope};
+use ckpt_trainer::monitor::{
     DEFAULT_GRAD_FACTOR, DEFAULT_LOSS_K, DEFAULT_LOSS_MIN_RISE, DEFAULT_MAX_ROLLBACKS,
     DEFAULT_WARMUP, DEFAULT_WINDOW, Decision, MonitorConfig, Observation, RollbackEntry, Spike,
     SpikeAction, host_memory_bytes,
 };
-use crate::save::{BackPressure, CheckpointerConfig, SaveHandle, runtime};
-use crate::staging::{PoolConfig, StagingPool};
-use crate::workload::{ModelConfig, Partial, Progress, RankState, TrainConfig, step_digest};
+use ckpt_trainer::save::{BackPressure, CheckpointerConfig, SaveHandle, runtime};
+use ckpt_trainer::staging::{PoolConfig, StagingPool};
+use ckpt_trainer::workload::{ModelConfig, Partial, Progress, RankState, TrainConfig, step_digest};
 
 /// Parse sizes and counts with suffixes: `16M`, `2G`, `512K`, `4MiB`, `1e6`.
 pub fn parse_count(s: &str) -> std::result::Result<u64, String> {
@@ -221,7 +221,7 @@ pub struct TrainArgs {
     /// `spike` event; a NaN stops the run, since it poisons every later step); rollback
     /// (restore the newest checkpoint before the spike, skip the batches from it through the
     /// spike, go on; at most --max-rollbacks times, then stop).
-    #[arg(long, env = "CKPT_ON_SPIKE", value_enum, default_value_t = SpikeAction::Alert)]
+    #[arg(long, env = "CKPT_ON_SPIKE", default_value_t = SpikeAction::Alert, value_parser = parse_spike_action)]
     pub on_spike: SpikeAction,
     /// Healthy steps whose losses form the spike baseline.
     #[arg(long, default_value_t = DEFAULT_WINDOW)]
@@ -357,6 +357,14 @@ impl Shared {
     }
 }
 
+/// `off`, `alert` or `rollback`.
+fn parse_spike_action(s: &str) -> std::result::Result<SpikeAction, String> {
+    [SpikeAction::Off, SpikeAction::Alert, SpikeAction::Rollback]
+        .into_iter()
+        .find(|a| a.to_string() == s)
+        .ok_or_else(|| format!("{s:?} is not one of off, alert, rollback"))
+}
+
 /// Run the workload (see the module docs).
 pub fn run(args: TrainArgs) -> Result<Outcome> {
     let mut layout: Layout = args.layout.parse()?;
@@ -364,7 +372,7 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
         layout.zero = z;
         layout.validate()?;
     }
-    crate::save::set_io_nice(args.io_nice);
+    ckpt_trainer::save::set_io_nice(args.io_nice);
     // Launched by a driver (`ckpt resume`, `ckpt agent`): its environment, read once.
     let launched = RankEnv::from_env()?;
     if let Some(w) = launched.as_ref().map(|e| e.world_size)
@@ -446,7 +454,7 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
     let log = LogWriter::new(&store, &args.run, METRICS, &writer_name)?;
     let sigterm = Arc::new(AtomicBool::new(false));
     if args.rank.is_none() {
-        crate::manager::on_sigterm(&sigterm)?;
+        ckpt_trainer::manager::on_sigterm(&sigterm)?;
     }
     info!(
         run = %args.run,
@@ -1004,7 +1012,10 @@ fn note_spike(sh: &Shared, d: &Decision) {
 }
 
 /// Threads mode: every rank rolled back, or all fail (the ranks must stay in lockstep).
-fn agree(sh: &Shared, r: Result<crate::manager::Rollback>) -> Result<crate::manager::Rollback> {
+fn agree(
+    sh: &Shared,
+    r: Result<ckpt_trainer::manager::Rollback>,
+) -> Result<ckpt_trainer::manager::Rollback> {
     let Some(b) = &sh.barrier else { return r };
     if r.is_err() {
         sh.rollback_failed.store(true, Ordering::SeqCst);
@@ -1028,7 +1039,7 @@ fn emit_finished(
     let mut keep = Vec::new();
     let mut any = false;
     for (h, stall) in saves.drain(..) {
-        use crate::save::Stage;
+        use ckpt_trainer::save::Stage;
         let done = match h.stage() {
             Stage::Committed => true,
             Stage::Persisted => rank != 0 || all,
