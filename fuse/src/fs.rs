@@ -29,8 +29,8 @@ use ckpt_store::{ErrorKind, Store};
 use tokio::sync::{OnceCell, Semaphore};
 use tracing::instrument;
 
-use crate::cache::{CacheStats, ChunkCache};
 use crate::step::{Content, StepState, commit_time};
+use ckpt_store::cache::{CacheStats, ChunkCache};
 
 /// The inode of the mount's root.
 pub const ROOT_INO: u64 = 1;
@@ -241,7 +241,7 @@ impl CkptFs {
         inodes.nodes.push(Node::Root);
         inodes.by_node.insert(Node::Root, ROOT_INO);
         CkptFs {
-            cache: Arc::new(ChunkCache::new(opts.cache_bytes)),
+            cache: ChunkCache::new(opts.cache_bytes),
             store,
             opts,
             inodes: Mutex::new(inodes),

@@ -22,7 +22,7 @@
 //! - Names from manifests are made safe ([`names`]): `/`, `%` and control characters are
 //!   percent-encoded, `.`/`..` are escaped, long names are cut with a hash, collisions get
 //!   `~2`, `~3`; `COMMIT.json` lists every renamed entry under `fs_names`.
-//! - Decoded chunks are cached up to [`MountOptions::cache_bytes`] ([`cache`]); sequential
+//! - Decoded chunks are cached up to [`MountOptions::cache_bytes`] ([`ckpt_store::cache`], the one chunk cache); sequential
 //!   readers get chunks fetched ahead; any number of processes may read at once.
 //! - A damaged chunk is `EIO` for the reads that touch it (logged with the run, step, tensor
 //!   or blob, and object key); everything else stays readable.
@@ -46,7 +46,6 @@
 
 #![warn(missing_docs)]
 
-pub mod cache;
 pub mod fs;
 pub mod fuse;
 mod mount;
@@ -55,7 +54,7 @@ mod step;
 
 use std::path::PathBuf;
 
-pub use cache::{CacheStats, ChunkCache};
+pub use ckpt_store::cache::{CacheStats, ChunkCache};
 pub use fs::{Attr, CkptFs, DirEntry, FsError, FsOptions, Kind, ROOT_INO};
 pub use mount::{MountHandle, find_fusermount3, mounted_at, spawn_mount};
 

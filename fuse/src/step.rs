@@ -28,8 +28,8 @@ use futures::StreamExt;
 use serde_json::{Map, Value, json};
 use tracing::warn;
 
-use crate::cache::ChunkCache;
 use crate::names::NameMap;
+use ckpt_store::cache::ChunkCache;
 
 /// The blobs one rank saved.
 #[derive(Debug)]

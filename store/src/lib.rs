@@ -73,7 +73,7 @@ pub use bytes;
 pub use object_store;
 pub use object_store::{ObjectStore, ObjectStoreExt};
 
-pub use cache::ChunkCache;
+pub use cache::{CacheStats, ChunkCache};
 pub use catalog::StepListing;
 pub use clock::{Clock, ManualClock, SystemClock, now_ms};
 pub use codec::{Codec, CodecPolicy};

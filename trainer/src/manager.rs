@@ -70,7 +70,7 @@ pub fn shared_restore_cache(cap: usize) -> Arc<ChunkCache> {
     if let Some(c) = slot.upgrade() {
         return c;
     }
-    let c = ChunkCache::new(cap);
+    let c = ChunkCache::new(cap as u64);
     *slot = Arc::downgrade(&c);
     c
 }
