@@ -100,4 +100,4 @@ pub use wrap::{
     Fault, FaultAction, FaultHandle, FaultOp, FaultyStore, MetricsSnapshot, MetricsStore,
     StoreMetrics,
 };
-pub use writer::{BlobIn, RankWrite, ShardIn, ShardMeta};
+pub use writer::{BlobIn, RankWrite, ShardIn, ShardMeta, assemble_manifest};

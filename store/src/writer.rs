@@ -8,8 +8,8 @@ use crate::clock::now_ms;
 use crate::error::{Error, Result};
 use crate::keys::validate_run;
 use crate::model::{
-    BlobEntry, DType, FORMAT_VERSION, Layout, NdBox, RankEntry, RankManifest, TensorShard,
-    WriteStats, validate_name,
+    BlobEntry, ChunkRef, DType, FORMAT_VERSION, Layout, NdBox, RankEntry, RankManifest,
+    TensorShard, WriteStats, validate_name,
 };
 use crate::store::{ChunkIn, DedupIndex, PutStats, Store};
 
@@ -228,56 +228,99 @@ impl Store {
             .map(|x| x.expect("taken while some"))
             .chain(stream::iter(blob_chunks.into_iter().map(Ok)));
         let put = self.try_put_chunks(checked, index).await?;
-        let refs = put.refs;
-        let mut spans = spans.into_iter();
-        let tensors: Vec<TensorShard> = shards
+        let tensors: Vec<(TensorShard, usize)> = shards
             .into_iter()
-            .map(|s| {
-                let (a, n) = spans.next().expect("one span per shard");
-                TensorShard {
-                    name: s.name,
-                    dtype: s.dtype,
-                    shape: s.shape,
-                    bbox: s.bbox,
-                    chunks: refs[a..a + n].to_vec(),
-                    replica_of: s.replica_of,
-                    placement: s.placement,
-                }
+            .zip(&spans)
+            .map(|(s, &(_, n))| {
+                (
+                    TensorShard {
+                        name: s.name,
+                        dtype: s.dtype,
+                        shape: s.shape,
+                        bbox: s.bbox,
+                        chunks: Vec::new(),
+                        replica_of: s.replica_of,
+                        placement: s.placement,
+                    },
+                    n,
+                )
             })
             .collect();
-        let blobs: Vec<BlobEntry> = blobs
+        let n_shards = tensors.len();
+        let blobs: Vec<(String, u64, usize)> = blobs
             .into_iter()
-            .map(|b| {
-                let (a, n) = spans.next().expect("one span per blob");
-                BlobEntry {
-                    name: b.name,
-                    len: b.data.len() as u64,
-                    chunks: refs[a..a + n].to_vec(),
-                }
-            })
+            .zip(&spans[n_shards..])
+            .map(|(b, &(_, n))| (b.name, b.data.len() as u64, n))
             .collect();
-        let stats = WriteStats {
-            logical_bytes: logical,
-            chunks: put.stats.chunks,
-            chunks_skipped: put.stats.chunks_skipped,
-            bytes_skipped: put.stats.bytes_skipped,
-            objects_written: put.stats.objects_written,
-            bytes_written: put.stats.bytes_written,
-        };
-        let manifest = RankManifest {
-            format: FORMAT_VERSION,
-            run: w.run.clone(),
-            step: w.step,
-            rank: w.rank,
-            layout: w.layout,
-            generation: w.generation,
-            created_ms: now_ms(),
-            tensors,
-            blobs,
-            stats,
-        };
+        let manifest = assemble_manifest(w, tensors, blobs, &put.refs, logical, &put.stats)?;
         self.failpoints().hit("after_chunks").await?;
         let entry = self.write_rank_manifest(&manifest).await?;
         Ok((manifest, entry, put.stats))
     }
+}
+
+/// A rank's manifest from the refs one put returned, in order: each tensor (its `chunks`
+/// still empty) and then each blob `(name, length, chunk count)` takes the next refs. The
+/// streaming writer and `ckpt import` both build their manifests here, so there is one way a
+/// manifest's chunk lists and statistics come to be; a count that does not add up to `refs`
+/// is an internal error, not a manifest.
+pub fn assemble_manifest(
+    w: &RankWrite,
+    tensors: Vec<(TensorShard, usize)>,
+    blobs: Vec<(String, u64, usize)>,
+    refs: &[ChunkRef],
+    logical_bytes: u64,
+    put: &PutStats,
+) -> Result<RankManifest> {
+    let want: usize =
+        tensors.iter().map(|t| t.1).sum::<usize>() + blobs.iter().map(|b| b.2).sum::<usize>();
+    if want != refs.len() {
+        return Err(Error::internal(format!(
+            "{} chunks written for rank {} of {}@{}, {want} expected",
+            refs.len(),
+            w.rank,
+            w.run,
+            w.step
+        )));
+    }
+    let mut at = 0usize;
+    let mut take = |n: usize| {
+        let r = refs[at..at + n].to_vec();
+        at += n;
+        r
+    };
+    let tensors = tensors
+        .into_iter()
+        .map(|(t, n)| TensorShard {
+            chunks: take(n),
+            ..t
+        })
+        .collect();
+    let blobs = blobs
+        .into_iter()
+        .map(|(name, len, n)| BlobEntry {
+            name,
+            len,
+            chunks: take(n),
+        })
+        .collect();
+    Ok(RankManifest {
+        format: FORMAT_VERSION,
+        run: w.run.clone(),
+        step: w.step,
+        rank: w.rank,
+        layout: w.layout,
+        generation: w.generation,
+        created_ms: now_ms(),
+        tensors,
+        blobs,
+        stats: WriteStats {
+            logical_bytes,
+            chunks: put.chunks,
+            chunks_skipped: put.chunks_skipped,
+            bytes_skipped: put.bytes_skipped,
+            objects_written: put.objects_written,
+            bytes_written: put.bytes_written,
+        },
+    })
 }

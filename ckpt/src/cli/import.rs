@@ -23,8 +23,8 @@ use std::time::Instant;
 use bytes::Bytes;
 use ckpt_store::model::validate_name;
 use ckpt_store::{
-    BlobEntry, ChunkIn, DType, DedupIndex, FORMAT_VERSION, Layout, NdBox, RankManifest, Store,
-    TensorShard, WriteStats, now_ms, validate_run,
+    ChunkIn, DType, DedupIndex, Layout, NdBox, RankManifest, RankWrite, Store, TensorShard,
+    assemble_manifest, validate_run,
 };
 use futures::{StreamExt, stream};
 use serde::de::{Deserializer, MapAccess, Visitor};
@@ -643,60 +643,46 @@ pub async fn import(store: &Store, args: &ImportArgs, ui: &Ui) -> Result<ImportR
         return Err(e);
     }
     let put = put?;
-    let want: usize = plan.iter().map(|p| p.2).sum::<usize>()
-        + meta_blob
-            .as_ref()
-            .map_or(0, |b| store.chunk_spans(b.len() as u64).count());
-    if put.refs.len() != want {
-        return Err(CliError::error(format!(
-            "{} chunks written, {want} expected (a bug in ckpt)",
-            put.refs.len()
-        )));
-    }
-
-    let mut at = 0usize;
-    let mut tensors = Vec::with_capacity(plan.len());
-    for &(fi, ti, n) in &plan {
-        let t = &files[fi].tensors[ti];
-        tensors.push(TensorShard {
-            name: t.name.clone(),
-            dtype: t.dtype,
-            shape: t.shape.clone(),
-            bbox: NdBox::full(&t.shape),
-            chunks: put.refs[at..at + n].to_vec(),
-            replica_of: None,
-            placement: None,
-        });
-        at += n;
-    }
+    let s = &put.stats;
+    let tensors: Vec<(TensorShard, usize)> = plan
+        .iter()
+        .map(|&(fi, ti, n)| {
+            let t = &files[fi].tensors[ti];
+            let shard = TensorShard {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                bbox: NdBox::full(&t.shape),
+                chunks: Vec::new(),
+                replica_of: None,
+                placement: None,
+            };
+            (shard, n)
+        })
+        .collect();
     let blobs = match &meta_blob {
-        Some(b) => vec![BlobEntry {
-            name: METADATA_BLOB.into(),
-            len: b.len() as u64,
-            chunks: put.refs[at..].to_vec(),
-        }],
+        Some(b) => vec![(
+            METADATA_BLOB.to_string(),
+            b.len() as u64,
+            store.chunk_spans(b.len() as u64).count(),
+        )],
         None => Vec::new(),
     };
-    let s = &put.stats;
-    let manifest = RankManifest {
-        format: FORMAT_VERSION,
+    let head = RankWrite {
         run: args.run.clone(),
         step: args.step,
         rank: 0,
         layout: Layout::SINGLE,
         generation: 0,
-        created_ms: now_ms(),
+    };
+    let manifest = assemble_manifest(
+        &head,
         tensors,
         blobs,
-        stats: WriteStats {
-            logical_bytes: logical + meta_blob.as_ref().map_or(0, |b| b.len() as u64),
-            chunks: s.chunks,
-            chunks_skipped: s.chunks_skipped,
-            bytes_skipped: s.bytes_skipped,
-            objects_written: s.objects_written,
-            bytes_written: s.bytes_written,
-        },
-    };
+        &put.refs,
+        logical + meta_blob.as_ref().map_or(0, |b| b.len() as u64),
+        s,
+    )?;
     store.write_rank_manifest(&manifest).await?;
     // The manifest now protects what it references; the lease may go (or lapse, on an error
     // above).
