@@ -222,9 +222,11 @@ pub struct Launch {
     /// leave ranks behind).
     pub die_with_parent: bool,
     /// The live replica agents, (node, address) in node order; empty without peer replicas.
-    /// A rank gets its node's agent (`CKPT_PEER_AGENT`), the next live node's as the keeper
-    /// of its copy (`CKPT_PEER_BUDDY`), and all of them, its own first (`CKPT_PEERS`).
+    /// A rank gets its node's agent (`CKPT_PEER_AGENT`) and all of them, its own first
+    /// (`CKPT_PEERS`); where the copy goes is the agents' business (their membership).
     pub peer_agents: Vec<(u32, String)>,
+    /// The job's replica secret (`CKPT_PEER_SECRET`), proven to every agent.
+    pub peer_secret: Option<ckpt_store::PeerSecret>,
 }
 
 /// The step a launched rank restores, exactly (set next to `CKPT_RESUME=true` when the
@@ -304,10 +306,12 @@ impl Launch {
         } else {
             cmd.env_remove(ENV_RESUME_STEP);
         }
-        if let Some((agent, buddy, peers)) = peer_env(&self.peer_agents, a.node) {
+        if let Some((agent, peers)) = peer_env(&self.peer_agents, a.node)
+            && let Some(secret) = &self.peer_secret
+        {
             cmd.env("CKPT_PEER_AGENT", agent)
-                .env("CKPT_PEER_BUDDY", buddy)
-                .env("CKPT_PEERS", peers);
+                .env("CKPT_PEERS", peers)
+                .env(ckpt_store::peer::SECRET_ENV, secret.to_hex());
         }
         if self.die_with_parent {
             die_with_parent(&mut cmd);
@@ -347,16 +351,10 @@ impl Launch {
     }
 }
 
-/// The replica environment of a rank on `node`: its agent, its buddy (the next live node's
-/// agent, wrapping around; none when the node is alone) and every agent, its own first.
-fn peer_env(agents: &[(u32, String)], node: u32) -> Option<(String, String, String)> {
+/// The replica environment of a rank on `node`: its agent and every agent, its own first.
+fn peer_env(agents: &[(u32, String)], node: u32) -> Option<(String, String)> {
     let i = agents.iter().position(|(n, _)| *n == node)?;
     let own = agents[i].1.clone();
-    let buddy = if agents.len() > 1 {
-        agents[(i + 1) % agents.len()].1.clone()
-    } else {
-        String::new()
-    };
     let mut all = vec![own.clone()];
     all.extend(
         agents
@@ -364,7 +362,7 @@ fn peer_env(agents: &[(u32, String)], node: u32) -> Option<(String, String, Stri
             .filter(|(n, _)| *n != node)
             .map(|(_, a)| a.clone()),
     );
-    Some((own, buddy, all.join(",")))
+    Some((own, all.join(",")))
 }
 
 /// SIGTERM (with SIGCONT, so a stopped process handles it) or SIGKILL to a rank we started.
