@@ -212,9 +212,11 @@ pub struct Launch {
     /// leave ranks behind).
     pub die_with_parent: bool,
     /// The live replica agents, (node, address) in node order; empty without peer replicas.
-    /// A rank gets its node's agent (`CKPT_PEER_AGENT`), the next live node's as the keeper
-    /// of its copy (`CKPT_PEER_BUDDY`), and all of them, its own first (`CKPT_PEERS`).
+    /// A rank gets its node's agent (`CKPT_PEER_AGENT`) and all of them, its own first
+    /// (`CKPT_PEERS`); where the copy goes is the agents' business (their membership).
     pub peer_agents: Vec<(u32, String)>,
+    /// The job's replica secret (`CKPT_PEER_SECRET`), proven to every agent.
+    pub peer_secret: Option<ckpt_store::PeerSecret>,
 }
 
 /// Make the child die (SIGKILL) when this process dies: `PR_SET_PDEATHSIG`, and a check that
@@ -259,7 +261,7 @@ impl Launch {
         tag: u64,
         exits: &mpsc::UnboundedSender<RankExit>,
     ) -> Result<u32> {
-        let peer = peer_env(&self.peer_agents, a.node);
+        let peer = peer_env(&self.peer_agents, a.node, self.peer_secret.as_ref());
         let env = RankEnv {
             store: self.store_url.clone(),
             run: self.run.clone(),
@@ -328,12 +330,16 @@ impl Launch {
     }
 }
 
-/// The replica environment of a rank on `node`: its agent, its buddy (the next live node's
-/// agent, wrapping around; none when the node is alone) and every agent, its own first.
-fn peer_env(agents: &[(u32, String)], node: u32) -> Option<PeerEnv> {
+/// The replica environment of a rank on `node`: its agent and every agent, its own first, and
+/// the job's secret; none without a secret (an agent serves nobody who cannot prove it).
+fn peer_env(
+    agents: &[(u32, String)],
+    node: u32,
+    secret: Option<&ckpt_store::PeerSecret>,
+) -> Option<PeerEnv> {
+    let secret = secret?.clone();
     let i = agents.iter().position(|(n, _)| *n == node)?;
     let own = agents[i].1.clone();
-    let buddy = (agents.len() > 1).then(|| agents[(i + 1) % agents.len()].1.clone());
     let mut all = vec![own.clone()];
     all.extend(
         agents
@@ -343,9 +349,9 @@ fn peer_env(agents: &[(u32, String)], node: u32) -> Option<PeerEnv> {
     );
     Some(PeerEnv {
         agent: own,
-        buddy,
         peers: all,
         timeout: None,
+        secret,
     })
 }
 

@@ -12,7 +12,7 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use ckpt_store::{Error, PeerLink, Result};
+use ckpt_store::{Error, PeerLink, PeerSecret, Result};
 
 /// Store URL.
 pub const STORE: &str = "CKPT_STORE";
@@ -45,8 +45,8 @@ pub const HEARTBEAT: &str = "CKPT_HEARTBEAT";
 pub const HEARTBEAT_MS: &str = "CKPT_HEARTBEAT_MS";
 /// This node's replica agent (`host:port`).
 pub const PEER_AGENT: &str = "CKPT_PEER_AGENT";
-/// The agent that keeps this rank's copy (another node's); empty when alone.
-pub const PEER_BUDDY: &str = "CKPT_PEER_BUDDY";
+/// The job's replica secret, hex: every connection to an agent proves it.
+pub const PEER_SECRET: &str = ckpt_store::peer::SECRET_ENV;
 /// Every live agent, comma-separated, this node's first.
 pub const PEERS: &str = "CKPT_PEERS";
 /// How long a peer transfer may stall, in milliseconds.
@@ -85,7 +85,7 @@ pub const ALL: [&str; 17] = [
     HEARTBEAT,
     HEARTBEAT_MS,
     PEER_AGENT,
-    PEER_BUDDY,
+    PEER_SECRET,
     PEERS,
 ];
 
@@ -103,12 +103,12 @@ pub struct HeartbeatEnv {
 pub struct PeerEnv {
     /// This node's agent.
     pub agent: String,
-    /// The agent that keeps the copy, if another node is live.
-    pub buddy: Option<String>,
     /// Every live agent, this node's first.
     pub peers: Vec<String>,
     /// How long a transfer may stall (`None`: the default).
     pub timeout: Option<Duration>,
+    /// The job's secret.
+    pub secret: PeerSecret,
 }
 
 /// What a driver hands a launched rank.
@@ -178,7 +178,7 @@ impl RankEnv {
         }
         if let Some(p) = &self.peer {
             out.push((PEER_AGENT, s(&p.agent)));
-            out.push((PEER_BUDDY, s(&p.buddy.clone().unwrap_or_default())));
+            out.push((PEER_SECRET, s(&p.secret.to_hex())));
             out.push((PEERS, s(&p.peers.join(","))));
             if let Some(t) = p.timeout {
                 out.push((PEER_TIMEOUT_MS, s(&t.as_millis())));
@@ -195,7 +195,7 @@ impl RankEnv {
             out.push(RESUME_STEP);
         }
         match &self.peer {
-            None => out.extend([PEER_AGENT, PEER_BUDDY, PEERS, PEER_TIMEOUT_MS]),
+            None => out.extend([PEER_AGENT, PEER_SECRET, PEERS, PEER_TIMEOUT_MS]),
             Some(p) if p.timeout.is_none() => out.push(PEER_TIMEOUT_MS),
             Some(_) => {}
         }
@@ -244,8 +244,11 @@ impl RankEnv {
                 if !peers.contains(&agent) {
                     peers.insert(0, agent.clone());
                 }
+                let secret = PeerSecret::from_hex(&opt(PEER_SECRET)?.ok_or_else(|| {
+                    Error::invalid(format!("{PEER_AGENT} is set but {PEER_SECRET} is not"))
+                })?)?;
                 Some(PeerEnv {
-                    buddy: opt(PEER_BUDDY)?.filter(|b| !b.is_empty()),
+                    secret,
                     timeout: opt(PEER_TIMEOUT_MS)?
                         .map(|v| num(PEER_TIMEOUT_MS, v).map(Duration::from_millis))
                         .transpose()?,
@@ -301,9 +304,9 @@ impl RankEnv {
         Some(PeerLink {
             node: self.node,
             agent: p.agent.clone(),
-            buddy: p.buddy.clone(),
             peers: p.peers.clone(),
             timeout: p.timeout.unwrap_or(ckpt_store::peer::IO_TIMEOUT),
+            secret: p.secret.clone(),
         })
     }
 }
@@ -334,7 +337,7 @@ mod tests {
             },
             peer: Some(PeerEnv {
                 agent: "127.0.0.1:5001".into(),
-                buddy: Some("127.0.0.1:5002".into()),
+                secret: PeerSecret::from_bytes([7; 32]),
                 peers: vec!["127.0.0.1:5001".into(), "127.0.0.1:5002".into()],
                 timeout: None,
             }),
@@ -360,7 +363,8 @@ mod tests {
         e.final_on_sigterm = true;
         let m = vars(&e);
         assert!(!m.contains_key(PEER_AGENT) && !m.contains_key(RESUME_STEP));
-        assert!(e.unset().contains(&PEER_AGENT) && e.unset().contains(&RESUME_STEP));
+        assert!(e.unset().contains(&PEER_AGENT) && e.unset().contains(&PEER_SECRET));
+        assert!(e.unset().contains(&RESUME_STEP));
         assert_eq!(RankEnv::from_vars(|k| m.get(k).cloned()).unwrap(), Some(e));
     }
 
@@ -381,7 +385,7 @@ mod tests {
     fn the_peer_link_carries_the_node_and_the_agents() {
         let l = sample().peer_link().unwrap();
         assert_eq!(l.node, 1);
-        assert_eq!(l.buddy.as_deref(), Some("127.0.0.1:5002"));
+        assert_eq!(l.secret, PeerSecret::from_bytes([7; 32]));
         assert_eq!(l.peers.len(), 2);
     }
 }

@@ -15,8 +15,10 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use ckpt_store::logs::EVENTS;
-use ckpt_store::{Error, Result};
+use ckpt_store::peer::Membership;
+use ckpt_store::{Error, PeerSecret, Result};
 use serde::Serialize;
+use tokio::io::AsyncWriteExt;
 use tokio::net::UnixDatagram;
 use tokio::sync::mpsc;
 use tracing::info;
@@ -45,8 +47,10 @@ pub struct SupervisorOptions {
     /// How often ranks beat between steps.
     pub heartbeat_interval: Duration,
     /// Peer replicas: the command that starts one node's replica agent (such as
-    /// `ckpt replica-agent`; `--listen 127.0.0.1:0 --node N --watch-stdin` is appended, and the agent prints
-    /// `listening ADDR` first). One agent runs per node for the whole supervision; a failed
+    /// `ckpt replica-agent`; `--listen 127.0.0.1:0 --node N --watch-stdin` is appended, and the
+    /// agent prints `listening ADDR` first). The agents listen on loopback only; a secret made
+    /// for this supervision reaches them and the ranks in `CKPT_PEER_SECRET`, and each
+    /// generation's live agents reach every agent as a `members` line on its standard input. One agent runs per node for the whole supervision; a failed
     /// node's agent is killed with its ranks.
     pub replica_agent: Option<Vec<String>>,
 }
@@ -123,12 +127,16 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
     let sock_path = sock_dir.join("heartbeat.sock");
     let sock = UnixDatagram::bind(&sock_path)
         .map_err(|e| Error::io("binding the heartbeat socket", &sock_path.display(), e))?;
-    let mut agents = match &opts.replica_agent {
-        Some(cmd) => {
+    let peer_secret = match &opts.replica_agent {
+        Some(_) => Some(PeerSecret::generate()?),
+        None => None,
+    };
+    let mut agents = match (&opts.replica_agent, &peer_secret) {
+        (Some(cmd), Some(secret)) => {
             let t = &opts.config.topology;
-            start_agents(cmd, t.nodes + t.spares, opts.logs_dir.as_deref()).await?
+            start_agents(cmd, t.nodes + t.spares, opts.logs_dir.as_deref(), secret).await?
         }
-        None => BTreeMap::new(),
+        _ => BTreeMap::new(),
     };
     let mut launch = Launch {
         store_url: opts.store_url.clone(),
@@ -142,6 +150,7 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
         // train on as orphans next to the job a new `ckpt resume` would start.
         die_with_parent: true,
         peer_agents: Vec::new(),
+        peer_secret,
     };
     let (exit_tx, mut exit_rx) = mpsc::unbounded_channel::<RankExit>();
     let mut log = RecoveryLog::new(&store, &opts.run, "supervisor")?;
@@ -174,6 +183,19 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
                         }
                         launch.peer_agents =
                             agents.iter().map(|(n, a)| (*n, a.addr.clone())).collect();
+                        // Each agent learns the generation and its buddy from us, not from
+                        // the frames it is sent.
+                        let line = Membership::line(g, &launch.peer_agents);
+                        for (n, a) in agents.iter_mut() {
+                            if let Some(stdin) = a.child.stdin.as_mut()
+                                && let Err(e) = stdin.write_all(line.as_bytes()).await
+                            {
+                                tracing::warn!(
+                                    node = n,
+                                    "telling the replica agent its members: {e}"
+                                );
+                            }
+                        }
                         let port = free_port();
                         for a in assignments {
                             let pid = launch.spawn(
@@ -284,6 +306,7 @@ async fn start_agents(
     cmd: &[String],
     nodes: u32,
     logs: Option<&Path>,
+    secret: &PeerSecret,
 ) -> Result<BTreeMap<u32, AgentProc>> {
     use tokio::io::AsyncBufReadExt;
     let Some(prog) = cmd.first() else {
@@ -300,6 +323,7 @@ async fn start_agents(
                 &node.to_string(),
                 "--watch-stdin",
             ])
+            .env(ckpt_store::peer::SECRET_ENV, secret.to_hex())
             .stdin(std::process::Stdio::piped()) // the agent ends when this closes
             .stdout(std::process::Stdio::piped())
             .kill_on_drop(true);

@@ -89,7 +89,7 @@ pub use model::{
     BlobEntry, BlobLoc, ChunkRef, CommitRecord, Coords, DType, FORMAT_VERSION, Layout, NdBox,
     RankEntry, RankManifest, ShardLoc, TensorEntry, TensorShard, WriteStats,
 };
-pub use peer::{PeerLink, PeerSource, PeerUpload};
+pub use peer::{PeerLink, PeerSecret, PeerSource, PeerUpload};
 pub use placement::{Placed, Placement, Stage, TensorSpec, ZeroGroup};
 pub use read::{ChunkSource, ReadPlan, ReadStats, StepReader};
 pub use st_view::SafetensorsView;

@@ -523,7 +523,7 @@ impl CheckpointManager {
             .with_cache(cache.clone());
         // Replica agents first (memory of the surviving nodes), the store for the rest.
         if let Some(link) = cfg.peer.as_ref().filter(|l| !l.peers.is_empty()) {
-            reader = reader.with_source(PeerSource::new(&link.peers));
+            reader = reader.with_source(PeerSource::new(&link.peers, &link.secret));
         }
         let mut targets = Vec::with_capacity(self.tensors.len());
         for r in &self.tensors {

@@ -58,7 +58,13 @@ pub struct AgentArgs {
     #[arg(long)]
     pub addr: Option<String>,
     /// Keep peer replicas: this agent holds its node's newest snapshots in memory (with a copy
-    /// on the next node's agent), and restores read lost shards from the agents first.
+    /// on the next node's agent), and restores read lost shards from the agents first. The
+    /// replica agent listens on --addr exactly (loopback without it: pass --addr, an address
+    /// of the job's private network, to serve other machines) and serves only clients that
+    /// prove the job's secret: CKPT_PEER_SECRET (64 hex digits) of the agents' environment, or
+    /// else one the first coordinator makes and hands to the agents through etcd. This is
+    /// authentication, not encryption (no TLS): keep the agents on a private network.
+    /// CKPT_PEER_MEMORY_LIMIT (bytes) bounds what it holds (default: a quarter of the memory).
     #[arg(long)]
     pub peer_replicas: bool,
     /// Write this node's rank stdout and stderr into this directory.

@@ -103,6 +103,8 @@ pub(super) struct Leader {
     t0: Instant,
     join_deadline: Option<Instant>,
     pub(super) finished: bool,
+    /// The replica secret every plan carries (with peer replicas and no `CKPT_PEER_SECRET`).
+    peer_secret: Option<ckpt_store::PeerSecret>,
 }
 
 impl Leader {
@@ -146,6 +148,15 @@ impl Leader {
             t0,
             join_deadline: Some(t0 + opts.join_timeout),
             finished: false,
+            // The previous coordinator's secret, so the agents and ranks keep theirs; a new
+            // job's first coordinator makes one.
+            peer_secret: match view.plan.as_ref().and_then(|p| p.peer_secret.clone()) {
+                Some(s) => Some(s),
+                None if opts.peer_replicas && ckpt_store::PeerSecret::from_env()?.is_none() => {
+                    Some(ckpt_store::PeerSecret::generate()?)
+                }
+                None => None,
+            },
         };
         let Some(plan) = view.plan.clone() else {
             info!(node = opts.node, "coordinating a new job");
@@ -395,6 +406,7 @@ impl Leader {
                         leader: self.node,
                         excluded: self.coord.excluded(),
                         restarts: self.coord.restarts(),
+                        peer_secret: self.peer_secret.clone(),
                     };
                     let body = serde_json::to_vec(&plan).expect("plans serialize");
                     let once = self.keys.key(Key::Plans(global));

@@ -42,6 +42,7 @@ mod leader;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use ckpt_store::{Error, ErrorKind, Result};
@@ -91,7 +92,11 @@ pub struct AgentOptions {
     /// default: the host name.
     pub addr: Option<String>,
     /// Keep peer replicas: this agent also serves as the node's replica agent (see
-    /// `ckpt_store::peer`), registered with the node so every agent's ranks find it.
+    /// `ckpt_store::peer`), registered with the node so every agent's ranks find it. It
+    /// listens on `addr` exactly (loopback without one), serves only clients proving the
+    /// job's secret (`CKPT_PEER_SECRET` of the agent's environment, else the one the first
+    /// coordinator put in the plan), and holds at most `CKPT_PEER_MEMORY_LIMIT` bytes (a
+    /// quarter of the machine's memory by default).
     pub peer_replicas: bool,
 }
 
@@ -277,6 +282,7 @@ pub async fn run(opts: AgentOptions) -> Result<AgentReport> {
             ranks_per_node: t.ranks_per_node,
             die_with_parent: true,
             peer_agents: Vec::new(),
+            peer_secret: None,
         },
         opts,
         sess,
@@ -292,6 +298,7 @@ pub async fn run(opts: AgentOptions) -> Result<AgentReport> {
         done: None,
         report: Vec::new(),
         coordinated: false,
+        replicas: None,
     };
     let r = agent.run(sock, exit_rx).await;
     agent.cleanup().await;
@@ -324,6 +331,8 @@ struct Agent {
     done: Option<DoneMsg>,
     report: Vec<GenerationRun>,
     coordinated: bool,
+    /// This node's replica agent, with peer replicas.
+    replicas: Option<Arc<ckpt_store::peer::AgentState>>,
 }
 
 impl Agent {
@@ -466,7 +475,11 @@ impl Agent {
         }
         let host = self.opts.addr.clone().unwrap_or_else(host_name);
         let replica = match self.opts.peer_replicas {
-            true => Some(self.serve_replicas(&host).await?),
+            // Exactly the address given, never the host name by default.
+            true => {
+                let bind = self.opts.addr.clone().unwrap_or_else(|| "127.0.0.1".into());
+                Some(self.serve_replicas(&bind).await?)
+            }
             false => None,
         };
         let me = NodeMsg {
@@ -513,7 +526,21 @@ impl Agent {
             .local_addr()
             .map_err(|e| Error::io("listening for peer replicas on", &host, e))?
             .port();
-        let state = ckpt_store::peer::AgentState::new();
+        let limit = match std::env::var(ckpt_store::peer::MEMORY_LIMIT_ENV) {
+            Ok(v) => v.trim().parse::<u64>().map_err(|_| {
+                Error::invalid(format!(
+                    "{} must be a number of bytes, not {v:?}",
+                    ckpt_store::peer::MEMORY_LIMIT_ENV
+                ))
+            })?,
+            Err(_) => ckpt_store::peer::default_memory_limit(),
+        };
+        let state = ckpt_store::peer::AgentState::new(
+            self.opts.node,
+            ckpt_store::PeerSecret::from_env()?,
+            limit,
+        );
+        self.replicas = Some(state.clone());
         tokio::spawn(async move {
             if let Err(e) = ckpt_store::peer::serve(l, state).await {
                 warn!("the replica agent stopped: {e}");
@@ -661,8 +688,25 @@ impl Agent {
         });
         let g = p.generation;
         self.current = Some(p.clone());
-        if !mine.is_empty() {
+        if self.opts.peer_replicas {
             self.launch.peer_agents = self.peer_agents().await?;
+            // The secret and membership of the replica agent come from the plan and the
+            // registered nodes, never from what a client sends it.
+            let secret = match ckpt_store::PeerSecret::from_env()? {
+                Some(s) => Some(s),
+                None => p.peer_secret.clone(),
+            };
+            if let Some(st) = &self.replicas {
+                if let Some(s) = &secret {
+                    st.set_secret(s.clone());
+                }
+                st.set_membership(ckpt_store::peer::Membership::of(
+                    self.opts.node,
+                    g,
+                    &self.launch.peer_agents,
+                ));
+            }
+            self.launch.peer_secret = secret;
         }
         for a in mine {
             match self.launch.spawn(

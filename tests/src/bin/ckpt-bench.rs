@@ -998,11 +998,20 @@ fn peers_bench(dir: &Path, params: u64) {
     use std::io::BufRead;
     let layout: Layout = "tp=2".parse().unwrap();
     let (model, train, ranks, state, store) = bench_job(dir, "peers-store", params, layout, 4);
+    let secret = ckpt_store::PeerSecret::generate().unwrap();
     let mut agents = Vec::new();
     for node in 0..2 {
         let mut c = std::process::Command::new(ckpt_tests::bin("ckpt", "ckpt"))
-            .args(["replica-agent", "--listen", "127.0.0.1:0", "--node"])
+            .args([
+                "replica-agent",
+                "--listen",
+                "127.0.0.1:0",
+                "--watch-stdin",
+                "--node",
+            ])
             .arg(node.to_string())
+            .env(ckpt_store::peer::SECRET_ENV, secret.to_hex())
+            .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
             .spawn()
             .unwrap();
@@ -1014,13 +1023,29 @@ fn peers_bench(dir: &Path, params: u64) {
         agents.push((c, addr));
     }
     let addrs: Vec<String> = agents.iter().map(|a| a.1.clone()).collect();
+    // Each agent's buddy is the other (the membership a supervisor would send).
+    let members: Vec<(u32, String)> = addrs
+        .iter()
+        .cloned()
+        .enumerate()
+        .map(|(n, a)| (n as u32, a))
+        .collect();
+    for (c, _) in &mut agents {
+        use std::io::Write;
+        let line = ckpt_store::peer::Membership::line(1, &members);
+        c.stdin
+            .as_mut()
+            .unwrap()
+            .write_all(line.as_bytes())
+            .unwrap();
+    }
     let link = |r: u32| {
         Some(PeerLink {
             node: r,
             agent: addrs[r as usize].clone(),
-            buddy: Some(addrs[1 - r as usize].clone()),
             peers: vec![addrs[0].clone()],
             timeout: ckpt_store::peer::IO_TIMEOUT,
+            secret: secret.clone(),
         })
     };
     let mut mgrs = managers_with(&store, "p", layout, &ranks, true, 0, &link);
@@ -1033,7 +1058,7 @@ fn peers_bench(dir: &Path, params: u64) {
             .iter()
             .map(|a| {
                 runtime()
-                    .block_on(ckpt_store::peer::holdings(a))
+                    .block_on(ckpt_store::peer::holdings(a, &secret))
                     .unwrap()
                     .bytes
             })
