@@ -58,6 +58,7 @@ pub mod pack;
 pub mod peer;
 pub mod placement;
 pub mod read;
+pub mod retry;
 pub mod st_view;
 pub mod store;
 pub mod url;
@@ -94,8 +95,9 @@ pub use st_view::SafetensorsView;
 pub use store::{ChunkIn, DedupIndex, PutReport, PutStats, Store, StoreConfig};
 pub use url::{StoreUrl, open};
 pub use verify::{Damage, VerifyReport, VerifyScope};
+pub use retry::{RetryConfig, RetryStore};
 pub use wrap::{
     Fault, FaultAction, FaultHandle, FaultOp, FaultyStore, MetricsSnapshot, MetricsStore,
-    StoreMetrics,
+    RandomFaultStats, RandomFaults, StoreMetrics,
 };
 pub use writer::{BlobIn, RankWrite, ShardIn, ShardMeta};

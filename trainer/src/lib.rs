@@ -24,7 +24,9 @@ pub mod staging;
 pub mod train;
 pub mod workload;
 
-pub use manager::{CheckpointManager, ManagerConfig, Rollback, Scope, Stateful, TensorMemory};
+pub use manager::{
+    CheckpointManager, ManagerConfig, Rollback, Scope, Stateful, StoreHealth, TensorMemory, events,
+};
 pub use memory::{HostTensor, HostView, MemorySink, MemorySource, PinnedSource};
 pub use monitor::{Decision, Monitor, MonitorConfig, Observation, Spike, SpikeAction};
 pub use restore::{RestoreTarget, restore_targets};
