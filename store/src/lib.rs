@@ -91,11 +91,11 @@ pub use model::{
 pub use peer::{PeerLink, PeerSource, PeerUpload};
 pub use placement::{Placed, Placement, Stage, TensorSpec, ZeroGroup};
 pub use read::{ChunkSource, ReadPlan, ReadStats, StepReader};
+pub use retry::{RetryConfig, RetryStore};
 pub use st_view::SafetensorsView;
 pub use store::{ChunkIn, DedupIndex, PutReport, PutStats, Store, StoreConfig};
 pub use url::{StoreUrl, open};
 pub use verify::{Damage, VerifyReport, VerifyScope};
-pub use retry::{RetryConfig, RetryStore};
 pub use wrap::{
     Fault, FaultAction, FaultHandle, FaultOp, FaultyStore, MetricsSnapshot, MetricsStore,
     RandomFaultStats, RandomFaults, StoreMetrics,

@@ -35,8 +35,7 @@ use futures::stream::BoxStream;
 use object_store::path::Path;
 use object_store::{
     CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
-    ObjectStoreExt,
-    PutMode, PutMultipartOptions, PutOptions, PutPayload, PutResult, RenameOptions,
+    ObjectStoreExt, PutMode, PutMultipartOptions, PutOptions, PutPayload, PutResult, RenameOptions,
     Result as OsResult,
 };
 
@@ -521,8 +520,10 @@ impl<S: ObjectStore> ObjectStore for RetryStore<S> {
     }
 
     async fn copy_opts(&self, from: &Path, to: &Path, options: CopyOptions) -> OsResult<()> {
-        self.run("copy", to, |_| self.inner.copy_opts(from, to, options.clone()))
-            .await
+        self.run("copy", to, |_| {
+            self.inner.copy_opts(from, to, options.clone())
+        })
+        .await
     }
 
     async fn rename_opts(&self, from: &Path, to: &Path, options: RenameOptions) -> OsResult<()> {
@@ -693,7 +694,10 @@ mod tests {
             .put_opts(&p, Bytes::from_static(b"mine").into(), create())
             .await
             .unwrap_err();
-        assert!(matches!(e, object_store::Error::AlreadyExists { .. }), "{e}");
+        assert!(
+            matches!(e, object_store::Error::AlreadyExists { .. }),
+            "{e}"
+        );
         assert_eq!(
             s.get(&p).await.unwrap().bytes().await.unwrap(),
             "theirs".as_bytes()
@@ -707,9 +711,12 @@ mod tests {
             ..fast()
         });
         for i in 0..20 {
-            s.put(&Path::from(format!("d/{i}")), Bytes::from_static(b"x").into())
-                .await
-                .unwrap();
+            s.put(
+                &Path::from(format!("d/{i}")),
+                Bytes::from_static(b"x").into(),
+            )
+            .await
+            .unwrap();
         }
         h.set_random(Some(RandomFaults {
             mix: [1, 0, 0],

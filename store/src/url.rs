@@ -16,8 +16,8 @@ use object_store::path::Path;
 
 use crate::direct::DirectFs;
 use crate::error::{Error, Result};
-use crate::store::{Store, StoreConfig};
 use crate::retry::{RetryConfig, RetryStore};
+use crate::store::{Store, StoreConfig};
 use crate::wrap::{FaultyStore, MetricsStore, RandomFaults, StoreMetrics};
 
 /// A parsed store URL.

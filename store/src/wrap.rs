@@ -763,15 +763,13 @@ impl<S: ObjectStore> ObjectStore for FaultyStore<S> {
         let what = prefix.map_or_else(String::new, |p| p.to_string());
         match c {
             Chance::None => self.inner.list(prefix),
-            Chance::Error | Chance::Outage => {
-                futures::stream::once(async move {
-                    Err(object_store::Error::Generic {
-                        store: "FaultyStore",
-                        source: format!("injected failure on list {what}").into(),
-                    })
+            Chance::Error | Chance::Outage => futures::stream::once(async move {
+                Err(object_store::Error::Generic {
+                    store: "FaultyStore",
+                    source: format!("injected failure on list {what}").into(),
                 })
-                .boxed()
-            }
+            })
+            .boxed(),
             Chance::Slow(d) | Chance::Timeout(d) => {
                 let inner = self.inner.list(prefix);
                 futures::stream::once(tokio::time::sleep(d))

@@ -261,6 +261,8 @@ pub struct CheckpointManager {
     down: Option<Down>,
     /// Saves of `maybe_save` not yet committed or failed (a failure in the store is reported).
     watch: Vec<SaveHandle>,
+    /// The store's give-ups when the last save was due.
+    give_ups_seen: u64,
     health: StoreHealth,
 }
 
@@ -288,6 +290,7 @@ impl CheckpointManager {
             decided: None,
             down: None,
             watch: Vec::new(),
+            give_ups_seen: 0,
             health: StoreHealth::default(),
             cfg,
             tensors: Vec::new(),
@@ -391,6 +394,16 @@ impl CheckpointManager {
             // is reported, due checkpoints are skipped while a probe finds the store down, and
             // the first due checkpoint after the store answers again is taken.
             self.report_failed_save(step);
+            // The save in flight is still retrying and the store already gave up on a request
+            // since it started: do not wait for it to fail.
+            let gave_up = self.store_give_ups();
+            if self.watch.iter().any(|h| {
+                matches!(h.stage(), Stage::Snapshotting | Stage::Snapshotted)
+            }) && gave_up > self.give_ups_seen
+            {
+                self.mark_down(step);
+            }
+            self.give_ups_seen = gave_up;
             if let Some(why) = self.store_down(step) {
                 self.skip_checkpoint(step, &why);
                 return Ok(None);
@@ -411,6 +424,13 @@ impl CheckpointManager {
             };
         }
         Ok(None)
+    }
+
+    fn store_give_ups(&self) -> u64 {
+        self.ckpt
+            .store()
+            .metrics()
+            .map_or(0, |m| m.snapshot().give_ups)
     }
 
     /// How checkpointing fared against a failing store.
@@ -437,7 +457,10 @@ impl CheckpointManager {
         });
         for (step, message) in failed {
             self.health.failed += 1;
-            warn!(step, "checkpoint failed in the store; training goes on: {message}");
+            warn!(
+                step,
+                "checkpoint failed in the store; training goes on: {message}"
+            );
             self.mark_down(now);
             self.log_event(json!({
                 "kind": events::CHECKPOINT_FAILED, "step": step, "error": message,
@@ -989,6 +1012,13 @@ impl CheckpointManager {
         }
         if let Some(r) = self.retention.take() {
             let _ = runtime().block_on(r);
+        }
+        // Events that waited while the store was down.
+        if let Some(w) = self.events.as_mut()
+            && w.pending() > 0
+            && let Err(e) = runtime().block_on(w.flush())
+        {
+            warn!("writing the events log: {e}");
         }
         Ok(())
     }

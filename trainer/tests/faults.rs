@@ -226,7 +226,10 @@ fn giving_up_says_so_and_keeps_committed_steps() {
             Err(e) => failures.push(e),
         }
     }
-    assert!(!failures.is_empty(), "half the requests failing broke no save");
+    assert!(
+        !failures.is_empty(),
+        "half the requests failing broke no save"
+    );
     for e in &failures {
         assert!(
             e.to_string().contains("gave up after 2 attempts"),
@@ -327,7 +330,10 @@ fn outage_skips_checkpoints_and_resumes() {
     );
     let failed = &log[f.unwrap()];
     assert!(
-        failed["error"].as_str().unwrap().contains("gave up after 4 attempts"),
+        failed["error"]
+            .as_str()
+            .unwrap()
+            .contains("gave up after 4 attempts"),
         "{failed}"
     );
 }
