@@ -397,9 +397,11 @@ impl CheckpointManager {
             // The save in flight is still retrying and the store already gave up on a request
             // since it started: do not wait for it to fail.
             let gave_up = self.store_give_ups();
-            if self.watch.iter().any(|h| {
-                matches!(h.stage(), Stage::Snapshotting | Stage::Snapshotted)
-            }) && gave_up > self.give_ups_seen
+            if self
+                .watch
+                .iter()
+                .any(|h| matches!(h.stage(), Stage::Snapshotting | Stage::Snapshotted))
+                && gave_up > self.give_ups_seen
             {
                 self.mark_down(step);
             }

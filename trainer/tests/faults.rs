@@ -80,8 +80,7 @@ fn restore(store: &Store, run: &str, step: u64) -> (Vec<u8>, Vec<u8>) {
     let (mut m, a, b) = manager(store, run);
     m.restore(step)
         .unwrap_or_else(|e| panic!("restore step {step}: {e}"));
-    let out = (a.read().clone(), b.read().clone());
-    out
+    (a.read().clone(), b.read().clone())
 }
 
 fn verify_clean(store: &Store, run: &str) -> u64 {
