@@ -405,10 +405,34 @@ fn os_err(path: &FsPath, e: std::io::Error) -> object_store::Error {
             path: path.display().to_string(),
             source: Box::new(e),
         },
+        // The io error stays in the chain: the retry layer tells a full disk (never retried)
+        // from a passing failure by its errno.
         _ => object_store::Error::Generic {
             store: "DirectFs",
-            source: format!("{}: {e}", path.display()).into(),
+            source: Box::new(PathIoError {
+                path: path.display().to_string(),
+                err: e,
+            }),
         },
+    }
+}
+
+/// An io error on a path (its message names the path; its source is the io error).
+#[derive(Debug)]
+struct PathIoError {
+    path: String,
+    err: std::io::Error,
+}
+
+impl std::fmt::Display for PathIoError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.path, self.err)
+    }
+}
+
+impl std::error::Error for PathIoError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.err)
     }
 }
 

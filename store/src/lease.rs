@@ -128,14 +128,20 @@ impl Store {
         .map_err(|e| Error::internal(e.to_string()))?;
         // On a local directory, deleting the last lock removes the empty `locks/` directory
         // (automatic cleanup) and can pull it from under a put of another lock: the put is
-        // an overwrite of a fresh key, so trying again is safe.
+        // an overwrite of a fresh key, so trying again is safe. That race passes at once: a put
+        // that failed after the store's own retries (seconds) is not tried again.
         let mut attempt = 0;
+        let t0 = Instant::now();
         loop {
             match self
                 .put_object(path, vec![body.clone().into()], PutMode::Overwrite)
                 .await
             {
-                Err(e) if attempt < 4 && matches!(e.kind(), ErrorKind::Backend | ErrorKind::Io) => {
+                Err(e)
+                    if attempt < 4
+                        && t0.elapsed() < Duration::from_millis(500)
+                        && matches!(e.kind(), ErrorKind::Backend | ErrorKind::Io) =>
+                {
                     attempt += 1;
                     tokio::time::sleep(Duration::from_millis(5 << attempt)).await;
                 }

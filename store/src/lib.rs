@@ -59,6 +59,7 @@ pub mod pack;
 pub mod peer;
 pub mod placement;
 pub mod read;
+pub mod retry;
 pub mod st_view;
 pub mod store;
 pub mod url;
@@ -92,12 +93,13 @@ pub use model::{
 pub use peer::{PeerLink, PeerSecret, PeerSource, PeerUpload};
 pub use placement::{Placed, Placement, Stage, TensorSpec, ZeroGroup};
 pub use read::{ChunkSource, ReadPlan, ReadStats, StepReader};
+pub use retry::{RetryConfig, RetryStore};
 pub use st_view::SafetensorsView;
 pub use store::{ChunkIn, DedupIndex, PutReport, PutStats, Store, StoreConfig};
 pub use url::{StoreUrl, open};
 pub use verify::{Damage, VerifyReport, VerifyScope};
 pub use wrap::{
     Fault, FaultAction, FaultHandle, FaultOp, FaultyStore, MetricsSnapshot, MetricsStore,
-    StoreMetrics,
+    RandomFaultStats, RandomFaults, StoreMetrics,
 };
 pub use writer::{BlobIn, RankWrite, ShardIn, ShardMeta, assemble_manifest};

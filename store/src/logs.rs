@@ -80,10 +80,19 @@ impl LogWriter {
             .keys()
             .log_part(&self.run, &self.log, &self.writer, self.seq);
         let body = Bytes::from(std::mem::take(&mut self.pending));
-        self.store
-            .put_object(&path, vec![body], PutMode::Create)
-            .await?;
+        let r = self
+            .store
+            .put_object(&path, vec![body.clone()], PutMode::Create)
+            .await;
+        // A failed write keeps its records for the next flush, under the next part name (the
+        // failed one may have landed after all: a record is then read twice, never lost).
         self.seq += 1;
+        if let Err(e) = r {
+            let mut back = body.to_vec();
+            back.extend_from_slice(&self.pending);
+            self.pending = back;
+            return Err(e);
+        }
         self.records = 0;
         Ok(())
     }

@@ -58,6 +58,44 @@ pub fn memory_store(cfg: StoreConfig) -> Store {
         .expect("config")
 }
 
+/// A store over `inner` stacked as [`crate::open`] stacks it, with a [`crate::FaultyStore`]
+/// below the retry layer: `Metrics(Retry(Faulty(inner)))`. The handle switches random faults
+/// and outages on and off.
+pub fn faulty_store<S: object_store::ObjectStore>(
+    inner: S,
+    prefix: &str,
+    url: &str,
+    cfg: StoreConfig,
+    retry: crate::RetryConfig,
+) -> (Store, crate::FaultHandle) {
+    let faulty = crate::FaultyStore::new(inner);
+    let handle = faulty.handle();
+    let metrics = std::sync::Arc::new(crate::StoreMetrics::default());
+    let retried = crate::RetryStore::new(faulty, retry, metrics.clone());
+    let counted = crate::MetricsStore::sharing(retried, metrics.clone());
+    let store = Store::new(
+        std::sync::Arc::new(counted),
+        object_store::path::Path::from(prefix),
+        url,
+    )
+    .with_config(cfg)
+    .expect("config")
+    .with_metrics(metrics);
+    (store, handle)
+}
+
+/// [`faulty_store`] over a local directory store in a temporary directory.
+pub fn faulty_local_store(
+    cfg: StoreConfig,
+    retry: crate::RetryConfig,
+) -> (Store, crate::FaultHandle, tempfile::TempDir) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let fs = crate::DirectFs::new(dir.path()).expect("open local store");
+    let root = fs.root().to_path_buf();
+    let (store, h) = faulty_store(fs, "", &dir.path().display().to_string(), cfg, retry);
+    (store.with_local_root(root), h, dir)
+}
+
 /// Where the `s3s-fs` binary is: `$CKPT_S3S_FS`, `PATH`, or `.ci-tools/bin` above the crate.
 pub fn find_s3s_fs() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("CKPT_S3S_FS") {
@@ -348,7 +386,13 @@ impl S3Server {
     pub fn object_store(
         &self,
     ) -> std::sync::Arc<crate::wrap::MetricsStore<object_store::aws::AmazonS3>> {
-        let s = object_store::aws::AmazonS3Builder::new()
+        std::sync::Arc::new(crate::wrap::MetricsStore::new(self.client()))
+    }
+
+    /// The bare S3 client for the bucket.
+    #[cfg(feature = "s3")]
+    pub fn client(&self) -> object_store::aws::AmazonS3 {
+        object_store::aws::AmazonS3Builder::new()
             .with_endpoint(&self.endpoint)
             .with_bucket_name(&self.bucket)
             .with_allow_http(true)
@@ -357,8 +401,7 @@ impl S3Server {
             .with_access_key_id(S3_KEY)
             .with_secret_access_key(S3_SECRET)
             .build()
-            .expect("S3 client");
-        std::sync::Arc::new(crate::wrap::MetricsStore::new(s))
+            .expect("S3 client")
     }
 
     /// A [`Store`] on the bucket below `prefix`.

@@ -16,8 +16,9 @@ use object_store::path::Path;
 
 use crate::direct::DirectFs;
 use crate::error::{Error, Result};
+use crate::retry::{RetryConfig, RetryStore};
 use crate::store::{Store, StoreConfig};
-use crate::wrap::MetricsStore;
+use crate::wrap::{FaultyStore, MetricsStore, RandomFaults, StoreMetrics};
 
 /// A parsed store URL.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -110,8 +111,31 @@ impl StoreUrl {
     }
 }
 
-/// Open the store at `url` with default settings for its kind, counting requests.
+/// Open the store at `url` with default settings for its kind, counting requests and
+/// retrying transient failures ([`RetryStore`]).
+///
+/// Two environment variables change the request layers: `CKPT_STORE_RETRY` sets the retries
+/// (`attempts=6,min_ms=50,max_ms=5000,timeout_ms=120000`, see [`RetryConfig::parse`]), and
+/// `CKPT_FAULTS` (for tests and measurements only) injects random failures below the retries
+/// (`rate=0.05,seed=7,outage_s=10+5`, see [`RandomFaults::parse`]).
 pub fn open(url: &str) -> Result<Store> {
+    let retry = match std::env::var("CKPT_STORE_RETRY") {
+        Ok(s) => RetryConfig::parse(&s).map_err(|e| e.context("CKPT_STORE_RETRY"))?,
+        Err(_) => RetryConfig::default(),
+    };
+    let faults = match std::env::var("CKPT_FAULTS") {
+        Ok(s) if !s.trim().is_empty() => {
+            Some(RandomFaults::parse(&s).map_err(|e| e.context("CKPT_FAULTS"))?)
+        }
+        _ => None,
+    };
+    open_with(url, retry, faults)
+}
+
+/// [`open`] with these retry settings, and with random faults injected below the retries
+/// (`faults`; tests and measurements).
+pub fn open_with(url: &str, retry: RetryConfig, faults: Option<RandomFaults>) -> Result<Store> {
+    retry.validate()?;
     let parsed = StoreUrl::parse(url)?;
     let cfg = if parsed.is_remote() {
         StoreConfig::for_remote()
@@ -134,8 +158,17 @@ pub fn open(url: &str) -> Result<Store> {
         StoreUrl::Gcs { bucket, prefix } => (open_gcs(&bucket, url)?, prefix),
         StoreUrl::Azure { url: u, prefix } => (open_azure(&u, url)?, prefix),
     };
-    let counted = MetricsStore::new(raw);
-    let metrics = counted.metrics();
+    let raw: Box<dyn ObjectStore> = match faults {
+        Some(f) => {
+            let faulty = FaultyStore::new(raw);
+            faulty.handle().set_random(Some(f));
+            Box::new(faulty)
+        }
+        None => raw,
+    };
+    let metrics = Arc::new(StoreMetrics::default());
+    let retried = RetryStore::new(raw, retry, metrics.clone());
+    let counted = MetricsStore::sharing(retried, metrics.clone());
     let store = Store::new(Arc::new(counted), Path::from(prefix), url)
         .with_config(cfg)?
         .with_metrics(metrics);

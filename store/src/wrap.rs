@@ -36,6 +36,10 @@ pub mod names {
     pub const LISTS: &str = "store.lists";
     /// Deleted objects.
     pub const DELETES: &str = "store.deletes";
+    /// Requests the retry layer ([`super::RetryStore`]) tried again after a transient error.
+    pub const RETRIES: &str = "store.retries";
+    /// Requests the retry layer gave up on (attempts or time exhausted).
+    pub const GIVE_UPS: &str = "store.give_ups";
 }
 
 /// Counters of a [`MetricsStore`].
@@ -48,6 +52,8 @@ pub struct StoreMetrics {
     heads: AtomicU64,
     lists: AtomicU64,
     deletes: AtomicU64,
+    pub(crate) retries: AtomicU64,
+    pub(crate) give_ups: AtomicU64,
 }
 
 /// A copy of the counters at one moment.
@@ -67,6 +73,10 @@ pub struct MetricsSnapshot {
     pub lists: u64,
     /// Deletes.
     pub deletes: u64,
+    /// Attempts repeated by the retry layer after a transient error.
+    pub retries: u64,
+    /// Requests the retry layer gave up on.
+    pub give_ups: u64,
 }
 
 impl MetricsSnapshot {
@@ -76,7 +86,7 @@ impl MetricsSnapshot {
     }
 
     /// Counters as `(name, value)` pairs.
-    pub fn pairs(&self) -> [(&'static str, u64); 7] {
+    pub fn pairs(&self) -> [(&'static str, u64); 9] {
         [
             (names::PUTS, self.puts),
             (names::PUT_BYTES, self.put_bytes),
@@ -85,6 +95,8 @@ impl MetricsSnapshot {
             (names::HEADS, self.heads),
             (names::LISTS, self.lists),
             (names::DELETES, self.deletes),
+            (names::RETRIES, self.retries),
+            (names::GIVE_UPS, self.give_ups),
         ]
     }
 }
@@ -100,6 +112,8 @@ impl std::ops::Sub for MetricsSnapshot {
             heads: self.heads - o.heads,
             lists: self.lists - o.lists,
             deletes: self.deletes - o.deletes,
+            retries: self.retries - o.retries,
+            give_ups: self.give_ups - o.give_ups,
         }
     }
 }
@@ -115,6 +129,8 @@ impl StoreMetrics {
             heads: self.heads.load(Ordering::Relaxed),
             lists: self.lists.load(Ordering::Relaxed),
             deletes: self.deletes.load(Ordering::Relaxed),
+            retries: self.retries.load(Ordering::Relaxed),
+            give_ups: self.give_ups.load(Ordering::Relaxed),
         }
     }
 }
@@ -129,10 +145,13 @@ pub struct MetricsStore<S> {
 impl<S: ObjectStore> MetricsStore<S> {
     /// Wrap `inner`.
     pub fn new(inner: S) -> Self {
-        MetricsStore {
-            inner,
-            metrics: Arc::default(),
-        }
+        Self::sharing(inner, Arc::default())
+    }
+
+    /// Wrap `inner`, counting into `metrics` (shared with a [`crate::RetryStore`] below, which
+    /// adds its retries there).
+    pub fn sharing(inner: S, metrics: Arc<StoreMetrics>) -> Self {
+        MetricsStore { inner, metrics }
     }
 
     /// The shared counters.
@@ -307,11 +326,177 @@ struct RuleState {
     fired: u64,
 }
 
-/// Injects failures, delays and damage into an inner store, by rule.
+/// Faults at random: each request (of every kind: put, get, head, list, delete, copy, rename)
+/// fails with probability `rate`, drawn from a seeded generator, as an error, a timeout or a
+/// slow request (weights `mix`). A timed-out put is carried out first and then hangs (its
+/// answer is lost), which is what makes retrying a conditional put ambiguous.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RandomFaults {
+    /// Fraction of requests that get a fault (0..=1).
+    pub rate: f64,
+    /// Seed of the generator.
+    pub seed: u64,
+    /// Relative weights of (error, timeout, slow).
+    pub mix: [u32; 3],
+    /// How long a timed-out request hangs (longer than the retry layer waits).
+    pub hang: Duration,
+    /// How long a slow request waits before it runs.
+    pub slow: Duration,
+    /// An outage at a time after the faults were set: (start, length); every request fails
+    /// during it.
+    pub outage: Option<(Duration, Duration)>,
+}
+
+impl RandomFaults {
+    /// `rate` of requests fail (errors 2 : timeouts 1 : slow 1), hanging an hour, slow 200 ms.
+    pub fn new(rate: f64, seed: u64) -> Self {
+        RandomFaults {
+            rate,
+            seed,
+            mix: [2, 1, 1],
+            hang: Duration::from_secs(3600),
+            slow: Duration::from_millis(200),
+            outage: None,
+        }
+    }
+
+    /// Parse `rate=0.05,seed=7,mix=2:1:1,hang_ms=3600000,slow_ms=200,outage_s=10+5` (every
+    /// field optional; `outage_s=START+LENGTH` in seconds after the store opened). The format
+    /// of `CKPT_FAULTS` (see [`crate::open`]).
+    pub fn parse(spec: &str) -> crate::Result<Self> {
+        let mut f = RandomFaults::new(0.0, 0);
+        let bad = |what: &str| {
+            crate::Error::invalid(format!(
+                "fault spec {spec:?}: {what} (expected e.g. rate=0.05,seed=7,mix=2:1:1,\
+                 hang_ms=60000,slow_ms=200,outage_s=10+5)"
+            ))
+        };
+        for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (k, v) = part
+                .split_once('=')
+                .ok_or_else(|| bad(&format!("{part:?} is not KEY=VALUE")))?;
+            let num = |v: &str| -> crate::Result<f64> {
+                v.trim()
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|x| x.is_finite() && *x >= 0.0)
+                    .ok_or_else(|| bad(&format!("{k}: {v:?} is not a number >= 0")))
+            };
+            match k.trim() {
+                "rate" => {
+                    f.rate = num(v)?;
+                    if f.rate > 1.0 {
+                        return Err(bad(&format!("rate {v} is above 1")));
+                    }
+                }
+                "seed" => f.seed = num(v)? as u64,
+                "mix" => {
+                    let w: Vec<_> = v.split(':').map(num).collect::<crate::Result<_>>()?;
+                    if w.len() != 3 || w.iter().all(|x| *x == 0.0) {
+                        return Err(bad("mix needs three weights error:timeout:slow, not all 0"));
+                    }
+                    f.mix = [w[0] as u32, w[1] as u32, w[2] as u32];
+                }
+                "hang_ms" => f.hang = Duration::from_millis(num(v)? as u64),
+                "slow_ms" => f.slow = Duration::from_millis(num(v)? as u64),
+                "outage_s" => {
+                    let (a, b) = v
+                        .split_once('+')
+                        .ok_or_else(|| bad("outage_s needs START+LENGTH"))?;
+                    f.outage = Some((
+                        Duration::from_secs_f64(num(a)?),
+                        Duration::from_secs_f64(num(b)?),
+                    ));
+                }
+                other => return Err(bad(&format!("unknown key {other:?}"))),
+            }
+        }
+        Ok(f)
+    }
+}
+
+/// What random faults did so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct RandomFaultStats {
+    /// Requests seen while random faults or the outage were on.
+    pub requests: u64,
+    /// Requests failed with an error.
+    pub errors: u64,
+    /// Requests made to hang.
+    pub timeouts: u64,
+    /// Requests slowed down.
+    pub slow: u64,
+    /// Requests failed by the outage.
+    pub outage: u64,
+}
+
+#[derive(Debug, Default)]
+struct RandomState {
+    cfg: Option<(RandomFaults, std::time::Instant)>,
+    rng: u64,
+    outage: bool,
+    stats: RandomFaultStats,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Chance {
+    None,
+    Error,
+    Timeout(Duration),
+    Slow(Duration),
+    Outage,
+}
+
+impl RandomState {
+    fn draw(&mut self) -> Chance {
+        let Some((cfg, since)) = &self.cfg else {
+            if self.outage {
+                self.stats.requests += 1;
+                self.stats.outage += 1;
+                return Chance::Outage;
+            }
+            return Chance::None;
+        };
+        self.stats.requests += 1;
+        let in_window = cfg.outage.is_some_and(|(start, len)| {
+            let t = since.elapsed();
+            t >= start && t < start + len
+        });
+        if self.outage || in_window {
+            self.stats.outage += 1;
+            return Chance::Outage;
+        }
+        // splitmix64
+        self.rng = self.rng.wrapping_add(0x9E3779B97F4A7C15);
+        let mut z = self.rng;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
+        z ^= z >> 31;
+        let u = (z >> 11) as f64 / (1u64 << 53) as f64;
+        if u >= cfg.rate || cfg.rate == 0.0 {
+            return Chance::None;
+        }
+        let total: u64 = cfg.mix.iter().map(|w| *w as u64).sum::<u64>().max(1);
+        let pick = ((u / cfg.rate) * total as f64) as u64;
+        if pick < cfg.mix[0] as u64 {
+            self.stats.errors += 1;
+            Chance::Error
+        } else if pick < (cfg.mix[0] + cfg.mix[1]) as u64 {
+            self.stats.timeouts += 1;
+            Chance::Timeout(cfg.hang)
+        } else {
+            self.stats.slow += 1;
+            Chance::Slow(cfg.slow)
+        }
+    }
+}
+
+/// Injects failures, delays and damage into an inner store, by rule or at random.
 #[derive(Debug)]
 pub struct FaultyStore<S> {
     inner: S,
     rules: Arc<Mutex<Vec<RuleState>>>,
+    random: Arc<Mutex<RandomState>>,
 }
 
 impl<S: ObjectStore> fmt::Display for FaultyStore<S> {
@@ -322,29 +507,50 @@ impl<S: ObjectStore> fmt::Display for FaultyStore<S> {
 
 /// A handle to add and inspect the rules of a [`FaultyStore`] after it was moved into a store.
 #[derive(Debug, Clone)]
-pub struct FaultHandle(Arc<Mutex<Vec<RuleState>>>);
+pub struct FaultHandle {
+    rules: Arc<Mutex<Vec<RuleState>>>,
+    random: Arc<Mutex<RandomState>>,
+}
 
 impl FaultHandle {
     /// Add a rule.
     pub fn add(&self, fault: Fault) {
-        self.0.lock().expect("fault rules").push(RuleState {
+        self.rules.lock().expect("fault rules").push(RuleState {
             fault,
             seen: 0,
             fired: 0,
         });
     }
-    /// Remove every rule.
+    /// Remove every rule, turn random faults and the outage off.
     pub fn clear(&self) {
-        self.0.lock().expect("fault rules").clear();
+        self.rules.lock().expect("fault rules").clear();
+        let mut r = self.random.lock().expect("random faults");
+        r.cfg = None;
+        r.outage = false;
     }
     /// How many times rules fired in total.
     pub fn fired(&self) -> u64 {
-        self.0
+        self.rules
             .lock()
             .expect("fault rules")
             .iter()
             .map(|r| r.fired)
             .sum()
+    }
+    /// Fail requests at random as `faults` says (`None`: stop), restarting the generator from
+    /// its seed.
+    pub fn set_random(&self, faults: Option<RandomFaults>) {
+        let mut r = self.random.lock().expect("random faults");
+        r.rng = faults.as_ref().map_or(0, |f| f.seed);
+        r.cfg = faults.map(|f| (f, std::time::Instant::now()));
+    }
+    /// Turn the outage on (every request fails at once) or off.
+    pub fn set_outage(&self, on: bool) {
+        self.random.lock().expect("random faults").outage = on;
+    }
+    /// What random faults and the outage did so far.
+    pub fn random_stats(&self) -> RandomFaultStats {
+        self.random.lock().expect("random faults").stats
     }
 }
 
@@ -354,12 +560,16 @@ impl<S: ObjectStore> FaultyStore<S> {
         FaultyStore {
             inner,
             rules: Arc::default(),
+            random: Arc::default(),
         }
     }
 
     /// A handle to the rules.
     pub fn handle(&self) -> FaultHandle {
-        FaultHandle(self.rules.clone())
+        FaultHandle {
+            rules: self.rules.clone(),
+            random: self.random.clone(),
+        }
     }
 
     fn actions(&self, op: FaultOp, key: &Path) -> Vec<FaultAction> {
@@ -381,6 +591,39 @@ impl<S: ObjectStore> FaultyStore<S> {
             }
         }
         out
+    }
+
+    /// The random fault of one request: errors and slowness happen here; a timeout hangs here
+    /// unless `hang_after` (a write: it is carried out first, see [`FaultyStore::after`]).
+    async fn chance(&self, what: &str, key: &Path, hang_after: bool) -> OsResult<Chance> {
+        let c = self.random.lock().expect("random faults").draw();
+        match c {
+            Chance::Error => Err(object_store::Error::Generic {
+                store: "FaultyStore",
+                source: format!("injected random failure on {what} {key}").into(),
+            }),
+            Chance::Outage => Err(object_store::Error::Generic {
+                store: "FaultyStore",
+                source: format!("injected outage: {what} {key} refused").into(),
+            }),
+            Chance::Slow(d) => {
+                tokio::time::sleep(d).await;
+                Ok(c)
+            }
+            Chance::Timeout(d) if !hang_after => {
+                tokio::time::sleep(d).await;
+                Ok(Chance::None)
+            }
+            _ => Ok(c),
+        }
+    }
+
+    /// After a write that drew a timeout: hang (the answer is lost), then answer.
+    async fn after<T>(c: Chance, r: OsResult<T>) -> OsResult<T> {
+        if let Chance::Timeout(d) = c {
+            tokio::time::sleep(d).await;
+        }
+        r
     }
 
     async fn pre(&self, op: FaultOp, key: &Path) -> OsResult<Vec<FaultAction>> {
@@ -424,7 +667,9 @@ impl<S: ObjectStore> ObjectStore for FaultyStore<S> {
         opts: PutOptions,
     ) -> OsResult<PutResult> {
         self.pre(FaultOp::Put, location).await?;
-        self.inner.put_opts(location, payload, opts).await
+        let c = self.chance("put", location, true).await?;
+        let r = self.inner.put_opts(location, payload, opts).await;
+        Self::after(c, r).await
     }
 
     async fn put_multipart_opts(
@@ -433,6 +678,7 @@ impl<S: ObjectStore> ObjectStore for FaultyStore<S> {
         opts: PutMultipartOptions,
     ) -> OsResult<Box<dyn MultipartUpload>> {
         self.pre(FaultOp::Put, location).await?;
+        self.chance("multipart put", location, false).await?;
         self.inner.put_multipart_opts(location, opts).await
     }
 
@@ -443,6 +689,8 @@ impl<S: ObjectStore> ObjectStore for FaultyStore<S> {
             FaultOp::Get
         };
         let acts = self.pre(op, location).await?;
+        self.chance(if options.head { "head" } else { "get" }, location, false)
+            .await?;
         let r = self.inner.get_opts(location, options).await?;
         if !acts
             .iter()
@@ -470,6 +718,7 @@ impl<S: ObjectStore> ObjectStore for FaultyStore<S> {
         ranges: &[std::ops::Range<u64>],
     ) -> OsResult<Vec<Bytes>> {
         let acts = self.pre(FaultOp::Get, location).await?;
+        self.chance("get", location, false).await?;
         let r = self.inner.get_ranges(location, ranges).await?;
         Ok(r.into_iter()
             .map(|b| Bytes::from(damage(b.to_vec(), &acts)))
@@ -480,22 +729,73 @@ impl<S: ObjectStore> ObjectStore for FaultyStore<S> {
         &self,
         locations: BoxStream<'static, OsResult<Path>>,
     ) -> BoxStream<'static, OsResult<Path>> {
-        self.inner.delete_stream(locations)
+        let random = self.random.clone();
+        // Every delete draws; a drawn fault fails that location (after deleting it, for a
+        // timeout: the answer is lost).
+        self.inner
+            .delete_stream(locations)
+            .then(move |r| {
+                let c = random.lock().expect("random faults").draw();
+                async move {
+                    let p = r?;
+                    match c {
+                        Chance::Error | Chance::Outage => Err(object_store::Error::Generic {
+                            store: "FaultyStore",
+                            source: format!("injected failure on delete {p}").into(),
+                        }),
+                        Chance::Slow(d) => {
+                            tokio::time::sleep(d).await;
+                            Ok(p)
+                        }
+                        Chance::Timeout(d) => {
+                            tokio::time::sleep(d).await;
+                            Ok(p)
+                        }
+                        Chance::None => Ok(p),
+                    }
+                }
+            })
+            .boxed()
     }
 
     fn list(&self, prefix: Option<&Path>) -> BoxStream<'static, OsResult<ObjectMeta>> {
-        self.inner.list(prefix)
+        let c = self.random.lock().expect("random faults").draw();
+        let what = prefix.map_or_else(String::new, |p| p.to_string());
+        match c {
+            Chance::None => self.inner.list(prefix),
+            Chance::Error | Chance::Outage => futures::stream::once(async move {
+                Err(object_store::Error::Generic {
+                    store: "FaultyStore",
+                    source: format!("injected failure on list {what}").into(),
+                })
+            })
+            .boxed(),
+            Chance::Slow(d) | Chance::Timeout(d) => {
+                let inner = self.inner.list(prefix);
+                futures::stream::once(tokio::time::sleep(d))
+                    .map(|()| None)
+                    .chain(inner.map(Some))
+                    .filter_map(futures::future::ready)
+                    .boxed()
+            }
+        }
     }
 
     async fn list_with_delimiter(&self, prefix: Option<&Path>) -> OsResult<ListResult> {
+        let key = prefix.cloned().unwrap_or_default();
+        self.chance("list", &key, false).await?;
         self.inner.list_with_delimiter(prefix).await
     }
 
     async fn copy_opts(&self, from: &Path, to: &Path, options: CopyOptions) -> OsResult<()> {
-        self.inner.copy_opts(from, to, options).await
+        let c = self.chance("copy", to, true).await?;
+        let r = self.inner.copy_opts(from, to, options).await;
+        Self::after(c, r).await
     }
 
     async fn rename_opts(&self, from: &Path, to: &Path, options: RenameOptions) -> OsResult<()> {
-        self.inner.rename_opts(from, to, options).await
+        let c = self.chance("rename", to, true).await?;
+        let r = self.inner.rename_opts(from, to, options).await;
+        Self::after(c, r).await
     }
 }

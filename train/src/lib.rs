@@ -527,6 +527,15 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
             }
         }
     }
+    // What the store's requests cost, retries included (a failing store shows here).
+    if let Some(m) = shared.store.metrics() {
+        let mut rec = serde_json::Map::new();
+        rec.insert("kind".into(), json!("store"));
+        for (name, v) in m.snapshot().pairs() {
+            rec.insert(name.into(), json!(v));
+        }
+        shared.emit(serde_json::Value::Object(rec));
+    }
     shared.flush_log();
     if let Some(e) = first_err {
         return Err(e);
@@ -776,6 +785,13 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
     }
     mgr.finish()?;
     emit_finished(sh, rank, &mut saves, true)?;
+    let health = mgr.store_health();
+    if health != Default::default() {
+        sh.emit(json!({
+            "kind": "store_health", "rank": rank, "failed": health.failed,
+            "skipped": health.skipped, "resumed": health.resumed, "down": health.down,
+        }));
+    }
     if rank == 0 || sh.world_threads == 1 {
         let mut out = sh.outcome.lock();
         out.last_step = last;

@@ -26,7 +26,9 @@ pub mod save;
 pub mod staging;
 pub mod workload;
 
-pub use manager::{CheckpointManager, ManagerConfig, Rollback, Scope, Stateful, TensorMemory};
+pub use manager::{
+    CheckpointManager, ManagerConfig, Rollback, Scope, Stateful, StoreHealth, TensorMemory, events,
+};
 pub use memory::{HostTensor, HostView, MemorySink, MemorySource, PinnedSource};
 pub use monitor::{Decision, Monitor, MonitorConfig, Observation, Spike, SpikeAction};
 pub use restore::{RestoreTarget, restore_targets};

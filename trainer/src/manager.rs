@@ -180,6 +180,44 @@ impl ManagerConfig {
 
 type StatefulItem = (String, Scope, Arc<Mutex<dyn Stateful>>);
 
+/// Kinds of the records the manager writes to the run's events log (`kind` field) when the
+/// store fails: a checkpoint that failed in the store, one skipped while the store is down,
+/// and checkpointing coming back.
+pub mod events {
+    /// A save failed in the store (its error kind was a backend or I/O failure, after the
+    /// store's retries): `{"kind", "step", "error"}`.
+    pub const CHECKPOINT_FAILED: &str = "checkpoint_failed";
+    /// A due checkpoint was not taken because the store is down: `{"kind", "step", "reason"}`.
+    pub const CHECKPOINT_SKIPPED: &str = "checkpoint_skipped";
+    /// The store answers again; the next due checkpoint is taken: `{"kind", "step",
+    /// "skipped", "down_since_step"}`.
+    pub const CHECKPOINTS_RESUMED: &str = "checkpoints_resumed";
+}
+
+/// How checkpointing fared against a failing store ([`CheckpointManager::store_health`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct StoreHealth {
+    /// Saves that failed in the store.
+    pub failed: u64,
+    /// Due checkpoints skipped while the store was down.
+    pub skipped: u64,
+    /// Times checkpointing resumed after the store came back.
+    pub resumed: u64,
+    /// Whether the store is down now (the last save failed and no probe answered since).
+    pub down: bool,
+}
+
+/// The store is down: since which step, and the probe that checks whether it is back.
+struct Down {
+    since_step: u64,
+    probe: Option<tokio::task::JoinHandle<bool>>,
+}
+
+/// Errors of a store that may come back: worth skipping a checkpoint for, not stopping.
+fn store_failure(kind: ErrorKind) -> bool {
+    matches!(kind, ErrorKind::Backend | ErrorKind::Io)
+}
+
 /// The blob (`rank/<name>`) that keeps the monitor's window and rollback history with each
 /// checkpoint; reserved.
 pub const MONITOR_BLOB: &str = "ckpt-monitor";
@@ -219,6 +257,13 @@ pub struct CheckpointManager {
     events: Option<LogWriter>,
     /// The step of the last spike this manager decided about (it logs that rollback).
     decided: Option<u64>,
+    /// Set while the store is down (see [`CheckpointManager::maybe_save`]).
+    down: Option<Down>,
+    /// Saves of `maybe_save` not yet committed or failed (a failure in the store is reported).
+    watch: Vec<SaveHandle>,
+    /// The store's give-ups when the last save was due.
+    give_ups_seen: u64,
+    health: StoreHealth,
 }
 
 impl std::fmt::Debug for CheckpointManager {
@@ -243,6 +288,10 @@ impl CheckpointManager {
             monitor: Monitor::new(cfg.monitor.clone()),
             events: None,
             decided: None,
+            down: None,
+            watch: Vec::new(),
+            give_ups_seen: 0,
+            health: StoreHealth::default(),
             cfg,
             tensors: Vec::new(),
             stateful: Vec::new(),
@@ -341,9 +390,141 @@ impl CheckpointManager {
             .every
             .is_some_and(|d| self.last_save.elapsed() >= d);
         if (due_steps || due_time) && self.last_saved_step != Some(step) {
-            return self.save_now(step).map(Some);
+            // A store that fails (after its retries) does not stop training: the failed save
+            // is reported, due checkpoints are skipped while a probe finds the store down, and
+            // the first due checkpoint after the store answers again is taken.
+            self.report_failed_save(step);
+            // The save in flight is still retrying and the store already gave up on a request
+            // since it started: do not wait for it to fail.
+            let gave_up = self.store_give_ups();
+            if self
+                .watch
+                .iter()
+                .any(|h| matches!(h.stage(), Stage::Snapshotting | Stage::Snapshotted))
+                && gave_up > self.give_ups_seen
+            {
+                self.mark_down(step);
+            }
+            self.give_ups_seen = gave_up;
+            if let Some(why) = self.store_down(step) {
+                self.skip_checkpoint(step, &why);
+                return Ok(None);
+            }
+            return match self.save_now(step) {
+                Ok(h) => {
+                    // The save may have waited for the one before it to fail.
+                    self.report_failed_save(step);
+                    self.watch.push(h.clone());
+                    Ok(Some(h))
+                }
+                Err(e) if store_failure(e.kind()) => {
+                    self.mark_down(step);
+                    self.skip_checkpoint(step, &e.to_string());
+                    Ok(None)
+                }
+                Err(e) => Err(e),
+            };
         }
         Ok(None)
+    }
+
+    fn store_give_ups(&self) -> u64 {
+        self.ckpt
+            .store()
+            .metrics()
+            .map_or(0, |m| m.snapshot().give_ups)
+    }
+
+    /// How checkpointing fared against a failing store.
+    pub fn store_health(&self) -> StoreHealth {
+        StoreHealth {
+            down: self.down.is_some(),
+            ..self.health
+        }
+    }
+
+    /// Report the saves that failed in the store since the last look (a warning and a
+    /// `checkpoint_failed` event each) and take the store as down.
+    fn report_failed_save(&mut self, now: u64) {
+        let mut failed = Vec::new();
+        self.watch.retain(|h| match h.stage() {
+            Stage::Failed(f) => {
+                if store_failure(f.kind) {
+                    failed.push((h.step(), f.message));
+                }
+                false
+            }
+            Stage::Committed | Stage::Skipped(_) => false,
+            _ => true,
+        });
+        for (step, message) in failed {
+            self.health.failed += 1;
+            warn!(
+                step,
+                "checkpoint failed in the store; training goes on: {message}"
+            );
+            self.mark_down(now);
+            self.log_event(json!({
+                "kind": events::CHECKPOINT_FAILED, "step": step, "error": message,
+            }));
+        }
+    }
+
+    fn mark_down(&mut self, step: u64) {
+        if self.down.is_none() {
+            self.down = Some(Down {
+                since_step: step,
+                probe: None,
+            });
+        }
+    }
+
+    /// While the store is down: why this checkpoint is skipped, or `None` once a probe (one
+    /// request in the background, so the loop never waits for the store's retries) found the
+    /// store answering again.
+    fn store_down(&mut self, step: u64) -> Option<String> {
+        let down = self.down.as_mut()?;
+        match down.probe.as_ref().map(|p| p.is_finished()) {
+            Some(false) => {
+                return Some(format!(
+                    "the store is down since step {} (checking whether it is back)",
+                    down.since_step
+                ));
+            }
+            Some(true) => {
+                let back = down
+                    .probe
+                    .take()
+                    .is_some_and(|p| runtime().block_on(p).unwrap_or(false));
+                if back {
+                    let since = down.since_step;
+                    self.down = None;
+                    self.health.resumed += 1;
+                    info!(step, since, "the store answers again: checkpoints resume");
+                    self.log_event(json!({
+                        "kind": events::CHECKPOINTS_RESUMED, "step": step,
+                        "skipped": self.health.skipped, "down_since_step": since,
+                    }));
+                    return None;
+                }
+            }
+            None => {}
+        }
+        let store = self.ckpt.store().clone();
+        let key = store.keys().commit(&self.cfg.ckpt.run, 0);
+        down.probe = Some(runtime().spawn(async move { store.exists(&key).await.is_ok() }));
+        Some(format!(
+            "the store is down since step {} (checking whether it is back)",
+            down.since_step
+        ))
+    }
+
+    fn skip_checkpoint(&mut self, step: u64, why: &str) {
+        self.health.skipped += 1;
+        warn!(step, "checkpoint skipped: {why}");
+        self.log_event(json!({
+            "kind": events::CHECKPOINT_SKIPPED, "step": step, "reason": why,
+        }));
     }
 
     /// The boxes this rank saves under the current layout.
@@ -800,6 +981,11 @@ impl CheckpointManager {
             warn!("events log record: {e}");
             return;
         }
+        // While the store is down the record waits in the writer (the loop must not wait for
+        // the store's retries); the first record after it came back writes them all.
+        if self.down.is_some() {
+            return;
+        }
         if let Err(e) = runtime().block_on(w.flush()) {
             warn!("writing the events log: {e}");
         }
@@ -828,6 +1014,13 @@ impl CheckpointManager {
         }
         if let Some(r) = self.retention.take() {
             let _ = runtime().block_on(r);
+        }
+        // Events that waited while the store was down.
+        if let Some(w) = self.events.as_mut()
+            && w.pending() > 0
+            && let Err(e) = runtime().block_on(w.flush())
+        {
+            warn!("writing the events log: {e}");
         }
         Ok(())
     }

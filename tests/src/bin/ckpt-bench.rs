@@ -7,6 +7,7 @@
 //! ckpt-bench train  --dir DIR --params 150M    stall, time to commit, restore, RSS, slowdown
 //! ckpt-bench recovery --dir DIR --params 20M   detection, restart, restore from store or peers
 //! ckpt-bench peers  --dir DIR --params 100M    restore from peer replicas vs. the store
+//! ckpt-bench faults --dir DIR --mib 64         saves/restores with 5 % of requests failing; an outage
 //! ```
 
 use std::fs::OpenOptions;
@@ -22,7 +23,7 @@ use ckpt_store::{
     StoreConfig,
 };
 use ckpt_trainer::workload::{ModelConfig, RankState, TrainConfig};
-use ckpt_trainer::{CheckpointManager, CheckpointerConfig, ManagerConfig, runtime};
+use ckpt_trainer::{CheckpointManager, CheckpointerConfig, HostTensor, ManagerConfig, runtime};
 use serde_json::{Value, json};
 
 fn emit(v: Value) {
@@ -1102,6 +1103,158 @@ fn peers_bench(dir: &Path, params: u64) {
     let _ = std::fs::remove_dir_all(dir.join("peers-store"));
 }
 
+// ----- faults ------------------------------------------------------------------------------
+
+/// A manager over `store` holding `tensors` tensors of `mib / tensors` MiB each, saving every
+/// step.
+fn fault_manager(store: &Store, run: &str, mib: usize) -> (CheckpointManager, Vec<HostTensor>) {
+    let mut c = ManagerConfig::new(CheckpointerConfig::new(run, 0, Layout::SINGLE));
+    c.final_on_sigterm = false;
+    c.every_steps = Some(1);
+    let mut m = CheckpointManager::new(store.clone(), c).unwrap();
+    let n = (mib << 20) / 4;
+    let ts: Vec<HostTensor> = (0..4).map(|_| HostTensor::zeroed(n)).collect();
+    for (i, t) in ts.iter().enumerate() {
+        let spec = ckpt_store::TensorSpec {
+            name: format!("t{i}"),
+            dtype: DType::U8,
+            shape: vec![n as u64],
+            placement: ckpt_store::placement::Placement {
+                order: 0,
+                tp_dim: None,
+                stage: ckpt_store::placement::Stage::First,
+                zero: None,
+            },
+        };
+        m.register(spec, NdBox::full(&[n as u64]), Arc::new(t.clone()))
+            .unwrap();
+    }
+    (m, ts)
+}
+
+/// One step's update: one tensor of four changes (the others dedup).
+fn fault_update(step: u64, ts: &[HostTensor]) {
+    let t = &ts[step as usize % ts.len()];
+    let len = t.read().len();
+    t.write()
+        .copy_from_slice(&ckpt_store::testing::det_bytes(step, len));
+}
+
+/// Saves and restores over a store failing 5 % of requests at random (errors, timeouts,
+/// slow), then an outage: one JSON line per scenario.
+fn faults_bench(dir: &Path, mib: usize) {
+    use ckpt_store::{RandomFaults, RetryConfig};
+    let retry = RetryConfig {
+        request_timeout: Duration::from_secs(2),
+        ..RetryConfig::default()
+    };
+    for backend in ["local", "memory"] {
+        let url = match backend {
+            "local" => {
+                let p = dir.join("faults-store");
+                let _ = std::fs::remove_dir_all(&p);
+                p.display().to_string()
+            }
+            _ => "memory://".to_string(),
+        };
+        let faults = RandomFaults {
+            hang: Duration::from_secs(3600),
+            ..RandomFaults::new(0.05, 42)
+        };
+        let store = ckpt_store::url::open_with(&url, retry.clone(), Some(faults)).unwrap();
+        let t0 = Instant::now();
+        let (mut m, ts) = fault_manager(&store, "faults", mib);
+        let steps = 20u64;
+        let mut saved = std::collections::BTreeMap::new();
+        let mut hs = Vec::new();
+        for step in 1..=steps {
+            fault_update(step, &ts);
+            if let Some(h) = m.maybe_save(step).unwrap() {
+                saved.insert(
+                    step,
+                    ts.iter().map(|t| t.read().clone()).collect::<Vec<_>>(),
+                );
+                hs.push(h);
+            }
+        }
+        let _ = m.finish();
+        let committed = hs
+            .iter()
+            .filter(|h| h.wait_committed(Duration::from_secs(60)).is_ok())
+            .count();
+        let save_s = t0.elapsed().as_secs_f64();
+        let t1 = Instant::now();
+        let mut restored_ok = 0;
+        let restores = 5u64;
+        for step in steps - restores + 1..=steps {
+            let (mut r, rts) = fault_manager(&store, "faults", mib);
+            if r.restore(step).is_ok()
+                && rts
+                    .iter()
+                    .zip(&saved[&step])
+                    .all(|(t, want)| *t.read() == *want)
+            {
+                restored_ok += 1;
+            }
+        }
+        let restore_s = t1.elapsed().as_secs_f64();
+        let v = runtime()
+            .block_on(store.verify(&ckpt_store::VerifyScope::Run("faults".into()), None))
+            .map(|r| r.damaged.is_empty());
+        let mt = store.metrics().unwrap().snapshot();
+        emit(json!({
+            "bench": "faults", "backend": backend, "fail_rate": 0.05, "mib": mib,
+            "saves": steps, "saves_committed": committed,
+            "restores": restores, "restores_bit_identical": restored_ok,
+            "verify_clean": v.unwrap_or(false),
+            "requests": mt.requests(), "retries": mt.retries, "give_ups": mt.give_ups,
+            "save_wall_s": save_s, "restore_wall_s": restore_s,
+        }));
+        if backend == "local" {
+            let _ = std::fs::remove_dir_all(&url);
+        }
+    }
+    // An outage of 10 s starting 2 s in, steps of 100 ms saving every step.
+    let outage = RandomFaults {
+        outage: Some((Duration::from_secs(2), Duration::from_secs(10))),
+        ..RandomFaults::new(0.0, 1)
+    };
+    let store = ckpt_store::url::open_with("memory://", retry, Some(outage)).unwrap();
+    let (mut m, ts) = fault_manager(&store, "outage", mib.min(16));
+    let t0 = Instant::now();
+    let mut trained = 0;
+    let mut hs = Vec::new();
+    let mut stall_max = 0f64;
+    for step in 1..=160u64 {
+        fault_update(step, &ts);
+        let t = Instant::now();
+        if let Some(h) = m.maybe_save(step).unwrap() {
+            hs.push((h, t0.elapsed()));
+        }
+        stall_max = stall_max.max(t.elapsed().as_secs_f64());
+        trained += 1;
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let _ = m.finish();
+    let end = Duration::from_secs(12);
+    let first_after = hs
+        .iter()
+        .filter(|(h, at)| *at >= end && h.stage() == ckpt_trainer::Stage::Committed)
+        .map(|(_, at)| (*at - end).as_secs_f64())
+        .fold(f64::INFINITY, f64::min);
+    let committed = runtime().block_on(store.committed_steps("outage")).unwrap();
+    let h = m.store_health();
+    let mt = store.metrics().unwrap().snapshot();
+    emit(json!({
+        "bench": "outage", "outage_s": 10.0, "steps_trained": trained,
+        "wall_s": t0.elapsed().as_secs_f64(), "max_save_call_s": stall_max,
+        "checkpoints_committed": committed.len(), "saves_failed": h.failed,
+        "checkpoints_skipped": h.skipped, "resumed": h.resumed,
+        "first_commit_after_outage_s": first_after,
+        "retries": mt.retries, "give_ups": mt.give_ups,
+    }));
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let dir = PathBuf::from(arg(&args, "--dir", "bench-out"));
@@ -1127,9 +1280,10 @@ fn main() {
             &dir,
             ckpt_train::parse_count(&arg(&args, "--params", "100M")).unwrap(),
         ),
+        Some("faults") => faults_bench(&dir, arg(&args, "--mib", "64").parse().unwrap()),
         _ => {
             eprintln!(
-                "usage: ckpt-bench limits|store|train|recovery|peers --dir DIR [--gib N] [--params N]"
+                "usage: ckpt-bench limits|store|train|recovery|peers|faults --dir DIR [--gib N] [--params N] [--mib N]"
             );
             std::process::exit(2);
         }
