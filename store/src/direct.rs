@@ -405,9 +405,13 @@ fn os_err(path: &FsPath, e: std::io::Error) -> object_store::Error {
             path: path.display().to_string(),
             source: Box::new(e),
         },
+        // Keep the `io::ErrorKind` (a full disk must stay recognisable: `StorageFull`).
         _ => object_store::Error::Generic {
             store: "DirectFs",
-            source: format!("{}: {e}", path.display()).into(),
+            source: Box::new(std::io::Error::new(
+                e.kind(),
+                format!("{}: {e}", path.display()),
+            )),
         },
     }
 }

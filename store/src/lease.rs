@@ -121,7 +121,7 @@ impl Store {
     }
 
     async fn put_lock(&self, path: &Path, what: &str) -> Result<()> {
-        let body = serde_json::to_vec(&serde_json::json!({"what": what, "t_ms": now_ms()}))
+        let mut body = serde_json::to_vec(&serde_json::json!({"what": what, "t_ms": now_ms()}))
             .map_err(|e| Error::internal(e.to_string()))?;
         // On a local directory, deleting the last lock removes the empty `locks/` directory
         // (automatic cleanup) and can pull it from under a put of another lock: the put is
@@ -135,6 +135,13 @@ impl Store {
                 Err(e) if attempt < 4 && matches!(e.kind(), ErrorKind::Backend | ErrorKind::Io) => {
                     attempt += 1;
                     tokio::time::sleep(Duration::from_millis(5 << attempt)).await;
+                }
+                // A full disk: a lock is its key and its modification time (the body only
+                // tells a person what took it), and an empty file needs no data block, so GC
+                // can still lock out saves and sweep (FORMAT.md, "A full disk").
+                Err(e) if e.kind() == ErrorKind::NoSpace && !body.is_empty() => {
+                    debug!(%path, "no space for the lock's body: writing it empty");
+                    body.clear();
                 }
                 r => return r,
             }
