@@ -205,7 +205,7 @@ pub fn free_bytes(path: &FsPath) -> u64 {
     }
     // SAFETY: statvfs succeeded, so it filled `st`.
     let st = unsafe { st.assume_init() };
-    st.f_bavail as u64 * st.f_frsize as u64
+    st.f_bavail.saturating_mul(st.f_frsize)
 }
 
 /// Whether a test named `test` can run here: `false` after one line on stderr saying what is
