@@ -23,7 +23,7 @@ status=${PIPESTATUS[0]}
 set -e
 # nextest prints one line per test: STATUS [ TIME] (i/n) BINARY TEST.
 echo
-printf '%-62s %10s %8s %10s\n' "decoder (test)" "cases" "panics" "seconds"
+printf '%-76s %10s %8s %10s\n' "decoder (test)" "cases" "panics" "seconds"
 re='^ *(PASS|FAIL|TIMEOUT|SIGSEGV|SIGABRT|SIGKILL|ABORT|LEAK-FAIL) +\[ *([0-9.]+)s\].* ([^ ]+) ([^ ]+)$'
 n=0
 failed=0
@@ -31,9 +31,9 @@ while IFS= read -r line; do
     [[ $line =~ $re ]] || continue
     what="${BASH_REMATCH[3]} ${BASH_REMATCH[4]}"
     if [ "${BASH_REMATCH[1]}" = PASS ]; then
-        printf '%-62s %10s %8s %10s\n' "$what" "$cases" 0 "${BASH_REMATCH[2]}"
+        printf '%-76s %10s %8s %10s\n' "$what" "$cases" 0 "${BASH_REMATCH[2]}"
     else
-        printf '%-62s %10s %8s %10s\n' "$what" - "${BASH_REMATCH[1]}" "${BASH_REMATCH[2]}"
+        printf '%-76s %10s %8s %10s\n' "$what" - "${BASH_REMATCH[1]}" "${BASH_REMATCH[2]}"
         failed=$((failed + 1))
     fi
     n=$((n + 1))
