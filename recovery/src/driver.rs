@@ -461,6 +461,9 @@ impl RecoveryLog {
     }
 }
 
+/// Partial steps a [`LossBoard`] keeps at most.
+pub const MAX_PARTIAL_STEPS: usize = 4096;
+
 /// Per-step loss and gradient norm of the whole job, summed from the partial sums every rank
 /// sends with its step heartbeat, into the run's `metrics` log.
 #[derive(Debug)]
@@ -489,11 +492,20 @@ impl LossBoard {
         n: u64,
         world: u32,
     ) -> Result<()> {
+        // Steps that never complete (a rank died, or a stranger's datagrams) are dropped
+        // oldest first: the board holds a bounded number of partial steps.
+        while self.partial.len() >= MAX_PARTIAL_STEPS
+            && !self.partial.contains_key(&(generation, step))
+        {
+            self.partial.pop_first();
+        }
         let e = self.partial.entry((generation, step)).or_default();
-        e.0 += sse.parse::<u128>().unwrap_or(0);
-        e.1 += gsq.parse::<u128>().unwrap_or(0);
-        e.2 += n;
-        e.3 += 1;
+        // Heartbeats come from a socket any local process can write to: hostile sums and
+        // counts saturate rather than overflow (a panic would take the supervisor down).
+        e.0 = e.0.saturating_add(sse.parse::<u128>().unwrap_or(0));
+        e.1 = e.1.saturating_add(gsq.parse::<u128>().unwrap_or(0));
+        e.2 = e.2.saturating_add(n);
+        e.3 = e.3.saturating_add(1);
         if e.3 >= world {
             let (sse, gsq, n, _) = self.partial.remove(&(generation, step)).unwrap_or_default();
             let scale = (1u64 << 40) as f64;

@@ -406,7 +406,7 @@ fn os_err(path: &FsPath, e: std::io::Error) -> object_store::Error {
             source: Box::new(e),
         },
         // The io error stays in the chain: the retry layer tells a full disk (never retried)
-        // from a passing failure by its errno.
+        // from a passing failure by its errno, and a full disk stays `ErrorKind::NoSpace`.
         _ => object_store::Error::Generic {
             store: "DirectFs",
             source: Box::new(PathIoError {

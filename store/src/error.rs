@@ -21,8 +21,11 @@ pub enum ErrorKind {
     Incomplete,
     /// The backend failed, possibly transiently; retrying may help.
     Backend,
-    /// Local I/O failed (full disk, permissions).
+    /// Local I/O failed (permissions, a read-only file system).
     Io,
+    /// The store's file system (or a local output directory's) is full (`ENOSPC`): free
+    /// space, run `ckpt gc`, or point the store elsewhere. Retrying at once does not help.
+    NoSpace,
     /// A bug: an invariant of ckpt itself did not hold.
     Internal,
     /// No usable accelerator here: no CUDA driver, no such device, no NCCL library.
@@ -44,6 +47,7 @@ impl ErrorKind {
             ErrorKind::Incomplete => "incomplete",
             ErrorKind::Backend => "storage backend",
             ErrorKind::Io => "i/o",
+            ErrorKind::NoSpace => "no space",
             ErrorKind::Internal => "internal",
             ErrorKind::NoDevice => "no device",
             ErrorKind::Device => "device",
@@ -114,6 +118,7 @@ impl Error {
     }
 
     /// An error from the object store about `path` during `op`.
+    /// A full local file system is [`ErrorKind::NoSpace`]; [`crate::Store`] adds where it is.
     pub fn backend(op: &str, path: &impl fmt::Display, e: object_store::Error) -> Self {
         use object_store::Error as E;
         let kind = match &e {
@@ -122,14 +127,29 @@ impl Error {
             E::InvalidPath { .. } | E::NotSupported { .. } | E::NotImplemented { .. } => {
                 ErrorKind::InvalidInput
             }
+            _ if is_no_space(&e) => ErrorKind::NoSpace,
             _ => ErrorKind::Backend,
         };
         let what = match kind {
             ErrorKind::NotFound => "object not found".to_string(),
             ErrorKind::Conflict => "object already exists".to_string(),
+            ErrorKind::NoSpace => "no space left on the store's file system".to_string(),
             _ => short_backend_message(&e),
         };
         Error::new(kind, format!("{op} {path}: {what}")).with_source(e)
+    }
+
+    /// Say where the full file system of a [`ErrorKind::NoSpace`] error is (other errors are
+    /// returned as they are).
+    pub fn no_space_at(mut self, location: impl fmt::Display) -> Self {
+        if self.kind == ErrorKind::NoSpace {
+            self.msg = format!(
+                "{} at {location} (free space there: `ckpt gc` deletes old steps and \
+                 unreferenced chunks, and runs on a full disk)",
+                self.msg
+            );
+        }
+        self
     }
 
     /// Local I/O on `path` failed.
@@ -140,8 +160,39 @@ impl Error {
             Some(libc::EROFS) => " (read-only file system)",
             _ => "",
         };
-        Error::new(ErrorKind::Io, format!("{op} {path}: {e}{hint}")).with_source(e)
+        let kind = if is_no_space(&e) {
+            ErrorKind::NoSpace
+        } else {
+            ErrorKind::Io
+        };
+        Error::new(kind, format!("{op} {path}: {e}{hint}")).with_source(e)
     }
+}
+
+/// Whether `e` or any error in its cause chain is `ENOSPC` (or `EDQUOT`, a full quota).
+pub fn is_no_space(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(e);
+    // Bounded: a cause chain is short; never loop on a cyclic one.
+    for _ in 0..32 {
+        let Some(x) = cur else { break };
+        if let Some(io) = x.downcast_ref::<std::io::Error>() {
+            if matches!(io.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT))
+                || matches!(
+                    io.kind(),
+                    std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
+                )
+            {
+                return true;
+            }
+            // `io::Error::source` skips a custom error's own value: look at it too.
+            if let Some(inner) = io.get_ref() {
+                cur = Some(inner);
+                continue;
+            }
+        }
+        cur = x.source();
+    }
+    false
 }
 
 fn short_backend_message(e: &object_store::Error) -> String {

@@ -122,7 +122,7 @@ impl Store {
     }
 
     async fn put_lock(&self, path: &Path, what: &str) -> Result<()> {
-        let body = serde_json::to_vec(
+        let mut body = serde_json::to_vec(
             &serde_json::json!({"what": what, "t_ms": self.now().timestamp_millis()}),
         )
         .map_err(|e| Error::internal(e.to_string()))?;
@@ -144,6 +144,13 @@ impl Store {
                 {
                     attempt += 1;
                     tokio::time::sleep(Duration::from_millis(5 << attempt)).await;
+                }
+                // A full disk: a lock is its key and its modification time (the body only
+                // tells a person what took it), and an empty file needs no data block, so GC
+                // can still lock out saves and sweep (FORMAT.md, "A full disk").
+                Err(e) if e.kind() == ErrorKind::NoSpace && !body.is_empty() => {
+                    debug!(%path, "no space for the lock's body: writing it empty");
+                    body.clear();
                 }
                 r => return r,
             }

@@ -433,8 +433,17 @@ impl Store {
         self.inner
             .put_opts(path, payload, PutOptions::from(mode))
             .await
-            .map_err(|e| Error::backend("writing", path, e))?;
+            .map_err(|e| self.write_error("writing", path, e))?;
         Ok(())
+    }
+
+    /// An error of a write to `path`; a full file system says which one.
+    fn write_error(&self, op: &str, path: &Path, e: object_store::Error) -> Error {
+        let e = Error::backend(op, path, e);
+        match &self.local_root {
+            Some(root) => e.no_space_at(root.display()),
+            None => e.no_space_at(&self.url),
+        }
     }
 
     async fn put_multipart(&self, path: &Path, parts: Vec<Bytes>) -> Result<()> {
@@ -442,7 +451,7 @@ impl Store {
             .inner
             .put_multipart(path)
             .await
-            .map_err(|e| Error::backend("starting multipart upload of", path, e))?;
+            .map_err(|e| self.write_error("starting multipart upload of", path, e))?;
         let part = self.cfg.multipart_part;
         let mut pending = Vec::new();
         let mut cur: Vec<Bytes> = Vec::new();
@@ -467,11 +476,11 @@ impl Store {
             .await;
         if let Err(e) = res {
             let _ = up.abort().await;
-            return Err(Error::backend("uploading a part of", path, e));
+            return Err(self.write_error("uploading a part of", path, e));
         }
         if let Err(e) = up.complete().await {
             let _ = up.abort().await;
-            return Err(Error::backend("completing multipart upload of", path, e));
+            return Err(self.write_error("completing multipart upload of", path, e));
         }
         Ok(())
     }

@@ -130,6 +130,8 @@ pub enum Need {
     Fuse,
     /// A Python with `safetensors` and `numpy` (`CKPT_PYTHON`, or `.ci-tools/venv`).
     Python,
+    /// Mounting a size-limited tmpfs ([`Tmpfs`]): root with `CAP_SYS_ADMIN`.
+    TmpfsMount,
 }
 
 /// What is missing for `need` on this machine, and how to get it; `None` when nothing is.
@@ -156,7 +158,92 @@ pub fn missing(need: Need) -> Option<String> {
         Need::Python => find_python().is_none().then(|| {
             format!("no Python with safetensors and numpy ({INSTALL} into .ci-tools/venv, or set CKPT_PYTHON)")
         }),
+        Need::TmpfsMount => {
+            if !is_root() {
+                return Some("mounting a small tmpfs needs root: run the test as root".into());
+            }
+            // Try it: a container may refuse mounts even to root.
+            let dir = match tempfile::tempdir() {
+                Ok(d) => d,
+                Err(e) => return Some(format!("no temporary directory to mount on: {e}")),
+            };
+            match Tmpfs::mount(dir.path(), 64 << 10) {
+                Ok(_) => None,
+                Err(e) => Some(format!(
+                    "mounting a tmpfs failed ({e}): run as root with CAP_SYS_ADMIN"
+                )),
+            }
+        }
     }
+}
+
+/// A size-limited tmpfs mounted on a directory: a real file system that fills up. Unmounted
+/// (lazily, so an open file never keeps it) on drop.
+pub struct Tmpfs {
+    dir: PathBuf,
+}
+
+impl Tmpfs {
+    /// Mount a tmpfs of `bytes` bytes (rounded up to pages by the kernel) on `dir`.
+    pub fn mount(dir: &FsPath, bytes: u64) -> std::io::Result<Tmpfs> {
+        use std::ffi::CString;
+        use std::os::unix::ffi::OsStrExt as _;
+        let target = CString::new(dir.as_os_str().as_bytes()).map_err(std::io::Error::other)?;
+        let opts =
+            CString::new(format!("size={bytes},mode=0755")).map_err(std::io::Error::other)?;
+        // SAFETY: every pointer is a NUL-terminated string that outlives the call.
+        let rc = unsafe {
+            libc::mount(
+                c"tmpfs".as_ptr(),
+                target.as_ptr(),
+                c"tmpfs".as_ptr(),
+                0,
+                opts.as_ptr().cast(),
+            )
+        };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Tmpfs {
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    /// Where it is mounted.
+    pub fn path(&self) -> &FsPath {
+        &self.dir
+    }
+
+    /// Bytes an unprivileged write could still take (`statvfs`'s `f_bavail`).
+    pub fn free_bytes(&self) -> u64 {
+        free_bytes(&self.dir)
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        use std::os::unix::ffi::OsStrExt as _;
+        if let Ok(p) = std::ffi::CString::new(self.dir.as_os_str().as_bytes()) {
+            // SAFETY: `p` is a NUL-terminated path that outlives the call.
+            unsafe { libc::umount2(p.as_ptr(), libc::MNT_DETACH) };
+        }
+    }
+}
+
+/// Free bytes for unprivileged writes on the file system holding `path` (0 on error).
+pub fn free_bytes(path: &FsPath) -> u64 {
+    use std::os::unix::ffi::OsStrExt as _;
+    let Ok(p) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
+        return 0;
+    };
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::zeroed();
+    // SAFETY: `p` is NUL-terminated and `st` is a valid place for the result.
+    if unsafe { libc::statvfs(p.as_ptr(), st.as_mut_ptr()) } != 0 {
+        return 0;
+    }
+    // SAFETY: statvfs succeeded, so it filled `st`.
+    let st = unsafe { st.assume_init() };
+    st.f_bavail.saturating_mul(st.f_frsize)
 }
 
 /// Whether a test named `test` can run here: `false` after one line on stderr saying what is
@@ -640,5 +727,121 @@ impl object_store::ObjectStore for ClockStore {
             Err(_) => self.unstamp(to, before),
         }
         r
+    }
+}
+
+/// Cases each property test of a decoder runs: `PROPTEST_CASES` when set (`scripts/fuzz.sh`
+/// sets 100,000), else `default` (a few thousand: what CI runs).
+pub fn proptest_cases(default: u32) -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(default)
+}
+
+/// A global allocator that remembers, per thread, the largest single allocation asked for, so
+/// that a decoder's test can check it never allocates more than its input justifies. Install
+/// it in a test binary with `#[global_allocator] static A: BiggestAlloc = BiggestAlloc;` and
+/// measure with [`biggest_alloc`].
+pub struct BiggestAlloc;
+
+thread_local! {
+    static BIGGEST: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+fn note_alloc(n: usize) {
+    let _ = BIGGEST.try_with(|b| {
+        if n > b.get() {
+            b.set(n);
+        }
+    });
+}
+
+// SAFETY: every call is forwarded unchanged to the system allocator; the thread-local counter
+// is const-initialised and never allocates.
+unsafe impl std::alloc::GlobalAlloc for BiggestAlloc {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        note_alloc(layout.size());
+        // SAFETY: the caller upholds `GlobalAlloc::alloc`'s contract.
+        unsafe { std::alloc::System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
+        note_alloc(layout.size());
+        // SAFETY: as for `alloc`.
+        unsafe { std::alloc::System.alloc_zeroed(layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new: usize) -> *mut u8 {
+        note_alloc(new);
+        // SAFETY: the caller upholds `GlobalAlloc::realloc`'s contract.
+        unsafe { std::alloc::System.realloc(ptr, layout, new) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        // SAFETY: the caller upholds `GlobalAlloc::dealloc`'s contract.
+        unsafe { std::alloc::System.dealloc(ptr, layout) }
+    }
+}
+
+/// Run `f` and return what it returned with the largest single allocation it made on this
+/// thread (only meaningful where [`BiggestAlloc`] is the global allocator).
+pub fn biggest_alloc<T>(f: impl FnOnce() -> T) -> (T, usize) {
+    let before = BIGGEST.with(|b| b.replace(0));
+    let out = f();
+    let got = BIGGEST.with(|b| b.replace(before.max(b.get())));
+    (out, got)
+}
+
+/// Building blocks of the decoders' property tests (`store/tests/hostile.rs`,
+/// `ckpt/tests/fuzz.rs`; `scripts/fuzz.sh` runs them): byte-level mutations of valid inputs.
+pub mod fuzz {
+    use proptest::prelude::*;
+
+    /// A change to stored bytes: flip bits, overwrite a little-endian field, or cut the object.
+    #[derive(Debug, Clone)]
+    pub enum Mutation {
+        /// XOR the byte at (index modulo length).
+        Xor(usize, u8),
+        /// Overwrite 4 bytes (little-endian) at (index modulo length).
+        Put32(usize, u32),
+        /// Overwrite 8 bytes (little-endian) at (index modulo length).
+        Put64(usize, u64),
+        /// Cut at (index modulo length).
+        Truncate(usize),
+    }
+
+    /// A [`Mutation`] drawn with weights that favour bit flips and hostile field values.
+    pub fn mutation() -> impl Strategy<Value = Mutation> {
+        prop_oneof![
+            4 => (any::<usize>(), 1..=255u8).prop_map(|(i, x)| Mutation::Xor(i, x)),
+            2 => (any::<usize>(), prop_oneof![any::<u32>(), 0..70_000u32]).prop_map(|(i, v)| Mutation::Put32(i, v)),
+            2 => (any::<usize>(), prop_oneof![any::<u64>(), 0..70_000u64]).prop_map(|(i, v)| Mutation::Put64(i, v)),
+            1 => any::<usize>().prop_map(Mutation::Truncate),
+        ]
+    }
+
+    /// Apply `muts` in order (an empty object stays empty).
+    pub fn apply(obj: &mut Vec<u8>, muts: &[Mutation]) {
+        for m in muts {
+            if obj.is_empty() {
+                return;
+            }
+            let n = obj.len();
+            match *m {
+                Mutation::Xor(i, x) => obj[i % n] ^= x,
+                Mutation::Put32(i, v) => {
+                    let b = v.to_le_bytes();
+                    let i = i % n;
+                    let k = b.len().min(n - i);
+                    obj[i..i + k].copy_from_slice(&b[..k]);
+                }
+                Mutation::Put64(i, v) => {
+                    let b = v.to_le_bytes();
+                    let i = i % n;
+                    let k = b.len().min(n - i);
+                    obj[i..i + k].copy_from_slice(&b[..k]);
+                }
+                Mutation::Truncate(i) => obj.truncate(i % n),
+            }
+        }
     }
 }

@@ -6,6 +6,7 @@ use bytes::Bytes;
 use ckpt_store::codec::{self, CodecPolicy, HEADER_LEN};
 use ckpt_store::pack::{PACK_HEADER_LEN, PackBuilder, parse_pack};
 use ckpt_store::testing::det_bytes;
+use ckpt_store::testing::fuzz::{apply, mutation};
 use ckpt_store::writer::{RankWrite, ShardIn};
 use ckpt_store::{
     ChunkId, CommitRecord, DType, DedupIndex, Layout, NdBox, RankManifest, SafetensorsView,
@@ -13,49 +14,6 @@ use ckpt_store::{
 };
 use object_store::PutMode;
 use proptest::prelude::*;
-
-/// A change to stored bytes: flip bits, overwrite a little-endian field, or cut the object.
-#[derive(Debug, Clone)]
-enum Mutation {
-    Xor(usize, u8),
-    Put32(usize, u32),
-    Put64(usize, u64),
-    Truncate(usize),
-}
-
-fn mutation() -> impl Strategy<Value = Mutation> {
-    prop_oneof![
-        4 => (any::<usize>(), 1..=255u8).prop_map(|(i, x)| Mutation::Xor(i, x)),
-        2 => (any::<usize>(), prop_oneof![any::<u32>(), 0..70_000u32]).prop_map(|(i, v)| Mutation::Put32(i, v)),
-        2 => (any::<usize>(), prop_oneof![any::<u64>(), 0..70_000u64]).prop_map(|(i, v)| Mutation::Put64(i, v)),
-        1 => any::<usize>().prop_map(Mutation::Truncate),
-    ]
-}
-
-fn apply(obj: &mut Vec<u8>, muts: &[Mutation]) {
-    for m in muts {
-        if obj.is_empty() {
-            return;
-        }
-        let n = obj.len();
-        match *m {
-            Mutation::Xor(i, x) => obj[i % n] ^= x,
-            Mutation::Put32(i, v) => {
-                let b = v.to_le_bytes();
-                let i = i % n;
-                let k = b.len().min(n - i);
-                obj[i..i + k].copy_from_slice(&b[..k]);
-            }
-            Mutation::Put64(i, v) => {
-                let b = v.to_le_bytes();
-                let i = i % n;
-                let k = b.len().min(n - i);
-                obj[i..i + k].copy_from_slice(&b[..k]);
-            }
-            Mutation::Truncate(i) => obj.truncate(i % n),
-        }
-    }
-}
 
 /// Data that each codec wants: runs of a few values, so zstd and byte planes get chosen.
 fn chunk_data() -> impl Strategy<Value = Vec<u8>> {
@@ -100,7 +58,7 @@ fn check_decoded(r: ckpt_store::Result<Vec<u8>>, id: &ChunkId, len: u64) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 3000, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: ckpt_store::testing::proptest_cases(3000), failure_persistence: None, ..ProptestConfig::default() })]
 
     #[test]
     fn chunk_decoder_takes_arbitrary_bytes(
@@ -223,7 +181,7 @@ fn hostile_u64() -> impl Strategy<Value = u64> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 2000, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: ckpt_store::testing::proptest_cases(2000), failure_persistence: None, ..ProptestConfig::default() })]
 
     /// Raw bytes and bit flips of a real commit record: Err, or the very same record.
     #[test]
@@ -325,7 +283,7 @@ proptest! {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 2000, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: ckpt_store::testing::proptest_cases(2000), failure_persistence: None, ..ProptestConfig::default() })]
 
     /// Raw bytes and mutations of a real rank manifest: parsing and validation never panic;
     /// what validates can be walked the way the read engine walks it; and a reader that

@@ -126,6 +126,8 @@ impl From<ckpt_store::Error> for CliError {
                 ),
             ),
             ErrorKind::Io => (Failure::Error, None),
+            // The message says which file system is full and what to do.
+            ErrorKind::NoSpace => (Failure::Error, None),
             ErrorKind::NoDevice => (
                 Failure::Error,
                 Some(
