@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every decoder's property test with many cases (issue 13.3): the store's decoders of stored
-# bytes (store/tests/hostile.rs), the peer protocol's frames (tests named *peer* in the
-# store's test files) and the decoders of what people and processes hand the CLI and the
+# bytes (store/tests/hostile.rs), the peer protocol's frames (store/tests/peer_frames.rs) and
+# the decoders of what people and processes hand the CLI and the
 # supervisor (ckpt/tests/fuzz.rs). Each test runs PROPTEST_CASES cases (CI runs a few
 # thousand); a failing case (a panic, or a wrong value) fails its test and proptest prints
 # the smallest input that fails.
@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cases="${1:-100000}"
-select='(package(ckpt-store) & kind(test) & (binary(hostile) | test(/peer/))) | (package(ckpt) & binary(fuzz))'
+select='(package(ckpt-store) & kind(test) & (binary(hostile) | binary(peer_frames))) | (package(ckpt) & binary(fuzz))'
 if [ -n "${2:-}" ]; then
     select="($select) & (${2})"
 fi

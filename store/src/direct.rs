@@ -120,6 +120,11 @@ impl Drop for AlignedBuf {
 /// Aligned read buffers, reused: a restore reads gigabytes in chunk-sized objects, and memory
 /// touched for the first time fills several times slower than memory reused on these
 /// machines. A buffer returns here when the last `Bytes` over it is dropped.
+///
+/// One of three buffer pools, kept apart on purpose: these are 4 KiB-aligned for `O_DIRECT`;
+/// the peer source's (`peer::PeerSource`) are plain `Vec`s a socket fills, owned per source so
+/// a restore's buffers go with it; the CUDA bounce buffers are page-locked memory, slow to
+/// allocate and registered with the driver. One shared pool would hand out the wrong kind.
 static READ_BUFS: std::sync::Mutex<Vec<AlignedBuf>> = std::sync::Mutex::new(Vec::new());
 /// Read buffers kept for reuse at most.
 const KEEP_READ_BUFS: usize = 16;

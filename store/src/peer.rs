@@ -1172,7 +1172,17 @@ fn upload(
     let _ = s.set_nodelay(true);
     client_handshake_blocking(&mut s, secret, Role::Rank)?;
     let mut w = std::io::BufWriter::with_capacity(1 << 20, s);
-    let e = |e| net("handing a snapshot to the replica agent", addr, e);
+    // An agent that refuses a snapshot closes the connection at once, possibly while chunks
+    // are still on their way: a write that finds it closed is that refusal, not a network
+    // fault.
+    let e = |err: std::io::Error| match err.kind() {
+        std::io::ErrorKind::BrokenPipe
+        | std::io::ErrorKind::ConnectionReset
+        | std::io::ErrorKind::ConnectionAborted => {
+            expect_kept(Err(err), addr).expect_err("a closed connection is a refusal")
+        }
+        _ => net("handing a snapshot to the replica agent", addr, err),
+    };
     w.write_all(&head.encode()).map_err(e)?;
     let mut bytes = 0u64;
     while let Some(m) = rx.blocking_recv() {
@@ -1216,7 +1226,8 @@ pub struct PeerSource {
     timeout: Duration,
 }
 
-/// Receive buffers kept for reuse (memory touched before fills faster than new memory).
+/// Receive buffers kept for reuse (memory touched before fills faster than new memory); why
+/// this is not `direct`'s aligned pool: see `direct::READ_BUFS`.
 const KEEP_BUFS: usize = 16;
 
 /// The owner of a received chunk's `Bytes`: its buffer goes back to the source's pool.

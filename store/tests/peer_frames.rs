@@ -4,64 +4,16 @@
 //! allocation larger than the bytes read justify (a counting allocator watches every
 //! allocation the decoder makes). `PROPTEST_CASES` sets the number of cases (3000 by default).
 
-use std::alloc::{GlobalAlloc, Layout as AllocLayout, System};
-use std::cell::Cell;
-
 use bytes::Bytes;
 use ckpt_store::peer::{
     Frame, MAX_CHUNK, Membership, begin_frame, chunk_head, end_frame, read_chunk_body, read_frame,
 };
+use ckpt_store::testing::{BiggestAlloc, biggest_alloc, proptest_cases};
 use ckpt_store::{ChunkId, ErrorKind};
 use proptest::prelude::*;
 
-// ---------------------------------------------------------------------------------------
-// The largest single allocation made on this thread while tracking is on.
-
-struct Counting;
-
-thread_local! {
-    static TRACK: Cell<bool> = const { Cell::new(false) };
-    static LARGEST: Cell<usize> = const { Cell::new(0) };
-}
-
-fn note(n: usize) {
-    let _ = TRACK.try_with(|t| {
-        if t.get() {
-            let _ = LARGEST.try_with(|m| m.set(m.get().max(n)));
-        }
-    });
-}
-
-// SAFETY: every call goes to the system allocator unchanged; only sizes are noted.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: AllocLayout) -> *mut u8 {
-        note(l.size());
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn alloc_zeroed(&self, l: AllocLayout) -> *mut u8 {
-        note(l.size());
-        unsafe { System.alloc_zeroed(l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: AllocLayout, new: usize) -> *mut u8 {
-        note(new);
-        unsafe { System.realloc(p, l, new) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: AllocLayout) {
-        unsafe { System.dealloc(p, l) }
-    }
-}
-
 #[global_allocator]
-static ALLOC: Counting = Counting;
-
-/// Run `f` with tracking on; its result and the largest allocation it made.
-fn tracked<T>(f: impl FnOnce() -> T) -> (T, usize) {
-    LARGEST.with(|m| m.set(0));
-    TRACK.with(|t| t.set(true));
-    let out = f();
-    TRACK.with(|t| t.set(false));
-    (out, LARGEST.with(|m| m.get()))
-}
+static ALLOC: BiggestAlloc = BiggestAlloc;
 
 // ---------------------------------------------------------------------------------------
 // Decoding a stream as an agent does.
@@ -91,7 +43,7 @@ fn decode(input: &[u8]) -> (ckpt_store::Result<Vec<Got>>, usize) {
     let mut chunks = 0usize;
     let mut largest = 0usize;
     let res = loop {
-        let (f, n) = tracked(|| now(read_frame(&mut r, chunks)));
+        let (f, n) = biggest_alloc(|| now(read_frame(&mut r, chunks)));
         largest = largest.max(n);
         let f = match f {
             Ok(Some(f)) => f,
@@ -101,7 +53,7 @@ fn decode(input: &[u8]) -> (ckpt_store::Result<Vec<Got>>, usize) {
         match f {
             Frame::Begin { .. } | Frame::End { .. } | Frame::Abandon => chunks = 0,
             Frame::Chunk { seq, len } => {
-                let (b, n) = tracked(|| now(read_chunk_body(&mut r, len)));
+                let (b, n) = biggest_alloc(|| now(read_chunk_body(&mut r, len)));
                 largest = largest.max(n);
                 match b {
                     Ok(b) => {
@@ -287,16 +239,8 @@ fn apply(obj: &mut Vec<u8>, muts: &[Mutation]) {
     }
 }
 
-/// The number of cases: `PROPTEST_CASES`, else `default`.
-fn cases(default: u32) -> u32 {
-    std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(default)
-}
-
 proptest! {
-    #![proptest_config(ProptestConfig { cases: cases(3000), failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: proptest_cases(3000), failure_persistence: None, ..ProptestConfig::default() })]
 
     #[test]
     fn the_frame_decoder_takes_arbitrary_bytes(

@@ -22,6 +22,8 @@ pub(super) struct Bounce {
 // SAFETY: page-locked host memory owned by the pool, handed to one user at a time.
 unsafe impl Send for Bounce {}
 
+/// Page-locked restore buffers, a fixed few reused for the job's life (pinning is slow). Not
+/// shared with the store's read buffer pool: see `ckpt_store::direct`'s `READ_BUFS`.
 pub(super) struct BouncePool {
     pub(super) size: usize,
     pub(super) max: usize,
