@@ -260,17 +260,23 @@ where
         .map_err(e)?;
     s.flush().await.map_err(e)?;
     let mut got = [0u8; 33];
-    s.read_exact(&mut got).await.map_err(|err| {
-        if err.kind() == std::io::ErrorKind::UnexpectedEof {
-            Error::new(
-                ErrorKind::InvalidInput,
-                "the replica agent refused this client: CKPT_PEER_SECRET is not the job's",
-            )
-        } else {
-            e(err)
-        }
-    })?;
+    s.read_exact(&mut got)
+        .await
+        .map_err(|err| proof_unread(err, e))?;
     check_proof(secret, &ch, &mine, &got)
+}
+
+/// Why the agent's proof could not be read: a connection the agent closed after our answer
+/// means it refused the secret; anything else is `net`'s error.
+fn proof_unread(err: std::io::Error, net: impl FnOnce(std::io::Error) -> Error) -> Error {
+    if err.kind() == std::io::ErrorKind::UnexpectedEof {
+        Error::new(
+            ErrorKind::InvalidInput,
+            "the replica agent refused this client: CKPT_PEER_SECRET is not the job's",
+        )
+    } else {
+        net(err)
+    }
 }
 
 /// The same over a blocking socket (the upload thread).
@@ -286,16 +292,7 @@ fn client_handshake_blocking(
     let mine = nonce();
     s.write_all(&answer(secret, role, &ch, &mine)?).map_err(e)?;
     let mut got = [0u8; 33];
-    s.read_exact(&mut got).map_err(|err| {
-        if err.kind() == std::io::ErrorKind::UnexpectedEof {
-            Error::new(
-                ErrorKind::InvalidInput,
-                "the replica agent refused this client: CKPT_PEER_SECRET is not the job's",
-            )
-        } else {
-            e(err)
-        }
-    })?;
+    s.read_exact(&mut got).map_err(|err| proof_unread(err, e))?;
     check_proof(secret, &ch, &mine, &got)
 }
 

@@ -6,32 +6,16 @@
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Arc;
 use std::time::Duration;
 
 use ckpt_store::testing::{Need, Tmpfs, det_bytes, tiny_config};
-use ckpt_store::{
-    DType, ErrorKind, GcOptions, Layout, NdBox, StepReader, Store, StoreConfig, VerifyScope,
-};
+use ckpt_store::{ErrorKind, GcOptions, Layout, StepReader, Store, StoreConfig, VerifyScope};
 use ckpt_tests::bin;
 use ckpt_trainer::{Checkpointer, CheckpointerConfig, HostTensor, SaveState, SaveTensor, runtime};
 
 const RUN: &str = "full";
 const MIB: usize = 1 << 20;
 const TIMEOUT: Duration = Duration::from_secs(60);
-
-fn tensor(name: &str, t: &HostTensor) -> SaveTensor {
-    let n = t.read().len() as u64;
-    SaveTensor {
-        name: name.into(),
-        dtype: DType::U8,
-        shape: vec![n],
-        bbox: NdBox::full(&[n]),
-        placement: None,
-        source: Some(Arc::new(t.clone())),
-        replica_of: None,
-    }
-}
 
 fn read(store: &Store, step: u64, name: &str) -> Vec<u8> {
     runtime().block_on(async {
@@ -111,10 +95,13 @@ fn full_store(test: &str) -> Option<Full> {
     )
     .unwrap();
     let state = |extra: Option<&HostTensor>| SaveState {
-        tensors: [tensor("w", &w), tensor("b", &b)]
-            .into_iter()
-            .chain(extra.map(|t| tensor("big", t)))
-            .collect(),
+        tensors: [
+            SaveTensor::bytes("w", &w, w.read().len() as u64),
+            SaveTensor::bytes("b", &b, b.read().len() as u64),
+        ]
+        .into_iter()
+        .chain(extra.map(|t| SaveTensor::bytes("big", t, t.read().len() as u64)))
+        .collect(),
         blobs: vec![],
     };
     ck.save(1, state(None))
@@ -199,7 +186,10 @@ impl Full {
         let w4 = det_bytes(6, MIB);
         self.w.write().copy_from_slice(&w4);
         let state = SaveState {
-            tensors: vec![tensor("w", &self.w), tensor("b", &self.b)],
+            tensors: vec![
+                SaveTensor::bytes("w", &self.w, self.w.read().len() as u64),
+                SaveTensor::bytes("b", &self.b, self.b.read().len() as u64),
+            ],
             blobs: vec![],
         };
         self.ck

@@ -131,18 +131,6 @@ fn any_staging_bound_commits_and_restores_bit_identical() {
     }
 }
 
-fn tensor(name: &str, t: &HostTensor, n: u64) -> SaveTensor {
-    SaveTensor {
-        name: name.into(),
-        dtype: DType::U8,
-        shape: vec![n],
-        bbox: NdBox::full(&[n]),
-        placement: None,
-        source: Some(Arc::new(t.clone())),
-        replica_of: None,
-    }
-}
-
 fn read_all(store: &Store, run: &str, step: u64, name: &str) -> Vec<u8> {
     runtime().block_on(async {
         let r = StepReader::open(store, run, step).await.unwrap();
@@ -195,14 +183,14 @@ fn ranks_sharing_a_small_pool_all_commit() {
                     .iter()
                     .enumerate()
                     .map(|(k, s)| {
-                        tensor(
+                        SaveTensor::bytes(
                             &format!("small{r}.{k}"),
                             &HostTensor::from_vec(s.clone()),
                             s.len() as u64,
                         )
                     })
                     .collect();
-                tensors.push(tensor(
+                tensors.push(SaveTensor::bytes(
                     &format!("big{r}"),
                     &HostTensor::from_vec(big.clone()),
                     big.len() as u64,
@@ -262,7 +250,7 @@ fn a_save_whose_persist_is_stuck_fails_naming_the_wait() {
         .save(
             1,
             SaveState {
-                tensors: vec![tensor("w", &t, n)],
+                tensors: vec![SaveTensor::bytes("w", &t, n)],
                 blobs: vec![],
             },
         )

@@ -94,6 +94,22 @@ pub struct SaveTensor {
     pub replica_of: Option<u32>,
 }
 
+impl SaveTensor {
+    /// A whole one-dimensional tensor of `n` bytes (`u8` elements) held in `t`, written by
+    /// this rank: raw state such as a data position or a test's payload.
+    pub fn bytes(name: &str, t: &crate::memory::HostTensor, n: u64) -> SaveTensor {
+        SaveTensor {
+            name: name.into(),
+            dtype: DType::U8,
+            shape: vec![n],
+            bbox: NdBox::full(&[n]),
+            placement: None,
+            source: Some(Arc::new(t.clone())),
+            replica_of: None,
+        }
+    }
+}
+
 impl std::fmt::Debug for SaveTensor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "SaveTensor({} {})", self.name, self.bbox)

@@ -8,19 +8,6 @@ use ckpt_store::testing::{det_bytes, local_store, tiny_config};
 use ckpt_store::{DType, FailAction, GcOptions, Layout, NdBox, StepReader, Store, VerifyScope};
 use ckpt_trainer::{Checkpointer, CheckpointerConfig, HostTensor, SaveState, SaveTensor, runtime};
 
-fn one(name: &str, t: &HostTensor) -> SaveTensor {
-    let n = t.read().len() as u64;
-    SaveTensor {
-        name: name.into(),
-        dtype: DType::U8,
-        shape: vec![n],
-        bbox: NdBox::full(&[n]),
-        placement: None,
-        source: Some(Arc::new(t.clone())),
-        replica_of: None,
-    }
-}
-
 fn read(store: &Store, run: &str, step: u64, name: &str) -> Vec<u8> {
     runtime().block_on(async {
         StepReader::open(store, run, step)
@@ -43,7 +30,10 @@ fn a_failed_commit_is_never_the_next_saves_dedup_base() {
     let w = HostTensor::from_vec(det_bytes(2, 40_000));
     let (a, b) = (det_bytes(2, 40_000), det_bytes(3, 40_000));
     let state = || SaveState {
-        tensors: vec![one("frozen", &frozen), one("w", &w)],
+        tensors: vec![
+            SaveTensor::bytes("frozen", &frozen, frozen.read().len() as u64),
+            SaveTensor::bytes("w", &w, w.read().len() as u64),
+        ],
         blobs: vec![],
     };
     let ck = Checkpointer::new(

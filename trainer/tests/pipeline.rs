@@ -26,18 +26,6 @@ fn spec(name: &str, shape: &[u64], tp_dim: Option<usize>) -> TensorSpec {
     }
 }
 
-fn one(name: &str, t: &HostTensor, n: u64) -> SaveTensor {
-    SaveTensor {
-        name: name.into(),
-        dtype: DType::U8,
-        shape: vec![n],
-        bbox: NdBox::full(&[n]),
-        placement: None,
-        source: Some(Arc::new(t.clone())),
-        replica_of: None,
-    }
-}
-
 fn read_all(store: &Store, run: &str, step: u64, name: &str) -> Vec<u8> {
     runtime().block_on(async {
         StepReader::open(store, run, step)
@@ -64,7 +52,7 @@ fn a_mutation_after_save_never_reaches_the_checkpoint() {
         .save(
             1,
             SaveState {
-                tensors: vec![one("t", &t, n)],
+                tensors: vec![SaveTensor::bytes("t", &t, n)],
                 blobs: vec![],
             },
         )
@@ -78,7 +66,7 @@ fn a_mutation_after_save_never_reaches_the_checkpoint() {
         .save(
             2,
             SaveState {
-                tensors: vec![one("t", &t, n)],
+                tensors: vec![SaveTensor::bytes("t", &t, n)],
                 blobs: vec![],
             },
         )
@@ -102,7 +90,7 @@ fn stages_are_reported_in_order_with_figures() {
         .save(
             7,
             SaveState {
-                tensors: vec![one("t", &t, 50_000)],
+                tensors: vec![SaveTensor::bytes("t", &t, 50_000)],
                 blobs: vec![("b".into(), vec![1, 2, 3])],
             },
         )
@@ -146,7 +134,7 @@ fn back_pressure_wait_and_skip() {
             .save(
                 1,
                 SaveState {
-                    tensors: vec![one("t", &t, 40_000)],
+                    tensors: vec![SaveTensor::bytes("t", &t, 40_000)],
                     blobs: vec![],
                 },
             )
@@ -156,7 +144,7 @@ fn back_pressure_wait_and_skip() {
             .save(
                 2,
                 SaveState {
-                    tensors: vec![one("t", &t, 40_000)],
+                    tensors: vec![SaveTensor::bytes("t", &t, 40_000)],
                     blobs: vec![],
                 },
             )
@@ -189,7 +177,7 @@ fn staging_memory_stays_within_its_bound() {
         .save(
             1,
             SaveState {
-                tensors: vec![one("t", &t, n as u64)],
+                tensors: vec![SaveTensor::bytes("t", &t, n as u64)],
                 blobs: vec![],
             },
         )
@@ -418,7 +406,7 @@ fn a_failed_save_keeps_the_kind_of_its_error() {
     let (store, _d) = local_store(tiny_config());
     let t = HostTensor::from_vec(det_bytes(3, 20_000));
     let state = || SaveState {
-        tensors: vec![one("t", &t, 20_000)],
+        tensors: vec![SaveTensor::bytes("t", &t, 20_000)],
         blobs: vec![],
     };
     let mut newer = CheckpointerConfig::new("kind", 0, Layout::SINGLE);
