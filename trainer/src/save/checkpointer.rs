@@ -1,0 +1,337 @@
+//! [`Checkpointer`]: one rank's saves. `save` runs in named steps: back-pressure, the plan
+//! (check and pin), staging, the snapshot thread, the persist task.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use bytes::Bytes;
+use ckpt_store::{ChunkRef, DedupBase, Error, ErrorKind, Result, Store};
+use parking_lot::Mutex;
+use tracing::warn;
+
+use super::config::{BackPressure, CheckpointerConfig};
+use super::handle::{SaveFailure, SaveHandle, SaveReport, Shared, Stage};
+use super::persist::{PersistJob, note_fenced};
+use super::runtime::runtime;
+use super::snapshot::{slabs_needed, snapshot};
+use super::state::{SavePlan, SaveState};
+use crate::memory::PinnedSource;
+use crate::staging::{PoolConfig, PoolStats, StagingPool};
+
+/// Saves one rank's state (see the module docs).
+pub struct Checkpointer {
+    store: Store,
+    cfg: CheckpointerConfig,
+    pool: Arc<StagingPool>,
+    last: Mutex<Option<SaveHandle>>,
+    dedup: Arc<Mutex<DedupBase>>,
+    /// Names this checkpointer's dedup leases in the store.
+    writer: String,
+    /// Set once this rank's generation has been joined in the store (marker written, no
+    /// newer generation seen).
+    joined: AtomicBool,
+    /// Why a newer generation fenced this writer out, once one did: every later save is
+    /// refused at once.
+    fenced: Arc<Mutex<Option<String>>>,
+}
+
+impl std::fmt::Debug for Checkpointer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Checkpointer({} rank {})", self.cfg.run, self.cfg.rank)
+    }
+}
+impl Checkpointer {
+    /// A checkpointer for one rank.
+    pub fn new(store: Store, cfg: CheckpointerConfig) -> Result<Self> {
+        ckpt_store::validate_run(&cfg.run)?;
+        cfg.layout.validate()?;
+        if cfg.rank >= cfg.layout.world() {
+            return Err(Error::invalid(format!(
+                "rank {} is outside the layout {} ({} ranks)",
+                cfg.rank,
+                cfg.layout,
+                cfg.layout.world()
+            )));
+        }
+        let slab = store.config().chunk_size;
+        let pool = match &cfg.pool {
+            Some(p) if p.slab_size() != slab => {
+                return Err(Error::invalid(format!(
+                    "the shared staging pool has slabs of {} bytes but the store's chunks are {slab} bytes",
+                    p.slab_size()
+                )));
+            }
+            Some(p) => p.clone(),
+            None => StagingPool::new(
+                PoolConfig {
+                    capacity: cfg.staging_bytes.max(slab),
+                    slab,
+                },
+                cfg.prefault && cfg.staging_bytes > 0,
+            ),
+        };
+        let writer = ckpt_store::writer_id(cfg.rank, cfg.generation);
+        Ok(Checkpointer {
+            store,
+            cfg,
+            pool,
+            last: Mutex::new(None),
+            dedup: Arc::default(),
+            writer,
+            joined: AtomicBool::new(false),
+            fenced: Arc::default(),
+        })
+    }
+
+    /// Join this rank's generation in the store, once: mark it started unless someone did,
+    /// and check that no newer generation has started. A job that resumes a run thereby fences
+    /// every older writer of it before its own first save; a newer generation found here
+    /// fences this one ([`ErrorKind::Fenced`]).
+    pub fn join_generation(&self) -> Result<()> {
+        self.check_fenced()?;
+        if self.joined.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        let r = runtime().block_on(
+            self.store
+                .join_generation(&self.cfg.run, self.cfg.generation),
+        );
+        match r {
+            Ok(()) => {
+                self.joined.store(true, Ordering::SeqCst);
+                Ok(())
+            }
+            Err(e) => {
+                note_fenced(&self.fenced, &e);
+                Err(e)
+            }
+        }
+    }
+
+    /// Take this rank's generation as joined: the caller joined it for every rank of the
+    /// process at once (see `ckpt-train`). A newer generation is then found by the saves.
+    pub fn assume_joined(&self) {
+        self.joined.store(true, Ordering::SeqCst);
+    }
+
+    /// The error that fenced this writer out, if a newer generation did.
+    pub fn fenced(&self) -> Option<Error> {
+        self.fenced
+            .lock()
+            .as_ref()
+            .map(|m| Error::new(ErrorKind::Fenced, m.clone()))
+    }
+
+    fn check_fenced(&self) -> Result<()> {
+        match self.fenced() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &CheckpointerConfig {
+        &self.cfg
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Staging figures.
+    pub fn staging(&self) -> PoolStats {
+        self.pool.stats()
+    }
+
+    /// The newest committed step this rank's next save dedups against.
+    pub fn dedup_base(&self) -> Option<u64> {
+        self.dedup.lock().base_step()
+    }
+
+    /// The save in flight, if any.
+    pub fn last(&self) -> Option<SaveHandle> {
+        self.last.lock().clone()
+    }
+
+    /// Size the staging pool for snapshots of `state` (when the bound is automatic) and, with
+    /// `prefault`, allocate and touch it now, so the first save does not pay for fresh memory.
+    pub fn prepare_staging(&self, state: &SaveState, prefault: bool) {
+        let slab = self.pool.slab_size();
+        if self.cfg.staging_bytes == 0 && self.cfg.pool.is_none() {
+            let lens: Vec<usize> = state
+                .tensors
+                .iter()
+                .filter(|t| t.source.is_some() && t.replica_of.is_none())
+                .map(|t| (t.bbox.numel() * t.dtype.size() as u64) as usize)
+                .collect();
+            let per_batch = (self.cfg.copy_threads.max(1) * 4).max(1);
+            self.pool
+                .ensure_capacity(slabs_needed(&lens, slab, per_batch) * slab);
+        }
+        if prefault {
+            self.pool.prefault();
+        }
+    }
+
+    pub(crate) fn seed_dedup(&self, step: u64, refs: Vec<ChunkRef>) {
+        self.dedup.lock().seed(step, refs);
+    }
+
+    /// Save `state` as `step` (see the module docs). Returns once every tensor is pinned and
+    /// the copy has started.
+    pub fn save(&self, step: u64, state: SaveState) -> Result<SaveHandle> {
+        // A fenced writer stops: no retry of a save can succeed once a newer job owns the run.
+        self.join_generation()?;
+        let mut last = self.last.lock();
+        if let Some(skipped) = self.back_pressure(last.as_ref(), step) {
+            return Ok(skipped);
+        }
+        let t0 = Instant::now();
+        let plan = SavePlan::pin(state)?;
+        let shared = Shared::new(
+            step,
+            Stage::Snapshotting,
+            SaveReport {
+                step,
+                bytes: plan.bytes,
+                ..Default::default()
+            },
+        );
+        let handle = self.handle(shared.clone());
+        *last = Some(handle.clone());
+        drop(last);
+        self.pool.reset_peak();
+        let fits = self.size_staging(&plan.lens());
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Result<Bytes>>();
+        // The persist starts when the snapshot is done or as soon as the snapshot has to wait
+        // for staging space (the pool is shared, or still holds chunks of a previous save):
+        // only the persist frees slabs, so a snapshot never waits on a persist that waits for it.
+        let (snap_done_tx, snap_done_rx) = tokio::sync::oneshot::channel::<()>();
+        let names: Vec<String> = plan.metas.iter().map(|m| m.name.clone()).collect();
+        self.start_snapshot(step, t0, plan.pins, names, &shared, tx, snap_done_tx)?;
+        let job = PersistJob {
+            store: self.store.clone(),
+            cfg: self.cfg.clone(),
+            dedup: self.dedup.clone(),
+            writer: self.writer.clone(),
+            pool: self.pool.clone(),
+            fenced: self.fenced.clone(),
+            shared,
+            step,
+            t0,
+            metas: plan.metas,
+            blobs: plan.blobs,
+            rx,
+            start_after: fits.then_some(snap_done_rx),
+        };
+        runtime().spawn(job.run());
+        Ok(handle)
+    }
+
+    /// A handle on the save `shared`.
+    fn handle(&self, shared: Arc<Shared>) -> SaveHandle {
+        SaveHandle {
+            shared,
+            store: self.store.clone(),
+            run: self.cfg.run.clone(),
+        }
+    }
+
+    /// The previous save `prev` is still snapshotting or persisting: wait for its persist
+    /// ([`BackPressure::Wait`]; its failure is only logged) and return `None`, or return the
+    /// handle of `step` skipped ([`BackPressure::Skip`]).
+    fn back_pressure(&self, prev: Option<&SaveHandle>, step: u64) -> Option<SaveHandle> {
+        let prev = prev?;
+        if !matches!(prev.stage(), Stage::Snapshotting | Stage::Snapshotted) {
+            return None;
+        }
+        match self.cfg.back_pressure {
+            BackPressure::Wait => {
+                if let Err(e) = prev.wait_persisted() {
+                    warn!(step = prev.step(), "previous checkpoint failed: {e}");
+                }
+                None
+            }
+            BackPressure::Skip => {
+                let why = format!(
+                    "the checkpoint of step {} is still being persisted (policy: skip)",
+                    prev.step()
+                );
+                warn!(step, "skipping checkpoint: {why}");
+                Some(self.handle(Shared::new(
+                    step,
+                    Stage::Skipped(why),
+                    SaveReport {
+                        step,
+                        ..Default::default()
+                    },
+                )))
+            }
+        }
+    }
+
+    /// Grow an automatic pool to what shards of `lens` bytes need, and say whether the whole
+    /// snapshot fits the pool. When it does, the persist starts after the copy: the copy then
+    /// has every core to itself and the loop waits least. A smaller pool streams: the persist
+    /// must free slabs while the copy goes on.
+    fn size_staging(&self, lens: &[usize]) -> bool {
+        let slab = self.pool.slab_size();
+        if self.cfg.staging_bytes == 0 && self.cfg.pool.is_none() {
+            let per_batch = (self.cfg.copy_threads.max(1) * 4).max(1);
+            self.pool
+                .ensure_capacity(slabs_needed(lens, slab, per_batch) * slab);
+        }
+        let cap_slabs = (self.pool.stats().capacity / slab).max(1);
+        let per_batch = (self.cfg.copy_threads.max(1) * 4).clamp(1, cap_slabs);
+        slabs_needed(lens, slab, per_batch) <= cap_slabs
+    }
+
+    /// Start the snapshot thread: copy `pins` into staging, sending chunks to `tx`, firing
+    /// `snap_done` when done or when it must wait for staging; the stage becomes
+    /// `Snapshotted`, or `Failed` naming the tensor (`names` by shard index).
+    #[allow(clippy::too_many_arguments)]
+    fn start_snapshot(
+        &self,
+        step: u64,
+        t0: Instant,
+        pins: Vec<(usize, Box<dyn PinnedSource>, usize)>,
+        names: Vec<String>,
+        shared: &Arc<Shared>,
+        tx: tokio::sync::mpsc::UnboundedSender<Result<Bytes>>,
+        snap_done: tokio::sync::oneshot::Sender<()>,
+    ) -> Result<()> {
+        let pool = self.pool.clone();
+        let threads = self.cfg.copy_threads.max(1);
+        let shared = shared.clone();
+        let stall = self.cfg.stall_timeout;
+        let rank = self.cfg.rank;
+        std::thread::Builder::new()
+            .name(format!("ckpt-snapshot-{}", self.cfg.rank))
+            .spawn(move || {
+                let mut go = Some(snap_done);
+                let start_persist = move || {
+                    if let Some(t) = go.take() {
+                        let _ = t.send(());
+                    }
+                };
+                match snapshot(&pool, pins, threads, stall, start_persist, &tx) {
+                    Ok(()) => {
+                        let s = t0.elapsed().as_secs_f64();
+                        shared.set(Stage::Snapshotted, |r| r.snapshot_s = s);
+                    }
+                    Err((i, e)) => {
+                        let e = e.context(format!(
+                            "snapshot of tensor {:?} (step {step}, rank {rank})",
+                            names[i]
+                        ));
+                        let _ = tx.send(Err(Error::new(e.kind(), e.to_string())));
+                        shared.set(Stage::Failed(SaveFailure::from(&e)), |_| {});
+                    }
+                }
+            })
+            .map_err(|e| Error::internal(format!("starting the snapshot thread: {e}")))?;
+        Ok(())
+    }
+}

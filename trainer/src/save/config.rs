@@ -1,0 +1,77 @@
+//! The settings of a [`Checkpointer`](super::Checkpointer): [`CheckpointerConfig`] and the
+//! [`BackPressure`] policy.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ckpt_store::{Layout, PeerLink};
+use serde::Serialize;
+
+use crate::staging::StagingPool;
+
+/// What to do when a save is asked for while the previous one is still persisting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackPressure {
+    /// Wait for the previous save to be persisted, then snapshot.
+    Wait,
+    /// Skip this save (logged with the reason).
+    Skip,
+}
+/// Settings of a [`Checkpointer`].
+#[derive(Debug, Clone)]
+pub struct CheckpointerConfig {
+    /// Run name.
+    pub run: String,
+    /// This rank.
+    pub rank: u32,
+    /// The layout.
+    pub layout: Layout,
+    /// The job generation (bumped by every restart).
+    pub generation: u64,
+    /// Whether this rank commits (rank 0 by default).
+    pub committer: bool,
+    /// Bound on staging memory (bytes); 0 = as much as one snapshot needs (the pool grows to
+    /// the size of the first snapshot and stays there). Any bound works, down to one chunk: a
+    /// smaller pool makes the snapshot wait for the persist of earlier chunks.
+    pub staging_bytes: usize,
+    /// A staging pool shared with other checkpointers of this process (ranks as threads);
+    /// its bound replaces `staging_bytes`. `None`: this checkpointer's own pool.
+    pub pool: Option<Arc<StagingPool>>,
+    /// How long a snapshot waits for staging space while no slab comes back to the pool
+    /// before the save fails (the persist is stuck); see [`StagingPool::acquire_many`].
+    pub stall_timeout: Duration,
+    /// Allocate and touch all staging memory up front.
+    pub prefault: bool,
+    /// Threads copying into staging.
+    pub copy_threads: usize,
+    /// Policy for a save while the previous one persists.
+    pub back_pressure: BackPressure,
+    /// How long the committer waits for the other ranks' manifests.
+    pub commit_timeout: Duration,
+    /// Hand every snapshot to a replica agent as well (see [`ckpt_store::peer`]); `None` by
+    /// default. A rank under `ckpt resume --peer-replicas` gets it from its driver:
+    /// `ckpt_recovery::RankEnv::peer_link`.
+    pub peer: Option<PeerLink>,
+}
+
+impl CheckpointerConfig {
+    /// Defaults for `rank` of `layout` in `run`.
+    pub fn new(run: &str, rank: u32, layout: Layout) -> Self {
+        CheckpointerConfig {
+            run: run.to_string(),
+            rank,
+            layout,
+            generation: 0,
+            committer: rank == 0,
+            staging_bytes: 0,
+            pool: None,
+            stall_timeout: Duration::from_secs(300),
+            prefault: false,
+            copy_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
+            back_pressure: BackPressure::Wait,
+            commit_timeout: Duration::from_secs(600),
+            peer: None,
+        }
+    }
+}

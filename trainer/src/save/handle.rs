@@ -1,0 +1,258 @@
+//! Where a save is: [`Stage`], its figures ([`SaveReport`]), why it failed ([`SaveFailure`]),
+//! and the [`SaveHandle`] a caller waits on.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ckpt_store::{Error, ErrorKind, Result, Store};
+use parking_lot::{Condvar, Mutex};
+use serde::Serialize;
+
+use super::runtime::runtime;
+
+/// Where a save is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Stage {
+    /// Copying into staging.
+    Snapshotting,
+    /// The snapshot is taken; tensors may change.
+    Snapshotted,
+    /// Chunks and this rank's manifest are in the store.
+    Persisted,
+    /// The commit record exists.
+    Committed,
+    /// Not taken (back-pressure), with the reason.
+    Skipped(String),
+    /// Failed, with the error's kind and message, as the stage that failed reported it.
+    Failed(SaveFailure),
+}
+
+/// Why a save failed: the kind of the error where it happened (a fenced writer stays
+/// [`ErrorKind::Fenced`], damaged input [`ErrorKind::Corrupt`], a coverage hole
+/// [`ErrorKind::Incomplete`], ...) and its message. The kind decides what the caller does:
+/// only [`ErrorKind::Backend`] and [`ErrorKind::Io`] are worth another try.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SaveFailure {
+    /// The kind of the error at the stage that failed.
+    pub kind: ErrorKind,
+    /// Its message.
+    pub message: String,
+}
+
+impl From<&Error> for SaveFailure {
+    fn from(e: &Error) -> Self {
+        SaveFailure {
+            kind: e.kind(),
+            message: e.to_string(),
+        }
+    }
+}
+
+impl std::fmt::Display for SaveFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+/// Figures of one save.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct SaveReport {
+    /// Step.
+    pub step: u64,
+    /// Bytes this rank snapshotted.
+    pub bytes: u64,
+    /// Seconds from `save` to the snapshot being complete (the most a loop waits).
+    pub snapshot_s: f64,
+    /// Seconds from `save` to this rank's manifest in the store.
+    pub persist_s: f64,
+    /// Seconds from this rank's manifest to the commit record (committer only).
+    pub commit_s: f64,
+    /// Bytes written to the store (stored, after compression).
+    pub bytes_written: u64,
+    /// Raw bytes skipped because the store had them.
+    pub bytes_skipped: u64,
+    /// Staging in use at its peak during this save.
+    pub staging_peak: usize,
+}
+
+#[derive(Debug)]
+pub(super) struct Shared {
+    step: u64,
+    stage: Mutex<(Stage, SaveReport)>,
+    cond: Condvar,
+    /// Whether the stage reached `Persisted` (a commit that fails later turns the stage into
+    /// `Failed`, but this rank's manifest is in the store all the same).
+    persisted: std::sync::atomic::AtomicBool,
+}
+
+impl Shared {
+    /// A save of `step` at `stage`, with its first figures.
+    pub(super) fn new(step: u64, stage: Stage, report: SaveReport) -> Arc<Self> {
+        Arc::new(Shared {
+            step,
+            persisted: Default::default(),
+            stage: Mutex::new((stage, report)),
+            cond: Condvar::new(),
+        })
+    }
+
+    pub(super) fn set(&self, stage: Stage, f: impl FnOnce(&mut SaveReport)) {
+        let mut g = self.stage.lock();
+        if stage == Stage::Persisted {
+            self.persisted
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+        // Never go back from a failure.
+        if !matches!(g.0, Stage::Failed(_)) {
+            g.0 = stage;
+        }
+        f(&mut g.1);
+        drop(g);
+        self.cond.notify_all();
+    }
+
+    fn wait_for(&self, done: impl Fn(&Stage) -> bool) -> Result<SaveReport> {
+        self.wait_until(done, None)
+    }
+
+    /// [`Shared::wait_for`], failing at `deadline` with an error naming the stage it is in.
+    fn wait_until(
+        &self,
+        done: impl Fn(&Stage) -> bool,
+        deadline: Option<(Instant, Duration)>,
+    ) -> Result<SaveReport> {
+        let mut g = self.stage.lock();
+        loop {
+            match &g.0 {
+                Stage::Failed(e) => {
+                    return Err(Error::new(
+                        e.kind,
+                        format!("checkpoint of step {} failed: {}", self.step, e.message),
+                    ));
+                }
+                Stage::Skipped(why) => {
+                    return Err(Error::new(
+                        ErrorKind::Conflict,
+                        format!("checkpoint of step {} was skipped: {why}", self.step),
+                    ));
+                }
+                s if done(s) => return Ok(g.1.clone()),
+                s => match deadline {
+                    None => self.cond.wait(&mut g),
+                    Some((at, within)) => {
+                        if Instant::now() >= at {
+                            let what = match s {
+                                Stage::Snapshotting => "still copying into staging",
+                                _ => "still writing its chunks and manifest",
+                            };
+                            return Err(Error::incomplete(format!(
+                                "checkpoint of step {} not done within {within:?}: {what}",
+                                self.step
+                            )));
+                        }
+                        self.cond.wait_until(&mut g, at);
+                    }
+                },
+            }
+        }
+    }
+}
+
+/// A save in progress.
+#[derive(Debug, Clone)]
+pub struct SaveHandle {
+    pub(super) shared: Arc<Shared>,
+    pub(super) store: Store,
+    pub(super) run: String,
+}
+
+impl SaveHandle {
+    /// The step saved.
+    pub fn step(&self) -> u64 {
+        self.shared.step
+    }
+
+    /// Where the save is now.
+    pub fn stage(&self) -> Stage {
+        self.shared.stage.lock().0.clone()
+    }
+
+    /// Figures so far.
+    pub fn report(&self) -> SaveReport {
+        self.shared.stage.lock().1.clone()
+    }
+
+    /// Whether it was skipped.
+    pub fn is_skipped(&self) -> bool {
+        matches!(self.stage(), Stage::Skipped(_))
+    }
+
+    /// Block until the snapshot is taken (then tensors may change).
+    pub fn wait_snapshot(&self) -> Result<SaveReport> {
+        self.shared
+            .wait_for(|s| matches!(s, Stage::Snapshotted | Stage::Persisted | Stage::Committed))
+    }
+
+    /// Block until this rank's chunks and manifest are in the store.
+    pub fn wait_persisted(&self) -> Result<SaveReport> {
+        match self
+            .shared
+            .wait_for(|s| matches!(s, Stage::Persisted | Stage::Committed))
+        {
+            // Persisted, then the commit failed before this call looked: persisted all the
+            // same (the commit's error is for `wait_committed`).
+            Err(_)
+                if self
+                    .shared
+                    .persisted
+                    .load(std::sync::atomic::Ordering::SeqCst) =>
+            {
+                Ok(self.report())
+            }
+            r => r,
+        }
+    }
+
+    /// Block until this rank's chunks and manifest are in the store, or `timeout`.
+    pub fn wait_persisted_within(&self, timeout: Duration) -> Result<SaveReport> {
+        self.shared.wait_until(
+            |s| matches!(s, Stage::Persisted | Stage::Committed),
+            Some((Instant::now() + timeout, timeout)),
+        )
+    }
+
+    /// Block until the step is committed (by whichever rank commits), or `timeout` (which
+    /// covers the persist too).
+    pub fn wait_committed(&self, timeout: Duration) -> Result<SaveReport> {
+        let t0 = Instant::now();
+        self.wait_persisted_within(timeout)?;
+        if self.stage() == Stage::Committed {
+            return self.shared.wait_for(|s| matches!(s, Stage::Committed));
+        }
+        let key = self.store.keys().commit(&self.run, self.shared.step);
+        let mut pause = Duration::from_millis(20);
+        loop {
+            match self.stage() {
+                Stage::Committed => return Ok(self.report()),
+                // This rank's own commit failed (stale generation, coverage, ...): that is
+                // the answer; do not wait for the timeout.
+                Stage::Failed(_) => {
+                    return self.shared.wait_for(|s| matches!(s, Stage::Committed));
+                }
+                _ => {}
+            }
+            if runtime().block_on(self.store.exists(&key))? {
+                self.shared.set(Stage::Committed, |_| {});
+                return Ok(self.report());
+            }
+            if t0.elapsed() > timeout {
+                return Err(Error::incomplete(format!(
+                    "step {} of run {} was not committed within {:?}",
+                    self.shared.step, self.run, timeout
+                )));
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(500));
+        }
+    }
+}

@@ -1,0 +1,194 @@
+//! The persist-and-commit task of one save: take a writer lease and the dedup base, stream the
+//! snapshot's chunks into the store (and to a replica agent), write the rank manifest, and
+//! (on the committer) commit the step.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use ckpt_store::{
+    BlobIn, ChunkRef, DedupBase, DedupIndex, Error, ErrorKind, PeerUpload, RankWrite, Result,
+    ShardMeta, Store, WriterLease,
+};
+use parking_lot::Mutex;
+use tracing::{debug, info, warn};
+
+use super::config::CheckpointerConfig;
+use super::handle::{SaveFailure, Shared, Stage};
+use crate::staging::StagingPool;
+
+/// Everything the persist task of one save needs; [`PersistJob::run`] runs it.
+pub(super) struct PersistJob {
+    pub store: Store,
+    pub cfg: CheckpointerConfig,
+    pub dedup: Arc<Mutex<DedupBase>>,
+    pub writer: String,
+    pub pool: Arc<StagingPool>,
+    pub fenced: Arc<Mutex<Option<String>>>,
+    pub shared: Arc<Shared>,
+    pub step: u64,
+    pub t0: Instant,
+    pub metas: Vec<ShardMeta>,
+    pub blobs: Vec<BlobIn>,
+    /// The snapshot's chunks, in order.
+    pub rx: tokio::sync::mpsc::UnboundedReceiver<Result<Bytes>>,
+    /// When the snapshot fits the pool: fires once it is done (or must wait for staging), and
+    /// the persist starts only then.
+    pub start_after: Option<tokio::sync::oneshot::Receiver<()>>,
+}
+
+impl PersistJob {
+    /// Persist, then commit (committer only); the outcome goes to the save's stage.
+    pub async fn run(self) {
+        let step = self.step;
+        let rank = self.cfg.rank;
+        let shared = self.shared.clone();
+        let fenced = self.fenced.clone();
+        let committer = self.cfg.committer;
+        let store = self.store.clone();
+        let cfg = self.cfg.clone();
+        let fail = |e: Error| {
+            note_fenced(&fenced, &e);
+            shared.set(Stage::Failed(SaveFailure::from(&e)), |_| {});
+        };
+        match self.persist().await {
+            Err(e) => {
+                warn!(step, rank, "checkpoint failed: {e}");
+                fail(e);
+            }
+            Ok(()) if committer => {
+                if let Err(e) = commit(&store, &cfg, step, &shared).await {
+                    warn!(step, "commit failed: {e}");
+                    fail(e);
+                }
+            }
+            Ok(()) => {}
+        }
+    }
+
+    /// Chunks and the rank manifest into the store; the stage becomes `Persisted`.
+    async fn persist(self) -> Result<()> {
+        if let Some(go) = self.start_after {
+            let _ = go.await;
+        }
+        let (store, cfg, step) = (&self.store, &self.cfg, self.step);
+        let (index, lease) = prepare_index(store, &cfg.run, &self.writer, &self.dedup).await?;
+        // Every chunk goes to the replica agent too, as the store takes it.
+        let upload = cfg
+            .peer
+            .as_ref()
+            .map(|l| Arc::new(PeerUpload::start(l, cfg.generation, cfg.rank, step, 8)));
+        let chunks = chunk_stream(self.rx, upload.clone(), store.config().pack_threshold);
+        let w = RankWrite {
+            run: cfg.run.clone(),
+            step,
+            rank: cfg.rank,
+            layout: cfg.layout,
+            generation: cfg.generation,
+        };
+        let res = store
+            .write_rank_stream(&w, self.metas, self.blobs, chunks, &index)
+            .await;
+        // Written (the manifest now protects what it references) or failed: no lease
+        // needed any more.
+        if let Err(e) = store.release_lease(lease).await {
+            debug!(step, "dedup lease not released (GC lets it lapse): {e}");
+        }
+        let (manifest, _entry, stats) = res?;
+        let persisted = self.t0.elapsed().as_secs_f64();
+        let peak = self.pool.stats().peak_in_use;
+        let refs: Vec<ChunkRef> = manifest
+            .tensors
+            .iter()
+            .flat_map(|t| t.chunks.iter().cloned())
+            .collect();
+        let ids: Vec<_> = match upload {
+            Some(_) => refs.iter().map(|r| r.id).collect(),
+            None => Vec::new(),
+        };
+        self.dedup.lock().persisted(step, refs);
+        self.shared.set(Stage::Persisted, |r| {
+            r.persist_s = persisted;
+            r.bytes_written = stats.bytes_written;
+            r.bytes_skipped = stats.bytes_skipped;
+            r.staging_peak = peak;
+        });
+        if let Some(u) = upload {
+            match u.finish(ids).await {
+                Ok(bytes) => debug!(step, bytes, "snapshot handed to the replica agent"),
+                Err(e) => warn!(step, "peer replica not made (the store has it): {e}"),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The snapshot's chunks as the store takes them, each handed to the replica agent too.
+///
+/// A chunk small enough to go into a pack is copied out of its slab: a pack is written only
+/// once it is full, and a slab pinned by a pack that waits for more chunks would wait for the
+/// snapshot that waits for the slab.
+fn chunk_stream(
+    rx: tokio::sync::mpsc::UnboundedReceiver<Result<Bytes>>,
+    upload: Option<Arc<PeerUpload>>,
+    small: usize,
+) -> impl futures::Stream<Item = Result<Bytes>> + Send {
+    futures::stream::unfold((rx, upload), move |(mut rx, up)| async move {
+        let x = match rx.recv().await? {
+            Ok(b) if b.len() < small => Ok(Bytes::copy_from_slice(&b)),
+            x => x,
+        };
+        if let (Some(u), Ok(b)) = (&up, &x) {
+            u.chunk(b.clone()).await;
+        }
+        Some((x, (rx, up)))
+    })
+}
+
+/// Wait for every rank's manifest of `step` and create the commit record; the stage becomes
+/// `Committed`.
+async fn commit(store: &Store, cfg: &CheckpointerConfig, step: u64, shared: &Shared) -> Result<()> {
+    let t1 = Instant::now();
+    let o = store
+        .wait_and_commit_as(
+            &cfg.run,
+            step,
+            Some(cfg.generation),
+            Duration::from_millis(50),
+            cfg.commit_timeout,
+        )
+        .await?;
+    let c = t1.elapsed().as_secs_f64();
+    info!(
+        run = %cfg.run,
+        step,
+        bytes = o.record().logical_bytes(),
+        "checkpoint committed"
+    );
+    shared.set(Stage::Committed, |r| r.commit_s = c);
+    Ok(())
+}
+
+/// Remember `e` if it is a fence (the first one wins).
+pub(super) fn note_fenced(fenced: &Mutex<Option<String>>, e: &Error) {
+    if e.kind() == ErrorKind::Fenced {
+        fenced.lock().get_or_insert_with(|| e.to_string());
+    }
+}
+
+/// Before a persist: take a writer lease (no GC sweep runs until this save's manifest is
+/// written) and pick the step this save deduplicates against (see [`ckpt_store::lease`]). The
+/// previous save becomes the base only once its commit record is found; until then (or if that
+/// commit failed) the base stays the older committed step, and with neither committed the save
+/// skips nothing. A step whose commit failed is never a base: GC may sweep it with its chunks.
+async fn prepare_index(
+    store: &Store,
+    run: &str,
+    writer: &str,
+    dedup: &Mutex<DedupBase>,
+) -> Result<(DedupIndex, WriterLease)> {
+    let candidates = dedup.lock().candidates();
+    let lease = store.lease_dedup_base(run, writer, &candidates).await?;
+    let index = dedup.lock().pinned(lease.base());
+    Ok((index, lease))
+}

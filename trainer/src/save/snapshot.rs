@@ -1,0 +1,262 @@
+//! The snapshot: copying pinned sources into staging slabs with several threads, in batches
+//! that never take more slabs than the pool holds, and handing each chunk on in order.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use ckpt_store::{Error, Result};
+
+use crate::memory::PinnedSource;
+use crate::staging::StagingPool;
+
+struct Job {
+    tensor: usize,
+    offset: usize,
+    len: usize,
+}
+
+/// Copy every pinned source into slabs with `threads` threads, sending chunks in order.
+/// Small shards share slabs (each chunk is a slice of a slab), so a thousand biases do not
+/// take a thousand slabs. Releases each pin as soon as its tensor is copied. On error returns
+/// the tensor index.
+///
+/// Each batch takes its slabs all at once ([`StagingPool::acquire_many`]); `start_persist`
+/// runs before the first wait for staging space and when the copy is done.
+pub(super) fn snapshot(
+    pool: &Arc<StagingPool>,
+    pins: Vec<(usize, Box<dyn PinnedSource>, usize)>,
+    threads: usize,
+    stall: Duration,
+    mut start_persist: impl FnMut(),
+    tx: &tokio::sync::mpsc::UnboundedSender<Result<Bytes>>,
+) -> std::result::Result<(), (usize, Error)> {
+    let slab = pool.slab_size();
+    let mut jobs: Vec<Job> = Vec::new();
+    for (k, (_, _, len)) in pins.iter().enumerate() {
+        let mut off = 0;
+        while off < *len {
+            let l = slab.min(len - off);
+            jobs.push(Job {
+                tensor: k,
+                offset: off,
+                len: l,
+            });
+            off += l;
+        }
+    }
+    let mut remaining: Vec<usize> = vec![0; pins.len()];
+    for j in &jobs {
+        remaining[j.tensor] += 1;
+    }
+    let mut pins: Vec<Option<(usize, Box<dyn PinnedSource>)>> =
+        pins.into_iter().map(|(i, p, _)| Some((i, p))).collect();
+    // Zero-length tensors have nothing to copy: release their pins at once.
+    for (k, r) in remaining.iter().enumerate() {
+        if *r == 0
+            && let Some((i, p)) = pins[k].take()
+        {
+            p.complete().map_err(|e| (i, e))?;
+        }
+    }
+    // Batches of whole slabs, never more than the pool holds, so a batch can always start
+    // once earlier batches are persisted.
+    let cap_slabs = (pool.stats().capacity / slab).max(1);
+    let per_batch = (threads * 4).clamp(1, cap_slabs);
+    let lens: Vec<usize> = jobs.iter().map(|j| j.len).collect();
+    for b in carve(&lens, slab, per_batch) {
+        let group = &jobs[b.jobs.clone()];
+        let places = &b.place;
+        let first = pins[group[0].tensor].as_ref().map_or(0, |(i, _)| *i);
+        let mut slabs = pool
+            .acquire_many(b.fills.len(), stall, &mut start_persist)
+            .map_err(|e| (first, e))?;
+        {
+            // Disjoint destination slices, one per job, in slab order within each slab.
+            let mut order: Vec<usize> = (0..group.len()).collect();
+            order.sort_by_key(|&k| places[k]);
+            let mut dsts: Vec<Option<&mut [u8]>> = (0..group.len()).map(|_| None).collect();
+            let mut rest: Vec<&mut [u8]> = slabs.iter_mut().map(|s| s.bytes_mut()).collect();
+            let mut cut: Vec<usize> = vec![0; rest.len()];
+            for k in order {
+                let (si, at) = places[k];
+                let len = group[k].len;
+                let buf = std::mem::take(&mut rest[si]);
+                let (_, tail) = buf.split_at_mut(at - cut[si]);
+                let (dst, tail) = tail.split_at_mut(len);
+                rest[si] = tail;
+                cut[si] = at + len;
+                dsts[k] = Some(dst);
+            }
+            let pins_ref = &pins;
+            let work: Vec<(&Job, &mut [u8])> = group
+                .iter()
+                .zip(dsts)
+                .map(|(j, d)| (j, d.expect("every job has a destination")))
+                .collect();
+            let per = work.len().div_ceil(threads).max(1);
+            let res: Vec<std::result::Result<(), (usize, Error)>> = std::thread::scope(|s| {
+                let mut handles = Vec::new();
+                let mut work = work;
+                while !work.is_empty() {
+                    let take = per.min(work.len());
+                    let mine: Vec<(&Job, &mut [u8])> = work.drain(..take).collect();
+                    handles.push(s.spawn(move || {
+                        for (j, dst) in mine {
+                            let (i, p) = pins_ref[j.tensor].as_ref().expect("pinned until copied");
+                            p.copy_to(j.offset, dst).map_err(|e| (*i, e))?;
+                        }
+                        Ok(())
+                    }));
+                }
+                handles
+                    .into_iter()
+                    .map(|h| {
+                        h.join()
+                            .unwrap_or_else(|_| Err((0, Error::internal("a copy thread panicked"))))
+                    })
+                    .collect()
+            });
+            for r in res {
+                r?;
+            }
+        }
+        // Device copies complete asynchronously: wait for this batch before handing it on.
+        let mut touched: Vec<usize> = group.iter().map(|j| j.tensor).collect();
+        touched.dedup();
+        for &k in &touched {
+            if let Some((i, p)) = pins[k].as_ref() {
+                p.fence().map_err(|e| (*i, e))?;
+            }
+        }
+        let frozen: Vec<Bytes> = slabs
+            .into_iter()
+            .zip(&b.fills)
+            .map(|(s, &f)| s.freeze(f))
+            .collect();
+        for (j, (si, at)) in group.iter().zip(places) {
+            let chunk = frozen[*si].slice(*at..at + j.len);
+            if tx.send(Ok(chunk)).is_err() {
+                // The persist ended (it failed and reported why); stop copying.
+                return Ok(());
+            }
+            remaining[j.tensor] -= 1;
+            if remaining[j.tensor] == 0
+                && let Some((i, p)) = pins[j.tensor].take()
+            {
+                p.complete().map_err(|e| (i, e))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One batch of a snapshot: consecutive jobs and the slabs they are copied into.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Batch {
+    /// The jobs (indices into the job list).
+    pub jobs: std::ops::Range<usize>,
+    /// Per job: (slab within the batch, byte offset in it).
+    pub place: Vec<(usize, usize)>,
+    /// Bytes used in each slab.
+    pub fills: Vec<usize>,
+}
+
+/// Place jobs of `lens` bytes (each at most `slab`) into batches of at most `per_batch` slabs,
+/// first fit within the batch, 64-byte aligned, so shards smaller than a slab share slabs and
+/// little is wasted.
+pub(crate) fn carve(lens: &[usize], slab: usize, per_batch: usize) -> Vec<Batch> {
+    let mut out: Vec<Batch> = Vec::new();
+    let mut cur = Batch {
+        jobs: 0..0,
+        place: Vec::new(),
+        fills: Vec::new(),
+    };
+    for (j, &len) in lens.iter().enumerate() {
+        let fit = cur
+            .fills
+            .iter()
+            .position(|f| f.next_multiple_of(64) + len <= slab);
+        let (si, at) = match fit {
+            Some(si) => (si, cur.fills[si].next_multiple_of(64)),
+            None if cur.fills.len() < per_batch => {
+                cur.fills.push(0);
+                (cur.fills.len() - 1, 0)
+            }
+            None => {
+                let next = Batch {
+                    jobs: j..j,
+                    place: Vec::new(),
+                    fills: vec![0],
+                };
+                out.push(std::mem::replace(&mut cur, next));
+                (0, 0)
+            }
+        };
+        cur.fills[si] = at + len;
+        cur.place.push((si, at));
+        cur.jobs.end = j + 1;
+    }
+    if !cur.place.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
+/// Slabs a snapshot of shards of `lens` bytes needs at once (chunked by `slab`).
+pub(crate) fn slabs_needed(lens: &[usize], slab: usize, per_batch: usize) -> usize {
+    let mut jobs = Vec::new();
+    for &len in lens {
+        let mut off = 0;
+        while off < len {
+            jobs.push(slab.min(len - off));
+            off += slab;
+        }
+    }
+    carve(&jobs, slab, per_batch)
+        .iter()
+        .map(|b| b.fills.len())
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn carving_packs_small_jobs_and_keeps_batches_bounded() {
+        // 1.5 MiB jobs: first fit puts two per 4 MiB slab, and a 1 MiB job fills a gap.
+        let m = 1 << 20;
+        let lens = [3 * m / 2, 3 * m / 2, 3 * m / 2, m, 4 * m, 100];
+        let b = carve(&lens, 4 * m, 8);
+        assert_eq!(b.len(), 1);
+        assert_eq!(b[0].fills.len(), 3, "{:?}", b[0]);
+        assert_eq!(
+            b[0].place[3].0, 0,
+            "the 1 MiB job goes into the first slab's gap"
+        );
+        // Batches never exceed their slab count, and jobs stay in order across batches.
+        let many = vec![4 * m; 20];
+        let bs = carve(&many, 4 * m, 8);
+        assert_eq!(
+            bs.iter().map(|b| b.fills.len()).collect::<Vec<_>>(),
+            vec![8, 8, 4]
+        );
+        assert_eq!(bs[1].jobs, 8..16);
+        // Every placement lies inside its slab and never overlaps another.
+        for b in carve(&[m, 3 * m, 2 * m, 2 * m, 1, 4 * m - 64], 4 * m, 4) {
+            let mut spans: Vec<(usize, usize, usize)> = b
+                .place
+                .iter()
+                .zip(b.jobs.clone())
+                .map(|(&(s, a), j)| (s, a, a + [m, 3 * m, 2 * m, 2 * m, 1, 4 * m - 64][j]))
+                .collect();
+            spans.sort();
+            for w in spans.windows(2) {
+                assert!(w[0].0 != w[1].0 || w[0].2 <= w[1].1, "{spans:?}");
+            }
+            assert!(spans.iter().all(|s| s.2 <= 4 * m));
+        }
+        assert_eq!(slabs_needed(&[10 * m], 4 * m, 8), 3);
+    }
+}

@@ -1,0 +1,132 @@
+//! What a save is given ([`SaveTensor`], [`SaveState`]) and its plan once checked and pinned.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use ckpt_store::{BlobIn, DType, Error, NdBox, Placement, Result, ShardMeta};
+
+use crate::memory::{MemorySource, PinnedSource};
+
+/// One shard to save.
+#[derive(Clone)]
+pub struct SaveTensor {
+    /// Tensor name.
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Global shape.
+    pub shape: Vec<u64>,
+    /// The box saved.
+    pub bbox: NdBox,
+    /// How the tensor is placed (recorded so other layouts can be planned).
+    pub placement: Option<Placement>,
+    /// The memory holding exactly the box's row-major bytes; `None` for a replica.
+    pub source: Option<Arc<dyn MemorySource>>,
+    /// For a replica: the rank that writes it.
+    pub replica_of: Option<u32>,
+}
+
+impl SaveTensor {
+    /// A whole one-dimensional tensor of `n` bytes (`u8` elements) held in `t`, written by
+    /// this rank: raw state such as a data position or a test's payload.
+    pub fn bytes(name: &str, t: &crate::memory::HostTensor, n: u64) -> SaveTensor {
+        SaveTensor {
+            name: name.into(),
+            dtype: DType::U8,
+            shape: vec![n],
+            bbox: NdBox::full(&[n]),
+            placement: None,
+            source: Some(Arc::new(t.clone())),
+            replica_of: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for SaveTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SaveTensor({} {})", self.name, self.bbox)
+    }
+}
+
+/// Everything one rank saves for a step.
+#[derive(Debug, Default, Clone)]
+pub struct SaveState {
+    /// Shards.
+    pub tensors: Vec<SaveTensor>,
+    /// Named blobs.
+    pub blobs: Vec<(String, Vec<u8>)>,
+}
+
+/// A save's state checked and pinned: the shards' descriptions for the manifest, a pin per
+/// shard this rank writes, and the blobs.
+pub(super) struct SavePlan {
+    /// Every shard, in the order given (replicas too).
+    pub metas: Vec<ShardMeta>,
+    /// (index into `metas`, the pinned source, byte length) of each shard this rank writes.
+    pub pins: Vec<(usize, Box<dyn PinnedSource>, usize)>,
+    /// Bytes the snapshot copies.
+    pub bytes: u64,
+    /// Named blobs.
+    pub blobs: Vec<BlobIn>,
+}
+
+impl SavePlan {
+    /// Check every shard (memory of the box's size, or a replica) and pin its memory: the
+    /// checkpoint holds the bytes of this moment.
+    pub fn pin(state: SaveState) -> Result<SavePlan> {
+        let mut metas = Vec::with_capacity(state.tensors.len());
+        let mut pins: Vec<(usize, Box<dyn PinnedSource>, usize)> = Vec::new();
+        let mut bytes = 0u64;
+        for t in &state.tensors {
+            let len = (t.bbox.numel() * t.dtype.size() as u64) as usize;
+            match (&t.source, t.replica_of) {
+                (Some(src), None) => {
+                    if src.len() != len {
+                        return Err(Error::invalid(format!(
+                            "tensor {:?} box {}: its memory holds {} bytes, the box {len}",
+                            t.name,
+                            t.bbox,
+                            src.len()
+                        )));
+                    }
+                    pins.push((metas.len(), src.pin()?, len));
+                    bytes += len as u64;
+                }
+                (None, Some(_)) => {}
+                _ => {
+                    return Err(Error::invalid(format!(
+                        "tensor {:?}: give either memory or replica_of",
+                        t.name
+                    )));
+                }
+            }
+            metas.push(ShardMeta {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                bbox: t.bbox.clone(),
+                replica_of: t.replica_of,
+                placement: t.placement.clone(),
+            });
+        }
+        let blobs: Vec<BlobIn> = state
+            .blobs
+            .into_iter()
+            .map(|(name, data)| BlobIn {
+                name,
+                data: Bytes::from(data),
+            })
+            .collect();
+        Ok(SavePlan {
+            metas,
+            pins,
+            bytes,
+            blobs,
+        })
+    }
+
+    /// Byte length of each pinned shard, in order.
+    pub fn lens(&self) -> Vec<usize> {
+        self.pins.iter().map(|p| p.2).collect()
+    }
+}
