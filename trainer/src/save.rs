@@ -16,9 +16,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use ckpt_recovery::peer::{PeerLink, PeerUpload};
 use ckpt_store::{
-    BlobIn, ChunkRef, DType, DedupBase, DedupIndex, Error, ErrorKind, Layout, NdBox, PeerLink,
-    PeerUpload, Placement, RankWrite, Result, ShardMeta, Store, WriterLease,
+    BlobIn, ChunkRef, DType, DedupBase, DedupIndex, Error, ErrorKind, Layout, NdBox, Placement,
+    RankWrite, Result, ShardMeta, Store, WriterLease,
 };
 use parking_lot::{Condvar, Mutex};
 use serde::Serialize;
@@ -156,7 +157,7 @@ pub struct CheckpointerConfig {
     pub back_pressure: BackPressure,
     /// How long the committer waits for the other ranks' manifests.
     pub commit_timeout: Duration,
-    /// Hand every snapshot to a replica agent as well (see [`ckpt_store::peer`]); `None` by
+    /// Hand every snapshot to a replica agent as well (see [`ckpt_recovery::peer`]); `None` by
     /// default. A rank under `ckpt resume --peer-replicas` gets it from its driver:
     /// `ckpt_recovery::RankEnv::peer_link`.
     pub peer: Option<PeerLink>,
