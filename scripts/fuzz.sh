@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every decoder's property test with many cases (issue 13.3): the store's decoders of stored
-# bytes (store/tests/hostile.rs), the peer protocol's frames (store/tests/peer_frames.rs) and
+# bytes (store/tests/hostile.rs), the peer protocol's frames (recovery/tests/peer_frames.rs) and
 # the decoders of what people and processes hand the CLI and the
 # supervisor (ckpt/tests/fuzz.rs). Each test runs PROPTEST_CASES cases (CI runs a few
 # thousand); a failing case (a panic, or a wrong value) fails its test and proptest prints
@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cases="${1:-100000}"
-select='(package(ckpt-store) & kind(test) & (binary(hostile) | binary(peer_frames))) | (package(ckpt) & binary(fuzz))'
+select='(package(ckpt-store) & kind(test) & binary(hostile)) | (package(ckpt-recovery) & kind(test) & binary(peer_frames)) | (package(ckpt) & binary(fuzz))'
 if [ -n "${2:-}" ]; then
     select="($select) & (${2})"
 fi
@@ -18,7 +18,7 @@ log="$(mktemp -t ckpt-fuzz.XXXXXX.log)"
 echo "fuzzing with $cases cases per decoder; log: $log"
 set +e
 PROPTEST_CASES="$cases" cargo nextest run --profile fuzz --no-fail-fast \
-    -p ckpt-store -p ckpt -E "$select" 2>&1 | tee "$log"
+    -p ckpt-store -p ckpt-recovery -p ckpt -E "$select" 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 set -e
 # nextest prints one line per test: STATUS [ TIME] (i/n) BINARY TEST.

@@ -15,6 +15,10 @@ fn main() -> ExitCode {
 
 /// Logs to stderr: `-v` info, `-vv` debug, `-vvv` trace; `RUST_LOG` overrides; warnings only
 /// otherwise.
+#[allow(
+    clippy::disallowed_methods,
+    reason = "a binary reads RUST_LOG at start-up"
+)]
 fn init_tracing(verbose: u8) -> anyhow::Result<()> {
     let level = match verbose {
         0 => "warn",

@@ -1003,6 +1003,10 @@ async fn plan_computes_each_new_ranks_reads(env: Env) {
     assert_eq!(j["ranks"][1]["bytes_needed"], all);
 }
 
+#[allow(
+    clippy::disallowed_methods,
+    reason = "a test reads its knobs and tools from the environment"
+)]
 async fn plot_draws_png_and_svg(env: Env) {
     two_steps_and_a_pending_one(&env).await;
     let t0 = 1_767_000_000_000i64;
@@ -1160,6 +1164,45 @@ async fn errors_name_what_exists_and_exit_codes_hold(env: Env) {
         .ckpt(&["mount", "/nonexistent/dir", "--foreground"])
         .code(2);
     assert!(r.err.contains("is not a directory"), "{}", r.err);
+}
+
+/// The store's request layers are set by the binary's environment (`CKPT_STORE_RETRY`,
+/// `CKPT_FAULTS`), read at start-up and handed to the library: a wrong value is a usage error
+/// naming the variable, and injected faults reach the store the command opens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_settings_from_the_environment_reach_the_store() {
+    let env = local();
+    save_step(&env.store, "train", 10, false, &DedupIndex::new()).await;
+    let ckpt = |vars: &[(&str, &str)]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_ckpt"))
+            .args(["ls", "train"])
+            .env("CKPT_STORE", &env.url)
+            .env_remove("CKPT_STORE_RETRY")
+            .env_remove("CKPT_FAULTS")
+            .envs(vars.iter().copied())
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    assert_eq!(ckpt(&[]).0, Some(0));
+    assert_eq!(ckpt(&[("CKPT_FAULTS", "")]).0, Some(0), "empty: none");
+    for (var, value) in [
+        ("CKPT_STORE_RETRY", "attempts=0"),
+        ("CKPT_FAULTS", "rate=2"),
+    ] {
+        let (code, err) = ckpt(&[(var, value)]);
+        assert_eq!(code, Some(2), "{var}={value}: {err}");
+        assert!(err.contains(var), "{var}={value}: {err}");
+    }
+    // Every request fails and none is retried: the listing cannot be read.
+    let (code, err) = ckpt(&[
+        ("CKPT_FAULTS", "rate=1,seed=1,mix=1:0:0"),
+        ("CKPT_STORE_RETRY", "attempts=1"),
+    ]);
+    assert_eq!(code, Some(1), "{err}");
 }
 
 /// `ckpt ls --json | head -0`: the reader is gone before the first byte; like any Unix tool,

@@ -47,6 +47,10 @@ impl std::fmt::Debug for MountHandle {
 }
 
 /// Where `fusermount3` is, if installed (`$FUSERMOUNT_PATH` first, as `fuser` does).
+#[allow(
+    clippy::disallowed_methods,
+    reason = "finding a program on PATH is how a mount finds its helper, as fuser does"
+)]
 pub fn find_fusermount3() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("FUSERMOUNT_PATH") {
         return Some(PathBuf::from(p));

@@ -622,6 +622,10 @@ const CHILD_MOUNT: &str = "CKPT_FUSE_TEST_CHILD_MOUNT";
 /// `ckpt mount` runs it).
 #[test]
 #[ignore = "helper process for the mount_blocking tests"]
+#[allow(
+    clippy::disallowed_methods,
+    reason = "a test reads its knobs and tools from the environment"
+)]
 fn child_mount_blocking() {
     let store = ckpt_store::open(&std::env::var(CHILD_STORE).unwrap()).unwrap();
     let opts = MountOptions {

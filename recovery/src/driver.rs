@@ -216,7 +216,7 @@ pub struct Launch {
     /// (`CKPT_PEERS`); where the copy goes is the agents' business (their membership).
     pub peer_agents: Vec<(u32, String)>,
     /// The job's replica secret (`CKPT_PEER_SECRET`), proven to every agent.
-    pub peer_secret: Option<ckpt_store::PeerSecret>,
+    pub peer_secret: Option<crate::peer::PeerSecret>,
 }
 
 /// Make the child die (SIGKILL) when this process dies: `PR_SET_PDEATHSIG`, and a check that
@@ -335,7 +335,7 @@ impl Launch {
 fn peer_env(
     agents: &[(u32, String)],
     node: u32,
-    secret: Option<&ckpt_store::PeerSecret>,
+    secret: Option<&crate::peer::PeerSecret>,
 ) -> Option<PeerEnv> {
     let secret = secret?.clone();
     let i = agents.iter().position(|(n, _)| *n == node)?;

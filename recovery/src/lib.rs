@@ -7,6 +7,8 @@
 //!   relaunches survivors on a new layout after a failure, keeps the recovery log;
 //! - `agent` (feature `etcd`): the driver across machines behind `ckpt agent`: one agent
 //!   per machine, membership through etcd leases, one elected coordinator;
+//! - [`peer`]: peer replicas: the per-node agent keeping ranks' newest snapshots in memory,
+//!   the upload that feeds it from a save, the chunk source a restore asks first;
 //! - [`rank_env`]: the environment a driver hands each rank it launches, as one type;
 //! - [`driver`]: what both drivers share (launching ranks, the recovery log, choosing the
 //!   step to restore).
@@ -18,6 +20,7 @@ pub mod agent;
 pub mod coordinator;
 pub mod driver;
 pub mod heartbeat;
+pub mod peer;
 pub mod rank_env;
 pub mod supervisor;
 
@@ -25,5 +28,6 @@ pub use coordinator::{
     Action, Config, Coordinator, DATA_FAILURE_EXIT, Event, ExitStatus, Record, Topology,
 };
 pub use heartbeat::HeartbeatClient;
+pub use peer::{PeerLink, PeerSecret, PeerSource, PeerUpload};
 pub use rank_env::RankEnv;
 pub use supervisor::{Report, RestoreSummary, SupervisorOptions, choose_step, restore_plan, run};

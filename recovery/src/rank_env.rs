@@ -12,7 +12,9 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use ckpt_store::{Error, PeerLink, PeerSecret, Result};
+use ckpt_store::{Error, Result};
+
+use crate::peer::{PeerLink, PeerSecret};
 
 /// Store URL.
 pub const STORE: &str = "CKPT_STORE";
@@ -46,7 +48,7 @@ pub const HEARTBEAT_MS: &str = "CKPT_HEARTBEAT_MS";
 /// This node's replica agent (`host:port`).
 pub const PEER_AGENT: &str = "CKPT_PEER_AGENT";
 /// The job's replica secret, hex: every connection to an agent proves it.
-pub const PEER_SECRET: &str = ckpt_store::peer::SECRET_ENV;
+pub const PEER_SECRET: &str = crate::peer::SECRET_ENV;
 /// Every live agent, comma-separated, this node's first.
 pub const PEERS: &str = "CKPT_PEERS";
 /// How long a peer transfer may stall, in milliseconds.
@@ -204,6 +206,10 @@ impl RankEnv {
 
     /// This process's rank environment: `None` when no driver launched it (no
     /// `CKPT_SUPERVISOR_PID`); an error naming the variable when one is missing or malformed.
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "the rank environment is the one library edge that reads the environment"
+    )]
     pub fn from_env() -> Result<Option<RankEnv>> {
         Self::from_vars(|k| std::env::var_os(k))
     }
@@ -305,9 +311,22 @@ impl RankEnv {
             node: self.node,
             agent: p.agent.clone(),
             peers: p.peers.clone(),
-            timeout: p.timeout.unwrap_or(ckpt_store::peer::IO_TIMEOUT),
+            timeout: p.timeout.unwrap_or(crate::peer::IO_TIMEOUT),
             secret: p.secret.clone(),
         })
+    }
+}
+
+/// The job's replica secret in [`PEER_SECRET`] of this process's environment, for a replica
+/// agent's launcher (`ckpt agent`, `ckpt replica-agent`); `None` when unset or empty.
+#[allow(
+    clippy::disallowed_methods,
+    reason = "the rank environment is the one library edge that reads the environment"
+)]
+pub fn peer_secret_from_env() -> Result<Option<PeerSecret>> {
+    match std::env::var(PEER_SECRET) {
+        Ok(s) if !s.trim().is_empty() => PeerSecret::from_hex(&s).map(Some),
+        _ => Ok(None),
     }
 }
 

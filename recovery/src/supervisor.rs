@@ -15,8 +15,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use ckpt_store::logs::EVENTS;
-use ckpt_store::peer::Membership;
-use ckpt_store::{Error, PeerSecret, Result};
+use ckpt_store::{Error, Result};
 use serde::Serialize;
 use tokio::io::AsyncWriteExt;
 use tokio::net::UnixDatagram;
@@ -30,6 +29,7 @@ use crate::driver::{
 };
 pub use crate::driver::{RankPlan, choose_step, restore_plan};
 use crate::heartbeat::Beat;
+use crate::peer::{Membership, PeerSecret};
 
 /// What `ckpt resume` asks for.
 #[derive(Debug, Clone)]
@@ -53,6 +53,9 @@ pub struct SupervisorOptions {
     /// generation's live agents reach every agent as a `members` line on its standard input. One agent runs per node for the whole supervision; a failed
     /// node's agent is killed with its ranks.
     pub replica_agent: Option<Vec<String>>,
+    /// How the supervisor opens the store (its binary reads them from the environment; the
+    /// ranks read their own).
+    pub open: ckpt_store::OpenOptions,
 }
 
 /// The outcome of a supervised job.
@@ -119,7 +122,7 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
     if opts.command.is_empty() {
         return Err(Error::invalid("no command to run: pass it after --"));
     }
-    let store = ckpt_store::open(&opts.store_url)?;
+    let store = ckpt_store::open_with(&opts.store_url, &opts.open)?;
     ckpt_store::validate_run(&opts.run)?;
     // Generations continue from any earlier supervision of this run.
     let base = first_free_generation(&store, &opts.run).await?;
@@ -323,7 +326,7 @@ async fn start_agents(
                 &node.to_string(),
                 "--watch-stdin",
             ])
-            .env(ckpt_store::peer::SECRET_ENV, secret.to_hex())
+            .env(crate::peer::SECRET_ENV, secret.to_hex())
             .stdin(std::process::Stdio::piped()) // the agent ends when this closes
             .stdout(std::process::Stdio::piped())
             .kill_on_drop(true);

@@ -122,7 +122,7 @@ impl Drop for AlignedBuf {
 /// machines. A buffer returns here when the last `Bytes` over it is dropped.
 ///
 /// One of three buffer pools, kept apart on purpose: these are 4 KiB-aligned for `O_DIRECT`;
-/// the peer source's (`peer::PeerSource`) are plain `Vec`s a socket fills, owned per source so
+/// the peer source's (`ckpt_recovery::peer::PeerSource`) are plain `Vec`s a socket fills, owned per source so
 /// a restore's buffers go with it; the CUDA bounce buffers are page-locked memory, slow to
 /// allocate and registered with the driver. One shared pool would hand out the wrong kind.
 static READ_BUFS: std::sync::Mutex<Vec<AlignedBuf>> = std::sync::Mutex::new(Vec::new());

@@ -56,7 +56,6 @@ pub mod logs;
 pub mod model;
 pub mod outfile;
 pub mod pack;
-pub mod peer;
 pub mod placement;
 pub mod read;
 pub mod retry;
@@ -90,13 +89,12 @@ pub use model::{
     BlobEntry, BlobLoc, ChunkRef, CommitRecord, Coords, DType, FORMAT_VERSION, Layout, NdBox,
     RankEntry, RankManifest, ShardLoc, TensorEntry, TensorShard, WriteStats,
 };
-pub use peer::{PeerLink, PeerSecret, PeerSource, PeerUpload};
 pub use placement::{Placed, Placement, Stage, TensorSpec, ZeroGroup};
 pub use read::{ChunkSource, ReadPlan, ReadStats, StepReader};
 pub use retry::{RetryConfig, RetryStore};
 pub use st_view::SafetensorsView;
 pub use store::{ChunkIn, DedupIndex, PutReport, PutStats, Store, StoreConfig};
-pub use url::{StoreUrl, open};
+pub use url::{OpenOptions, StoreUrl, open, open_with};
 pub use verify::{Damage, VerifyReport, VerifyScope};
 pub use wrap::{
     Fault, FaultAction, FaultHandle, FaultOp, FaultyStore, MetricsSnapshot, MetricsStore,

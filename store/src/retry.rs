@@ -69,7 +69,7 @@ impl Default for RetryConfig {
 
 impl RetryConfig {
     /// Parse `attempts=6,min_ms=50,max_ms=5000,timeout_ms=120000` (every field optional, the
-    /// rest default): the format of `CKPT_STORE_RETRY` (see [`crate::open`]).
+    /// rest default): the format of `CKPT_STORE_RETRY` (see [`crate::OpenOptions`]).
     pub fn parse(spec: &str) -> Result<Self> {
         let mut c = RetryConfig::default();
         let bad = |what: String| {

@@ -1,6 +1,10 @@
 //! Test helpers (feature `testing`): a real S3-compatible server on loopback, small store
 //! settings that reach every boundary with kilobytes, deterministic data, and the conformance
 //! suite that every backend runs.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test helpers find the tools of the test machine in its environment"
+)]
 
 use std::net::TcpListener;
 use std::path::{Path as FsPath, PathBuf};

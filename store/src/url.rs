@@ -111,30 +111,55 @@ impl StoreUrl {
     }
 }
 
-/// Open the store at `url` with default settings for its kind, counting requests and
-/// retrying transient failures ([`RetryStore`]).
-///
-/// Two environment variables change the request layers: `CKPT_STORE_RETRY` sets the retries
-/// (`attempts=6,min_ms=50,max_ms=5000,timeout_ms=120000`, see [`RetryConfig::parse`]), and
-/// `CKPT_FAULTS` (for tests and measurements only) injects random failures below the retries
-/// (`rate=0.05,seed=7,outage_s=10+5`, see [`RandomFaults::parse`]).
-pub fn open(url: &str) -> Result<Store> {
-    let retry = match std::env::var("CKPT_STORE_RETRY") {
-        Ok(s) => RetryConfig::parse(&s).map_err(|e| e.context("CKPT_STORE_RETRY"))?,
-        Err(_) => RetryConfig::default(),
-    };
-    let faults = match std::env::var("CKPT_FAULTS") {
-        Ok(s) if !s.trim().is_empty() => {
-            Some(RandomFaults::parse(&s).map_err(|e| e.context("CKPT_FAULTS"))?)
-        }
-        _ => None,
-    };
-    open_with(url, retry, faults)
+/// The environment variable a binary reads into [`OpenOptions::retry`] (see
+/// [`OpenOptions::from_values`]).
+pub const RETRY_ENV: &str = "CKPT_STORE_RETRY";
+/// The environment variable a binary reads into [`OpenOptions::faults`] (tests and
+/// measurements only).
+pub const FAULTS_ENV: &str = "CKPT_FAULTS";
+
+/// How [`open_with`] builds a store's request layers. Library code never reads these from the
+/// environment: a binary fills them at start-up (from [`RETRY_ENV`] and [`FAULTS_ENV`], see
+/// [`OpenOptions::from_values`]) and hands them down.
+#[derive(Debug, Clone, Default)]
+pub struct OpenOptions {
+    /// Retries of transient failures ([`RetryStore`]).
+    pub retry: RetryConfig,
+    /// Random failures injected below the retries (tests and measurements; `None`: none).
+    pub faults: Option<RandomFaults>,
 }
 
-/// [`open`] with these retry settings, and with random faults injected below the retries
-/// (`faults`; tests and measurements).
-pub fn open_with(url: &str, retry: RetryConfig, faults: Option<RandomFaults>) -> Result<Store> {
+impl OpenOptions {
+    /// Options from the text of [`RETRY_ENV`] (`attempts=6,min_ms=50,max_ms=5000,
+    /// timeout_ms=120000`, see [`RetryConfig::parse`]) and [`FAULTS_ENV`]
+    /// (`rate=0.05,seed=7,outage_s=10+5`, see [`RandomFaults::parse`]); unset or empty: the
+    /// defaults. An error names the variable whose text is wrong.
+    pub fn from_values(retry: Option<&str>, faults: Option<&str>) -> Result<OpenOptions> {
+        let set = |v: Option<&str>| v.filter(|s| !s.trim().is_empty()).map(str::to_string);
+        let retry = match set(retry) {
+            Some(s) => RetryConfig::parse(&s).map_err(|e| e.context(RETRY_ENV))?,
+            None => RetryConfig::default(),
+        };
+        retry.validate().map_err(|e| e.context(RETRY_ENV))?;
+        let faults = match set(faults) {
+            Some(s) => Some(RandomFaults::parse(&s).map_err(|e| e.context(FAULTS_ENV))?),
+            None => None,
+        };
+        Ok(OpenOptions { retry, faults })
+    }
+}
+
+/// Open the store at `url` with default settings for its kind, counting requests and
+/// retrying transient failures ([`RetryStore`]) with the default [`OpenOptions`].
+pub fn open(url: &str) -> Result<Store> {
+    open_with(url, &OpenOptions::default())
+}
+
+/// [`open`] with these options: retry settings, and random faults injected below the retries
+/// (tests and measurements).
+pub fn open_with(url: &str, opts: &OpenOptions) -> Result<Store> {
+    let retry = opts.retry.clone();
+    let faults = opts.faults.clone();
     retry.validate()?;
     let parsed = StoreUrl::parse(url)?;
     let cfg = if parsed.is_remote() {
@@ -182,6 +207,12 @@ pub fn open_with(url: &str, retry: RetryConfig, faults: Option<RandomFaults>) ->
 fn open_s3(bucket: &str, url: &str) -> Result<Box<dyn ObjectStore>> {
     use object_store::aws::AmazonS3Builder;
     let mut b = AmazonS3Builder::from_env().with_bucket_name(bucket);
+    // Object stores follow the AWS SDK's convention and read their AWS_* settings from the
+    // environment themselves (as `from_env` above does), so these reads stay here.
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "AWS_* settings come from the environment by the AWS SDK's convention"
+    )]
     let endpoint = std::env::var("AWS_ENDPOINT_URL_S3")
         .or_else(|_| std::env::var("AWS_ENDPOINT_URL"))
         .or_else(|_| std::env::var("AWS_ENDPOINT"))
@@ -192,7 +223,13 @@ fn open_s3(bucket: &str, url: &str) -> Result<Box<dyn ObjectStore>> {
             .with_allow_http(ep.starts_with("http://"))
             .with_virtual_hosted_style_request(false);
     }
-    if std::env::var("AWS_REGION").is_err() && std::env::var("AWS_DEFAULT_REGION").is_err() {
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "AWS_* settings come from the environment by the AWS SDK's convention"
+    )]
+    let no_region =
+        std::env::var("AWS_REGION").is_err() && std::env::var("AWS_DEFAULT_REGION").is_err();
+    if no_region {
         b = b.with_region("us-east-1");
     }
     let s = b

@@ -362,7 +362,7 @@ impl RandomFaults {
 
     /// Parse `rate=0.05,seed=7,mix=2:1:1,hang_ms=3600000,slow_ms=200,outage_s=10+5` (every
     /// field optional; `outage_s=START+LENGTH` in seconds after the store opened). The format
-    /// of `CKPT_FAULTS` (see [`crate::open`]).
+    /// of `CKPT_FAULTS` (see [`crate::OpenOptions`]).
     pub fn parse(spec: &str) -> crate::Result<Self> {
         let mut f = RandomFaults::new(0.0, 0);
         let bad = |what: &str| {

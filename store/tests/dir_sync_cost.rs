@@ -17,6 +17,10 @@ use futures::stream;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a measurement; run it on purpose"]
+#[allow(
+    clippy::disallowed_methods,
+    reason = "a test reads its knobs and tools from the environment"
+)]
 async fn directory_fsyncs_cost_per_save() {
     let mib: usize = std::env::var("CKPT_BENCH_MIB").map_or(1024, |v| v.parse().unwrap());
     let base = std::env::var("CKPT_BENCH_DIR").map_or_else(|_| std::env::temp_dir(), Into::into);

@@ -105,6 +105,10 @@ fn verify_clean(store: &Path, run: &str, round: u32, what: &str, seed: u64) {
 }
 
 #[test]
+#[allow(
+    clippy::disallowed_methods,
+    reason = "a test reads its knobs and tools from the environment"
+)]
 fn random_kills_never_break_a_committed_step() {
     let rounds: u32 = std::env::var("CKPT_CRASHLOOP_ROUNDS")
         .ok()

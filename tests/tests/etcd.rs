@@ -51,6 +51,10 @@ impl Job {
     }
 
     /// The same, with `extra` flags for every agent.
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "a test reads its knobs and tools from the environment"
+    )]
     fn start_with(run: &str, nodes: u32, spares: u32, layout: &str, extra: &[&str]) -> Job {
         let mut dir = tempfile::tempdir().unwrap();
         if std::env::var_os("CKPT_TEST_KEEP").is_some() {

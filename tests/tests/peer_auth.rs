@@ -11,13 +11,13 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use ckpt_store::peer::{
-    Holdings, Membership, PeerSecret, PeerSource, PeerUpload, SECRET_ENV, begin_frame, chunk_head,
-    end_frame, holdings,
+use ckpt_recovery::peer::{
+    Holdings, Membership, PeerLink, PeerSecret, PeerSource, PeerUpload, SECRET_ENV, begin_frame,
+    chunk_head, end_frame, holdings,
 };
 use ckpt_store::testing::{det_bytes, memory_store, tiny_config};
 use ckpt_store::writer::{RankWrite, ShardIn};
-use ckpt_store::{ChunkId, DType, DedupIndex, Layout, NdBox, PeerLink, StepReader, Store};
+use ckpt_store::{ChunkId, DType, DedupIndex, Layout, NdBox, StepReader, Store};
 
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()

@@ -54,6 +54,7 @@ fn options(
         logs_dir: Some(logs),
         heartbeat_interval: Duration::from_millis(100),
         replica_agent: None,
+        open: Default::default(),
     }
 }
 
@@ -107,6 +108,10 @@ impl Rng {
 }
 
 #[test]
+#[allow(
+    clippy::disallowed_methods,
+    reason = "a test reads its knobs and tools from the environment"
+)]
 fn random_sigkills_during_steps_saves_and_restores() {
     let seed: u64 = std::env::var("CKPT_TEST_SEED")
         .ok()

@@ -217,6 +217,13 @@ pub struct TrainArgs {
     /// Failpoints, e.g. after_chunks=kill (also from CKPT_FAILPOINTS).
     #[arg(long, env = "CKPT_FAILPOINTS")]
     pub failpoints: Option<String>,
+    /// Retries of store requests, `attempts=6,min_ms=50,max_ms=5000,timeout_ms=120000`.
+    #[arg(long, hide = true, env = ckpt_store::url::RETRY_ENV)]
+    pub store_retry: Option<String>,
+    /// Random failures injected into store requests (tests and measurements):
+    /// `rate=0.05,seed=7,outage_s=10+5`.
+    #[arg(long, hide = true, env = ckpt_store::url::FAULTS_ENV)]
+    pub store_faults: Option<String>,
     /// What a loss spike, gradient-norm blow-up or NaN does: off; alert (a warning and a
     /// `spike` event; a NaN stops the run, since it poisons every later step); rollback
     /// (restore the newest checkpoint before the spike, skip the batches from it through the
@@ -383,7 +390,11 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
             layout.world()
         )));
     }
-    let mut store = ckpt_store::open(&args.store)?;
+    let open = ckpt_store::OpenOptions::from_values(
+        args.store_retry.as_deref(),
+        args.store_faults.as_deref(),
+    )?;
+    let mut store = ckpt_store::open_with(&args.store, &open)?;
     if let Some(cs) = args.chunk_size {
         let mut cfg = store.config().clone();
         cfg.chunk_size = cs as usize;

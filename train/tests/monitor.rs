@@ -529,6 +529,10 @@ fn ckpt_bin() -> PathBuf {
 }
 
 #[test]
+#[allow(
+    clippy::disallowed_methods,
+    reason = "a test reads its knobs and tools from the environment"
+)]
 fn plot_shows_the_spike_and_the_rollback() {
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("s");

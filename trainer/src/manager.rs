@@ -36,11 +36,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
+use ckpt_recovery::peer::PeerSource;
 use ckpt_store::logs::{EVENTS, LogWriter};
 use ckpt_store::placement::place_rank;
 use ckpt_store::{
-    ChunkCache, Error, ErrorKind, GcOptions, NdBox, PeerSource, Result, StepReader, Store,
-    TensorSpec,
+    ChunkCache, Error, ErrorKind, GcOptions, NdBox, Result, StepReader, Store, TensorSpec,
 };
 use parking_lot::Mutex;
 use serde_json::json;

@@ -23,6 +23,10 @@ use ckpt_trainer::{
 // Helpers
 // ---------------------------------------------------------------------------------------------
 
+#[allow(
+    clippy::disallowed_methods,
+    reason = "a test reads its knobs and tools from the environment"
+)]
 fn gpu(test: &str) -> Option<Arc<Gpu>> {
     match Gpu::open(0) {
         Ok(g) => Some(g),
@@ -36,6 +40,10 @@ fn gpu(test: &str) -> Option<Arc<Gpu>> {
     }
 }
 
+#[allow(
+    clippy::disallowed_methods,
+    reason = "a test reads its knobs and tools from the environment"
+)]
 fn nccl(test: &str) -> bool {
     if cuda::nccl_present() {
         return true;

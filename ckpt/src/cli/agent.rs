@@ -64,9 +64,13 @@ pub struct AgentArgs {
     /// prove the job's secret: CKPT_PEER_SECRET (64 hex digits) of the agents' environment, or
     /// else one the first coordinator makes and hands to the agents through etcd. This is
     /// authentication, not encryption (no TLS): keep the agents on a private network.
-    /// CKPT_PEER_MEMORY_LIMIT (bytes) bounds what it holds (default: a quarter of the memory).
+    /// --peer-memory-limit bounds what it holds.
     #[arg(long)]
     pub peer_replicas: bool,
+    /// With --peer-replicas: the most bytes of snapshots the replica agent holds (arriving
+    /// ones included). Default: a quarter of the machine's memory.
+    #[arg(long, env = ckpt_recovery::peer::MEMORY_LIMIT_ENV, value_parser = super::parse::size)]
+    pub peer_memory_limit: Option<u64>,
     /// Write this node's rank stdout and stderr into this directory.
     #[arg(long)]
     pub logs: Option<PathBuf>,
@@ -134,7 +138,12 @@ impl Report for AgentOutput {
 }
 
 /// Run this node's agent (see the module docs).
-pub async fn agent(url: &str, args: &AgentArgs, _ui: &Ui) -> Result<AgentOutput> {
+pub async fn agent(
+    url: &str,
+    open: &ckpt_store::OpenOptions,
+    args: &AgentArgs,
+    _ui: &Ui,
+) -> Result<AgentOutput> {
     let topology = Topology {
         nodes: args.nodes,
         ranks_per_node: args.ranks_per_node.max(1),
@@ -155,6 +164,11 @@ pub async fn agent(url: &str, args: &AgentArgs, _ui: &Ui) -> Result<AgentOutput>
         join_timeout: args.join_timeout,
         addr: args.addr.clone(),
         peer_replicas: args.peer_replicas,
+        // The secret is read here, at the binary's edge (never from a command line, where
+        // other users of the machine would see it).
+        peer_secret: ckpt_recovery::rank_env::peer_secret_from_env()?,
+        peer_memory_limit: args.peer_memory_limit,
+        open: open.clone(),
     };
     let report = ckpt_recovery::agent::run(opts)
         .await

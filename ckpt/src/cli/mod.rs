@@ -69,6 +69,14 @@ pub struct Cli {
     /// Never draw progress bars (they are hidden anyway when stderr is not a terminal).
     #[arg(long, global = true)]
     pub no_progress: bool,
+    /// Retries of store requests, `attempts=6,min_ms=50,max_ms=5000,timeout_ms=120000` (every
+    /// field optional).
+    #[arg(long, global = true, hide = true, env = ckpt_store::url::RETRY_ENV, value_name = "SPEC")]
+    pub store_retry: Option<String>,
+    /// Random failures injected into store requests below the retries, for tests and
+    /// measurements: `rate=0.05,seed=7,outage_s=10+5`.
+    #[arg(long, global = true, hide = true, env = ckpt_store::url::FAULTS_ENV, value_name = "SPEC")]
+    pub store_faults: Option<String>,
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
@@ -158,9 +166,10 @@ pub fn main(cli: Cli) -> ExitCode {
 /// Run the parsed command line.
 pub fn execute(cli: Cli) -> Result<Outcome> {
     let ui = Ui::new(cli.json, cli.no_progress);
+    let open = cli.open_options()?;
     if let Command::Mount(args) = &cli.command {
         // Blocks until unmounted; the FUSE layer runs its own threads.
-        let store = open_store(cli.store.as_deref())?;
+        let store = open_store(cli.store.as_deref(), &open)?;
         return mount::mount(store, cli.store.as_deref(), args, &ui).map(|()| Outcome::Ok);
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -170,23 +179,40 @@ pub fn execute(cli: Cli) -> Result<Outcome> {
     if let Command::ReplicaAgent(a) = &cli.command {
         return rt.block_on(replica::replica_agent(a)).map(|()| Outcome::Ok);
     }
-    rt.block_on(run(cli.store.as_deref(), cli.command, &ui))
+    rt.block_on(run(cli.store.as_deref(), &open, cli.command, &ui))
+}
+
+impl Cli {
+    /// How the store is opened (`--store-retry`/`CKPT_STORE_RETRY`,
+    /// `--store-faults`/`CKPT_FAULTS`).
+    pub fn open_options(&self) -> Result<ckpt_store::OpenOptions> {
+        ckpt_store::OpenOptions::from_values(
+            self.store_retry.as_deref(),
+            self.store_faults.as_deref(),
+        )
+        .map_err(CliError::from)
+    }
 }
 
 /// Open the store named by `--store` / `CKPT_STORE`.
-pub fn open_store(url: Option<&str>) -> Result<ckpt_store::Store> {
+pub fn open_store(url: Option<&str>, open: &ckpt_store::OpenOptions) -> Result<ckpt_store::Store> {
     let url = url.filter(|u| !u.trim().is_empty()).ok_or_else(|| {
         CliError::usage(
             "no store given: pass --store URL or set CKPT_STORE \
              (a directory, file:///dir, s3://bucket/prefix or memory://)",
         )
     })?;
-    ckpt_store::open(url).map_err(CliError::from)
+    ckpt_store::open_with(url, open).map_err(CliError::from)
 }
 
 /// Run one command against the store at `url`, printing its report to stdout.
-pub async fn run(url: Option<&str>, command: Command, ui: &Ui) -> Result<Outcome> {
-    let store = open_store(url)?;
+pub async fn run(
+    url: Option<&str>,
+    open: &ckpt_store::OpenOptions,
+    command: Command,
+    ui: &Ui,
+) -> Result<Outcome> {
+    let store = open_store(url, open)?;
     let now = ckpt_store::clock::system_now();
     match command {
         Command::Ls(a) => emit(ui, &ls::ls(&store, &a, now, ui).await?),
@@ -210,13 +236,13 @@ pub async fn run(url: Option<&str>, command: Command, ui: &Ui) -> Result<Outcome
         Command::Mount(_) => unreachable!("mount is dispatched before the runtime starts"),
         Command::ReplicaAgent(_) => unreachable!("replica-agent needs no store"),
         Command::Resume(a) => {
-            let r = resume::resume(store.url(), &a, ui).await?;
+            let r = resume::resume(store.url(), open, &a, ui).await?;
             emit(ui, &r)?;
             finished(&a.run, r.report.ok, &r.report.reason)
         }
         #[cfg(feature = "etcd")]
         Command::Agent(a) => {
-            let r = agent::agent(store.url(), &a, ui).await?;
+            let r = agent::agent(store.url(), open, &a, ui).await?;
             emit(ui, &r)?;
             finished(&a.run, r.report.ok, &r.report.reason)
         }

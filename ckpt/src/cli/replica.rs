@@ -1,5 +1,5 @@
 //! `ckpt replica-agent --listen ADDR [--node N] [--buddy ADDR] [--memory-limit SIZE]`: one
-//! node's keeper of peer replicas (see `ckpt_store::peer`). `ckpt resume --peer-replicas`
+//! node's keeper of peer replicas (see `ckpt_recovery::peer`). `ckpt resume --peer-replicas`
 //! starts one per node on loopback; across machines, run one per machine, listening on the
 //! address of the job's private network, and point the ranks at it with `CKPT_PEER_AGENT`,
 //! `CKPT_PEERS` and `CKPT_PEER_SECRET`.
@@ -15,8 +15,8 @@
 //! input `members GEN NODE=ADDR,...` tells it the job's generation and live agents: its buddy
 //! is the next live node's agent, and it keeps copies of the previous one's.
 
-use ckpt_store::peer::{
-    AgentState, MEMORY_LIMIT_ENV, Membership, PeerSecret, SECRET_ENV, default_memory_limit, serve,
+use ckpt_recovery::peer::{
+    AgentState, MEMORY_LIMIT_ENV, Membership, SECRET_ENV, default_memory_limit, serve,
 };
 use tracing::{info, warn};
 
@@ -49,7 +49,7 @@ pub struct ReplicaArgs {
 
 /// Serve until stdin closes or a signal arrives.
 pub async fn replica_agent(args: &ReplicaArgs) -> Result<()> {
-    let secret = PeerSecret::from_env()?.ok_or_else(|| {
+    let secret = ckpt_recovery::rank_env::peer_secret_from_env()?.ok_or_else(|| {
         CliError::error(format!(
             "{SECRET_ENV} is not set: the agent serves only clients that prove the job's secret"
         ))

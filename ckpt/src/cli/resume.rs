@@ -177,7 +177,12 @@ impl Report for ResumeOutput {
 }
 
 /// Supervise the command (see the module docs).
-pub async fn resume(url: &str, args: &ResumeArgs, _ui: &Ui) -> Result<ResumeOutput> {
+pub async fn resume(
+    url: &str,
+    open: &ckpt_store::OpenOptions,
+    args: &ResumeArgs,
+    _ui: &Ui,
+) -> Result<ResumeOutput> {
     let topology = Topology {
         nodes: args.nodes,
         ranks_per_node: args.ranks_per_node.max(1),
@@ -201,6 +206,7 @@ pub async fn resume(url: &str, args: &ResumeArgs, _ui: &Ui) -> Result<ResumeOutp
             ]),
             false => None,
         },
+        open: open.clone(),
     };
     let report = ckpt_recovery::run(opts).await.map_err(CliError::from)?;
     Ok(ResumeOutput { report })

@@ -163,7 +163,7 @@ pub struct PlanMsg {
     /// whose environment has `CKPT_PEER_SECRET` use that instead). Kept in etcd only: never in
     /// the store or a log line (its `Debug` hides it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub peer_secret: Option<ckpt_store::PeerSecret>,
+    pub peer_secret: Option<crate::peer::PeerSecret>,
 }
 
 impl PlanMsg {
@@ -286,7 +286,7 @@ mod tests {
             leader: 0,
             excluded: vec![2],
             restarts: 1,
-            peer_secret: Some(ckpt_store::PeerSecret::from_bytes([9; 32])),
+            peer_secret: Some(crate::peer::PeerSecret::from_bytes([9; 32])),
         };
         let back: PlanMsg = serde_json::from_slice(&serde_json::to_vec(&p).unwrap()).unwrap();
         assert_eq!(back, p);

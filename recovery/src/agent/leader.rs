@@ -104,7 +104,7 @@ pub(super) struct Leader {
     join_deadline: Option<Instant>,
     pub(super) finished: bool,
     /// The replica secret every plan carries (with peer replicas and no `CKPT_PEER_SECRET`).
-    peer_secret: Option<ckpt_store::PeerSecret>,
+    peer_secret: Option<crate::peer::PeerSecret>,
 }
 
 impl Leader {
@@ -118,7 +118,7 @@ impl Leader {
         view: &JobState,
         previous: Option<u32>,
     ) -> Result<(Self, Vec<Action>)> {
-        let store = ckpt_store::open(&opts.store_url)?;
+        let store = ckpt_store::open_with(&opts.store_url, &opts.open)?;
         let writer = format!("leader-{}", opts.node);
         let log = RecoveryLog::new(&store, &opts.run, &writer)?;
         let losses = LossBoard::new(&store, &opts.run, &writer)?;
@@ -152,8 +152,8 @@ impl Leader {
             // job's first coordinator makes one.
             peer_secret: match view.plan.as_ref().and_then(|p| p.peer_secret.clone()) {
                 Some(s) => Some(s),
-                None if opts.peer_replicas && ckpt_store::PeerSecret::from_env()?.is_none() => {
-                    Some(ckpt_store::PeerSecret::generate()?)
+                None if opts.peer_replicas && opts.peer_secret.is_none() => {
+                    Some(crate::peer::PeerSecret::generate()?)
                 }
                 None => None,
             },

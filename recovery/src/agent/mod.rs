@@ -92,12 +92,19 @@ pub struct AgentOptions {
     /// default: the host name.
     pub addr: Option<String>,
     /// Keep peer replicas: this agent also serves as the node's replica agent (see
-    /// `ckpt_store::peer`), registered with the node so every agent's ranks find it. It
+    /// `crate::peer`), registered with the node so every agent's ranks find it. It
     /// listens on `addr` exactly (loopback without one), serves only clients proving the
-    /// job's secret (`CKPT_PEER_SECRET` of the agent's environment, else the one the first
-    /// coordinator put in the plan), and holds at most `CKPT_PEER_MEMORY_LIMIT` bytes (a
-    /// quarter of the machine's memory by default).
+    /// job's secret ([`AgentOptions::peer_secret`], else the one the first coordinator put in
+    /// the plan), and holds at most [`AgentOptions::peer_memory_limit`] bytes.
     pub peer_replicas: bool,
+    /// The job's replica secret, where the agent's launcher has one (`ckpt agent` reads
+    /// `CKPT_PEER_SECRET`); `None`: the one the first coordinator puts in the plan.
+    pub peer_secret: Option<crate::peer::PeerSecret>,
+    /// The most bytes of snapshots the replica agent holds (`None`: a quarter of the
+    /// machine's memory, [`crate::peer::default_memory_limit`]).
+    pub peer_memory_limit: Option<u64>,
+    /// How the agent (and its coordinator) open the store.
+    pub open: ckpt_store::OpenOptions,
 }
 
 impl AgentOptions {
@@ -332,7 +339,7 @@ struct Agent {
     report: Vec<GenerationRun>,
     coordinated: bool,
     /// This node's replica agent, with peer replicas.
-    replicas: Option<Arc<ckpt_store::peer::AgentState>>,
+    replicas: Option<Arc<crate::peer::AgentState>>,
 }
 
 impl Agent {
@@ -526,23 +533,15 @@ impl Agent {
             .local_addr()
             .map_err(|e| Error::io("listening for peer replicas on", &host, e))?
             .port();
-        let limit = match std::env::var(ckpt_store::peer::MEMORY_LIMIT_ENV) {
-            Ok(v) => v.trim().parse::<u64>().map_err(|_| {
-                Error::invalid(format!(
-                    "{} must be a number of bytes, not {v:?}",
-                    ckpt_store::peer::MEMORY_LIMIT_ENV
-                ))
-            })?,
-            Err(_) => ckpt_store::peer::default_memory_limit(),
-        };
-        let state = ckpt_store::peer::AgentState::new(
-            self.opts.node,
-            ckpt_store::PeerSecret::from_env()?,
-            limit,
-        );
+        let limit = self
+            .opts
+            .peer_memory_limit
+            .unwrap_or_else(crate::peer::default_memory_limit);
+        let state =
+            crate::peer::AgentState::new(self.opts.node, self.opts.peer_secret.clone(), limit);
         self.replicas = Some(state.clone());
         tokio::spawn(async move {
-            if let Err(e) = ckpt_store::peer::serve(l, state).await {
+            if let Err(e) = crate::peer::serve(l, state).await {
                 warn!("the replica agent stopped: {e}");
             }
         });
@@ -692,15 +691,15 @@ impl Agent {
             self.launch.peer_agents = self.peer_agents().await?;
             // The secret and membership of the replica agent come from the plan and the
             // registered nodes, never from what a client sends it.
-            let secret = match ckpt_store::PeerSecret::from_env()? {
-                Some(s) => Some(s),
+            let secret = match &self.opts.peer_secret {
+                Some(s) => Some(s.clone()),
                 None => p.peer_secret.clone(),
             };
             if let Some(st) = &self.replicas {
                 if let Some(s) = &secret {
                     st.set_secret(s.clone());
                 }
-                st.set_membership(ckpt_store::peer::Membership::of(
+                st.set_membership(crate::peer::Membership::of(
                     self.opts.node,
                     g,
                     &self.launch.peer_agents,

@@ -17,14 +17,29 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use ckpt_recovery::peer::PeerLink;
 use ckpt_store::direct::AlignedBuf;
 use ckpt_store::{
-    BlobIn, CodecPolicy, DType, DedupIndex, Layout, NdBox, PeerLink, RankWrite, ShardIn, Store,
-    StoreConfig,
+    BlobIn, CodecPolicy, DType, DedupIndex, Layout, NdBox, RankWrite, ShardIn, Store, StoreConfig,
 };
 use ckpt_trainer::workload::{ModelConfig, RankState, TrainConfig};
 use ckpt_trainer::{CheckpointManager, CheckpointerConfig, HostTensor, ManagerConfig, runtime};
 use serde_json::{Value, json};
+
+/// The store's request layers as the environment sets them (`CKPT_STORE_RETRY`,
+/// `CKPT_FAULTS`): read here, at the binary's edge, and handed to the library.
+#[allow(
+    clippy::disallowed_methods,
+    reason = "a binary reads its settings from the environment"
+)]
+fn open_options() -> ckpt_store::OpenOptions {
+    let var = |k| std::env::var(k).ok();
+    ckpt_store::OpenOptions::from_values(
+        var(ckpt_store::url::RETRY_ENV).as_deref(),
+        var(ckpt_store::url::FAULTS_ENV).as_deref(),
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
+}
 
 fn emit(v: Value) {
     println!("{v}");
@@ -434,6 +449,10 @@ fn reset_peak() {
     let _ = std::fs::write("/proc/self/clear_refs", "5");
 }
 
+#[allow(
+    clippy::disallowed_methods,
+    reason = "a binary reads its settings from the environment"
+)]
 fn store_bench(dir: &Path, gib: f64) {
     let total = (gib * (1u64 << 30) as f64) as usize;
     let s = synth(total);
@@ -475,7 +494,7 @@ fn store_bench(dir: &Path, gib: f64) {
             inflight_bytes: (256 << 20).max(chunk * writers * 2 + (16 << 20)),
             ..StoreConfig::default()
         };
-        let store = ckpt_store::open(d.to_str().unwrap())
+        let store = ckpt_store::open_with(d.to_str().unwrap(), &open_options())
             .unwrap()
             .with_config(cfg.clone())
             .unwrap();
@@ -687,7 +706,7 @@ fn bench_job(
     let state: u64 = ranks.iter().map(|r| r.held_bytes()).sum();
     let d = dir.join(name);
     let _ = std::fs::remove_dir_all(&d);
-    let store = ckpt_store::open(d.to_str().unwrap()).unwrap();
+    let store = ckpt_store::open_with(d.to_str().unwrap(), &open_options()).unwrap();
     (model, train, ranks, state, store)
 }
 
@@ -889,6 +908,7 @@ fn recovery_bench(dir: &Path, params: &str, how: &str) {
         replica_agent: how
             .ends_with("peers")
             .then(ckpt_tests::replica_agent_command),
+        open: open_options(),
     };
     let t0 = Instant::now();
     let sup = ckpt_tests::spawn_supervisor(opts);
@@ -999,7 +1019,7 @@ fn peers_bench(dir: &Path, params: u64) {
     use std::io::BufRead;
     let layout: Layout = "tp=2".parse().unwrap();
     let (model, train, ranks, state, store) = bench_job(dir, "peers-store", params, layout, 4);
-    let secret = ckpt_store::PeerSecret::generate().unwrap();
+    let secret = ckpt_recovery::PeerSecret::generate().unwrap();
     let mut agents = Vec::new();
     for node in 0..2 {
         let mut c = std::process::Command::new(ckpt_tests::bin("ckpt", "ckpt"))
@@ -1011,7 +1031,7 @@ fn peers_bench(dir: &Path, params: u64) {
                 "--node",
             ])
             .arg(node.to_string())
-            .env(ckpt_store::peer::SECRET_ENV, secret.to_hex())
+            .env(ckpt_recovery::peer::SECRET_ENV, secret.to_hex())
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
             .spawn()
@@ -1033,7 +1053,7 @@ fn peers_bench(dir: &Path, params: u64) {
         .collect();
     for (c, _) in &mut agents {
         use std::io::Write;
-        let line = ckpt_store::peer::Membership::line(1, &members);
+        let line = ckpt_recovery::peer::Membership::line(1, &members);
         c.stdin
             .as_mut()
             .unwrap()
@@ -1045,7 +1065,7 @@ fn peers_bench(dir: &Path, params: u64) {
             node: r,
             agent: addrs[r as usize].clone(),
             peers: vec![addrs[0].clone()],
-            timeout: ckpt_store::peer::IO_TIMEOUT,
+            timeout: ckpt_recovery::peer::IO_TIMEOUT,
             secret: secret.clone(),
         })
     };
@@ -1059,7 +1079,7 @@ fn peers_bench(dir: &Path, params: u64) {
             .iter()
             .map(|a| {
                 runtime()
-                    .block_on(ckpt_store::peer::holdings(a, &secret))
+                    .block_on(ckpt_recovery::peer::holdings(a, &secret))
                     .unwrap()
                     .bytes
             })
@@ -1161,7 +1181,14 @@ fn faults_bench(dir: &Path, mib: usize) {
             hang: Duration::from_secs(3600),
             ..RandomFaults::new(0.05, 42)
         };
-        let store = ckpt_store::url::open_with(&url, retry.clone(), Some(faults)).unwrap();
+        let store = ckpt_store::open_with(
+            &url,
+            &ckpt_store::OpenOptions {
+                retry: retry.clone(),
+                faults: Some(faults),
+            },
+        )
+        .unwrap();
         let t0 = Instant::now();
         let (mut m, ts) = fault_manager(&store, "faults", mib);
         let steps = 20u64;
@@ -1219,7 +1246,14 @@ fn faults_bench(dir: &Path, mib: usize) {
         outage: Some((Duration::from_secs(2), Duration::from_secs(10))),
         ..RandomFaults::new(0.0, 1)
     };
-    let store = ckpt_store::url::open_with("memory://", retry, Some(outage)).unwrap();
+    let store = ckpt_store::open_with(
+        "memory://",
+        &ckpt_store::OpenOptions {
+            retry,
+            faults: Some(outage),
+        },
+    )
+    .unwrap();
     let (mut m, ts) = fault_manager(&store, "outage", mib.min(16));
     let t0 = Instant::now();
     let mut trained = 0;

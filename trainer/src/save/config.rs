@@ -4,7 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use ckpt_store::{Layout, PeerLink};
+use ckpt_recovery::peer::PeerLink;
+use ckpt_store::Layout;
 use serde::Serialize;
 
 use crate::staging::StagingPool;
@@ -49,7 +50,7 @@ pub struct CheckpointerConfig {
     pub back_pressure: BackPressure,
     /// How long the committer waits for the other ranks' manifests.
     pub commit_timeout: Duration,
-    /// Hand every snapshot to a replica agent as well (see [`ckpt_store::peer`]); `None` by
+    /// Hand every snapshot to a replica agent as well (see [`ckpt_recovery::peer`]); `None` by
     /// default. A rank under `ckpt resume --peer-replicas` gets it from its driver:
     /// `ckpt_recovery::RankEnv::peer_link`.
     pub peer: Option<PeerLink>,

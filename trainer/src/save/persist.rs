@@ -6,9 +6,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use ckpt_recovery::peer::PeerUpload;
 use ckpt_store::{
-    BlobIn, ChunkRef, DedupBase, DedupIndex, Error, ErrorKind, PeerUpload, RankWrite, Result,
-    ShardMeta, Store, WriterLease,
+    BlobIn, ChunkRef, DedupBase, DedupIndex, Error, ErrorKind, RankWrite, Result, ShardMeta, Store,
+    WriterLease,
 };
 use parking_lot::Mutex;
 use tracing::{debug, info, warn};

@@ -1,11 +1,11 @@
-//! The replica agent's frame decoder (`ckpt_store::peer::read_frame` and `read_chunk_body`,
+//! The replica agent's frame decoder (`ckpt_recovery::peer::read_frame` and `read_chunk_body`,
 //! what an agent runs on every authenticated connection) fed arbitrary bytes and mutated valid
 //! frame streams: a clear error or the frames that were sent, never a panic, and never an
 //! allocation larger than the bytes read justify (a counting allocator watches every
 //! allocation the decoder makes). `PROPTEST_CASES` sets the number of cases (3000 by default).
 
 use bytes::Bytes;
-use ckpt_store::peer::{
+use ckpt_recovery::peer::{
     Frame, MAX_CHUNK, Membership, begin_frame, chunk_head, end_frame, read_chunk_body, read_frame,
 };
 use ckpt_store::testing::{BiggestAlloc, biggest_alloc, proptest_cases};

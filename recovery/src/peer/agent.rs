@@ -1,0 +1,431 @@
+//! The agent: what it holds and knows, its server, the copy to its buddy.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use ckpt_store::{ChunkId, Error, Result};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
+use tokio::net::{TcpListener, TcpStream};
+use tracing::{debug, info, warn};
+
+use super::auth::{Role, accept_handshake, connect};
+use super::wire::{Begin, Frame, chunk_head, end_frame, expect_kept, read_chunk_body, read_frame};
+use super::{HANDSHAKE_TIMEOUT, IO_TIMEOUT, MEMORY_LIMIT_ENV, Membership, PeerSecret, net, proto};
+
+struct Snapshot {
+    generation: u64,
+    step: u64,
+    bytes: u64,
+    chunks: HashMap<ChunkId, Bytes>,
+}
+
+#[derive(Default)]
+struct Held {
+    snaps: HashMap<(u32, u32), Snapshot>,
+    /// Bytes of the snapshots held.
+    held: u64,
+    /// Bytes of snapshots still arriving (reserved before each chunk is read).
+    inflight: u64,
+}
+
+/// What an agent holds and knows, shared by its connections.
+pub struct AgentState {
+    node: u32,
+    limit: u64,
+    secret: RwLock<Option<PeerSecret>>,
+    members: RwLock<Membership>,
+    held: Mutex<Held>,
+}
+
+/// An agent's holdings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub struct Holdings {
+    /// Snapshots (one per node and rank).
+    pub snapshots: u64,
+    /// Chunks.
+    pub chunks: u64,
+    /// Raw bytes.
+    pub bytes: u64,
+}
+
+impl AgentState {
+    /// A new, empty agent of node `node` that serves clients proving `secret` (nobody while it
+    /// is `None`: see [`AgentState::set_secret`]) and holds at most `limit` bytes of snapshots
+    /// (arriving ones included).
+    pub fn new(node: u32, secret: Option<PeerSecret>, limit: u64) -> Arc<Self> {
+        Arc::new(AgentState {
+            node,
+            limit,
+            secret: RwLock::new(secret),
+            members: RwLock::new(Membership::default()),
+            held: Mutex::new(Held::default()),
+        })
+    }
+
+    /// Set the job's secret (an etcd agent learns it from the job's plan).
+    pub fn set_secret(&self, secret: PeerSecret) {
+        *self.secret.write().expect("secret") = Some(secret);
+    }
+
+    /// Set what the agent knows of the job (its launch configuration, then each plan).
+    pub fn set_membership(&self, m: Membership) {
+        info!(
+            node = self.node,
+            generation = ?m.generation,
+            buddy = ?m.buddy,
+            wards = ?m.wards,
+            "replica agent membership"
+        );
+        *self.members.write().expect("members") = m;
+    }
+
+    /// What the agent knows of the job.
+    pub fn membership(&self) -> Membership {
+        self.members.read().expect("members").clone()
+    }
+
+    /// The memory limit (bytes).
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+
+    /// What it holds.
+    pub fn holdings(&self) -> Holdings {
+        let h = self.held.lock().expect("agent");
+        Holdings {
+            snapshots: h.snaps.len() as u64,
+            chunks: h.snaps.values().map(|s| s.chunks.len() as u64).sum(),
+            bytes: h.held,
+        }
+    }
+
+    /// The chunk `id`, from any snapshot held.
+    pub fn get(&self, id: &ChunkId) -> Option<Bytes> {
+        let h = self.held.lock().expect("agent");
+        h.snaps.values().find_map(|s| s.chunks.get(id).cloned())
+    }
+
+    /// May a client of `role` hand over a snapshot of (`node`, `generation`)? An agent keeps
+    /// its own ranks' snapshots and those of the nodes it keeps copies for, of generations up
+    /// to the job's current one.
+    fn admit(&self, role: Role, node: u32, generation: u64) -> Result<()> {
+        let m = self.members.read().expect("members");
+        if let Some(g) = m.generation
+            && generation > g
+        {
+            return Err(Error::invalid(format!(
+                "a snapshot of generation {generation} is refused: the job is at generation {g}"
+            )));
+        }
+        let ok = match role {
+            Role::Rank => node == self.node,
+            Role::Agent => node != self.node && m.wards.as_ref().is_none_or(|w| w.contains(&node)),
+        };
+        if !ok {
+            return Err(Error::invalid(format!(
+                "a snapshot of node {node} from {} is refused: the agent of node {} keeps its own \
+                 ranks' snapshots and copies of nodes {:?} only",
+                match role {
+                    Role::Rank => "a rank",
+                    Role::Agent => "a peer agent",
+                },
+                self.node,
+                m.wards
+            )));
+        }
+        Ok(())
+    }
+
+    /// Reserve room for `n` more bytes of an arriving snapshot, within the memory limit.
+    fn reserve(&self, n: u64) -> Result<()> {
+        let mut h = self.held.lock().expect("agent");
+        if h.held + h.inflight + n > self.limit {
+            return Err(Error::invalid(format!(
+                "memory limit: a chunk of {n} bytes is refused ({} bytes held, {} arriving, \
+                 limit {}; --memory-limit or {MEMORY_LIMIT_ENV} raise it)",
+                h.held, h.inflight, self.limit
+            )));
+        }
+        h.inflight += n;
+        Ok(())
+    }
+
+    fn release(&self, n: u64) {
+        let mut h = self.held.lock().expect("agent");
+        h.inflight = h.inflight.saturating_sub(n);
+    }
+
+    /// Keep `snap` (whose `reserved` bytes were reserved) as the newest of (node, rank) unless
+    /// a newer one is held; a snapshot of a newer generation drops every snapshot of older ones
+    /// (their layout is gone, and the new generation restored before it saved).
+    fn insert(&self, node: u32, rank: u32, snap: Snapshot, reserved: u64) {
+        let mut h = self.held.lock().expect("agent");
+        h.inflight = h.inflight.saturating_sub(reserved);
+        let mut dropped = 0;
+        h.snaps.retain(|_, s| {
+            let keep = s.generation >= snap.generation;
+            if !keep {
+                dropped += s.bytes;
+            }
+            keep
+        });
+        h.held -= dropped;
+        match h.snaps.get(&(node, rank)) {
+            Some(old) if (old.generation, old.step) > (snap.generation, snap.step) => {}
+            _ => {
+                h.held += snap.bytes;
+                if let Some(old) = h.snaps.insert((node, rank), snap) {
+                    h.held -= old.bytes;
+                }
+            }
+        }
+    }
+
+    fn secret(&self) -> Option<PeerSecret> {
+        self.secret.read().expect("secret").clone()
+    }
+}
+
+/// Serve agent connections on `listener` until the task is dropped.
+pub async fn serve(listener: TcpListener, state: Arc<AgentState>) -> Result<()> {
+    loop {
+        let (sock, from) = listener
+            .accept()
+            .await
+            .map_err(|e| net("accepting a connection", "agent", e))?;
+        let _ = sock.set_nodelay(true);
+        let state = state.clone();
+        tokio::spawn(async move {
+            if let Err(e) = connection(sock, state, from).await {
+                debug!(%from, "agent connection ended: {e}");
+            }
+        });
+    }
+}
+
+/// A snapshot arriving on a connection; what it reserved goes back if it never ends.
+struct Incoming {
+    node: u32,
+    rank: u32,
+    generation: u64,
+    step: u64,
+    /// Forward to the buddy (it came from one of this node's ranks).
+    forward: bool,
+    chunks: Vec<(u32, Bytes)>,
+    reserved: u64,
+    state: Arc<AgentState>,
+}
+
+impl Drop for Incoming {
+    fn drop(&mut self) {
+        if self.reserved > 0 {
+            self.state.release(self.reserved);
+        }
+    }
+}
+
+async fn connection(
+    mut sock: TcpStream,
+    state: Arc<AgentState>,
+    from: std::net::SocketAddr,
+) -> Result<()> {
+    let secret = state.secret();
+    let role = match tokio::time::timeout(
+        HANDSHAKE_TIMEOUT,
+        accept_handshake(&mut sock, secret.as_ref()),
+    )
+    .await
+    {
+        Ok(Ok(role)) => role,
+        Ok(Err(e)) => {
+            warn!(%from, "replica agent: connection refused: {e}");
+            return Ok(());
+        }
+        Err(_) => {
+            warn!(%from, "replica agent: connection refused: no answer to the challenge in time");
+            return Ok(());
+        }
+    };
+    let (r, w) = sock.into_split();
+    let mut r = BufReader::with_capacity(1 << 20, r);
+    let mut w = BufWriter::new(w);
+    let mut cur: Option<Incoming> = None;
+    let refused = |e: Error| {
+        warn!(%from, "replica agent: {e}");
+        e
+    };
+    loop {
+        let max_ids = cur.as_ref().map_or(0, |c| c.chunks.len());
+        let Some(frame) = read_frame(&mut r, max_ids).await? else {
+            return Ok(());
+        };
+        match frame {
+            Frame::Begin {
+                node,
+                rank,
+                generation,
+                step,
+            } => {
+                state.admit(role, node, generation).map_err(refused)?;
+                cur = Some(Incoming {
+                    node,
+                    rank,
+                    generation,
+                    step,
+                    forward: role == Role::Rank,
+                    chunks: Vec::new(),
+                    reserved: 0,
+                    state: state.clone(),
+                });
+            }
+            Frame::Chunk { seq, len } => {
+                let Some(c) = cur.as_mut() else {
+                    return Err(proto("a chunk outside a snapshot"));
+                };
+                state.reserve(len).map_err(|e| {
+                    warn!(%from, node = c.node, rank = c.rank, step = c.step, "replica agent: {e}");
+                    e
+                })?;
+                c.reserved += len;
+                let data = read_chunk_body(&mut r, len).await?;
+                c.chunks.push((seq, data));
+            }
+            Frame::End { ids } => {
+                let Some(c) = cur.take() else {
+                    return Err(proto("a snapshot end without its start"));
+                };
+                finish(&state, c, ids);
+                let we = |err| net("answering", "agent connection", err);
+                w.write_u8(b'O').await.map_err(we)?;
+                w.flush().await.map_err(we)?;
+            }
+            Frame::Abandon => cur = None,
+            Frame::Get(id) => {
+                let we = |err| net("answering", "agent connection", err);
+                match state.get(&id) {
+                    Some(b) => {
+                        w.write_u8(b'Y').await.map_err(we)?;
+                        w.write_u64_le(b.len() as u64).await.map_err(we)?;
+                        w.write_all(&b).await.map_err(we)?;
+                    }
+                    None => w.write_u8(b'N').await.map_err(we)?,
+                }
+                w.flush().await.map_err(we)?;
+            }
+            Frame::Holdings => {
+                let h = state.holdings();
+                let we = |err| net("answering", "agent connection", err);
+                for v in [h.snapshots, h.chunks, h.bytes] {
+                    w.write_u64_le(v).await.map_err(we)?;
+                }
+                w.flush().await.map_err(we)?;
+            }
+        }
+    }
+}
+
+/// A snapshot arrived whole: keep it and, when it is one of this node's, forward it to the
+/// buddy the agent's membership names.
+fn finish(state: &Arc<AgentState>, mut c: Incoming, ids: Vec<ChunkId>) {
+    let mut chunks = HashMap::with_capacity(c.chunks.len());
+    let mut ordered = Vec::with_capacity(c.chunks.len());
+    for (seq, b) in std::mem::take(&mut c.chunks) {
+        if let Some(id) = ids.get(seq as usize) {
+            chunks.insert(*id, b.clone());
+            ordered.push((seq, b));
+        }
+    }
+    let bytes: u64 = chunks.values().map(|b| b.len() as u64).sum();
+    info!(
+        node = c.node,
+        rank = c.rank,
+        step = c.step,
+        chunks = chunks.len(),
+        bytes,
+        "snapshot held"
+    );
+    let reserved = std::mem::take(&mut c.reserved);
+    state.insert(
+        c.node,
+        c.rank,
+        Snapshot {
+            generation: c.generation,
+            step: c.step,
+            bytes,
+            chunks,
+        },
+        reserved,
+    );
+    let buddy = match (c.forward, state.membership().buddy, state.secret()) {
+        (true, Some(b), Some(s)) => (b, s),
+        _ => return,
+    };
+    let head = Begin {
+        node: c.node,
+        rank: c.rank,
+        generation: c.generation,
+        step: c.step,
+    };
+    tokio::spawn(async move {
+        let (addr, secret) = buddy;
+        let fwd = forward(&addr, &secret, &head, &ordered, &ids);
+        // A buddy that stops reading must not pin old snapshots here for ever.
+        let limit = IO_TIMEOUT + Duration::from_secs(ordered.len() as u64);
+        let res = tokio::time::timeout(limit, fwd)
+            .await
+            .unwrap_or_else(|_| Err(Error::internal("the buddy agent stopped taking the copy")));
+        if let Err(e) = res {
+            warn!(buddy = %addr, rank = head.rank, step = head.step, "copy to the buddy agent failed: {e}");
+        }
+    });
+}
+
+async fn forward(
+    addr: &str,
+    secret: &PeerSecret,
+    head: &Begin,
+    chunks: &[(u32, Bytes)],
+    ids: &[ChunkId],
+) -> Result<()> {
+    let s = connect(addr, secret, Role::Agent).await?;
+    let mut w = BufWriter::with_capacity(1 << 20, s);
+    let e = |e| net("copying a snapshot to", addr, e);
+    w.write_all(&head.encode()).await.map_err(e)?;
+    for (seq, b) in chunks {
+        w.write_all(&chunk_head(*seq, b.len())).await.map_err(e)?;
+        w.write_all(b).await.map_err(e)?;
+    }
+    w.write_all(&end_frame(ids)).await.map_err(e)?;
+    w.flush().await.map_err(e)?;
+    let mut s = w.into_inner();
+    expect_kept(s.read_u8().await, addr)?;
+    s.shutdown().await.map_err(e)?;
+    Ok(())
+}
+
+/// Ask the agent at `addr` what it holds.
+pub async fn holdings(addr: &str, secret: &PeerSecret) -> Result<Holdings> {
+    let mut s = connect(addr, secret, Role::Rank).await?;
+    let e = |e| net("asking the agent", addr, e);
+    s.write_u8(b'S').await.map_err(e)?;
+    Ok(Holdings {
+        snapshots: s.read_u64_le().await.map_err(e)?,
+        chunks: s.read_u64_le().await.map_err(e)?,
+        bytes: s.read_u64_le().await.map_err(e)?,
+    })
+}
+
+/// The default memory limit of an agent: a quarter of the machine's memory (`MemTotal`), or
+/// 4 GiB where that is unknown.
+pub fn default_memory_limit() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(4 << 30, |kib| kib * 1024 / 4)
+}

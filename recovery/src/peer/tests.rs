@@ -1,0 +1,242 @@
+//! The agent, the upload and the source together over loopback.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use ckpt_store::{ChunkId, ChunkRef, ChunkSource};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use super::auth::{Role, connect};
+use super::*;
+
+fn secret() -> PeerSecret {
+    PeerSecret::from_bytes([7; 32])
+}
+
+async fn agent_of(node: u32) -> (String, Arc<AgentState>) {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let st = AgentState::new(node, Some(secret()), u64::MAX);
+    tokio::spawn(serve(l, st.clone()));
+    (addr, st)
+}
+
+async fn agent() -> (String, Arc<AgentState>) {
+    agent_of(0).await
+}
+
+fn chunk(data: &[u8]) -> ChunkRef {
+    ChunkRef {
+        id: ChunkId::of(data),
+        len: data.len() as u32,
+        stored: data.len() as u32,
+        codec: ckpt_store::codec::Codec::Raw,
+        pack: None,
+        offset: 0,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_reaches_the_agent_and_its_buddy_and_is_served_by_id() {
+    let (a, sa) = agent_of(0).await;
+    let (b, sb) = agent_of(1).await;
+    let agents = [(0, a.clone()), (1, b.clone())];
+    sa.set_membership(Membership::of(0, 1, &agents));
+    sb.set_membership(Membership::of(1, 1, &agents));
+    let link = PeerLink {
+        node: 0,
+        agent: a.clone(),
+        peers: vec![a.clone(), b.clone()],
+        timeout: IO_TIMEOUT,
+        secret: secret(),
+    };
+    let data: Vec<Vec<u8>> = (0..5u8).map(|i| vec![i; 1000 + i as usize]).collect();
+    let ids: Vec<ChunkId> = data.iter().map(|d| ChunkId::of(d)).collect();
+    let up = PeerUpload::start(&link, 1, 3, 7, 2);
+    for d in &data {
+        up.chunk(Bytes::from(d.clone())).await;
+    }
+    let sent = up.finish(ids).await.unwrap();
+    assert_eq!(sent, data.iter().map(|d| d.len() as u64).sum::<u64>());
+    // The buddy's copy arrives asynchronously.
+    for _ in 0..200 {
+        if sb.holdings().chunks == 5 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(sa.holdings().chunks, 5);
+    assert_eq!(sb.holdings(), sa.holdings());
+    assert_eq!(holdings(&b, &secret()).await.unwrap(), sb.holdings());
+
+    // Served by id from the buddy alone (the node's agent is gone), nothing for others.
+    let src = PeerSource::new(&["127.0.0.1:1".to_string(), b.clone()], &secret());
+    for d in &data {
+        assert_eq!(src.fetch(&chunk(d)).await.unwrap(), Bytes::from(d.clone()));
+    }
+    assert!(src.fetch(&chunk(b"not there")).await.is_none());
+    assert_eq!(src.served_bytes(), sent);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_snapshot_is_not_kept_and_newer_generations_replace_older() {
+    let (a, sa) = agent_of(1).await;
+    let link = PeerLink {
+        node: 1,
+        agent: a.clone(),
+        peers: vec![a.clone()],
+        timeout: IO_TIMEOUT,
+        secret: secret(),
+    };
+    let up = PeerUpload::start(&link, 1, 0, 1, 4);
+    up.chunk(Bytes::from_static(b"half")).await;
+    drop(up);
+    let up = PeerUpload::start(&link, 1, 0, 2, 4);
+    up.chunk(Bytes::from_static(b"old generation")).await;
+    up.finish(vec![ChunkId::of(b"old generation")])
+        .await
+        .unwrap();
+    let up = PeerUpload::start(&link, 2, 5, 3, 4);
+    up.chunk(Bytes::from_static(b"new generation")).await;
+    up.finish(vec![ChunkId::of(b"new generation")])
+        .await
+        .unwrap();
+    // A wrong count is refused and nothing of it is kept.
+    let up = PeerUpload::start(&link, 2, 5, 4, 4);
+    up.chunk(Bytes::from_static(b"x")).await;
+    assert!(up.finish(vec![]).await.is_err());
+    drop(up);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(sa.get(&ChunkId::of(b"half")).is_none());
+    assert!(sa.get(&ChunkId::of(b"old generation")).is_none());
+    assert!(sa.get(&ChunkId::of(b"new generation")).is_some());
+    assert_eq!(sa.holdings().snapshots, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wedged_agent_holds_up_neither_a_persist_nor_a_restore() {
+    // Accepts connections, never reads or answers (a SIGSTOPped agent looks like this).
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let held = Arc::new(Mutex::new(Vec::new()));
+    let h2 = held.clone();
+    tokio::spawn(async move {
+        while let Ok((s, _)) = l.accept().await {
+            h2.lock().unwrap().push(s);
+        }
+    });
+    let t = Duration::from_millis(300);
+    let link = PeerLink {
+        node: 0,
+        agent: addr.clone(),
+        peers: vec![addr.clone()],
+        timeout: t,
+        secret: secret(),
+    };
+    let t0 = std::time::Instant::now();
+    let up = PeerUpload::start(&link, 0, 0, 1, 2);
+    let big = Bytes::from(vec![7u8; 4 << 20]);
+    for _ in 0..16 {
+        up.chunk(big.clone()).await; // 64 MiB: far past the socket buffers
+    }
+    assert!(up.finish(vec![ChunkId::of(&big); 16]).await.is_err());
+    let src = PeerSource::with_timeout(&[addr], &secret(), t);
+    assert!(src.fetch(&chunk(&big)).await.is_none());
+    assert!(
+        src.fetch(&chunk(&big)).await.is_none(),
+        "given up, not asked again"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+}
+
+/// An authenticated connection, as a rank.
+async fn authed(addr: &str) -> TcpStream {
+    connect(addr, &secret(), Role::Rank).await.unwrap()
+}
+
+#[tokio::test]
+async fn hostile_frames_end_the_connection_without_allocating() {
+    let (a, sa) = agent().await;
+    let mut s = authed(&a).await;
+    s.write_all(&chunk_head(0, 0)).await.unwrap(); // a chunk outside a snapshot
+    let mut s2 = authed(&a).await;
+    let mut f = begin_frame(0, 0, 0, 0);
+    f.extend_from_slice(&chunk_head(0, 0)[..5]);
+    f.extend_from_slice(&u64::MAX.to_le_bytes());
+    s2.write_all(&f).await.unwrap();
+    let mut one = [0u8; 1];
+    assert_eq!(s.read(&mut one).await.unwrap(), 0, "closed");
+    assert_eq!(s2.read(&mut one).await.unwrap(), 0, "closed");
+    assert_eq!(sa.holdings(), Holdings::default());
+}
+
+#[tokio::test]
+async fn the_memory_limit_and_the_membership_bound_what_an_agent_takes() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let a = l.local_addr().unwrap().to_string();
+    let st = AgentState::new(2, Some(secret()), 10_000);
+    tokio::spawn(serve(l, st.clone()));
+    st.set_membership(Membership::parse_line(2, "members 5 1=x:1,2=y:2,3=z:3").unwrap());
+    assert_eq!(st.membership().buddy.as_deref(), Some("z:3"));
+    assert_eq!(st.membership().wards, Some(vec![1]));
+    let link = PeerLink {
+        node: 2,
+        agent: a.clone(),
+        peers: vec![a.clone()],
+        timeout: IO_TIMEOUT,
+        secret: secret(),
+    };
+    let send = |generation, step, data: Vec<u8>| {
+        let link = link.clone();
+        async move {
+            let up = PeerUpload::start(&link, generation, 0, step, 4);
+            let id = ChunkId::of(&data);
+            up.chunk(Bytes::from(data)).await;
+            up.finish(vec![id]).await
+        }
+    };
+    // Beyond the limit: refused, nothing kept, nothing left reserved.
+    assert!(send(5, 1, vec![1; 20_000]).await.is_err());
+    assert_eq!(st.holdings(), Holdings::default());
+    // A generation later than the job's: refused (it would evict everything).
+    assert!(send(6, 1, vec![2; 100]).await.is_err());
+    send(5, 2, vec![3; 6_000]).await.unwrap();
+    assert_eq!(st.holdings().bytes, 6_000);
+    // The next snapshot of the same rank needs room next to the one it replaces.
+    assert!(send(5, 3, vec![4; 6_000]).await.is_err());
+    send(5, 3, vec![4; 3_000]).await.unwrap();
+    assert_eq!(st.holdings().bytes, 3_000);
+    // A rank of another node cannot park its snapshot here.
+    let mut other = link.clone();
+    other.node = 7;
+    let up = PeerUpload::start(&other, 5, 0, 9, 4);
+    up.chunk(Bytes::from_static(b"x")).await;
+    assert!(up.finish(vec![ChunkId::of(b"x")]).await.is_err());
+    assert_eq!(st.holdings().snapshots, 1);
+    assert!(Membership::parse_line(0, "members x").is_err());
+    assert!(Membership::parse_line(0, "hello 1 0=a").is_err());
+}
+
+#[tokio::test]
+async fn a_client_without_the_secret_is_refused_and_an_impostor_agent_is_noticed() {
+    let (a, _) = agent().await;
+    let wrong = PeerSecret::from_bytes([8; 32]);
+    let e = connect(&a, &wrong, Role::Rank).await.unwrap_err();
+    assert!(e.to_string().contains("CKPT_PEER_SECRET"), "{e}");
+    assert!(holdings(&a, &wrong).await.is_err());
+    // A client knowing the secret notices an agent that does not.
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let b = l.local_addr().unwrap().to_string();
+    let st = AgentState::new(0, Some(wrong), u64::MAX);
+    tokio::spawn(serve(l, st));
+    assert!(connect(&b, &secret(), Role::Rank).await.is_err());
+    // Secrets: hex round trip, no text in errors or Debug.
+    let s = PeerSecret::generate().unwrap();
+    assert_eq!(PeerSecret::from_hex(&s.to_hex()).unwrap(), s);
+    assert!(!format!("{s:?}").contains(&s.to_hex()[..8]));
+    let bad = "zz".repeat(32);
+    let e = PeerSecret::from_hex(&bad).unwrap_err();
+    assert!(!e.to_string().contains("zz"), "{e}");
+}
