@@ -59,6 +59,7 @@ pub mod pack;
 pub mod peer;
 pub mod placement;
 pub mod read;
+pub mod records;
 pub mod retry;
 pub mod st_view;
 pub mod store;
