@@ -459,8 +459,14 @@ fn beat_json() -> impl Strategy<Value = Vec<u8>> {
         prop_oneof![any::<u64>(), Just(u64::MAX), 0..10u64],
     )
         .prop_map(|(g, r, s, sse, gsq, n)| {
-            serde_json::to_vec(&json!({"g": g % 3, "r": r, "s": s, "sse": sse, "gsq": gsq, "n": n}))
-                .unwrap()
+            serde_json::to_vec(&json!({"generation": g % 3, "rank": r, "step": s, "workload": {
+                "sums": {"sse": sse, "gsq": gsq, "n": n.to_string()},
+                "figures": [
+                    {"curve": "loss", "sum": "sse", "per": "n", "scale": 1099511627776.0},
+                    {"curve": "grad_norm", "sum": "gsq", "scale": 1099511627776.0, "sqrt": true},
+                ],
+            }}))
+            .unwrap()
         })
 }
 
@@ -489,9 +495,9 @@ proptest! {
             let (b, biggest) = biggest_alloc(|| serde_json::from_slice::<Beat>(&datagram));
             prop_assert!(biggest <= justified(datagram.len()));
             if let Ok(b) = b
-                && let (Some(sse), Some(gsq), Some(n)) = (&b.sse, &b.gsq, b.n)
+                && let Some(w) = &b.workload
             {
-                rt.block_on(board.add(b.g, b.s, sse, gsq, n, world)).unwrap();
+                rt.block_on(board.add(b.generation, b.step, w, world)).unwrap();
             }
         }
         rt.block_on(board.flush());

@@ -43,6 +43,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use ckpt_store::Layout;
+use ckpt_store::records;
 use serde::{Deserialize, Serialize};
 
 /// Nodes and ranks.
@@ -197,99 +198,10 @@ pub struct Assignment {
     pub local_rank: u32,
 }
 
-/// A record of the recovery log.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-pub enum Record {
-    /// A generation started.
-    Started {
-        /// Generation.
-        generation: u64,
-        /// Layout.
-        layout: String,
-        /// Nodes in use.
-        nodes: Vec<u32>,
-        /// The step restored from.
-        resume_from: Option<u64>,
-        /// Milliseconds since the supervisor started.
-        at_ms: u64,
-    },
-    /// A rank failed.
-    Failure {
-        /// Generation.
-        generation: u64,
-        /// Rank.
-        rank: u32,
-        /// Its node (excluded from now on).
-        node: u32,
-        /// `exit`, `signal`, `heartbeat`, `hang`, `startup`, or `node` (found lost when a
-        /// coordinator took over).
-        how: String,
-        /// Details.
-        detail: String,
-        /// The last step the rank reported.
-        last_step: Option<u64>,
-        /// Seconds from the failure's evidence (last heartbeat or progress) to detection;
-        /// 0 for exits, which are seen at once.
-        detection_s: f64,
-        /// Milliseconds since the supervisor started.
-        at_ms: u64,
-    },
-    /// A committed step cannot be restored: an object is missing or damaged. It is never
-    /// chosen again, and is retired once an older step is chosen.
-    StepUnusable {
-        /// Generation that found it.
-        generation: u64,
-        /// The step.
-        step: u64,
-        /// The rank whose restore failed, or `None` when the driver found it while choosing.
-        rank: Option<u32>,
-        /// What is missing or damaged.
-        why: String,
-        /// Milliseconds since the supervisor started.
-        at_ms: u64,
-    },
-    /// What recovery decided (logged as `recovery`).
-    #[serde(rename = "recovery")]
-    Decision {
-        /// Generation that failed.
-        generation: u64,
-        /// Surviving usable nodes.
-        nodes: Vec<u32>,
-        /// The new layout.
-        layout: String,
-        /// The step to restore.
-        step: Option<u64>,
-        /// Steps trained past that step and lost.
-        steps_lost: u64,
-        /// The restart delay.
-        backoff_s: f64,
-        /// Milliseconds since the supervisor started.
-        at_ms: u64,
-    },
-    /// The first step after a restart completed.
-    Resumed {
-        /// Generation.
-        generation: u64,
-        /// The step completed.
-        step: u64,
-        /// Seconds from the failure's detection to this step.
-        since_failure_s: f64,
-        /// Milliseconds since the supervisor started.
-        at_ms: u64,
-    },
-    /// The job ended.
-    Finished {
-        /// Whether it completed.
-        ok: bool,
-        /// Why it ended.
-        reason: String,
-        /// Restarts made.
-        restarts: u32,
-        /// Milliseconds since the supervisor started.
-        at_ms: u64,
-    },
-}
+/// A record of the recovery log: the coordinator emits the `events` log's recovery records
+/// (`started`, `failure`, `step_unusable`, `recovery`, `resumed`, `finished`), the types of
+/// [`ckpt_store::records`] that the drivers write and the CLI reads back.
+pub type Record = ckpt_store::records::Event;
 
 /// What the driver must do.
 #[derive(Debug, Clone, PartialEq)]
@@ -580,7 +492,7 @@ impl Coordinator {
         let mut out = Vec::new();
         for (node, (rank, how, detail)) in failed {
             c.excluded.insert(node);
-            out.push(Action::Record(Record::Failure {
+            out.push(Action::Record(Record::Failure(records::Failure {
                 generation: c.generation,
                 rank,
                 node,
@@ -589,7 +501,7 @@ impl Coordinator {
                 last_step: None,
                 detection_s: 0.0,
                 at_ms: ms(now),
-            }));
+            })));
         }
         c.failed_at = Some(now);
         c.node_failed = true;
@@ -640,13 +552,13 @@ impl Coordinator {
         self.phase = Phase::Running;
         self.resume_from = resume_from;
         vec![
-            Action::Record(Record::Started {
+            Action::Record(Record::Started(records::Started {
                 generation: self.generation,
                 layout: self.layout.to_string(),
                 nodes: nodes.clone(),
                 resume_from,
                 at_ms: ms(now),
-            }),
+            })),
             Action::Start {
                 generation: self.generation,
                 layout: self.layout,
@@ -704,14 +616,14 @@ impl Coordinator {
                     self.max_step = self.max_step.max(step);
                     if !self.resumed_reported && self.resume_from.is_none_or(|s| step > s) {
                         self.resumed_reported = true;
-                        out.push(Action::Record(Record::Resumed {
+                        out.push(Action::Record(Record::Resumed(records::Resumed {
                             generation,
                             step,
                             since_failure_s: self
                                 .failed_at
                                 .map_or(0.0, |f| (now.saturating_sub(f)).as_secs_f64()),
                             at_ms: ms(now),
-                        }));
+                        })));
                     }
                 }
                 out
@@ -763,13 +675,15 @@ impl Coordinator {
         let mut out = Vec::new();
         for (s, why) in damaged {
             if self.unusable.insert(s) {
-                out.push(Action::Record(Record::StepUnusable {
-                    generation: self.generation,
-                    step: s,
-                    rank: None,
-                    why,
-                    at_ms: ms(now),
-                }));
+                out.push(Action::Record(Record::StepUnusable(
+                    records::StepUnusable {
+                        generation: self.generation,
+                        step: s,
+                        rank: None,
+                        why,
+                        at_ms: ms(now),
+                    },
+                )));
             }
         }
         match step {
@@ -815,13 +729,15 @@ impl Coordinator {
         match damage {
             Some(why) => {
                 self.unusable.insert(step);
-                out.push(Action::Record(Record::StepUnusable {
-                    generation: self.generation,
-                    step,
-                    rank,
-                    why,
-                    at_ms: ms(now),
-                }));
+                out.push(Action::Record(Record::StepUnusable(
+                    records::StepUnusable {
+                        generation: self.generation,
+                        step,
+                        rank,
+                        why,
+                        at_ms: ms(now),
+                    },
+                )));
             }
             None => {
                 // The store's copy is intact: what the rank read was not. Its node is suspect.
@@ -831,7 +747,7 @@ impl Coordinator {
                     let node = r.node;
                     self.excluded.insert(node);
                     self.node_failed = true;
-                    out.push(Action::Record(Record::Failure {
+                    out.push(Action::Record(Record::Failure(records::Failure {
                         generation: self.generation,
                         rank,
                         node,
@@ -843,7 +759,7 @@ impl Coordinator {
                         last_step: None,
                         detection_s: 0.0,
                         at_ms: ms(now),
-                    }));
+                    })));
                 }
             }
         }
@@ -915,7 +831,7 @@ impl Coordinator {
                     let node = self.ranks[&rank].node;
                     self.excluded.insert(node);
                     self.node_failed = true;
-                    let mut out = vec![Action::Record(Record::Failure {
+                    let mut out = vec![Action::Record(Record::Failure(records::Failure {
                         generation,
                         rank,
                         node,
@@ -924,7 +840,7 @@ impl Coordinator {
                         last_step: self.ranks[&rank].last_step,
                         detection_s: 0.0,
                         at_ms: ms(now),
-                    })];
+                    }))];
                     out.extend(self.maybe_all_stopped(now));
                     return out;
                 }
@@ -1047,7 +963,7 @@ impl Coordinator {
         self.excluded.insert(node);
         self.failed_at = Some(now);
         self.node_failed = true;
-        let mut out = vec![Action::Record(Record::Failure {
+        let mut out = vec![Action::Record(Record::Failure(records::Failure {
             generation: self.generation,
             rank,
             node,
@@ -1056,7 +972,7 @@ impl Coordinator {
             last_step: self.ranks[&rank].last_step,
             detection_s,
             at_ms: ms(now),
-        })];
+        }))];
         // A hung or silent rank is still alive: it is stopped with the others.
         let live = self.live_ranks();
         self.phase = Phase::Stopping {
@@ -1141,7 +1057,7 @@ impl Coordinator {
             until: now + backoff,
             step,
         };
-        vec![Action::Record(Record::Decision {
+        vec![Action::Record(Record::Recovery(records::Recovery {
             generation: self.generation,
             nodes: self.usable_nodes(),
             layout: layout.to_string(),
@@ -1149,17 +1065,18 @@ impl Coordinator {
             steps_lost,
             backoff_s: backoff.as_secs_f64(),
             at_ms: ms(now),
-        })]
+            plan: None,
+        }))]
     }
 
     fn finish(&mut self, now: Duration, ok: bool, reason: String) -> Vec<Action> {
         self.phase = Phase::Done;
-        let mut out = vec![Action::Record(Record::Finished {
+        let mut out = vec![Action::Record(Record::Finished(records::Finished {
             ok,
             reason: reason.clone(),
             restarts: self.restarts,
             at_ms: ms(now),
-        })];
+        }))];
         let live = self.live_ranks();
         if !live.is_empty() {
             out.push(Action::Signal {
@@ -1225,7 +1142,7 @@ mod tests {
         let (mut c, out) = Coordinator::take_over(cfg(3, 0, "dp=3"), t, ms(0));
         assert!(matches!(
             &out[0],
-            Action::Record(Record::Failure { generation: 5, rank: 1, node: 1, how, .. }) if how == "node"
+            Action::Record(Record::Failure(records::Failure { generation: 5, rank: 1, node: 1, how, .. })) if how == "node"
         ));
         assert_eq!(
             out[1],
@@ -1266,7 +1183,7 @@ mod tests {
         });
         assert!(matches!(
             &out[0],
-            Action::Record(Record::Decision { layout, step: Some(8), steps_lost: 4, .. })
+            Action::Record(Record::Recovery(records::Recovery { layout, step: Some(8), steps_lost: 4, .. }))
                 if layout == "dp=2,tp=1,pp=1"
         ));
         assert_eq!(c.restarts(), 2);
@@ -1356,7 +1273,7 @@ mod tests {
         let (_, out) = Coordinator::take_over(cfg(2, 1, "dp=2"), t, ms(0));
         assert!(matches!(
             &out[0],
-            Action::Record(Record::Failure { rank: 1, node: 1, how, .. }) if how == "exit"
+            Action::Record(Record::Failure(records::Failure { rank: 1, node: 1, how, .. })) if how == "exit"
         ));
         let mut t = inherited("dp=2", &[0, 1]);
         t.exited.insert(0, ExitStatus::Code(0));

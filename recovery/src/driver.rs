@@ -10,27 +10,16 @@ use std::time::Duration;
 
 use ckpt_store::logs::{EVENTS, LogWriter, METRICS};
 use ckpt_store::placement::restore_boxes;
+use ckpt_store::records::{Event, Metric, StepMetrics};
 use ckpt_store::{Error, ErrorKind, Layout, Result, StepReader, Store, VerifyScope};
-use serde::Serialize;
-use serde_json::json;
 use tokio::sync::mpsc;
 use tracing::{error, info, warn};
 
 use crate::coordinator::{Assignment, ExitStatus, Record};
+use crate::heartbeat::Workload;
 use crate::rank_env::{HeartbeatEnv, PeerEnv, RankEnv};
 
-/// Bytes one rank of a new layout reads to restore.
-#[derive(Debug, Clone, Serialize)]
-pub struct RankPlan {
-    /// Rank.
-    pub rank: u32,
-    /// Bytes of the boxes it holds.
-    pub bytes_needed: u64,
-    /// Stored bytes of the chunks it fetches.
-    pub bytes_fetched: u64,
-    /// Chunks it fetches.
-    pub chunks: u64,
-}
+pub use ckpt_store::records::RankPlan;
 
 /// What each rank of `layout` reads to restore `step`: the boxes the placement rules give it
 /// ([`ckpt_store::placement::restore_boxes`], the same answer as `ckpt plan`'s, ZeRO
@@ -428,21 +417,18 @@ impl RecoveryLog {
     /// A coordinator record as it is logged: its generation renumbered by `generation` (the
     /// coordinator may count from 0; the store's generations go on across supervisions), and
     /// the restore plan added to a decision. Also logged through `tracing`.
-    pub async fn render(&self, rec: &Record, generation: impl Fn(u64) -> u64) -> serde_json::Value {
-        let mut v = serde_json::to_value(rec).unwrap_or_default();
-        if let Some(g) = v.get("generation").and_then(|g| g.as_u64()) {
-            v["generation"] = json!(generation(g));
+    pub async fn render(&self, rec: &Record, generation: impl Fn(u64) -> u64) -> Event {
+        let mut v = rec.clone();
+        if let Some(g) = v.generation_mut() {
+            *g = generation(*g);
         }
         log_record(rec);
-        if let Record::Decision {
-            step: Some(s),
-            layout,
-            ..
-        } = rec
-            && let Ok(l) = layout.parse::<Layout>()
+        if let Event::Recovery(r) = &mut v
+            && let Some(s) = r.step
+            && let Ok(l) = r.layout.parse::<Layout>()
         {
-            match restore_plan(&self.store, &self.run, *s, &l).await {
-                Ok(plan) => v["plan"] = json!(plan),
+            match restore_plan(&self.store, &self.run, s, &l).await {
+                Ok(plan) => r.plan = Some(plan),
                 Err(e) => warn!("restore plan: {e}"),
             }
         }
@@ -451,12 +437,13 @@ impl RecoveryLog {
 
     /// Append a record to the log and write it out (a failed write is logged, not fatal: the
     /// job matters more than its log).
-    pub async fn write(&mut self, v: serde_json::Value) -> Result<()> {
+    pub async fn write(&mut self, v: Event) -> Result<()> {
         self.events.append(&v)?;
         if let Err(e) = self.events.flush().await {
             warn!("writing the recovery log: {e}");
         }
-        self.records.push(v);
+        self.records
+            .push(serde_json::to_value(&v).map_err(|e| Error::internal(format!("{e}")))?);
         Ok(())
     }
 }
@@ -464,12 +451,22 @@ impl RecoveryLog {
 /// Partial steps a [`LossBoard`] keeps at most.
 pub const MAX_PARTIAL_STEPS: usize = 4096;
 
-/// Per-step loss and gradient norm of the whole job, summed from the partial sums every rank
-/// sends with its step heartbeat, into the run's `metrics` log.
+/// What the ranks of one step reported so far.
+#[derive(Debug, Default)]
+struct StepTotals {
+    sums: BTreeMap<String, u128>,
+    figures: Vec<crate::heartbeat::Figure>,
+    ranks: u32,
+}
+
+/// Per-step figures of the whole job (the loss and gradient norm of the reference workload),
+/// from the [`Workload`] payload every rank sends with its step heartbeat: the driver totals
+/// the named sums over the ranks and, once all reported, logs the figures the payload
+/// declares in the run's `metrics` log. It knows neither the sums' names nor their scale.
 #[derive(Debug)]
 pub struct LossBoard {
     metrics: LogWriter,
-    partial: BTreeMap<(u64, u64), (u128, u128, u64, u32)>,
+    partial: BTreeMap<(u64, u64), StepTotals>,
 }
 
 impl LossBoard {
@@ -481,15 +478,14 @@ impl LossBoard {
         })
     }
 
-    /// Add one rank's partial sums (fixed point, decimal strings) of `step` in `generation`;
-    /// once all `world` ranks have reported the step, its metrics record is logged.
+    /// Add one rank's report of `step` in `generation`; once all `world` ranks have reported
+    /// the step, its metrics record is logged. A payload over the bounds or with a sum that is
+    /// not a non-negative integer counts its rank and adds nothing.
     pub async fn add(
         &mut self,
         generation: u64,
         step: u64,
-        sse: &str,
-        gsq: &str,
-        n: u64,
+        workload: &Workload,
         world: u32,
     ) -> Result<()> {
         // Steps that never complete (a rank died, or a stranger's datagrams) are dropped
@@ -501,19 +497,33 @@ impl LossBoard {
         }
         let e = self.partial.entry((generation, step)).or_default();
         // Heartbeats come from a socket any local process can write to: hostile sums and
-        // counts saturate rather than overflow (a panic would take the supervisor down).
-        e.0 = e.0.saturating_add(sse.parse::<u128>().unwrap_or(0));
-        e.1 = e.1.saturating_add(gsq.parse::<u128>().unwrap_or(0));
-        e.2 = e.2.saturating_add(n);
-        e.3 = e.3.saturating_add(1);
-        if e.3 >= world {
-            let (sse, gsq, n, _) = self.partial.remove(&(generation, step)).unwrap_or_default();
-            let scale = (1u64 << 40) as f64;
-            self.metrics.append(&json!({
-                "kind": "step", "step": step, "generation": generation,
-                "loss": sse as f64 / scale / n.max(1) as f64,
-                "grad_norm": (gsq as f64 / scale).sqrt(),
-            }))?;
+        // counts saturate rather than overflow (a panic would take the supervisor down), and
+        // the names a step holds are bounded.
+        if let Some(sums) = workload.parsed_sums() {
+            for (k, v) in sums {
+                if e.sums.len() < crate::heartbeat::MAX_SUMS || e.sums.contains_key(&k) {
+                    let t = e.sums.entry(k).or_default();
+                    *t = t.saturating_add(v);
+                }
+            }
+            if e.figures.is_empty() {
+                e.figures = workload.figures.clone();
+            }
+        }
+        e.ranks = e.ranks.saturating_add(1);
+        if e.ranks >= world {
+            let t = self.partial.remove(&(generation, step)).unwrap_or_default();
+            let mut rec = StepMetrics {
+                step,
+                generation: Some(generation),
+                ..StepMetrics::default()
+            };
+            for f in &t.figures {
+                if let Some(v) = f.value(&t.sums) {
+                    rec.set(f.curve, v);
+                }
+            }
+            self.metrics.append(&Metric::Step(rec))?;
             if self.metrics.pending() >= 50 {
                 let _ = self.metrics.flush().await;
             }
@@ -529,36 +539,24 @@ impl LossBoard {
 
 fn log_record(rec: &Record) {
     match rec {
-        Record::Failure {
-            rank,
-            node,
-            how,
-            detail,
-            ..
-        } => {
-            error!(rank, node, how = %how, "rank failed: {detail}")
+        Event::Failure(f) => {
+            error!(rank = f.rank, node = f.node, how = %f.how, "rank failed: {}", f.detail)
         }
-        Record::Decision {
-            layout,
-            step,
-            steps_lost,
-            ..
-        } => {
-            warn!(layout = %layout, step = ?step, steps_lost, "recovering")
+        Event::Recovery(r) => {
+            warn!(layout = %r.layout, step = ?r.step, steps_lost = r.steps_lost, "recovering")
         }
-        Record::Started {
-            generation, layout, ..
-        } => info!(generation, layout = %layout, "generation started"),
-        Record::Resumed {
-            step,
-            since_failure_s,
-            ..
-        } => {
-            info!(step, since_failure_s, "training resumed")
+        Event::Started(s) => {
+            info!(generation = s.generation, layout = %s.layout, "generation started")
         }
-        Record::StepUnusable {
-            step, rank, why, ..
-        } => warn!(step, rank = ?rank, "step unusable: {why}"),
-        Record::Finished { ok, reason, .. } => info!(ok, "job finished: {reason}"),
+        Event::Resumed(r) => {
+            info!(
+                step = r.step,
+                since_failure_s = r.since_failure_s,
+                "training resumed"
+            )
+        }
+        Event::StepUnusable(u) => warn!(step = u.step, rank = ?u.rank, "step unusable: {}", u.why),
+        Event::Finished(f) => info!(ok = f.ok, "job finished: {}", f.reason),
+        _ => {}
     }
 }

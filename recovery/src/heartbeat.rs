@@ -1,39 +1,104 @@
 //! Heartbeats from ranks to the supervisor over a Unix datagram socket.
 //!
-//! A rank sends a beat after every step (its step and the partial sums of its loss, so the
-//! supervisor can log the exact global loss) and, from a background thread, every
+//! A rank sends a beat after every step (its step and what its workload reports of it, such as
+//! the partial sums of its loss, so the driver can log the exact global loss) and, from a background thread, every
 //! `interval` in between, so a long step is not mistaken for a dead rank. A process stopped
 //! with SIGSTOP sends nothing (its threads are stopped too): a missed heartbeat. A training
 //! loop that hangs keeps beating without progress: a hang.
 
+use std::collections::BTreeMap;
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
+use ckpt_store::records::Curve;
 use serde::{Deserialize, Serialize};
 
 use crate::rank_env::RankEnv;
 
-/// One heartbeat.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// One heartbeat: a rank's progress, and with a completed step what its workload reports.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Beat {
     /// Generation.
-    pub g: u64,
+    pub generation: u64,
     /// Rank.
-    pub r: u32,
+    pub rank: u32,
     /// Last step completed (0 before the first).
-    pub s: u64,
-    /// Partial sum of squared errors of step `s` (fixed point, decimal string).
+    pub step: u64,
+    /// What the workload reports with step `step` (a beat after a step, not one in between).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub sse: Option<String>,
-    /// Partial sum of squared gradients (fixed point, decimal string).
+    pub workload: Option<Workload>,
+}
+
+/// Sums a [`Workload`] carries at most (more: the payload is ignored).
+pub const MAX_SUMS: usize = 16;
+/// Figures a [`Workload`] carries at most.
+pub const MAX_FIGURES: usize = 8;
+
+/// What a workload reports with a completed step, opaque to the driver: named integer sums of
+/// this rank's part, which the driver totals over the ranks of the step exactly (integers, so
+/// the total does not depend on the order the beats arrive in), and the figures the driver
+/// derives from the totals for the step's `metrics` record. The driver knows neither the sums'
+/// names nor their scale; the reference workload sends `sse`, `gsq`, `n` with scale 2^40.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Workload {
+    /// Name to value: non-negative integers as decimal strings (a `u128` is not a JSON
+    /// number every reader takes).
+    pub sums: BTreeMap<String, String>,
+    /// What to derive from the totals.
+    pub figures: Vec<Figure>,
+}
+
+/// A figure of a step's record derived from the job's totals:
+/// `total[sum] / scale / max(total[per], 1)`, then its square root if `sqrt`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Figure {
+    /// The curve of the step record it fills.
+    pub curve: Curve,
+    /// The sum divided.
+    pub sum: String,
+    /// The sum it is divided by (a count), if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub gsq: Option<String>,
-    /// Elements in the partial sums.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub n: Option<u64>,
+    pub per: Option<String>,
+    /// The fixed-point scale of `sum`.
+    pub scale: f64,
+    /// Take the square root.
+    #[serde(default)]
+    pub sqrt: bool,
+}
+
+impl Figure {
+    /// The figure's value over `totals`, or `None` when its sums are missing or its scale is
+    /// not a positive number.
+    pub fn value(&self, totals: &BTreeMap<String, u128>) -> Option<f64> {
+        if !(self.scale.is_finite() && self.scale > 0.0) {
+            return None;
+        }
+        let mut v = *totals.get(&self.sum)? as f64 / self.scale;
+        if let Some(p) = &self.per {
+            v /= (*totals.get(p)?).max(1) as f64;
+        }
+        if self.sqrt {
+            v = v.sqrt();
+        }
+        Some(v)
+    }
+}
+
+impl Workload {
+    /// The sums as integers; `None` when the payload is over the bounds ([`MAX_SUMS`],
+    /// [`MAX_FIGURES`]) or a sum is not a non-negative integer.
+    pub fn parsed_sums(&self) -> Option<BTreeMap<String, u128>> {
+        if self.sums.len() > MAX_SUMS || self.figures.len() > MAX_FIGURES {
+            return None;
+        }
+        self.sums
+            .iter()
+            .map(|(k, v)| Some((k.clone(), v.parse::<u128>().ok()?)))
+            .collect()
+    }
 }
 
 /// The rank side.
@@ -100,12 +165,10 @@ impl HeartbeatClient {
                         std::process::exit(137);
                     }
                     let b = Beat {
-                        g: generation,
-                        r: rank,
-                        s: step.load(Ordering::Relaxed),
-                        sse: None,
-                        gsq: None,
-                        n: None,
+                        generation,
+                        rank,
+                        step: step.load(Ordering::Relaxed),
+                        workload: None,
                     };
                     if let Ok(bytes) = serde_json::to_vec(&b) {
                         let _ = sock.send_to(&bytes, &path);
@@ -132,16 +195,14 @@ impl HeartbeatClient {
         )
     }
 
-    /// Report that `step` is complete, with the step's partial loss sums if known.
-    pub fn step(&self, step: u64, partial: Option<(u128, u128, u64)>) {
+    /// Report that `step` is complete, with what the workload reports of it, if anything.
+    pub fn step(&self, step: u64, workload: Option<Workload>) {
         self.step.store(step, Ordering::Relaxed);
         let b = Beat {
-            g: self.generation,
-            r: self.rank,
-            s: step,
-            sse: partial.map(|p| p.0.to_string()),
-            gsq: partial.map(|p| p.1.to_string()),
-            n: partial.map(|p| p.2),
+            generation: self.generation,
+            rank: self.rank,
+            step,
+            workload,
         };
         if let Ok(bytes) = serde_json::to_vec(&b) {
             let _ = self.sock.send_to(&bytes, &self.path);
@@ -175,17 +236,21 @@ mod tests {
             .set_read_timeout(Some(Duration::from_secs(5)))
             .unwrap();
         let c = HeartbeatClient::connect(&path, 3, 7, Duration::from_millis(20)).unwrap();
-        c.step(5, Some((10, 40, 2)));
+        let w = Workload {
+            sums: [("a".to_string(), "10".to_string())].into(),
+            figures: Vec::new(),
+        };
+        c.step(5, Some(w.clone()));
         let mut buf = [0u8; 512];
         let mut saw_partial = false;
         let mut saw_periodic = 0;
         for _ in 0..20 {
             let n = server.recv(&mut buf).unwrap();
             let b: Beat = serde_json::from_slice(&buf[..n]).unwrap();
-            assert_eq!((b.g, b.r), (3, 7));
-            if b.sse.as_deref() == Some("10") {
+            assert_eq!((b.generation, b.rank), (3, 7));
+            if b.workload.as_ref() == Some(&w) {
                 saw_partial = true;
-                assert_eq!(b.s, 5);
+                assert_eq!(b.step, 5);
             } else {
                 saw_periodic += 1;
             }

@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use ckpt_store::logs::EVENTS;
+use ckpt_store::records::{Event as LogEvent, Logged, read_records};
 use ckpt_store::{Error, Result};
 use serde::Serialize;
 use tokio::io::AsyncWriteExt;
@@ -96,23 +96,25 @@ pub struct RestoreSummary {
 
 /// Sum the `restore` events of generations after `base` (the first of this supervision
 /// restores nothing it caused).
-pub fn restore_summaries(events: &[serde_json::Value], base: u64) -> Vec<RestoreSummary> {
+pub fn restore_summaries(events: &[Logged<LogEvent>], base: u64) -> Vec<RestoreSummary> {
     let mut by: BTreeMap<u64, RestoreSummary> = BTreeMap::new();
-    for e in events.iter().filter(|e| e["kind"] == "restore") {
-        let Some(g) = e["generation"].as_u64().filter(|g| *g > base) else {
+    for e in events {
+        let LogEvent::Restore(e) = &e.record else {
             continue;
         };
-        let s = by.entry(g).or_insert_with(|| RestoreSummary {
-            generation: g,
+        if e.generation <= base {
+            continue;
+        }
+        let s = by.entry(e.generation).or_insert_with(|| RestoreSummary {
+            generation: e.generation,
             ..RestoreSummary::default()
         });
-        let n = |k: &str| e[k].as_u64().unwrap_or(0);
-        s.step = n("step");
+        s.step = e.step;
         s.ranks += 1;
-        s.bytes += n("bytes");
-        s.bytes_from_peers += n("bytes_from_peers");
-        s.bytes_from_store += n("bytes_from_store");
-        s.slowest_s = s.slowest_s.max(e["seconds"].as_f64().unwrap_or(0.0));
+        s.bytes += e.bytes;
+        s.bytes_from_peers += e.bytes_from_peers;
+        s.bytes_from_store += e.bytes_from_store;
+        s.slowest_s = s.slowest_s.max(e.seconds);
     }
     by.into_values().collect()
 }
@@ -257,7 +259,7 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
             for a in agents.values_mut() {
                 let _ = a.child.start_kill();
             }
-            let restores = match ckpt_store::logs::read_log(&store, &opts.run, EVENTS).await {
+            let restores = match read_records::<LogEvent>(&store, &opts.run).await {
                 Ok(ev) => restore_summaries(&ev, base),
                 Err(e) => {
                     tracing::warn!("reading the restore events: {e}");
@@ -278,14 +280,14 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
             r = sock.recv(&mut buf) => {
                 if let Ok(n) = r
                     && let Ok(b) = serde_json::from_slice::<Beat>(&buf[..n])
-                    && b.g >= base
+                    && b.generation >= base
                 {
-                    let g = b.g - base;
-                    if let (Some(sse), Some(gsq), Some(n)) = (&b.sse, &b.gsq, b.n) {
+                    let g = b.generation - base;
+                    if let Some(w) = &b.workload {
                         let world = coord.layout().world();
-                        losses.add(base + g, b.s, sse, gsq, n, world).await?;
+                        losses.add(b.generation, b.step, w, world).await?;
                     }
-                    pending.push(Event::Heartbeat { generation: g, rank: b.r, step: b.s, now: t0.elapsed() });
+                    pending.push(Event::Heartbeat { generation: g, rank: b.rank, step: b.step, now: t0.elapsed() });
                 }
             }
             Some((generation, rank, status)) = exit_rx.recv() => {
@@ -368,6 +370,7 @@ async fn start_agents(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ckpt_store::records::parse_records;
     use serde_json::json;
 
     #[test]
@@ -379,7 +382,7 @@ mod tests {
             json!({"kind": "spike", "generation": 4}),
             json!({"kind": "restore", "generation": 5, "step": 12, "bytes": 1}),
         ];
-        let s = restore_summaries(&ev, 3);
+        let s = restore_summaries(&parse_records(&ev), 3);
         assert_eq!(s.len(), 2);
         assert_eq!(
             s[0],

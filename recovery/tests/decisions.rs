@@ -6,6 +6,7 @@ use std::time::Duration;
 use ckpt_recovery::coordinator::{
     Action, Config, Coordinator, Event, ExitStatus, Record, Topology,
 };
+use ckpt_store::records;
 
 const CASES: &str = r#"
 # A crash (SIGKILL) on one of 4 single-rank nodes: stop the others, restore, shrink dp.
@@ -301,41 +302,41 @@ fn show(a: &Action) -> Option<String> {
         }
         Action::CheckStep { generation, step } => format!("check g{generation} s{step}"),
         Action::RetireStep { step } => format!("retire s{step}"),
-        Action::Record(Record::StepUnusable {
+        Action::Record(Record::StepUnusable(records::StepUnusable {
             generation,
             step,
             rank,
             ..
-        }) => format!(
+        })) => format!(
             "unusable g{generation} s{step} by={}",
             rank.map_or("-".into(), |r| format!("r{r}"))
         ),
-        Action::Record(Record::Failure {
+        Action::Record(Record::Failure(records::Failure {
             generation,
             rank,
             node,
             how,
             ..
-        }) => format!("failure g{generation} r{rank} node={node} how={how}"),
-        Action::Record(Record::Decision {
+        })) => format!("failure g{generation} r{rank} node={node} how={how}"),
+        Action::Record(Record::Recovery(records::Recovery {
             layout,
             step,
             steps_lost,
             ..
-        }) => {
+        })) => {
             format!(
                 "decision {} step={} lost={steps_lost}",
                 full(&layout.parse().unwrap()),
                 step.map_or("-".into(), |s| s.to_string())
             )
         }
-        Action::Record(Record::Resumed {
+        Action::Record(Record::Resumed(records::Resumed {
             generation, step, ..
-        }) => format!("resumed g{generation} s{step}"),
-        Action::Record(Record::Finished { ok, .. }) => {
+        })) => format!("resumed g{generation} s{step}"),
+        Action::Record(Record::Finished(records::Finished { ok, .. })) => {
             format!("finished {}", if *ok { "ok" } else { "fail" })
         }
-        Action::Record(Record::Started { .. }) => return None,
+        Action::Record(_) => return None,
         Action::Done { ok, .. } => format!("done {}", if *ok { "ok" } else { "fail" }),
     })
 }

@@ -1001,3 +1001,57 @@ fn ranks_and_agents_die_with_a_killed_ckpt_resume() {
     );
     assert_verifies(&store, &run);
 }
+
+/// The driver's loss curve, summed from the heartbeat payloads of ranks in separate processes
+/// (sums and scale the supervisor never names), is the curve of the same job run as threads of
+/// one process, bit for bit.
+#[test]
+fn the_supervisors_loss_curve_equals_the_one_process_run_bit_for_bit() {
+    use ckpt_store::records::{Metric, read_records};
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let steps = 6;
+    let topo = Topology {
+        nodes: 2,
+        ranks_per_node: 1,
+        spares: 0,
+    };
+    let opts = options(
+        &store,
+        "supervised",
+        topo,
+        "dp=2",
+        train_cmd(steps, 100, 0),
+        dir.path().join("logs"),
+    );
+    let report = spawn_supervisor(opts).join().unwrap();
+    assert!(report.ok, "{}", report.reason);
+    committed_run(&store, "threads", steps, 100);
+    let st = ckpt_store::open(store.to_str().unwrap()).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    // (step, loss bits, grad norm bits) of the job-wide records (no rank).
+    let curve = |run: &str, driver: bool| -> Vec<(u64, u64, u64)> {
+        let mut c: Vec<_> = rt
+            .block_on(read_records::<Metric>(&st, run))
+            .unwrap()
+            .into_iter()
+            .filter_map(|m| match m.record {
+                Metric::Step(s) if s.rank.is_none() && s.generation.is_some() == driver => Some((
+                    s.step,
+                    s.loss.expect("a loss").to_bits(),
+                    s.grad_norm.expect("a gradient norm").to_bits(),
+                )),
+                _ => None,
+            })
+            .collect();
+        c.sort();
+        c
+    };
+    let supervised = curve("supervised", true);
+    assert_eq!(
+        supervised.iter().map(|c| c.0).collect::<Vec<_>>(),
+        (1..=steps).collect::<Vec<_>>(),
+        "one record per step from the driver"
+    );
+    assert_eq!(supervised, curve("threads", false));
+}

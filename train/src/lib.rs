@@ -32,12 +32,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use ckpt_recovery::heartbeat::{Figure, Workload};
 use ckpt_recovery::{RankEnv, rank_env};
 use ckpt_store::logs::{LogWriter, METRICS};
+use ckpt_store::records::{self, Curve, Metric, StepMetrics};
 use ckpt_store::{Error, ErrorKind, Failpoints, Layout, Result, StepReader, Store};
 use clap::Parser;
 use parking_lot::{Condvar, Mutex};
-use serde_json::json;
 use tracing::{info, warn};
 
 use ckpt_trainer::manager::{CheckpointManager, ManagerConfig, Scope};
@@ -48,7 +49,9 @@ use ckpt_trainer::monitor::{
 };
 use ckpt_trainer::save::{BackPressure, CheckpointerConfig, SaveHandle, runtime};
 use ckpt_trainer::staging::{PoolConfig, StagingPool};
-use ckpt_trainer::workload::{ModelConfig, Partial, Progress, RankState, TrainConfig, step_digest};
+use ckpt_trainer::workload::{
+    LOSS_SCALE, ModelConfig, Partial, Progress, RankState, TrainConfig, step_digest,
+};
 
 /// Parse sizes and counts with suffixes: `16M`, `2G`, `512K`, `4MiB`, `1e6`.
 pub fn parse_count(s: &str) -> std::result::Result<u64, String> {
@@ -307,7 +310,7 @@ pub struct Outcome {
     /// Global loss per step (threads mode; one rank per process has partials only).
     pub losses: Vec<(u64, f64)>,
     /// Checkpoint figures.
-    pub checkpoints: Vec<serde_json::Value>,
+    pub checkpoints: Vec<records::CheckpointMetrics>,
     /// Spikes the monitor reported (the deciding rank's).
     pub spikes: Vec<Spike>,
     /// Rollbacks carried out, oldest first.
@@ -344,12 +347,14 @@ struct Shared {
 }
 
 impl Shared {
-    fn emit(&self, v: serde_json::Value) {
-        if let Some(f) = self.metrics.lock().as_mut() {
-            let _ = writeln!(f, "{v}");
+    fn emit(&self, v: &Metric) {
+        if let Some(f) = self.metrics.lock().as_mut()
+            && let Ok(line) = serde_json::to_string(v)
+        {
+            let _ = writeln!(f, "{line}");
         }
         if let Some(l) = self.log.lock().as_mut() {
-            let _ = l.append(&v);
+            let _ = l.append(v);
         }
     }
 
@@ -540,12 +545,13 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
     }
     // What the store's requests cost, retries included (a failing store shows here).
     if let Some(m) = shared.store.metrics() {
-        let mut rec = serde_json::Map::new();
-        rec.insert("kind".into(), json!("store"));
-        for (name, v) in m.snapshot().pairs() {
-            rec.insert(name.into(), json!(v));
-        }
-        shared.emit(serde_json::Value::Object(rec));
+        let counters = m
+            .snapshot()
+            .pairs()
+            .into_iter()
+            .map(|(name, v)| (name.to_string(), v))
+            .collect();
+        shared.emit(&Metric::Store(records::StoreCounters { counters }));
     }
     shared.flush_log();
     if let Some(e) = first_err {
@@ -556,7 +562,10 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
         let step = out.last_step;
         let reader = runtime().block_on(StepReader::open(&shared.store, &args.run, step))?;
         let digest = runtime().block_on(step_digest(&reader))?;
-        shared.emit(json!({"kind": "final", "step": step, "digest": digest}));
+        shared.emit(&Metric::Final(records::Final {
+            step,
+            digest: digest.clone(),
+        }));
         shared.flush_log();
         out.digest = Some(digest);
     }
@@ -702,7 +711,7 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
             p.data_pos = batch + 1;
         }
         if let Some(hb) = &heartbeat {
-            hb.step(step, Some((part.sse, part.gsq, part.n)));
+            hb.step(step, Some(heartbeat_workload(&part)));
         }
         if let Some(ms) = Some(a.step_time_ms).filter(|&m| m > 0) {
             let left = Duration::from_millis(ms).saturating_sub(t_step.elapsed());
@@ -798,9 +807,12 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
     emit_finished(sh, rank, &mut saves, true)?;
     let health = mgr.store_health();
     if health != Default::default() {
-        sh.emit(json!({
-            "kind": "store_health", "rank": rank, "failed": health.failed,
-            "skipped": health.skipped, "resumed": health.resumed, "down": health.down,
+        sh.emit(&Metric::StoreHealth(records::StoreHealth {
+            rank,
+            failed: health.failed,
+            skipped: health.skipped,
+            resumed: health.resumed,
+            down: health.down,
         }));
     }
     if rank == 0 || sh.world_threads == 1 {
@@ -906,18 +918,22 @@ fn decide(
     if sh.args.rank.is_some() {
         // One rank per process: only partial sums are known here.
         let whole = sh.layout.world() == 1;
-        let mut v = json!({
-            "kind": "step", "step": step, "batch": batch, "rank": rank,
-            "sse": part.sse.to_string(), "gsq": part.gsq.to_string(), "n": part.n,
-            "nonfinite": part.nonfinite,
-        });
-        add_step_figures(&mut v, t_step);
+        let mut v = StepMetrics {
+            step,
+            batch: Some(batch),
+            rank: Some(rank),
+            sse: Some(part.sse.to_string()),
+            gsq: Some(part.gsq.to_string()),
+            n: Some(part.n),
+            nonfinite: Some(part.nonfinite),
+            ..step_figures(t_step)
+        };
         if whole {
-            v["loss"] = json!(part.loss());
-            v["grad_norm"] = json!(part.grad_norm());
+            v.loss = Some(part.loss());
+            v.grad_norm = Some(part.grad_norm());
             sh.outcome.lock().losses.push((step, part.loss()));
         }
-        sh.emit(v);
+        sh.emit(&Metric::Step(v));
         if sh.sigterm.load(Ordering::SeqCst) {
             sh.stop_now.store(true, Ordering::SeqCst);
         }
@@ -947,12 +963,13 @@ fn decide(
         *sh.fence_now.lock() = f;
         let tot = sh.board.lock().remove(&step).unwrap_or_default().0;
         sh.outcome.lock().losses.push((step, tot.loss()));
-        let mut v = json!({
-            "kind": "step", "step": step, "batch": batch, "loss": tot.loss(),
-            "grad_norm": tot.grad_norm(),
-        });
-        add_step_figures(&mut v, t_step);
-        sh.emit(v);
+        sh.emit(&Metric::Step(StepMetrics {
+            step,
+            batch: Some(batch),
+            loss: Some(tot.loss()),
+            grad_norm: Some(tot.grad_norm()),
+            ..step_figures(t_step)
+        }));
         let o = Observation::new(step, tot.loss())
             .batch(batch)
             .grad_norm(tot.grad_norm());
@@ -1021,12 +1038,40 @@ impl Lockstep {
     }
 }
 
-/// Step time (so far) and memory on a step record.
-fn add_step_figures(v: &mut serde_json::Value, t_step: Instant) {
-    v["step_time_s"] = json!(t_step.elapsed().as_secs_f64());
-    v["host_mem_bytes"] = json!(host_memory_bytes());
-    // The reference workload keeps its state in host memory.
-    v["device_mem_bytes"] = serde_json::Value::Null;
+/// Step time (so far) and memory of a step record. The reference workload keeps its state in
+/// host memory (no `device_mem_bytes`).
+fn step_figures(t_step: Instant) -> StepMetrics {
+    StepMetrics {
+        step_time_s: Some(t_step.elapsed().as_secs_f64()),
+        host_mem_bytes: host_memory_bytes(),
+        ..StepMetrics::default()
+    }
+}
+
+/// What a rank reports of a step with its heartbeat: its partial sums, and how the driver
+/// derives the job's loss and gradient norm from their totals (the same arithmetic as
+/// [`Partial::loss`] and [`Partial::grad_norm`], so the driver's curve is the threads mode's
+/// bit for bit).
+fn heartbeat_workload(part: &Partial) -> Workload {
+    let figure = |curve, sum: &str, per: Option<&str>, sqrt| Figure {
+        curve,
+        sum: sum.to_string(),
+        per: per.map(str::to_string),
+        scale: LOSS_SCALE,
+        sqrt,
+    };
+    Workload {
+        sums: [
+            ("sse".to_string(), part.sse.to_string()),
+            ("gsq".to_string(), part.gsq.to_string()),
+            ("n".to_string(), part.n.to_string()),
+        ]
+        .into(),
+        figures: vec![
+            figure(Curve::Loss, "sse", Some("n"), false),
+            figure(Curve::GradNorm, "gsq", None, true),
+        ],
+    }
 }
 
 fn note_spike(sh: &Shared, d: &Decision) {
@@ -1072,7 +1117,12 @@ fn emit_finished(
             Stage::Persisted => rank != 0 || all,
             Stage::Failed(e) => {
                 warn!(rank, step = h.step(), "checkpoint failed: {e}");
-                sh.emit(json!({"kind": "checkpoint_failed", "step": h.step(), "rank": rank, "error": e.message, "error_kind": e.kind.as_str()}));
+                sh.emit(&Metric::CheckpointFailed(records::CheckpointFailed {
+                    step: h.step(),
+                    rank: Some(rank),
+                    error: e.message.clone(),
+                    error_kind: Some(e.kind.as_str().to_string()),
+                }));
                 // A newer generation owns the run: this job must stop, not go on training
                 // without checkpoints. Other failures skip one checkpoint.
                 if e.kind == ErrorKind::Fenced {
@@ -1084,7 +1134,11 @@ fn emit_finished(
                 continue;
             }
             Stage::Skipped(why) => {
-                sh.emit(json!({"kind": "checkpoint_skipped", "step": h.step(), "rank": rank, "reason": why}));
+                sh.emit(&Metric::CheckpointSkipped(records::CheckpointSkipped {
+                    step: h.step(),
+                    rank: Some(rank),
+                    reason: why.to_string(),
+                }));
                 continue;
             }
             _ => all,
@@ -1100,14 +1154,20 @@ fn emit_finished(
         } else {
             h.report()
         };
-        let v = json!({
-            "kind": "checkpoint", "step": r.step, "rank": rank, "bytes": r.bytes,
-            "stall_s": stall, "snapshot_s": r.snapshot_s, "persist_s": r.persist_s,
-            "commit_s": r.commit_s, "bytes_written": r.bytes_written,
-            "bytes_skipped": r.bytes_skipped, "staging_peak": r.staging_peak,
-        });
+        let v = records::CheckpointMetrics {
+            step: r.step,
+            rank: Some(rank),
+            bytes: r.bytes,
+            stall_s: stall,
+            snapshot_s: r.snapshot_s,
+            persist_s: r.persist_s,
+            commit_s: r.commit_s,
+            bytes_written: r.bytes_written,
+            bytes_skipped: r.bytes_skipped,
+            staging_peak: r.staging_peak as u64,
+        };
         sh.outcome.lock().checkpoints.push(v.clone());
-        sh.emit(v);
+        sh.emit(&Metric::Checkpoint(v));
         any = true;
     }
     *saves = keep;

@@ -39,11 +39,11 @@ use std::time::{Duration, Instant};
 use ckpt_recovery::peer::PeerSource;
 use ckpt_store::logs::{EVENTS, LogWriter};
 use ckpt_store::placement::place_rank;
+use ckpt_store::records::{self, Event};
 use ckpt_store::{
     ChunkCache, Error, ErrorKind, GcOptions, NdBox, Result, StepReader, Store, TensorSpec,
 };
 use parking_lot::Mutex;
-use serde_json::json;
 use tracing::{info, instrument, warn};
 
 use crate::memory::{HostTensor, HostView, MemorySink, MemorySource};
@@ -464,8 +464,10 @@ impl CheckpointManager {
                 "checkpoint failed in the store; training goes on: {message}"
             );
             self.mark_down(now);
-            self.log_event(json!({
-                "kind": events::CHECKPOINT_FAILED, "step": step, "error": message,
+            self.log_event(Event::CheckpointFailed(records::CheckpointFailed {
+                step,
+                error: message,
+                ..Default::default()
             }));
         }
     }
@@ -501,9 +503,10 @@ impl CheckpointManager {
                     self.down = None;
                     self.health.resumed += 1;
                     info!(step, since, "the store answers again: checkpoints resume");
-                    self.log_event(json!({
-                        "kind": events::CHECKPOINTS_RESUMED, "step": step,
-                        "skipped": self.health.skipped, "down_since_step": since,
+                    self.log_event(Event::CheckpointsResumed(records::CheckpointsResumed {
+                        step,
+                        skipped: self.health.skipped,
+                        down_since_step: since,
                     }));
                     return None;
                 }
@@ -522,8 +525,10 @@ impl CheckpointManager {
     fn skip_checkpoint(&mut self, step: u64, why: &str) {
         self.health.skipped += 1;
         warn!(step, "checkpoint skipped: {why}");
-        self.log_event(json!({
-            "kind": events::CHECKPOINT_SKIPPED, "step": step, "reason": why,
+        self.log_event(Event::CheckpointSkipped(records::CheckpointSkipped {
+            step,
+            reason: why.to_string(),
+            ..Default::default()
         }));
     }
 
@@ -684,10 +689,12 @@ impl CheckpointManager {
             && matches!(e.kind(), ErrorKind::NotFound | ErrorKind::Corrupt)
         {
             let cfg = &self.cfg.ckpt;
-            let rec = json!({
-                "kind": "restore_failed", "step": step, "rank": cfg.rank,
-                "generation": cfg.generation, "error_kind": e.kind().as_str(),
-                "error": e.to_string(),
+            let rec = Event::RestoreFailed(records::RestoreFailed {
+                step,
+                rank: cfg.rank,
+                generation: cfg.generation,
+                error_kind: e.kind().as_str().to_string(),
+                error: e.to_string(),
             });
             self.log_event(rec);
         }
@@ -757,11 +764,16 @@ impl CheckpointManager {
         self.last_saved_step = Some(step);
         let (hits, misses) = cache.counts();
         let seconds = t0.elapsed().as_secs_f64();
-        self.log_event(json!({
-            "kind": "restore", "step": step, "rank": cfg.rank, "generation": cfg.generation,
-            "from_layout": reader.commit().layout.to_string(), "to_layout": cfg.layout.to_string(),
-            "bytes": stats.bytes_copied, "bytes_from_peers": stats.source_bytes,
-            "bytes_from_store": stats.stored_bytes, "seconds": seconds,
+        self.log_event(Event::Restore(records::Restore {
+            step,
+            rank: cfg.rank,
+            generation: cfg.generation,
+            from_layout: reader.commit().layout.to_string(),
+            to_layout: cfg.layout.to_string(),
+            bytes: stats.bytes_copied,
+            bytes_from_peers: stats.source_bytes,
+            bytes_from_store: stats.stored_bytes,
+            seconds,
         }));
         info!(
             step,
@@ -831,15 +843,17 @@ impl CheckpointManager {
             action,
             "{spike}"
         );
-        let mut rec = json!({
-            "kind": "spike", "step": spike.step, "batch": spike.batch, "what": spike.kind.as_str(),
-            "loss": finite(spike.loss), "grad_norm": spike.grad_norm.and_then(finite),
-            "threshold": spike.threshold, "median": spike.median, "action": action,
-        });
-        if let Some(r) = o.partial_of_rank {
-            rec["rank"] = json!(r);
-        }
-        self.log_event(rec);
+        self.log_event(Event::Spike(records::Spike {
+            step: spike.step,
+            batch: spike.batch,
+            what: spike.kind.as_str().to_string(),
+            loss: finite(spike.loss),
+            grad_norm: spike.grad_norm.and_then(finite),
+            threshold: spike.threshold,
+            median: spike.median,
+            action: action.to_string(),
+            rank: o.partial_of_rank,
+        }));
         if let Decision::Stop(st) = &d {
             warn!(run = %self.cfg.ckpt.run, "{st}");
             self.log_stop(st.spike.step, &st.reason, &st.history);
@@ -903,10 +917,13 @@ impl CheckpointManager {
             "rolled back to the newest checkpoint before the spike"
         );
         if logs {
-            self.log_event(json!({
-                "kind": "rollback", "from_step": entry.from_step, "to_step": to,
-                "reason": entry.reason, "skipped": skipped, "count": count,
-                "max": self.cfg.monitor.max_rollbacks,
+            self.log_event(Event::Rollback(records::Rollback {
+                from_step: entry.from_step,
+                to_step: to,
+                reason: entry.reason.clone(),
+                skipped,
+                count: count as u64,
+                max: self.cfg.monitor.max_rollbacks as u64,
             }));
         }
         Ok(Rollback {
@@ -954,16 +971,18 @@ impl CheckpointManager {
     }
 
     fn log_stop(&mut self, step: u64, reason: &StopReason, history: &[RollbackEntry]) {
-        self.log_event(json!({
-            "kind": "stop", "step": step, "reason": reason.to_string(), "why": reason,
-            "rollbacks": history,
+        self.log_event(Event::Stop(records::Stop {
+            step,
+            reason: reason.to_string(),
+            why: Some(reason.clone()),
+            rollbacks: history.to_vec(),
         }));
     }
 
     /// Append a record to the run's events log and write it out at once (events are rare and
     /// should be readable while the run goes on). Failures are warnings: a log must not stop
     /// training.
-    fn log_event(&mut self, rec: serde_json::Value) {
+    fn log_event(&mut self, rec: Event) {
         if self.events.is_none() {
             let name = format!("monitor-rank-{}", self.cfg.ckpt.rank);
             match LogWriter::new(self.ckpt.store(), &self.cfg.ckpt.run, EVENTS, &name) {

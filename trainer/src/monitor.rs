@@ -409,49 +409,9 @@ impl Detector {
     }
 }
 
-/// One rollback of a run.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RollbackEntry {
-    /// The step of the spike.
-    pub from_step: u64,
-    /// The checkpoint restored.
-    pub to_step: u64,
-    /// Why (`loss spike`, `NaN loss`, ...).
-    pub reason: String,
-    /// The data batches skipped, first and last (inclusive), if the loop said.
-    pub skipped: Option<(u64, u64)>,
-}
-
-/// Why the monitor stops a run.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum StopReason {
-    /// A NaN or infinity under `alert`.
-    NonFinite,
-    /// The bound on rollbacks is reached.
-    RollbacksExhausted {
-        /// The bound.
-        max: usize,
-    },
-    /// No committed checkpoint from before the spike to roll back to.
-    NoCheckpoint,
-}
-
-impl fmt::Display for StopReason {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            StopReason::NonFinite => f.write_str(
-                "NaN/infinity under --on-spike alert: the state is poisoned, so the run stops instead of training on (no checkpoint of it was saved)",
-            ),
-            StopReason::RollbacksExhausted { max } => {
-                write!(f, "the run already rolled back {max} times (the bound)")
-            }
-            StopReason::NoCheckpoint => {
-                f.write_str("there is no committed checkpoint from before the spike")
-            }
-        }
-    }
-}
+// The rollback history and the stop reason are part of the `stop` event record: their types
+// live with the log records (`ckpt_store::records`).
+pub use ckpt_store::records::{RollbackEntry, StopReason};
 
 /// A stop: the spike, why, and the run's rollbacks so far.
 #[derive(Debug, Clone, PartialEq)]

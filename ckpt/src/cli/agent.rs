@@ -11,6 +11,7 @@ use std::time::Duration;
 use ckpt_recovery::Topology;
 use ckpt_recovery::agent::{AgentOptions, AgentReport};
 use ckpt_store::ErrorKind;
+use ckpt_store::records::{Event as LogEvent, parse_records};
 use serde::Serialize;
 
 use super::parse::duration;
@@ -108,19 +109,22 @@ impl Report for AgentOutput {
             );
         }
         writeln!(w, "as the coordinator:")?;
-        let (takeovers, records): (Vec<_>, Vec<_>) = r
-            .records
-            .iter()
-            .cloned()
-            .partition(|v| v["kind"] == "takeover");
-        for t in takeovers {
+        let (takeovers, records): (Vec<_>, Vec<_>) = r.records.iter().cloned().partition(|v| {
+            parse_records::<LogEvent>(std::slice::from_ref(v))
+                .first()
+                .is_some_and(|e| matches!(e.record, LogEvent::Takeover(_)))
+        });
+        for t in parse_records::<LogEvent>(&takeovers) {
+            let LogEvent::Takeover(t) = t.record else {
+                continue;
+            };
             writeln!(
                 w,
                 "{:9.2}s  took over at generation {} from node {} (nodes lost: {})",
-                t["at_ms"].as_u64().unwrap_or(0) as f64 / 1000.0,
-                t["generation"],
-                t["previous"],
-                t["lost_nodes"]
+                t.at_ms as f64 / 1000.0,
+                t.generation,
+                t.previous.map_or("null".into(), |p| p.to_string()),
+                serde_json::to_string(&t.lost_nodes).unwrap_or_default()
             )?;
         }
         ResumeOutput {

@@ -6,20 +6,15 @@
 //! thousand times the loss and would flatten the rest): their curve is clipped at the top of
 //! the panel and the spike's marker there is labelled with its value.
 //!
-//! Records read (others are ignored):
-//!
-//! - metrics: `{"kind":"step","step","loss","grad_norm","rank","t_ms"}`,
-//!   `{"kind":"checkpoint","step","bytes","stall_s","t_ms",...}`;
-//! - events: `{"kind":"failure","rank","node","how","t_ms"}`,
-//!   `{"kind":"recovery","generation","layout","step","steps_lost","t_ms"}`,
-//!   `{"kind":"rollback","from_step","to_step","reason","t_ms"}`,
-//!   `{"kind":"spike","step","loss","action","t_ms"}`,
-//!   `{"kind":"stop","step","reason","t_ms"}` (the monitor stopped the run).
+//! Records read ([`ckpt_store::records`]; others are ignored): metrics `step` (`loss`,
+//! `grad_norm`, of the lowest rank that logs them) and `checkpoint`; events `failure`,
+//! `recovery`, `rollback`, `spike` and `stop` (the monitor stopped the run).
 
 use std::io::Write;
 use std::path::PathBuf;
 
 use ckpt_store::logs::{EVENTS, METRICS, read_log};
+use ckpt_store::records::{Event, Metric, parse_records};
 use ckpt_store::{Store, validate_run};
 use serde::Serialize;
 use serde_json::Value;
@@ -139,116 +134,102 @@ pub struct Series {
     pub span: f64,
 }
 
-fn num(v: &Value, k: &str) -> Option<f64> {
-    v.get(k).and_then(Value::as_f64)
-}
-fn uint(v: &Value, k: &str) -> Option<u64> {
-    v.get(k).and_then(Value::as_u64)
-}
-fn text<'a>(v: &'a Value, k: &str) -> Option<&'a str> {
-    v.get(k).and_then(Value::as_str)
-}
-
-/// Pull the series out of log records (each with `t_ms`).
+/// Pull the series out of log records (each with `t_ms`), read as [`Metric`]s and
+/// [`Event`]s (records of other kinds are left out).
 pub fn series(metrics: &[Value], events: &[Value]) -> Series {
-    let t_of = |v: &Value| v.get("t_ms").and_then(Value::as_i64);
-    let t0 = metrics
-        .iter()
-        .chain(events)
-        .filter_map(t_of)
-        .min()
-        .unwrap_or(0);
-    let t1 = metrics
-        .iter()
-        .chain(events)
-        .filter_map(t_of)
-        .max()
-        .unwrap_or(0);
-    let rel = |v: &Value| t_of(v).map(|t| (t - t0) as f64 / 1000.0);
+    let metrics = parse_records::<Metric>(metrics);
+    let events = parse_records::<Event>(events);
+    let times = || {
+        metrics
+            .iter()
+            .map(|m| m.t_ms)
+            .chain(events.iter().map(|e| e.t_ms))
+    };
+    let t0 = times().min().unwrap_or(0);
+    let t1 = times().max().unwrap_or(0);
+    let rel = |t: i64| (t - t0) as f64 / 1000.0;
     // Loss is the same on every data-parallel rank; plot the lowest rank that logs it.
     let rank0 = metrics
         .iter()
-        .filter(|v| text(v, "kind") == Some("step"))
-        .filter_map(|v| uint(v, "rank"))
+        .filter_map(|m| match &m.record {
+            Metric::Step(s) => s.rank,
+            _ => None,
+        })
         .min();
     let mut s = Series {
         t0_ms: t0,
         span: (t1 - t0) as f64 / 1000.0,
         ..Series::default()
     };
-    for v in metrics {
-        let Some(t) = rel(v) else { continue };
-        match text(v, "kind") {
-            Some("step") => {
-                if uint(v, "rank") != rank0 && uint(v, "rank").is_some() {
+    for m in &metrics {
+        let t = rel(m.t_ms);
+        match &m.record {
+            Metric::Step(r) => {
+                if r.rank.is_some() && r.rank != rank0 {
                     continue;
                 }
-                let step = uint(v, "step").unwrap_or(0);
-                if let Some(l) = num(v, "loss").filter(|x| x.is_finite()) {
+                let step = r.step;
+                if let Some(l) = r.loss.filter(|x| x.is_finite()) {
                     s.loss.push(Point { t, step, v: l });
                 }
-                if let Some(g) = num(v, "grad_norm").filter(|x| x.is_finite()) {
+                if let Some(g) = r.grad_norm.filter(|x| x.is_finite()) {
                     s.grad_norm.push(Point { t, step, v: g });
                 }
             }
             // Every rank logs its part of a checkpoint; one mark per checkpoint.
-            Some("checkpoint") if uint(v, "rank").is_none() || uint(v, "rank") == rank0 => {
+            Metric::Checkpoint(c) if c.rank.is_none() || c.rank == rank0 => {
                 s.checkpoints.push(Mark {
                     t,
-                    label: format!("ckpt {}", uint(v, "step").unwrap_or(0)),
+                    label: format!("ckpt {}", c.step),
                     v: None,
                 })
             }
             _ => {}
         }
     }
-    for v in events {
-        let Some(t) = rel(v) else { continue };
-        match text(v, "kind") {
-            Some("failure") => s.failures.push(Mark {
+    for e in &events {
+        let t = rel(e.t_ms);
+        match &e.record {
+            Event::Failure(f) => s.failures.push(Mark {
                 t,
                 label: format!(
                     "✕ rank {} {}",
-                    uint(v, "rank").map_or("?".into(), |r| r.to_string()),
-                    text(v, "how").unwrap_or("failed")
+                    f.rank,
+                    if f.how.is_empty() { "failed" } else { &f.how }
                 ),
                 v: None,
             }),
-            Some("recovery") => s.recoveries.push(Mark {
+            Event::Recovery(r) => s.recoveries.push(Mark {
                 t,
                 label: format!(
-                    "recovered {} @{}{}",
-                    text(v, "layout").unwrap_or(""),
-                    uint(v, "step").map_or("?".into(), |x| x.to_string()),
-                    uint(v, "steps_lost").map_or(String::new(), |k| format!(" (−{k} steps)"))
+                    "recovered {} @{} (−{} steps)",
+                    r.layout,
+                    r.step.map_or("?".into(), |x| x.to_string()),
+                    r.steps_lost
                 ),
                 v: None,
             }),
-            Some("rollback") => s.rollbacks.push(Mark {
+            Event::Rollback(r) => s.rollbacks.push(Mark {
                 t,
-                label: format!(
-                    "rollback {}→{}",
-                    uint(v, "from_step").map_or("?".into(), |x| x.to_string()),
-                    uint(v, "to_step").map_or("?".into(), |x| x.to_string())
-                ),
+                label: format!("rollback {}→{}", r.from_step, r.to_step),
                 v: None,
             }),
-            Some("spike") => s.spikes.push(Mark {
+            Event::Spike(p) => s.spikes.push(Mark {
                 t,
                 label: format!(
                     "{} @{}",
-                    match text(v, "what") {
-                        Some("nonfinite") => "NaN",
-                        Some("grad_norm") => "grad blow-up",
+                    match p.what.as_str() {
+                        "nonfinite" => "NaN",
+                        "grad_norm" => "grad blow-up",
                         _ => "spike",
                     },
-                    uint(v, "step").unwrap_or(0)
+                    p.step
                 ),
-                v: num(v, "loss").filter(|x| x.is_finite()),
+                v: p.loss.filter(|x| x.is_finite()),
             }),
-            Some("stop") => s.stops.push(Mark {
+            Event::Stop(p) => s.stops.push(Mark {
                 t,
-                label: format!("stopped @{}", uint(v, "step").unwrap_or(0)),
+                label: format!("stopped @{}", p.step),
                 v: None,
             }),
             _ => {}

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use ckpt_recovery::{Config, SupervisorOptions, Topology};
+use ckpt_store::records::{Event, LogRecord, parse_records};
 use serde::Serialize;
 
 use super::parse::duration;
@@ -110,47 +111,40 @@ pub struct ResumeOutput {
 
 impl Report for ResumeOutput {
     fn print(&self, w: &mut dyn Write) -> std::io::Result<()> {
-        for r in &self.report.records {
-            let at = r["at_ms"].as_u64().unwrap_or(0) as f64 / 1000.0;
-            let line = match r["kind"].as_str().unwrap_or("") {
-                "started" => format!(
+        for r in parse_records::<Event>(&self.report.records) {
+            let line = match &r.record {
+                Event::Started(r) => format!(
                     "generation {} started: {} on nodes {}{}",
-                    r["generation"],
-                    r["layout"].as_str().unwrap_or(""),
-                    r["nodes"],
-                    r["resume_from"]
-                        .as_u64()
+                    r.generation,
+                    r.layout,
+                    serde_json::to_string(&r.nodes).unwrap_or_default(),
+                    r.resume_from
                         .map_or(String::new(), |s| format!(", resuming from step {s}"))
                 ),
-                "failure" => format!(
+                Event::Failure(r) => format!(
                     "FAILURE rank {} (node {}): {} [{}; detected after {:.2} s]",
-                    r["rank"],
-                    r["node"],
-                    r["detail"].as_str().unwrap_or(""),
-                    r["how"].as_str().unwrap_or(""),
-                    r["detection_s"].as_f64().unwrap_or(0.0)
+                    r.rank, r.node, r.detail, r.how, r.detection_s
                 ),
-                "recovery" => format!(
+                Event::Recovery(r) => format!(
                     "decision: restart as {} from step {}, {} steps lost, in {:.1} s",
-                    r["layout"].as_str().unwrap_or(""),
-                    r["step"]
-                        .as_u64()
+                    r.layout,
+                    r.step
                         .map_or("none (from scratch)".into(), |s| s.to_string()),
-                    r["steps_lost"],
-                    r["backoff_s"].as_f64().unwrap_or(0.0)
+                    r.steps_lost,
+                    r.backoff_s
                 ),
-                "resumed" => format!(
+                Event::Resumed(r) => format!(
                     "resumed: step {} done {:.2} s after the failure",
-                    r["step"],
-                    r["since_failure_s"].as_f64().unwrap_or(0.0)
+                    r.step, r.since_failure_s
                 ),
-                "finished" => format!(
-                    "finished: {} ({} restarts)",
-                    r["reason"].as_str().unwrap_or(""),
-                    r["restarts"]
+                Event::Finished(r) => format!("finished: {} ({} restarts)", r.reason, r.restarts),
+                other => format!(
+                    "{}: {}",
+                    other.kind(),
+                    serde_json::to_string(other).unwrap_or_default()
                 ),
-                other => format!("{other}: {r}"),
             };
+            let at = r.record.at_ms().unwrap_or(0) as f64 / 1000.0;
             writeln!(w, "{at:9.2}s  {line}")?;
         }
         for r in &self.report.restores {

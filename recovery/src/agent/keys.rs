@@ -185,22 +185,18 @@ pub struct SignalMsg {
 }
 
 /// One rank's partial loss sums for a step, relayed from its heartbeat.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Partial {
     /// Rank.
     pub rank: u32,
     /// Step.
     pub step: u64,
-    /// Sum of squared errors (fixed point, decimal).
-    pub sse: String,
-    /// Sum of squared gradients (fixed point, decimal).
-    pub gsq: String,
-    /// Elements.
-    pub n: u64,
+    /// What the rank's workload reported of the step (opaque to the agents).
+    pub workload: crate::heartbeat::Workload,
 }
 
 /// `beats/<node>`: the heartbeats a node's ranks sent since the last relay.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct BeatsMsg {
     /// Generation.
     pub generation: u64,

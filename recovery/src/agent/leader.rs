@@ -5,9 +5,9 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
+use ckpt_store::records::{Event as LogEvent, Takeover};
 use ckpt_store::{ErrorKind, Result, Store};
 use etcd_client::EventType;
-use serde_json::json;
 use tracing::{info, warn};
 
 use super::AgentOptions;
@@ -243,9 +243,12 @@ impl Leader {
             exited: gone,
         });
         l.lost.extend(lost_nodes.keys().copied());
-        let v = json!({
-            "kind": "takeover", "generation": g, "node": opts.node, "previous": previous,
-            "lost_nodes": lost_nodes.keys().collect::<Vec<_>>(), "at_ms": 0,
+        let v = LogEvent::Takeover(Takeover {
+            generation: g,
+            node: opts.node,
+            previous,
+            lost_nodes: lost_nodes.keys().copied().collect(),
+            at_ms: 0,
         });
         l.log.write(v).await?;
         Ok((l, actions))
@@ -308,7 +311,7 @@ impl Leader {
                 let (internal, world) = (r.internal, r.world);
                 for p in &b.partials {
                     self.losses
-                        .add(b.generation, p.step, &p.sse, &p.gsq, p.n, world)
+                        .add(b.generation, p.step, &p.workload, world)
                         .await?;
                 }
                 for (rank, step) in b.steps {
@@ -492,20 +495,19 @@ impl Leader {
                     let mut v = self.log.render(&rec, |g| gens.global(g)).await;
                     // A node whose lease expired shows up as SIGKILLed ranks; say so, and
                     // count the detection from the node's last heartbeats.
-                    if v["kind"] == "failure"
-                        && v["how"] == "signal"
-                        && let Some(n) = v["node"].as_u64().map(|n| n as u32)
-                        && self.lost.contains(&n)
+                    if let LogEvent::Failure(f) = &mut v
+                        && f.how == "signal"
+                        && self.lost.contains(&f.node)
                     {
+                        let n = f.node;
                         if let Some(seen) = self.last_seen.get(&n) {
-                            v["detection_s"] =
-                                json!(self.now().saturating_sub(*seen).as_secs_f64());
+                            f.detection_s = self.now().saturating_sub(*seen).as_secs_f64();
                         }
-                        v["how"] = json!("node");
-                        v["detail"] = json!(format!(
+                        f.how = "node".into();
+                        f.detail = format!(
                             "node {n} left: its agent's etcd lease expired (the machine or the agent died); {}",
-                            v["detail"].as_str().unwrap_or("")
-                        ));
+                            f.detail
+                        );
                     }
                     self.log.write(v).await?;
                 }

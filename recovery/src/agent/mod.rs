@@ -731,18 +731,16 @@ impl Agent {
 
     fn on_beat(&mut self, b: Beat) {
         let Some(p) = &self.current else { return };
-        if b.g != p.generation || !self.children.contains_key(&(b.g, b.r)) {
+        if b.generation != p.generation || !self.children.contains_key(&(b.generation, b.rank)) {
             return;
         }
-        let e = self.fresh.entry(b.r).or_insert(b.s);
-        *e = (*e).max(b.s);
-        if let (Some(sse), Some(gsq), Some(n)) = (b.sse, b.gsq, b.n) {
+        let e = self.fresh.entry(b.rank).or_insert(b.step);
+        *e = (*e).max(b.step);
+        if let Some(workload) = b.workload {
             self.partials.push(Partial {
-                rank: b.r,
-                step: b.s,
-                sse,
-                gsq,
-                n,
+                rank: b.rank,
+                step: b.step,
+                workload,
             });
         }
     }
