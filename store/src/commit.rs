@@ -378,6 +378,29 @@ impl Store {
                 "step {step} of run {run}: no rank has written its manifest yet"
             )));
         }
+        // A committer polling while ranks still write learns the world size from one manifest
+        // of its own generation, and while the listing lacks a rank of it, reads no other:
+        // polls then cost a listing, one get and the fence check, not a get per manifest.
+        if let Some(g) = generation
+            && let Some(&sample) = ranks.iter().next()
+        {
+            let path = self.keys().rank_manifest(run, step, sample);
+            let (m, _, _) = self.get_json::<RankManifest>(&path).await?;
+            let world = m.layout.world();
+            let unlisted: Vec<u32> = (0..world).filter(|r| !ranks.contains(r)).collect();
+            if m.generation == g && !unlisted.is_empty() {
+                self.check_generation(run, g, "this committer")
+                    .await
+                    .map_err(|e| e.context(format!("step {step} of run {run}")))?;
+                let shown: Vec<String> = unlisted.iter().take(10).map(u32::to_string).collect();
+                return Err(Error::incomplete(format!(
+                    "step {step} of run {run}: {} of {world} rank manifests of generation {g} are missing (ranks {}{})",
+                    unlisted.len(),
+                    shown.join(", "),
+                    if unlisted.len() > 10 { ", ..." } else { "" }
+                )));
+            }
+        }
         // Read every manifest present (O(ranks) requests): a restarted job may have left
         // manifests of an older generation and another layout next to the current ones.
         let present: Vec<(RankManifest, RankEntry)> = stream::iter(ranks.iter().copied())

@@ -727,4 +727,64 @@ mod tests {
         assert_eq!(n, 3);
         assert_eq!(c.since(m).count(ReqKind::Delete), 3);
     }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_polling_committer_reads_one_manifest_while_ranks_are_missing() {
+        use crate::{DType, DedupIndex, Layout, NdBox, RankWrite, ShardIn};
+        let cs = CountingStore::new(InMemory::new(), SimConfig::count_only());
+        let c = cs.counting();
+        let store = crate::Store::new(Arc::new(cs), Path::default(), "counted://");
+        let layout = Layout {
+            dp: 4,
+            tp: 1,
+            pp: 1,
+            zero: 0,
+        };
+        let write = |rank: u32| {
+            let store = store.clone();
+            async move {
+                let w = RankWrite {
+                    run: "r".into(),
+                    step: 1,
+                    rank,
+                    layout,
+                    generation: 0,
+                };
+                let shard = ShardIn {
+                    name: "w".into(),
+                    dtype: DType::U8,
+                    shape: vec![4],
+                    bbox: NdBox::new(vec![rank as u64], vec![1]).unwrap(),
+                    data: Some(Bytes::from(vec![rank as u8])),
+                    replica_of: None,
+                    placement: None,
+                };
+                store
+                    .write_rank(&w, vec![shard], vec![], &DedupIndex::new())
+                    .await
+                    .unwrap();
+            }
+        };
+        for r in 0..3 {
+            write(r).await;
+        }
+        // Three of four manifests: each poll lists, reads one manifest and checks the fence.
+        for _ in 0..3 {
+            let m = c.mark();
+            let e = store.commit_step_as("r", 1, Some(0)).await.unwrap_err();
+            assert_eq!(e.kind(), crate::ErrorKind::Incomplete, "{e}");
+            assert!(e.to_string().contains("1 of 4 rank manifests"), "{e}");
+            assert!(e.to_string().contains("(ranks 3)"), "{e}");
+            let t = c.since(m);
+            assert_eq!(t.count(ReqKind::Get), 1, "{t:?}");
+            assert_eq!(t.requests, 3, "{t:?}");
+        }
+        write(3).await;
+        let m = c.mark();
+        store.commit_step_as("r", 1, Some(0)).await.unwrap();
+        // Once all are there: each manifest once (plus the sample), the fence checks, COMMIT.
+        let t = c.since(m);
+        assert_eq!(t.count(ReqKind::Get), 5, "{t:?}");
+        assert_eq!(t.count(ReqKind::PutCreate), 1, "{t:?}");
+    }
 }
