@@ -294,7 +294,10 @@ impl Tally {
             } else {
                 &mut t.hottest_read_prefix
             };
-            if slot.as_ref().is_none_or(|(q, m)| n > *m || (n == *m && p < q.as_str())) {
+            if slot
+                .as_ref()
+                .is_none_or(|(q, m)| n > *m || (n == *m && p < q.as_str()))
+            {
                 *slot = Some((p.to_string(), n));
             }
         }
@@ -436,12 +439,8 @@ impl<S: ObjectStore> ObjectStore for CountingStore<S> {
             PutMode::Overwrite => ReqKind::Put,
             _ => ReqKind::PutCreate,
         };
-        self.enter(
-            kind,
-            prefix_of(location),
-            payload.content_length() as u64,
-        )
-        .await?;
+        self.enter(kind, prefix_of(location), payload.content_length() as u64)
+            .await?;
         self.inner.put_opts(location, payload, opts).await
     }
 
@@ -482,7 +481,9 @@ impl<S: ObjectStore> ObjectStore for CountingStore<S> {
     ) -> OsResult<Vec<Bytes>> {
         let mut first = None;
         for _ in ranges {
-            let i = self.enter(ReqKind::RangeGet, prefix_of(location), 0).await?;
+            let i = self
+                .enter(ReqKind::RangeGet, prefix_of(location), 0)
+                .await?;
             first.get_or_insert(i);
         }
         let r = self.inner.get_ranges(location, ranges).await?;
@@ -609,7 +610,12 @@ mod tests {
         )
         .await
         .unwrap();
-        s.get(&Path::from("a/b/x")).await.unwrap().bytes().await.unwrap();
+        s.get(&Path::from("a/b/x"))
+            .await
+            .unwrap()
+            .bytes()
+            .await
+            .unwrap();
         s.get_range(&Path::from("a/b/x"), 1..3).await.unwrap();
         s.head(&Path::from("a/b/y")).await.unwrap();
         let t = c.since(0);
@@ -647,12 +653,15 @@ mod tests {
         let m = c.mark();
         let r = s.list_with_delimiter(Some(&Path::from("q"))).await.unwrap();
         assert!(r.objects.is_empty());
-        assert_eq!(c.since(m).count(ReqKind::ListPage), 1, "an empty page is a request");
+        assert_eq!(
+            c.since(m).count(ReqKind::ListPage),
+            1,
+            "an empty page is a request"
+        );
     }
 
     #[tokio::test(start_paused = true)]
-    async fn writes_beyond_the_prefix_rate_are_refused_as_slow_down_and_other_prefixes_are_not()
-    {
+    async fn writes_beyond_the_prefix_rate_are_refused_as_slow_down_and_other_prefixes_are_not() {
         let s = Arc::new(sim(Some(RateLimits {
             writes_per_s: 10,
             reads_per_s: 5,
@@ -673,10 +682,15 @@ mod tests {
             assert!(matches!(e, object_store::Error::Generic { .. }), "{e}");
             assert!(e.to_string().contains("503 SlowDown"), "{e}");
             assert!(e.to_string().contains("\"hot\""), "{e}");
-            assert!(crate::retry::is_transient(e), "a SlowDown is retryable: {e}");
+            assert!(
+                crate::retry::is_transient(e),
+                "a SlowDown is retryable: {e}"
+            );
         }
         // Another prefix has its own budget; reads have theirs.
-        s.put(&Path::from("cold/k"), Bytes::new().into()).await.unwrap();
+        s.put(&Path::from("cold/k"), Bytes::new().into())
+            .await
+            .unwrap();
         s.head(&Path::from("hot/k0")).await.unwrap();
         let t = c.since(0);
         assert_eq!(t.throttled, 5);

@@ -59,7 +59,10 @@ impl ScaleConfig {
 /// tp = 8 (fewer when the world is smaller), pp the largest power of two up to 16 not above
 /// the square root of what is left, dp the rest; ZeRO-1.
 pub fn default_layout(ranks: u32) -> Layout {
-    let tp = [8, 4, 2, 1].into_iter().find(|t| ranks % t == 0).unwrap_or(1);
+    let tp = [8, 4, 2, 1]
+        .into_iter()
+        .find(|t| ranks % t == 0)
+        .unwrap_or(1);
     let rest = ranks / tp;
     let mut pp = 1;
     while pp * 2 <= 16 && (pp * 2) * (pp * 2) <= rest && rest % (pp * 2) == 0 {
@@ -78,8 +81,12 @@ pub fn default_layout(ranks: u32) -> Layout {
 /// master, exp_avg, exp_avg_sq (ZeRO groups), scaled down to a 64-wide model.
 pub fn llama_specs(layers: u32) -> Vec<TensorSpec> {
     let (d, kv, ffn, vocab) = (64u64, 8u64, 224u64, 256u64);
-    let mut params: Vec<(String, Vec<u64>, Option<usize>, Stage)> =
-        vec![("embed_tokens.weight".into(), vec![vocab, d], Some(0), Stage::First)];
+    let mut params: Vec<(String, Vec<u64>, Option<usize>, Stage)> = vec![(
+        "embed_tokens.weight".into(),
+        vec![vocab, d],
+        Some(0),
+        Stage::First,
+    )];
     for i in 0..layers {
         let st = Stage::Layer {
             index: i,
@@ -88,18 +95,48 @@ pub fn llama_specs(layers: u32) -> Vec<TensorSpec> {
         let p = |n: &str| format!("layers.{i}.{n}");
         params.extend([
             (p("input_layernorm.weight"), vec![d], None, st.clone()),
-            (p("self_attn.q_proj.weight"), vec![d, d], Some(0), st.clone()),
-            (p("self_attn.k_proj.weight"), vec![kv, d], Some(0), st.clone()),
-            (p("self_attn.v_proj.weight"), vec![kv, d], Some(0), st.clone()),
-            (p("self_attn.o_proj.weight"), vec![d, d], Some(1), st.clone()),
-            (p("post_attention_layernorm.weight"), vec![d], None, st.clone()),
+            (
+                p("self_attn.q_proj.weight"),
+                vec![d, d],
+                Some(0),
+                st.clone(),
+            ),
+            (
+                p("self_attn.k_proj.weight"),
+                vec![kv, d],
+                Some(0),
+                st.clone(),
+            ),
+            (
+                p("self_attn.v_proj.weight"),
+                vec![kv, d],
+                Some(0),
+                st.clone(),
+            ),
+            (
+                p("self_attn.o_proj.weight"),
+                vec![d, d],
+                Some(1),
+                st.clone(),
+            ),
+            (
+                p("post_attention_layernorm.weight"),
+                vec![d],
+                None,
+                st.clone(),
+            ),
             (p("mlp.gate_proj.weight"), vec![ffn, d], Some(0), st.clone()),
             (p("mlp.up_proj.weight"), vec![ffn, d], Some(0), st.clone()),
             (p("mlp.down_proj.weight"), vec![d, ffn], Some(1), st.clone()),
         ]);
     }
     params.push(("norm.weight".into(), vec![d], None, Stage::Last));
-    params.push(("lm_head.weight".into(), vec![vocab, d], Some(0), Stage::Last));
+    params.push((
+        "lm_head.weight".into(),
+        vec![vocab, d],
+        Some(0),
+        Stage::Last,
+    ));
     let kinds: [(&str, DType, &str, u8); 4] = [
         ("", DType::Bf16, "param", 3),
         (".master", DType::F32, "master", 1),
@@ -141,7 +178,11 @@ fn fill(seed: u64, len: usize) -> Vec<u8> {
 }
 
 fn name_key(s: &str) -> u64 {
-    u64::from_le_bytes(blake3::hash(s.as_bytes()).as_bytes()[..8].try_into().expect("8"))
+    u64::from_le_bytes(
+        blake3::hash(s.as_bytes()).as_bytes()[..8]
+            .try_into()
+            .expect("8"),
+    )
 }
 
 /// What `rank` saves at `step`: its placed shards (weights change every step, so an
@@ -214,7 +255,9 @@ pub fn counted_store(
     let store = Store::new(Arc::new(retry), Path::from(prefix), "sim://")
         .with_config(cfg)
         .expect("store settings")
-        .with_clock(Arc::new(SimClock::starting_at(ckpt_store::clock::system_now())));
+        .with_clock(Arc::new(SimClock::starting_at(
+            ckpt_store::clock::system_now(),
+        )));
     (store, c)
 }
 
@@ -328,7 +371,9 @@ pub async fn simulate(
             .filter(|r| r.kind == ReqKind::Get)
             .map(|r| r.bytes)
             .sum();
-        let record = serde_json::to_vec(outcome.record()).map(|b| b.len()).unwrap_or(0);
+        let record = serde_json::to_vec(outcome.record())
+            .map(|b| b.len())
+            .unwrap_or(0);
         let (manifest_bytes, objects) = *meta.lock().expect("meta");
         let depth_all = Tally::depth(&after, 0);
         let depth_no_manifest_reads = {
@@ -397,7 +442,9 @@ pub async fn simulate(
 
     // Restore the newest step on the same layout, a sample of ranks at once.
     let k = cfg.restore_ranks.clamp(1, n);
-    let sample: Vec<u32> = (0..k).map(|i| (i as u64 * n as u64 / k as u64) as u32).collect();
+    let sample: Vec<u32> = (0..k)
+        .map(|i| (i as u64 * n as u64 / k as u64) as u32)
+        .collect();
     let m = counting.mark();
     let step = latest.unwrap_or(2);
     // Joined in this task: the read engine's futures are not `Send` enough to spawn.
@@ -505,11 +552,8 @@ pub fn simulate_on_s3(
         .build()
         .map_err(|e| ckpt_store::Error::internal(format!("runtime: {e}")))?;
     rt.block_on(async {
-        let (store, counting) = counted_store(
-            Arc::new(server.client()),
-            "scale",
-            SimConfig::count_only(),
-        );
+        let (store, counting) =
+            counted_store(Arc::new(server.client()), "scale", SimConfig::count_only());
         simulate(&store, &counting, cfg, out).await
     })
 }

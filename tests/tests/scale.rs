@@ -31,7 +31,10 @@ fn sixty_four_ranks_commit_list_and_find_the_newest_step_within_their_request_bu
         // create, and the polls under way when the last manifest landed: a listing, one
         // manifest and a fence check each): O(ranks), never every manifest again per poll.
         let after = c["committer_requests_after_manifests"].as_u64().unwrap();
-        assert!(after <= ranks + 12, "{name}: committer made {after} requests: {c}");
+        assert!(
+            after <= ranks + 12,
+            "{name}: committer made {after} requests: {c}"
+        );
         // After the manifests, the commit's sequence is O(1) beyond reading the manifests
         // (32 at a time).
         let without = c["critical_path_without_manifest_reads"].as_u64().unwrap();
@@ -47,7 +50,10 @@ fn sixty_four_ranks_commit_list_and_find_the_newest_step_within_their_request_bu
 
     let latest = phase(&lines, "latest");
     assert_eq!(latest["found"], 2);
-    assert!(latest["tally"]["requests"].as_u64().unwrap() <= 2, "{latest}");
+    assert!(
+        latest["tally"]["requests"].as_u64().unwrap() <= 2,
+        "{latest}"
+    );
 
     let ls = phase(&lines, "ls");
     assert!(ls["list_pages"].as_u64().unwrap() <= 1, "{ls}");
