@@ -61,11 +61,11 @@ impl ScaleConfig {
 pub fn default_layout(ranks: u32) -> Layout {
     let tp = [8, 4, 2, 1]
         .into_iter()
-        .find(|t| ranks % t == 0)
+        .find(|t| ranks.is_multiple_of(*t))
         .unwrap_or(1);
     let rest = ranks / tp;
     let mut pp = 1;
-    while pp * 2 <= 16 && (pp * 2) * (pp * 2) <= rest && rest % (pp * 2) == 0 {
+    while pp * 2 <= 16 && (pp * 2) * (pp * 2) <= rest && rest.is_multiple_of(pp * 2) {
         pp *= 2;
     }
     Layout {
