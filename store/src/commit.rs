@@ -310,6 +310,17 @@ impl Store {
 
     /// Read a step's commit record. `NotFound` if the step is not committed.
     pub async fn read_commit(&self, run: &str, step: u64) -> Result<(CommitRecord, StepId)> {
+        self.read_commit_sized(run, step)
+            .await
+            .map(|(c, id, _)| (c, id))
+    }
+
+    /// [`Store::read_commit`], and the record's size in bytes.
+    pub(crate) async fn read_commit_sized(
+        &self,
+        run: &str,
+        step: u64,
+    ) -> Result<(CommitRecord, StepId, u64)> {
         validate_run(run)?;
         let path = self.keys().commit(run, step);
         let bytes = self.get_object(&path).await.map_err(|e| match e.kind() {
@@ -329,7 +340,7 @@ impl Store {
                 c.run, c.step
             )));
         }
-        Ok((c, StepId(hash)))
+        Ok((c, StepId(hash), bytes.len() as u64))
     }
 
     /// Commit a step if every rank's manifest is present and coverage holds (see the module

@@ -742,43 +742,44 @@ mod tests {
         assert_eq!(c.since(m).count(ReqKind::Delete), 3);
     }
 
+    const FOUR: crate::Layout = crate::Layout {
+        dp: 4,
+        tp: 1,
+        pp: 1,
+        zero: 0,
+    };
+
+    /// Rank `rank` of a 4-rank job saves one byte of a 4-byte tensor as `step` of `run`.
+    async fn save_tiny(store: &crate::Store, run: &str, step: u64, rank: u32) {
+        use crate::{DType, DedupIndex, NdBox, RankWrite, ShardIn};
+        let w = RankWrite {
+            run: run.into(),
+            step,
+            rank,
+            layout: FOUR,
+            generation: 0,
+        };
+        let shard = ShardIn {
+            name: "w".into(),
+            dtype: DType::U8,
+            shape: vec![4],
+            bbox: NdBox::new(vec![rank as u64], vec![1]).unwrap(),
+            data: Some(Bytes::from(vec![rank as u8])),
+            replica_of: None,
+            placement: None,
+        };
+        store
+            .write_rank(&w, vec![shard], vec![], &DedupIndex::new())
+            .await
+            .unwrap();
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_polling_committer_reads_one_manifest_while_ranks_are_missing() {
-        use crate::{DType, DedupIndex, Layout, NdBox, RankWrite, ShardIn};
         let cs = CountingStore::new(InMemory::new(), SimConfig::count_only());
         let c = cs.counting();
         let store = crate::Store::new(Arc::new(cs), Path::default(), "counted://");
-        let layout = Layout {
-            dp: 4,
-            tp: 1,
-            pp: 1,
-            zero: 0,
-        };
-        let write = |rank: u32| {
-            let store = store.clone();
-            async move {
-                let w = RankWrite {
-                    run: "r".into(),
-                    step: 1,
-                    rank,
-                    layout,
-                    generation: 0,
-                };
-                let shard = ShardIn {
-                    name: "w".into(),
-                    dtype: DType::U8,
-                    shape: vec![4],
-                    bbox: NdBox::new(vec![rank as u64], vec![1]).unwrap(),
-                    data: Some(Bytes::from(vec![rank as u8])),
-                    replica_of: None,
-                    placement: None,
-                };
-                store
-                    .write_rank(&w, vec![shard], vec![], &DedupIndex::new())
-                    .await
-                    .unwrap();
-            }
-        };
+        let write = |rank: u32| save_tiny(&store, "r", 1, rank);
         for r in 0..3 {
             write(r).await;
         }
@@ -800,5 +801,36 @@ mod tests {
         let t = c.since(m);
         assert_eq!(t.count(ReqKind::Get), 5, "{t:?}");
         assert_eq!(t.count(ReqKind::PutCreate), 1, "{t:?}");
+    }
+
+    #[tokio::test]
+    async fn listing_a_run_of_1000_committed_steps_takes_one_page_not_one_per_1000_manifests() {
+        let cs = CountingStore::new(InMemory::new(), SimConfig::count_only());
+        let c = cs.counting();
+        let store = crate::Store::new(Arc::new(cs), Path::default(), "counted://");
+        for step in 1..=1000 {
+            for rank in 0..4 {
+                save_tiny(&store, "long", step, rank).await;
+            }
+            if step < 1000 {
+                store.commit_step("long", step).await.unwrap();
+            }
+        }
+        let m = c.mark();
+        let steps = store.list_steps_with_records("long").await.unwrap();
+        let t = c.since(m);
+        assert_eq!(steps.len(), 1000);
+        assert!(steps[..999].iter().all(|(s, r)| s.committed
+            && s.ranks == [0, 1, 2, 3]
+            && matches!(r, Some(Ok(c)) if c.step == s.step)));
+        // The step not committed: listed by its objects, with no record.
+        let (last, record) = &steps[999];
+        assert!(!last.committed && last.ranks == [0, 1, 2, 3] && record.is_none());
+        assert_eq!(t.count(ReqKind::ListPage), 2, "one page of steps, one of step 1000: {t:?}");
+        assert_eq!(t.count(ReqKind::Get), 1000, "{t:?}");
+        // The whole listing, for comparison: a page per thousand objects.
+        let m = c.mark();
+        assert_eq!(store.list_steps("long").await.unwrap().len(), 1000);
+        assert_eq!(c.since(m).count(ReqKind::ListPage), 5);
     }
 }

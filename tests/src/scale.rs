@@ -425,12 +425,9 @@ pub async fn simulate(
         &mut lines,
     );
 
-    // `ckpt ls RUN --quick`: the step listing and each committed step's record.
+    // `ckpt ls RUN --quick`: the step listing with each committed step's record.
     let m = counting.mark();
-    let steps = store.list_steps(run).await?;
-    for s in steps.iter().filter(|s| s.committed) {
-        store.read_commit(run, s.step).await?;
-    }
+    let steps = store.list_steps_with_records(run).await?;
     let t = counting.since(m);
     let pages = t.count(ReqKind::ListPage);
     emit(
