@@ -108,34 +108,33 @@ impl Store {
             .filter_map(|p| self.keys().parse_step_dir(p))
             .collect();
         steps.sort_unstable();
-        let found: Vec<Option<(StepListing, Option<Result<CommitRecord>>)>> =
-            stream::iter(steps)
-                .map(|step| async move {
-                    match self.read_commit_sized(run, step).await {
-                        Ok((c, _, size)) => Ok(Some((
-                            StepListing {
-                                step,
-                                committed: true,
-                                ranks: c.ranks.iter().map(|e| e.rank).collect(),
-                                last_modified: DateTime::from_timestamp_millis(c.committed_ms)
-                                    .unwrap_or_default(),
-                                meta_bytes: size + c.ranks.iter().map(|e| e.size).sum::<u64>(),
-                            },
-                            Some(Ok(c)),
-                        ))),
-                        Err(e) => {
-                            let dir = self.keys().step_dir(run, step);
-                            let listed = self.list_step_objects(&dir).await?;
-                            Ok::<_, Error>(listed.into_iter().next().map(|l| {
-                                let record = l.committed.then_some(Err(e));
-                                (l, record)
-                            }))
-                        }
+        let found: Vec<Option<(StepListing, Option<Result<CommitRecord>>)>> = stream::iter(steps)
+            .map(|step| async move {
+                match self.read_commit_sized(run, step).await {
+                    Ok((c, _, size)) => Ok(Some((
+                        StepListing {
+                            step,
+                            committed: true,
+                            ranks: c.ranks.iter().map(|e| e.rank).collect(),
+                            last_modified: DateTime::from_timestamp_millis(c.committed_ms)
+                                .unwrap_or_default(),
+                            meta_bytes: size + c.ranks.iter().map(|e| e.size).sum::<u64>(),
+                        },
+                        Some(Ok(c)),
+                    ))),
+                    Err(e) => {
+                        let dir = self.keys().step_dir(run, step);
+                        let listed = self.list_step_objects(&dir).await?;
+                        Ok::<_, Error>(listed.into_iter().next().map(|l| {
+                            let record = l.committed.then_some(Err(e));
+                            (l, record)
+                        }))
                     }
-                })
-                .buffered(16)
-                .try_collect()
-                .await?;
+                }
+            })
+            .buffered(16)
+            .try_collect()
+            .await?;
         Ok(found.into_iter().flatten().collect())
     }
 

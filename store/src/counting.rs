@@ -826,7 +826,11 @@ mod tests {
         // The step not committed: listed by its objects, with no record.
         let (last, record) = &steps[999];
         assert!(!last.committed && last.ranks == [0, 1, 2, 3] && record.is_none());
-        assert_eq!(t.count(ReqKind::ListPage), 2, "one page of steps, one of step 1000: {t:?}");
+        assert_eq!(
+            t.count(ReqKind::ListPage),
+            2,
+            "one page of steps, one of step 1000: {t:?}"
+        );
         assert_eq!(t.count(ReqKind::Get), 1000, "{t:?}");
         // The whole listing, for comparison: a page per thousand objects.
         let m = c.mark();
