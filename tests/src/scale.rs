@@ -15,6 +15,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use ckpt_store::ObjectStoreExt;
 use ckpt_store::counting::{Counting, CountingStore, ReqKind, Request, SimClock, SimConfig, Tally};
 use ckpt_store::object_store::ObjectStore;
 use ckpt_store::object_store::path::Path;
@@ -371,9 +372,18 @@ pub async fn simulate(
             .filter(|r| r.kind == ReqKind::Get)
             .map(|r| r.bytes)
             .sum();
-        let record = serde_json::to_vec(outcome.record())
-            .map(|b| b.len())
-            .unwrap_or(0);
+        // The record as stored (after this phase's counts; one head).
+        let record = store
+            .object_store()
+            .head(&store.keys().commit(run, step))
+            .await
+            .map_err(|e| ckpt_store::Error::backend("head", &"COMMIT", e))?
+            .size as usize;
+        if outcome.record().step != step {
+            return Err(ckpt_store::Error::internal(
+                "the commit answered another step",
+            ));
+        }
         let (manifest_bytes, objects) = *meta.lock().expect("meta");
         let depth_all = Tally::depth(&after, 0);
         let depth_no_manifest_reads = {
