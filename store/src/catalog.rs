@@ -3,11 +3,12 @@
 use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
-use futures::TryStreamExt;
+use futures::{StreamExt, TryStreamExt, stream};
 use serde::Serialize;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::keys::{StepObject, validate_run};
+use crate::model::CommitRecord;
 use crate::store::Store;
 
 /// One step of a run as the store lists it.
@@ -47,12 +48,17 @@ impl Store {
     pub async fn list_steps(&self, run: &str) -> Result<Vec<StepListing>> {
         validate_run(run)?;
         let dir = self.keys().steps_dir(run);
+        self.list_step_objects(&dir).await
+    }
+
+    /// The steps with objects below `dir` (a run's steps, or one step), listed object by object.
+    async fn list_step_objects(&self, dir: &object_store::path::Path) -> Result<Vec<StepListing>> {
         let metas: Vec<_> = self
             .object_store()
-            .list(Some(&dir))
+            .list(Some(dir))
             .try_collect()
             .await
-            .map_err(|e| Error::backend("listing", &dir, e))?;
+            .map_err(|e| Error::backend("listing", dir, e))?;
         let mut steps: BTreeMap<u64, StepListing> = BTreeMap::new();
         for m in metas {
             let Some((_, step, what)) = self.keys().parse_step_object(&m.location) else {
@@ -77,6 +83,59 @@ impl Store {
             s.ranks.sort_unstable();
         }
         Ok(out)
+    }
+
+    /// The steps of `run` as `ckpt ls RUN` shows them, each committed one with its record: one
+    /// listing page per thousand steps and one get per step, whatever the world size. Only a
+    /// step whose record is missing or unreadable is listed object by object (its ranks, and
+    /// whether `COMMIT` exists; the record's error comes back with it). [`Store::list_steps`]
+    /// lists every object of every step instead: thousands of pages for a long run of thousands
+    /// of ranks. For a committed step, `last_modified` is the record's `committed_ms`.
+    pub async fn list_steps_with_records(
+        &self,
+        run: &str,
+    ) -> Result<Vec<(StepListing, Option<Result<CommitRecord>>)>> {
+        validate_run(run)?;
+        let dir = self.keys().steps_dir(run);
+        let res = self
+            .object_store()
+            .list_with_delimiter(Some(&dir))
+            .await
+            .map_err(|e| Error::backend("listing", &dir, e))?;
+        let mut steps: Vec<u64> = res
+            .common_prefixes
+            .iter()
+            .filter_map(|p| self.keys().parse_step_dir(p))
+            .collect();
+        steps.sort_unstable();
+        let found: Vec<Option<(StepListing, Option<Result<CommitRecord>>)>> = stream::iter(steps)
+            .map(|step| async move {
+                match self.read_commit_sized(run, step).await {
+                    Ok((c, _, size)) => Ok(Some((
+                        StepListing {
+                            step,
+                            committed: true,
+                            ranks: c.ranks.iter().map(|e| e.rank).collect(),
+                            last_modified: DateTime::from_timestamp_millis(c.committed_ms)
+                                .unwrap_or_default(),
+                            meta_bytes: size + c.ranks.iter().map(|e| e.size).sum::<u64>(),
+                        },
+                        Some(Ok(c)),
+                    ))),
+                    Err(e) => {
+                        let dir = self.keys().step_dir(run, step);
+                        let listed = self.list_step_objects(&dir).await?;
+                        Ok::<_, Error>(listed.into_iter().next().map(|l| {
+                            let record = l.committed.then_some(Err(e));
+                            (l, record)
+                        }))
+                    }
+                }
+            })
+            .buffered(16)
+            .try_collect()
+            .await?;
+        Ok(found.into_iter().flatten().collect())
     }
 
     /// Committed step numbers of `run`, ascending.

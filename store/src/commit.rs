@@ -310,6 +310,17 @@ impl Store {
 
     /// Read a step's commit record. `NotFound` if the step is not committed.
     pub async fn read_commit(&self, run: &str, step: u64) -> Result<(CommitRecord, StepId)> {
+        self.read_commit_sized(run, step)
+            .await
+            .map(|(c, id, _)| (c, id))
+    }
+
+    /// [`Store::read_commit`], and the record's size in bytes.
+    pub(crate) async fn read_commit_sized(
+        &self,
+        run: &str,
+        step: u64,
+    ) -> Result<(CommitRecord, StepId, u64)> {
         validate_run(run)?;
         let path = self.keys().commit(run, step);
         let bytes = self.get_object(&path).await.map_err(|e| match e.kind() {
@@ -329,7 +340,7 @@ impl Store {
                 c.run, c.step
             )));
         }
-        Ok((c, StepId(hash)))
+        Ok((c, StepId(hash), bytes.len() as u64))
     }
 
     /// Commit a step if every rank's manifest is present and coverage holds (see the module
@@ -377,6 +388,29 @@ impl Store {
             return Err(Error::incomplete(format!(
                 "step {step} of run {run}: no rank has written its manifest yet"
             )));
+        }
+        // A committer polling while ranks still write learns the world size from one manifest
+        // of its own generation, and while the listing lacks a rank of it, reads no other:
+        // polls then cost a listing, one get and the fence check, not a get per manifest.
+        if let Some(g) = generation
+            && let Some(&sample) = ranks.iter().next()
+        {
+            let path = self.keys().rank_manifest(run, step, sample);
+            let (m, _, _) = self.get_json::<RankManifest>(&path).await?;
+            let world = m.layout.world();
+            let unlisted: Vec<u32> = (0..world).filter(|r| !ranks.contains(r)).collect();
+            if m.generation == g && !unlisted.is_empty() {
+                self.check_generation(run, g, "this committer")
+                    .await
+                    .map_err(|e| e.context(format!("step {step} of run {run}")))?;
+                let shown: Vec<String> = unlisted.iter().take(10).map(u32::to_string).collect();
+                return Err(Error::incomplete(format!(
+                    "step {step} of run {run}: {} of {world} rank manifests of generation {g} are missing (ranks {}{})",
+                    unlisted.len(),
+                    shown.join(", "),
+                    if unlisted.len() > 10 { ", ..." } else { "" }
+                )));
+            }
         }
         // Read every manifest present (O(ranks) requests): a restarted job may have left
         // manifests of an older generation and another layout next to the current ones.

@@ -45,6 +45,8 @@ pub mod catalog;
 pub mod clock;
 pub mod codec;
 pub mod commit;
+#[cfg(feature = "testing")]
+pub mod counting;
 pub mod direct;
 pub mod error;
 pub mod failpoint;

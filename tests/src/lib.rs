@@ -1,6 +1,8 @@
 //! Helpers for cross-crate scenarios: the workspace's binaries, processes found by their
 //! environment, signals.
 
+pub mod scale;
+
 use std::path::PathBuf;
 use std::process::Command;
 

@@ -181,13 +181,19 @@ async fn list_steps(
     ui: &Ui,
 ) -> Result<StepsListing> {
     validate_run(run).map_err(|e| CliError::usage(e.to_string()))?;
-    let steps = store.list_steps(run).await?;
+    // One listing page per thousand steps and each step's record (not a listing of every
+    // manifest of every step: thousands of pages for a long run of thousands of ranks).
+    let (steps, records): (Vec<_>, Vec<_>) = store
+        .list_steps_with_records(run)
+        .await?
+        .into_iter()
+        .unzip();
     if steps.is_empty() {
         return Err(super::parse::no_such_run(store, run).await);
     }
     let pb = ui.items(steps.len() as u64, format!("reading {run}"));
-    let infos: Vec<StepInfo> = stream::iter(steps.iter())
-        .map(|s| {
+    let infos: Vec<StepInfo> = stream::iter(steps.iter().zip(records))
+        .map(|(s, record)| {
             let pb = pb.clone();
             async move {
                 let mut info = StepInfo {
@@ -195,11 +201,10 @@ async fn list_steps(
                     manifests: Vec::new(),
                     problem: None,
                 };
-                if s.committed {
-                    match store.read_commit(run, s.step).await {
-                        Ok((c, _)) => info.commit = Some(c),
-                        Err(e) => info.problem = Some(e.to_string()),
-                    }
+                match record {
+                    Some(Ok(c)) => info.commit = Some(c),
+                    Some(Err(e)) => info.problem = Some(e.to_string()),
+                    None => {}
                 }
                 // Incomplete steps need one manifest for their layout; sizes need them all.
                 let wanted: Vec<(u32, Option<ckpt_store::RankEntry>)> = match &info.commit {

@@ -1315,9 +1315,10 @@ fn main() {
             ckpt_train::parse_count(&arg(&args, "--params", "100M")).unwrap(),
         ),
         Some("faults") => faults_bench(&dir, arg(&args, "--mib", "64").parse().unwrap()),
+        Some("scale") => std::process::exit(ckpt_tests::scale::cli(&args)),
         _ => {
             eprintln!(
-                "usage: ckpt-bench limits|store|train|recovery|peers|faults --dir DIR [--gib N] [--params N] [--mib N]"
+                "usage: ckpt-bench limits|store|train|recovery|peers|faults|scale --dir DIR [--gib N] [--params N] [--mib N]"
             );
             std::process::exit(2);
         }
