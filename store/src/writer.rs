@@ -372,3 +372,90 @@ pub fn assemble_manifest(
         },
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{det_bytes, memory_store, tiny_config};
+
+    fn meta(name: &str, len: u64, reuse: Option<Vec<ChunkRef>>) -> ShardMeta {
+        ShardMeta {
+            name: name.into(),
+            dtype: DType::U8,
+            shape: vec![len],
+            bbox: NdBox::full(&[len]),
+            replica_of: None,
+            placement: None,
+            reuse,
+        }
+    }
+
+    /// A reused shard takes the given references, in its place among the streamed shards, and
+    /// counts as skipped; references that do not cut the shard's bytes are refused, naming it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn reused_shards_take_their_references_and_bad_ones_are_refused() {
+        let store = memory_store(tiny_config());
+        let w = |step| RankWrite {
+            run: "r".into(),
+            step,
+            rank: 0,
+            layout: Layout::SINGLE,
+            generation: 0,
+        };
+        let (a, b) = (det_bytes(1, 10_000), det_bytes(2, 5_000));
+        let idx = DedupIndex::new();
+        let first = store
+            .write_rank(
+                &w(1),
+                vec![ShardIn {
+                    name: "a".into(),
+                    dtype: DType::U8,
+                    shape: vec![10_000],
+                    bbox: NdBox::full(&[10_000]),
+                    data: Some(Bytes::from(a.clone())),
+                    replica_of: None,
+                    placement: None,
+                }],
+                vec![],
+                &idx,
+            )
+            .await
+            .unwrap()
+            .0;
+        let refs = first.tensors[0].chunks.clone();
+        let chunks: Vec<Result<Bytes>> = store
+            .chunk_spans(5_000)
+            .map(|r| Ok(Bytes::from(b[r.start as usize..r.end as usize].to_vec())))
+            .collect();
+        let (m, _, stats) = store
+            .write_rank_stream(
+                &w(2),
+                vec![
+                    meta("b", 5_000, None),
+                    meta("a", 10_000, Some(refs.clone())),
+                ],
+                vec![],
+                stream::iter(chunks),
+                &DedupIndex::new(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(m.tensors[1].chunks, refs);
+        assert_eq!(m.stats.logical_bytes, 15_000);
+        assert_eq!(stats.bytes_skipped, 10_000);
+        assert_eq!(stats.chunks_skipped, refs.len() as u64);
+        // One chunk short: refused before anything is written.
+        let e = store
+            .write_rank_stream(
+                &w(3),
+                vec![meta("a", 10_000, Some(refs[1..].to_vec()))],
+                vec![],
+                stream::iter(Vec::<Result<Bytes>>::new()),
+                &DedupIndex::new(),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), crate::error::ErrorKind::InvalidInput, "{e}");
+        assert!(e.to_string().contains("tensor \"a\""), "{e}");
+    }
+}

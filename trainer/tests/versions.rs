@@ -48,8 +48,8 @@ fn verify_clean(store: &Store) {
     assert!(v.is_clean(), "{v:?}");
 }
 
-/// A frozen tensor is taken unchanged from the second save on (neither copied nor hashed: it
-/// is not in `bytes`); a save where nothing changed copies nothing; every step restores
+/// A frozen tensor is taken unchanged from the second save on (neither copied nor hashed:
+/// `bytes_reused`); a save where nothing changed copies nothing; every step restores
 /// bit-exactly and the store verifies clean.
 #[test]
 fn unchanged_tensors_are_reused_and_every_step_restores_exactly() {
@@ -71,10 +71,22 @@ fn unchanged_tensors_are_reused_and_every_step_restores_exactly() {
         want.push((step, w.read().clone()));
         let r = save(&ck, step, state(&[("w", &w), ("frozen", &frozen)]));
         match step {
-            1 => assert_eq!((r.bytes, r.bytes_reused), ((n_w + n_f) as u64, 0), "{r:?}"),
+            1 => assert_eq!(
+                (r.bytes - r.bytes_reused, r.bytes_reused),
+                ((n_w + n_f) as u64, 0),
+                "{r:?}"
+            ),
             // Nothing written since step 3: nothing copied.
-            4 => assert_eq!((r.bytes, r.bytes_reused), (0, (n_w + n_f) as u64), "{r:?}"),
-            _ => assert_eq!((r.bytes, r.bytes_reused), (n_w as u64, n_f as u64), "{r:?}"),
+            4 => assert_eq!(
+                (r.bytes - r.bytes_reused, r.bytes_reused),
+                (0, (n_w + n_f) as u64),
+                "{r:?}"
+            ),
+            _ => assert_eq!(
+                (r.bytes - r.bytes_reused, r.bytes_reused),
+                (n_w as u64, n_f as u64),
+                "{r:?}"
+            ),
         }
         if step > 1 {
             assert!(r.bytes_skipped >= n_f as u64, "{r:?}");
@@ -111,7 +123,11 @@ fn a_write_through_the_api_always_reaches_the_next_save() {
     t.write()[7] ^= 0xff;
     assert_ne!(MemorySource::version(&t), Some(v0));
     let r = save(&ck, 2, state(&[("t", &t)]));
-    assert_eq!((r.bytes, r.bytes_reused), (n as u64, 0), "{r:?}");
+    assert_eq!(
+        (r.bytes - r.bytes_reused, r.bytes_reused),
+        (n as u64, 0),
+        "{r:?}"
+    );
     assert_eq!(read(&store, run, 2, "t"), *t.read());
     assert_ne!(read(&store, run, 2, "t"), det_bytes(3, n));
 
@@ -136,7 +152,11 @@ fn a_write_through_the_api_always_reaches_the_next_save() {
 
     // Unchanged since step 4: reused, same bytes.
     let r = save(&ck, 5, state(&[("t", &t)]));
-    assert_eq!((r.bytes, r.bytes_reused), (0, n as u64), "{r:?}");
+    assert_eq!(
+        (r.bytes - r.bytes_reused, r.bytes_reused),
+        (0, n as u64),
+        "{r:?}"
+    );
     assert_eq!(read(&store, run, 5, "t"), read(&store, run, 4, "t"));
 }
 
@@ -170,7 +190,11 @@ fn a_failed_or_uncommitted_save_is_never_reused() {
     assert_eq!(g.incomplete_deleted, vec![(run.to_string(), 2)], "{g:?}");
     // `w` has the version step 2 saved, but step 2 is not committed: copied again.
     let r = save(&ck, 3, state(&[("w", &w), ("frozen", &frozen)]));
-    assert_eq!((r.bytes, r.bytes_reused), (n as u64, n as u64), "{r:?}");
+    assert_eq!(
+        (r.bytes - r.bytes_reused, r.bytes_reused),
+        (n as u64, n as u64),
+        "{r:?}"
+    );
     assert_eq!(read(&store, run, 3, "w"), det_bytes(5, n));
     assert_eq!(read(&store, run, 3, "frozen"), det_bytes(2, n));
     verify_clean(&store);
@@ -299,7 +323,11 @@ fn gc_of_the_step_reused_from_keeps_what_later_steps_reference() {
     runtime().block_on(store.delete_step(run, 3, true)).unwrap();
     gc(1);
     let r = save(&ck, 4, state(&[("w", &w), ("frozen", &frozen)]));
-    assert_eq!((r.bytes, r.bytes_reused), (2 * n as u64, 0), "{r:?}");
+    assert_eq!(
+        (r.bytes - r.bytes_reused, r.bytes_reused),
+        (2 * n as u64, 0),
+        "{r:?}"
+    );
     assert_eq!(read(&store, run, 4, "frozen"), det_bytes(2, n));
     assert_eq!(read(&store, run, 4, "w"), vec![2; n]);
     verify_clean(&store);

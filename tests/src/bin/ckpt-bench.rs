@@ -26,6 +26,9 @@ use ckpt_trainer::workload::{ModelConfig, RankState, TrainConfig};
 use ckpt_trainer::{CheckpointManager, CheckpointerConfig, HostTensor, ManagerConfig, runtime};
 use serde_json::{Value, json};
 
+#[path = "../versions.rs"]
+mod versions;
+
 fn emit(v: Value) {
     println!("{v}");
 }
@@ -1281,9 +1284,13 @@ fn main() {
             ckpt_train::parse_count(&arg(&args, "--params", "100M")).unwrap(),
         ),
         Some("faults") => faults_bench(&dir, arg(&args, "--mib", "64").parse().unwrap()),
+        Some("versions") => versions::versions_bench(
+            &dir,
+            ckpt_train::parse_count(&arg(&args, "--params", "150M")).unwrap(),
+        ),
         _ => {
             eprintln!(
-                "usage: ckpt-bench limits|store|train|recovery|peers|faults --dir DIR [--gib N] [--params N] [--mib N]"
+                "usage: ckpt-bench limits|store|train|recovery|peers|faults|versions --dir DIR [--gib N] [--params N] [--mib N]"
             );
             std::process::exit(2);
         }

@@ -200,7 +200,7 @@ impl Checkpointer {
             Stage::Snapshotting,
             SaveReport {
                 step,
-                bytes: plan.bytes,
+                bytes: plan.bytes + plan.reused,
                 bytes_reused: plan.reused,
                 ..Default::default()
             },
