@@ -416,3 +416,52 @@ fn a_resharded_restore_after_reused_saves_is_bit_exact() {
     }
     verify_clean(&store);
 }
+
+/// The reference workload writes only what it trains: with half of its layers frozen, every
+/// save after the first reuses exactly the frozen parameters' state (weights, master copy,
+/// both moments), and the step restores to the bytes in memory.
+#[test]
+fn the_workload_bumps_only_what_it_trains() {
+    use ckpt_trainer::workload::{ModelConfig, RankState, TrainConfig};
+    use ckpt_trainer::{CheckpointManager, ManagerConfig};
+    let (store, _d) = local_store(tiny_config());
+    let run = "workload";
+    let model = ModelConfig::for_params(60_000, 8);
+    let train = TrainConfig {
+        seed: 1,
+        lr: 1e-3,
+        frozen: 0.5,
+    };
+    let rank = RankState::new(model, train, Layout::SINGLE, 0).unwrap();
+    let mut m = CheckpointManager::new(
+        store.clone(),
+        ManagerConfig::new(CheckpointerConfig::new(run, 0, Layout::SINGLE)),
+    )
+    .unwrap();
+    rank.register(&mut m).unwrap();
+    let frozen: u64 = rank
+        .params
+        .iter()
+        .filter(|p| p.frozen)
+        .map(|p| p.held.numel() * 14)
+        .sum();
+    assert!(frozen > 0 && frozen < rank.held_bytes());
+    for step in 1..=3u64 {
+        rank.update(step, step, 1.0);
+        let r = m.save_now(step).unwrap().wait_committed(T).unwrap();
+        let want = if step == 1 { 0 } else { frozen };
+        assert_eq!(r.bytes_reused, want, "step {step}: {r:?}");
+    }
+    let specs = model.specs();
+    for p in &rank.params {
+        for k in 0..4 {
+            let name = &specs[p.param * 4 + k].name;
+            assert_eq!(
+                read(&store, run, 3, name),
+                *p.tensors[k].read(),
+                "{name} (frozen: {})",
+                p.frozen
+            );
+        }
+    }
+}
