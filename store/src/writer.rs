@@ -73,6 +73,11 @@ pub struct ShardMeta {
     pub replica_of: Option<u32>,
     /// How the tensor is placed across ranks.
     pub placement: Option<crate::placement::Placement>,
+    /// The shard's chunks already in the store (an unchanged tensor whose chunks a committed
+    /// step references): no chunks come for it in the stream, the manifest takes these. The
+    /// caller must hold a writer lease under which a step referencing them was found
+    /// committed (FORMAT.md, "What GC may delete"). `None`: the stream brings its chunks.
+    pub reuse: Option<Vec<ChunkRef>>,
 }
 
 impl ShardMeta {
@@ -128,6 +133,7 @@ impl Store {
                 bbox: s.bbox,
                 replica_of: s.replica_of,
                 placement: s.placement,
+                reuse: None,
             });
         }
         self.write_rank_stream(w, metas, blobs, stream::iter(chunks), index)
@@ -159,6 +165,8 @@ impl Store {
         // (first chunk index, chunk count) per shard, then per blob.
         let mut spans: Vec<(usize, usize)> = Vec::with_capacity(shards.len() + blobs.len());
         let mut logical = 0u64;
+        // Chunks and raw bytes of shards whose chunks are reused.
+        let mut reused = (0u64, 0u64);
         for (i, s) in shards.iter().enumerate() {
             validate_name(&s.name)?;
             if !s.bbox.within(&s.shape) {
@@ -168,7 +176,12 @@ impl Store {
                 )));
             }
             let start = expect.len();
-            if s.replica_of.is_none() {
+            if let Some(refs) = &s.reuse {
+                check_reuse(self, s, refs)?;
+                logical += s.byte_len();
+                reused.0 += refs.len() as u64;
+                reused.1 += s.byte_len();
+            } else if s.replica_of.is_none() {
                 let want = s.byte_len();
                 logical += want;
                 let elem = if s.dtype.is_float() {
@@ -227,7 +240,11 @@ impl Store {
             .take_while(|x| futures::future::ready(x.is_some()))
             .map(|x| x.expect("taken while some"))
             .chain(stream::iter(blob_chunks.into_iter().map(Ok)));
-        let put = self.try_put_chunks(checked, index).await?;
+        let mut put = self.try_put_chunks(checked, index).await?;
+        put.stats.chunks += reused.0;
+        put.stats.bytes += reused.1;
+        put.stats.chunks_skipped += reused.0;
+        put.stats.bytes_skipped += reused.1;
         let tensors: Vec<(TensorShard, usize)> = shards
             .into_iter()
             .zip(&spans)
@@ -238,7 +255,7 @@ impl Store {
                         dtype: s.dtype,
                         shape: s.shape,
                         bbox: s.bbox,
-                        chunks: Vec::new(),
+                        chunks: s.reuse.unwrap_or_default(),
                         replica_of: s.replica_of,
                         placement: s.placement,
                     },
@@ -259,8 +276,39 @@ impl Store {
     }
 }
 
+/// Reused chunks must be what [`Store::chunk_spans`] cuts the shard into: as many, each as
+/// long, and never for a replica.
+fn check_reuse(store: &Store, s: &ShardMeta, refs: &[ChunkRef]) -> Result<()> {
+    if s.replica_of.is_some() {
+        return Err(Error::invalid(format!(
+            "tensor {:?}: a replica has no chunks to reuse",
+            s.name
+        )));
+    }
+    let spans: Vec<_> = store.chunk_spans(s.byte_len()).collect();
+    let fits = spans.len() == refs.len()
+        && spans
+            .iter()
+            .zip(refs)
+            .all(|(r, c)| r.end - r.start == c.len as u64);
+    if !fits {
+        return Err(Error::invalid(format!(
+            "tensor {:?} box {}: {} reused chunks of {} bytes do not cut its {} bytes into \
+             chunks of {}",
+            s.name,
+            s.bbox,
+            refs.len(),
+            refs.iter().map(|c| c.len as u64).sum::<u64>(),
+            s.byte_len(),
+            store.config().chunk_size
+        )));
+    }
+    Ok(())
+}
+
 /// A rank's manifest from the refs one put returned, in order: each tensor (its `chunks`
-/// still empty) and then each blob `(name, length, chunk count)` takes the next refs. The
+/// empty, or the reused chunks of an unchanged shard with a count of 0) and then each blob
+/// `(name, length, chunk count)` takes the next refs. The
 /// streaming writer and `ckpt import` both build their manifests here, so there is one way a
 /// manifest's chunk lists and statistics come to be; a count that does not add up to `refs`
 /// is an internal error, not a manifest.
@@ -291,9 +339,9 @@ pub fn assemble_manifest(
     };
     let tensors = tensors
         .into_iter()
-        .map(|(t, n)| TensorShard {
-            chunks: take(n),
-            ..t
+        .map(|(mut t, n)| {
+            t.chunks.extend(take(n));
+            t
         })
         .collect();
     let blobs = blobs
@@ -323,4 +371,91 @@ pub fn assemble_manifest(
             bytes_written: put.bytes_written,
         },
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{det_bytes, memory_store, tiny_config};
+
+    fn meta(name: &str, len: u64, reuse: Option<Vec<ChunkRef>>) -> ShardMeta {
+        ShardMeta {
+            name: name.into(),
+            dtype: DType::U8,
+            shape: vec![len],
+            bbox: NdBox::full(&[len]),
+            replica_of: None,
+            placement: None,
+            reuse,
+        }
+    }
+
+    /// A reused shard takes the given references, in its place among the streamed shards, and
+    /// counts as skipped; references that do not cut the shard's bytes are refused, naming it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn reused_shards_take_their_references_and_bad_ones_are_refused() {
+        let store = memory_store(tiny_config());
+        let w = |step| RankWrite {
+            run: "r".into(),
+            step,
+            rank: 0,
+            layout: Layout::SINGLE,
+            generation: 0,
+        };
+        let (a, b) = (det_bytes(1, 10_000), det_bytes(2, 5_000));
+        let idx = DedupIndex::new();
+        let first = store
+            .write_rank(
+                &w(1),
+                vec![ShardIn {
+                    name: "a".into(),
+                    dtype: DType::U8,
+                    shape: vec![10_000],
+                    bbox: NdBox::full(&[10_000]),
+                    data: Some(Bytes::from(a.clone())),
+                    replica_of: None,
+                    placement: None,
+                }],
+                vec![],
+                &idx,
+            )
+            .await
+            .unwrap()
+            .0;
+        let refs = first.tensors[0].chunks.clone();
+        let chunks: Vec<Result<Bytes>> = store
+            .chunk_spans(5_000)
+            .map(|r| Ok(Bytes::from(b[r.start as usize..r.end as usize].to_vec())))
+            .collect();
+        let (m, _, stats) = store
+            .write_rank_stream(
+                &w(2),
+                vec![
+                    meta("b", 5_000, None),
+                    meta("a", 10_000, Some(refs.clone())),
+                ],
+                vec![],
+                stream::iter(chunks),
+                &DedupIndex::new(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(m.tensors[1].chunks, refs);
+        assert_eq!(m.stats.logical_bytes, 15_000);
+        assert_eq!(stats.bytes_skipped, 10_000);
+        assert_eq!(stats.chunks_skipped, refs.len() as u64);
+        // One chunk short: refused before anything is written.
+        let e = store
+            .write_rank_stream(
+                &w(3),
+                vec![meta("a", 10_000, Some(refs[1..].to_vec()))],
+                vec![],
+                stream::iter(Vec::<Result<Bytes>>::new()),
+                &DedupIndex::new(),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), crate::error::ErrorKind::InvalidInput, "{e}");
+        assert!(e.to_string().contains("tensor \"a\""), "{e}");
+    }
 }

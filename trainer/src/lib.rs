@@ -29,7 +29,7 @@ pub mod workload;
 pub use manager::{
     CheckpointManager, ManagerConfig, Rollback, Scope, Stateful, StoreHealth, TensorMemory, events,
 };
-pub use memory::{HostTensor, HostView, MemorySink, MemorySource, PinnedSource};
+pub use memory::{HostTensor, HostView, MemorySink, MemorySource, PinnedSource, SourceVersion};
 pub use monitor::{Decision, Monitor, MonitorConfig, Observation, Spike, SpikeAction};
 pub use restore::{RestoreTarget, restore_targets};
 pub use save::{

@@ -6,8 +6,16 @@
 //! mutated early); device tensors (feature `cuda`) enqueue asynchronous copies whose
 //! completion the pin reports, and the training loop waits for the snapshot before it mutates
 //! them.
+//!
+//! A source may report a [`SourceVersion`]: which memory it is and how many writes that memory
+//! has seen. A save skips the copy (and the hash) of a shard whose version is what it was at the
+//! last committed save, and references that save's chunks instead. A [`HostTensor`] bumps its
+//! version whenever it hands out mutable access ([`HostTensor::write`], a restore's
+//! [`MemorySink::write_at`]), the only ways to change its bytes, so a changed tensor with an
+//! unchanged version cannot happen through this API.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use ckpt_store::{Error, NdBox, Result};
 use parking_lot::RwLock;
@@ -26,6 +34,30 @@ pub trait MemorySource: Send + Sync {
     /// Pin the current contents for a snapshot (see the module docs). Called on the training
     /// thread inside `save`, so it must be quick.
     fn pin(&self) -> Result<Box<dyn PinnedSource>>;
+
+    /// The version of the bytes (see the module docs), or `None` when the source does not
+    /// track writes (every save copies it; the default). A source that reports a version
+    /// promises: equal versions mean equal bytes. Read while pinned, it names the pinned
+    /// bytes; read unpinned, the bytes of that moment.
+    fn version(&self) -> Option<SourceVersion> {
+        None
+    }
+}
+
+/// Which memory a source is (`source`, unique in the process) and how many writes it has
+/// seen (`writes`); see [`MemorySource::version`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SourceVersion {
+    /// The memory: unique among the sources of this process.
+    pub source: u64,
+    /// Writes so far: bumped before every change of the bytes.
+    pub writes: u64,
+}
+
+/// A fresh source identity.
+fn next_source_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 /// A source pinned for one snapshot. Several threads may copy different ranges at once.
@@ -61,24 +93,28 @@ pub trait MemorySink: Send + Sync {
 /// A tensor shard in host memory, shareable between the training loop and the checkpointer.
 ///
 /// The loop reads with [`HostTensor::read`] and mutates with [`HostTensor::write`]; a write
-/// waits while a snapshot that pinned this tensor has not copied it yet.
+/// waits while a snapshot that pinned this tensor has not copied it yet. Clones share the
+/// memory and its [`SourceVersion`]; every `write` (and every restore into it) bumps the version,
+/// so a tensor the loop did not write since the last committed save is saved without a copy.
 #[derive(Clone, Debug)]
 pub struct HostTensor {
     data: Arc<RwLock<Vec<u8>>>,
+    id: u64,
+    writes: Arc<AtomicU64>,
 }
 
 impl HostTensor {
     /// A zeroed shard of `len` bytes.
     pub fn zeroed(len: usize) -> Self {
-        HostTensor {
-            data: Arc::new(RwLock::new(vec![0u8; len])),
-        }
+        Self::from_vec(vec![0u8; len])
     }
 
     /// A shard holding `bytes`.
     pub fn from_vec(bytes: Vec<u8>) -> Self {
         HostTensor {
             data: Arc::new(RwLock::new(bytes)),
+            id: next_source_id(),
+            writes: Arc::default(),
         }
     }
 
@@ -87,9 +123,22 @@ impl HostTensor {
         self.data.read()
     }
 
-    /// Write access (waits for a pending snapshot of this tensor).
+    /// Write access (waits for a pending snapshot of this tensor). Bumps the version: take it
+    /// only to change the bytes (a tensor written since the last save is copied again).
     pub fn write(&self) -> parking_lot::RwLockWriteGuard<'_, Vec<u8>> {
-        self.data.write()
+        let g = self.data.write();
+        // Under the exclusive lock, before any change: a reader holding the lock (a pin)
+        // sees the version of the bytes it reads.
+        self.writes.fetch_add(1, Ordering::SeqCst);
+        g
+    }
+
+    /// The version of the bytes (see [`MemorySource::version`]).
+    pub fn version(&self) -> SourceVersion {
+        SourceVersion {
+            source: self.id,
+            writes: self.writes.load(Ordering::SeqCst),
+        }
     }
 }
 
@@ -122,6 +171,10 @@ impl MemorySource for HostTensor {
             guard: RwLock::read_arc(&self.data),
         }))
     }
+
+    fn version(&self) -> Option<SourceVersion> {
+        Some(HostTensor::version(self))
+    }
 }
 
 impl MemorySink for HostTensor {
@@ -130,7 +183,7 @@ impl MemorySink for HostTensor {
     }
 
     fn write_at(&self, offset: usize, src: &[u8]) -> Result<()> {
-        let mut g = self.data.write();
+        let mut g = self.write();
         let dst = g
             .get_mut(offset..offset + src.len())
             .ok_or_else(|| Error::invalid("restore write past the end of a host tensor"))?;
@@ -219,6 +272,18 @@ impl MemorySource for HostView {
             runs,
         }))
     }
+
+    /// The tensor's writes, and an identity of the tensor with this view's boxes (two views
+    /// of one tensor are different sources).
+    fn version(&self) -> Option<SourceVersion> {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (self.tensor.id, &self.held, &self.sub, self.elem).hash(&mut h);
+        Some(SourceVersion {
+            source: h.finish(),
+            writes: self.tensor.version().writes,
+        })
+    }
 }
 
 impl MemorySink for HostView {
@@ -228,7 +293,7 @@ impl MemorySink for HostView {
 
     fn write_at(&self, offset: usize, src: &[u8]) -> Result<()> {
         let end = offset + src.len();
-        let mut g = self.tensor.data.write();
+        let mut g = self.tensor.write();
         let mut res = Ok(());
         self.runs(|s, at, len| {
             let a = offset.max(at);

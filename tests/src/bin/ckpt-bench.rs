@@ -41,6 +41,9 @@ fn open_options() -> ckpt_store::OpenOptions {
     .unwrap_or_else(|e| panic!("{e}"))
 }
 
+#[path = "../versions.rs"]
+mod versions;
+
 fn emit(v: Value) {
     println!("{v}");
 }
@@ -1316,9 +1319,13 @@ fn main() {
         ),
         Some("faults") => faults_bench(&dir, arg(&args, "--mib", "64").parse().unwrap()),
         Some("scale") => std::process::exit(ckpt_tests::scale::cli(&args)),
+        Some("versions") => versions::versions_bench(
+            &dir,
+            ckpt_train::parse_count(&arg(&args, "--params", "150M")).unwrap(),
+        ),
         _ => {
             eprintln!(
-                "usage: ckpt-bench limits|store|train|recovery|peers|faults|scale --dir DIR [--gib N] [--params N] [--mib N]"
+                "usage: ckpt-bench limits|store|train|recovery|peers|faults|scale|versions --dir DIR [--gib N] [--params N] [--mib N]"
             );
             std::process::exit(2);
         }

@@ -16,6 +16,7 @@ use super::persist::{PersistJob, note_fenced};
 use super::runtime::runtime;
 use super::snapshot::{slabs_needed, snapshot};
 use super::state::{SavePlan, SaveState};
+use super::versions::{StepVersions, VersionBook};
 use crate::memory::PinnedSource;
 use crate::staging::{PoolConfig, PoolStats, StagingPool};
 
@@ -26,6 +27,8 @@ pub struct Checkpointer {
     pool: Arc<StagingPool>,
     last: Mutex<Option<SaveHandle>>,
     dedup: Arc<Mutex<DedupBase>>,
+    /// The versions of the shards of the last saves: which shards the next save reuses.
+    versions: Arc<Mutex<VersionBook>>,
     /// Names this checkpointer's dedup leases in the store.
     writer: String,
     /// Set once this rank's generation has been joined in the store (marker written, no
@@ -78,6 +81,7 @@ impl Checkpointer {
             pool,
             last: Mutex::new(None),
             dedup: Arc::default(),
+            versions: Arc::default(),
             writer,
             joined: AtomicBool::new(false),
             fenced: Arc::default(),
@@ -189,13 +193,15 @@ impl Checkpointer {
             return Ok(skipped);
         }
         let t0 = Instant::now();
-        let plan = SavePlan::pin(state)?;
+        let base = self.reuse_base();
+        let plan = SavePlan::pin(state, base.as_deref())?;
         let shared = Shared::new(
             step,
             Stage::Snapshotting,
             SaveReport {
                 step,
-                bytes: plan.bytes,
+                bytes: plan.bytes + plan.reused,
+                bytes_reused: plan.reused,
                 ..Default::default()
             },
         );
@@ -215,6 +221,9 @@ impl Checkpointer {
             store: self.store.clone(),
             cfg: self.cfg.clone(),
             dedup: self.dedup.clone(),
+            versions: self.versions.clone(),
+            shard_versions: plan.versions,
+            reuse_from: plan.reuse_from,
             writer: self.writer.clone(),
             pool: self.pool.clone(),
             fenced: self.fenced.clone(),
@@ -228,6 +237,33 @@ impl Checkpointer {
         };
         runtime().spawn(job.run());
         Ok(handle)
+    }
+
+    /// The committed step whose chunks unchanged shards of this save may reference: the last
+    /// persisted save once its commit record is seen, else the committed step before, while
+    /// its record exists. None with a replica agent
+    /// (it must receive every chunk) or when nothing is known committed.
+    fn reuse_base(&self) -> Option<Arc<StepVersions>> {
+        if self.cfg.peer.is_some() {
+            return None;
+        }
+        let (pending, committed) = {
+            let b = self.versions.lock();
+            (b.pending_step(), b.committed_step())
+        };
+        // Asked of the store even when this rank committed the step: retention or `ckpt gc`
+        // may have dropped it since (one head request per save).
+        let is_committed = |step: u64| {
+            let key = self.store.keys().commit(&self.cfg.run, step);
+            runtime().block_on(self.store.exists(&key)).unwrap_or(false)
+        };
+        let mut book = self.versions.lock();
+        match (pending, committed) {
+            (Some(p), _) if is_committed(p) => book.commit_seen(),
+            (_, Some(c)) if !is_committed(c) => book.committed_gone(),
+            _ => {}
+        }
+        book.base()
     }
 
     /// A handle on the save `shared`.

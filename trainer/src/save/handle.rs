@@ -59,7 +59,7 @@ impl std::fmt::Display for SaveFailure {
 pub struct SaveReport {
     /// Step.
     pub step: u64,
-    /// Bytes this rank snapshotted.
+    /// Bytes of the shards this rank saves: copied into staging, plus `bytes_reused`.
     pub bytes: u64,
     /// Seconds from `save` to the snapshot being complete (the most a loop waits).
     pub snapshot_s: f64,
@@ -69,8 +69,11 @@ pub struct SaveReport {
     pub commit_s: f64,
     /// Bytes written to the store (stored, after compression).
     pub bytes_written: u64,
-    /// Raw bytes skipped because the store had them.
+    /// Raw bytes skipped because the store had them (reused shards included).
     pub bytes_skipped: u64,
+    /// Raw bytes of shards unchanged since the last committed save (same source version):
+    /// neither copied nor hashed, their chunks referenced again. Part of `bytes`.
+    pub bytes_reused: u64,
     /// Staging in use at its peak during this save.
     pub staging_peak: usize,
 }

@@ -17,7 +17,8 @@
 //! - `handle`: where a save is ([`Stage`], [`SaveReport`], [`SaveFailure`], [`SaveHandle`]);
 //! - `checkpointer`: [`Checkpointer`] and `save`, step by step;
 //! - `snapshot`: copying pinned sources into staging slabs (batches, carving);
-//! - `persist`: the persist-and-commit task (lease, dedup base, streaming write, commit).
+//! - `persist`: the persist-and-commit task (lease, dedup base, streaming write, commit);
+//! - `versions`: which shards a save takes unchanged from the last committed save.
 
 mod checkpointer;
 mod config;
@@ -26,6 +27,7 @@ mod persist;
 mod runtime;
 mod snapshot;
 mod state;
+mod versions;
 
 pub use checkpointer::Checkpointer;
 pub use config::{BackPressure, CheckpointerConfig};

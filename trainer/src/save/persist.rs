@@ -8,14 +8,16 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use ckpt_recovery::peer::PeerUpload;
 use ckpt_store::{
-    BlobIn, ChunkRef, DedupBase, DedupIndex, Error, ErrorKind, RankWrite, Result, ShardMeta, Store,
-    WriterLease,
+    BlobIn, ChunkRef, DedupBase, DedupIndex, Error, ErrorKind, RankManifest, RankWrite, Result,
+    ShardMeta, Store, WriterLease,
 };
 use parking_lot::Mutex;
 use tracing::{debug, info, warn};
 
 use super::config::CheckpointerConfig;
 use super::handle::{SaveFailure, Shared, Stage};
+use super::versions::{ShardKey, StepVersions, VersionBook};
+use crate::memory::SourceVersion;
 use crate::staging::StagingPool;
 
 /// Everything the persist task of one save needs; [`PersistJob::run`] runs it.
@@ -23,6 +25,11 @@ pub(super) struct PersistJob {
     pub store: Store,
     pub cfg: CheckpointerConfig,
     pub dedup: Arc<Mutex<DedupBase>>,
+    pub versions: Arc<Mutex<VersionBook>>,
+    /// Per shard of `metas`: its version in this save.
+    pub shard_versions: Vec<Option<SourceVersion>>,
+    /// The committed step whose chunks the shards with `reuse` reference.
+    pub reuse_from: Option<u64>,
     pub writer: String,
     pub pool: Arc<StagingPool>,
     pub fenced: Arc<Mutex<Option<String>>>,
@@ -68,12 +75,27 @@ impl PersistJob {
     }
 
     /// Chunks and the rank manifest into the store; the stage becomes `Persisted`.
-    async fn persist(self) -> Result<()> {
-        if let Some(go) = self.start_after {
+    async fn persist(mut self) -> Result<()> {
+        if let Some(go) = self.start_after.take() {
             let _ = go.await;
         }
         let (store, cfg, step) = (&self.store, &self.cfg, self.step);
         let (index, lease) = prepare_index(store, &cfg.run, &self.writer, &self.dedup).await?;
+        if let Err(e) = check_reuse(
+            store,
+            &cfg.run,
+            &mut self.metas,
+            &index,
+            &lease,
+            self.reuse_from,
+        )
+        .await
+        {
+            let _ = store.release_lease(lease).await;
+            // Start afresh: the next save copies every shard.
+            self.versions.lock().clear();
+            return Err(e);
+        }
         // Every chunk goes to the replica agent too, as the store takes it.
         let upload = cfg
             .peer
@@ -108,6 +130,9 @@ impl PersistJob {
             None => Vec::new(),
         };
         self.dedup.lock().persisted(step, refs);
+        self.versions
+            .lock()
+            .persisted(record_versions(step, &manifest, &self.shard_versions));
         self.shared.set(Stage::Persisted, |r| {
             r.persist_s = persisted;
             r.bytes_written = stats.bytes_written;
@@ -122,6 +147,63 @@ impl PersistJob {
         }
         Ok(())
     }
+}
+
+/// Under the writer lease, before the manifest references them: the chunks of every shard
+/// taken unchanged (`reuse`) must be protected by a committed step, the lease's dedup base (the
+/// refs are then taken from it) or the step they were found in, `from`, whose commit must
+/// still exist. Otherwise (retention dropped `from` since `save` was called) the save fails
+/// with [`ErrorKind::Conflict`] naming the shard and the step: its bytes were not copied.
+async fn check_reuse(
+    store: &Store,
+    run: &str,
+    metas: &mut [ShardMeta],
+    index: &DedupIndex,
+    lease: &WriterLease,
+    from: Option<u64>,
+) -> Result<()> {
+    let mut missing = None;
+    for m in metas.iter_mut() {
+        for r in m.reuse.iter_mut().flatten() {
+            match index.get(&r.id) {
+                Some(known) => *r = known,
+                None => missing = missing.or(Some(m.name.clone())),
+            }
+        }
+    }
+    let (Some(name), Some(from)) = (missing, from) else {
+        return Ok(());
+    };
+    if lease.base() != Some(from) && store.exists(&store.keys().commit(run, from)).await? {
+        return Ok(());
+    }
+    Err(Error::new(
+        ErrorKind::Conflict,
+        format!(
+            "tensor {name:?} is unchanged since step {from}, whose chunks this save was to \
+             reference, but step {from} is no longer committed (retention or `ckpt gc` dropped \
+             it as the save started); the next save copies every tensor"
+        ),
+    ))
+}
+
+/// The version and chunks of every shard of `manifest` that has a version.
+fn record_versions(
+    step: u64,
+    manifest: &RankManifest,
+    versions: &[Option<SourceVersion>],
+) -> StepVersions {
+    let shards = manifest
+        .tensors
+        .iter()
+        .zip(versions)
+        .filter(|(t, _)| t.replica_of.is_none())
+        .filter_map(|(t, v)| {
+            let key = ShardKey::new(&t.name, t.dtype, &t.shape, &t.bbox);
+            Some((key, ((*v)?, t.chunks.clone())))
+        })
+        .collect();
+    StepVersions { step, shards }
 }
 
 /// The snapshot's chunks as the store takes them, each handed to the replica agent too.

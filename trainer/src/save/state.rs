@@ -5,7 +5,8 @@ use std::sync::Arc;
 use bytes::Bytes;
 use ckpt_store::{BlobIn, DType, Error, NdBox, Placement, Result, ShardMeta};
 
-use crate::memory::{MemorySource, PinnedSource};
+use super::versions::{ShardKey, StepVersions};
+use crate::memory::{MemorySource, PinnedSource, SourceVersion};
 
 /// One shard to save.
 #[derive(Clone)]
@@ -58,27 +59,44 @@ pub struct SaveState {
 }
 
 /// A save's state checked and pinned: the shards' descriptions for the manifest, a pin per
-/// shard this rank writes, and the blobs.
+/// shard this rank copies, and the blobs. A shard unchanged since the base (same version) is
+/// not pinned: its meta carries the base's chunks (`reuse`).
 pub(super) struct SavePlan {
     /// Every shard, in the order given (replicas too).
     pub metas: Vec<ShardMeta>,
-    /// (index into `metas`, the pinned source, byte length) of each shard this rank writes.
+    /// Per shard: its version when pinned (or found unchanged), if its source has one.
+    pub versions: Vec<Option<SourceVersion>>,
+    /// (index into `metas`, the pinned source, byte length) of each shard this rank copies.
     pub pins: Vec<(usize, Box<dyn PinnedSource>, usize)>,
     /// Bytes the snapshot copies.
     pub bytes: u64,
+    /// Bytes of shards taken unchanged from the base.
+    pub reused: u64,
+    /// The step whose chunks the unchanged shards reference, if any shard is.
+    pub reuse_from: Option<u64>,
     /// Named blobs.
     pub blobs: Vec<BlobIn>,
 }
 
 impl SavePlan {
     /// Check every shard (memory of the box's size, or a replica) and pin its memory: the
-    /// checkpoint holds the bytes of this moment.
-    pub fn pin(state: SaveState) -> Result<SavePlan> {
-        let mut metas = Vec::with_capacity(state.tensors.len());
-        let mut pins: Vec<(usize, Box<dyn PinnedSource>, usize)> = Vec::new();
-        let mut bytes = 0u64;
+    /// checkpoint holds the bytes of this moment. A shard whose version is the one it had in
+    /// `base` (a committed step) is not pinned and references `base`'s chunks.
+    pub fn pin(state: SaveState, base: Option<&StepVersions>) -> Result<SavePlan> {
+        let n = state.tensors.len();
+        let mut plan = SavePlan {
+            metas: Vec::with_capacity(n),
+            versions: Vec::with_capacity(n),
+            pins: Vec::new(),
+            bytes: 0,
+            reused: 0,
+            reuse_from: None,
+            blobs: Vec::new(),
+        };
         for t in &state.tensors {
             let len = (t.bbox.numel() * t.dtype.size() as u64) as usize;
+            let mut reuse = None;
+            let mut version = None;
             match (&t.source, t.replica_of) {
                 (Some(src), None) => {
                     if src.len() != len {
@@ -89,8 +107,23 @@ impl SavePlan {
                             src.len()
                         )));
                     }
-                    pins.push((metas.len(), src.pin()?, len));
-                    bytes += len as u64;
+                    let key = ShardKey::new(&t.name, t.dtype, &t.shape, &t.bbox);
+                    let now = src.version();
+                    let unchanged = match (base, now) {
+                        (Some(b), Some(v)) => b.unchanged(&key, v).map(|r| (b.step, r.to_vec())),
+                        _ => None,
+                    };
+                    if let Some((from, refs)) = unchanged {
+                        reuse = Some(refs);
+                        version = now;
+                        plan.reused += len as u64;
+                        plan.reuse_from = Some(from);
+                    } else {
+                        plan.pins.push((plan.metas.len(), src.pin()?, len));
+                        // Read while pinned: the version of the bytes the copy gets.
+                        version = src.version();
+                        plan.bytes += len as u64;
+                    }
                 }
                 (None, Some(_)) => {}
                 _ => {
@@ -100,16 +133,18 @@ impl SavePlan {
                     )));
                 }
             }
-            metas.push(ShardMeta {
+            plan.versions.push(version);
+            plan.metas.push(ShardMeta {
                 name: t.name.clone(),
                 dtype: t.dtype,
                 shape: t.shape.clone(),
                 bbox: t.bbox.clone(),
                 replica_of: t.replica_of,
                 placement: t.placement.clone(),
+                reuse,
             });
         }
-        let blobs: Vec<BlobIn> = state
+        plan.blobs = state
             .blobs
             .into_iter()
             .map(|(name, data)| BlobIn {
@@ -117,12 +152,7 @@ impl SavePlan {
                 data: Bytes::from(data),
             })
             .collect();
-        Ok(SavePlan {
-            metas,
-            pins,
-            bytes,
-            blobs,
-        })
+        Ok(plan)
     }
 
     /// Byte length of each pinned shard, in order.
