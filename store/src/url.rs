@@ -282,6 +282,38 @@ mod tests {
     use super::*;
 
     #[test]
+    fn open_options_come_from_the_text_a_binary_read_and_errors_name_the_variable() {
+        let d = OpenOptions::from_values(None, Some("  ")).unwrap();
+        assert_eq!(d.retry, RetryConfig::default());
+        assert!(d.faults.is_none());
+        let o = OpenOptions::from_values(Some("attempts=2"), Some("rate=0.5,seed=3")).unwrap();
+        assert_eq!(o.retry.attempts, 2);
+        assert_eq!(
+            o.faults,
+            Some(RandomFaults::parse("rate=0.5,seed=3").unwrap())
+        );
+        for (retry, faults, var) in [
+            (Some("attempts=0"), None, RETRY_ENV),
+            (Some("nonsense"), None, RETRY_ENV),
+            (None, Some("rate=2"), FAULTS_ENV),
+        ] {
+            let e = OpenOptions::from_values(retry, faults).unwrap_err();
+            assert_eq!(e.kind(), crate::ErrorKind::InvalidInput, "{e}");
+            assert!(e.to_string().contains(var), "{e}");
+        }
+        // The options reach the store: every request fails and none is retried.
+        let o =
+            OpenOptions::from_values(Some("attempts=1"), Some("rate=1,seed=1,mix=1:0:0")).unwrap();
+        let store = open_with("memory://", &o).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        assert!(rt.block_on(store.list_runs()).is_err());
+        assert!(rt.block_on(open("memory://").unwrap().list_runs()).is_ok());
+    }
+
+    #[test]
     fn parse_table() {
         let cases: &[(&str, StoreUrl)] = &[
             ("/tmp/x", StoreUrl::Local("/tmp/x".into())),

@@ -13,10 +13,10 @@
 //! - **The upload** ([`PeerUpload`], used by the save pipeline): while a rank persists a save,
 //!   each chunk's raw bytes go to the node's agent as well (in order, through a bounded
 //!   queue), and once the manifest is known, the chunk ids.
-//! - **The source** ([`PeerSource`]): a [`ChunkSource`](ckpt_store::ChunkSource) for the store's read engine that asks the
-//!   agents for a chunk before the store. The read engine checks every chunk it gets against
-//!   its hash and reads the store for anything missing or damaged, so an agent can never make
-//!   a restore wrong, only faster.
+//! - **The source** ([`PeerSource`]): a [`ChunkSource`](ckpt_store::ChunkSource) for the
+//!   store's read engine that asks the agents for a chunk before the store. The read engine
+//!   checks every chunk it gets against its hash and reads the store for anything missing or
+//!   damaged, so an agent can never make a restore wrong, only faster.
 //!
 //! **Trust.** Every connection starts with a challenge on the job's [`PeerSecret`] (32 random
 //! bytes made by the supervisor or the etcd coordinator, handed to agents and ranks in
