@@ -815,8 +815,8 @@ fn damaged_commit_record_or_manifest_is_eio_never_wrong_bytes() {
         let orig = rt.block_on(ts.store.get_object(&key)).unwrap();
         // The first shape's digits, the middle and the end of the object.
         let shape = orig
-            .windows(9)
-            .position(|w| w == b"\"shape\": ")
+            .windows(8)
+            .position(|w| w == b"\"shape\":")
             .expect("a shape");
         let digit = shape + orig[shape..].iter().position(u8::is_ascii_digit).unwrap();
         for (i, at) in [digit, digit + 1, orig.len() / 2, orig.len() - 2]

@@ -61,7 +61,7 @@ impl Store {
         );
         m.validate(&what)?;
         let path = self.keys().rank_manifest(&m.run, m.step, m.rank);
-        let bytes = serde_json::to_vec_pretty(m)
+        let bytes = serde_json::to_vec(m)
             .map_err(|e| Error::internal(format!("serializing {what}: {e}")))?;
         let hash = crate::id::Hash::of(&bytes);
         let size = bytes.len() as u64;

@@ -532,7 +532,7 @@ impl Store {
 
     /// Write a JSON document with `mode` (manifests, commit records).
     pub async fn put_json<T: Serialize>(&self, path: &Path, v: &T, mode: PutMode) -> Result<Hash> {
-        let bytes = serde_json::to_vec_pretty(v)
+        let bytes = serde_json::to_vec(v)
             .map_err(|e| Error::internal(format!("serializing {path}: {e}")))?;
         let h = Hash::of(&bytes);
         self.put_object(path, vec![Bytes::from(bytes)], mode)

@@ -130,7 +130,7 @@ async fn a_bit_flip_in_a_commit_record_is_refused_everywhere() {
     // The shape, the format, the checksum and the layout, besides offsets everywhere.
     let at = offsets(
         &orig,
-        &["512", "\"format\": 2", "\"checksum\": \"", "\"tp\": 2"],
+        &["512", "\"format\":2", "\"checksum\":\"", "\"tp\":2"],
     );
     for (i, &o) in at.iter().enumerate() {
         let mut bad = orig.clone();
@@ -163,7 +163,7 @@ async fn a_bit_flip_in_a_rank_manifest_is_refused_everywhere() {
     for rank in 0..2 {
         let key = store.keys().rank_manifest(RUN, 1, rank);
         let orig = store.get_object(&key).await.unwrap().to_vec();
-        let at = offsets(&orig, &["\"lengths\": [", "\"len\": "]);
+        let at = offsets(&orig, &["\"lengths\":[", "\"len\":"]);
         for (i, &o) in at.iter().enumerate() {
             let mut bad = orig.clone();
             bad[o] ^= 1 << (i % 8);
@@ -275,4 +275,52 @@ async fn verify_rebuilds_the_record_from_the_manifests() {
 
     put(&store, &key, orig).await;
     assert!(verify().await.is_clean());
+}
+
+/// Records and manifests are written compact now; those an earlier build wrote pretty (with
+/// their hashes and the record's checksum over the pretty bytes) still read, bit for bit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_written_pretty_by_an_earlier_build_still_reads() {
+    let (store, _dir) = local_store(tiny_config());
+    let (w, b) = save(&store).await;
+    let key = store.keys().commit(RUN, 1);
+    let orig = store.get_object(&key).await.unwrap().to_vec();
+    assert!(
+        !orig.contains(&b'\n') && !orig.windows(2).any(|p| p == b": "),
+        "the record is written compact"
+    );
+    let mut record: serde_json::Value = serde_json::from_slice(&orig).unwrap();
+    for rank in 0..2u32 {
+        let mkey = store.keys().rank_manifest(RUN, 1, rank);
+        let m: serde_json::Value =
+            serde_json::from_slice(&store.get_object(&mkey).await.unwrap()).unwrap();
+        let pretty = serde_json::to_vec_pretty(&m).unwrap();
+        let entry = &mut record["ranks"][rank as usize];
+        entry["hash"] = blake3::hash(&pretty).to_hex().to_string().into();
+        entry["size"] = (pretty.len() as u64).into();
+        put(&store, &mkey, pretty).await;
+    }
+    // The record sealed as the earlier build did: checksum over the pretty text with its
+    // digits zeroed, then written in.
+    record["checksum"] = "0".repeat(64).into();
+    let mut text = serde_json::to_vec_pretty(&record).unwrap();
+    let sum = blake3::hash(&text).to_hex().to_string();
+    let at = text
+        .windows(64)
+        .position(|p| p == "0".repeat(64).as_bytes())
+        .unwrap();
+    text[at..at + 64].copy_from_slice(sum.as_bytes());
+    assert!(text.contains(&b'\n'));
+    put(&store, &key, text).await;
+
+    let r = StepReader::open(&store, RUN, 1).await.unwrap();
+    assert_eq!(r.read_tensor("w").await.unwrap(), w);
+    assert_eq!(r.read_tensor("b").await.unwrap(), b);
+    assert!(
+        store
+            .verify(&VerifyScope::Step(RUN.into(), 1), None)
+            .await
+            .unwrap()
+            .is_clean()
+    );
 }
