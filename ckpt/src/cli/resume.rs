@@ -205,3 +205,66 @@ pub async fn resume(
     let report = ckpt_recovery::run(opts).await.map_err(CliError::from)?;
     Ok(ResumeOutput { report })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ckpt_store::records::{Failure, Recovery, Started};
+
+    #[test]
+    fn the_recovery_log_prints_from_its_typed_records() {
+        let recs = [
+            Event::Started(Started {
+                generation: 3,
+                layout: "dp=2".into(),
+                nodes: vec![0, 1],
+                resume_from: Some(4),
+                at_ms: 1500,
+            }),
+            Event::Failure(Failure {
+                generation: 3,
+                rank: 1,
+                node: 1,
+                how: "signal".into(),
+                detail: "killed".into(),
+                detection_s: 0.25,
+                at_ms: 2000,
+                ..Default::default()
+            }),
+            Event::Recovery(Recovery {
+                layout: "dp=1".into(),
+                step: None,
+                steps_lost: 2,
+                backoff_s: 0.5,
+                at_ms: 2500,
+                ..Default::default()
+            }),
+        ];
+        let mut records: Vec<serde_json::Value> = recs
+            .iter()
+            .map(|r| serde_json::to_value(r).unwrap())
+            .collect();
+        // A record of a kind this version does not know is left out, not an error.
+        records.push(serde_json::json!({"kind": "from_the_future", "at_ms": 1}));
+        let out = ResumeOutput {
+            report: ckpt_recovery::Report {
+                ok: true,
+                reason: "done".into(),
+                restarts: 1,
+                records,
+                layout: "dp=1".into(),
+                restores: Vec::new(),
+            },
+        };
+        let mut buf = Vec::new();
+        out.print(&mut buf).unwrap();
+        let text = String::from_utf8(buf).unwrap();
+        assert_eq!(
+            text,
+            "     1.50s  generation 3 started: dp=2 on nodes [0,1], resuming from step 4\n     \
+             2.00s  FAILURE rank 1 (node 1): killed [signal; detected after 0.25 s]\n     \
+             2.50s  decision: restart as dp=1 from step none (from scratch), 2 steps lost, in 0.5 s\n\
+             OK: done\n"
+        );
+    }
+}
