@@ -655,7 +655,11 @@ mod tests {
         // The fill takes N x 1 s; a slab is taken from what it made at once...
         let t = Instant::now();
         let one = pool.acquire();
-        assert!(t.elapsed() < Duration::from_millis(500), "{:?}", t.elapsed());
+        assert!(
+            t.elapsed() < Duration::from_millis(500),
+            "{:?}",
+            t.elapsed()
+        );
         let st = pool.stats();
         assert_eq!((st.in_use, st.peak_in_use), (SLAB, SLAB), "{st:?}");
         assert!(st.allocated <= st.capacity, "{st:?}");
@@ -667,7 +671,11 @@ mod tests {
         let rest = pool
             .acquire_many(N - 1, Duration::from_secs(60), || {})
             .unwrap();
-        assert!(t.elapsed() < Duration::from_millis(500), "{:?}", t.elapsed());
+        assert!(
+            t.elapsed() < Duration::from_millis(500),
+            "{:?}",
+            t.elapsed()
+        );
         assert!(
             made < N - 2,
             "the fill finished before the snapshot: the test proves nothing"
@@ -699,7 +707,10 @@ mod tests {
         let st = pool.stats();
         assert_eq!((st.allocated, st.in_use), ((N + 2) * SLAB, 0), "{st:?}");
         assert_eq!(pool.state.lock().free.len(), N + 2);
-        assert!(pool.prefault_in_background().is_none(), "nothing left to fill");
+        assert!(
+            pool.prefault_in_background().is_none(),
+            "nothing left to fill"
+        );
         drop(pool);
         assert!(hook.live.lock().is_empty(), "every slab freed");
     }
@@ -729,8 +740,15 @@ mod tests {
         });
         bg.join().unwrap();
         let made = hook.bg_allocs.load(Ordering::SeqCst);
-        assert!(made < 100, "{made} slabs: the thread did not stop with the pool");
+        assert!(
+            made < 100,
+            "{made} slabs: the thread did not stop with the pool"
+        );
         // The slab it was touching when the pool went is freed too.
-        assert!(hook.live.lock().is_empty(), "{} slabs leaked", hook.live.lock().len());
+        assert!(
+            hook.live.lock().is_empty(),
+            "{} slabs leaked",
+            hook.live.lock().len()
+        );
     }
 }

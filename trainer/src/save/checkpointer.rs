@@ -76,8 +76,7 @@ impl Checkpointer {
         };
         // A shared pool is its owner's to fill; an automatic bound is known only once the
         // state is (`prepare_staging`).
-        if cfg.pool.is_none() && cfg.staging_bytes > 0 && !cfg.prefault && cfg.background_prefault
-        {
+        if cfg.pool.is_none() && cfg.staging_bytes > 0 && !cfg.prefault && cfg.background_prefault {
             pool.prefault_in_background();
         }
         let writer = ckpt_store::writer_id(cfg.rank, cfg.generation);
