@@ -198,6 +198,11 @@ pub struct TrainArgs {
     /// Allocate and touch staging memory at start.
     #[arg(long)]
     pub prefault: bool,
+    /// Without --prefault, staging memory is allocated and touched from start on a background
+    /// thread of the lowest CPU priority (so the first checkpoint stalls like the others);
+    /// this turns that off (the first checkpoint then allocates its staging itself).
+    #[arg(long)]
+    pub no_background_prefault: bool,
     /// What to do when a checkpoint is due while the previous one persists.
     #[arg(long, value_enum, default_value = "wait")]
     pub back_pressure: BackPressureArg,
@@ -482,13 +487,17 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
     let pool = args.staging.filter(|_| threads > 1).map(|s| {
         let slab = store.config().chunk_size;
         let per_rank = (s as usize).max(slab);
-        StagingPool::new(
+        let pool = StagingPool::new(
             PoolConfig {
                 capacity: per_rank * threads as usize,
                 slab,
             },
             args.prefault,
-        )
+        );
+        if !args.prefault && !args.no_background_prefault {
+            pool.prefault_in_background();
+        }
+        pool
     });
     let shared = Arc::new(Shared {
         generation,
@@ -587,6 +596,7 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
         .map(|s| s as usize)
         .unwrap_or_else(|| state.held_bytes() as usize + sh.store.config().chunk_size);
     ck.prefault = a.prefault;
+    ck.background_prefault = !a.no_background_prefault;
     ck.pool = sh.pool.clone();
     ck.peer = sh.launched.as_ref().and_then(RankEnv::peer_link);
     ck.copy_threads = (std::thread::available_parallelism().map_or(2, |n| n.get())

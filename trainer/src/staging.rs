@@ -13,11 +13,24 @@
 //! been handed to its persist, which frees it once the store has the chunk. A wait in which
 //! no slab comes back for the stall timeout fails with an error naming the wait.
 //!
+//! Without a synchronous prefault, [`StagingPool::prefault_in_background`] allocates and
+//! touches the slabs up to the bound from start-up on a thread of the lowest CPU priority
+//! (nice 19), one slab at a time, so the first save finds them faulted in while the training
+//! steps before it keep their cores. It never holds the pool's lock while touching memory: it
+//! reserves a slab in `allocated` under the lock, touches it outside, then puts it in the free
+//! list. A snapshot that starts before the fill is done takes the slabs already made and
+//! allocates the rest itself, never waiting for the thread: if it needs the slab the thread
+//! is touching, it takes over that slab's place in `allocated` and the thread frees its slab
+//! (for that moment the process holds one slab more than the bound). The thread holds the
+//! pool weakly and stops when the pool is dropped.
+//!
 //! A [`SlabHook`] installed with [`set_slab_hook`] sees every slab that pools created after it
 //! allocate and free: the CUDA path (feature `cuda`) uses it to page-lock slabs once, so
 //! device-to-host copies land in them by DMA. Without a hook nothing changes.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -67,6 +80,12 @@ struct PoolState {
     capacity: usize,
     /// Slabs returned so far (progress, for the stall timeout).
     returned: u64,
+    /// A background fill thread runs ([`StagingPool::prefault_in_background`]).
+    bg_running: bool,
+    /// Slabs counted in `allocated` that the background thread is touching (0 or 1).
+    bg_pending: usize,
+    /// Of those, taken over by a caller that allocated its own: the thread frees its slab.
+    bg_taken: usize,
 }
 
 /// A bounded pool of page-aligned slabs.
@@ -76,6 +95,8 @@ pub struct StagingPool {
     state: Mutex<PoolState>,
     freed: Condvar,
     hook: HookSlot,
+    /// Set when a caller took over the slab the background thread is touching: stop touching.
+    hurry: Arc<AtomicBool>,
 }
 
 /// Figures of a pool.
@@ -92,19 +113,101 @@ pub struct PoolStats {
 }
 
 fn touch(buf: &mut AlignedBuf) {
-    // Fault every page in now (alloc_zeroed may hand out untouched zero pages).
+    touch_until(buf, &AtomicBool::new(false));
+}
+
+/// Fault every page in now (alloc_zeroed may hand out untouched zero pages), stopping early
+/// when `stop` is set (checked every 16 pages).
+fn touch_until(buf: &mut AlignedBuf, stop: &AtomicBool) {
     let b = buf.full_mut();
     let mut i = 0;
+    let mut pages = 0u32;
     while i < b.len() {
         // SAFETY: i < len; a volatile write so the compiler keeps it.
         unsafe { std::ptr::write_volatile(b.as_mut_ptr().add(i), 0) };
         i += 4096;
+        pages += 1;
+        if pages.is_multiple_of(16) && stop.load(Ordering::Relaxed) {
+            return;
+        }
+    }
+}
+
+/// The nice value of the background fill thread: the lowest priority, so it takes only cores
+/// the training loop leaves idle.
+const BACKGROUND_NICE: i32 = 19;
+
+/// The background fill (see the module docs): one slab at a time up to the bound, holding
+/// the pool only weakly while touching.
+fn background_fill(pool: Weak<StagingPool>, slab: usize, hurry: Arc<AtomicBool>) {
+    // SAFETY: plain libc calls on the calling thread (Linux: a thread id is a process id
+    // for setpriority, so this lowers this thread only).
+    unsafe {
+        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+        libc::setpriority(libc::PRIO_PROCESS, tid, BACKGROUND_NICE);
+    }
+    loop {
+        let Some(p) = pool.upgrade() else { return };
+        let hook = p.hook.0.clone();
+        {
+            let mut st = p.state.lock();
+            if st.allocated + slab > st.capacity {
+                st.bg_running = false;
+                return;
+            }
+            st.allocated += slab;
+            st.bg_pending += 1;
+        }
+        drop(p);
+        let mut b = AlignedBuf::zeroed(slab);
+        // Huge pages where the kernel has them for the asking (transparent huge pages in
+        // `madvise` mode): one fault fills 2 MiB, so the fill needs far less of the little
+        // CPU time it gets. Advice only: nothing changes where it is refused.
+        let full = b.full_mut();
+        // SAFETY: advice on memory this slab owns, page-aligned (AlignedBuf).
+        unsafe {
+            libc::madvise(full.as_mut_ptr().cast(), full.len(), libc::MADV_HUGEPAGE);
+        }
+        touch_until(&mut b, &hurry);
+        let full = b.full_mut();
+        if let Some(h) = &hook {
+            h.on_alloc(full.as_mut_ptr(), full.len());
+        }
+        let Some(p) = pool.upgrade() else {
+            // The pool is gone: free the slab through the hook that saw it allocated.
+            if let Some(h) = &hook {
+                h.on_free(full.as_mut_ptr(), full.len());
+            }
+            return;
+        };
+        let mut st = p.state.lock();
+        hurry.store(false, Ordering::Relaxed);
+        if st.bg_taken > 0 {
+            // A caller allocated this slab's place itself meanwhile.
+            st.bg_taken -= 1;
+            st.bg_pending -= 1;
+            drop(st);
+            if let Some(h) = &hook {
+                let full = b.full_mut();
+                h.on_free(full.as_mut_ptr(), full.len());
+            }
+            continue;
+        }
+        st.bg_pending -= 1;
+        st.free.push(b);
+        st.returned += 1;
+        drop(st);
+        p.freed.notify_all();
     }
 }
 
 impl StagingPool {
     /// A pool; with `prefault`, every slab is allocated and touched now.
     pub fn new(cfg: PoolConfig, prefault: bool) -> Arc<Self> {
+        Self::with_hook(cfg, prefault, SLAB_HOOK.read().clone())
+    }
+
+    fn with_hook(cfg: PoolConfig, prefault: bool, hook: Option<Arc<dyn SlabHook>>) -> Arc<Self> {
         assert!(cfg.slab > 0, "slab size must be positive");
         let cap = cfg.capacity.max(cfg.slab);
         let pool = Arc::new(StagingPool {
@@ -117,7 +220,8 @@ impl StagingPool {
                 ..PoolState::default()
             }),
             freed: Condvar::new(),
-            hook: HookSlot(SLAB_HOOK.read().clone()),
+            hook: HookSlot(hook),
+            hurry: Arc::default(),
         });
         if prefault {
             pool.prefault();
@@ -132,6 +236,52 @@ impl StagingPool {
             let b = self.new_slab();
             st.free.push(b);
             st.allocated += self.cfg.slab;
+        }
+    }
+
+    /// Allocate and touch slabs up to the bound on a background thread of the lowest CPU
+    /// priority (see the module docs); the bound may still rise while it runs. Returns the
+    /// thread, or `None` when one already runs or the pool is full. The thread ends when the
+    /// pool reaches its bound or is dropped.
+    pub fn prefault_in_background(self: &Arc<Self>) -> Option<JoinHandle<()>> {
+        {
+            let mut st = self.state.lock();
+            if st.bg_running || st.allocated + self.cfg.slab > st.capacity {
+                return None;
+            }
+            st.bg_running = true;
+        }
+        let (pool, slab, hurry) = (Arc::downgrade(self), self.cfg.slab, self.hurry.clone());
+        match std::thread::Builder::new()
+            .name("ckpt-prefault".into())
+            .spawn(move || background_fill(pool, slab, hurry))
+        {
+            Ok(h) => Some(h),
+            Err(e) => {
+                // Not fatal: the first save allocates its slabs itself.
+                tracing::warn!(error = %e, "could not start the staging prefault thread");
+                self.state.lock().bg_running = false;
+                None
+            }
+        }
+    }
+
+    /// Slabs a caller may allocate now: room under the bound, plus the places of the slabs
+    /// the background thread is touching (see [`Self::reserve_fresh`]).
+    fn can_alloc(&self, st: &PoolState) -> usize {
+        st.capacity.saturating_sub(st.allocated) / self.cfg.slab + (st.bg_pending - st.bg_taken)
+    }
+
+    /// Count `n` slabs the caller allocates itself in `allocated`: room under the bound first,
+    /// then the places of slabs the background thread is touching (it frees those).
+    fn reserve_fresh(&self, st: &mut PoolState, n: usize) {
+        let room = (st.capacity.saturating_sub(st.allocated) / self.cfg.slab).min(n);
+        st.allocated += room * self.cfg.slab;
+        let take = n - room;
+        if take > 0 {
+            debug_assert!(take <= st.bg_pending - st.bg_taken);
+            st.bg_taken += take;
+            self.hurry.store(true, Ordering::Relaxed);
         }
     }
 
@@ -170,8 +320,8 @@ impl StagingPool {
                     pool: self.clone(),
                 };
             }
-            if st.allocated + self.cfg.slab <= st.capacity {
-                st.allocated += self.cfg.slab;
+            if self.can_alloc(&st) >= 1 {
+                self.reserve_fresh(&mut st, 1);
                 st.in_use += self.cfg.slab;
                 st.peak_in_use = st.peak_in_use.max(st.in_use);
                 drop(st);
@@ -203,13 +353,13 @@ impl StagingPool {
         let mut seen = st.returned;
         let mut since = Instant::now();
         loop {
-            let can_alloc = (st.capacity.saturating_sub(st.allocated)) / slab;
+            let can_alloc = self.can_alloc(&st);
             if st.free.len() + can_alloc >= n {
                 let from_free = n.min(st.free.len());
                 let keep = st.free.len() - from_free;
                 let mut bufs: Vec<Option<AlignedBuf>> = st.free.drain(keep..).map(Some).collect();
                 let fresh = n - from_free;
-                st.allocated += fresh * slab;
+                self.reserve_fresh(&mut st, fresh);
                 st.in_use += n * slab;
                 st.peak_in_use = st.peak_in_use.max(st.in_use);
                 drop(st);
@@ -458,5 +608,155 @@ mod tests {
         assert!(ptrs.iter().all(|p| rec.0.lock().contains(p)));
         drop(pool);
         assert!(ptrs.iter().all(|p| !rec.0.lock().contains(p)));
+    }
+
+    /// Records the slabs a pool's hook sees; sleeps `slow` in `on_alloc` on the background
+    /// fill thread only (a slow first touch, as on these machines).
+    #[derive(Default)]
+    struct Slow {
+        live: Mutex<std::collections::HashSet<usize>>,
+        bg_allocs: std::sync::atomic::AtomicUsize,
+        slow: Duration,
+    }
+    impl SlabHook for Slow {
+        fn on_alloc(&self, ptr: *mut u8, _len: usize) {
+            assert!(self.live.lock().insert(ptr as usize), "allocated twice");
+            if std::thread::current().name() == Some("ckpt-prefault") {
+                self.bg_allocs.fetch_add(1, Ordering::SeqCst);
+                std::thread::sleep(self.slow);
+            }
+        }
+        fn on_free(&self, ptr: *mut u8, _len: usize) {
+            assert!(self.live.lock().remove(&(ptr as usize)), "freed unseen");
+        }
+    }
+
+    fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
+        let t = Instant::now();
+        while !f() {
+            assert!(t.elapsed() < limit, "waited {limit:?} for {what}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn the_background_fill_reaches_the_bound_and_never_blocks_a_snapshot() {
+        const SLAB: usize = 64 << 10;
+        const N: usize = 8;
+        let hook = Arc::new(Slow {
+            slow: Duration::from_millis(1000),
+            ..Slow::default()
+        });
+        let pool = StagingPool::with_hook(
+            PoolConfig {
+                capacity: N * SLAB,
+                slab: SLAB,
+            },
+            false,
+            Some(hook.clone()),
+        );
+        let bg = pool.prefault_in_background().expect("a fill thread");
+        assert!(pool.prefault_in_background().is_none(), "one thread a pool");
+        wait_until("two slabs filled", Duration::from_secs(30), || {
+            pool.stats().allocated >= 2 * SLAB && !pool.state.lock().free.is_empty()
+        });
+        // The fill takes N x 1 s; a slab is taken from what it made at once...
+        let t = Instant::now();
+        let one = pool.acquire();
+        assert!(
+            t.elapsed() < Duration::from_millis(500),
+            "{:?}",
+            t.elapsed()
+        );
+        let st = pool.stats();
+        assert_eq!((st.in_use, st.peak_in_use), (SLAB, SLAB), "{st:?}");
+        assert!(st.allocated <= st.capacity, "{st:?}");
+        // ...and a snapshot wanting the whole rest allocates what is not made yet itself,
+        // the place of the slab the thread is touching included: it never waits for the
+        // thread (which takes 1 s a slab).
+        let made = hook.bg_allocs.load(Ordering::SeqCst);
+        let t = Instant::now();
+        let rest = pool
+            .acquire_many(N - 1, Duration::from_secs(60), || {})
+            .unwrap();
+        assert!(
+            t.elapsed() < Duration::from_millis(500),
+            "{:?}",
+            t.elapsed()
+        );
+        assert!(
+            made < N - 2,
+            "the fill finished before the snapshot: the test proves nothing"
+        );
+        let st = pool.stats();
+        assert_eq!(rest.len(), N - 1);
+        assert_eq!(
+            st,
+            PoolStats {
+                allocated: N * SLAB,
+                in_use: N * SLAB,
+                peak_in_use: N * SLAB,
+                capacity: N * SLAB
+            }
+        );
+        // The pool is full: the thread ends by itself.
+        wait_until("the fill thread to end", Duration::from_secs(10), || {
+            bg.is_finished()
+        });
+        drop((one, rest));
+        let st = pool.stats();
+        assert_eq!((st.allocated, st.in_use), (N * SLAB, 0), "{st:?}");
+        assert_eq!(pool.state.lock().free.len(), N);
+        assert_eq!(hook.live.lock().len(), N, "the slab taken over is freed");
+        // A raised bound is filled by a new thread, and the books stay right.
+        pool.ensure_capacity((N + 2) * SLAB);
+        let bg = pool.prefault_in_background().expect("a fill thread");
+        bg.join().unwrap();
+        let st = pool.stats();
+        assert_eq!((st.allocated, st.in_use), ((N + 2) * SLAB, 0), "{st:?}");
+        assert_eq!(pool.state.lock().free.len(), N + 2);
+        assert!(
+            pool.prefault_in_background().is_none(),
+            "nothing left to fill"
+        );
+        drop(pool);
+        assert!(hook.live.lock().is_empty(), "every slab freed");
+    }
+
+    #[test]
+    fn dropping_the_pool_stops_the_background_fill() {
+        const SLAB: usize = 64 << 10;
+        let hook = Arc::new(Slow {
+            slow: Duration::from_millis(100),
+            ..Slow::default()
+        });
+        let pool = StagingPool::with_hook(
+            PoolConfig {
+                capacity: 1000 * SLAB,
+                slab: SLAB,
+            },
+            false,
+            Some(hook.clone()),
+        );
+        let bg = pool.prefault_in_background().expect("a fill thread");
+        wait_until("a slab filled", Duration::from_secs(30), || {
+            hook.bg_allocs.load(Ordering::SeqCst) >= 2
+        });
+        drop(pool);
+        wait_until("the fill thread to stop", Duration::from_secs(5), || {
+            bg.is_finished()
+        });
+        bg.join().unwrap();
+        let made = hook.bg_allocs.load(Ordering::SeqCst);
+        assert!(
+            made < 100,
+            "{made} slabs: the thread did not stop with the pool"
+        );
+        // The slab it was touching when the pool went is freed too.
+        assert!(
+            hook.live.lock().is_empty(),
+            "{} slabs leaked",
+            hook.live.lock().len()
+        );
     }
 }

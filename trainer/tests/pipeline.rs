@@ -192,6 +192,44 @@ fn staging_memory_stays_within_its_bound() {
 }
 
 #[test]
+fn a_save_right_after_start_up_is_bit_exact_while_staging_fills_in_the_background() {
+    // 8 MiB of state in 4 KiB chunks: 2049 slabs for the background to touch, so the first
+    // save starts while it is still filling and takes the slabs already made.
+    let (store, _d) = local_store(tiny_config());
+    let n = 8 << 20;
+    let t = HostTensor::from_vec(det_bytes(7, n));
+    let mut cfg = CheckpointerConfig::new("early", 0, Layout::SINGLE);
+    cfg.staging_bytes = n + tiny_config().chunk_size;
+    assert!(cfg.background_prefault, "on by default");
+    let ck = Checkpointer::new(store.clone(), cfg).unwrap();
+    let state = || SaveState {
+        tensors: vec![SaveTensor::bytes("t", &t, n as u64)],
+        blobs: vec![],
+    };
+    let h = ck.save(1, state()).unwrap();
+    h.wait_snapshot().unwrap();
+    t.write().fill(0x5a);
+    h.wait_committed(Duration::from_secs(60)).unwrap();
+    assert_eq!(read_all(&store, "early", 1, "t"), det_bytes(7, n));
+    let h = ck.save(2, state()).unwrap();
+    h.wait_committed(Duration::from_secs(60)).unwrap();
+    assert_eq!(read_all(&store, "early", 2, "t"), vec![0x5a; n]);
+    // The fill ends at the bound, the books right: nothing in use, never over the bound.
+    let bound = n + tiny_config().chunk_size;
+    let t0 = std::time::Instant::now();
+    while ck.staging().allocated < bound && t0.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let st = ck.staging();
+    assert_eq!(
+        (st.allocated, st.in_use, st.capacity),
+        (bound, 0, bound),
+        "{st:?}"
+    );
+    assert!(st.peak_in_use <= bound, "{st:?}");
+}
+
+#[test]
 fn replicas_cost_nothing_and_commit_costs_o_ranks_requests() {
     // 32 data-parallel ranks holding the same two tensors: placement picks one writer per
     // tensor, the others record replicas. Count store requests.

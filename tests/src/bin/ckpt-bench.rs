@@ -749,6 +749,74 @@ fn fresh_ranks(model: ModelConfig, train: TrainConfig, layout: Layout) -> Vec<Ra
         .collect()
 }
 
+/// One training step of every rank (ranks as threads): forward/backward (reads), optimizer
+/// (writes). Seconds.
+fn step_time(ranks: &[RankState], s: u64) -> f64 {
+    let t = Instant::now();
+    std::thread::scope(|sc| {
+        for r in ranks {
+            sc.spawn(move || {
+                std::hint::black_box(r.partial_loss(s, 1.0));
+                r.update(s, s, 1.0);
+            });
+        }
+    });
+    t.elapsed().as_secs_f64()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// The first save of a job against its steady saves, with its staging filled in the
+/// background from start-up (`background`: `prepare_staging` without `prefault`, as
+/// `ckpt-train` does when its pool is made) or not: the first save's stall over the steady
+/// stall, and the training steps before the first save (their time is what the background
+/// fill may slow). One mode per process, so both start from the same fresh memory.
+fn startup_bench(dir: &Path, params: u64, background: bool, steps: u64) {
+    let layout: Layout = "dp=1,tp=2,pp=2".parse().unwrap();
+    let (model, _, ranks, state, store) = bench_job(dir, "startup-store", params, layout, 3);
+    // The ranks' own memory touched first, as initialization would.
+    step_time(&ranks, 1);
+    step_time(&ranks, 2);
+    let mut mgrs = managers(&store, "s", layout, &ranks, false, 0);
+    let t0 = Instant::now();
+    if background {
+        for m in &mgrs {
+            let st = m.save_state().unwrap();
+            m.checkpointer().prepare_staging(&st, false);
+        }
+    }
+    let times: Vec<f64> = (3..3 + steps).map(|s| step_time(&ranks, s)).collect();
+    let staged: usize = mgrs
+        .iter()
+        .map(|m| m.checkpointer().staging().allocated)
+        .sum();
+    let until_save = t0.elapsed().as_secs_f64();
+    let s = 3 + steps;
+    let (stall1, _) = checkpoint(&mut mgrs, s);
+    step_time(&ranks, s + 1);
+    let (stall2, _) = checkpoint(&mut mgrs, s + 2);
+    step_time(&ranks, s + 3);
+    let (stall3, _) = checkpoint(&mut mgrs, s + 4);
+    let steady = (stall2 + stall3) / 2.0;
+    let capacity: usize = mgrs
+        .iter()
+        .map(|m| m.checkpointer().staging().capacity)
+        .sum();
+    emit(json!({
+        "bench": "startup", "background_prefault": background, "state_bytes": state,
+        "params": model.param_count(), "layout": layout.to_string(),
+        "steps_before_first_save": steps, "step_median_s": median(times.clone()),
+        "step_mean_s": times.iter().sum::<f64>() / times.len().max(1) as f64,
+        "step_times_s": times, "start_to_first_save_s": until_save,
+        "staging_filled_at_first_save": staged as f64 / capacity.max(1) as f64,
+        "stall_first_s": stall1, "stall_steady_s": steady,
+        "stall_first_over_steady": stall1 / steady,
+    }));
+}
+
 fn train_bench(dir: &Path, params: u64) {
     let layout: Layout = "dp=1,tp=2,pp=2".parse().unwrap();
     let (model, train, ranks, state, store) = bench_job(dir, "train-store", params, layout, 3);
@@ -763,18 +831,6 @@ fn train_bench(dir: &Path, params: u64) {
     // (The read limit is measured again right before each restore: the disk is shared.)
     let mut mgrs = managers(&store, "t", layout, &ranks, false, 0);
     // Steps: forward/backward (reads), optimizer (writes); checkpoints at steps 1, 2, 3.
-    let step_time = |ranks: &[RankState], s: u64| {
-        let t = Instant::now();
-        std::thread::scope(|sc| {
-            for r in ranks {
-                sc.spawn(move || {
-                    std::hint::black_box(r.partial_loss(s, 1.0));
-                    r.update(s, s, 1.0);
-                });
-            }
-        });
-        t.elapsed().as_secs_f64()
-    };
     let base_step = step_time(&ranks, 1);
     let (stall1, commit1) = checkpoint(&mut mgrs, 1);
     // The first save of a job that prefaulted its staging at start.
@@ -1307,6 +1363,12 @@ fn main() {
             &dir,
             ckpt_train::parse_count(&arg(&args, "--params", "150M")).unwrap(),
         ),
+        Some("startup") => startup_bench(
+            &dir,
+            ckpt_train::parse_count(&arg(&args, "--params", "150M")).unwrap(),
+            !args.iter().any(|a| a == "--no-background-prefault"),
+            arg(&args, "--steps", "10").parse().unwrap(),
+        ),
         Some("recovery") => {
             let p = arg(&args, "--params", "20M");
             recovery_bench(&dir, &p, "crash");
@@ -1325,7 +1387,7 @@ fn main() {
         ),
         _ => {
             eprintln!(
-                "usage: ckpt-bench limits|store|train|recovery|peers|faults|scale|versions --dir DIR [--gib N] [--params N] [--mib N]"
+                "usage: ckpt-bench limits|store|train|startup|recovery|peers|faults|scale|versions --dir DIR [--gib N] [--params N] [--mib N] [--steps N] [--no-background-prefault]"
             );
             std::process::exit(2);
         }

@@ -74,6 +74,11 @@ impl Checkpointer {
                 cfg.prefault && cfg.staging_bytes > 0,
             ),
         };
+        // A shared pool is its owner's to fill; an automatic bound is known only once the
+        // state is (`prepare_staging`).
+        if cfg.pool.is_none() && cfg.staging_bytes > 0 && !cfg.prefault && cfg.background_prefault {
+            pool.prefault_in_background();
+        }
         let writer = ckpt_store::writer_id(cfg.rank, cfg.generation);
         Ok(Checkpointer {
             store,
@@ -160,7 +165,8 @@ impl Checkpointer {
     }
 
     /// Size the staging pool for snapshots of `state` (when the bound is automatic) and, with
-    /// `prefault`, allocate and touch it now, so the first save does not pay for fresh memory.
+    /// `prefault`, allocate and touch it now, so the first save does not pay for fresh memory
+    /// (without it, and with `background_prefault`, on a background thread).
     pub fn prepare_staging(&self, state: &SaveState, prefault: bool) {
         let slab = self.pool.slab_size();
         if self.cfg.staging_bytes == 0 && self.cfg.pool.is_none() {
@@ -176,6 +182,8 @@ impl Checkpointer {
         }
         if prefault {
             self.pool.prefault();
+        } else if self.cfg.background_prefault {
+            self.pool.prefault_in_background();
         }
     }
 

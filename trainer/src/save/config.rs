@@ -44,6 +44,11 @@ pub struct CheckpointerConfig {
     pub stall_timeout: Duration,
     /// Allocate and touch all staging memory up front.
     pub prefault: bool,
+    /// Without `prefault`: allocate and touch the staging memory on a background thread of
+    /// the lowest CPU priority from the moment its size is known (a `staging_bytes` bound at
+    /// creation, or [`Checkpointer::prepare_staging`](super::Checkpointer::prepare_staging)),
+    /// so the first save does not pay for fresh memory. On by default.
+    pub background_prefault: bool,
     /// Threads copying into staging.
     pub copy_threads: usize,
     /// Policy for a save while the previous one persists.
@@ -69,6 +74,7 @@ impl CheckpointerConfig {
             pool: None,
             stall_timeout: Duration::from_secs(300),
             prefault: false,
+            background_prefault: true,
             copy_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
             back_pressure: BackPressure::Wait,
             commit_timeout: Duration::from_secs(600),
