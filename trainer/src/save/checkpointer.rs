@@ -280,6 +280,7 @@ impl Checkpointer {
             shared,
             store: self.store.clone(),
             run: self.cfg.run.clone(),
+            committer: self.cfg.committer,
         }
     }
 

@@ -167,6 +167,9 @@ pub struct SaveHandle {
     pub(super) shared: Arc<Shared>,
     pub(super) store: Store,
     pub(super) run: String,
+    /// This rank creates the commit record: its own persist task says when the step is
+    /// committed (and with what figures), so it never looks for the record in the store.
+    pub(super) committer: bool,
 }
 
 impl SaveHandle {
@@ -231,6 +234,14 @@ impl SaveHandle {
         self.wait_persisted_within(timeout)?;
         if self.stage() == Stage::Committed {
             return self.shared.wait_for(|s| matches!(s, Stage::Committed));
+        }
+        if self.committer {
+            // The record appears in the store a moment before the persist task records
+            // `commit_s`: answering from the store would report a commit without its figures.
+            return self.shared.wait_until(
+                |s| matches!(s, Stage::Committed),
+                Some((t0 + timeout, timeout)),
+            );
         }
         let key = self.store.keys().commit(&self.run, self.shared.step);
         let mut pause = Duration::from_millis(20);
