@@ -95,19 +95,7 @@ impl Store {
         &self,
         run: &str,
     ) -> Result<Vec<(StepListing, Option<Result<CommitRecord>>)>> {
-        validate_run(run)?;
-        let dir = self.keys().steps_dir(run);
-        let res = self
-            .object_store()
-            .list_with_delimiter(Some(&dir))
-            .await
-            .map_err(|e| Error::backend("listing", &dir, e))?;
-        let mut steps: Vec<u64> = res
-            .common_prefixes
-            .iter()
-            .filter_map(|p| self.keys().parse_step_dir(p))
-            .collect();
-        steps.sort_unstable();
+        let steps = self.step_numbers(run).await?;
         let found: Vec<Option<(StepListing, Option<Result<CommitRecord>>)>> = stream::iter(steps)
             .map(|step| async move {
                 match self.read_commit_sized(run, step).await {
@@ -138,6 +126,25 @@ impl Store {
         Ok(found.into_iter().flatten().collect())
     }
 
+    /// The step numbers of `run` that have a folder, ascending: one listing request per
+    /// thousand steps, whatever the number of ranks.
+    async fn step_numbers(&self, run: &str) -> Result<Vec<u64>> {
+        validate_run(run)?;
+        let dir = self.keys().steps_dir(run);
+        let res = self
+            .object_store()
+            .list_with_delimiter(Some(&dir))
+            .await
+            .map_err(|e| Error::backend("listing", &dir, e))?;
+        let mut steps: Vec<u64> = res
+            .common_prefixes
+            .iter()
+            .filter_map(|p| self.keys().parse_step_dir(p))
+            .collect();
+        steps.sort_unstable();
+        Ok(steps)
+    }
+
     /// Committed step numbers of `run`, ascending.
     pub async fn committed_steps(&self, run: &str) -> Result<Vec<u64>> {
         Ok(self
@@ -153,20 +160,7 @@ impl Store {
     /// thousand steps) and checks commit records from the newest down, so it stays cheap
     /// however many ranks a step has.
     pub async fn latest_committed(&self, run: &str) -> Result<Option<u64>> {
-        validate_run(run)?;
-        let dir = self.keys().steps_dir(run);
-        let res = self
-            .object_store()
-            .list_with_delimiter(Some(&dir))
-            .await
-            .map_err(|e| Error::backend("listing", &dir, e))?;
-        let mut steps: Vec<u64> = res
-            .common_prefixes
-            .iter()
-            .filter_map(|p| self.keys().parse_step_dir(p))
-            .collect();
-        steps.sort_unstable_by(|a, b| b.cmp(a));
-        for s in steps {
+        for s in self.step_numbers(run).await?.into_iter().rev() {
             if self.exists(&self.keys().commit(run, s)).await? {
                 return Ok(Some(s));
             }

@@ -5,19 +5,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ckpt_store::testing::{det_bytes, local_store, tiny_config};
-use ckpt_store::{DType, FailAction, GcOptions, Layout, NdBox, StepReader, Store, VerifyScope};
+use ckpt_store::{DType, FailAction, GcOptions, Layout, NdBox, VerifyScope};
 use ckpt_trainer::{Checkpointer, CheckpointerConfig, HostTensor, SaveState, SaveTensor, runtime};
 
-fn read(store: &Store, run: &str, step: u64, name: &str) -> Vec<u8> {
-    runtime().block_on(async {
-        StepReader::open(store, run, step)
-            .await
-            .unwrap()
-            .read_tensor(name)
-            .await
-            .unwrap_or_else(|e| panic!("step {step} tensor {name}: {e}"))
-    })
-}
+mod common;
+use common::read;
 
 /// A save whose commit fails, swept by `ckpt gc` once past the grace period, is never the base
 /// of the next save: the next save (of the very bytes the failed one held) commits, verifies

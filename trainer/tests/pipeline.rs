@@ -6,11 +6,14 @@ use std::time::Duration;
 
 use ckpt_store::placement::{Placement, Stage as PStage, TensorSpec};
 use ckpt_store::testing::{det_bytes, local_store, memory_store, tiny_config};
-use ckpt_store::{DType, ErrorKind, Layout, NdBox, StepReader, Store, StoreConfig};
+use ckpt_store::{DType, ErrorKind, Layout, NdBox, Store, StoreConfig};
 use ckpt_trainer::{
     BackPressure, CheckpointManager, Checkpointer, CheckpointerConfig, HostTensor, ManagerConfig,
     SaveState, SaveTensor, Stage, runtime,
 };
+
+mod common;
+use common::read;
 
 fn spec(name: &str, shape: &[u64], tp_dim: Option<usize>) -> TensorSpec {
     TensorSpec {
@@ -24,17 +27,6 @@ fn spec(name: &str, shape: &[u64], tp_dim: Option<usize>) -> TensorSpec {
             zero: None,
         },
     }
-}
-
-fn read_all(store: &Store, run: &str, step: u64, name: &str) -> Vec<u8> {
-    runtime().block_on(async {
-        StepReader::open(store, run, step)
-            .await
-            .unwrap()
-            .read_tensor(name)
-            .await
-            .unwrap()
-    })
 }
 
 #[test]
@@ -60,7 +52,7 @@ fn a_mutation_after_save_never_reaches_the_checkpoint() {
     // Mutate at once, without waiting for the snapshot: the write waits for the copy.
     t.write().fill(0xee);
     h.wait_committed(Duration::from_secs(30)).unwrap();
-    assert_eq!(read_all(&store, "mut", 1, "t"), before);
+    assert_eq!(read(&store, "mut", 1, "t"), before);
     // The explicit protocol: wait for the snapshot, then mutate.
     let h2 = ck
         .save(
@@ -74,7 +66,7 @@ fn a_mutation_after_save_never_reaches_the_checkpoint() {
     h2.wait_snapshot().unwrap();
     t.write().fill(0x11);
     h2.wait_committed(Duration::from_secs(30)).unwrap();
-    assert_eq!(read_all(&store, "mut", 2, "t"), vec![0xee; n as usize]);
+    assert_eq!(read(&store, "mut", 2, "t"), vec![0xee; n as usize]);
 }
 
 #[test]
@@ -188,7 +180,7 @@ fn staging_memory_stays_within_its_bound() {
         st.peak_in_use <= 256 << 10 && st.allocated <= 256 << 10,
         "{st:?}"
     );
-    assert_eq!(read_all(&store, "bound", 1, "t"), *t.read());
+    assert_eq!(read(&store, "bound", 1, "t"), *t.read());
 }
 
 #[test]
@@ -210,10 +202,10 @@ fn a_save_right_after_start_up_is_bit_exact_while_staging_fills_in_the_backgroun
     h.wait_snapshot().unwrap();
     t.write().fill(0x5a);
     h.wait_committed(Duration::from_secs(60)).unwrap();
-    assert_eq!(read_all(&store, "early", 1, "t"), det_bytes(7, n));
+    assert_eq!(read(&store, "early", 1, "t"), det_bytes(7, n));
     let h = ck.save(2, state()).unwrap();
     h.wait_committed(Duration::from_secs(60)).unwrap();
-    assert_eq!(read_all(&store, "early", 2, "t"), vec![0x5a; n]);
+    assert_eq!(read(&store, "early", 2, "t"), vec![0x5a; n]);
     // The fill ends at the bound, the books right: nothing in use, never over the bound.
     let bound = n + tiny_config().chunk_size;
     let t0 = std::time::Instant::now();

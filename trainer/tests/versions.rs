@@ -8,24 +8,16 @@ use std::time::Duration;
 
 use ckpt_store::placement::{Placement, Stage as PStage};
 use ckpt_store::testing::{det_bytes, local_store, tiny_config};
-use ckpt_store::{DType, FailAction, GcOptions, Layout, NdBox, StepReader, Store, VerifyScope};
+use ckpt_store::{DType, FailAction, GcOptions, Layout, NdBox, Store, VerifyScope};
 use ckpt_trainer::{
     Checkpointer, CheckpointerConfig, HostTensor, HostView, MemorySink, MemorySource, SaveReport,
     SaveState, SaveTensor, runtime,
 };
 
-const T: Duration = Duration::from_secs(30);
+mod common;
+use common::read;
 
-fn read(store: &Store, run: &str, step: u64, name: &str) -> Vec<u8> {
-    runtime().block_on(async {
-        StepReader::open(store, run, step)
-            .await
-            .unwrap()
-            .read_tensor(name)
-            .await
-            .unwrap_or_else(|e| panic!("step {step} tensor {name}: {e}"))
-    })
-}
+const T: Duration = Duration::from_secs(30);
 
 fn state(ts: &[(&str, &HostTensor)]) -> SaveState {
     SaveState {
