@@ -20,13 +20,14 @@
 //! sweeps.
 
 use std::collections::{BTreeSet, HashSet};
-use std::time::Duration;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use futures::{StreamExt, TryStreamExt, stream};
 use object_store::path::Path;
 use serde::Serialize;
-use tracing::{info, instrument};
+use tracing::{debug, info, instrument, warn};
 
 use crate::catalog::StepListing;
 use crate::error::{Error, Result};
@@ -97,6 +98,19 @@ pub struct GcReport {
     pub dry_run: bool,
     /// Why the sweep did not run, or stopped early (saves in flight hold writer leases).
     pub sweep_deferred: Option<String>,
+}
+
+/// When a sweep lock was last written (refreshed) by the GC holding it.
+struct Fresh(Mutex<Instant>);
+
+impl Fresh {
+    fn mark(&self, at: Instant) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = at;
+    }
+
+    fn age(&self) -> Duration {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).elapsed()
+    }
 }
 
 /// Objects deleted between two checks for saves that started meanwhile.
@@ -183,6 +197,7 @@ impl Store {
         }
         // 2. A sweep excludes saves in flight (FORMAT.md, "What GC may delete"): take the
         //    sweep lock, and with a live writer lease leave the sweep for a later run.
+        let fresh = Fresh(Mutex::new(Instant::now()));
         let lock = if opts.sweep && !opts.dry_run {
             match self.take_sweep_lock(now, opts.grace).await? {
                 Ok(lock) => Some(lock),
@@ -198,9 +213,27 @@ impl Store {
         } else {
             None
         };
-        let res = self
-            .gc_manifests_and_sweep(opts, now, grace, dropped, lock.is_some(), &mut report)
-            .await;
+        let work = self.gc_manifests_and_sweep(
+            opts,
+            now,
+            grace,
+            dropped,
+            lock.as_ref().map(|_| &fresh),
+            &mut report,
+        );
+        let res = match &lock {
+            // Keep the lock fresh while marking and sweeping, so that saves can tell a live
+            // sweep from a killed one's lock (crate::lease).
+            Some(path) => {
+                let keep = self.keep_sweep_lock_fresh(path, &fresh);
+                futures::pin_mut!(work, keep);
+                match futures::future::select(work, keep).await {
+                    futures::future::Either::Left((r, _)) => r,
+                    futures::future::Either::Right((never, _)) => match never {},
+                }
+            }
+            None => work.await,
+        };
         if let Some(lock) = lock {
             // Best effort: a lock left behind lapses after the grace period.
             let _ = self.delete_all(vec![lock]).await;
@@ -226,7 +259,7 @@ impl Store {
         now: DateTime<Utc>,
         grace: chrono::Duration,
         dropped: Vec<(String, BTreeSet<u64>, Vec<StepListing>)>,
-        sweep: bool,
+        sweep: Option<&Fresh>,
         report: &mut GcReport,
     ) -> Result<()> {
         // List the steps again (after the sweep lock, so every manifest written by a save that
@@ -258,7 +291,7 @@ impl Store {
                 }
             }
         }
-        if !opts.sweep || (!sweep && !opts.dry_run) {
+        if !opts.sweep || (sweep.is_none() && !opts.dry_run) {
             return Ok(());
         }
         // Mark.
@@ -319,6 +352,23 @@ impl Store {
         // it between batches (the rest waits for a later run).
         let mut rest = doomed.as_slice();
         while !rest.is_empty() {
+            self.failpoints().hit("before_sweep_delete").await?;
+            // A GC that could not refresh its lock for half the lapse (paused, or the store
+            // refused the writes) may have been taken for dead by a save: stop.
+            let stale = sweep.map_or(Duration::ZERO, |f| f.age());
+            if stale >= self.config().sweep_lapse / 2 {
+                report.objects_kept += rest.len() as u64;
+                report.bytes_kept += rest.iter().map(|(_, n)| n).sum::<u64>();
+                report.sweep_deferred = Some(format!(
+                    "the sweep lock was last refreshed {:.1} s ago (a save takes a lock older \
+                     than {:.1} s for a killed GC's); {} unreferenced object(s) are left for a \
+                     later sweep",
+                    stale.as_secs_f64(),
+                    self.config().sweep_lapse.as_secs_f64(),
+                    rest.len()
+                ));
+                break;
+            }
             let writers = self.list_locks(now, opts.grace).await?.writers;
             if !writers.is_empty() {
                 report.objects_kept += rest.len() as u64;
@@ -338,6 +388,23 @@ impl Store {
             rest = tail;
         }
         Ok(())
+    }
+
+    /// Write the sweep lock at `path` again every sixth of the lapse, forever (the caller
+    /// drops this future when the sweep ends), recording each success in `fresh`.
+    async fn keep_sweep_lock_fresh(&self, path: &Path, fresh: &Fresh) -> std::convert::Infallible {
+        let every = self.config().sweep_lapse / 6;
+        loop {
+            tokio::time::sleep(every).await;
+            let t = Instant::now();
+            match self.put_lock(path, "gc sweep").await {
+                Ok(()) => {
+                    debug!(%path, "sweep lock refreshed");
+                    fresh.mark(t);
+                }
+                Err(e) => warn!(%path, error = %e, "could not refresh the sweep lock"),
+            }
+        }
     }
 
     /// Delete the temporary files of interrupted writes older than the grace period.

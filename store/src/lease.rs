@@ -20,15 +20,25 @@
 //!
 //! Leases and locks count for the grace period from their write; a dead writer's or GC's
 //! lapses then (and GC deletes it).
+//!
+//! A sweep lock is *kept fresh*: the GC holding it writes it again every
+//! [`StoreConfig::sweep_lapse`](crate::StoreConfig::sweep_lapse) / 6 while it marks and sweeps,
+//! and before each delete batch checks that its last refresh is younger than half the lapse
+//! (else it stops sweeping). A writer that watches the same sweep lock unchanged (same
+//! modification time and e-tag in its listings) for the lapse, by its own monotonic clock (so
+//! clock skew with the store does not matter), or sees one older than four lapses by its
+//! clock, takes it for a killed GC's, deletes it and goes on:
+//! a `ckpt gc` killed mid-sweep holds saves back for seconds, not for [`LOCK_LAPSE`].
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use futures::TryStreamExt;
-use object_store::PutMode;
 use object_store::path::Path;
-use tracing::{debug, info};
+use object_store::{ObjectMeta, PutMode};
+use tracing::{debug, info, warn};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::keys::validate_run;
@@ -87,8 +97,8 @@ fn fresh(name: &str) -> String {
 pub struct LockListing {
     /// Live writer leases.
     pub writers: Vec<Path>,
-    /// Live sweep locks.
-    pub sweeps: Vec<Path>,
+    /// Live sweep locks, as listed (a refresh changes the modification time and the e-tag).
+    pub sweeps: Vec<ObjectMeta>,
     /// Leases and locks older than the lapse time.
     pub lapsed: Vec<Path>,
 }
@@ -115,16 +125,21 @@ impl Store {
             } else if writer {
                 out.writers.push(m.location);
             } else {
-                out.sweeps.push(m.location);
+                out.sweeps.push(m);
             }
         }
         Ok(out)
     }
 
-    async fn put_lock(&self, path: &Path, what: &str) -> Result<()> {
-        let mut body = serde_json::to_vec(
-            &serde_json::json!({"what": what, "t_ms": self.now().timestamp_millis()}),
-        )
+    pub(crate) async fn put_lock(&self, path: &Path, what: &str) -> Result<()> {
+        // `n` makes every write's body differ, so that a refreshed lock's e-tag changes even
+        // where modification times are coarse (whole seconds on S3).
+        static WRITES: AtomicU64 = AtomicU64::new(0);
+        let mut body = serde_json::to_vec(&serde_json::json!({
+            "what": what,
+            "t_ms": self.now().timestamp_millis(),
+            "n": WRITES.fetch_add(1, Ordering::Relaxed),
+        }))
         .map_err(|e| Error::internal(e.to_string()))?;
         // On a local directory, deleting the last lock removes the empty `locks/` directory
         // (automatic cleanup) and can pull it from under a put of another lock: the put is
@@ -173,34 +188,9 @@ impl Store {
             .await
             .map_err(|e| e.context("taking a writer lease"))?;
         let lease = WriterLease { path, base: None };
-        let t0 = Instant::now();
-        let mut pause = Duration::from_millis(5);
-        loop {
-            let locks = match self.list_locks(self.now(), LOCK_LAPSE).await {
-                Ok(l) => l,
-                Err(e) => {
-                    let _ = self.release_lease(lease).await;
-                    return Err(e);
-                }
-            };
-            let Some(sweep) = locks.sweeps.first() else {
-                break;
-            };
-            if t0.elapsed() > SWEEP_WAIT {
-                let _ = self.release_lease(lease).await;
-                return Err(Error::new(
-                    ErrorKind::Conflict,
-                    format!(
-                        "a GC sweep ({sweep}) has been running for over {} s; this save of run \
-                         {run} waits for it and gave up (a crashed GC's lock lapses after {} s)",
-                        SWEEP_WAIT.as_secs(),
-                        LOCK_LAPSE.as_secs()
-                    ),
-                ));
-            }
-            debug!(%sweep, "waiting for a GC sweep to end");
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_millis(500));
+        if let Err(e) = self.wait_for_sweeps(run).await {
+            let _ = self.release_lease(lease).await;
+            return Err(e);
         }
         for (i, &step) in candidates.iter().enumerate() {
             // The newest candidate is usually the previous save, whose commit may still be on
@@ -236,6 +226,68 @@ impl Store {
             }
         }
         Ok(lease)
+    }
+
+    /// Wait while a live GC sweep holds a sweep lock (at most [`SWEEP_WAIT`]); delete a lock
+    /// its GC stopped refreshing (see the module docs) and go on.
+    async fn wait_for_sweeps(&self, run: &str) -> Result<()> {
+        let lapse = self.config().sweep_lapse;
+        let t0 = Instant::now();
+        let mut pause = Duration::from_millis(5);
+        // Each sweep lock seen: its last write as listed (time, e-tag) and when this writer
+        // first saw that write.
+        type Write = (DateTime<Utc>, Option<String>);
+        let mut seen: HashMap<Path, (Write, Instant)> = HashMap::new();
+        loop {
+            let now = self.now();
+            let locks = self.list_locks(now, LOCK_LAPSE).await?;
+            let mut live = None;
+            let mut dead = Vec::new();
+            for m in locks.sweeps {
+                let write = (m.last_modified, m.e_tag.clone());
+                let first = match seen.get(&m.location) {
+                    Some((w, at)) if *w == write => *at,
+                    _ => {
+                        seen.insert(m.location.clone(), (write, Instant::now()));
+                        Instant::now()
+                    }
+                };
+                let age = (now - m.last_modified).to_std().unwrap_or_default();
+                if first.elapsed() >= lapse || age >= 4 * lapse {
+                    dead.push(m.location);
+                } else {
+                    live.get_or_insert(m.location);
+                }
+            }
+            if !dead.is_empty() {
+                warn!(
+                    lock = %dead[0],
+                    n = dead.len(),
+                    lapse_s = lapse.as_secs_f64(),
+                    "a GC sweep lock was not refreshed within its lapse: its GC is gone; \
+                     deleting the lock"
+                );
+                self.delete_all(dead).await?;
+            }
+            let Some(sweep) = live else {
+                return Ok(());
+            };
+            if t0.elapsed() > SWEEP_WAIT {
+                return Err(Error::new(
+                    ErrorKind::Conflict,
+                    format!(
+                        "a GC sweep ({sweep}) has been running for over {} s; this save of run \
+                         {run} waits for it and gave up (a killed GC's lock is taken as dead \
+                         once it is not refreshed for {} s)",
+                        SWEEP_WAIT.as_secs(),
+                        lapse.as_secs_f64()
+                    ),
+                ));
+            }
+            debug!(%sweep, "waiting for a GC sweep to end");
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(500));
+        }
     }
 
     /// End a save's lease (its manifest is written, or it failed).

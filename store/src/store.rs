@@ -7,8 +7,9 @@
 //! hash.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures::stream::{self, Stream, StreamExt, TryStreamExt};
@@ -54,6 +55,10 @@ pub struct StoreConfig {
     pub multipart_threshold: usize,
     /// Multipart part size (default 16 MiB).
     pub multipart_part: usize,
+    /// A GC sweep lock not refreshed for this long is a killed GC's: a save deletes it and
+    /// goes on (default 30 s; the GC refreshes its lock every sixth of it). See
+    /// [`crate::lease`].
+    pub sweep_lapse: Duration,
 }
 
 impl Default for StoreConfig {
@@ -70,6 +75,7 @@ impl Default for StoreConfig {
             inflight_bytes: 256 << 20,
             multipart_threshold: usize::MAX,
             multipart_part: 16 << 20,
+            sweep_lapse: Duration::from_secs(30),
         }
     }
 }
@@ -113,6 +119,12 @@ impl StoreConfig {
         }
         if self.multipart_part < (5 << 20) && self.multipart_threshold != usize::MAX {
             return Err(Error::invalid("multipart parts must be at least 5 MiB"));
+        }
+        if self.sweep_lapse < Duration::from_millis(60) {
+            return Err(Error::invalid(format!(
+                "a sweep lock's lapse of {:?} is too short to refresh it",
+                self.sweep_lapse
+            )));
         }
         Ok(())
     }
@@ -589,180 +601,197 @@ impl Store {
         let mut slots: Vec<Slot> = Vec::new();
         let mut first: HashMap<ChunkId, usize> = HashMap::new();
         let mut tasks: JoinSet<Result<Vec<(usize, ChunkRef)>>> = JoinSet::new();
-        let mut pack = PackBuilder::new();
-        let mut pack_slots: Vec<(usize, ChunkRef)> = Vec::new();
-        let mut pack_permits = Vec::new();
+        let cancel = Arc::new(AtomicBool::new(false));
+        // On an error, stop the writes not yet started and wait for those in flight before
+        // returning: each removes its own staging file on failure, so a failed save leaves no
+        // partial file behind (once it returns) and writes nothing more.
+        let res = async {
+            let mut pack = PackBuilder::new();
+            let mut pack_slots: Vec<(usize, ChunkRef)> = Vec::new();
+            let mut pack_permits = Vec::new();
 
-        // Stage 1, in order with read-ahead: hash on the blocking pool.
-        let hashed = input
-            .map(|c| async move {
-                let c = c?;
+            // Stage 1, in order with read-ahead: hash on the blocking pool.
+            let hashed = input
+                .map(|c| async move {
+                    let c = c?;
+                    let len = c.data.len();
+                    if len as u64 > MAX_CHUNK_LEN {
+                        return Err(Error::invalid(format!(
+                            "a chunk of {len} bytes is larger than the format allows ({MAX_CHUNK_LEN})"
+                        )));
+                    }
+                    let data = c.data.clone();
+                    let id = tokio::task::spawn_blocking(move || ChunkId::of(&data)).await?;
+                    Ok((id, c))
+                })
+                .buffered(cfg.cpu_threads * 2);
+            futures::pin_mut!(hashed);
+
+            while let Some(item) = hashed.next().await {
+                let (id, c) = item?;
+                let i = slots.len();
                 let len = c.data.len();
-                if len as u64 > MAX_CHUNK_LEN {
-                    return Err(Error::invalid(format!(
-                        "a chunk of {len} bytes is larger than the format allows ({MAX_CHUNK_LEN})"
-                    )));
+                stats.chunks += 1;
+                stats.bytes += len as u64;
+                if let Some(r) = index.get(&id) {
+                    stats.chunks_skipped += 1;
+                    stats.bytes_skipped += len as u64;
+                    slots.push(Slot::Done(r));
+                    continue;
                 }
-                let data = c.data.clone();
-                let id = tokio::task::spawn_blocking(move || ChunkId::of(&data)).await?;
-                Ok((id, c))
-            })
-            .buffered(cfg.cpu_threads * 2);
-        futures::pin_mut!(hashed);
-
-        while let Some(item) = hashed.next().await {
-            let (id, c) = item?;
-            let i = slots.len();
-            let len = c.data.len();
-            stats.chunks += 1;
-            stats.bytes += len as u64;
-            if let Some(r) = index.get(&id) {
-                stats.chunks_skipped += 1;
-                stats.bytes_skipped += len as u64;
-                slots.push(Slot::Done(r));
-                continue;
+                if let Some(&j) = first.get(&id) {
+                    stats.chunks_skipped += 1;
+                    stats.bytes_skipped += len as u64;
+                    slots.push(Slot::SameAs(j));
+                    continue;
+                }
+                first.insert(id, i);
+                slots.push(Slot::Pending);
+                // Collect finished writes without blocking, to surface errors early.
+                while let Some(done) = tasks.try_join_next() {
+                    for (slot, r) in done?? {
+                        slots[slot] = Slot::Done(r);
+                    }
+                }
+                let permit = budget
+                    .clone()
+                    .acquire_many_owned(len.max(1) as u32)
+                    .await
+                    .map_err(|_| Error::internal("in-flight budget closed"))?;
+                let policy = governor.policy(&cfg, writers.available_permits() == 0);
+                if len < cfg.pack_threshold {
+                    let data = c.data.clone();
+                    let enc = tokio::task::spawn_blocking(move || {
+                        codec::encode(&data, c.elem as usize, policy)
+                    })
+                    .await?;
+                    let r = ChunkRef {
+                        id,
+                        len: len as u32,
+                        stored: enc.len() as u32,
+                        codec: enc.codec,
+                        pack: None,
+                        offset: 0,
+                    };
+                    let off = pack.add(id, len as u32, enc);
+                    pack_slots.push((i, ChunkRef { offset: off, ..r }));
+                    pack_permits.push(permit);
+                    if pack.len() >= cfg.pack_target as u64 {
+                        let full = std::mem::replace(&mut pack, PackBuilder::new());
+                        let ps = std::mem::take(&mut pack_slots);
+                        let permits = std::mem::take(&mut pack_permits);
+                        self.spawn_pack_write(&mut tasks, &writers, &cancel, full, ps, permits, &mut stats)
+                            .await?;
+                    }
+                    continue;
+                }
+                let store = self.clone();
+                let writers = writers.clone();
+                let gov = governor.clone();
+                let cancel = cancel.clone();
+                tasks.spawn(async move {
+                    let data = c.data;
+                    let g2 = gov.clone();
+                    let enc: Encoded = tokio::task::spawn_blocking(move || {
+                        let t = Instant::now();
+                        let e = codec::encode(&data, c.elem as usize, policy);
+                        if policy != CodecPolicy::Raw {
+                            g2.record_compress(data.len(), t.elapsed());
+                        }
+                        e
+                    })
+                    .await?;
+                    let r = ChunkRef {
+                        id,
+                        len: len as u32,
+                        stored: enc.len() as u32,
+                        codec: enc.codec,
+                        pack: None,
+                        offset: 0,
+                    };
+                    let path = store.keys.chunk(&id);
+                    let _w = writers
+                        .acquire()
+                        .await
+                        .map_err(|_| Error::internal("writer pool closed"))?;
+                    if cancel.load(Ordering::Relaxed) {
+                        return Err(Error::internal("the save failed: write not started"));
+                    }
+                    let stored = enc.len();
+                    gov.write_started();
+                    store
+                        .put_object(&path, enc.parts, PutMode::Overwrite)
+                        .await?;
+                    gov.record_write(stored);
+                    drop(permit);
+                    Ok(vec![(i, r)])
+                });
+                stats.objects_written += 1;
             }
-            if let Some(&j) = first.get(&id) {
-                stats.chunks_skipped += 1;
-                stats.bytes_skipped += len as u64;
-                slots.push(Slot::SameAs(j));
-                continue;
+            if !pack.is_empty() {
+                self.spawn_pack_write(
+                    &mut tasks,
+                    &writers,
+                    &cancel,
+                    pack,
+                    pack_slots,
+                    pack_permits,
+                    &mut stats,
+                )
+                .await?;
             }
-            first.insert(id, i);
-            slots.push(Slot::Pending);
-            // Collect finished writes without blocking, to surface errors early.
-            while let Some(done) = tasks.try_join_next() {
+            while let Some(done) = tasks.join_next().await {
                 for (slot, r) in done?? {
                     slots[slot] = Slot::Done(r);
                 }
             }
-            let permit = budget
-                .clone()
-                .acquire_many_owned(len.max(1) as u32)
-                .await
-                .map_err(|_| Error::internal("in-flight budget closed"))?;
-            let policy = governor.policy(&cfg, writers.available_permits() == 0);
-            if len < cfg.pack_threshold {
-                let data = c.data.clone();
-                let enc = tokio::task::spawn_blocking(move || {
-                    codec::encode(&data, c.elem as usize, policy)
-                })
-                .await?;
-                let r = ChunkRef {
-                    id,
-                    len: len as u32,
-                    stored: enc.len() as u32,
-                    codec: enc.codec,
-                    pack: None,
-                    offset: 0,
-                };
-                let off = pack.add(id, len as u32, enc);
-                pack_slots.push((i, ChunkRef { offset: off, ..r }));
-                pack_permits.push(permit);
-                if pack.len() >= cfg.pack_target as u64 {
-                    let full = std::mem::replace(&mut pack, PackBuilder::new());
-                    let ps = std::mem::take(&mut pack_slots);
-                    let permits = std::mem::take(&mut pack_permits);
-                    self.spawn_pack_write(&mut tasks, &writers, full, ps, permits, &mut stats)
-                        .await?;
-                }
-                continue;
-            }
-            let store = self.clone();
-            let writers = writers.clone();
-            let gov = governor.clone();
-            tasks.spawn(async move {
-                let data = c.data;
-                let g2 = gov.clone();
-                let enc: Encoded = tokio::task::spawn_blocking(move || {
-                    let t = Instant::now();
-                    let e = codec::encode(&data, c.elem as usize, policy);
-                    if policy != CodecPolicy::Raw {
-                        g2.record_compress(data.len(), t.elapsed());
-                    }
-                    e
-                })
-                .await?;
-                let r = ChunkRef {
-                    id,
-                    len: len as u32,
-                    stored: enc.len() as u32,
-                    codec: enc.codec,
-                    pack: None,
-                    offset: 0,
-                };
-                let path = store.keys.chunk(&id);
-                let _w = writers
-                    .acquire()
-                    .await
-                    .map_err(|_| Error::internal("writer pool closed"))?;
-                let stored = enc.len();
-                gov.write_started();
-                store
-                    .put_object(&path, enc.parts, PutMode::Overwrite)
-                    .await?;
-                gov.record_write(stored);
-                drop(permit);
-                Ok(vec![(i, r)])
-            });
-            stats.objects_written += 1;
-        }
-        if !pack.is_empty() {
-            self.spawn_pack_write(
-                &mut tasks,
-                &writers,
-                pack,
-                pack_slots,
-                pack_permits,
-                &mut stats,
-            )
-            .await?;
-        }
-        while let Some(done) = tasks.join_next().await {
-            for (slot, r) in done?? {
-                slots[slot] = Slot::Done(r);
-            }
-        }
-        let mut refs: Vec<ChunkRef> = Vec::with_capacity(slots.len());
-        for s in &slots {
-            let r = match s {
-                Slot::Done(r) => r.clone(),
-                Slot::SameAs(j) => match &slots[*j] {
+            let mut refs: Vec<ChunkRef> = Vec::with_capacity(slots.len());
+            for s in &slots {
+                let r = match s {
                     Slot::Done(r) => r.clone(),
-                    _ => {
-                        return Err(Error::internal(
-                            "a duplicate chunk's original was not written",
-                        ));
-                    }
-                },
-                Slot::Pending => return Err(Error::internal("a chunk was never written")),
-            };
-            refs.push(r);
-        }
-        for (i, r) in refs.iter().enumerate() {
-            if first.get(&r.id) == Some(&i) {
-                if r.pack.is_none() {
-                    stats.bytes_written += r.stored as u64;
-                }
-                count_codec(&mut stats, r);
+                    Slot::SameAs(j) => match &slots[*j] {
+                        Slot::Done(r) => r.clone(),
+                        _ => {
+                            return Err(Error::internal(
+                                "a duplicate chunk's original was not written",
+                            ));
+                        }
+                    },
+                    Slot::Pending => return Err(Error::internal("a chunk was never written")),
+                };
+                refs.push(r);
             }
+            for (i, r) in refs.iter().enumerate() {
+                if first.get(&r.id) == Some(&i) {
+                    if r.pack.is_none() {
+                        stats.bytes_written += r.stored as u64;
+                    }
+                    count_codec(&mut stats, r);
+                }
+            }
+            index.extend(refs.iter());
+            stats.seconds = t0.elapsed().as_secs_f64();
+            debug!(
+                chunks = stats.chunks,
+                skipped = stats.chunks_skipped,
+                objects = stats.objects_written,
+                bytes_written = stats.bytes_written,
+                "put_chunks done"
+            );
+            Ok(PutReport { refs, stats })
         }
-        index.extend(refs.iter());
-        stats.seconds = t0.elapsed().as_secs_f64();
-        debug!(
-            chunks = stats.chunks,
-            skipped = stats.chunks_skipped,
-            objects = stats.objects_written,
-            bytes_written = stats.bytes_written,
-            "put_chunks done"
-        );
-        Ok(PutReport { refs, stats })
+        .await;
+        if res.is_err() {
+            cancel.store(true, Ordering::Relaxed);
+            while tasks.join_next().await.is_some() {}
+        }
+        res
     }
-
     async fn spawn_pack_write(
         &self,
         tasks: &mut JoinSet<Result<Vec<(usize, ChunkRef)>>>,
         writers: &Arc<Semaphore>,
+        cancel: &Arc<AtomicBool>,
         pack: PackBuilder,
         slots: Vec<(usize, ChunkRef)>,
         permits: Vec<tokio::sync::OwnedSemaphorePermit>,
@@ -774,12 +803,16 @@ impl Store {
         stats.bytes_written += len as u64;
         let store = self.clone();
         let writers = writers.clone();
+        let cancel = cancel.clone();
         tasks.spawn(async move {
             let path = store.keys.pack(&id);
             let _w = writers
                 .acquire()
                 .await
                 .map_err(|_| Error::internal("writer pool closed"))?;
+            if cancel.load(Ordering::Relaxed) {
+                return Err(Error::internal("the save failed: write not started"));
+            }
             store.put_object(&path, parts, PutMode::Overwrite).await?;
             drop(permits);
             Ok(slots

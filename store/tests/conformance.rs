@@ -72,6 +72,8 @@ conformance!(
     multipart_large_objects,
     failed_commit_is_never_a_dedup_base,
     gc_never_sweeps_under_a_save_in_flight,
+    a_killed_gcs_sweep_lock_holds_saves_back_only_for_its_lapse,
+    a_live_sweep_is_never_taken_for_a_killed_one,
     gc_racing_saves_never_breaks_a_commit,
     a_started_generation_fences_older_writers,
     replacing_a_manifest_never_breaks_a_racing_commit,
@@ -1142,6 +1144,144 @@ async fn gc_never_sweeps_under_a_save_in_flight(b: Backend) {
         .unwrap()
         .unwrap();
     store.release_lease(l).await.unwrap();
+}
+
+/// `store` with a short sweep-lock lapse, so that the tests below take seconds.
+fn short_lapse(store: &Store, lapse: Duration) -> Store {
+    store
+        .clone()
+        .with_config(StoreConfig {
+            sweep_lapse: lapse,
+            ..store.config().clone()
+        })
+        .unwrap()
+}
+
+/// `ckpt gc` killed mid-sweep leaves its sweep lock, which nobody refreshes: a save watches it
+/// for the lapse, takes it for a dead GC's, deletes it and goes on (and the next save does not
+/// wait at all); not [`ckpt_store::lease::LOCK_LAPSE`] (an hour) later.
+async fn a_killed_gcs_sweep_lock_holds_saves_back_only_for_its_lapse(b: Backend) {
+    let lapse = Duration::from_millis(600);
+    let store = &short_lapse(b.store(), lapse);
+    let lock = store.keys().sweep_lock("killed-gc");
+    store
+        .put_object(
+            &lock,
+            vec![Bytes::from_static(b"{}")],
+            ckpt_store::object_store::PutMode::Create,
+        )
+        .await
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    let l = tokio::time::timeout(
+        Duration::from_secs(20),
+        store.lease_dedup_base("killed", &writer_id(0, 0), &[]),
+    )
+    .await
+    .expect("a dead GC's lock holds a save back for its lapse, not longer")
+    .unwrap();
+    let waited = t0.elapsed();
+    assert!(
+        waited >= lapse,
+        "the save took a fresh sweep lock for dead after {waited:?}"
+    );
+    store.release_lease(l).await.unwrap();
+    assert!(
+        !store.exists(&lock).await.unwrap(),
+        "the dead GC's lock is deleted"
+    );
+    let t1 = std::time::Instant::now();
+    let l = store
+        .lease_dedup_base("killed", &writer_id(0, 0), &[])
+        .await
+        .unwrap();
+    store.release_lease(l).await.unwrap();
+    assert!(
+        t1.elapsed() < lapse,
+        "the next save waited {:?}",
+        t1.elapsed()
+    );
+}
+
+/// A GC that sweeps for several lapses (here held at its first delete batch by a failpoint)
+/// keeps its lock fresh: a save that starts meanwhile waits for it instead of taking it for a
+/// killed GC's, and the GC, seeing the save's lease, leaves the rest of its sweep for later.
+async fn a_live_sweep_is_never_taken_for_a_killed_one(b: Backend) {
+    let lapse = Duration::from_millis(600);
+    let clock = TestClock::starting_now();
+    let store = &ClockStore::wrap(&short_lapse(b.store(), lapse), &clock);
+    let run = "live";
+    // An abandoned step (never committed) and its chunks, old enough to sweep.
+    let data = det_bytes(7, 8192);
+    let t = vec![shard("w", DType::U8, &[8192], NdBox::full(&[8192]), data)];
+    store
+        .write_rank(&w(run, 1, 0, Layout::SINGLE), t, vec![], &DedupIndex::new())
+        .await
+        .unwrap();
+    clock.advance(hours(2));
+    // The store's clock runs (a refreshed lock gets a new modification time: `s3s-fs` lists no
+    // e-tags).
+    let ticking = {
+        let clock = clock.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                clock.advance(Duration::from_millis(10));
+            }
+        })
+    };
+    store.failpoints().set(
+        "before_sweep_delete",
+        FailAction::Sleep(Duration::from_secs(3)),
+    );
+    let gc = {
+        let store = store.clone();
+        let now = clock.now();
+        tokio::spawn(async move {
+            let r = store
+                .gc(
+                    &GcOptions {
+                        grace: hours(1),
+                        ..Default::default()
+                    },
+                    now,
+                )
+                .await;
+            r
+        })
+    };
+    // Wait until the sweep holds its lock, then save.
+    let t0 = std::time::Instant::now();
+    while store
+        .list_locks(clock.now(), hours(1))
+        .await
+        .unwrap()
+        .sweeps
+        .is_empty()
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "gc never took its lock"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let l = store
+        .lease_dedup_base(run, &writer_id(0, 0), &[])
+        .await
+        .unwrap();
+    let waited = t0.elapsed();
+    let g = gc.await.unwrap().unwrap();
+    store.release_lease(l).await.unwrap();
+    // The sweep holds its lock for the failpoint's 3 s (five lapses) after taking it.
+    assert!(
+        waited >= Duration::from_secs(2),
+        "the save went on after {waited:?}, under a live sweep: it took the lock for a killed \
+         GC's"
+    );
+    ticking.abort();
+    let why = g.sweep_deferred.as_deref().unwrap_or_default();
+    assert!(why.contains("a save started"), "{g:?}");
+    assert_eq!(g.objects_deleted, 0, "{g:?}");
 }
 
 /// Two ranks save 50 steps, each save racing the commit of the previous step, while GC with
