@@ -206,6 +206,9 @@ pub struct Launch {
     pub peer_agents: Vec<(u32, String)>,
     /// The job's replica secret (`CKPT_PEER_SECRET`), proven to every agent.
     pub peer_secret: Option<crate::peer::PeerSecret>,
+    /// Where the nodes' shared restore caches go (`CKPT_NODE_CACHE`: `ROOT/n<node>-g<gen>`,
+    /// see [`ckpt_store::NodeCache`]); `None`: each rank reads the store itself.
+    pub node_cache_root: Option<PathBuf>,
 }
 
 /// Make the child die (SIGKILL) when this process dies: `PR_SET_PDEATHSIG`, and a check that
@@ -229,6 +232,24 @@ pub fn die_with_parent(cmd: &mut tokio::process::Command) {
             }
             Ok(())
         });
+    }
+}
+
+impl Launch {
+    /// Remove the node caches of generations before `generation` (their restores are over).
+    pub fn prune_node_caches(&self, generation: u64) {
+        let Some(root) = &self.node_cache_root else {
+            return;
+        };
+        let Ok(dir) = std::fs::read_dir(root) else {
+            return;
+        };
+        let keep = format!("-g{generation}");
+        for e in dir.flatten() {
+            if !e.file_name().to_string_lossy().ends_with(&keep) {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
     }
 }
 
@@ -272,6 +293,10 @@ impl Launch {
             },
             peer,
             master: (master.0.to_string(), master.1),
+            node_cache: self
+                .node_cache_root
+                .as_ref()
+                .map(|r| r.join(format!("n{}-g{generation}", a.node))),
         };
         let mut cmd = tokio::process::Command::new(&self.command[0]);
         cmd.args(&self.command[1..])

@@ -53,6 +53,9 @@ pub const PEER_SECRET: &str = crate::peer::SECRET_ENV;
 pub const PEERS: &str = "CKPT_PEERS";
 /// How long a peer transfer may stall, in milliseconds.
 pub const PEER_TIMEOUT_MS: &str = "CKPT_PEER_TIMEOUT_MS";
+/// The directory the ranks of this node share while they restore
+/// ([`ckpt_store::NodeCache`]): each chunk is read from the store once per node.
+pub const NODE_CACHE: &str = "CKPT_NODE_CACHE";
 
 /// torchrun's names for the same facts.
 pub mod torchrun {
@@ -71,7 +74,7 @@ pub mod torchrun {
 }
 
 /// Every variable a driver sets or clears, for drivers that must clear stale ones.
-pub const ALL: [&str; 17] = [
+pub const ALL: [&str; 18] = [
     STORE,
     RUN,
     RANK,
@@ -89,6 +92,7 @@ pub const ALL: [&str; 17] = [
     PEER_AGENT,
     PEER_SECRET,
     PEERS,
+    NODE_CACHE,
 ];
 
 /// Where and how often a rank beats.
@@ -148,6 +152,8 @@ pub struct RankEnv {
     pub peer: Option<PeerEnv>,
     /// The torchrun rendezvous: host and port.
     pub master: (String, u16),
+    /// The node's shared restore cache, if the driver gives the node one.
+    pub node_cache: Option<PathBuf>,
 }
 
 impl RankEnv {
@@ -178,6 +184,9 @@ impl RankEnv {
         if let Some(step) = self.resume_step {
             out.push((RESUME_STEP, s(&step)));
         }
+        if let Some(d) = &self.node_cache {
+            out.push((NODE_CACHE, d.clone().into_os_string()));
+        }
         if let Some(p) = &self.peer {
             out.push((PEER_AGENT, s(&p.agent)));
             out.push((PEER_SECRET, s(&p.secret.to_hex())));
@@ -195,6 +204,9 @@ impl RankEnv {
         let mut out = Vec::new();
         if self.resume_step.is_none() {
             out.push(RESUME_STEP);
+        }
+        if self.node_cache.is_none() {
+            out.push(NODE_CACHE);
         }
         match &self.peer {
             None => out.extend([PEER_AGENT, PEER_SECRET, PEERS, PEER_TIMEOUT_MS]),
@@ -301,6 +313,7 @@ impl RankEnv {
                 text(torchrun::MASTER_ADDR)?,
                 num(torchrun::MASTER_PORT, text(torchrun::MASTER_PORT)?)?,
             ),
+            node_cache: get(NODE_CACHE).filter(|v| !v.is_empty()).map(PathBuf::from),
         }))
     }
 
@@ -361,6 +374,7 @@ mod tests {
                 timeout: None,
             }),
             master: ("127.0.0.1".into(), 29500),
+            node_cache: Some("/dev/shm/ckpt-node-1".into()),
         }
     }
 
@@ -380,8 +394,10 @@ mod tests {
         e.peer = None;
         e.resume_step = None;
         e.final_on_sigterm = true;
+        e.node_cache = None;
         let m = vars(&e);
         assert!(!m.contains_key(PEER_AGENT) && !m.contains_key(RESUME_STEP));
+        assert!(!m.contains_key(NODE_CACHE) && e.unset().contains(&NODE_CACHE));
         assert!(e.unset().contains(&PEER_AGENT) && e.unset().contains(&PEER_SECRET));
         assert!(e.unset().contains(&RESUME_STEP));
         assert_eq!(RankEnv::from_vars(|k| m.get(k).cloned()).unwrap(), Some(e));

@@ -156,6 +156,8 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
         die_with_parent: true,
         peer_agents: Vec::new(),
         peer_secret,
+        // The ranks of a node restore through one shared cache (removed with the directory).
+        node_cache_root: Some(sock_dir.join("node-cache")),
     };
     let (exit_tx, mut exit_rx) = mpsc::unbounded_channel::<RankExit>();
     let mut log = RecoveryLog::new(&store, &opts.run, "supervisor")?;
@@ -201,6 +203,7 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
                                 );
                             }
                         }
+                        launch.prune_node_caches(g);
                         let port = free_port();
                         for a in assignments {
                             let pid = launch.spawn(

@@ -56,6 +56,7 @@ pub mod keys;
 pub mod lease;
 pub mod logs;
 pub mod model;
+pub mod node_cache;
 pub mod outfile;
 pub mod pack;
 pub mod placement;
@@ -92,6 +93,7 @@ pub use model::{
     BlobEntry, BlobLoc, ChunkRef, CommitRecord, Coords, DType, FORMAT_VERSION, Layout, NdBox,
     RankEntry, RankManifest, ShardLoc, TensorEntry, TensorShard, WriteStats,
 };
+pub use node_cache::{NodeCache, NodeCacheStats};
 pub use placement::{Placed, Placement, Stage, TensorSpec, ZeroGroup};
 pub use read::{ChunkSource, ReadPlan, ReadStats, StepReader};
 pub use retry::{RetryConfig, RetryStore};

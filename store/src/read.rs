@@ -90,6 +90,9 @@ pub struct ReadStats {
     pub stored_bytes: u64,
     /// Raw bytes served by a [`ChunkSource`].
     pub source_bytes: u64,
+    /// Raw bytes another process of this node fetched from the store (a
+    /// [`NodeCache`](crate::NodeCache)).
+    pub node_bytes: u64,
     /// Bytes written to the destination.
     pub bytes_copied: u64,
 }
@@ -101,6 +104,7 @@ impl ReadStats {
         self.raw_bytes += o.raw_bytes;
         self.stored_bytes += o.stored_bytes;
         self.source_bytes += o.source_bytes;
+        self.node_bytes += o.node_bytes;
         self.bytes_copied += o.bytes_copied;
     }
 }
@@ -113,6 +117,7 @@ pub struct StepReader {
     id: StepId,
     manifests: Arc<Mutex<HashMap<u32, Arc<RankManifest>>>>,
     source: Option<Arc<dyn ChunkSource>>,
+    node: Option<Arc<crate::NodeCache>>,
     cache: Option<Arc<crate::cache::ChunkCache>>,
 }
 
@@ -132,6 +137,7 @@ impl StepReader {
             id,
             manifests: Arc::default(),
             source: None,
+            node: None,
             cache: None,
         })
     }
@@ -140,6 +146,13 @@ impl StepReader {
     pub async fn open_latest(store: &Store, run: &str) -> Result<Self> {
         let step = store.require_latest(run).await?;
         Self::open(store, run, step).await
+    }
+
+    /// Fetch each chunk the store must serve through `node`, the node's shared cache: once per
+    /// node rather than once per rank.
+    pub fn with_node_cache(mut self, node: Arc<crate::NodeCache>) -> Self {
+        self.node = Some(node);
+        self
     }
 
     /// Consult `source` before the store for every chunk.
@@ -302,24 +315,37 @@ impl StepReader {
             }
             warn!(chunk = %r.id, "a chunk source returned damaged bytes; reading the store");
         }
-        match &self.cache {
+        // Whether this process read the chunk from the store (else the node cache had it).
+        let mut from_store = None;
+        let b = match &self.cache {
             Some(c) => {
-                let mut fetched = false;
-                let b = c
-                    .get_or_fetch(r.id, || {
-                        fetched = true;
-                        self.store.get_chunk(r)
-                    })
-                    .await?;
-                if fetched {
-                    stats.stored_bytes += r.stored as u64;
-                }
-                Ok(b)
+                c.get_or_fetch(r.id, || async {
+                    let (b, fetched) = self.fetch_stored(r).await?;
+                    from_store = Some(fetched);
+                    Ok(b)
+                })
+                .await?
             }
             None => {
-                stats.stored_bytes += r.stored as u64;
-                self.store.get_chunk(r).await
+                let (b, fetched) = self.fetch_stored(r).await?;
+                from_store = Some(fetched);
+                b
             }
+        };
+        match from_store {
+            Some(true) => stats.stored_bytes += r.stored as u64,
+            Some(false) => stats.node_bytes += r.len as u64,
+            None => {}
+        }
+        Ok(b)
+    }
+
+    /// A chunk from the store, through the node cache when there is one; `true` when this
+    /// process read the store.
+    async fn fetch_stored(&self, r: &ChunkRef) -> Result<(Bytes, bool)> {
+        match &self.node {
+            Some(n) => n.get_or_fetch(r, || self.store.get_chunk(r)).await,
+            None => Ok((self.store.get_chunk(r).await?, true)),
         }
     }
 

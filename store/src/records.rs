@@ -542,6 +542,9 @@ pub struct Restore {
     pub bytes_from_peers: u64,
     /// Stored bytes read from the store.
     pub bytes_from_store: u64,
+    /// Raw bytes another rank of the node read from the store for this one (the node's
+    /// shared cache).
+    pub bytes_from_node: u64,
     /// Seconds the restore took.
     pub seconds: f64,
 }

@@ -1238,7 +1238,7 @@ async fn a_live_sweep_is_never_taken_for_a_killed_one(b: Backend) {
         let store = store.clone();
         let now = clock.now();
         tokio::spawn(async move {
-            let r = store
+            store
                 .gc(
                     &GcOptions {
                         grace: hours(1),
@@ -1246,8 +1246,7 @@ async fn a_live_sweep_is_never_taken_for_a_killed_one(b: Backend) {
                     },
                     now,
                 )
-                .await;
-            r
+                .await
         })
     };
     // Wait until the sweep holds its lock, then save.

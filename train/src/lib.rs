@@ -608,6 +608,8 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
     };
     let mut mc = ManagerConfig::new(ck);
     mc.every_steps = Some(a.ckpt_every.max(1));
+    // The ranks of a node restore through one cache: each chunk read from the store once.
+    mc.node_cache = sh.launched.as_ref().and_then(|e| e.node_cache.clone());
     mc.keep_last = a.keep_last;
     mc.keep_every = a.keep_every;
     mc.monitor = a.monitor_config();

@@ -149,6 +149,10 @@ pub struct ManagerConfig {
     /// Bytes in flight during a restore; also the size of the chunk cache that the ranks of
     /// one process share while they restore (see [`shared_restore_cache`]).
     pub restore_budget: usize,
+    /// A directory the ranks of this node share while they restore (see
+    /// [`ckpt_store::NodeCache`]): each chunk is read from the store once per node. `None`:
+    /// each rank reads the store itself.
+    pub node_cache: Option<std::path::PathBuf>,
     /// Loss-spike monitoring and its action (default: off). The manager sees a loss only
     /// through [`CheckpointManager::observe`].
     pub monitor: MonitorConfig,
@@ -172,6 +176,7 @@ impl ManagerConfig {
             final_on_sigterm: true,
             final_deadline: Duration::from_secs(300),
             restore_budget: 256 << 20,
+            node_cache: None,
             monitor: MonitorConfig::default(),
             resume_step: None,
         }
@@ -709,6 +714,12 @@ impl CheckpointManager {
         let mut reader = runtime()
             .block_on(StepReader::open(&store, &cfg.run, step))?
             .with_cache(cache.clone());
+        if let Some(dir) = &self.cfg.node_cache {
+            match ckpt_store::NodeCache::open(dir) {
+                Ok(n) => reader = reader.with_node_cache(Arc::new(n)),
+                Err(e) => warn!("restoring without the node's shared cache: {e}"),
+            }
+        }
         // Replica agents first (memory of the surviving nodes), the store for the rest.
         if let Some(link) = cfg.peer.as_ref().filter(|l| !l.peers.is_empty()) {
             reader = reader.with_source(PeerSource::new(&link.peers, &link.secret));
@@ -773,6 +784,7 @@ impl CheckpointManager {
             bytes: stats.bytes_copied,
             bytes_from_peers: stats.source_bytes,
             bytes_from_store: stats.stored_bytes,
+            bytes_from_node: stats.node_bytes,
             seconds,
         }));
         info!(
@@ -780,6 +792,7 @@ impl CheckpointManager {
             bytes = stats.bytes_copied,
             from_peers = stats.source_bytes,
             from_store = stats.stored_bytes,
+            from_node = stats.node_bytes,
             chunks = stats.chunks,
             cache_hits = hits,
             cache_misses = misses,

@@ -290,6 +290,7 @@ pub async fn run(opts: AgentOptions) -> Result<AgentReport> {
             die_with_parent: true,
             peer_agents: Vec::new(),
             peer_secret: None,
+            node_cache_root: Some(sock_dir.join("node-cache")),
         },
         opts,
         sess,
@@ -707,6 +708,7 @@ impl Agent {
             }
             self.launch.peer_secret = secret;
         }
+        self.launch.prune_node_caches(g);
         for a in mine {
             match self.launch.spawn(
                 g,
