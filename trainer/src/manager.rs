@@ -565,7 +565,9 @@ impl CheckpointManager {
             ),
             _ => return,
         };
-        if steps == current && self.auto.evaluated {
+        // Once decided, a change of under a tenth within the bounds is noise, not news.
+        let small = why == Why::YoungDaly && steps.abs_diff(current) * 10 < current;
+        if self.auto.evaluated && (steps == current || small) {
             return;
         }
         self.auto.evaluated = true;
