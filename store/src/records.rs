@@ -118,6 +118,8 @@ log_records! {
         "checkpoint_skipped" => CheckpointSkipped(CheckpointSkipped),
         /// The store answers again; checkpoints resume.
         "checkpoints_resumed" => CheckpointsResumed(CheckpointsResumed),
+        /// The automatic checkpoint interval changed, with the figures it was chosen from.
+        "checkpoint_interval" => CheckpointInterval(CheckpointInterval),
     }
 }
 
@@ -514,7 +516,8 @@ impl Event {
             | Event::Stop(_)
             | Event::CheckpointFailed(_)
             | Event::CheckpointSkipped(_)
-            | Event::CheckpointsResumed(_) => None,
+            | Event::CheckpointsResumed(_)
+            | Event::CheckpointInterval(_) => None,
         }
     }
 }
@@ -680,6 +683,40 @@ pub struct CheckpointsResumed {
     pub skipped: u64,
     /// The step it was found down at.
     pub down_since_step: u64,
+}
+
+/// `{"kind":"checkpoint_interval"}`: the automatic checkpoint interval was decided (the first
+/// time, and each time it changes; Young/Daly:
+/// `target_s = sqrt(2 x cost_s x mtbf_s)`, in steps `target_s / step_s`, clamped to the bounds).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct CheckpointInterval {
+    /// The step after which it was decided; the new interval is in force from the next one.
+    pub step: u64,
+    /// The interval before, in steps.
+    pub from_steps: u64,
+    /// The interval from now on, in steps.
+    pub to_steps: u64,
+    /// Why this value: `young_daly` (the formula), `min` or `max` (clamped to a bound), or
+    /// `no_baseline` (no step without a save in flight measured yet: the interval doubles).
+    pub reason: String,
+    /// The measured cost of one save, seconds (loop stall plus slowdown while it persisted).
+    #[serde(deserialize_with = "lenient_f64")]
+    pub cost_s: Option<f64>,
+    /// The time of a step without a save in flight (median), seconds.
+    #[serde(deserialize_with = "lenient_f64")]
+    pub step_s: Option<f64>,
+    /// Young/Daly's interval in seconds.
+    #[serde(deserialize_with = "lenient_f64")]
+    pub target_s: Option<f64>,
+    /// The mean time between failures used, seconds.
+    pub mtbf_s: f64,
+    /// Failures counted in the run's recovery log.
+    pub failures: u64,
+    /// Seconds of the run they were counted over (its first logged event to now).
+    pub observed_s: f64,
+    /// Whether `mtbf_s` is the prior (no failure logged yet).
+    pub mtbf_prior: bool,
 }
 
 #[cfg(test)]

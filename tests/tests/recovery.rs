@@ -1055,3 +1055,86 @@ fn the_supervisors_loss_curve_equals_the_one_process_run_bit_for_bit() {
     );
     assert_eq!(supervised, curve("threads", false));
 }
+
+/// `ckpt-train --ckpt-every auto` (issue 19.2) under the supervisor, its rank killed with
+/// SIGKILL three times: each generation reads the failures the supervisor logged, the first
+/// (none yet) keeps the upper bound, the last chooses a shorter interval from them; the job
+/// ends bit-identical to an uninterrupted run with a fixed interval.
+#[test]
+fn the_automatic_interval_counts_the_failures_the_supervisor_logs() {
+    use ckpt_store::records::{Event, read_records};
+    let dir = tempfile::tempdir().unwrap();
+    let steps = 90;
+    let want = reference_digest(dir.path(), steps, PARAMS);
+    let store = dir.path().join("store");
+    let run = "auto-interval";
+    let topo = Topology {
+        nodes: 4,
+        ranks_per_node: 1,
+        spares: 0,
+    };
+    let mut cmd = train_cmd(steps, 1, 30);
+    let at = cmd.iter().position(|a| a == "--ckpt-every").unwrap();
+    cmd[at + 1] = "auto".into();
+    cmd.extend(
+        [
+            "--ckpt-every-min",
+            "2",
+            "--ckpt-every-max",
+            "40",
+            "--mtbf-prior",
+            "36000",
+        ]
+        .map(String::from),
+    );
+    let opts = options(&store, run, topo, "dp=1", cmd, dir.path().join("logs"));
+    let sup = spawn_supervisor(opts);
+    let t0 = Instant::now();
+    let mut kills = Vec::new();
+    let mut last_gen = None;
+    while kills.len() < 3 {
+        let live = ranks_of(run);
+        match live.iter().max_by_key(|x| x.2) {
+            Some(&(pid, _, g)) if last_gen.is_none_or(|l| g > l) => {
+                // Past start-up and the first saves, well before the 90 steps of 30 ms end.
+                std::thread::sleep(Duration::from_millis(700));
+                signal(pid, libc::SIGKILL);
+                kills.push(g);
+                last_gen = Some(g);
+            }
+            _ => {
+                assert!(
+                    !sup.is_finished(),
+                    "the job ended before 3 kills: {kills:?}"
+                );
+                assert!(t0.elapsed() < Duration::from_secs(120), "kills {kills:?}");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+    let report = sup.join().unwrap();
+    assert!(report.ok, "{}", report.reason);
+    assert_eq!(report.restarts, 3, "kills {kills:?}");
+    let got = final_digest(&dir.path().join("logs")).expect("rank 0 printed a digest");
+    assert_eq!(got, want, "checkpoint timing changed the training result");
+
+    let st = ckpt_store::open(store.to_str().unwrap()).unwrap();
+    let decisions: Vec<_> = tokio::runtime::Runtime::new()
+        .unwrap()
+        .block_on(read_records::<Event>(&st, run))
+        .unwrap()
+        .into_iter()
+        .filter_map(|l| match l.record {
+            Event::CheckpointInterval(c) => Some(c),
+            _ => None,
+        })
+        .collect();
+    let first = decisions.first().expect("no checkpoint_interval event");
+    assert!(first.mtbf_prior && first.failures == 0, "{decisions:#?}");
+    assert_eq!((first.to_steps, first.reason.as_str()), (40, "max"));
+    // The last generation's decisions: the three failures over a few seconds of run.
+    let last = decisions.last().unwrap();
+    assert_eq!(last.failures, 3, "{decisions:#?}");
+    assert!(!last.mtbf_prior && last.mtbf_s < 60.0, "{decisions:#?}");
+    assert!(last.to_steps < 40, "{decisions:#?}");
+}

@@ -140,9 +140,23 @@ pub struct TrainArgs {
     /// Train until this step.
     #[arg(long)]
     pub steps: u64,
-    /// Checkpoint every K steps (and always at the last step).
-    #[arg(long, default_value_t = 10)]
-    pub ckpt_every: u64,
+    /// Checkpoint every K steps (and always at the last step), or `auto`: the interval that
+    /// fits the measured cost of a save and the failures in the run's recovery log
+    /// (Young/Daly: sqrt(2 x cost x MTBF), in steps, within --ckpt-every-min and
+    /// --ckpt-every-max; each change is a `checkpoint_interval` event).
+    #[arg(long, default_value = "10", value_parser = parse_ckpt_every)]
+    pub ckpt_every: CkptEvery,
+    /// With --ckpt-every auto: the fewest steps between checkpoints (also the interval until
+    /// the first save is measured).
+    #[arg(long, default_value_t = ckpt_trainer::interval::DEFAULT_MIN_STEPS)]
+    pub ckpt_every_min: u64,
+    /// With --ckpt-every auto: the most steps between checkpoints.
+    #[arg(long, default_value_t = ckpt_trainer::interval::DEFAULT_MAX_STEPS)]
+    pub ckpt_every_max: u64,
+    /// With --ckpt-every auto: the mean time between failures, in seconds, assumed while the
+    /// run's recovery log holds no failure (default one day).
+    #[arg(long, default_value_t = ckpt_trainer::interval::DEFAULT_MTBF_PRIOR.as_secs())]
+    pub mtbf_prior: u64,
     /// Number of parameters (suffixes K, M, G).
     #[arg(long, default_value = "1M", value_parser = parse_count)]
     pub params: u64,
@@ -326,6 +340,8 @@ struct Shared {
     generation: u64,
     /// What the driver that launched this process handed it (`None`: run by hand).
     launched: Option<RankEnv>,
+    /// `--ckpt-every auto`: one schedule that every rank thread's manager follows.
+    auto_interval: Option<ckpt_trainer::AutoInterval>,
     args: TrainArgs,
     store: Store,
     layout: Layout,
@@ -371,6 +387,28 @@ impl Shared {
             }
             *self.log.lock() = Some(l);
         }
+    }
+}
+
+/// `--ckpt-every`: a number of steps, or `auto`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CkptEvery {
+    /// Every this many steps.
+    Steps(u64),
+    /// Chosen from the cost of a save and the failure rate.
+    Auto,
+}
+
+/// `N` (at least 1) or `auto`.
+pub fn parse_ckpt_every(s: &str) -> std::result::Result<CkptEvery, String> {
+    if s.trim() == "auto" {
+        return Ok(CkptEvery::Auto);
+    }
+    match s.trim().parse::<u64>() {
+        Ok(n) if n > 0 => Ok(CkptEvery::Steps(n)),
+        _ => Err(format!(
+            "{s:?} is neither a number of steps (at least 1) nor `auto`"
+        )),
     }
 }
 
@@ -439,6 +477,23 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
             layout.world()
         )));
     }
+    if args.ckpt_every == CkptEvery::Auto && args.rank.is_some() && layout.world() > 1 {
+        return Err(Error::invalid(format!(
+            "--ckpt-every auto: rank 0 chooses the interval and every rank must checkpoint the same steps, but with one rank per process (--rank or CKPT_RANK) over the {} ranks of {layout} the other ranks cannot follow its choice: run all ranks in one process (leave out --rank), or give --ckpt-every a number of steps",
+            layout.world()
+        )));
+    }
+    let auto_interval = (args.ckpt_every == CkptEvery::Auto).then(|| {
+        ckpt_trainer::AutoInterval::new(
+            args.ckpt_every_min,
+            args.ckpt_every_max,
+            Duration::from_secs(args.mtbf_prior),
+        )
+    });
+    if let Some(a) = &auto_interval {
+        a.validate()
+            .map_err(|e| Error::invalid(format!("--ckpt-every auto: {e}")))?;
+    }
     if let Some(r) = args.rank
         && r >= layout.world()
     {
@@ -502,6 +557,7 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
     let shared = Arc::new(Shared {
         generation,
         launched,
+        auto_interval,
         args: args.clone(),
         store,
         layout,
@@ -607,7 +663,10 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
         BackPressureArg::Skip => BackPressure::Skip,
     };
     let mut mc = ManagerConfig::new(ck);
-    mc.every_steps = Some(a.ckpt_every.max(1));
+    match a.ckpt_every {
+        CkptEvery::Steps(n) => mc.every_steps = Some(n.max(1)),
+        CkptEvery::Auto => mc.auto_interval = sh.auto_interval.clone(),
+    }
     // The ranks of a node restore through one cache: each chunk read from the store once.
     mc.node_cache = sh.launched.as_ref().and_then(|e| e.node_cache.clone());
     mc.keep_last = a.keep_last;
@@ -1206,6 +1265,16 @@ mod tests {
             assert_eq!(next_batch(&skips, pos), want, "from {pos}");
         }
         assert_eq!(next_batch(&[], 9), 9);
+    }
+
+    #[test]
+    fn ckpt_every_is_steps_or_auto() {
+        assert_eq!(parse_ckpt_every("25"), Ok(CkptEvery::Steps(25)));
+        assert_eq!(parse_ckpt_every("auto"), Ok(CkptEvery::Auto));
+        for bad in ["0", "-3", "often", ""] {
+            let e = parse_ckpt_every(bad).unwrap_err();
+            assert!(e.contains("auto"), "{bad:?}: {e}");
+        }
     }
 
     #[test]

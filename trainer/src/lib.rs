@@ -6,6 +6,8 @@
 //! - [`restore`]: restore onto this rank's boxes under the current layout;
 //! - [`manager`]: [`CheckpointManager`] (interval policy, retention, auto-resume, final
 //!   checkpoint on SIGTERM, [`Stateful`] items, loss-spike monitoring and rollback);
+//! - [`interval`]: the automatic checkpoint interval (Young/Daly from the measured cost of a
+//!   save and the run's failure rate), pure;
 //! - [`monitor`]: spike detection and the alert/rollback policy, pure;
 //! - [`peer_plan`]: which regions of a restore survivors send from device memory and which come
 //!   from the store, pure (the NCCL exchange that runs a plan is `cuda::peer`);
@@ -17,6 +19,7 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod interval;
 pub mod manager;
 pub mod memory;
 pub mod monitor;
@@ -26,6 +29,7 @@ pub mod save;
 pub mod staging;
 pub mod workload;
 
+pub use interval::AutoInterval;
 pub use manager::{
     CheckpointManager, ManagerConfig, Rollback, Scope, Stateful, StoreHealth, TensorMemory, events,
 };

@@ -46,6 +46,7 @@ use ckpt_store::{
 use parking_lot::Mutex;
 use tracing::{info, instrument, warn};
 
+use crate::interval::{AutoInterval, CostMeter, FailureRate, Why, choose_steps, failure_rate};
 use crate::memory::{HostTensor, HostView, MemorySink, MemorySource};
 use crate::monitor::{
     Decision, Monitor, MonitorConfig, MonitorState, Observation, RollbackEntry, Spike, StopReason,
@@ -134,6 +135,9 @@ pub struct ManagerConfig {
     pub every_steps: Option<u64>,
     /// Save when this much time passed since the last save.
     pub every: Option<Duration>,
+    /// Choose the interval from the measured cost of a save and the run's failure rate
+    /// (Young/Daly, within bounds; [`crate::interval`]); replaces `every_steps` and `every`.
+    pub auto_interval: Option<AutoInterval>,
     /// Keep the newest N committed steps.
     pub keep_last: Option<usize>,
     /// Keep steps that are multiples of K.
@@ -170,6 +174,7 @@ impl ManagerConfig {
             ckpt,
             every_steps: None,
             every: None,
+            auto_interval: None,
             keep_last: None,
             keep_every: None,
             retention_grace: Duration::from_secs(3600),
@@ -189,6 +194,9 @@ type StatefulItem = (String, Scope, Arc<Mutex<dyn Stateful>>);
 /// store fails: a checkpoint that failed in the store, one skipped while the store is down,
 /// and checkpointing coming back.
 pub mod events {
+    /// The automatic checkpoint interval changed: `{"kind", "step", "from_steps",
+    /// "to_steps", "reason", "cost_s", "mtbf_s", ...}`.
+    pub const CHECKPOINT_INTERVAL: &str = "checkpoint_interval";
     /// A save failed in the store (its error kind was a backend or I/O failure, after the
     /// store's retries): `{"kind", "step", "error"}`.
     pub const CHECKPOINT_FAILED: &str = "checkpoint_failed";
@@ -269,6 +277,29 @@ pub struct CheckpointManager {
     /// The store's give-ups when the last save was due.
     give_ups_seen: u64,
     health: StoreHealth,
+    /// The automatic interval's measurements (with [`ManagerConfig::auto_interval`]).
+    auto: AutoState,
+}
+
+/// What the manager measures for the automatic interval.
+#[derive(Default)]
+struct AutoState {
+    meter: CostMeter,
+    /// The last `maybe_save` call: the end of the step interval measured next.
+    last_tick: Option<Instant>,
+    /// A save was in flight during the interval being measured.
+    busy: bool,
+    /// The newest save being measured.
+    tracking: Option<SaveHandle>,
+    /// The last step a checkpoint was due at (taken or skipped).
+    last_due: Option<u64>,
+    /// The run's recovery log, being read in the background.
+    reading: Option<tokio::task::JoinHandle<Result<Vec<records::Logged<Event>>>>>,
+    /// The failure rate last read.
+    rate: Option<FailureRate>,
+    /// Whether the interval was evaluated once (the first decision is logged even when it
+    /// keeps the lower bound the run started with).
+    evaluated: bool,
 }
 
 impl std::fmt::Debug for CheckpointManager {
@@ -283,6 +314,10 @@ impl CheckpointManager {
         cfg.monitor
             .validate()
             .map_err(|e| Error::invalid(format!("monitor settings: {e}")))?;
+        if let Some(a) = &cfg.auto_interval {
+            a.validate()
+                .map_err(|e| Error::invalid(format!("automatic checkpoint interval: {e}")))?;
+        }
         let ckpt = Checkpointer::new(store, cfg.ckpt.clone())?;
         let sigterm = Arc::new(AtomicBool::new(false));
         if cfg.final_on_sigterm {
@@ -297,6 +332,7 @@ impl CheckpointManager {
             watch: Vec::new(),
             give_ups_seen: 0,
             health: StoreHealth::default(),
+            auto: AutoState::default(),
             cfg,
             tensors: Vec::new(),
             stateful: Vec::new(),
@@ -386,15 +422,22 @@ impl CheckpointManager {
             h.wait_committed(self.final_wait())?;
             return Ok(Some(h));
         }
-        let due_steps = self
-            .cfg
-            .every_steps
-            .is_some_and(|n| n > 0 && step.is_multiple_of(n));
-        let due_time = self
-            .cfg
-            .every
-            .is_some_and(|d| self.last_save.elapsed() >= d);
-        if (due_steps || due_time) && self.last_saved_step != Some(step) {
+        let due = match self.cfg.auto_interval.clone() {
+            Some(auto) => self.auto_due(&auto, step),
+            None => {
+                let due_steps = self
+                    .cfg
+                    .every_steps
+                    .is_some_and(|n| n > 0 && step.is_multiple_of(n));
+                let due_time = self
+                    .cfg
+                    .every
+                    .is_some_and(|d| self.last_save.elapsed() >= d);
+                due_steps || due_time
+            }
+        };
+        if due && self.last_saved_step != Some(step) {
+            self.auto.last_due = Some(step);
             // A store that fails (after its retries) does not stop training: the failed save
             // is reported, due checkpoints are skipped while a probe finds the store down, and
             // the first due checkpoint after the store answers again is taken.
@@ -431,6 +474,133 @@ impl CheckpointManager {
             };
         }
         Ok(None)
+    }
+
+    /// Whether this manager decides the automatic interval (rank 0's; the others follow its
+    /// schedule).
+    fn auto_decides(&self) -> bool {
+        self.cfg.auto_interval.is_some() && self.cfg.ckpt.rank == 0
+    }
+
+    /// The automatic interval at `step`: measure the step interval that ended, evaluate the
+    /// interval when the save being measured is done (the decider), and say whether a
+    /// checkpoint is due (the interval in force has passed since the last due one).
+    fn auto_due(&mut self, auto: &AutoInterval, step: u64) -> bool {
+        if self.auto_decides() {
+            let now = Instant::now();
+            if let Some(prev) = self.auto.last_tick {
+                let busy = self.auto.busy && self.auto.meter.measuring();
+                self.auto
+                    .meter
+                    .step(now.duration_since(prev).as_secs_f64(), busy);
+            }
+            self.auto.last_tick = Some(now);
+            let done = self.auto.tracking.as_ref().map(|h| {
+                matches!(
+                    h.stage(),
+                    Stage::Persisted | Stage::Committed | Stage::Failed(_) | Stage::Skipped(_)
+                )
+            });
+            if done == Some(true) {
+                self.auto.tracking = None;
+                let measured = self.auto.meter.save_done();
+                self.evaluate_interval(auto, step, measured.is_some());
+            }
+            self.auto.busy = self.auto.tracking.is_some();
+        }
+        let base = self.auto.last_due.or(self.last_saved_step).unwrap_or(0);
+        step >= base.saturating_add(auto.at(step))
+    }
+
+    /// Read the run's recovery log in the background (one read at a time): the failure rate
+    /// for the next evaluation.
+    fn read_failures(&mut self) {
+        if self.auto.reading.is_some() {
+            return;
+        }
+        let store = self.ckpt.store().clone();
+        let run = self.cfg.ckpt.run.clone();
+        self.auto.reading = Some(
+            runtime().spawn(async move { records::read_records::<Event>(&store, &run).await }),
+        );
+    }
+
+    /// The failure rate: the newest read of the recovery log (waited for only when none
+    /// finished yet).
+    fn failure_rate(&mut self, auto: &AutoInterval) -> FailureRate {
+        let ready =
+            self.auto.rate.is_none() || self.auto.reading.as_ref().is_some_and(|r| r.is_finished());
+        if ready && let Some(r) = self.auto.reading.take() {
+            match runtime().block_on(r) {
+                Ok(Ok(events)) => {
+                    let now = self.ckpt.store().now().timestamp_millis();
+                    self.auto.rate = Some(failure_rate(&events, now, auto.mtbf_prior));
+                }
+                Ok(Err(e)) => warn!("reading the recovery log for the checkpoint interval: {e}"),
+                Err(e) => warn!("reading the recovery log for the checkpoint interval: {e}"),
+            }
+        }
+        self.auto.rate.unwrap_or(FailureRate {
+            failures: 0,
+            observed_s: 0.0,
+            mtbf_s: auto.mtbf_prior.as_secs_f64(),
+            prior: true,
+        })
+    }
+
+    /// Choose the interval after `step` from the cost of a save and the failure rate; log the
+    /// first decision and every change (`checkpoint_interval`) and put it in force from the
+    /// next step.
+    fn evaluate_interval(&mut self, auto: &AutoInterval, step: u64, measured: bool) {
+        let rate = self.failure_rate(auto);
+        let current = auto.at(step);
+        let cost_s = self.auto.meter.cost_s();
+        let step_s = self.auto.meter.step_s();
+        let (steps, target_s, why) = match (cost_s, step_s) {
+            (Some(c), Some(s)) => {
+                let ch = choose_steps(c, rate.mtbf_s, s, auto.min_steps, auto.max_steps);
+                (ch.steps, Some(ch.target_s), ch.why)
+            }
+            _ if !measured => (
+                current
+                    .saturating_mul(2)
+                    .clamp(auto.min_steps, auto.max_steps),
+                None,
+                Why::NoBaseline,
+            ),
+            _ => return,
+        };
+        // Once decided, a change of under a tenth within the bounds is noise, not news.
+        let small = why == Why::YoungDaly && steps.abs_diff(current) * 10 < current;
+        if self.auto.evaluated && (steps == current || small) {
+            return;
+        }
+        self.auto.evaluated = true;
+        auto.schedule.set(step + 1, steps);
+        info!(
+            step,
+            from_steps = current,
+            to_steps = steps,
+            reason = why.as_str(),
+            cost_s,
+            step_s,
+            mtbf_s = rate.mtbf_s,
+            failures = rate.failures,
+            "checkpoint interval changed"
+        );
+        self.log_event(Event::CheckpointInterval(records::CheckpointInterval {
+            step,
+            from_steps: current,
+            to_steps: steps,
+            reason: why.as_str().to_string(),
+            cost_s,
+            step_s,
+            target_s,
+            mtbf_s: rate.mtbf_s,
+            failures: rate.failures,
+            observed_s: rate.observed_s,
+            mtbf_prior: rate.prior,
+        }));
     }
 
     fn store_give_ups(&self) -> u64 {
@@ -601,10 +771,18 @@ impl CheckpointManager {
             ));
         }
         self.apply_retention();
+        let t0 = Instant::now();
         let state = self.save_state()?;
         let h = self.ckpt.save(step, state)?;
         self.last_save = Instant::now();
         self.last_saved_step = Some(step);
+        self.auto.last_due = Some(step);
+        if self.auto_decides() {
+            self.auto.meter.save_started(t0.elapsed().as_secs_f64());
+            self.auto.tracking = Some(h.clone());
+            self.auto.busy = true;
+            self.read_failures();
+        }
         Ok(h)
     }
 
@@ -773,6 +951,12 @@ impl CheckpointManager {
             self.ckpt.seed_dedup(step, refs);
         }
         self.last_saved_step = Some(step);
+        self.auto.last_due = Some(step);
+        // The restore's time is not a step; a save measured before it is abandoned.
+        self.auto.last_tick = None;
+        self.auto.tracking = None;
+        self.auto.busy = false;
+        self.auto.meter.save_done();
         let (hits, misses) = cache.counts();
         let seconds = t0.elapsed().as_secs_f64();
         self.log_event(Event::Restore(records::Restore {
