@@ -1123,7 +1123,7 @@ fn a_repaired_node_comes_back_and_the_job_grows_back_to_its_layout() {
     );
     let repair_ms = back[0]["at_ms"].as_u64().unwrap() - failures[0]["at_ms"].as_u64().unwrap();
     assert!(
-        (1000..1500).contains(&repair_ms),
+        (1000..3000).contains(&repair_ms),
         "back {repair_ms} ms after its failure"
     );
     // ... and the job grew back at the first commit after that, from the step committed.
@@ -1136,7 +1136,7 @@ fn a_repaired_node_comes_back_and_the_job_grows_back_to_its_layout() {
     assert_eq!(g["returned"], serde_json::json!([1]), "{g}");
     let grow_step = g["step"].as_u64().expect("a step");
     assert!(
-        grow_step > recovery[0]["step"].as_u64().unwrap_or(0) && grow_step % every == 0,
+        grow_step > recovery[0]["step"].as_u64().unwrap_or(0) && grow_step.is_multiple_of(every),
         "{g}"
     );
     assert!(g["at_ms"].as_u64() > back[0]["at_ms"].as_u64(), "{g}");

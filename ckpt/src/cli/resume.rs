@@ -91,8 +91,8 @@ pub struct RestartArgs {
 /// A bare number of seconds (`1`, `0.5`) or a duration (`500ms`, `2m`).
 fn secs_or_duration(s: &str) -> std::result::Result<Duration, String> {
     match s.trim().parse::<f64>() {
-        Ok(v) if v.is_finite() && v >= 0.0 => Ok(Duration::from_secs_f64(v)),
-        Ok(_) => Err(format!("{s:?} is not a number of seconds of 0 or more")),
+        Ok(v) => Duration::try_from_secs_f64(v)
+            .map_err(|_| format!("{s:?} is not a number of seconds of 0 or more")),
         Err(_) => duration(s),
     }
 }
@@ -254,6 +254,17 @@ pub async fn resume(
 mod tests {
     use super::*;
     use ckpt_store::records::{Failure, Recovery, Started};
+
+    #[test]
+    fn a_repair_time_is_seconds_or_a_duration() {
+        assert_eq!(secs_or_duration("1"), Ok(Duration::from_secs(1)));
+        assert_eq!(secs_or_duration("0.5"), Ok(Duration::from_millis(500)));
+        assert_eq!(secs_or_duration("2m"), Ok(Duration::from_secs(120)));
+        let e = secs_or_duration("-1").unwrap_err();
+        assert!(e.contains("\"-1\""), "{e}");
+        assert!(secs_or_duration("soon").is_err());
+        assert!(secs_or_duration("1e300").is_err());
+    }
 
     #[test]
     fn the_recovery_log_prints_from_its_typed_records() {
