@@ -332,12 +332,20 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
                     if !coord.is_kept_out(node)
                         && let (Some(cmd), Some(secret)) = (&opts.replica_agent, &launch.peer_secret)
                     {
-                        // A repaired node starts empty: a fresh agent.
+                        // A repaired node starts empty: a fresh agent. One that does not
+                        // start leaves the node out, not the job stopped.
                         if let Some(mut old) = agents.remove(&node) {
                             let _ = old.child.start_kill();
                         }
-                        let a = start_agent(cmd, node, opts.logs_dir.as_deref(), secret, true).await?;
-                        agents.insert(node, a);
+                        match start_agent(cmd, node, opts.logs_dir.as_deref(), secret, true).await {
+                            Ok(a) => {
+                                agents.insert(node, a);
+                            }
+                            Err(e) => {
+                                tracing::warn!(node, "the repaired node's replica agent did not start, so it stays out: {e}");
+                                continue;
+                            }
+                        }
                     }
                     info!(node, "failed node repaired");
                     pending.push(Event::NodeBack { node, now });

@@ -1059,7 +1059,8 @@ fn the_supervisors_loss_curve_equals_the_one_process_run_bit_for_bit() {
 
 #[test]
 fn a_repaired_node_comes_back_and_the_job_grows_back_to_its_layout() {
-    // `ckpt resume` on 2 nodes (no spare), dp=2, nodes repaired after 1 s. Right after the
+    // `ckpt resume` on 2 nodes (no spare), dp=2, peer replicas on, nodes repaired after 1 s
+    // (with a fresh replica agent). Right after the
     // first commit rank 1 (node 1) is killed: the job shrinks to dp=1 on node 0; node 1 comes
     // back, and at the next commit the job stops and grows back to dp=2 on both nodes from
     // that step. It ends bit-identical to an uninterrupted run, and the log says so.
@@ -1072,7 +1073,13 @@ fn a_repaired_node_comes_back_and_the_job_grows_back_to_its_layout() {
     let logs = dir.path().join("logs");
     let mut sup = ckpt_cli(&store)
         .args(["resume", "--run", run, "--nodes", "2", "--layout", "dp=2"])
-        .args(["--repair-after", "1", "--heartbeat-timeout", "2s"])
+        .args([
+            "--repair-after",
+            "1",
+            "--heartbeat-timeout",
+            "2s",
+            "--peer-replicas",
+        ])
         .args(["--backoff", "100ms", "--stop-grace", "2s"])
         .arg("--logs")
         .arg(&logs)
@@ -1161,6 +1168,8 @@ fn a_repaired_node_comes_back_and_the_job_grows_back_to_its_layout() {
         stdout.contains("decision: grow from dp=1,tp=1,pp=1 to dp=2,tp=1,pp=1"),
         "{stdout}"
     );
+    // The repaired node's fresh replica agent started.
+    assert!(!err.contains("did not start"), "{err}");
     assert_eq!(
         final_digest(&logs).as_deref(),
         Some(want.as_str()),
