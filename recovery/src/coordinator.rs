@@ -36,6 +36,22 @@
 //! chosen, the unusable steps after it are retired ([`Action::RetireStep`]): their commit
 //! records go, so the job can save those step numbers again.
 //!
+//! Nodes come back ([`Event::NodeBack`]: the local supervisor's `--repair-after`): a returned
+//! node is usable again, and when the usable nodes hold more data parallelism than the job
+//! runs (never more than the configured layout; spares are used first as before), the job
+//! grows back at the next checkpoint boundary: the coordinator asks to be told the newest
+//! committed step ([`Coordinator::watching_commits`], answered with [`Event::Committed`]),
+//! takes the first answer as where things stand, and once a newer step is committed it stops
+//! the ranks (SIGTERM, SIGKILL after `stop_grace`), chooses the step as after a failure (the
+//! one just committed, so no committed work is lost and no save is cut short) and restarts
+//! resharded on more nodes at once, with a `grow` record. A grow is not a restart: no backoff,
+//! and it does not count against `max_restarts`. A failure while waiting to grow is recovered
+//! as usual, and that restart already uses the returned nodes.
+//!
+//! A node that fails `max_node_failures` times within `node_failure_window` is kept out for
+//! good (a `node_kept_out` record naming it and its failure times): it is never used again,
+//! even when it comes back.
+//!
 //! Time is a `Duration` since the supervisor started, passed in with every event, so tests
 //! replay any schedule exactly.
 
@@ -78,6 +94,11 @@ pub struct Config {
     pub backoff: Duration,
     /// Longest restart delay.
     pub backoff_max: Duration,
+    /// A node that fails this many times within `node_failure_window` is kept out for good,
+    /// even when it comes back (at least 1).
+    pub max_node_failures: u32,
+    /// The window of `max_node_failures`.
+    pub node_failure_window: Duration,
 }
 
 impl Config {
@@ -93,6 +114,8 @@ impl Config {
             stop_grace: Duration::from_secs(5),
             backoff: Duration::from_millis(200),
             backoff_max: Duration::from_secs(30),
+            max_node_failures: 3,
+            node_failure_window: Duration::from_secs(600),
         }
     }
 }
@@ -185,6 +208,24 @@ pub enum Event {
         /// Time.
         now: Duration,
     },
+    /// A failed node was repaired and is back (the local supervisor's `--repair-after`).
+    NodeBack {
+        /// The node.
+        node: u32,
+        /// Time.
+        now: Duration,
+    },
+    /// The newest committed step of the run, as the driver sees it while
+    /// [`Coordinator::watching_commits`] asks for it (the first answer too, then whenever it
+    /// changes).
+    Committed {
+        /// The generation that asked.
+        generation: u64,
+        /// The newest committed step (`None`: none yet).
+        step: Option<u64>,
+        /// Time.
+        now: Duration,
+    },
 }
 
 /// Where a rank runs.
@@ -199,7 +240,8 @@ pub struct Assignment {
 }
 
 /// A record of the recovery log: the coordinator emits the `events` log's recovery records
-/// (`started`, `failure`, `step_unusable`, `recovery`, `resumed`, `finished`), the types of
+/// (`started`, `failure`, `step_unusable`, `recovery`, `resumed`, `finished`, `node_returned`,
+/// `node_kept_out`, `grow`), the types of
 /// [`ckpt_store::records`] that the drivers write and the CLI reads back.
 pub type Record = ckpt_store::records::Event;
 
@@ -357,6 +399,17 @@ pub struct Coordinator {
     unusable: BTreeSet<u64>,
     /// Unusable steps already retired.
     retired: BTreeSet<u64>,
+    /// When each node failed, within `node_failure_window` of its latest failure.
+    node_failures: BTreeMap<u32, Vec<Duration>>,
+    /// Nodes kept out for good (they failed too often).
+    kept_out: BTreeSet<u32>,
+    /// Nodes that came back since the last layout decision.
+    returned: BTreeSet<u32>,
+    /// Waiting for a commit to grow at: `Some(None)` before the driver's first answer,
+    /// `Some(Some(c))` once it said the newest committed step is `c` (`None` inside: no step).
+    grow_wait: Option<Option<Option<u64>>>,
+    /// The stop under way is a grow's.
+    growing: bool,
 }
 
 fn ms(d: Duration) -> u64 {
@@ -383,6 +436,11 @@ impl Coordinator {
             node_failed: false,
             unusable: BTreeSet::new(),
             retired: BTreeSet::new(),
+            node_failures: BTreeMap::new(),
+            kept_out: BTreeSet::new(),
+            returned: BTreeSet::new(),
+            grow_wait: None,
+            growing: false,
         }
     }
 
@@ -418,6 +476,17 @@ impl Coordinator {
     /// Nodes excluded after failures, in order.
     pub fn excluded(&self) -> Vec<u32> {
         self.excluded.iter().copied().collect()
+    }
+
+    /// Whether `node` failed too often and is kept out for good.
+    pub fn is_kept_out(&self, node: u32) -> bool {
+        self.kept_out.contains(&node)
+    }
+
+    /// The generation waiting for a commit to grow at: the driver should send
+    /// [`Event::Committed`] with the newest committed step now, and again whenever it changes.
+    pub fn watching_commits(&self) -> Option<u64> {
+        (self.grow_wait.is_some() && self.phase == Phase::Running).then_some(self.generation)
     }
 
     /// A coordinator that carries on from a lost one, at the generation it ran (see
@@ -491,7 +560,6 @@ impl Coordinator {
         }
         let mut out = Vec::new();
         for (node, (rank, how, detail)) in failed {
-            c.excluded.insert(node);
             out.push(Action::Record(Record::Failure(records::Failure {
                 generation: c.generation,
                 rank,
@@ -502,6 +570,7 @@ impl Coordinator {
                 detection_s: 0.0,
                 at_ms: ms(now),
             })));
+            out.extend(c.node_failed_at(node, now));
         }
         c.failed_at = Some(now);
         c.node_failed = true;
@@ -525,8 +594,149 @@ impl Coordinator {
     fn usable_nodes(&self) -> Vec<u32> {
         let t = self.cfg.topology;
         (0..t.nodes + t.spares)
-            .filter(|n| !self.excluded.contains(n))
+            .filter(|n| !self.excluded.contains(n) && !self.kept_out.contains(n))
             .collect()
+    }
+
+    /// `node` failed at `now`: it is excluded, and kept out for good (with a `node_kept_out`
+    /// record) once it has failed `max_node_failures` times within `node_failure_window`.
+    fn node_failed_at(&mut self, node: u32, now: Duration) -> Vec<Action> {
+        self.excluded.insert(node);
+        self.returned.remove(&node);
+        let window = self.cfg.node_failure_window;
+        let times = self.node_failures.entry(node).or_default();
+        times.push(now);
+        times.retain(|t| now.saturating_sub(*t) <= window);
+        let n = times.len() as u32;
+        if n < self.cfg.max_node_failures.max(1) || !self.kept_out.insert(node) {
+            return vec![];
+        }
+        let failures_ms: Vec<u64> = times.iter().map(|t| ms(*t)).collect();
+        vec![Action::Record(Record::NodeKeptOut(records::NodeKeptOut {
+            node,
+            reason: format!(
+                "node {node} failed {n} times within {} s (at {} ms): it is kept out for good, \
+                 even when it comes back",
+                window.as_secs_f64(),
+                failures_ms
+                    .iter()
+                    .map(u64::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            failures_ms,
+            window_s: window.as_secs_f64(),
+            at_ms: ms(now),
+        }))]
+    }
+
+    /// A failed node is back: usable again unless it is kept out; a running job then waits for
+    /// the next commit to grow at, when the usable nodes hold more than it runs.
+    fn on_node_back(&mut self, node: u32, now: Duration) -> Vec<Action> {
+        if self.phase == Phase::Done || !self.excluded.contains(&node) {
+            return vec![];
+        }
+        let usable = !self.kept_out.contains(&node);
+        if usable {
+            self.excluded.remove(&node);
+            self.returned.insert(node);
+            self.maybe_wait_to_grow();
+        }
+        vec![Action::Record(Record::NodeReturned(
+            records::NodeReturned {
+                node,
+                usable,
+                at_ms: ms(now),
+            },
+        ))]
+    }
+
+    /// While running, wait for a commit to grow at if the usable nodes hold a larger layout.
+    fn maybe_wait_to_grow(&mut self) {
+        if self.phase == Phase::Running
+            && self.grow_wait.is_none()
+            && self
+                .next_layout()
+                .is_ok_and(|l| l.world() > self.layout.world())
+        {
+            self.grow_wait = Some(None);
+        }
+    }
+
+    /// The driver says the newest committed step is `step`: the first answer is where things
+    /// stand; a newer step is the boundary to grow at.
+    fn on_committed(&mut self, step: Option<u64>, now: Duration) -> Vec<Action> {
+        match self.grow_wait {
+            Some(None) => {
+                self.grow_wait = Some(Some(step));
+                vec![]
+            }
+            Some(Some(seen)) if step > seen => self.stop_for_grow(now),
+            _ => vec![],
+        }
+    }
+
+    /// A step was committed after nodes came back: stop the ranks, to restart on more nodes
+    /// from the newest committed step.
+    fn stop_for_grow(&mut self, now: Duration) -> Vec<Action> {
+        self.grow_wait = None;
+        self.growing = true;
+        self.failed_at = Some(now);
+        let live = self.live_ranks();
+        self.phase = Phase::Stopping {
+            kill_at: now + self.cfg.stop_grace,
+            killed: false,
+        };
+        let mut out = Vec::new();
+        if !live.is_empty() {
+            out.push(Action::Signal {
+                generation: self.generation,
+                ranks: live,
+                kill: false,
+            });
+        }
+        out.extend(self.maybe_all_stopped(now));
+        out
+    }
+
+    /// Restart after a grow's stop, on the larger layout, at once.
+    fn grow(&mut self, step: Option<u64>, now: Duration) -> Vec<Action> {
+        let from = self.layout;
+        let layout = match self.next_layout() {
+            Ok(l) => l,
+            Err(why) => return self.finish(now, false, format!("cannot restart: {why}")),
+        };
+        self.layout = layout;
+        let returned: Vec<u32> = std::mem::take(&mut self.returned).into_iter().collect();
+        let rpn = self.cfg.topology.ranks_per_node;
+        let nodes: Vec<u32> = self
+            .usable_nodes()
+            .into_iter()
+            .take(layout.world().div_ceil(rpn) as usize)
+            .collect();
+        let steps_lost = step.map_or(self.max_step, |s| self.max_step.saturating_sub(s));
+        let mut out = vec![Action::Record(Record::Grow(records::Grow {
+            generation: self.generation,
+            from_layout: from.to_string(),
+            layout: layout.to_string(),
+            nodes,
+            returned: returned.clone(),
+            step,
+            steps_lost,
+            reason: format!(
+                "node(s) {returned:?} came back: dp {} -> {} (configured {}), restarting from {} \
+                 committed after their return",
+                from.dp,
+                layout.dp,
+                self.cfg.layout.dp,
+                step.map_or("scratch".to_string(), |s| format!("step {s}"))
+            ),
+            at_ms: ms(now),
+        }))];
+        self.generation += 1;
+        self.resumed_reported = false;
+        out.extend(self.start_generation(now, step));
+        out
     }
 
     fn assign(&self, layout: &Layout, nodes: &[u32]) -> Vec<Assignment> {
@@ -551,6 +761,8 @@ impl Coordinator {
             .collect();
         self.phase = Phase::Running;
         self.resume_from = resume_from;
+        self.grow_wait = None;
+        self.maybe_wait_to_grow();
         vec![
             Action::Record(Record::Started(records::Started {
                 generation: self.generation,
@@ -660,6 +872,17 @@ impl Coordinator {
                 }
                 self.on_checked(step, damage, now)
             }
+            Event::NodeBack { node, now } => self.on_node_back(node, now),
+            Event::Committed {
+                generation,
+                step,
+                now,
+            } => {
+                if generation != self.generation || self.phase != Phase::Running {
+                    return vec![];
+                }
+                self.on_committed(step, now)
+            }
         }
     }
 
@@ -745,7 +968,6 @@ impl Coordinator {
                     && let Some(r) = self.ranks.get(&rank)
                 {
                     let node = r.node;
-                    self.excluded.insert(node);
                     self.node_failed = true;
                     out.push(Action::Record(Record::Failure(records::Failure {
                         generation: self.generation,
@@ -760,6 +982,7 @@ impl Coordinator {
                         detection_s: 0.0,
                         at_ms: ms(now),
                     })));
+                    out.extend(self.node_failed_at(node, now));
                 }
             }
         }
@@ -829,7 +1052,6 @@ impl Coordinator {
                 // SIGKILL we did not send is a second failure (its node died too).
                 if status == ExitStatus::Signal(9) && !killed {
                     let node = self.ranks[&rank].node;
-                    self.excluded.insert(node);
                     self.node_failed = true;
                     let mut out = vec![Action::Record(Record::Failure(records::Failure {
                         generation,
@@ -841,6 +1063,7 @@ impl Coordinator {
                         detection_s: 0.0,
                         at_ms: ms(now),
                     }))];
+                    out.extend(self.node_failed_at(node, now));
                     out.extend(self.maybe_all_stopped(now));
                     return out;
                 }
@@ -932,6 +1155,7 @@ impl Coordinator {
     /// Rank `rank` could not restore `step` because of the data: stop the others, excluding
     /// no node; the step is verified once all have stopped.
     fn stop_for_data(&mut self, rank: u32, step: u64, now: Duration) -> Vec<Action> {
+        self.grow_wait = None;
         self.data_failure = Some((rank, step));
         self.failed_at = Some(now);
         let live = self.live_ranks();
@@ -960,7 +1184,7 @@ impl Coordinator {
         now: Duration,
     ) -> Vec<Action> {
         let node = self.ranks[&rank].node;
-        self.excluded.insert(node);
+        self.grow_wait = None;
         self.failed_at = Some(now);
         self.node_failed = true;
         let mut out = vec![Action::Record(Record::Failure(records::Failure {
@@ -973,6 +1197,7 @@ impl Coordinator {
             detection_s,
             at_ms: ms(now),
         }))];
+        out.extend(self.node_failed_at(node, now));
         // A hung or silent rank is still alive: it is stopped with the others.
         let live = self.live_ranks();
         self.phase = Phase::Stopping {
@@ -1004,18 +1229,16 @@ impl Coordinator {
         self.choose()
     }
 
-    /// The layout after a failure: the same when enough nodes remain (spares first), else dp
-    /// shrunk to what the usable nodes hold; `Err` says why none works.
+    /// The layout to restart with: the configured data parallelism when the usable nodes hold
+    /// it (spares first), else as much of it as they hold (dp shrunk after failures, grown back
+    /// when nodes return, never past the configured layout); `Err` says why none works.
     pub fn next_layout(&self) -> Result<Layout, String> {
         let t = self.cfg.topology;
         let usable = self.usable_nodes().len() as u32;
         let capacity = usable * t.ranks_per_node;
         let cur = self.layout;
-        if capacity >= cur.world() {
-            return Ok(cur);
-        }
         let mp = cur.tp * cur.pp;
-        let dp = capacity / mp;
+        let dp = (capacity / mp).min(self.cfg.layout.dp.max(cur.dp));
         if dp == 0 {
             return Err(format!(
                 "the {usable} usable nodes hold {capacity} ranks but one model replica needs tp x pp = {} x {} = {mp}; \
@@ -1029,10 +1252,15 @@ impl Coordinator {
     }
 
     fn decide(&mut self, step: Option<u64>, now: Duration) -> Vec<Action> {
+        let node_failed = std::mem::take(&mut self.node_failed);
+        if std::mem::take(&mut self.growing) && !node_failed {
+            return self.grow(step, now);
+        }
+        self.returned.clear();
         self.restarts += 1;
         // A restart after a data failure alone marked one more step unusable: it does not
         // count against the budget (there are only so many steps).
-        if std::mem::take(&mut self.node_failed) {
+        if node_failed {
             self.node_restarts += 1;
         }
         if self.node_restarts > self.cfg.max_restarts {
@@ -1286,6 +1514,405 @@ mod tests {
                 ok: true,
                 reason: "every rank finished".into()
             })
+        );
+    }
+
+    /// The first generation, started from `step`.
+    fn started(c: &mut Coordinator, step: Option<u64>) -> Vec<Action> {
+        assert_eq!(
+            c.on_event(Event::Start { now: ms(0) }),
+            vec![Action::ChooseStep {
+                generation: 0,
+                skip: vec![]
+            }]
+        );
+        c.on_event(Event::StepChosen {
+            generation: 0,
+            step,
+            damaged: vec![],
+            now: ms(0),
+        })
+    }
+
+    /// `rank` of the running generation is killed at `now` (ms), the others stop, `step` is
+    /// chosen: every action until the next generation starts (after its backoff).
+    fn killed(c: &mut Coordinator, rank: u32, step: Option<u64>, now: u64) -> Vec<Action> {
+        let g = c.generation();
+        let mut out = c.on_event(Event::Exited {
+            generation: g,
+            rank,
+            status: ExitStatus::Signal(9),
+            now: ms(now),
+        });
+        for r in c.live_ranks() {
+            out.extend(c.on_event(Event::Exited {
+                generation: g,
+                rank: r,
+                status: ExitStatus::Signal(15),
+                now: ms(now + 10),
+            }));
+        }
+        out.extend(c.on_event(Event::StepChosen {
+            generation: g,
+            step,
+            damaged: vec![],
+            now: ms(now + 20),
+        }));
+        let mut t = now + 20;
+        while c.generation() == g && !c.is_done() {
+            t += 50;
+            out.extend(c.on_event(Event::Tick { now: ms(t) }));
+        }
+        out
+    }
+
+    /// The nodes of the generation an action list starts.
+    fn started_on(out: &[Action]) -> Option<(Layout, Vec<u32>, Option<u64>)> {
+        out.iter().find_map(|a| match a {
+            Action::Start {
+                layout,
+                assignments,
+                resume_from,
+                ..
+            } => Some((
+                *layout,
+                assignments.iter().map(|a| a.node).collect(),
+                *resume_from,
+            )),
+            _ => None,
+        })
+    }
+
+    fn kept_out_records(out: &[Action]) -> Vec<&records::NodeKeptOut> {
+        out.iter()
+            .filter_map(|a| match a {
+                Action::Record(Record::NodeKeptOut(k)) => Some(k),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn committed(c: &mut Coordinator, step: u64, now: u64) -> Vec<Action> {
+        c.on_event(Event::Committed {
+            generation: c.generation(),
+            step: Some(step),
+            now: ms(now),
+        })
+    }
+
+    /// Node `node` comes back at `now` and the job grows at the next commit (`step`, after a
+    /// first answer of `step - 1`): the actions of the grow.
+    fn back_and_grown(c: &mut Coordinator, node: u32, step: u64, now: u64) -> Vec<Action> {
+        c.on_event(Event::NodeBack { node, now: ms(now) });
+        assert_eq!(c.watching_commits(), Some(c.generation()));
+        assert!(committed(c, step - 1, now + 10).is_empty());
+        let g = c.generation();
+        let mut out = committed(c, step, now + 20);
+        for r in c.live_ranks() {
+            out.extend(c.on_event(Event::Exited {
+                generation: g,
+                rank: r,
+                status: ExitStatus::Signal(15),
+                now: ms(now + 30),
+            }));
+        }
+        out.extend(c.on_event(Event::StepChosen {
+            generation: g,
+            step: Some(step),
+            damaged: vec![],
+            now: ms(now + 40),
+        }));
+        assert_eq!(c.generation(), g + 1, "{out:?}");
+        out
+    }
+
+    #[test]
+    fn a_repaired_node_grows_the_job_back_at_the_next_commit_not_before_and_not_mid_save() {
+        let mut c = Coordinator::new(cfg(2, 0, "dp=2"));
+        started(&mut c, None);
+        let out = killed(&mut c, 1, Some(4), 1_000);
+        assert_eq!(
+            started_on(&out),
+            Some(("dp=1".parse().unwrap(), vec![0], Some(4)))
+        );
+        assert_eq!(c.watching_commits(), None, "nothing to grow onto");
+        assert_eq!(c.restarts(), 1);
+        let out = c.on_event(Event::Heartbeat {
+            generation: 1,
+            rank: 0,
+            step: 5,
+            now: ms(2_000),
+        });
+        assert!(matches!(&out[..], [Action::Record(Record::Resumed(_))]));
+        // Node 1 is repaired at 3 s.
+        let out = c.on_event(Event::NodeBack {
+            node: 1,
+            now: ms(3_000),
+        });
+        assert_eq!(
+            out,
+            vec![Action::Record(Record::NodeReturned(
+                records::NodeReturned {
+                    node: 1,
+                    usable: true,
+                    at_ms: 3_000
+                }
+            ))]
+        );
+        assert_eq!(c.excluded(), Vec::<u32>::new());
+        assert_eq!(c.watching_commits(), Some(1));
+        // Steps go on; the driver's first answer is where things stand (step 4): no grow.
+        let mut t = 3_000;
+        for step in 6..=8 {
+            t += 50;
+            assert!(
+                c.on_event(Event::Heartbeat {
+                    generation: 1,
+                    rank: 0,
+                    step,
+                    now: ms(t)
+                })
+                .is_empty()
+            );
+            assert!(c.on_event(Event::Tick { now: ms(t) }).is_empty());
+            if step == 6 {
+                assert!(committed(&mut c, 4, t).is_empty(), "grew at an old commit");
+            }
+        }
+        // Step 8 is done and being saved, but not committed: nothing yet.
+        assert!(committed(&mut c, 4, t + 10).is_empty(), "grew mid-save");
+        assert!(c.on_event(Event::Tick { now: ms(t + 20) }).is_empty());
+        // A commit seen for an older generation is not this one's.
+        assert!(
+            c.on_event(Event::Committed {
+                generation: 0,
+                step: Some(8),
+                now: ms(t + 30)
+            })
+            .is_empty()
+        );
+        // Step 8 committed: stop the ranks.
+        let out = committed(&mut c, 8, t + 40);
+        assert_eq!(
+            out,
+            vec![Action::Signal {
+                generation: 1,
+                ranks: vec![0],
+                kill: false
+            }]
+        );
+        assert_eq!(c.watching_commits(), None);
+        // Further commit answers while stopping change nothing.
+        assert!(committed(&mut c, 12, t + 45).is_empty());
+        let out = c.on_event(Event::Exited {
+            generation: 1,
+            rank: 0,
+            status: ExitStatus::Signal(15),
+            now: ms(t + 50),
+        });
+        assert_eq!(
+            out,
+            vec![Action::ChooseStep {
+                generation: 1,
+                skip: vec![]
+            }]
+        );
+        // The step just committed is chosen, and the job restarts at once on both nodes.
+        let out = c.on_event(Event::StepChosen {
+            generation: 1,
+            step: Some(8),
+            damaged: vec![],
+            now: ms(t + 60),
+        });
+        let Action::Record(Record::Grow(g)) = &out[0] else {
+            panic!("{out:?}")
+        };
+        assert_eq!(
+            (
+                g.generation,
+                g.from_layout.as_str(),
+                g.layout.as_str(),
+                &g.nodes[..],
+                &g.returned[..],
+                g.step,
+                g.steps_lost
+            ),
+            (
+                1,
+                "dp=1,tp=1,pp=1",
+                "dp=2,tp=1,pp=1",
+                &[0, 1][..],
+                &[1][..],
+                Some(8),
+                0
+            )
+        );
+        assert!(g.reason.contains("came back"), "{}", g.reason);
+        assert_eq!(
+            started_on(&out),
+            Some(("dp=2".parse().unwrap(), vec![0, 1], Some(8)))
+        );
+        assert_eq!(c.generation(), 2);
+        assert!(
+            !out.iter()
+                .any(|a| matches!(a, Action::Record(Record::Recovery(_)))),
+            "a grow is not a recovery: {out:?}"
+        );
+        // A grow is not a restart (no backoff, no budget spent), and there is nothing more to
+        // grow onto.
+        assert_eq!(c.restarts(), 1);
+        assert_eq!(c.watching_commits(), None);
+        let out = c.on_event(Event::Heartbeat {
+            generation: 2,
+            rank: 1,
+            step: 9,
+            now: ms(t + 500),
+        });
+        assert!(
+            matches!(&out[..], [Action::Record(Record::Resumed(r))] if r.step == 9),
+            "{out:?}"
+        );
+    }
+
+    #[test]
+    fn growth_never_exceeds_the_configured_layout() {
+        // Four nodes, a layout of two: the other two are spares in all but name.
+        let mut c = Coordinator::new(cfg(4, 0, "dp=2"));
+        assert_eq!(c.next_layout().unwrap(), "dp=2".parse().unwrap());
+        started(&mut c, Some(2));
+        // Failures are replaced while nodes remain, so nothing ever shrinks...
+        let out = killed(&mut c, 0, Some(4), 1_000);
+        assert_eq!(
+            started_on(&out),
+            Some(("dp=2".parse().unwrap(), vec![1, 2], Some(4)))
+        );
+        // ... and a returned node never makes the job larger than configured.
+        c.on_event(Event::NodeBack {
+            node: 0,
+            now: ms(2_000),
+        });
+        assert_eq!(c.watching_commits(), None);
+        assert_eq!(c.next_layout().unwrap(), "dp=2".parse().unwrap());
+        // tp x pp stays; dp grows back only up to its configured 2, with room for 5.
+        let mut c = Coordinator::new(Config::new(
+            Topology {
+                nodes: 4,
+                ranks_per_node: 2,
+                spares: 1,
+            },
+            "dp=2,tp=2".parse().unwrap(),
+        ));
+        c.cfg.backoff = Duration::from_millis(100);
+        started(&mut c, None);
+        // Only the spare left: one replica; every node back: two, not five.
+        c.excluded.extend(0..4);
+        assert_eq!(c.next_layout().unwrap(), "dp=1,tp=2".parse().unwrap());
+        c.excluded.clear();
+        assert_eq!(c.next_layout().unwrap(), "dp=2,tp=2".parse().unwrap());
+    }
+
+    #[test]
+    fn a_failure_while_waiting_to_grow_restarts_on_the_returned_node_at_once() {
+        let mut c = Coordinator::new(cfg(3, 0, "dp=3"));
+        started(&mut c, None);
+        let out = killed(&mut c, 2, Some(4), 1_000);
+        assert_eq!(
+            started_on(&out),
+            Some(("dp=2".parse().unwrap(), vec![0, 1], Some(4)))
+        );
+        c.on_event(Event::NodeBack {
+            node: 2,
+            now: ms(2_000),
+        });
+        assert_eq!(c.watching_commits(), Some(1));
+        let out = killed(&mut c, 1, Some(4), 3_000);
+        assert!(
+            out.iter().any(|a| matches!(a,
+                Action::Record(Record::Recovery(r)) if r.layout == "dp=2,tp=1,pp=1")),
+            "{out:?}"
+        );
+        assert_eq!(
+            started_on(&out),
+            Some(("dp=2".parse().unwrap(), vec![0, 2], Some(4)))
+        );
+        assert_eq!(c.watching_commits(), None, "nothing left to grow onto");
+        assert_eq!(c.restarts(), 2);
+    }
+
+    #[test]
+    fn a_node_failing_three_times_in_ten_minutes_is_kept_out_and_named() {
+        let mut c = Coordinator::new(cfg(2, 0, "dp=2"));
+        started(&mut c, None);
+        c.cfg.max_restarts = 10;
+        // Node 1 fails at 10 s, 100 s and 300 s, and comes back after the first two.
+        let mut all = Vec::new();
+        for (i, at) in [10_000, 100_000].into_iter().enumerate() {
+            let out = killed(&mut c, 1, Some(4), at);
+            assert!(kept_out_records(&out).is_empty(), "failure {i}: {out:?}");
+            all.extend(out);
+            let out = back_and_grown(&mut c, 1, 8, at + 1_000);
+            assert_eq!(started_on(&out).unwrap().1, vec![0, 1]);
+        }
+        let out = killed(&mut c, 1, Some(8), 300_000);
+        assert_eq!(
+            kept_out_records(&out),
+            vec![&records::NodeKeptOut {
+                node: 1,
+                failures_ms: vec![10_000, 100_000, 300_000],
+                window_s: 600.0,
+                reason: "node 1 failed 3 times within 600 s (at 10000, 100000, 300000 ms): it is \
+                         kept out for good, even when it comes back"
+                    .into(),
+                at_ms: 300_000,
+            }]
+        );
+        assert!(c.is_kept_out(1));
+        // It comes back: refused, and the job does not grow onto it.
+        let out = c.on_event(Event::NodeBack {
+            node: 1,
+            now: ms(301_000),
+        });
+        assert_eq!(
+            out,
+            vec![Action::Record(Record::NodeReturned(
+                records::NodeReturned {
+                    node: 1,
+                    usable: false,
+                    at_ms: 301_000
+                }
+            ))]
+        );
+        assert_eq!(c.watching_commits(), None);
+        assert_eq!(c.excluded(), vec![1]);
+        assert_eq!(c.next_layout().unwrap(), "dp=1".parse().unwrap());
+    }
+
+    #[test]
+    fn failures_spread_over_more_than_ten_minutes_do_not_keep_a_node_out() {
+        let mut c = Coordinator::new(cfg(2, 0, "dp=2"));
+        c.cfg.max_restarts = 10;
+        started(&mut c, None);
+        // 0 s, 400 s, 700 s: never three within 600 s.
+        for at in [1, 400_000, 700_000] {
+            let out = killed(&mut c, 1, Some(4), at);
+            assert!(kept_out_records(&out).is_empty(), "at {at}: {out:?}");
+            back_and_grown(&mut c, 1, 8, at + 1_000);
+        }
+        assert!(!c.is_kept_out(1));
+        // Two failures (flag: 2) more than ten minutes apart neither.
+        let mut c = Coordinator::new(cfg(2, 0, "dp=2"));
+        c.cfg.max_node_failures = 2;
+        started(&mut c, None);
+        killed(&mut c, 1, Some(4), 1_000);
+        back_and_grown(&mut c, 1, 8, 2_000);
+        let out = killed(&mut c, 1, Some(8), 602_000);
+        assert!(kept_out_records(&out).is_empty(), "{out:?}");
+        back_and_grown(&mut c, 1, 12, 603_000);
+        // ... but two within it do.
+        let out = killed(&mut c, 1, Some(12), 700_000);
+        assert_eq!(
+            kept_out_records(&out)[0].failures_ms,
+            vec![602_000, 700_000]
         );
     }
 }

@@ -9,6 +9,12 @@
 //! every rank as `CKPT_RESUME_STEP`), the verification of a step a rank could not restore,
 //! the retirement of unusable steps, the restore plan, relaunches, and the recovery log (JSON
 //! lines in the run's `events` log).
+//!
+//! With `repair_after`, a failed node is repaired: that long after its failure it comes back
+//! ([`Event::NodeBack`]; with peer replicas, with a fresh, empty agent), unless the coordinator
+//! keeps it out. While the coordinator waits for a commit to grow back at
+//! ([`Coordinator::watching_commits`]), the supervisor polls the newest committed step of the
+//! run every [`COMMIT_POLL`] and tells it ([`Event::Committed`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -56,7 +62,13 @@ pub struct SupervisorOptions {
     /// How the supervisor opens the store (its binary reads them from the environment; the
     /// ranks read their own).
     pub open: ckpt_store::OpenOptions,
+    /// A failed node is repaired and comes back this long after its failure (`None`: never).
+    pub repair_after: Option<Duration>,
 }
+
+/// How often the supervisor looks for a new commit while the coordinator waits for one to grow
+/// the job back at (one listing of the run's steps a time).
+pub const COMMIT_POLL: Duration = Duration::from_millis(100);
 
 /// The outcome of a supervised job.
 #[derive(Debug, Clone, Serialize)]
@@ -139,7 +151,12 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
     let mut agents = match (&opts.replica_agent, &peer_secret) {
         (Some(cmd), Some(secret)) => {
             let t = &opts.config.topology;
-            start_agents(cmd, t.nodes + t.spares, opts.logs_dir.as_deref(), secret).await?
+            let mut agents = BTreeMap::new();
+            for node in 0..t.nodes + t.spares {
+                let a = start_agent(cmd, node, opts.logs_dir.as_deref(), secret, false).await?;
+                agents.insert(node, a);
+            }
+            agents
         }
         _ => BTreeMap::new(),
     };
@@ -169,6 +186,10 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
     let mut tick = tokio::time::interval(Duration::from_millis(50));
     let mut buf = vec![0u8; 4096];
     let mut outcome: Option<(bool, String)> = None;
+    // Failed nodes being repaired: when each comes back.
+    let mut repairs: BTreeMap<u32, Duration> = BTreeMap::new();
+    // The commit watch: (generation, when last polled, the last answer sent).
+    let mut watch: Option<(u64, Instant, Option<u64>)> = None;
     loop {
         while let Some(ev) = pending.pop() {
             for act in coord.on_event(ev) {
@@ -250,6 +271,11 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
                     }
                     Action::RetireStep { step } => retire_step(&store, &opts.run, step).await?,
                     Action::Record(rec) => {
+                        if let (ckpt_store::records::Event::Failure(f), Some(d)) =
+                            (&rec, opts.repair_after)
+                        {
+                            repairs.entry(f.node).or_insert(t0.elapsed() + d);
+                        }
                         let v = log.render(&rec, |g| base + g).await;
                         log.write(v).await?;
                     }
@@ -297,7 +323,53 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
                 pending.push(Event::Exited { generation, rank, status, now: t0.elapsed() });
             }
             _ = tick.tick() => {
-                pending.push(Event::Tick { now: t0.elapsed() });
+                let now = t0.elapsed();
+                pending.push(Event::Tick { now });
+                let due: Vec<u32> = repairs
+                    .iter()
+                    .filter(|(_, at)| **at <= now)
+                    .map(|(n, _)| *n)
+                    .collect();
+                for node in due {
+                    repairs.remove(&node);
+                    if !coord.is_kept_out(node)
+                        && let (Some(cmd), Some(secret)) = (&opts.replica_agent, &launch.peer_secret)
+                    {
+                        // A repaired node starts empty: a fresh agent. One that does not
+                        // start leaves the node out, not the job stopped.
+                        if let Some(mut old) = agents.remove(&node) {
+                            let _ = old.child.start_kill();
+                        }
+                        match start_agent(cmd, node, opts.logs_dir.as_deref(), secret, true).await {
+                            Ok(a) => {
+                                agents.insert(node, a);
+                            }
+                            Err(e) => {
+                                tracing::warn!(node, "the repaired node's replica agent did not start, so it stays out: {e}");
+                                continue;
+                            }
+                        }
+                    }
+                    info!(node, "failed node repaired");
+                    pending.push(Event::NodeBack { node, now });
+                }
+                match coord.watching_commits() {
+                    Some(g) => {
+                        let fresh = watch.is_none_or(|(wg, _, _)| wg != g);
+                        if fresh || watch.is_some_and(|(_, at, _)| at.elapsed() >= COMMIT_POLL) {
+                            match store.latest_committed(&opts.run).await {
+                                Ok(step) => {
+                                    if fresh || watch.is_some_and(|(_, _, last)| last != step) {
+                                        pending.push(Event::Committed { generation: g, step, now: t0.elapsed() });
+                                    }
+                                    watch = Some((g, Instant::now(), step));
+                                }
+                                Err(e) => tracing::warn!("looking for a new commit to grow at: {e}"),
+                            }
+                        }
+                    }
+                    None => watch = None,
+                }
             }
         }
     }
@@ -309,65 +381,60 @@ struct AgentProc {
     addr: String,
 }
 
-/// Start one replica agent per node and learn their addresses.
-async fn start_agents(
+/// Start node `node`'s replica agent and learn its address (its log appended to when
+/// `append`: a repaired node's).
+async fn start_agent(
     cmd: &[String],
-    nodes: u32,
+    node: u32,
     logs: Option<&Path>,
     secret: &PeerSecret,
-) -> Result<BTreeMap<u32, AgentProc>> {
+    append: bool,
+) -> Result<AgentProc> {
     use tokio::io::AsyncBufReadExt;
     let Some(prog) = cmd.first() else {
         return Err(Error::invalid("an empty replica agent command"));
     };
-    let mut out = BTreeMap::new();
-    for node in 0..nodes {
-        let mut c = tokio::process::Command::new(prog);
-        c.args(&cmd[1..])
-            .args([
-                "--listen",
-                "127.0.0.1:0",
-                "--node",
-                &node.to_string(),
-                "--watch-stdin",
-            ])
-            .env(crate::peer::SECRET_ENV, secret.to_hex())
-            .stdin(std::process::Stdio::piped()) // the agent ends when this closes
-            .stdout(std::process::Stdio::piped())
-            .kill_on_drop(true);
-        crate::driver::die_with_parent(&mut c);
-        if let Some(dir) = logs {
-            std::fs::create_dir_all(dir).map_err(|e| Error::io("creating", &dir.display(), e))?;
-            let p = dir.join(format!("agent-{node}.err"));
-            let f = ckpt_store::outfile::open_regular(&p, false)
-                .map_err(|e| Error::io("creating an agent log", &p.display(), e))?;
-            c.stderr(f);
-        }
-        let mut child = c
-            .spawn()
-            .map_err(|e| Error::io("starting the replica agent", prog, e))?;
-        let stdout = child.stdout.take().expect("piped");
-        let mut lines = tokio::io::BufReader::new(stdout).lines();
-        let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
-            .await
-            .map_err(|_| Error::internal(format!("replica agent of node {node} did not start")))?
-            .map_err(|e| Error::io("reading the replica agent's address", prog, e))?
-            .unwrap_or_default();
-        let Some(addr) = line.strip_prefix("listening ") else {
-            return Err(Error::internal(format!(
-                "replica agent of node {node} printed {line:?} instead of its address"
-            )));
-        };
-        info!(node, addr, "replica agent started");
-        out.insert(
-            node,
-            AgentProc {
-                child,
-                addr: addr.trim().to_string(),
-            },
-        );
+    let mut c = tokio::process::Command::new(prog);
+    c.args(&cmd[1..])
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--node",
+            &node.to_string(),
+            "--watch-stdin",
+        ])
+        .env(crate::peer::SECRET_ENV, secret.to_hex())
+        .stdin(std::process::Stdio::piped()) // the agent ends when this closes
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    crate::driver::die_with_parent(&mut c);
+    if let Some(dir) = logs {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io("creating", &dir.display(), e))?;
+        let p = dir.join(format!("agent-{node}.err"));
+        let f = ckpt_store::outfile::open_regular(&p, append)
+            .map_err(|e| Error::io("creating an agent log", &p.display(), e))?;
+        c.stderr(f);
     }
-    Ok(out)
+    let mut child = c
+        .spawn()
+        .map_err(|e| Error::io("starting the replica agent", prog, e))?;
+    let stdout = child.stdout.take().expect("piped");
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+        .await
+        .map_err(|_| Error::internal(format!("replica agent of node {node} did not start")))?
+        .map_err(|e| Error::io("reading the replica agent's address", prog, e))?
+        .unwrap_or_default();
+    let Some(addr) = line.strip_prefix("listening ") else {
+        return Err(Error::internal(format!(
+            "replica agent of node {node} printed {line:?} instead of its address"
+        )));
+    };
+    info!(node, addr, "replica agent started");
+    Ok(AgentProc {
+        child,
+        addr: addr.trim().to_string(),
+    })
 }
 
 #[cfg(test)]

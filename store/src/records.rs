@@ -100,6 +100,12 @@ log_records! {
         "resumed" => Resumed(Resumed),
         /// A supervised job ended.
         "finished" => Finished(Finished),
+        /// A repaired node came back (or was refused: kept out).
+        "node_returned" => NodeReturned(NodeReturned),
+        /// A node failed too often: kept out of the job for good.
+        "node_kept_out" => NodeKeptOut(NodeKeptOut),
+        /// The job grew back onto returned nodes at a checkpoint boundary.
+        "grow" => Grow(Grow),
         /// An etcd coordinator took over the job.
         "takeover" => Takeover(Takeover),
         /// A rank restored a step.
@@ -468,6 +474,62 @@ pub struct Finished {
     pub at_ms: u64,
 }
 
+/// `{"kind":"node_returned"}`: a failed node was repaired and came back.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct NodeReturned {
+    /// The node.
+    pub node: u32,
+    /// Whether it is usable again (`false`: it is kept out, see `node_kept_out`).
+    pub usable: bool,
+    /// Milliseconds since the supervisor started.
+    pub at_ms: u64,
+}
+
+/// `{"kind":"node_kept_out"}`: a node failed `failures_ms.len()` times within `window_s`: it is
+/// never used again by this supervision, even when it comes back.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct NodeKeptOut {
+    /// The node.
+    pub node: u32,
+    /// When it failed (milliseconds since the supervisor started), oldest first: the failures
+    /// within the window.
+    pub failures_ms: Vec<u64>,
+    /// The window (seconds).
+    pub window_s: f64,
+    /// Why, in words.
+    pub reason: String,
+    /// Milliseconds since the supervisor started.
+    pub at_ms: u64,
+}
+
+/// `{"kind":"grow"}`: nodes came back, and the job was stopped after a commit and restarted
+/// on more nodes (more data parallelism, at most the configured layout) from the newest
+/// committed step.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Grow {
+    /// Generation that was stopped.
+    pub generation: u64,
+    /// Its layout.
+    pub from_layout: String,
+    /// The new layout.
+    pub layout: String,
+    /// The nodes the new layout runs on.
+    pub nodes: Vec<u32>,
+    /// The nodes that came back since the last layout decision.
+    pub returned: Vec<u32>,
+    /// The step restored (the newest committed).
+    pub step: Option<u64>,
+    /// Steps trained past that step and done again.
+    pub steps_lost: u64,
+    /// Why, in words.
+    pub reason: String,
+    /// Milliseconds since the supervisor started.
+    pub at_ms: u64,
+}
+
 /// `{"kind":"takeover"}`: an etcd coordinator took over the job.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -495,6 +557,9 @@ impl Event {
             Event::Resumed(r) => Some(r.at_ms),
             Event::Finished(r) => Some(r.at_ms),
             Event::Takeover(r) => Some(r.at_ms),
+            Event::NodeReturned(r) => Some(r.at_ms),
+            Event::NodeKeptOut(r) => Some(r.at_ms),
+            Event::Grow(r) => Some(r.at_ms),
             _ => None,
         }
     }
@@ -510,7 +575,10 @@ impl Event {
             Event::Takeover(r) => Some(&mut r.generation),
             Event::Restore(r) => Some(&mut r.generation),
             Event::RestoreFailed(r) => Some(&mut r.generation),
+            Event::Grow(r) => Some(&mut r.generation),
             Event::Finished(_)
+            | Event::NodeReturned(_)
+            | Event::NodeKeptOut(_)
             | Event::Spike(_)
             | Event::Rollback(_)
             | Event::Stop(_)

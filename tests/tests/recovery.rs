@@ -55,6 +55,7 @@ fn options(
         heartbeat_interval: Duration::from_millis(100),
         replica_agent: None,
         open: Default::default(),
+        repair_after: None,
     }
 }
 
@@ -1137,4 +1138,124 @@ fn the_automatic_interval_counts_the_failures_the_supervisor_logs() {
     assert_eq!(last.failures, 3, "{decisions:#?}");
     assert!(!last.mtbf_prior && last.mtbf_s < 60.0, "{decisions:#?}");
     assert!(last.to_steps < 40, "{decisions:#?}");
+
+#[test]
+fn a_repaired_node_comes_back_and_the_job_grows_back_to_its_layout() {
+    // `ckpt resume` on 2 nodes (no spare), dp=2, peer replicas on, nodes repaired after 1 s
+    // (with a fresh replica agent). Right after the
+    // first commit rank 1 (node 1) is killed: the job shrinks to dp=1 on node 0; node 1 comes
+    // back, and at the next commit the job stops and grows back to dp=2 on both nodes from
+    // that step. It ends bit-identical to an uninterrupted run, and the log says so.
+    let dir = tempfile::tempdir().unwrap();
+    let steps: u64 = 40;
+    let every: u64 = 4;
+    let want = reference_digest(dir.path(), steps, PARAMS);
+    let store = dir.path().join("store");
+    let run = "grow";
+    let logs = dir.path().join("logs");
+    let mut sup = ckpt_cli(&store)
+        .args(["resume", "--run", run, "--nodes", "2", "--layout", "dp=2"])
+        .args([
+            "--repair-after",
+            "1",
+            "--heartbeat-timeout",
+            "2s",
+            "--peer-replicas",
+        ])
+        .args(["--backoff", "100ms", "--stop-grace", "2s"])
+        .arg("--logs")
+        .arg(&logs)
+        .arg("--")
+        .args(train_cmd(steps, every, 60))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::fs::File::create(dir.path().join("resume.err")).unwrap())
+        .spawn()
+        .unwrap();
+    let st = ckpt_store::open(store.to_str().unwrap()).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let t0 = Instant::now();
+    while rt.block_on(st.latest_committed(run)).unwrap().is_none() {
+        assert!(sup.try_wait().unwrap().is_none(), "ckpt resume ended early");
+        assert!(t0.elapsed() < Duration::from_secs(120), "no checkpoint");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let victim = ranks_of(run)
+        .into_iter()
+        .find(|r| r.1 == 1)
+        .expect("rank 1 runs");
+    signal(victim.0, libc::SIGKILL);
+    let out = sup.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let err = std::fs::read_to_string(dir.path().join("resume.err")).unwrap_or_default();
+    assert!(out.status.success(), "ckpt resume failed:\n{stdout}\n{err}");
+    let log = rt
+        .block_on(ckpt_store::logs::read_log(
+            &st,
+            run,
+            ckpt_store::logs::EVENTS,
+        ))
+        .unwrap();
+    eprintln!("{stdout}");
+    // Shrunk to node 0 after the kill ...
+    let failures = of_kind(&log, "failure");
+    assert_eq!(failures.len(), 1, "{log:#?}");
+    assert_eq!(failures[0]["node"], 1);
+    let recovery = of_kind(&log, "recovery");
+    assert_eq!(recovery.len(), 1, "{log:#?}");
+    assert_eq!(recovery[0]["layout"], "dp=1,tp=1,pp=1");
+    // ... node 1 came back about a second after its failure ...
+    let back = of_kind(&log, "node_returned");
+    assert_eq!(back.len(), 1, "{log:#?}");
+    assert_eq!(
+        (&back[0]["node"], &back[0]["usable"]),
+        (&1.into(), &true.into())
+    );
+    let repair_ms = back[0]["at_ms"].as_u64().unwrap() - failures[0]["at_ms"].as_u64().unwrap();
+    assert!(
+        (1000..3000).contains(&repair_ms),
+        "back {repair_ms} ms after its failure"
+    );
+    // ... and the job grew back at the first commit after that, from the step committed.
+    let grow = of_kind(&log, "grow");
+    assert_eq!(grow.len(), 1, "{log:#?}");
+    let g = grow[0];
+    assert_eq!(g["from_layout"], "dp=1,tp=1,pp=1", "{g}");
+    assert_eq!(g["layout"], "dp=2,tp=1,pp=1", "{g}");
+    assert_eq!(g["nodes"], serde_json::json!([0, 1]), "{g}");
+    assert_eq!(g["returned"], serde_json::json!([1]), "{g}");
+    let grow_step = g["step"].as_u64().expect("a step");
+    assert!(
+        grow_step > recovery[0]["step"].as_u64().unwrap_or(0) && grow_step.is_multiple_of(every),
+        "{g}"
+    );
+    assert!(g["at_ms"].as_u64() > back[0]["at_ms"].as_u64(), "{g}");
+    assert!(
+        rt.block_on(st.committed_steps(run))
+            .unwrap()
+            .contains(&grow_step)
+    );
+    // The last generation ran the full layout on both nodes, restored from the grow's step.
+    let started = of_kind(&log, "started");
+    let last = started.last().unwrap();
+    assert_eq!(last["layout"], "dp=2,tp=1,pp=1", "{log:#?}");
+    assert_eq!(last["nodes"], serde_json::json!([0, 1]));
+    assert_eq!(last["resume_from"], grow_step);
+    let restores: Vec<_> = of_kind(&log, "restore")
+        .into_iter()
+        .filter(|r| r["generation"] == last["generation"])
+        .collect();
+    assert_eq!(restores.len(), 2, "{log:#?}");
+    assert!(restores.iter().all(|r| r["step"] == grow_step));
+    assert!(
+        stdout.contains("decision: grow from dp=1,tp=1,pp=1 to dp=2,tp=1,pp=1"),
+        "{stdout}"
+    );
+    // The repaired node's fresh replica agent started.
+    assert!(!err.contains("did not start"), "{err}");
+    assert_eq!(
+        final_digest(&logs).as_deref(),
+        Some(want.as_str()),
+        "the job that shrank and grew back differs from an uninterrupted run"
+    );
+    assert_verifies(&store, run);
 }

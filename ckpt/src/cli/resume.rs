@@ -1,7 +1,9 @@
 //! `ckpt resume --run NAME --nodes N --ranks-per-node R [--layout L] [--spares S]
-//! [--max-restarts K] -- COMMAND...`: run a training command under the local supervisor (see
-//! `ckpt-recovery`): launch its ranks on simulated nodes, detect a dead or hung rank, stop the
-//! job, restart on the surviving nodes from the newest committed checkpoint, resharded.
+//! [--max-restarts K] [--repair-after SECS] -- COMMAND...`: run a training command under the
+//! local supervisor (see `ckpt-recovery`): launch its ranks on simulated nodes, detect a dead
+//! or hung rank, stop the job, restart on the surviving nodes from the newest committed
+//! checkpoint, resharded; with `--repair-after`, failed nodes come back and the job grows back
+//! onto them at the next commit.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -44,6 +46,13 @@ pub struct ResumeArgs {
     /// holds about twice a node's state in host memory.
     #[arg(long)]
     pub peer_replicas: bool,
+    /// Repair failed nodes: a failed node comes back this long after its failure (seconds, or
+    /// a duration such as 500ms), and the job grows back onto it (more data parallelism, up to
+    /// --layout) right after the next checkpoint commits: the ranks stop and restart
+    /// resharded from that step. A node that fails --max-node-failures times within
+    /// --node-failure-window is kept out for good. Default: failed nodes never come back.
+    #[arg(long, value_name = "SECS", value_parser = secs_or_duration)]
+    pub repair_after: Option<Duration>,
     /// The command each rank runs, after `--`.
     #[arg(last = true, required = true)]
     pub command: Vec<String>,
@@ -70,6 +79,22 @@ pub struct RestartArgs {
     /// First restart delay (doubles with every restart).
     #[arg(long, default_value = "1s", value_parser = duration)]
     pub backoff: Duration,
+    /// A node that fails this many times within --node-failure-window is kept out for good,
+    /// even when it comes back (named in the recovery log: a node_kept_out record).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_node_failures: u32,
+    /// The window of --max-node-failures.
+    #[arg(long, default_value = "10m", value_parser = duration)]
+    pub node_failure_window: Duration,
+}
+
+/// A bare number of seconds (`1`, `0.5`) or a duration (`500ms`, `2m`).
+fn secs_or_duration(s: &str) -> std::result::Result<Duration, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) => Duration::try_from_secs_f64(v)
+            .map_err(|_| format!("{s:?} is not a number of seconds of 0 or more")),
+        Err(_) => duration(s),
+    }
 }
 
 impl RestartArgs {
@@ -92,6 +117,8 @@ impl RestartArgs {
         cfg.startup_timeout = self.startup_timeout;
         cfg.stop_grace = self.stop_grace;
         cfg.backoff = self.backoff;
+        cfg.max_node_failures = self.max_node_failures;
+        cfg.node_failure_window = self.node_failure_window;
         Ok(cfg)
     }
 
@@ -138,6 +165,22 @@ impl Report for ResumeOutput {
                     r.step, r.since_failure_s
                 ),
                 Event::Finished(r) => format!("finished: {} ({} restarts)", r.reason, r.restarts),
+                Event::NodeReturned(r) => format!(
+                    "node {} is back{}",
+                    r.node,
+                    if r.usable { "" } else { ", but kept out" }
+                ),
+                Event::NodeKeptOut(r) => format!("KEPT OUT: {}", r.reason),
+                Event::Grow(r) => format!(
+                    "decision: grow from {} to {} on nodes {} from step {}, {} steps lost ({})",
+                    r.from_layout,
+                    r.layout,
+                    serde_json::to_string(&r.nodes).unwrap_or_default(),
+                    r.step
+                        .map_or("none (from scratch)".into(), |s| s.to_string()),
+                    r.steps_lost,
+                    r.reason
+                ),
                 other => format!(
                     "{}: {}",
                     other.kind(),
@@ -201,6 +244,7 @@ pub async fn resume(
             false => None,
         },
         open: open.clone(),
+        repair_after: args.repair_after,
     };
     let report = ckpt_recovery::run(opts).await.map_err(CliError::from)?;
     Ok(ResumeOutput { report })
@@ -210,6 +254,17 @@ pub async fn resume(
 mod tests {
     use super::*;
     use ckpt_store::records::{Failure, Recovery, Started};
+
+    #[test]
+    fn a_repair_time_is_seconds_or_a_duration() {
+        assert_eq!(secs_or_duration("1"), Ok(Duration::from_secs(1)));
+        assert_eq!(secs_or_duration("0.5"), Ok(Duration::from_millis(500)));
+        assert_eq!(secs_or_duration("2m"), Ok(Duration::from_secs(120)));
+        let e = secs_or_duration("-1").unwrap_err();
+        assert!(e.contains("\"-1\""), "{e}");
+        assert!(secs_or_duration("soon").is_err());
+        assert!(secs_or_duration("1e300").is_err());
+    }
 
     #[test]
     fn the_recovery_log_prints_from_its_typed_records() {

@@ -968,6 +968,7 @@ fn recovery_bench(dir: &Path, params: &str, how: &str) {
             .ends_with("peers")
             .then(ckpt_tests::replica_agent_command),
         open: open_options(),
+        repair_after: None,
     };
     let t0 = Instant::now();
     let sup = ckpt_tests::spawn_supervisor(opts);
