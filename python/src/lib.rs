@@ -67,8 +67,7 @@ fn block_on<T, F: std::future::Future<Output = ckpt_store::Result<T>>>(
 where
     T: Send,
 {
-    py.allow_threads(|| runtime().block_on(make()))
-        .map_err(err)
+    py.allow_threads(|| runtime().block_on(make())).map_err(err)
 }
 
 fn dtype(name: &str) -> PyResult<DType> {
@@ -346,7 +345,14 @@ impl RankWriter {
     fn put<'py>(
         &self,
         py: Python<'py>,
-        tensors: Vec<(String, String, Vec<u64>, Vec<u64>, Vec<u64>, Bound<'py, PyAny>)>,
+        tensors: Vec<(
+            String,
+            String,
+            Vec<u64>,
+            Vec<u64>,
+            Vec<u64>,
+            Bound<'py, PyAny>,
+        )>,
         blobs: Vec<(String, Bound<'py, PyAny>)>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let lend = |obj: &Bound<'py, PyAny>, what: &str| -> PyResult<Bytes> {
