@@ -18,6 +18,7 @@ commits in ``finish``, so a step is visible only when complete, and ``ckpt ls``,
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
@@ -136,13 +137,15 @@ class StorageWriter(_DcpStorageWriter):
         self.rank, self.world = _dist_rank_world(kwargs)
         if self._store is None:
             self._store = _store(self._store_arg)
-        self.generation = self._store.generation(self.run)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
     def prepare_global_plan(self, plans: List[SavePlan]) -> List[SavePlan]:
-        return plans
+        # The coordinator decides what every rank must agree on: the world (the ranks of the
+        # save's process group, whichever it is) and the generation written under.
+        shared = {"world": len(plans), "generation": self._store.generation(self.run)}
+        return [dataclasses.replace(p, storage_data=shared) for p in plans]
 
     def storage_meta(self) -> Optional[StorageMeta]:
         return StorageMeta(checkpoint_id=self._checkpoint_id(), save_id=self._checkpoint_id())
@@ -150,6 +153,9 @@ class StorageWriter(_DcpStorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[List[WriteResult]]:
         if self._store is None:
             self._store = _store(self._store_arg)
+        if isinstance(plan.storage_data, dict) and "world" in plan.storage_data:
+            self.world = plan.storage_data["world"]
+            self.generation = plan.storage_data["generation"]
         writer = self._store.rank_writer(
             self.run, self.step, self.rank, self.world, self.generation
         )
@@ -224,8 +230,9 @@ def _url(store: Union[str, Store]) -> str:
 
 class StorageReader(_DcpStorageReader):
     """Load step ``step`` of run ``run`` from the ckpt store ``store``; without ``step``, the
-    newest committed step (all ranks agree on it: rank 0 chooses). An uncommitted step is never
-    read: opening one fails with ``CkptError`` (kind ``not found``)."""
+    newest committed step (all ranks agree on it: rank 0 of the default process group chooses
+    and broadcasts it, so pass ``step`` when loading with ``no_dist`` or a subgroup). An
+    uncommitted step is never read: opening one fails with ``CkptError`` (kind ``not found``)."""
 
     def __init__(
         self, store: Union[str, Store], run: str, step: Optional[int] = None
@@ -259,19 +266,31 @@ class StorageReader(_DcpStorageReader):
             self._store = _store(self._store_arg)
         step = self.step
         if step is None:
-            step = self._store.latest_committed(self.run)
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                # Every rank loads the same step, even if one is committed meanwhile.
-                chosen = [step]
+            collective = (
+                dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+            )
+            found, error = None, None
+            if not collective or dist.get_rank() == 0:
+                try:
+                    found = self._store.latest_committed(self.run)
+                except CkptError as e:
+                    error = str(e)
+            if collective:
+                # Every rank loads the step rank 0 found, even if one is committed meanwhile
+                # (and every rank fails alike when it found none).
+                chosen = [(found, error)]
                 dist.broadcast_object_list(chosen, src=0)
-                step = chosen[0]
-            if step is None:
+                found, error = chosen[0]
+            if error is not None:
+                raise CkptError(error)
+            if found is None:
                 raise CkptError(f"run {self.run!r} has no committed step")
+            step = found
         self._reader = self._store.open_step(self.run, step)
         self._dtypes = {name: dt for name, dt, _ in self._reader.tensors()}
         return self._reader
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def read_metadata(self) -> Metadata:
         reader = self._open()
         holders = [r for r, name, _ in reader.blobs() if name == METADATA_BLOB]
         if not holders:
