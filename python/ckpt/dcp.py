@@ -30,7 +30,12 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import Metadata
 from torch.distributed.checkpoint import StorageReader as _DcpStorageReader
 from torch.distributed.checkpoint import StorageWriter as _DcpStorageWriter
-from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -293,17 +298,37 @@ class StorageReader(_DcpStorageReader):
     def read_metadata(self) -> Metadata:
         reader = self._open()
         holders = [r for r, name, _ in reader.blobs() if name == METADATA_BLOB]
-        if not holders:
-            raise CkptError(
-                f"step {reader.step} of run {self.run!r} was not saved through "
-                f"torch.distributed.checkpoint: it has no {METADATA_BLOB!r} blob"
-            )
-        metadata = pickle.loads(reader.read_blob(holders[0], METADATA_BLOB))
+        if holders:
+            metadata = pickle.loads(reader.read_blob(holders[0], METADATA_BLOB))
+        else:
+            metadata = self._metadata_of_tensors(reader)
         metadata.storage_meta = StorageMeta(
             checkpoint_id=f"{_url(self._store_arg)}::{self.run}@{reader.step}",
             save_id=f"{_url(self._store_arg)}::{self.run}@{reader.step}",
         )
         return metadata
+
+    def _metadata_of_tensors(self, reader) -> Metadata:
+        """The metadata of a step not saved through DCP (``ckpt import``, the Rust
+        ``CheckpointManager``): every tensor as one chunk of its whole shape (ckpt reads any
+        box of it), named as saved; its blobs are not DCP items."""
+        md = {}
+        for name, dt, shape in reader.tensors():
+            if dt not in _FROM_CKPT:
+                raise CkptError(
+                    f"step {reader.step} of run {self.run!r}: tensor {name!r} is {dt}, "
+                    "which torch has no type for"
+                )
+            md[name] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=_FROM_CKPT[dt]),
+                size=torch.Size(shape),
+                chunks=[
+                    ChunkStorageMetadata(
+                        offsets=torch.Size([0] * len(shape)), sizes=torch.Size(shape)
+                    )
+                ],
+            )
+        return Metadata(state_dict_metadata=md, storage_data={})
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any

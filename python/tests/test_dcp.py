@@ -172,3 +172,22 @@ def test_bad_input_gets_an_error_naming_it(tmp_path):
         w.put([("t", "f32", [2], [0], [2], numpy.zeros(6, dtype=numpy.uint8))])
     with pytest.raises(ckpt.CkptError, match='tensor "t".*not of bytes'):
         w.put([("t", "f32", [2], [0], [2], numpy.zeros(2, dtype=numpy.float32))])
+
+
+def test_the_reader_loads_a_step_written_by_ckpt_import(tmp_path, ckpt_bin):
+    from safetensors.torch import save_file
+
+    store, st = tmp_path / "store", tmp_path / "model.safetensors"
+    full = full_state()
+    want = {k: v.contiguous() for k, v in flat({"model": full["model"], "emb": full["emb"]})}
+    save_file(want, str(st))
+    subprocess.run(
+        [str(ckpt_bin), "import", "--run", "imp", "--step", "3", str(st)],
+        env={"CKPT_STORE": str(store)},
+        check=True,
+    )
+    got = placeholder({"model": full["model"], "emb": full["emb"]})
+    reader = StorageReader(str(store), run="imp")
+    dcp.load(got, storage_reader=reader)
+    assert reader.checkpoint_step == 3
+    assert_same(got, {"model": full["model"], "emb": full["emb"]}, "imported step")
