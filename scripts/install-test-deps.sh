@@ -5,6 +5,8 @@
 #   - s3s-fs 0.14.1, a real S3-compatible server that checks signatures (newer releases need a
 #     newer rustc than this machine's), into .ci-tools/bin
 #   - Python's reference safetensors and numpy, into .ci-tools/venv (interop tests)
+#   - PyTorch (CPU), pytest and maturin, into .ci-tools/venv (the Python package's tests,
+#     scripts/test-python.sh): torch from PyTorch's CPU index, else from PyPI
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 tools="$root/.ci-tools"
@@ -37,4 +39,14 @@ fi
 if ! "$tools/venv/bin/python" -c 'import safetensors, numpy' >/dev/null 2>&1; then
   echo "installing Python safetensors and numpy"
   "$tools/venv/bin/pip" install -q --disable-pip-version-check safetensors numpy
+fi
+if ! "$tools/venv/bin/python" -c 'import pytest, maturin' >/dev/null 2>&1; then
+  echo "installing Python pytest and maturin"
+  "$tools/venv/bin/pip" install -q --disable-pip-version-check pytest 'maturin>=1.5,<2'
+fi
+if ! "$tools/venv/bin/python" -c 'import torch' >/dev/null 2>&1; then
+  echo "installing PyTorch (CPU index first, else PyPI)"
+  "$tools/venv/bin/pip" install -q --disable-pip-version-check torch \
+      --index-url https://download.pytorch.org/whl/cpu ||
+    "$tools/venv/bin/pip" install -q --disable-pip-version-check torch
 fi

@@ -16,3 +16,5 @@ else
   cargo test --workspace --features "$features" --no-fail-fast "$@"
 fi
 cargo test --workspace --features "$features" --doc
+# The Python package (PyTorch's distributed checkpoint backend): pytest on CPU torch.
+scripts/test-python.sh

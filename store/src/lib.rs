@@ -105,4 +105,4 @@ pub use wrap::{
     Fault, FaultAction, FaultHandle, FaultOp, FaultyStore, MetricsSnapshot, MetricsStore,
     RandomFaultStats, RandomFaults, StoreMetrics,
 };
-pub use writer::{BlobIn, RankWrite, ShardIn, ShardMeta, assemble_manifest};
+pub use writer::{BlobIn, RankParts, RankWrite, ShardIn, ShardMeta, assemble_manifest};

@@ -276,6 +276,195 @@ impl Store {
     }
 }
 
+/// A rank's part of a step written in batches ([`Store::put_rank_part`]) before its manifest
+/// ([`Store::write_rank_parts`]): for writers that get their items a few at a time (PyTorch's
+/// distributed checkpoint hands a rank's items to `write_data`, and its coordinator adds the
+/// step's metadata later, in `finish`). Every batch is checked like [`Store::write_rank`]'s
+/// input; nothing is visible until the manifest is written.
+#[derive(Debug)]
+pub struct RankParts {
+    w: RankWrite,
+    tensors: Vec<(TensorShard, usize)>,
+    blobs: Vec<(String, u64, usize)>,
+    blob_refs: Vec<ChunkRef>,
+    logical: u64,
+    stats: PutStats,
+}
+
+impl RankParts {
+    /// An empty part of `w`'s step.
+    pub fn new(w: RankWrite) -> Result<Self> {
+        validate_run(&w.run)?;
+        w.layout.validate()?;
+        if w.rank >= w.layout.world() {
+            return Err(Error::invalid(format!(
+                "rank {} of run {} step {}: the layout {} has {} ranks",
+                w.rank,
+                w.run,
+                w.step,
+                w.layout,
+                w.layout.world()
+            )));
+        }
+        Ok(RankParts {
+            w,
+            tensors: Vec::new(),
+            blobs: Vec::new(),
+            blob_refs: Vec::new(),
+            logical: 0,
+            stats: PutStats::default(),
+        })
+    }
+
+    /// Who and what the part is for.
+    pub fn write(&self) -> &RankWrite {
+        &self.w
+    }
+
+    /// What the batches so far cost.
+    pub fn stats(&self) -> &PutStats {
+        &self.stats
+    }
+}
+
+fn add_stats(to: &mut PutStats, o: &PutStats) {
+    to.chunks += o.chunks;
+    to.bytes += o.bytes;
+    to.chunks_skipped += o.chunks_skipped;
+    to.bytes_skipped += o.bytes_skipped;
+    to.objects_written += o.objects_written;
+    to.bytes_written += o.bytes_written;
+    for (k, v) in &o.raw_by_codec {
+        *to.raw_by_codec.entry(k.clone()).or_default() += v;
+    }
+    for (k, v) in &o.stored_by_codec {
+        *to.stored_by_codec.entry(k.clone()).or_default() += v;
+    }
+    to.seconds += o.seconds;
+}
+
+impl Store {
+    /// Write the chunks of a batch of `part`'s shards and blobs (one [`Store::put_chunks`], so
+    /// small chunks of the batch share packs) and remember their references for the manifest.
+    /// A shard whose bytes do not fill its box, whose box does not fit its shape, or whose name
+    /// is not allowed is refused, naming it, before anything is written. Returns what this
+    /// batch cost.
+    pub async fn put_rank_part(
+        &self,
+        part: &mut RankParts,
+        shards: Vec<ShardIn>,
+        blobs: Vec<BlobIn>,
+        index: &DedupIndex,
+    ) -> Result<PutStats> {
+        let mut chunks: Vec<ChunkIn> = Vec::new();
+        let mut counts = Vec::with_capacity(shards.len());
+        let mut logical = 0u64;
+        for s in &shards {
+            validate_name(&s.name)?;
+            if !s.bbox.within(&s.shape) {
+                return Err(Error::invalid(format!(
+                    "tensor {:?}: box {} does not fit the shape {:?}",
+                    s.name, s.bbox, s.shape
+                )));
+            }
+            let start = chunks.len();
+            match (&s.data, s.replica_of) {
+                (Some(d), None) => {
+                    let want = s.bbox.numel() * s.dtype.size() as u64;
+                    if d.len() as u64 != want {
+                        return Err(Error::invalid(format!(
+                            "tensor {:?} box {}: {} bytes given, {want} expected ({} x {})",
+                            s.name,
+                            s.bbox,
+                            d.len(),
+                            s.bbox.numel(),
+                            s.dtype
+                        )));
+                    }
+                    logical += want;
+                    let elem = if s.dtype.is_float() {
+                        s.dtype.size() as u8
+                    } else {
+                        1
+                    };
+                    for r in self.chunk_spans(want) {
+                        chunks.push(ChunkIn {
+                            data: d.slice(r.start as usize..r.end as usize),
+                            elem,
+                        });
+                    }
+                }
+                (None, Some(_)) => {}
+                _ => {
+                    return Err(Error::invalid(format!(
+                        "tensor {:?}: a shard needs either bytes or replica_of, not both or neither",
+                        s.name
+                    )));
+                }
+            }
+            counts.push(chunks.len() - start);
+        }
+        let shard_chunks = chunks.len();
+        for b in &blobs {
+            validate_name(&b.name)?;
+            logical += b.data.len() as u64;
+            for r in self.chunk_spans(b.data.len() as u64) {
+                chunks.push(ChunkIn {
+                    data: b.data.slice(r.start as usize..r.end as usize),
+                    elem: 1,
+                });
+            }
+        }
+        let put = self.put_chunks(stream::iter(chunks), index).await?;
+        let mut at = 0usize;
+        for (s, n) in shards.into_iter().zip(counts) {
+            part.tensors.push((
+                TensorShard {
+                    name: s.name,
+                    dtype: s.dtype,
+                    shape: s.shape,
+                    bbox: s.bbox,
+                    chunks: put.refs[at..at + n].to_vec(),
+                    replica_of: s.replica_of,
+                    placement: s.placement,
+                },
+                0,
+            ));
+            at += n;
+        }
+        debug_assert_eq!(at, shard_chunks);
+        for b in blobs {
+            let n = self.chunk_spans(b.data.len() as u64).count();
+            part.blobs.push((b.name, b.data.len() as u64, n));
+            part.blob_refs.extend_from_slice(&put.refs[at..at + n]);
+            at += n;
+        }
+        part.logical += logical;
+        add_stats(&mut part.stats, &put.stats);
+        Ok(put.stats)
+    }
+
+    /// Write the manifest of `part` (after all its batches): from then on the rank's part of
+    /// the step is complete, and a committer can count it. Returns the manifest, its entry for
+    /// the commit record, and what all batches cost.
+    pub async fn write_rank_parts(
+        &self,
+        part: RankParts,
+    ) -> Result<(RankManifest, RankEntry, PutStats)> {
+        let manifest = assemble_manifest(
+            &part.w,
+            part.tensors,
+            part.blobs,
+            &part.blob_refs,
+            part.logical,
+            &part.stats,
+        )?;
+        self.failpoints().hit("after_chunks").await?;
+        let entry = self.write_rank_manifest(&manifest).await?;
+        Ok((manifest, entry, part.stats))
+    }
+}
+
 /// Reused chunks must be what [`Store::chunk_spans`] cuts the shard into: as many, each as
 /// long, and never for a replica.
 fn check_reuse(store: &Store, s: &ShardMeta, refs: &[ChunkRef]) -> Result<()> {
@@ -457,5 +646,60 @@ mod tests {
             .unwrap_err();
         assert_eq!(e.kind(), crate::error::ErrorKind::InvalidInput, "{e}");
         assert!(e.to_string().contains("tensor \"a\""), "{e}");
+    }
+
+    /// A rank written in batches reads back like one written at once: tensors of both batches,
+    /// and the blob added last; a bad shard in a later batch is refused naming it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_rank_written_in_batches_reads_back() {
+        let store = memory_store(tiny_config());
+        let w = RankWrite {
+            run: "r".into(),
+            step: 1,
+            rank: 0,
+            layout: Layout::SINGLE,
+            generation: 0,
+        };
+        let shard = |name: &str, data: &[u8]| ShardIn {
+            name: name.into(),
+            dtype: DType::U8,
+            shape: vec![data.len() as u64],
+            bbox: NdBox::full(&[data.len() as u64]),
+            data: Some(Bytes::from(data.to_vec())),
+            replica_of: None,
+            placement: None,
+        };
+        let (a, b) = (det_bytes(1, 10_000), det_bytes(2, 300));
+        let idx = DedupIndex::new();
+        let mut part = RankParts::new(w).unwrap();
+        store
+            .put_rank_part(&mut part, vec![shard("a", &a)], vec![], &idx)
+            .await
+            .unwrap();
+        let mut bad = shard("bad", &b);
+        bad.shape = vec![10];
+        let e = store
+            .put_rank_part(&mut part, vec![bad], vec![], &idx)
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("\"bad\""), "{e}");
+        store
+            .put_rank_part(
+                &mut part,
+                vec![shard("b", &b)],
+                vec![BlobIn {
+                    name: "meta".into(),
+                    data: Bytes::from_static(b"hello"),
+                }],
+                &idx,
+            )
+            .await
+            .unwrap();
+        store.write_rank_parts(part).await.unwrap();
+        store.commit_step("r", 1).await.unwrap();
+        let reader = crate::read::StepReader::open(&store, "r", 1).await.unwrap();
+        assert_eq!(reader.read_tensor("a").await.unwrap(), a);
+        assert_eq!(reader.read_tensor("b").await.unwrap(), b);
+        assert_eq!(reader.read_blob(0, "meta").await.unwrap(), b"hello");
     }
 }

@@ -1,0 +1,390 @@
+"""A storage backend of PyTorch Distributed Checkpoint (``torch.distributed.checkpoint``).
+
+Existing DCP code switches by changing one argument::
+
+    import torch.distributed.checkpoint as dcp
+    from ckpt.dcp import StorageWriter, StorageReader
+    dcp.save(state_dict, storage_writer=StorageWriter("/data/ckpts", run="llama", step=100))
+    dcp.load(state_dict, storage_reader=StorageReader("/data/ckpts", run="llama"))  # newest
+
+DCP's planners keep doing the resharding. Every tensor write item becomes a shard of an
+ordinary ckpt tensor (its name the fully qualified name, its box the item's chunk offsets and
+sizes), cut into content-addressed chunks (dedup, codecs, blake3); ``BytesIO`` items (and the
+non-tensor values DCP pickles) become blobs of the rank that wrote them. Each rank writes its
+manifest; the coordinator adds DCP's ``Metadata`` (pickled, as the blob ``dcp.metadata``) and
+commits in ``finish``, so a step is visible only when complete, and ``ckpt ls``, ``inspect``,
+``verify``, ``export`` work on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import pickle
+from typing import Any, List, Optional, Union
+
+import numpy
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import Metadata
+from torch.distributed.checkpoint import StorageReader as _DcpStorageReader
+from torch.distributed.checkpoint import StorageWriter as _DcpStorageWriter
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from ckpt._native import CkptError, Store
+
+__all__ = ["StorageWriter", "StorageReader", "METADATA_BLOB"]
+
+#: The blob of the coordinator's rank that holds DCP's pickled ``Metadata``.
+METADATA_BLOB = "dcp.metadata"
+
+_TO_CKPT = {
+    torch.float64: "f64",
+    torch.float32: "f32",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int16: "i16",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "bool",
+}
+for _name, _ck in (
+    ("float8_e4m3fn", "f8_e4m3"),
+    ("float8_e5m2", "f8_e5m2"),
+    ("uint16", "u16"),
+    ("uint32", "u32"),
+    ("uint64", "u64"),
+):
+    if hasattr(torch, _name):
+        _TO_CKPT[getattr(torch, _name)] = _ck
+_FROM_CKPT = {v: k for k, v in _TO_CKPT.items()}
+
+
+def _ckpt_dtype(t: torch.Tensor, fqn: str) -> str:
+    try:
+        return _TO_CKPT[t.dtype]
+    except KeyError:
+        raise CkptError(
+            f"tensor {fqn!r}: dtype {t.dtype} has no ckpt type "
+            f"(supported: {', '.join(str(d) for d in _TO_CKPT)})"
+        ) from None
+
+
+def _bytes_view(t: torch.Tensor):
+    """The bytes of a contiguous CPU tensor as a numpy uint8 array sharing its memory (the
+    buffer protocol; bf16 and float8 included, which numpy cannot name)."""
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _store(store: Union[str, Store]) -> Store:
+    return store if isinstance(store, Store) else Store(str(store))
+
+
+def _dist_rank_world(kwargs: dict) -> "tuple[int, int]":
+    if dist.is_available() and dist.is_initialized():
+        return int(kwargs.get("rank", dist.get_rank())), dist.get_world_size()
+    return 0, 1
+
+
+class StorageWriter(_DcpStorageWriter):
+    """Save step ``step`` of run ``run`` into the ckpt store ``store`` (a path or a URL as the
+    ``ckpt`` CLI takes it, or a ``ckpt.Store``)."""
+
+    def __init__(self, store: Union[str, Store], run: str, step: int) -> None:
+        super().__init__()
+        self._store_arg = store
+        self.run = run
+        self.step = int(step)
+        self._store: Optional[Store] = None
+        self._writer = None
+        self.is_coordinator = False
+        self.rank, self.world = 0, 1
+        self.generation = 0
+        #: What this rank's writes cost (chunks, chunks_skipped, chunks_written, bytes...),
+        #: once its manifest is written.
+        self.report: Optional[dict] = None
+
+    # -- DCP's StorageWriter -------------------------------------------------------------
+
+    def reset(self, checkpoint_id: Union[str, "os.PathLike[str]", None] = None) -> None:
+        if checkpoint_id is not None:
+            raise CkptError(
+                "ckpt.dcp.StorageWriter takes its store, run and step in its constructor, "
+                f"not a checkpoint_id ({checkpoint_id!r})"
+            )
+        self._writer = None
+        self.report = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Union[str, "os.PathLike[str]"]) -> bool:
+        return False
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank, self.world = _dist_rank_world(kwargs)
+        if self._store is None:
+            self._store = _store(self._store_arg)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: List[SavePlan]) -> List[SavePlan]:
+        # The coordinator decides what every rank must agree on: the world (the ranks of the
+        # save's process group, whichever it is) and the generation written under.
+        shared = {"world": len(plans), "generation": self._store.generation(self.run)}
+        return [dataclasses.replace(p, storage_data=shared) for p in plans]
+
+    def storage_meta(self) -> Optional[StorageMeta]:
+        return StorageMeta(checkpoint_id=self._checkpoint_id(), save_id=self._checkpoint_id())
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[List[WriteResult]]:
+        if self._store is None:
+            self._store = _store(self._store_arg)
+        if isinstance(plan.storage_data, dict) and "world" in plan.storage_data:
+            self.world = plan.storage_data["world"]
+            self.generation = plan.storage_data["generation"]
+        writer = self._store.rank_writer(
+            self.run, self.step, self.rank, self.world, self.generation
+        )
+        tensors, blobs, keep, results = [], [], [], []
+        for item in plan.items:
+            fqn = item.index.fqn
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                raw = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
+                keep.append(data)
+                buf = numpy.frombuffer(raw, dtype=numpy.uint8)  # the same memory
+                blobs.append((fqn, buf))
+                size = buf.nbytes
+                where = {"rank": self.rank, "blob": fqn}
+            else:
+                t = data.detach()
+                if t.device.type != "cpu":
+                    t = t.cpu()
+                t = t.contiguous()
+                keep.append(t)
+                chunk = item.tensor_data.chunk
+                tensors.append(
+                    (
+                        fqn,
+                        _ckpt_dtype(t, fqn),
+                        list(item.tensor_data.size),
+                        list(chunk.offsets),
+                        list(chunk.sizes),
+                        _bytes_view(t),
+                    )
+                )
+                size = t.numel() * t.element_size()
+                where = {"rank": self.rank, "tensor": fqn}
+            results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=where))
+        writer.put(tensors, blobs)
+        del keep, tensors, blobs
+        if self.is_coordinator:
+            # The coordinator's manifest also holds DCP's metadata, which `finish` brings.
+            self._writer = writer
+        else:
+            self.report = writer.finish()
+        fut: Future[List[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
+        storage_md = {}
+        for wr_list in results:
+            storage_md.update({wr.index: wr.storage_data for wr in wr_list})
+        metadata.storage_data = storage_md
+        # What ties the metadata to this step stays out of the blob, so saving the same state
+        # again stores the same bytes (no new chunk); `read_metadata` puts it back.
+        metadata.storage_meta = None
+        blob = pickle.dumps(metadata, protocol=4)
+        writer = self._writer
+        if writer is None:
+            raise CkptError(
+                f"run {self.run!r} step {self.step}: finish without write_data on the coordinator"
+            )
+        self._writer = None
+        writer.put([], [(METADATA_BLOB, blob)])
+        self.report = writer.finish()
+        self._store.commit(self.run, self.step, self.generation)
+
+    def _checkpoint_id(self) -> str:
+        return f"{_url(self._store_arg)}::{self.run}@{self.step}"
+
+
+def _url(store: Union[str, Store]) -> str:
+    return store.url if isinstance(store, Store) else str(store)
+
+
+class StorageReader(_DcpStorageReader):
+    """Load step ``step`` of run ``run`` from the ckpt store ``store``; without ``step``, the
+    newest committed step (all ranks agree on it: rank 0 of the default process group chooses
+    and broadcasts it, so pass ``step`` when loading with ``no_dist`` or a subgroup). An
+    uncommitted step is never read: opening one fails with ``CkptError`` (kind ``not found``)."""
+
+    def __init__(
+        self, store: Union[str, Store], run: str, step: Optional[int] = None
+    ) -> None:
+        super().__init__()
+        self._store_arg = store
+        self.run = run
+        self.step = None if step is None else int(step)
+        self._store: Optional[Store] = None
+        self._reader = None
+        self._dtypes: dict = {}
+        self.storage_data: dict = {}
+        self.is_coordinator = False
+
+    def reset(self, checkpoint_id: Union[str, "os.PathLike[str]", None] = None) -> None:
+        if checkpoint_id is not None:
+            raise CkptError(
+                "ckpt.dcp.StorageReader takes its store, run and step in its constructor, "
+                f"not a checkpoint_id ({checkpoint_id!r})"
+            )
+        self.storage_data = {}
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Union[str, "os.PathLike[str]"]) -> bool:
+        return False
+
+    def _open(self):
+        if self._reader is not None:
+            return self._reader
+        if self._store is None:
+            self._store = _store(self._store_arg)
+        step = self.step
+        if step is None:
+            collective = (
+                dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+            )
+            found, error = None, None
+            if not collective or dist.get_rank() == 0:
+                try:
+                    found = self._store.latest_committed(self.run)
+                except CkptError as e:
+                    error = str(e)
+            if collective:
+                # Every rank loads the step rank 0 found, even if one is committed meanwhile
+                # (and every rank fails alike when it found none).
+                chosen = [(found, error)]
+                dist.broadcast_object_list(chosen, src=0)
+                found, error = chosen[0]
+            if error is not None:
+                raise CkptError(error)
+            if found is None:
+                raise CkptError(f"run {self.run!r} has no committed step")
+            step = found
+        self._reader = self._store.open_step(self.run, step)
+        self._dtypes = {name: dt for name, dt, _ in self._reader.tensors()}
+        return self._reader
+
+    def read_metadata(self) -> Metadata:
+        reader = self._open()
+        holders = [r for r, name, _ in reader.blobs() if name == METADATA_BLOB]
+        if holders:
+            metadata = pickle.loads(reader.read_blob(holders[0], METADATA_BLOB))
+        else:
+            metadata = self._metadata_of_tensors(reader)
+        metadata.storage_meta = StorageMeta(
+            checkpoint_id=f"{_url(self._store_arg)}::{self.run}@{reader.step}",
+            save_id=f"{_url(self._store_arg)}::{self.run}@{reader.step}",
+        )
+        return metadata
+
+    def _metadata_of_tensors(self, reader) -> Metadata:
+        """The metadata of a step not saved through DCP (``ckpt import``, the Rust
+        ``CheckpointManager``): every tensor as one chunk of its whole shape (ckpt reads any
+        box of it), named as saved; its blobs are not DCP items."""
+        md = {}
+        for name, dt, shape in reader.tensors():
+            if dt not in _FROM_CKPT:
+                raise CkptError(
+                    f"step {reader.step} of run {self.run!r}: tensor {name!r} is {dt}, "
+                    "which torch has no type for"
+                )
+            md[name] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=_FROM_CKPT[dt]),
+                size=torch.Size(shape),
+                chunks=[
+                    ChunkStorageMetadata(
+                        offsets=torch.Size([0] * len(shape)), sizes=torch.Size(shape)
+                    )
+                ],
+            )
+        return Metadata(state_dict_metadata=md, storage_data={})
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        self.storage_data = metadata.storage_data
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: List[LoadPlan]) -> List[LoadPlan]:
+        return plans
+
+    @property
+    def checkpoint_step(self) -> Optional[int]:
+        """The step read (known once the metadata was read)."""
+        return None if self._reader is None else self._reader.step
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        reader = self._open()
+        for req in plan.items:
+            where = self.storage_data.get(req.storage_index)
+            if req.type == LoadItemType.BYTE_IO:
+                if where is None or "blob" not in where:
+                    raise CkptError(
+                        f"step {reader.step} of run {self.run!r}: no blob for "
+                        f"{req.storage_index.fqn!r} in its metadata"
+                    )
+                data = reader.read_blob(where["rank"], where["blob"])
+                planner.load_bytes(req, io.BytesIO(data))
+                continue
+            fqn = req.storage_index.fqn
+            name = where["tensor"] if where and "tensor" in where else fqn
+            base = req.storage_index.offset or [0] * len(req.lengths)
+            offsets = [int(b) + int(o) for b, o in zip(base, req.storage_offsets)]
+            sizes = [int(n) for n in req.lengths]
+            try:
+                dtype = _FROM_CKPT[self._dtypes[name]]
+            except KeyError:
+                raise CkptError(
+                    f"step {reader.step} of run {self.run!r}: no tensor {name!r} "
+                    f"of a type torch knows"
+                ) from None
+            target = planner.resolve_tensor(req).detach()
+            if list(target.size()) != sizes:
+                raise CkptError(
+                    f"tensor {name!r}: the planner's target has shape {list(target.size())}, "
+                    f"the region read {sizes}"
+                )
+            if target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous():
+                reader.read_into(name, offsets, sizes, _bytes_view(target))
+            else:
+                tmp = torch.empty(sizes, dtype=dtype)
+                reader.read_into(name, offsets, sizes, _bytes_view(tmp))
+                target.copy_(tmp)
+            planner.commit_tensor(req, target)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut

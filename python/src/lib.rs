@@ -1,0 +1,524 @@
+//! `ckpt._native`: the thin Python layer over `ckpt-store` that `ckpt.dcp` (PyTorch's
+//! distributed checkpoint backend) is built on.
+//!
+//! It opens a store by path or URL as the CLI does, writes a rank's items of a step as ckpt
+//! chunks in batches ([`ckpt_store::RankParts`]) and then the rank's manifest, commits a step,
+//! lists committed steps, and reads any box of a committed tensor into a caller's writable
+//! buffer, and blobs. Tensor bytes come in and go out through the buffer protocol without a
+//! copy on the Python side; hashing, compression and I/O run with the GIL released. Every
+//! error is a `ckpt.CkptError` whose message is ckpt's (it names the tensor or object) and
+//! whose `kind` is the `ErrorKind` (`"not found"`, `"damaged data"`, ...).
+
+use std::ffi::c_void;
+use std::sync::{Arc, OnceLock};
+
+use bytes::Bytes;
+use ckpt_store::{
+    BlobIn, DType, DedupIndex, Error, Layout, NdBox, RankParts, RankWrite, ShardIn, WriterLease,
+    writer_id,
+};
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyTuple};
+
+create_exception!(
+    _native,
+    CkptError,
+    PyException,
+    "An error of ckpt: the message names what is wrong and where; `kind` is its kind."
+);
+
+/// The process's runtime for the store's I/O (created on first use).
+fn runtime() -> &'static tokio::runtime::Runtime {
+    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .thread_name("ckpt-io")
+            .build()
+            .expect("starting ckpt's I/O runtime")
+    })
+}
+
+fn err(e: Error) -> PyErr {
+    let kind = e.kind().as_str();
+    Python::with_gil(|py| {
+        let exc = CkptError::new_err(e.to_string());
+        let _ = exc.value(py).setattr("kind", kind);
+        exc
+    })
+}
+
+/// Run `f` on the runtime with the GIL released.
+fn block<T: Send>(
+    py: Python<'_>,
+    f: impl std::future::Future<Output = ckpt_store::Result<T>> + Send,
+) -> PyResult<T> {
+    py.allow_threads(|| runtime().block_on(f)).map_err(err)
+}
+
+/// [`block`] for a future that is built on the calling thread once the GIL is released and
+/// never leaves it (no `Send` needed of the future).
+fn block_on<T, F: std::future::Future<Output = ckpt_store::Result<T>>>(
+    py: Python<'_>,
+    make: impl FnOnce() -> F + Send,
+) -> PyResult<T>
+where
+    T: Send,
+{
+    py.allow_threads(|| runtime().block_on(make())).map_err(err)
+}
+
+fn dtype(name: &str) -> PyResult<DType> {
+    name.parse::<DType>().map_err(err)
+}
+
+fn nd_box(offsets: Vec<u64>, sizes: Vec<u64>) -> PyResult<NdBox> {
+    NdBox::new(offsets, sizes).map_err(err)
+}
+
+/// The bytes of a Python object, lent to Rust while the call that took them runs: a `bytes`,
+/// or a C-contiguous array of bytes that describes itself with numpy's `__array_interface__`
+/// (`ckpt.dcp` hands a tensor's memory as `tensor.view(torch.uint8).numpy()`, no copy).
+/// The buffer protocol would be the natural way, but it is not in Python's limited API before
+/// 3.11, and the module is built once for every CPython >= 3.9 (abi3).
+struct Lent {
+    ptr: *const u8,
+    len: usize,
+    /// The object, kept alive (and so its memory) while the bytes are lent.
+    _owner: Py<PyAny>,
+}
+
+// SAFETY: the memory belongs to `_owner`, which the `Lent` keeps alive; the owners of the
+// objects lent (numpy arrays over tensors, `bytes`) do not move or free their memory while
+// referenced. Python code may write into it meanwhile (a training loop that does not wait for
+// its save), which is the caller's race, as with any buffer.
+unsafe impl Send for Lent {}
+unsafe impl Sync for Lent {}
+
+impl AsRef<[u8]> for Lent {
+    fn as_ref(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: see `Lent`; `_owner` keeps `len` bytes at `ptr` alive and in place.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl Lent {
+    /// Lend `obj`'s bytes; `writable`: refuse read-only memory.
+    fn of(obj: &Bound<'_, PyAny>, what: &str, writable: bool) -> PyResult<Lent> {
+        if let Ok(b) = obj.downcast::<PyBytes>() {
+            if writable {
+                return Err(CkptError::new_err(format!("{what}: bytes are read-only")));
+            }
+            let data = b.as_bytes();
+            return Ok(Lent {
+                ptr: data.as_ptr(),
+                len: data.len(),
+                _owner: obj.clone().unbind(),
+            });
+        }
+        let bad = |why: String| CkptError::new_err(format!("{what}: {why}"));
+        let ai = obj.getattr("__array_interface__").map_err(|_| {
+            bad(format!(
+                "a {} is neither bytes nor an array of bytes (numpy's __array_interface__)",
+                obj.get_type()
+                    .name()
+                    .map(|n| n.to_string())
+                    .unwrap_or_default()
+            ))
+        })?;
+        let ai = ai
+            .downcast::<PyDict>()
+            .map_err(|_| bad("__array_interface__ is not a dict".into()))?;
+        let get = |k: &str| -> PyResult<Bound<'_, PyAny>> {
+            ai.get_item(k)?
+                .ok_or_else(|| bad(format!("__array_interface__ has no {k:?}")))
+        };
+        let typestr: String = get("typestr")?.extract()?;
+        if typestr != "|u1" {
+            return Err(bad(format!(
+                "an array of {typestr}, not of bytes (|u1): view the tensor as torch.uint8"
+            )));
+        }
+        if let Some(strides) = ai.get_item("strides")?
+            && !strides.is_none()
+        {
+            return Err(bad("the array is not C-contiguous".into()));
+        }
+        let shape = get("shape")?;
+        let shape = shape
+            .downcast::<PyTuple>()
+            .map_err(|_| bad("its shape is not a tuple".into()))?;
+        let mut len = 1usize;
+        for d in shape.iter() {
+            len = len
+                .checked_mul(d.extract::<usize>()?)
+                .ok_or_else(|| bad("its size overflows".into()))?;
+        }
+        let (ptr, readonly): (usize, bool) = get("data")?.extract()?;
+        if writable && readonly {
+            return Err(bad("the array is read-only".into()));
+        }
+        if ptr == 0 && len != 0 {
+            return Err(bad("the array has no data".into()));
+        }
+        Ok(Lent {
+            ptr: ptr as *const u8,
+            len,
+            _owner: obj.clone().unbind(),
+        })
+    }
+}
+
+/// A store, opened by path or URL as `ckpt` takes it (`/data/ckpts`, `s3://bucket/prefix`).
+#[pyclass(module = "ckpt._native", frozen)]
+struct Store {
+    store: ckpt_store::Store,
+    url: String,
+}
+
+#[pymethods]
+impl Store {
+    #[new]
+    fn new(py: Python<'_>, url: &str) -> PyResult<Self> {
+        let u = url.to_string();
+        let store = block(py, async move { ckpt_store::open(&u) })?;
+        Ok(Store {
+            store,
+            url: url.to_string(),
+        })
+    }
+
+    /// The URL the store was opened with.
+    #[getter]
+    fn url(&self) -> String {
+        self.url.clone()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("ckpt._native.Store({:?})", self.url)
+    }
+
+    /// The committed steps of `run`, oldest first.
+    fn committed_steps(&self, py: Python<'_>, run: &str) -> PyResult<Vec<u64>> {
+        block(py, self.store.committed_steps(run))
+    }
+
+    /// The newest committed step of `run`, or None.
+    fn latest_committed(&self, py: Python<'_>, run: &str) -> PyResult<Option<u64>> {
+        block(py, self.store.latest_committed(run))
+    }
+
+    /// The newest generation started for `run` (0 when none was).
+    fn generation(&self, py: Python<'_>, run: &str) -> PyResult<u64> {
+        Ok(block(py, self.store.newest_generation(run))?.unwrap_or(0))
+    }
+
+    /// Start `rank`'s part of `step` of `run` in a world of `world` ranks. Takes a writer
+    /// lease and, when `run` has a committed step before `step`, skips the chunks this rank
+    /// wrote there (dedup).
+    #[pyo3(signature = (run, step, rank, world, generation=0))]
+    fn rank_writer(
+        &self,
+        py: Python<'_>,
+        run: &str,
+        step: u64,
+        rank: u32,
+        world: u32,
+        generation: u64,
+    ) -> PyResult<RankWriter> {
+        let layout = Layout::new(world, 1, 1, 0).map_err(err)?;
+        let parts = RankParts::new(RankWrite {
+            run: run.to_string(),
+            step,
+            rank,
+            layout,
+            generation,
+        })
+        .map_err(err)?;
+        let store = self.store.clone();
+        let run = run.to_string();
+        let (lease, index) = block(py, async move {
+            let base = store
+                .committed_steps(&run)
+                .await?
+                .into_iter()
+                .rfind(|&s| s < step);
+            let candidates: Vec<u64> = base.into_iter().collect();
+            let lease = store
+                .lease_dedup_base(&run, &writer_id(rank, generation), &candidates)
+                .await?;
+            let index = DedupIndex::new();
+            if let Some(b) = lease.base() {
+                let seeded = async {
+                    let reader = ckpt_store::StepReader::open(&store, &run, b).await?;
+                    if reader.commit().ranks.iter().any(|r| r.rank == rank) {
+                        let m = reader.manifest(rank).await?;
+                        index.extend(m.tensors.iter().flat_map(|t| t.chunks.iter()));
+                        index.extend(m.blobs.iter().flat_map(|b| b.chunks.iter()));
+                    }
+                    Ok::<_, Error>(())
+                }
+                .await;
+                if let Err(e) = seeded {
+                    let _ = store.release_lease(lease).await;
+                    return Err(e);
+                }
+            }
+            Ok((lease, index))
+        })?;
+        Ok(RankWriter {
+            store: self.store.clone(),
+            parts: std::sync::Mutex::new(Some(parts)),
+            lease: std::sync::Mutex::new(Some(lease)),
+            index,
+        })
+    }
+
+    /// Commit `step` of `run` once every rank's manifest is written (the coordinator's
+    /// `finish`): checks coverage and writes the commit record. Returns the step's id.
+    #[pyo3(signature = (run, step, generation=None))]
+    fn commit(
+        &self,
+        py: Python<'_>,
+        run: &str,
+        step: u64,
+        generation: Option<u64>,
+    ) -> PyResult<String> {
+        let outcome = block(py, self.store.commit_step_as(run, step, generation))?;
+        Ok(match outcome {
+            ckpt_store::CommitOutcome::Committed(_, id) => id.to_string(),
+            ckpt_store::CommitOutcome::AlreadyCommitted(_, id) => id.to_string(),
+        })
+    }
+
+    /// Open committed `step` of `run` for reading (the newest committed step when None).
+    #[pyo3(signature = (run, step=None))]
+    fn open_step(&self, py: Python<'_>, run: &str, step: Option<u64>) -> PyResult<StepReader> {
+        let store = self.store.clone();
+        let run = run.to_string();
+        let reader = block(py, async move {
+            match step {
+                Some(s) => ckpt_store::StepReader::open(&store, &run, s).await,
+                None => ckpt_store::StepReader::open_latest(&store, &run).await,
+            }
+        })?;
+        Ok(StepReader {
+            reader: Arc::new(reader),
+        })
+    }
+}
+
+/// One rank's part of a step: `put` batches of tensors and blobs, then `finish` (the manifest).
+#[pyclass(module = "ckpt._native", frozen)]
+struct RankWriter {
+    store: ckpt_store::Store,
+    parts: std::sync::Mutex<Option<RankParts>>,
+    lease: std::sync::Mutex<Option<WriterLease>>,
+    index: DedupIndex,
+}
+
+fn stats_dict<'py>(py: Python<'py>, s: &ckpt_store::PutStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("chunks", s.chunks)?;
+    d.set_item("bytes", s.bytes)?;
+    d.set_item("chunks_skipped", s.chunks_skipped)?;
+    d.set_item("bytes_skipped", s.bytes_skipped)?;
+    d.set_item("chunks_written", s.chunks - s.chunks_skipped)?;
+    d.set_item("objects_written", s.objects_written)?;
+    d.set_item("bytes_written", s.bytes_written)?;
+    Ok(d)
+}
+
+#[pymethods]
+impl RankWriter {
+    /// Write a batch: `tensors` is a list of `(name, dtype, shape, offsets, sizes, buffer)`
+    /// (ckpt's dtype name, the global shape, this item's box, and the box's bytes in row-major
+    /// order as any C-contiguous buffer), `blobs` a list of `(name, buffer)`. Returns what the
+    /// batch wrote.
+    #[allow(clippy::type_complexity)]
+    #[pyo3(signature = (tensors, blobs=Vec::new()))]
+    fn put<'py>(
+        &self,
+        py: Python<'py>,
+        tensors: Vec<(
+            String,
+            String,
+            Vec<u64>,
+            Vec<u64>,
+            Vec<u64>,
+            Bound<'py, PyAny>,
+        )>,
+        blobs: Vec<(String, Bound<'py, PyAny>)>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let lend = |obj: &Bound<'py, PyAny>, what: &str| -> PyResult<Bytes> {
+            Ok(Bytes::from_owner(Lent::of(obj, what, false)?))
+        };
+        let mut shards = Vec::with_capacity(tensors.len());
+        for (name, dt, shape, offsets, sizes, data) in &tensors {
+            let what = format!("tensor {name:?}");
+            shards.push(ShardIn {
+                name: name.clone(),
+                dtype: dtype(dt)?,
+                shape: shape.clone(),
+                bbox: nd_box(offsets.clone(), sizes.clone())?,
+                data: Some(lend(data, &what)?),
+                replica_of: None,
+                placement: None,
+            });
+        }
+        let mut blob_ins = Vec::with_capacity(blobs.len());
+        for (name, data) in &blobs {
+            let what = format!("blob {name:?}");
+            blob_ins.push(BlobIn {
+                name: name.clone(),
+                data: lend(data, &what)?,
+            });
+        }
+        let mut parts = self
+            .parts
+            .lock()
+            .expect("not poisoned")
+            .take()
+            .ok_or_else(|| CkptError::new_err("this rank writer has finished"))?;
+        let res = block(py, async {
+            self.store
+                .put_rank_part(&mut parts, shards, blob_ins, &self.index)
+                .await
+        });
+        *self.parts.lock().expect("not poisoned") = Some(parts);
+        stats_dict(py, &res?)
+    }
+
+    /// Write the rank's manifest (its part of the step is then complete) and end the lease.
+    /// Returns what all batches wrote.
+    fn finish<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let parts = self
+            .parts
+            .lock()
+            .expect("not poisoned")
+            .take()
+            .ok_or_else(|| CkptError::new_err("this rank writer has finished"))?;
+        let lease = self.lease.lock().expect("not poisoned").take();
+        let store = self.store.clone();
+        let stats = block(py, async move {
+            let res = store.write_rank_parts(parts).await;
+            if let Some(l) = lease {
+                store.release_lease(l).await?;
+            }
+            res.map(|(_, _, s)| s)
+        })?;
+        stats_dict(py, &stats)
+    }
+}
+
+impl Drop for RankWriter {
+    fn drop(&mut self) {
+        // A writer dropped without `finish` (a failed save) gives its lease back now rather
+        // than when it lapses.
+        if let Some(l) = self.lease.lock().ok().and_then(|mut g| g.take()) {
+            let store = self.store.clone();
+            runtime().spawn(async move {
+                let _ = store.release_lease(l).await;
+            });
+        }
+    }
+}
+
+/// A committed step, open for reading.
+#[pyclass(module = "ckpt._native", frozen)]
+struct StepReader {
+    reader: Arc<ckpt_store::StepReader>,
+}
+
+#[pymethods]
+impl StepReader {
+    /// The step number.
+    #[getter]
+    fn step(&self) -> u64 {
+        self.reader.commit().step
+    }
+
+    /// The number of ranks that saved the step.
+    #[getter]
+    fn world(&self) -> u32 {
+        self.reader.commit().layout.world()
+    }
+
+    /// Every tensor of the step: `(name, dtype, shape)`.
+    fn tensors(&self) -> Vec<(String, String, Vec<u64>)> {
+        self.reader
+            .commit()
+            .tensors
+            .iter()
+            .map(|t| (t.name.clone(), t.dtype.name().to_string(), t.shape.clone()))
+            .collect()
+    }
+
+    /// Every blob of the step: `(rank, name, length)`.
+    fn blobs(&self) -> Vec<(u32, String, u64)> {
+        self.reader
+            .commit()
+            .blobs
+            .iter()
+            .map(|b| (b.rank, b.name.clone(), b.len))
+            .collect()
+    }
+
+    /// Read the box (`offsets`, `sizes`) of tensor `name` into `out`, a writable C-contiguous
+    /// buffer of exactly the box's bytes. Every chunk's hash is checked.
+    fn read_into(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        offsets: Vec<u64>,
+        sizes: Vec<u64>,
+        out: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let what = format!("tensor {name:?}");
+        let buf = Lent::of(out, &what, true)?;
+        let bbox = nd_box(offsets, sizes)?;
+        let ptr = buf.ptr as usize;
+        let len = buf.len;
+        let reader = self.reader.clone();
+        let name = name.to_string();
+        block_on(py, move || async move {
+            let out: &mut [u8] = if len == 0 {
+                &mut []
+            } else {
+                // SAFETY: `buf` (writable, contiguous, `len` bytes) keeps its owner alive
+                // until this call returns.
+                unsafe { std::slice::from_raw_parts_mut(ptr as *mut c_void as *mut u8, len) }
+            };
+            reader.read_into(&name, &bbox, out).await.map(|_| ())
+        })?;
+        drop(buf);
+        Ok(())
+    }
+
+    /// The bytes of blob `name` saved by `rank`.
+    fn read_blob<'py>(
+        &self,
+        py: Python<'py>,
+        rank: u32,
+        name: &str,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let reader = self.reader.clone();
+        let name = name.to_string();
+        let data = block(py, async move { reader.read_blob(rank, &name).await })?;
+        Ok(PyBytes::new(py, &data))
+    }
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("CkptError", m.py().get_type::<CkptError>())?;
+    m.add_class::<Store>()?;
+    m.add_class::<RankWriter>()?;
+    m.add_class::<StepReader>()?;
+    Ok(())
+}
