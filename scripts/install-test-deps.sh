@@ -46,7 +46,7 @@ if ! "$tools/venv/bin/python" -c 'import pytest, maturin' >/dev/null 2>&1; then
 fi
 if ! "$tools/venv/bin/python" -c 'import torch' >/dev/null 2>&1; then
   echo "installing PyTorch (CPU index first, else PyPI)"
-  "$tools/venv/bin/pip" install -q --disable-pip-version-check torch \
+  "$tools/venv/bin/pip" install -q --disable-pip-version-check --retries 1 --timeout 20 torch \
       --index-url https://download.pytorch.org/whl/cpu ||
     "$tools/venv/bin/pip" install -q --disable-pip-version-check torch
 fi

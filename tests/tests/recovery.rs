@@ -1138,6 +1138,7 @@ fn the_automatic_interval_counts_the_failures_the_supervisor_logs() {
     assert_eq!(last.failures, 3, "{decisions:#?}");
     assert!(!last.mtbf_prior && last.mtbf_s < 60.0, "{decisions:#?}");
     assert!(last.to_steps < 40, "{decisions:#?}");
+}
 
 #[test]
 fn a_repaired_node_comes_back_and_the_job_grows_back_to_its_layout() {
