@@ -95,6 +95,7 @@ fn restore_on(nodes: u32) -> (BTreeMap<u32, (u64, u64)>, u64) {
         heartbeat_interval: Duration::from_millis(100),
         replica_agent: None,
         open: Default::default(),
+        repair_after: None,
     })
     .join()
     .unwrap();
