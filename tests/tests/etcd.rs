@@ -42,6 +42,18 @@ struct Job {
     etcd: Etcd,
     run: String,
     nodes: Vec<Node>,
+    /// How every agent is started (for [`Job::restart_node`]).
+    spec: AgentSpec,
+}
+
+/// The flags every agent of a job gets.
+#[derive(Clone)]
+struct AgentSpec {
+    nodes: u32,
+    spares: u32,
+    layout: String,
+    extra: Vec<String>,
+    step_ms: u64,
 }
 
 impl Job {
@@ -62,9 +74,23 @@ impl Job {
             dir.disable_cleanup(true);
         }
         let etcd = Etcd::start();
-        let ckpt = bin("ckpt", "ckpt");
-        let train = bin("ckpt-train", "ckpt-train");
-        let mut v = Vec::new();
+        let mut job = Job {
+            dir,
+            etcd,
+            run: run.to_string(),
+            nodes: Vec::new(),
+            spec: AgentSpec {
+                nodes,
+                spares,
+                layout: layout.to_string(),
+                extra: extra.iter().map(|s| s.to_string()).collect(),
+                step_ms: 120,
+            },
+        };
+        if let Some(ms) = extra.iter().find_map(|e| e.strip_prefix("step-ms=")) {
+            job.spec.step_ms = ms.parse().unwrap();
+            job.spec.extra.retain(|e| !e.starts_with("step-ms="));
+        }
         for id in 0..nodes + spares {
             if id == nodes && spares > 0 {
                 // Spares join once a coordinator is elected among the nodes that run ranks:
@@ -72,62 +98,90 @@ impl Job {
                 // and the tests of a lost coordinator's ranks would test nothing.
                 let t0 = Instant::now();
                 while rt()
-                    .block_on(job_state(&etcd.url, &format!("/ckpt/{run}")))
+                    .block_on(job_state(&job.etcd.url, &format!("/ckpt/{run}")))
                     .map_or(true, |s| s.leader.is_none())
                 {
                     assert!(t0.elapsed() < Duration::from_secs(30), "no coordinator");
                     std::thread::sleep(Duration::from_millis(20));
                 }
             }
-            let out = dir.path().join(format!("agent-{id}.json"));
-            let err = dir.path().join(format!("agent-{id}.err"));
-            let child = Command::new(&ckpt)
-                .arg("--store")
-                .arg(dir.path().join("store"))
-                .args(["--json", "-v", "agent", "--etcd", &etcd.url, "--run", run])
-                .args(["--node", &id.to_string(), "--nodes", &nodes.to_string()])
-                .args(["--spares", &spares.to_string(), "--layout", layout])
-                .args(["--lease-ttl", "2s", "--heartbeat-timeout", "3s"])
-                .args([
-                    "--stop-grace",
-                    "2s",
-                    "--backoff",
-                    "100ms",
-                    "--max-restarts",
-                    "4",
-                ])
-                .args(["--join-timeout", "30s", "--addr", "127.0.0.1"])
-                .args(extra)
-                .arg("--logs")
-                .arg(dir.path().join(format!("logs/node-{id}")))
-                .arg("--")
-                .arg(&train)
-                .args(["--steps", &STEPS.to_string(), "--ckpt-every", "4"])
-                // 50 steps of at least 120 ms: the kill after step 8 lands well before the end
-                // even when the machine is busy (a job that finished first has nothing to
-                // recover).
-                .args(["--params", PARAMS, "--seed", "5", "--step-time-ms", "120"])
-                .env("CKPT_LOG", "warn")
-                .stdin(Stdio::null())
-                .stdout(std::fs::File::create(&out).unwrap())
-                .stderr(std::fs::File::create(&err).unwrap())
-                // Its own process group: a machine of its own, killed as a whole.
-                .process_group(0)
-                .spawn()
-                .unwrap();
-            v.push(Node {
-                id,
-                child,
-                out,
-                err,
-            });
+            let node = job.spawn_agent(id, "");
+            job.nodes.push(node);
         }
-        Job {
-            dir,
-            etcd,
-            run: run.to_string(),
-            nodes: v,
+        job
+    }
+
+    /// Start the agent of node `id` (its output files named with `tag`).
+    fn spawn_agent(&self, id: u32, tag: &str) -> Node {
+        let (dir, spec) = (&self.dir, &self.spec);
+        let out = dir.path().join(format!("agent-{id}{tag}.json"));
+        let err = dir.path().join(format!("agent-{id}{tag}.err"));
+        let child = Command::new(bin("ckpt", "ckpt"))
+            .arg("--store")
+            .arg(dir.path().join("store"))
+            .args([
+                "--json",
+                "-v",
+                "agent",
+                "--etcd",
+                &self.etcd.url,
+                "--run",
+                &self.run,
+            ])
+            .args([
+                "--node",
+                &id.to_string(),
+                "--nodes",
+                &spec.nodes.to_string(),
+            ])
+            .args([
+                "--spares",
+                &spec.spares.to_string(),
+                "--layout",
+                &spec.layout,
+            ])
+            .args(["--lease-ttl", "2s", "--heartbeat-timeout", "3s"])
+            .args([
+                "--stop-grace",
+                "2s",
+                "--backoff",
+                "100ms",
+                "--max-restarts",
+                "4",
+            ])
+            .args(["--join-timeout", "30s", "--addr", "127.0.0.1"])
+            .args(&spec.extra)
+            .arg("--logs")
+            .arg(dir.path().join(format!("logs/node-{id}")))
+            .arg("--")
+            .arg(bin("ckpt-train", "ckpt-train"))
+            .args(["--steps", &STEPS.to_string(), "--ckpt-every", "4"])
+            // 50 steps of at least 120 ms: the kill after step 8 lands well before the end
+            // even when the machine is busy (a job that finished first has nothing to
+            // recover).
+            .args(["--params", PARAMS, "--seed", "5"])
+            .args(["--step-time-ms", &spec.step_ms.to_string()])
+            .env("CKPT_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&out).unwrap())
+            .stderr(std::fs::File::create(&err).unwrap())
+            // Its own process group: a machine of its own, killed as a whole.
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        Node {
+            id,
+            child,
+            out,
+            err,
         }
+    }
+
+    /// Start node `id`'s agent again (the machine was repaired), in place of the killed one.
+    fn restart_node(&mut self, id: u32) {
+        let node = self.spawn_agent(id, "-again");
+        let i = self.nodes.iter().position(|n| n.id == id).unwrap();
+        self.nodes[i] = node;
     }
 
     fn prefix(&self) -> String {
@@ -532,5 +586,74 @@ fn a_stopped_rank_is_found_by_the_heartbeats_its_agent_no_longer_relays() {
          resumed from step {:?}; finished {:.2} s after the SIGSTOP",
         st.plan.as_ref().unwrap().resume_from,
         stopped_at.elapsed().as_secs_f64()
+    );
+}
+
+/// Issue 19 §1 across machines: a killed node's agent registers again (the machine was
+/// repaired); the coordinator grows the job back onto it at the next commit, and the job ends
+/// bit-identical to an uninterrupted run.
+#[test]
+fn a_lost_node_that_registers_again_grows_the_job_back() {
+    ckpt_store::require!(
+        ckpt_store::testing::Need::Etcd,
+        "a_lost_node_that_registers_again_grows_the_job_back"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let want = reference_digest(dir.path(), STEPS, PARAMS);
+    // Steps of 250 ms: the job is still running when the node comes back.
+    let mut job = Job::start_with("etcd-grow", 2, 0, "dp=2", &["step-ms=250"]);
+    let st = job.wait_for_step(8);
+    let leader = st.leader.expect("a coordinator");
+    let victim = 1 - leader;
+    job.kill_node(victim);
+    // The job shrinks onto the survivor ...
+    let t0 = Instant::now();
+    while job
+        .state()
+        .plan
+        .is_none_or(|p| p.layout != "dp=1,tp=1,pp=1")
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the job did not shrink\n{}",
+            job.logs()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // ... and its node comes back.
+    job.restart_node(victim);
+    let reports = job.reports(u32::MAX);
+    assert_eq!(reports.len(), 2, "{reports:?}");
+    let st = job.state();
+    let done = st.done.as_ref().expect("a done record");
+    assert!(done.ok, "{done:?}");
+    let layouts: Vec<&str> = st.plans.values().map(|(p, _)| p.layout.as_str()).collect();
+    assert_eq!(
+        layouts,
+        ["dp=2,tp=1,pp=1", "dp=1,tp=1,pp=1", "dp=2,tp=1,pp=1"],
+        "{}",
+        job.logs()
+    );
+    let last = st.plan.as_ref().unwrap();
+    assert!(
+        last.assignments.iter().any(|a| a.node == victim),
+        "the returned node {victim} runs no rank: {last:?}"
+    );
+    let log = job.recovery_log();
+    let grow = log
+        .iter()
+        .find(|r| r["kind"] == "grow")
+        .unwrap_or_else(|| panic!("no grow record: {log:#?}"));
+    assert_eq!(grow["layout"], "dp=2,tp=1,pp=1", "{grow}");
+    assert!(
+        grow["returned"]
+            .as_array()
+            .is_some_and(|r| r.contains(&victim.into())),
+        "{grow}"
+    );
+    assert_eq!(
+        job.final_digest().as_deref(),
+        Some(want.as_str()),
+        "the job that shrank and grew back differs from an uninterrupted run"
     );
 }

@@ -105,6 +105,9 @@ pub(super) struct Leader {
     pub(super) finished: bool,
     /// The replica secret every plan carries (with peer replicas and no `CKPT_PEER_SECRET`).
     peer_secret: Option<crate::peer::PeerSecret>,
+    /// While the coordinator waits for a commit to grow the job back at: the generation, when
+    /// the store was last asked, and the newest committed step it said.
+    commit_watch: Option<(u64, Instant, Option<u64>)>,
 }
 
 impl Leader {
@@ -148,6 +151,7 @@ impl Leader {
             t0,
             join_deadline: Some(t0 + opts.join_timeout),
             finished: false,
+            commit_watch: None,
             // The previous coordinator's secret, so the agents and ranks keep theirs; a new
             // job's first coordinator makes one.
             peer_secret: match view.plan.as_ref().and_then(|p| p.peer_secret.clone()) {
@@ -278,6 +282,12 @@ impl Leader {
             (Key::Node(n), EventType::Put) => {
                 if let Ok(m) = serde_json::from_slice::<NodeMsg>(value) {
                     self.alive.insert(n, m);
+                    // A lost node's agent registered again (the machine was repaired): the
+                    // job may grow back onto it at the next commit.
+                    if self.lost.remove(&n) {
+                        info!(node = n, "a lost node's agent registered again");
+                        self.pending.push_back(Event::NodeBack { node: n, now });
+                    }
                 }
             }
             (Key::Node(n), EventType::Delete) => {
@@ -363,6 +373,37 @@ impl Leader {
             return;
         }
         self.pending.push_back(Event::Tick { now });
+    }
+
+    /// While the coordinator waits to grow the job back onto returned nodes, tell it the newest
+    /// committed step (asked every [`crate::supervisor::COMMIT_POLL`]), as the local supervisor
+    /// does.
+    pub(super) async fn poll_commits(&mut self) {
+        let Some(g) = self.coord.watching_commits() else {
+            self.commit_watch = None;
+            return;
+        };
+        let fresh = self.commit_watch.is_none_or(|(wg, _, _)| wg != g);
+        let due = self
+            .commit_watch
+            .is_some_and(|(_, at, _)| at.elapsed() >= crate::supervisor::COMMIT_POLL);
+        if !fresh && !due {
+            return;
+        }
+        match self.store.latest_committed(&self.run).await {
+            Ok(step) => {
+                if fresh || self.commit_watch.is_some_and(|(_, _, last)| last != step) {
+                    let now = self.now();
+                    self.pending.push_back(Event::Committed {
+                        generation: g,
+                        step,
+                        now,
+                    });
+                }
+                self.commit_watch = Some((g, Instant::now(), step));
+            }
+            Err(e) => warn!("looking for a new commit to grow at: {e}"),
+        }
     }
 
     /// Feed the pending events to the coordinator and carry out its actions.

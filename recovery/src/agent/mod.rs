@@ -426,6 +426,7 @@ impl Agent {
                 _ = tick.tick() => {
                     if let Some(l) = self.leader.as_mut() {
                         l.tick();
+                        l.poll_commits().await;
                     }
                 }
                 why = &mut lease_lost => {
