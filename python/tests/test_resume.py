@@ -218,6 +218,16 @@ def test_tiny_gpt_killed_midway_under_ckpt_resume_ends_as_an_uninterrupted_run(t
     # ... and ends with the weights and optimizer state of the run that never stopped.
     assert got["digest"] == want["digest"], (got, want, rank_logs)
     assert got["loss"] == want["loss"]
+    # The supervisor logged the job's loss of every step the resumed generation trained,
+    # totalled from both ranks' heartbeats (the metrics log, FORMAT.md "Logs").
+    losses = {}
+    for part in (store / "runs" / run / "metrics").glob("*.jsonl"):
+        for line in part.read_text().splitlines():
+            r = json.loads(line)
+            if r.get("kind") == "step" and r.get("generation") == gen0 + 1:
+                losses[r["step"]] = r.get("loss")
+    assert sorted(losses) == list(range(step + 1, STEPS + 1)), sorted(losses)
+    assert all(v is not None and 0 < v < 10 for v in losses.values()), losses
 
     # Every committed step of the run verifies, and the final one is the last step.
     v = subprocess.run([str(ckpt_bin), "--store", str(store), "verify", run],
