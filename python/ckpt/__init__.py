@@ -3,8 +3,34 @@
 ``ckpt.dcp`` holds the storage backend of ``torch.distributed.checkpoint``
 (``StorageWriter``/``StorageReader``); ``ckpt.Store`` is the store itself (open by path or URL
 as the ``ckpt`` CLI takes it). Every error of ckpt is a ``ckpt.CkptError``.
+
+A script launched by ``ckpt resume`` (which sets torchrun's variables, so
+``torch.distributed.init_process_group()`` just works) reads what the supervisor chose with
+``ckpt.resume_env()`` (store, run, rank, world, generation, ``resume_step``; None when no
+driver launched it) and reports its steps with ``ckpt.Heartbeat`` or ``ckpt.beat(step)``
+(no-ops without a driver); ``python/examples/tiny_gpt.py`` is a complete job.
 """
 
-from ckpt._native import CkptError, RankWriter, StepReader, Store
+from ckpt._native import (
+    DATA_FAILURE_EXIT,
+    CkptError,
+    Heartbeat,
+    RankEnv,
+    RankWriter,
+    StepReader,
+    Store,
+    beat,
+    resume_env,
+)
 
-__all__ = ["CkptError", "RankWriter", "StepReader", "Store"]
+__all__ = [
+    "DATA_FAILURE_EXIT",
+    "CkptError",
+    "Heartbeat",
+    "RankEnv",
+    "RankWriter",
+    "StepReader",
+    "Store",
+    "beat",
+    "resume_env",
+]

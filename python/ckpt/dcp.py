@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ckpt._native import CkptError, Store
+from ckpt._native import CkptError, Store, resume_env
 
 __all__ = ["StorageWriter", "StorageReader", "METADATA_BLOB"]
 
@@ -106,9 +106,19 @@ def _dist_rank_world(kwargs: dict) -> "tuple[int, int]":
 
 class StorageWriter(_DcpStorageWriter):
     """Save step ``step`` of run ``run`` into the ckpt store ``store`` (a path or a URL as the
-    ``ckpt`` CLI takes it, or a ``ckpt.Store``)."""
+    ``ckpt`` CLI takes it, or a ``ckpt.Store``).
 
-    def __init__(self, store: Union[str, Store], run: str, step: int) -> None:
+    The step is written under ``generation``: by default the one ``ckpt resume`` launched
+    this process in (``ckpt.resume_env()``), so a rank of a generation the supervisor has
+    replaced is fenced; without a driver, the newest started generation of the run."""
+
+    def __init__(
+        self,
+        store: Union[str, Store],
+        run: str,
+        step: int,
+        generation: Optional[int] = None,
+    ) -> None:
         super().__init__()
         self._store_arg = store
         self.run = run
@@ -117,7 +127,12 @@ class StorageWriter(_DcpStorageWriter):
         self._writer = None
         self.is_coordinator = False
         self.rank, self.world = 0, 1
-        self.generation = 0
+        if generation is None:
+            env = resume_env()
+            if env is not None and env.run == run:
+                generation = env.generation
+        self._generation = None if generation is None else int(generation)
+        self.generation = self._generation or 0
         #: What this rank's writes cost (chunks, chunks_skipped, chunks_written, bytes...),
         #: once its manifest is written.
         self.report: Optional[dict] = None
@@ -149,7 +164,10 @@ class StorageWriter(_DcpStorageWriter):
     def prepare_global_plan(self, plans: List[SavePlan]) -> List[SavePlan]:
         # The coordinator decides what every rank must agree on: the world (the ranks of the
         # save's process group, whichever it is) and the generation written under.
-        shared = {"world": len(plans), "generation": self._store.generation(self.run)}
+        generation = self._generation
+        if generation is None:
+            generation = self._store.generation(self.run)
+        shared = {"world": len(plans), "generation": generation}
         return [dataclasses.replace(p, storage_data=shared) for p in plans]
 
     def storage_meta(self) -> Optional[StorageMeta]:

@@ -8,6 +8,11 @@
 //! copy on the Python side; hashing, compression and I/O run with the GIL released. Every
 //! error is a `ckpt.CkptError` whose message is ckpt's (it names the tensor or object) and
 //! whose `kind` is the `ErrorKind` (`"not found"`, `"damaged data"`, ...).
+//!
+//! For a script launched by `ckpt resume` it also gives the rank environment and the
+//! heartbeat client (`launched`).
+
+mod launched;
 
 use std::ffi::c_void;
 use std::sync::{Arc, OnceLock};
@@ -520,5 +525,13 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Store>()?;
     m.add_class::<RankWriter>()?;
     m.add_class::<StepReader>()?;
+    m.add_class::<launched::PyRankEnv>()?;
+    m.add_class::<launched::Heartbeat>()?;
+    m.add_function(wrap_pyfunction!(launched::resume_env, m)?)?;
+    m.add_function(wrap_pyfunction!(launched::beat, m)?)?;
+    // A rank that cannot restore the step it was given because of the data (an object
+    // missing or damaged) exits with this status: the driver then checks that step rather
+    // than blame the rank's node.
+    m.add("DATA_FAILURE_EXIT", ckpt_recovery::DATA_FAILURE_EXIT)?;
     Ok(())
 }

@@ -87,7 +87,36 @@ impl Figure {
     }
 }
 
+/// The fixed-point scale of the loss sum [`Workload::loss`] reports (as `ckpt-train`'s).
+pub const LOSS_SUM_SCALE: f64 = (1u64 << 40) as f64;
+
 impl Workload {
+    /// What a rank reports of a step whose loss summed over its `samples` samples is `sum`:
+    /// the driver logs the job's mean loss (the sums' total over the samples' total) once
+    /// every rank's part of the step has arrived. For workloads that know only their loss
+    /// (such as a PyTorch script beating through `ckpt.Heartbeat`). `None` when `sum` is
+    /// negative, not finite, or beyond the fixed-point range (the beat then goes without it).
+    pub fn loss(sum: f64, samples: u64) -> Option<Workload> {
+        let fixed = sum * LOSS_SUM_SCALE;
+        if !(fixed.is_finite() && fixed >= 0.0 && fixed < u128::MAX as f64) {
+            return None;
+        }
+        Some(Workload {
+            sums: [
+                ("loss_sum".to_string(), (fixed.round() as u128).to_string()),
+                ("samples".to_string(), samples.to_string()),
+            ]
+            .into(),
+            figures: vec![Figure {
+                curve: Curve::Loss,
+                sum: "loss_sum".into(),
+                per: Some("samples".into()),
+                scale: LOSS_SUM_SCALE,
+                sqrt: false,
+            }],
+        })
+    }
+
     /// The sums as integers; `None` when the payload is over the bounds ([`MAX_SUMS`],
     /// [`MAX_FIGURES`]) or a sum is not a non-negative integer.
     pub fn parsed_sums(&self) -> Option<BTreeMap<String, u128>> {
@@ -226,6 +255,33 @@ impl Drop for HeartbeatClient {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_loss_report_totals_to_the_mean_over_every_ranks_samples() {
+        let a = Workload::loss(2.5 * 3.0, 3).unwrap();
+        let b = Workload::loss(1.5 * 5.0, 5).unwrap();
+        let mut totals: BTreeMap<String, u128> = BTreeMap::new();
+        for w in [&a, &b] {
+            for (k, v) in w.parsed_sums().unwrap() {
+                *totals.entry(k).or_default() += v;
+            }
+        }
+        let v = a.figures[0].value(&totals).unwrap();
+        assert_eq!(v, (2.5 * 3.0 + 1.5 * 5.0) / 8.0);
+        assert_eq!(a.figures[0].curve, Curve::Loss);
+        for bad in [-1.0, f64::NAN, f64::INFINITY, 1e300] {
+            assert_eq!(Workload::loss(bad, 1), None, "{bad}");
+        }
+        // A beat carrying it stays within a datagram and reads back.
+        let beat = Beat {
+            generation: 1,
+            rank: 0,
+            step: 9,
+            workload: Some(a.clone()),
+        };
+        let back: Beat = serde_json::from_slice(&serde_json::to_vec(&beat).unwrap()).unwrap();
+        assert_eq!(back.workload, Some(a));
+    }
 
     #[test]
     fn beats_arrive_from_steps_and_the_thread() {
