@@ -81,6 +81,9 @@ log_records! {
         "checkpoint_failed" => CheckpointFailed(CheckpointFailed),
         /// A save that was not taken (`ckpt-train`'s copy, with the rank).
         "checkpoint_skipped" => CheckpointSkipped(CheckpointSkipped),
+        /// One rank's persist as the persist governor saw it: the slowdown of the steps
+        /// beside it, the time to durable, the rate it settled at.
+        "persist" => Persist(PersistMetrics),
     }
 }
 
@@ -126,6 +129,8 @@ log_records! {
         "checkpoints_resumed" => CheckpointsResumed(CheckpointsResumed),
         /// The automatic checkpoint interval changed, with the figures it was chosen from.
         "checkpoint_interval" => CheckpointInterval(CheckpointInterval),
+        /// The persist governor changed a rank's persist rate, with the reason.
+        "persist_rate" => PersistRate(PersistRate),
     }
 }
 
@@ -347,6 +352,32 @@ pub struct CheckpointSkipped {
     pub rank: Option<u32>,
     /// Why.
     pub reason: String,
+}
+
+/// `{"kind":"persist"}`: one rank's persist as the persist governor saw it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PersistMetrics {
+    /// The step saved.
+    pub step: u64,
+    /// The rank.
+    pub rank: u32,
+    /// Raw bytes the persist handled.
+    pub bytes: u64,
+    /// Step time beside the persist over the baseline (`null`: not measured).
+    #[serde(deserialize_with = "lenient_f64")]
+    pub slowdown: Option<f64>,
+    /// Seconds of step time that ran beside it.
+    pub overlap_s: f64,
+    /// Seconds from the save to the rank's chunks and manifest in the store.
+    pub durable_s: f64,
+    /// The rate the governor settled at, raw bytes/s (`null`: no limit).
+    pub rate_bps: Option<u64>,
+    /// The slowdown budget, a fraction.
+    pub budget: f64,
+    /// The baseline step time, seconds (`null`: not measured yet).
+    #[serde(deserialize_with = "lenient_f64")]
+    pub baseline_s: Option<f64>,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -585,7 +616,8 @@ impl Event {
             | Event::CheckpointFailed(_)
             | Event::CheckpointSkipped(_)
             | Event::CheckpointsResumed(_)
-            | Event::CheckpointInterval(_) => None,
+            | Event::CheckpointInterval(_)
+            | Event::PersistRate(_) => None,
         }
     }
 }
@@ -785,6 +817,30 @@ pub struct CheckpointInterval {
     pub observed_s: f64,
     /// Whether `mtbf_s` is the prior (no failure logged yet).
     pub mtbf_prior: bool,
+}
+
+/// `{"kind":"persist_rate"}`: the persist governor changed a rank's persist rate.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PersistRate {
+    /// The step at whose `maybe_save` it was decided.
+    pub step: u64,
+    /// The rank.
+    pub rank: u32,
+    /// The rate before, raw bytes/s (`null`: no limit).
+    pub from_bps: Option<u64>,
+    /// The rate from now on (`null`: no limit).
+    pub to_bps: Option<u64>,
+    /// `over_budget` (lowered) or `under_budget` (raised, or lifted).
+    pub reason: String,
+    /// The slowdown it was decided on (step time beside the persist over the baseline).
+    pub slowdown: f64,
+    /// The budget, a fraction.
+    pub budget: f64,
+    /// The baseline step time, seconds.
+    pub baseline_s: f64,
+    /// The new rate is the governor's floor.
+    pub at_floor: bool,
 }
 
 #[cfg(test)]

@@ -200,6 +200,16 @@ pub struct TrainArgs {
         allow_negative_numbers = true
     )]
     pub io_nice: i32,
+    /// The persist governor's budget: how much slower a step may be while a checkpoint
+    /// persists (`0.1` or `10%`); above it the persist's rate is lowered (down to
+    /// --persist-min-rate), well below it raised again. `off`: persists run at full speed.
+    /// The final checkpoint always runs at full speed.
+    #[arg(long, default_value = "0.1", value_parser = parse_budget)]
+    pub persist_budget: Budget,
+    /// The lowest rate the persist governor sets, raw bytes per second per rank (suffixes K,
+    /// M, G): a rank's persist of B bytes is durable within about B / this.
+    #[arg(long, default_value = "16MiB", value_parser = parse_count)]
+    pub persist_min_rate: u64,
     /// Freeze this fraction of the layers (fine-tuning).
     #[arg(long, default_value_t = 0.0)]
     pub frozen: f64,
@@ -408,6 +418,33 @@ pub fn parse_ckpt_every(s: &str) -> std::result::Result<CkptEvery, String> {
         Ok(n) if n > 0 => Ok(CkptEvery::Steps(n)),
         _ => Err(format!(
             "{s:?} is neither a number of steps (at least 1) nor `auto`"
+        )),
+    }
+}
+
+/// `--persist-budget`: a fraction, or off.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Budget {
+    /// Steps may be this fraction slower while a persist runs.
+    Fraction(f64),
+    /// No governor: persists run at full speed.
+    Off,
+}
+
+/// `0.1`, `10%` or `off`.
+pub fn parse_budget(s: &str) -> std::result::Result<Budget, String> {
+    let t = s.trim();
+    if t == "off" {
+        return Ok(Budget::Off);
+    }
+    let (num, scale) = match t.strip_suffix('%') {
+        Some(p) => (p, 100.0),
+        None => (t, 1.0),
+    };
+    match num.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(Budget::Fraction(v / scale)),
+        _ => Err(format!(
+            "{s:?} is not a slowdown budget: a positive fraction (0.1), a percentage (10%) or `off`"
         )),
     }
 }
@@ -677,6 +714,14 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
     mc.final_on_sigterm =
         a.rank.is_some() && sh.launched.as_ref().is_none_or(|e| e.final_on_sigterm);
     mc.resume_step = a.resume_step;
+    mc.persist_governor = match a.persist_budget {
+        Budget::Off => None,
+        Budget::Fraction(budget) => Some(ckpt_trainer::GovernorConfig {
+            budget,
+            min_rate: a.persist_min_rate.max(1),
+            ..Default::default()
+        }),
+    };
     let mut mgr = CheckpointManager::new(sh.store.clone(), mc)?;
     state.register(&mut mgr)?;
     let progress = Arc::new(Mutex::new(Progress {
@@ -860,6 +905,7 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
             }
         }
         emit_finished(sh, rank, &mut saves, false)?;
+        emit_persists(sh, &mut mgr);
         if stop || mgr.should_stop() {
             info!(rank, step, "stopping after the final checkpoint (SIGTERM)");
             break;
@@ -876,6 +922,7 @@ fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
     }
     mgr.finish()?;
     emit_finished(sh, rank, &mut saves, true)?;
+    emit_persists(sh, &mut mgr);
     let health = mgr.store_health();
     if health != Default::default() {
         sh.emit(&Metric::StoreHealth(records::StoreHealth {
@@ -1173,6 +1220,23 @@ fn agree(
     }
 }
 
+/// The persist governor's figures of the persists that ended (`persist` records).
+fn emit_persists(sh: &Shared, mgr: &mut CheckpointManager) {
+    for f in mgr.take_persist_figures() {
+        sh.emit(&Metric::Persist(records::PersistMetrics {
+            step: f.step,
+            rank: f.rank,
+            bytes: f.bytes,
+            slowdown: f.slowdown,
+            overlap_s: f.overlap_s,
+            durable_s: f.durable_s,
+            rate_bps: f.rate_bps,
+            budget: f.budget,
+            baseline_s: f.baseline_s,
+        }));
+    }
+}
+
 fn emit_finished(
     sh: &Shared,
     rank: u32,
@@ -1265,6 +1329,16 @@ mod tests {
             assert_eq!(next_batch(&skips, pos), want, "from {pos}");
         }
         assert_eq!(next_batch(&[], 9), 9);
+    }
+
+    #[test]
+    fn persist_budget_is_a_fraction_a_percentage_or_off() {
+        assert_eq!(parse_budget("0.1"), Ok(Budget::Fraction(0.1)));
+        assert_eq!(parse_budget("25%"), Ok(Budget::Fraction(0.25)));
+        assert_eq!(parse_budget(" off "), Ok(Budget::Off));
+        for bad in ["0", "-0.1", "nan", "ten", "%"] {
+            assert!(parse_budget(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

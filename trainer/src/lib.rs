@@ -6,6 +6,8 @@
 //! - [`restore`]: restore onto this rank's boxes under the current layout;
 //! - [`manager`]: [`CheckpointManager`] (interval policy, retention, auto-resume, final
 //!   checkpoint on SIGTERM, [`Stateful`] items, loss-spike monitoring and rollback);
+//! - [`governor`]: the persist governor (lowers a persist's rate while the steps beside it are
+//!   slower than a budget), pure;
 //! - [`interval`]: the automatic checkpoint interval (Young/Daly from the measured cost of a
 //!   save and the run's failure rate), pure;
 //! - [`monitor`]: spike detection and the alert/rollback policy, pure;
@@ -19,6 +21,7 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod governor;
 pub mod interval;
 pub mod manager;
 pub mod memory;
@@ -29,16 +32,18 @@ pub mod save;
 pub mod staging;
 pub mod workload;
 
+pub use governor::GovernorConfig;
 pub use interval::AutoInterval;
 pub use manager::{
-    CheckpointManager, ManagerConfig, Rollback, Scope, Stateful, StoreHealth, TensorMemory, events,
+    CheckpointManager, ManagerConfig, PersistFigures, Rollback, Scope, Stateful, StoreHealth,
+    TensorMemory, events,
 };
 pub use memory::{HostTensor, HostView, MemorySink, MemorySource, PinnedSource, SourceVersion};
 pub use monitor::{Decision, Monitor, MonitorConfig, Observation, Spike, SpikeAction};
 pub use restore::{RestoreTarget, restore_targets};
 pub use save::{
-    BackPressure, Checkpointer, CheckpointerConfig, SaveFailure, SaveHandle, SaveReport, SaveState,
-    SaveTensor, Stage, runtime,
+    BackPressure, Checkpointer, CheckpointerConfig, PersistRate, SaveFailure, SaveHandle,
+    SaveReport, SaveState, SaveTensor, Stage, runtime,
 };
 pub use staging::{PoolConfig, PoolStats, StagingPool};
 

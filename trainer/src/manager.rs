@@ -46,6 +46,7 @@ use ckpt_store::{
 use parking_lot::Mutex;
 use tracing::{info, instrument, warn};
 
+use crate::governor::{Change, Governor, GovernorConfig};
 use crate::interval::{AutoInterval, CostMeter, FailureRate, Why, choose_steps, failure_rate};
 use crate::memory::{HostTensor, HostView, MemorySink, MemorySource};
 use crate::monitor::{
@@ -165,6 +166,12 @@ pub struct ManagerConfig {
     /// [`CheckpointManager::restore_latest`] restores it instead of the newest committed step,
     /// which may be one the supervisor found damaged. `None`: the newest committed step.
     pub resume_step: Option<u64>,
+    /// The persist governor (see [`crate::governor`]): when the steps that run beside a
+    /// persist are slower than its budget (default 10 %) than steps without one, it lowers
+    /// the persist's rate (down to a floor, so time to durable stays bounded), and raises it
+    /// again when they are not. The final checkpoint and every wait for a persist run at full
+    /// speed. `None`: persists always run at full speed.
+    pub persist_governor: Option<GovernorConfig>,
 }
 
 impl ManagerConfig {
@@ -184,6 +191,7 @@ impl ManagerConfig {
             node_cache: None,
             monitor: MonitorConfig::default(),
             resume_step: None,
+            persist_governor: Some(GovernorConfig::default()),
         }
     }
 }
@@ -194,6 +202,9 @@ type StatefulItem = (String, Scope, Arc<Mutex<dyn Stateful>>);
 /// store fails: a checkpoint that failed in the store, one skipped while the store is down,
 /// and checkpointing coming back.
 pub mod events {
+    /// The persist governor changed the persist rate: `{"kind", "step", "rank", "from_bps",
+    /// "to_bps", "reason", "slowdown", "budget", "baseline_s", "at_floor"}`.
+    pub const PERSIST_RATE: &str = "persist_rate";
     /// The automatic checkpoint interval changed: `{"kind", "step", "from_steps",
     /// "to_steps", "reason", "cost_s", "mtbf_s", ...}`.
     pub const CHECKPOINT_INTERVAL: &str = "checkpoint_interval";
@@ -279,6 +290,61 @@ pub struct CheckpointManager {
     health: StoreHealth,
     /// The automatic interval's measurements (with [`ManagerConfig::auto_interval`]).
     auto: AutoState,
+    /// The persist governor (with [`ManagerConfig::persist_governor`]).
+    gov: Option<GovState>,
+}
+
+/// One persist as the persist governor saw it ([`CheckpointManager::take_persist_figures`];
+/// `ckpt-train` writes each as a `persist` metrics record).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct PersistFigures {
+    /// The step saved.
+    pub step: u64,
+    /// The rank.
+    pub rank: u32,
+    /// Raw bytes the persist handled (copied into staging; unchanged shards excluded).
+    pub bytes: u64,
+    /// How much slower the steps beside the persist were than the baseline (overlap-weighted);
+    /// `None`: none was measured (no baseline yet, or no step ran beside it).
+    pub slowdown: Option<f64>,
+    /// Seconds of step time that ran beside the persist.
+    pub overlap_s: f64,
+    /// Seconds from the save to this rank's chunks and manifest in the store: time to durable.
+    pub durable_s: f64,
+    /// The rate the governor settled at by the end of it, raw bytes/s (`None`: no limit).
+    pub rate_bps: Option<u64>,
+    /// The budget (a fraction).
+    pub budget: f64,
+    /// The baseline step time, seconds.
+    pub baseline_s: Option<f64>,
+}
+
+/// What the manager measures for the persist governor.
+struct GovState {
+    gov: Governor,
+    /// When `maybe_save` last returned: the start of the step interval measured next.
+    last_exit: Option<Instant>,
+    /// The save whose persist is governed.
+    tracked: Option<Tracked>,
+    /// Figures of the persists that ended, not yet taken.
+    done: Vec<PersistFigures>,
+}
+
+struct Tracked {
+    handle: SaveHandle,
+    /// When its `save` returned (its snapshot started about then).
+    at: Instant,
+    /// The rate's released-bytes counter then.
+    released0: u64,
+    /// A limit applied at some time during it.
+    limited: bool,
+}
+
+/// The seconds `[a0, a1]` and `[b0, b1]` share.
+fn overlap_s(a0: Instant, a1: Instant, b0: Instant, b1: Instant) -> f64 {
+    let start = a0.max(b0);
+    let end = a1.min(b1);
+    end.saturating_duration_since(start).as_secs_f64()
 }
 
 /// What the manager measures for the automatic interval.
@@ -318,6 +384,10 @@ impl CheckpointManager {
             a.validate()
                 .map_err(|e| Error::invalid(format!("automatic checkpoint interval: {e}")))?;
         }
+        if let Some(g) = &cfg.persist_governor {
+            g.validate()
+                .map_err(|e| Error::invalid(format!("persist governor: {e}")))?;
+        }
         let ckpt = Checkpointer::new(store, cfg.ckpt.clone())?;
         let sigterm = Arc::new(AtomicBool::new(false));
         if cfg.final_on_sigterm {
@@ -333,6 +403,12 @@ impl CheckpointManager {
             give_ups_seen: 0,
             health: StoreHealth::default(),
             auto: AutoState::default(),
+            gov: cfg.persist_governor.clone().map(|c| GovState {
+                gov: Governor::new(c),
+                last_exit: None,
+                tracked: None,
+                done: Vec::new(),
+            }),
             cfg,
             tensors: Vec::new(),
             stateful: Vec::new(),
@@ -413,10 +489,22 @@ impl CheckpointManager {
     }
 
     /// Save if the interval policy says so, or a final checkpoint if SIGTERM arrived (then
-    /// wait for it and make [`CheckpointManager::should_stop`] true).
+    /// wait for it, at full speed, and make [`CheckpointManager::should_stop`] true). Called
+    /// once a step, it also times the steps for the persist governor.
     pub fn maybe_save(&mut self, step: u64) -> Result<Option<SaveHandle>> {
+        self.govern(step);
+        let r = self.maybe_save_inner(step);
+        if let Some(g) = self.gov.as_mut() {
+            g.last_exit = Some(Instant::now());
+        }
+        r
+    }
+
+    fn maybe_save_inner(&mut self, step: u64) -> Result<Option<SaveHandle>> {
         if self.cfg.final_on_sigterm && self.sigterm.load(Ordering::SeqCst) && !self.stop {
             info!(step, "SIGTERM: taking a final checkpoint");
+            // The final checkpoint, and the persist it may wait for, run at full speed.
+            let _fast = self.ckpt.persist_rate().full_speed();
             let h = self.save_now(step)?;
             self.stop = true;
             h.wait_committed(self.final_wait())?;
@@ -603,6 +691,166 @@ impl CheckpointManager {
         }));
     }
 
+    /// The persist governor at the start of `maybe_save(step)`: measure the step interval that
+    /// ended (from the last `maybe_save`'s return to now), feed it to the governor, apply and
+    /// log a change of the rate, and sum up the governed persist once it ended.
+    fn govern(&mut self, step: u64) {
+        let now = Instant::now();
+        let rate = self.ckpt.persist_rate().clone();
+        let Some(g) = self.gov.as_mut() else { return };
+        let prev = g.last_exit.take();
+        let Some(t) = g.tracked.as_mut() else {
+            if let Some(prev) = prev {
+                g.gov.clean_step(now.duration_since(prev).as_secs_f64());
+            }
+            return;
+        };
+        let stage = t.handle.stage();
+        let r = t.handle.report();
+        let done = !matches!(stage, Stage::Snapshotting | Stage::Snapshotted);
+        let snap_end = match stage {
+            Stage::Snapshotting => now,
+            _ => t.at + Duration::from_secs_f64(r.snapshot_s),
+        };
+        let persist_end = if done && r.persist_s > 0.0 {
+            t.at + Duration::from_secs_f64(r.persist_s)
+        } else {
+            now
+        };
+        t.limited |= rate.limit().is_some();
+        let mut change = None;
+        if let Some(prev) = prev {
+            let copy = overlap_s(prev, now, t.at, snap_end);
+            let o = overlap_s(prev, now, snap_end, persist_end);
+            let loop_s = now.duration_since(prev).as_secs_f64() - copy;
+            let moved = rate.released().saturating_sub(t.released0) as f64;
+            let el = now.saturating_duration_since(snap_end).as_secs_f64();
+            let throughput = (moved > 0.0 && el > 0.0).then_some(moved / el);
+            // A save that failed (or was skipped) before it persisted tells nothing.
+            let failed =
+                matches!(stage, Stage::Failed(_) | Stage::Skipped(_)) && r.persist_s == 0.0;
+            if o > 0.0 && !failed {
+                change = g.gov.busy_step(loop_s, o, throughput);
+            }
+        }
+        if let Some(c) = change {
+            self.apply_rate(step, c);
+        }
+        if done {
+            self.govern_ended(step);
+        }
+    }
+
+    /// A save started (`h`): the persist governed from now on. The one before it ended (a
+    /// save waits for its predecessor's persist) and is summed up.
+    fn govern_started(&mut self, h: &SaveHandle) {
+        // Skipped (back-pressure): the persist in flight goes on being governed.
+        if h.is_skipped() {
+            return;
+        }
+        if self.gov.as_ref().is_some_and(|g| g.tracked.is_some()) {
+            self.govern_ended(h.step());
+        }
+        let rate = self.ckpt.persist_rate().clone();
+        let Some(g) = self.gov.as_mut() else { return };
+        g.tracked = Some(Tracked {
+            handle: h.clone(),
+            at: Instant::now(),
+            released0: rate.released(),
+            limited: rate.limit().is_some(),
+        });
+    }
+
+    /// The governed persist ended (at `step`'s `maybe_save`): its figures, a last decision.
+    fn govern_ended(&mut self, step: u64) {
+        let rank = self.cfg.ckpt.rank;
+        let Some(g) = self.gov.as_mut() else { return };
+        let Some(t) = g.tracked.take() else { return };
+        let r = t.handle.report();
+        let persisted = matches!(t.handle.stage(), Stage::Persisted | Stage::Committed)
+            || (r.persist_s > 0.0 && !t.handle.is_skipped());
+        if !persisted {
+            // Failed or skipped: nothing to sum up; start the next one afresh.
+            let _ = g.gov.persist_done(0, 0.0, true);
+            return;
+        }
+        let bytes = r.bytes.saturating_sub(r.bytes_reused);
+        let (summary, change) =
+            g.gov
+                .persist_done(bytes, (r.persist_s - r.snapshot_s).max(0.0), t.limited);
+        let figures = PersistFigures {
+            step: t.handle.step(),
+            rank,
+            bytes,
+            slowdown: summary.slowdown,
+            overlap_s: summary.overlap_s,
+            durable_s: r.persist_s,
+            rate_bps: summary.rate,
+            budget: g.gov.config().budget,
+            baseline_s: g.gov.baseline(),
+        };
+        info!(
+            step = figures.step,
+            slowdown = figures.slowdown,
+            durable_s = figures.durable_s,
+            rate_bps = figures.rate_bps,
+            "persist governed"
+        );
+        g.done.push(figures);
+        if let Some(c) = change {
+            self.apply_rate(step, c);
+        }
+        // The rate changes of this persist, written once it ended (one write, not one per
+        // change).
+        if let Some(w) = self.events.as_mut()
+            && w.pending() > 0
+            && self.down.is_none()
+            && let Err(e) = runtime().block_on(w.flush())
+        {
+            warn!("writing the events log: {e}");
+        }
+    }
+
+    /// Put the governor's change in force and record it (a `persist_rate` event, written with
+    /// the persist's end).
+    fn apply_rate(&mut self, step: u64, c: Change) {
+        self.ckpt.persist_rate().set(c.to);
+        let budget = self.gov.as_ref().map_or(0.0, |g| g.gov.config().budget);
+        info!(
+            step,
+            from_bps = c.from,
+            to_bps = c.to,
+            reason = c.reason.as_str(),
+            slowdown = c.slowdown,
+            budget,
+            "persist rate changed"
+        );
+        self.append_event(Event::PersistRate(records::PersistRate {
+            step,
+            rank: self.cfg.ckpt.rank,
+            from_bps: c.from,
+            to_bps: c.to,
+            reason: c.reason.as_str().to_string(),
+            slowdown: c.slowdown,
+            budget,
+            baseline_s: c.baseline_s,
+            at_floor: c.at_floor,
+        }));
+    }
+
+    /// The figures of the persists the governor saw end since the last call (oldest first).
+    pub fn take_persist_figures(&mut self) -> Vec<PersistFigures> {
+        self.gov
+            .as_mut()
+            .map(|g| std::mem::take(&mut g.done))
+            .unwrap_or_default()
+    }
+
+    /// The persist governor's current rate, raw bytes/s (`None`: no limit, or no governor).
+    pub fn persist_rate(&self) -> Option<u64> {
+        self.ckpt.persist_rate().get()
+    }
+
     fn store_give_ups(&self) -> u64 {
         self.ckpt
             .store()
@@ -774,6 +1022,7 @@ impl CheckpointManager {
         let t0 = Instant::now();
         let state = self.save_state()?;
         let h = self.ckpt.save(step, state)?;
+        self.govern_started(&h);
         self.last_save = Instant::now();
         self.last_saved_step = Some(step);
         self.auto.last_due = Some(step);
@@ -957,6 +1206,10 @@ impl CheckpointManager {
         self.auto.tracking = None;
         self.auto.busy = false;
         self.auto.meter.save_done();
+        if let Some(g) = self.gov.as_mut() {
+            g.last_exit = None;
+            g.tracked = None;
+        }
         let (hits, misses) = cache.counts();
         let seconds = t0.elapsed().as_secs_f64();
         self.log_event(Event::Restore(records::Restore {
@@ -1180,21 +1433,7 @@ impl CheckpointManager {
     /// should be readable while the run goes on). Failures are warnings: a log must not stop
     /// training.
     fn log_event(&mut self, rec: Event) {
-        if self.events.is_none() {
-            let name = format!("monitor-rank-{}", self.cfg.ckpt.rank);
-            match LogWriter::new(self.ckpt.store(), &self.cfg.ckpt.run, EVENTS, &name) {
-                Ok(w) => self.events = Some(w),
-                Err(e) => {
-                    warn!("opening the events log: {e}");
-                    return;
-                }
-            }
-        }
-        let Some(w) = self.events.as_mut() else {
-            return;
-        };
-        if let Err(e) = w.append(&rec) {
-            warn!("events log record: {e}");
+        if !self.append_event(rec) {
             return;
         }
         // While the store is down the record waits in the writer (the loop must not wait for
@@ -1202,9 +1441,34 @@ impl CheckpointManager {
         if self.down.is_some() {
             return;
         }
-        if let Err(e) = runtime().block_on(w.flush()) {
+        if let Some(w) = self.events.as_mut()
+            && let Err(e) = runtime().block_on(w.flush())
+        {
             warn!("writing the events log: {e}");
         }
+    }
+
+    /// Append a record to the run's events log without writing it out yet; whether it was
+    /// appended.
+    fn append_event(&mut self, rec: Event) -> bool {
+        if self.events.is_none() {
+            let name = format!("monitor-rank-{}", self.cfg.ckpt.rank);
+            match LogWriter::new(self.ckpt.store(), &self.cfg.ckpt.run, EVENTS, &name) {
+                Ok(w) => self.events = Some(w),
+                Err(e) => {
+                    warn!("opening the events log: {e}");
+                    return false;
+                }
+            }
+        }
+        let Some(w) = self.events.as_mut() else {
+            return false;
+        };
+        if let Err(e) = w.append(&rec) {
+            warn!("events log record: {e}");
+            return false;
+        }
+        true
     }
 
     /// How long a save may still take: the commit timeout, or the final deadline once SIGTERM
@@ -1217,16 +1481,20 @@ impl CheckpointManager {
         }
     }
 
-    /// Wait for the save in flight to commit (or fail), and for retention; within the commit
-    /// timeout (the final deadline after SIGTERM).
+    /// Wait for the save in flight to commit (or fail), at full speed, and for retention;
+    /// within the commit timeout (the final deadline after SIGTERM). The governed persist's
+    /// figures are then ready ([`CheckpointManager::take_persist_figures`]).
     pub fn finish(&mut self) -> Result<()> {
         if let Some(h) = self.ckpt.last() {
+            // At full speed (the handle's waits lift the governor's limit).
             let within = self.final_wait();
             if self.cfg.ckpt.committer {
                 h.wait_committed(within)?;
             } else {
                 h.wait_persisted_within(within)?;
             }
+            let step = h.step();
+            self.govern_ended(step);
         }
         if let Some(r) = self.retention.take() {
             let _ = runtime().block_on(r);

@@ -8,6 +8,8 @@
 //! ckpt-bench recovery --dir DIR --params 20M   detection, restart, restore from store or peers
 //! ckpt-bench peers  --dir DIR --params 100M    restore from peer replicas vs. the store
 //! ckpt-bench faults --dir DIR --mib 64         saves/restores with 5 % of requests failing; an outage
+//! ckpt-bench governor --dir DIR --params 150M [--budgets 0.05,0.1,0.25,off] [--every 6] [--saves 3]
+//!                                              the persist governor: slowdown vs. time to durable
 //! ```
 
 use std::fs::OpenOptions;
@@ -41,6 +43,8 @@ fn open_options() -> ckpt_store::OpenOptions {
     .unwrap_or_else(|e| panic!("{e}"))
 }
 
+#[path = "../governor.rs"]
+mod governor;
 #[path = "../versions.rs"]
 mod versions;
 
@@ -1382,13 +1386,20 @@ fn main() {
         ),
         Some("faults") => faults_bench(&dir, arg(&args, "--mib", "64").parse().unwrap()),
         Some("scale") => std::process::exit(ckpt_tests::scale::cli(&args)),
+        Some("governor") => governor::governor_bench(
+            &dir,
+            ckpt_train::parse_count(&arg(&args, "--params", "150M")).unwrap(),
+            &arg(&args, "--budgets", "0.05,0.1,0.25,off"),
+            arg(&args, "--every", "6").parse().unwrap(),
+            arg(&args, "--saves", "3").parse().unwrap(),
+        ),
         Some("versions") => versions::versions_bench(
             &dir,
             ckpt_train::parse_count(&arg(&args, "--params", "150M")).unwrap(),
         ),
         _ => {
             eprintln!(
-                "usage: ckpt-bench limits|store|train|startup|recovery|peers|faults|scale|versions --dir DIR [--gib N] [--params N] [--mib N] [--steps N] [--no-background-prefault]"
+                "usage: ckpt-bench limits|store|train|startup|recovery|peers|faults|scale|versions|governor --dir DIR [--gib N] [--params N] [--mib N] [--steps N] [--no-background-prefault] [--budgets 0.05,0.1,off] [--every N] [--saves N]"
             );
             std::process::exit(2);
         }

@@ -13,6 +13,7 @@ use tracing::warn;
 use super::config::{BackPressure, CheckpointerConfig};
 use super::handle::{SaveFailure, SaveHandle, SaveReport, Shared, Stage};
 use super::persist::{PersistJob, note_fenced};
+use super::rate::PersistRate;
 use super::runtime::runtime;
 use super::snapshot::{slabs_needed, snapshot};
 use super::state::{SavePlan, SaveState};
@@ -37,6 +38,8 @@ pub struct Checkpointer {
     /// Why a newer generation fenced this writer out, once one did: every later save is
     /// refused at once.
     fenced: Arc<Mutex<Option<String>>>,
+    /// The rate limit every persist of this checkpointer obeys (the governor sets it).
+    rate: Arc<PersistRate>,
 }
 
 impl std::fmt::Debug for Checkpointer {
@@ -90,6 +93,7 @@ impl Checkpointer {
             writer,
             joined: AtomicBool::new(false),
             fenced: Arc::default(),
+            rate: PersistRate::new(),
         })
     }
 
@@ -157,6 +161,12 @@ impl Checkpointer {
     /// The newest committed step this rank's next save dedups against.
     pub fn dedup_base(&self) -> Option<u64> {
         self.dedup.lock().base_step()
+    }
+
+    /// The rate limit of this checkpointer's persists (none by default; the
+    /// [`CheckpointManager`](crate::CheckpointManager)'s persist governor sets it).
+    pub fn persist_rate(&self) -> &Arc<PersistRate> {
+        &self.rate
     }
 
     /// The save in flight, if any.
@@ -242,6 +252,7 @@ impl Checkpointer {
             blobs: plan.blobs,
             rx,
             start_after: fits.then_some(snap_done_rx),
+            rate: self.rate.clone(),
         };
         runtime().spawn(job.run());
         Ok(handle)
@@ -281,6 +292,7 @@ impl Checkpointer {
             store: self.store.clone(),
             run: self.cfg.run.clone(),
             committer: self.cfg.committer,
+            rate: self.rate.clone(),
         }
     }
 

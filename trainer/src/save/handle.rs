@@ -8,6 +8,7 @@ use ckpt_store::{Error, ErrorKind, Result, Store};
 use parking_lot::{Condvar, Mutex};
 use serde::Serialize;
 
+use super::rate::PersistRate;
 use super::runtime::runtime;
 
 /// Where a save is.
@@ -114,6 +115,11 @@ impl Shared {
         self.cond.notify_all();
     }
 
+    /// Whether the snapshot is still copying (the loop may be waiting for it).
+    pub(super) fn snapshotting(&self) -> bool {
+        matches!(self.stage.lock().0, Stage::Snapshotting)
+    }
+
     fn wait_for(&self, done: impl Fn(&Stage) -> bool) -> Result<SaveReport> {
         self.wait_until(done, None)
     }
@@ -170,6 +176,8 @@ pub struct SaveHandle {
     /// This rank creates the commit record: its own persist task says when the step is
     /// committed (and with what figures), so it never looks for the record in the store.
     pub(super) committer: bool,
+    /// The persist's rate limit: lifted while someone waits for the persist.
+    pub(super) rate: Arc<PersistRate>,
 }
 
 impl SaveHandle {
@@ -199,8 +207,10 @@ impl SaveHandle {
             .wait_for(|s| matches!(s, Stage::Snapshotted | Stage::Persisted | Stage::Committed))
     }
 
-    /// Block until this rank's chunks and manifest are in the store.
+    /// Block until this rank's chunks and manifest are in the store. The persist runs at full
+    /// speed meanwhile (whatever rate the governor set: someone waits for it).
     pub fn wait_persisted(&self) -> Result<SaveReport> {
+        let _fast = self.rate.full_speed();
         match self
             .shared
             .wait_for(|s| matches!(s, Stage::Persisted | Stage::Committed))
@@ -219,8 +229,10 @@ impl SaveHandle {
         }
     }
 
-    /// Block until this rank's chunks and manifest are in the store, or `timeout`.
+    /// Block until this rank's chunks and manifest are in the store, or `timeout` (at full
+    /// speed, as [`SaveHandle::wait_persisted`]).
     pub fn wait_persisted_within(&self, timeout: Duration) -> Result<SaveReport> {
+        let _fast = self.rate.full_speed();
         self.shared.wait_until(
             |s| matches!(s, Stage::Persisted | Stage::Committed),
             Some((Instant::now() + timeout, timeout)),
@@ -228,8 +240,9 @@ impl SaveHandle {
     }
 
     /// Block until the step is committed (by whichever rank commits), or `timeout` (which
-    /// covers the persist too).
+    /// covers the persist too; at full speed, as [`SaveHandle::wait_persisted`]).
     pub fn wait_committed(&self, timeout: Duration) -> Result<SaveReport> {
+        let _fast = self.rate.full_speed();
         let t0 = Instant::now();
         self.wait_persisted_within(timeout)?;
         if self.stage() == Stage::Committed {

@@ -18,12 +18,15 @@
 //! - `checkpointer`: [`Checkpointer`] and `save`, step by step;
 //! - `snapshot`: copying pinned sources into staging slabs (batches, carving);
 //! - `persist`: the persist-and-commit task (lease, dedup base, streaming write, commit);
+//! - `rate`: the persist's rate limit ([`PersistRate`]), which the governor sets and waiting
+//!   callers lift ([`FullSpeed`]);
 //! - `versions`: which shards a save takes unchanged from the last committed save.
 
 mod checkpointer;
 mod config;
 mod handle;
 mod persist;
+mod rate;
 mod runtime;
 mod snapshot;
 mod state;
@@ -32,5 +35,6 @@ mod versions;
 pub use checkpointer::Checkpointer;
 pub use config::{BackPressure, CheckpointerConfig};
 pub use handle::{SaveFailure, SaveHandle, SaveReport, Stage};
+pub use rate::{FullSpeed, PersistRate};
 pub use runtime::{runtime, set_io_nice};
 pub use state::{SaveState, SaveTensor};

@@ -16,6 +16,7 @@ use tracing::{debug, info, warn};
 
 use super::config::CheckpointerConfig;
 use super::handle::{SaveFailure, Shared, Stage};
+use super::rate::{Pacer, PersistRate};
 use super::versions::{ShardKey, StepVersions, VersionBook};
 use crate::memory::SourceVersion;
 use crate::staging::StagingPool;
@@ -43,6 +44,8 @@ pub(super) struct PersistJob {
     /// When the snapshot fits the pool: fires once it is done (or must wait for staging), and
     /// the persist starts only then.
     pub start_after: Option<tokio::sync::oneshot::Receiver<()>>,
+    /// The rate limit the chunks are paced by (none while the snapshot is still copying).
+    pub rate: Arc<PersistRate>,
 }
 
 impl PersistJob {
@@ -101,7 +104,14 @@ impl PersistJob {
             .peer
             .as_ref()
             .map(|l| Arc::new(PeerUpload::start(l, cfg.generation, cfg.rank, step, 8)));
-        let chunks = chunk_stream(self.rx, upload.clone(), store.config().pack_threshold);
+        let shared = self.shared.clone();
+        let pacer = Pacer::new(self.rate.clone(), Box::new(move || shared.snapshotting()));
+        let chunks = chunk_stream(
+            self.rx,
+            upload.clone(),
+            store.config().pack_threshold,
+            pacer,
+        );
         let w = RankWrite {
             run: cfg.run.clone(),
             step,
@@ -206,7 +216,8 @@ fn record_versions(
     StepVersions { step, shards }
 }
 
-/// The snapshot's chunks as the store takes them, each handed to the replica agent too.
+/// The snapshot's chunks as the store takes them, each handed to the replica agent too, at
+/// the pace of `pacer` (the persist's rate limit).
 ///
 /// A chunk small enough to go into a pack is copied out of its slab: a pack is written only
 /// once it is full, and a slab pinned by a pack that waits for more chunks would wait for the
@@ -215,17 +226,25 @@ fn chunk_stream(
     rx: tokio::sync::mpsc::UnboundedReceiver<Result<Bytes>>,
     upload: Option<Arc<PeerUpload>>,
     small: usize,
+    pacer: Pacer,
 ) -> impl futures::Stream<Item = Result<Bytes>> + Send {
-    futures::stream::unfold((rx, upload), move |(mut rx, up)| async move {
-        let x = match rx.recv().await? {
-            Ok(b) if b.len() < small => Ok(Bytes::copy_from_slice(&b)),
-            x => x,
-        };
-        if let (Some(u), Ok(b)) = (&up, &x) {
-            u.chunk(b.clone()).await;
-        }
-        Some((x, (rx, up)))
-    })
+    futures::stream::unfold(
+        (rx, upload, pacer),
+        move |(mut rx, up, mut pacer)| async move {
+            let x = rx.recv().await?;
+            if let Ok(b) = &x {
+                pacer.admit(b.len()).await;
+            }
+            let x = match x {
+                Ok(b) if b.len() < small => Ok(Bytes::copy_from_slice(&b)),
+                x => x,
+            };
+            if let (Some(u), Ok(b)) = (&up, &x) {
+                u.chunk(b.clone()).await;
+            }
+            Some((x, (rx, up, pacer)))
+        },
+    )
 }
 
 /// Wait for every rank's manifest of `step` and create the commit record; the stage becomes
