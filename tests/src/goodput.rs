@@ -948,7 +948,8 @@ fn run_policy(opts: &Options, policy: Policy, want: &str) -> Result<PolicyResult
         .collect();
     let committed_lost: Vec<u64> = seen
         .iter()
-        .filter(|s| !now.contains(s) && !(damaged.contains(s) && unusable.contains(s)))
+        // Still committed, or damaged by an injection and retired by recovery.
+        .filter(|s| !(now.contains(s) || (damaged.contains(s) && unusable.contains(s))))
         .copied()
         .collect();
     let verify_clean = rt
