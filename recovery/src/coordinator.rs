@@ -90,7 +90,9 @@ pub struct Config {
     pub startup_timeout: Duration,
     /// SIGTERM, then SIGKILL after this long.
     pub stop_grace: Duration,
-    /// First restart delay; doubles with every restart.
+    /// First restart delay; doubles with every restart in a row whose generation failed
+    /// within `backoff_max` of its start (a crash loop). A generation that ran at least
+    /// `backoff_max` before failing was healthy: the next delay is `backoff` again.
     pub backoff: Duration,
     /// Longest restart delay.
     pub backoff_max: Duration,
@@ -391,6 +393,11 @@ pub struct Coordinator {
     resumed_reported: bool,
     /// Restarts after node failures (what `max_restarts` bounds).
     node_restarts: u32,
+    /// Restarts in a row whose generation failed within `backoff_max` of its start (the
+    /// backoff's exponent).
+    backoff_streak: u32,
+    /// When the running generation started.
+    generation_started: Duration,
     /// The stop under way is for a data failure: (rank, step it could not restore).
     data_failure: Option<(u32, u64)>,
     /// The stop under way also saw a node failure.
@@ -432,6 +439,8 @@ impl Coordinator {
             resume_from: None,
             resumed_reported: true,
             node_restarts: 0,
+            backoff_streak: 0,
+            generation_started: Duration::ZERO,
             data_failure: None,
             node_failed: false,
             unusable: BTreeSet::new(),
@@ -509,6 +518,8 @@ impl Coordinator {
         c.excluded = t.excluded;
         c.restarts = t.restarts;
         c.node_restarts = t.restarts;
+        c.backoff_streak = t.restarts;
+        c.generation_started = now;
         c.max_step = t.max_step;
         c.phase = Phase::Running;
         c.ranks = t
@@ -760,6 +771,7 @@ impl Coordinator {
             .map(|a| (a.rank, RankState::started(a.node, now, None)))
             .collect();
         self.phase = Phase::Running;
+        self.generation_started = now;
         self.resume_from = resume_from;
         self.grow_wait = None;
         self.maybe_wait_to_grow();
@@ -1278,7 +1290,17 @@ impl Coordinator {
             Err(why) => return self.finish(now, false, format!("cannot restart: {why}")),
         };
         self.layout = layout;
-        let exp = self.restarts.saturating_sub(1).min(16);
+        // A long job's occasional failure does not pay for every earlier one: only a crash
+        // loop (generations failing within the longest delay of their start) keeps doubling.
+        let ran = self
+            .failed_at
+            .unwrap_or(now)
+            .saturating_sub(self.generation_started);
+        if ran >= self.cfg.backoff_max {
+            self.backoff_streak = 0;
+        }
+        self.backoff_streak += 1;
+        let exp = self.backoff_streak.saturating_sub(1).min(16);
         let backoff = (self.cfg.backoff * 2u32.pow(exp)).min(self.cfg.backoff_max);
         let steps_lost = step.map_or(self.max_step, |s| self.max_step.saturating_sub(s));
         self.phase = Phase::Backoff {
@@ -1885,6 +1907,42 @@ mod tests {
         assert_eq!(c.watching_commits(), None);
         assert_eq!(c.excluded(), vec![1]);
         assert_eq!(c.next_layout().unwrap(), "dp=1".parse().unwrap());
+    }
+
+    /// The `backoff_s` of the recovery decision in `out`.
+    fn backoff_of(out: &[Action]) -> f64 {
+        out.iter()
+            .find_map(|a| match a {
+                Action::Record(Record::Recovery(r)) => Some(r.backoff_s),
+                _ => None,
+            })
+            .expect("a recovery decision")
+    }
+
+    #[test]
+    fn the_backoff_doubles_in_a_crash_loop_and_starts_over_after_a_healthy_generation() {
+        // 6 nodes, dp=1: every failure moves the job to the next node. backoff 100 ms,
+        // backoff_max 30 s.
+        let mut c = Coordinator::new(cfg(6, 0, "dp=1"));
+        c.cfg.max_restarts = 10;
+        started(&mut c, Some(4));
+        // A crash loop: each generation fails a second after it starts.
+        let mut at = 1_000;
+        let mut seen = Vec::new();
+        for _ in 0..3 {
+            let out = killed(&mut c, 0, Some(4), at);
+            seen.push(backoff_of(&out));
+            at += 2_000;
+        }
+        assert_eq!(seen, [0.1, 0.2, 0.4]);
+        // The next generation runs 40 s (past backoff_max) before failing: healthy, so the
+        // delay starts over ...
+        at += 40_000;
+        assert_eq!(backoff_of(&killed(&mut c, 0, Some(8), at)), 0.1);
+        // ... and doubles again if the one after fails quickly.
+        at += 1_000;
+        assert_eq!(backoff_of(&killed(&mut c, 0, Some(8), at)), 0.2);
+        assert_eq!(c.restarts(), 5);
     }
 
     #[test]

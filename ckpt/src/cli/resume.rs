@@ -76,7 +76,8 @@ pub struct RestartArgs {
     /// SIGTERM, then SIGKILL after this long.
     #[arg(long, default_value = "10s", value_parser = duration)]
     pub stop_grace: Duration,
-    /// First restart delay (doubles with every restart).
+    /// First restart delay (doubles with every restart in a row whose generation failed
+    /// within 30 s of its start; a generation that ran longer resets it).
     #[arg(long, default_value = "1s", value_parser = duration)]
     pub backoff: Duration,
     /// A node that fails this many times within --node-failure-window is kept out for good,

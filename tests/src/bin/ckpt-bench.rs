@@ -10,6 +10,7 @@
 //! ckpt-bench faults --dir DIR --mib 64         saves/restores with 5 % of requests failing; an outage
 //! ckpt-bench governor --dir DIR --params 150M [--budgets 0.05,0.1,0.25,off] [--every 6] [--saves 3]
 //!                                              the persist governor: slowdown vs. time to durable
+//! ckpt-bench goodput --dir DIR --minutes 20 --mtbf 60   goodput under random failures, per policy
 //! ```
 
 use std::fs::OpenOptions;
@@ -1353,6 +1354,59 @@ fn faults_bench(dir: &Path, mib: usize) {
     }));
 }
 
+/// `ckpt-bench goodput` (see `ckpt_tests::goodput`): the baseline and the policies, one JSON
+/// line each; the exit code is 1 when a run missed a goal that is not a timing (the final
+/// digest, every failure detected and recovered, no committed step lost, no leftovers).
+fn goodput_bench(dir: &Path, args: &[String]) -> i32 {
+    use ckpt_tests::goodput::{Options, Policy, run, steps_for};
+    let num = |name: &str, default: &str| -> f64 {
+        arg(args, name, default)
+            .parse()
+            .unwrap_or_else(|_| panic!("{name} takes a number"))
+    };
+    let seed: u64 = match args.iter().any(|a| a == "--seed") {
+        true => num("--seed", "0") as u64,
+        false => ckpt_store::clock::system_now().timestamp_micros() as u64 % 1_000_000,
+    };
+    let step_ms = num("--step-ms", "100") as u64;
+    let steps = match args.iter().any(|a| a == "--steps") {
+        true => num("--steps", "0") as u64,
+        false => steps_for(num("--minutes", "20"), step_ms),
+    };
+    let mtbf = Duration::from_secs_f64(num("--mtbf", "60"));
+    let mut o = Options::new(&dir.join("goodput"), steps, step_ms, mtbf, seed);
+    o.params = arg(args, "--params", "1M");
+    o.repair = Duration::from_secs_f64(num("--repair", &mtbf.as_secs_f64().to_string()));
+    o.every = num("--every", "50") as u64;
+    o.layout = arg(args, "--layout", "dp=1");
+    if args.iter().any(|a| a == "--policies") {
+        o.policies = arg(args, "--policies", "a,b,c")
+            .split(',')
+            .map(|p| Policy::parse(p.trim()).unwrap_or_else(|e| panic!("{e}")))
+            .collect();
+    }
+    eprintln!(
+        "goodput: seed {seed} (replay with --seed {seed}), {steps} steps of {step_ms} ms, a failure every {} s on average, nodes back after {} s",
+        mtbf.as_secs_f64(),
+        o.repair.as_secs_f64()
+    );
+    let mut bad = false;
+    match run(&o, |r| {
+        emit(r.json(seed));
+        bad |= !(r.ok
+            && r.digest_equal
+            && r.all_recovered()
+            && r.committed_lost.is_empty()
+            && r.leftover.is_empty());
+    }) {
+        Ok(_) => i32::from(bad),
+        Err(e) => {
+            eprintln!("goodput: {e}");
+            1
+        }
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let dir = PathBuf::from(arg(&args, "--dir", "bench-out"));
@@ -1384,6 +1438,7 @@ fn main() {
             &dir,
             ckpt_train::parse_count(&arg(&args, "--params", "100M")).unwrap(),
         ),
+        Some("goodput") => std::process::exit(goodput_bench(&dir, &args)),
         Some("faults") => faults_bench(&dir, arg(&args, "--mib", "64").parse().unwrap()),
         Some("scale") => std::process::exit(ckpt_tests::scale::cli(&args)),
         Some("governor") => governor::governor_bench(
@@ -1399,7 +1454,8 @@ fn main() {
         ),
         _ => {
             eprintln!(
-                "usage: ckpt-bench limits|store|train|startup|recovery|peers|faults|scale|versions|governor --dir DIR [--gib N] [--params N] [--mib N] [--steps N] [--no-background-prefault] [--budgets 0.05,0.1,off] [--every N] [--saves N]"
+                "usage: ckpt-bench limits|store|train|startup|recovery|peers|faults|goodput|scale|versions|governor --dir DIR [--gib N] [--params N] [--mib N] [--steps N] [--no-background-prefault] [--budgets 0.05,0.1,off] [--every N] [--saves N]\n       \
+                 ckpt-bench goodput --dir DIR [--minutes M | --steps N] [--mtbf S] [--seed X] [--step-ms MS] [--params P] [--repair S] [--every K] [--policies a,b,c]"
             );
             std::process::exit(2);
         }

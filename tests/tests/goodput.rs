@@ -1,0 +1,85 @@
+//! The goodput soak, short (issue 19 §3): the reference workload under the real `ckpt resume`
+//! (4 nodes, 2 spares, repaired nodes back), a failure-free baseline and every policy with a
+//! failure about every 15 s (ranks killed and hung, nodes lost, the newest step damaged). Each
+//! policy must end bit-identical to an uninterrupted run, with every injected failure detected
+//! (its record in the recovery log) and recovered from, no committed step lost, every step
+//! left committed intact, and no process of the run left behind. Goodput is printed, not
+//! asserted (BENCHMARKS.md measures it).
+
+use std::time::Duration;
+
+use ckpt_tests::goodput::{Options, Policy, run};
+
+#[test]
+#[allow(
+    clippy::disallowed_methods,
+    reason = "a test reads its knobs from the environment"
+)]
+fn every_injected_failure_is_detected_and_recovered_and_the_state_is_bit_identical() {
+    let seed: u64 = std::env::var("CKPT_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| ckpt_store::clock::system_now().timestamp_micros() as u64 % 1_000_000);
+    eprintln!("goodput seed {seed} (replay with CKPT_TEST_SEED={seed})");
+    let mut dir = tempfile::tempdir().unwrap();
+    if std::env::var_os("CKPT_TEST_KEEP").is_some() {
+        eprintln!("keeping {}", dir.path().display());
+        dir.disable_cleanup(true);
+    }
+    // About 30 s failure-free: 300 steps of 100 ms.
+    let mut o = Options::new(dir.path(), 300, 100, Duration::from_secs(15), seed);
+    o.params = "200K".into();
+    o.every = 20;
+    o.auto_max = 40;
+    o.repair = Duration::from_secs(5);
+    // Gaps of at most 25 s, so every policy's run of 30 s or more sees a failure.
+    o.max_gap = Some(Duration::from_secs(25));
+    o.policies = Policy::ALL.to_vec();
+    o.plot = false;
+    o.timeout = Duration::from_secs(240);
+    let results = run(&o, |r| eprintln!("{}", r.json(seed))).expect("the soak ran");
+    assert_eq!(results.len(), 4);
+    for r in &results {
+        let what = format!(
+            "policy {} (seed {seed}; logs in {})",
+            r.policy.name(),
+            r.dir.display()
+        );
+        assert!(r.ok, "{what}: the job did not complete: {}", r.reason);
+        assert!(
+            r.digest_equal,
+            "{what}: final digest {:?} differs from the uninterrupted run's",
+            r.digest
+        );
+        for i in &r.injections {
+            assert!(i.detected, "{what}: not detected: {i:?}");
+            assert!(i.recovered, "{what}: not recovered from: {i:?}");
+        }
+        assert!(
+            r.committed_lost.is_empty(),
+            "{what}: committed steps lost: {:?}",
+            r.committed_lost
+        );
+        assert!(r.verify_clean, "{what}: a committed step does not verify");
+        assert!(
+            r.leftover.is_empty(),
+            "{what}: processes left: {:?}",
+            r.leftover
+        );
+        if r.policy == Policy::Baseline {
+            assert!(r.injections.is_empty());
+            assert_eq!(r.restarts, 0, "{what}: the failure-free run restarted");
+        } else {
+            // A failure every ~15 s over a run of 30 s or more: at least one landed (the
+            // schedule is the same for every policy).
+            assert!(!r.injections.is_empty(), "{what}: no failure injected");
+            assert!(r.restarts >= 1, "{what}");
+            if r.policy == Policy::StoreFixed {
+                assert_eq!(
+                    r.bytes_from_peers, 0,
+                    "{what}: no agents, yet bytes from peers"
+                );
+            }
+        }
+    }
+}
