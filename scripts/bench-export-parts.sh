@@ -18,9 +18,13 @@ RES="$OUT/results.txt"
 : >"$RES"
 PY="${CKPT_PYTHON:-/work/main/.ci-tools/venv/bin/python}"
 
-cargo build --release -q -p ckpt --bin ckpt --example bench_ckpt
-BIN="$PWD/target/release/ckpt"
-EX="$PWD/target/release/examples"
+# PROFILE=debug uses the binaries a test build left (no release build; slower figures).
+PROFILE="${PROFILE:-release}"
+if [ "$PROFILE" = release ]; then
+  cargo build --release -q -p ckpt --bin ckpt --example bench_ckpt
+fi
+BIN="$PWD/target/$PROFILE/ckpt"
+EX="$PWD/target/$PROFILE/examples"
 
 log() { echo "$*" | tee -a "$RES"; }
 now() { date +%s.%N; }
@@ -36,7 +40,7 @@ timed() {
 }
 
 log "machine: $(nproc) cores (the figures below are for $(nproc) cores: N processes share them), $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(df -h "$OUT" | awk 'NR==2 {print $1, $2}')"
-log "date: $(date -u +%FT%TZ)  commit: $(git rev-parse --short HEAD)"
+log "date: $(date -u +%FT%TZ)  commit: $(git rev-parse --short HEAD)  binaries: target/$PROFILE"
 
 # 1. Limits: the disk with O_DIRECT (the export writes with O_DIRECT), memcpy, decompression.
 N=$((GIB * 64)) # 16 MiB blocks

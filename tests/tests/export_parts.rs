@@ -281,7 +281,8 @@ fn check_part_report(r: &Value, out: &Path, model_bytes: u64) -> BTreeMap<String
     if !pipe.is_null() {
         assert_eq!(r["memory_budget"].as_u64().unwrap(), 16 * MIB);
         let held = pipe["depth"].as_u64().unwrap()
-            * (pipe["block"].as_u64().unwrap() + pipe["fetch"].as_u64().unwrap() * 8 * MIB)
+            * (pipe["block"].as_u64().unwrap()
+                + pipe["fetch"].as_u64().unwrap() * 2 * pipe["chunk"].as_u64().unwrap())
             + pipe["stage"].as_u64().unwrap();
         assert!(held <= 16 * MIB, "{pipe}");
     }
@@ -559,25 +560,25 @@ fn bad_part_specs_and_mismatched_plans_fail_clearly() {
     let out = env.path("out");
     let o = s(&out);
     let base = ["export", "m@1", "--out", o, "--max-shard-size", SHARD];
-    let with = |extra: &[&str]| -> Vec<&str> {
+    fn with<'a>(base: &[&'a str], extra: &[&'a str]) -> Vec<&'a str> {
         let mut v = base.to_vec();
         v.extend_from_slice(extra);
         v
-    };
-    let err = env.fails(&with(&["--part", "3/3"]), 2);
+    }
+    let err = env.fails(&with(&base, &["--part", "3/3"]), 2);
     assert!(
         err.contains("part index 3 is out of range") && err.contains("0 to 2"),
         "{err}"
     );
-    let err = env.fails(&with(&["--part", "1"]), 2);
+    let err = env.fails(&with(&base, &["--part", "1"]), 2);
     assert!(err.contains("expected I/N"), "{err}");
-    let err = env.fails(&with(&["--part", "0/0"]), 2);
+    let err = env.fails(&with(&base, &["--part", "0/0"]), 2);
     assert!(err.contains("at least 1"), "{err}");
     let err = env.fails(&["export", "m@1", "--out", o, "--part", "0/2"], 2);
     assert!(err.contains("--max-shard-size"), "{err}");
-    let err = env.fails(&with(&["--part", "0/2", "--jobs", "2"]), 2);
+    let err = env.fails(&with(&base, &["--part", "0/2", "--jobs", "2"]), 2);
     assert!(err.contains("cannot be used with"), "{err}");
-    let err = env.fails(&with(&["--memory-budget", "4MiB"]), 2);
+    let err = env.fails(&with(&base, &["--memory-budget", "4MiB"]), 2);
     assert!(
         err.contains("too small") && err.contains("chunks of 4"),
         "{err}"
@@ -585,18 +586,21 @@ fn bad_part_specs_and_mismatched_plans_fail_clearly() {
     assert!(!out.exists() || files(&out).is_empty(), "nothing written");
 
     // The index with no part run: every file missing, named.
-    let err = env.fails(&with(&["--write-index"]), 1);
+    let err = env.fails(&with(&base, &["--write-index"]), 1);
     assert!(err.contains("4 of 4 files missing"), "{err}");
     assert!(err.contains("model-00001-of-00004.safetensors"), "{err}");
 
     // Parts run with different --max-shard-size: the index notices.
-    let c = env.command(&with(&["--part", "0/2"])).output().unwrap();
+    let c = env
+        .command(&with(&base, &["--part", "0/2"]))
+        .output()
+        .unwrap();
     assert!(c.status.success());
-    let mut other = with(&["--part", "1/2"]);
+    let mut other = with(&base, &["--part", "1/2"]);
     other[5] = "6MiB";
     let c = env.command(&other).output().unwrap();
     assert!(c.status.success(), "{}", String::from_utf8_lossy(&c.stderr));
-    let err = env.fails(&with(&["--write-index"]), 1);
+    let err = env.fails(&with(&base, &["--write-index"]), 1);
     assert!(err.contains("missing"), "{err}");
     assert!(
         err.contains("another plan") && err.contains("-of-0000"),
@@ -608,9 +612,9 @@ fn bad_part_specs_and_mismatched_plans_fail_clearly() {
     let last = b.len() - 1;
     b.truncate(last);
     std::fs::write(&f1, &b).unwrap();
-    let err = env.fails(&with(&["--write-index"]), 1);
+    let err = env.fails(&with(&base, &["--write-index"]), 1);
     assert!(err.contains("differ from the plan"), "{err}");
-    let err = env.fails(&with(&["--part", "0/2"]), 1);
+    let err = env.fails(&with(&base, &["--part", "0/2"]), 1);
     assert!(
         err.contains("model-00001-of-00004.safetensors")
             && err.contains("is not the file this part would write"),
@@ -618,11 +622,11 @@ fn bad_part_specs_and_mismatched_plans_fail_clearly() {
     );
     // --force rewrites it.
     let c = env
-        .command(&with(&["--part", "0/2", "--force"]))
+        .command(&with(&base, &["--part", "0/2", "--force"]))
         .output()
         .unwrap();
     assert!(c.status.success(), "{}", String::from_utf8_lossy(&c.stderr));
-    let err = env.fails(&with(&["--write-index"]), 1);
+    let err = env.fails(&with(&base, &["--write-index"]), 1);
     assert!(
         err.contains("2 of 4 files missing") && !err.contains("differ"),
         "{err}"

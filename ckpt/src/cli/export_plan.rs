@@ -317,6 +317,8 @@ pub struct Pipeline {
     pub fetch: usize,
     /// The `O_DIRECT` staging buffer.
     pub stage: u64,
+    /// The largest chunk (raw bytes) it was sized for.
+    pub chunk: u64,
 }
 
 impl Pipeline {
@@ -358,6 +360,7 @@ impl Pipeline {
                         depth,
                         fetch,
                         stage,
+                        chunk,
                     };
                     if p.bytes(chunk, converting) <= budget
                         && best.as_ref().is_none_or(|b| score(&p) > score(b))
@@ -379,6 +382,7 @@ impl Pipeline {
                 depth: 1,
                 fetch: 1,
                 stage: ALIGN,
+                chunk,
             }
             .bytes(chunk, converting);
             format!(
