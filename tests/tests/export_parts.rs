@@ -21,6 +21,9 @@ const BIG: u64 = 64 * MIB;
 const BUDGET: &str = "16MiB";
 const SHARD: &str = "8MiB";
 
+/// A tensor to save: name, safetensors dtype, shape, bytes.
+type Tensor = (String, &'static str, Vec<u64>, Vec<u8>);
+
 /// Where the store is and what the binary needs to reach it.
 struct Env {
     dir: tempfile::TempDir,
@@ -115,7 +118,7 @@ fn s(p: &Path) -> &str {
 /// The model: one tensor four times the parts' budget, tensors of a few chunks, small ones the
 /// store packs, several dtypes and a scalar; every tensor's bytes distinct. (name, dtype,
 /// shape, bytes), in name order.
-fn model(big: u64) -> Vec<(String, &'static str, Vec<u64>, Vec<u8>)> {
+fn model(big: u64) -> Vec<Tensor> {
     let t = |name: &str, dtype: &'static str, shape: &[u64], elem: u64, seed: u64| {
         let n: u64 = shape.iter().product();
         (
@@ -143,7 +146,7 @@ fn model(big: u64) -> Vec<(String, &'static str, Vec<u64>, Vec<u8>)> {
 
 /// Write `tensors` as a safetensors file (the format's rules: offsets in order, header padded
 /// with spaces to a multiple of 8).
-fn write_safetensors(path: &Path, tensors: &[(String, &'static str, Vec<u64>, Vec<u8>)]) {
+fn write_safetensors(path: &Path, tensors: &[Tensor]) {
     let mut header = serde_json::Map::new();
     let mut at = 0usize;
     for (name, dtype, shape, data) in tensors {
@@ -154,7 +157,7 @@ fn write_safetensors(path: &Path, tensors: &[(String, &'static str, Vec<u64>, Ve
         at += data.len();
     }
     let mut h = serde_json::to_vec(&header).unwrap();
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let mut out = (h.len() as u64).to_le_bytes().to_vec();
@@ -167,7 +170,7 @@ fn write_safetensors(path: &Path, tensors: &[(String, &'static str, Vec<u64>, Ve
 
 /// The model saved as `m@1` (through `ckpt import`: one shard per tensor, 4 MiB chunks), and
 /// its source file.
-fn saved_model(env: &Env, big: u64) -> (PathBuf, Vec<(String, &'static str, Vec<u64>, Vec<u8>)>) {
+fn saved_model(env: &Env, big: u64) -> (PathBuf, Vec<Tensor>) {
     let tensors = model(big);
     let src = env.path("source.safetensors");
     write_safetensors(&src, &tensors);
