@@ -16,6 +16,8 @@ pub mod agent;
 pub mod diff;
 pub mod error;
 pub mod export;
+pub mod export_jobs;
+pub mod export_plan;
 pub mod fmt;
 pub mod gc;
 pub mod import;
@@ -179,7 +181,26 @@ pub fn execute(cli: Cli) -> Result<Outcome> {
     if let Command::ReplicaAgent(a) = &cli.command {
         return rt.block_on(replica::replica_agent(a)).map(|()| Outcome::Ok);
     }
-    rt.block_on(run(cli.store.as_deref(), &open, cli.command, &ui))
+    let mut command = cli.command;
+    if let Command::Export(a) = &mut command
+        && a.jobs.is_some()
+    {
+        // `--jobs` starts this binary again, with the same store settings.
+        let exe = std::env::current_exe()
+            .map_err(|e| CliError::error(format!("finding the ckpt executable: {e}")))?;
+        let mut global = Vec::new();
+        for (flag, v) in [
+            ("--store", &cli.store),
+            ("--store-retry", &cli.store_retry),
+            ("--store-faults", &cli.store_faults),
+        ] {
+            if let Some(v) = v {
+                global.extend([flag.to_string(), v.clone()]);
+            }
+        }
+        a.spawn = Some(export_jobs::Spawn { exe, global });
+    }
+    rt.block_on(run(cli.store.as_deref(), &open, command, &ui))
 }
 
 impl Cli {
