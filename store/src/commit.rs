@@ -259,7 +259,19 @@ impl Store {
     /// conflict means another rank or the supervisor marked it first), then check that no
     /// newer generation has started ([`ErrorKind::Fenced`] otherwise). Every writer does this
     /// before its first save, so whoever resumes a run fences every older writer of it.
+    ///
+    /// The marker is created only when the listing shows neither it nor a newer one: under a
+    /// supervisor, which starts each generation before its ranks, a rank's join is one listing
+    /// (thousands of ranks putting the same marker at once would pass S3's write rate for the
+    /// prefix).
     pub async fn join_generation(&self, run: &str, generation: u64) -> Result<()> {
+        match self.newest_generation(run).await? {
+            Some(newer) if newer > generation => {
+                return Err(fenced(run, newer, generation, "this writer"));
+            }
+            Some(g) if g == generation => return Ok(()),
+            _ => {}
+        }
         match self.start_generation(run, generation).await {
             Ok(()) => {}
             Err(e) if e.kind() == ErrorKind::Conflict => {}

@@ -837,4 +837,48 @@ mod tests {
         assert_eq!(store.list_steps("long").await.unwrap().len(), 1000);
         assert_eq!(c.since(m).count(ReqKind::ListPage), 5);
     }
+
+    #[tokio::test]
+    async fn a_writer_lists_one_page_of_locks_however_many_leases_are_held() {
+        let cs = CountingStore::new(InMemory::new(), SimConfig::count_only());
+        let c = cs.counting();
+        let store = crate::Store::new(Arc::new(cs), Path::default(), "counted://");
+        // 2,500 saves in flight (ranks starting a save at once), each with its lease.
+        let m = c.mark();
+        let mut leases = Vec::new();
+        for rank in 0..2500 {
+            let w = crate::lease::writer_id(rank, 1);
+            leases.push(store.lease_dedup_base("r", &w, &[]).await.unwrap());
+        }
+        let t = c.since(m);
+        // Each writer's listing is one page: the sweep locks, not the other leases (listing
+        // every lease would take up to three pages each once a thousand are held).
+        assert_eq!(t.count(ReqKind::ListPage), 2500, "{t:?}");
+        // The lease puts spread over 256 prefixes (S3 limits writes per prefix).
+        let hottest = t.hottest_write_prefix.clone().unwrap();
+        assert!(hottest.0.starts_with("locks/writers/"), "{hottest:?}");
+        assert!(hottest.1 < 40, "{hottest:?}");
+        // GC still sees every lease, and sweeps nothing while they are held.
+        let now = store.now();
+        let listing = store
+            .list_locks(now, std::time::Duration::from_secs(3600))
+            .await
+            .unwrap();
+        assert_eq!(listing.writers.len(), 2500);
+        assert!(
+            store
+                .take_sweep_lock(now, std::time::Duration::from_secs(3600))
+                .await
+                .unwrap()
+                .is_err()
+        );
+        for l in leases {
+            store.release_lease(l).await.unwrap();
+        }
+        let listing = store
+            .list_locks(now, std::time::Duration::from_secs(3600))
+            .await
+            .unwrap();
+        assert!(listing.writers.is_empty() && listing.sweeps.is_empty());
+    }
 }

@@ -6,7 +6,7 @@
 //! <prefix>/runs/<run>/steps/<step:020>/rank-<r:06>.manifest
 //! <prefix>/runs/<run>/steps/<step:020>/COMMIT            the commit record; existence = complete
 //! <prefix>/runs/<run>/<log name>/<part>.jsonl            append-only logs (metrics, events)
-//! <prefix>/locks/writer-<id>                            a save in flight (writer lease)
+//! <prefix>/locks/writers/<2 hex>/writer-<id>            a save in flight (writer lease)
 //! <prefix>/locks/sweep-<id>                             a GC sweep in progress
 //! ```
 //!
@@ -151,9 +151,14 @@ impl Keys {
     }
 
     /// The lease a writer holds while its save may reference objects it has not yet recorded
-    /// in a manifest.
+    /// in a manifest: `locks/writers/<2 hex>/writer-<name>`, the two hex digits from the
+    /// name's hash, so that thousands of ranks taking leases at once spread their writes over
+    /// 256 prefixes (S3 limits writes per prefix), and a writer's listing of `locks/` with a
+    /// delimiter sees the sweep locks without paging through every lease.
     pub fn writer_lock(&self, name: &str) -> Path {
-        self.locks_dir().join(format!("writer-{name}"))
+        let spread = format!("{:02x}", blake3::hash(name.as_bytes()).as_bytes()[0]);
+        self.join(["locks", "writers", &spread])
+            .join(format!("writer-{name}"))
     }
 
     /// The lock a GC holds while it sweeps.
@@ -166,6 +171,8 @@ impl Keys {
     pub fn parse_lock(&self, path: &Path) -> Option<bool> {
         let rest = self.strip(path)?;
         match rest.as_slice() {
+            ["locks", "writers", _, name] if name.starts_with("writer-") => Some(true),
+            // Format 2's writer leases, directly under `locks/` (still honoured by GC).
             ["locks", name] if name.starts_with("writer-") => Some(true),
             ["locks", name] if name.starts_with("sweep-") => Some(false),
             _ => None,

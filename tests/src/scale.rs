@@ -290,6 +290,9 @@ pub async fn simulate(
     let common = json!({"ranks": n, "layout": layout.to_string(), "tensors": specs.len(),
                         "latency_ms": cfg.latency.as_secs_f64() * 1e3, "limits": cfg.limits});
 
+    // The launcher (the supervisor, or the etcd coordinator) starts the generation before it
+    // starts the ranks.
+    store.start_generation(run, 0).await?;
     for step in [1u64, 2] {
         let m0 = counting.mark();
         let t0 = counting.elapsed();
@@ -302,7 +305,11 @@ pub async fn simulate(
                 (counting.clone(), manifest_done.clone(), meta.clone());
             tasks.spawn(ckpt_store::counting::acting(rank, async move {
                 let (shards, blobs) = rank_state(&layout, rank, &specs, step)?;
-                store.join_generation(run, 0).await?;
+                // A rank joins its generation once, before its first save (as the trainer's
+                // checkpointer does).
+                if step == 1 {
+                    store.join_generation(run, 0).await?;
+                }
                 let writer = ckpt_store::writer_id(rank, 0);
                 let candidates = bases[rank as usize].lock().expect("base").candidates();
                 let lease = store.lease_dedup_base(run, &writer, &candidates).await?;
