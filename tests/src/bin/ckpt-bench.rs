@@ -8,6 +8,9 @@
 //! ckpt-bench recovery --dir DIR --params 20M   detection, restart, restore from store or peers
 //! ckpt-bench peers  --dir DIR --params 100M    restore from peer replicas vs. the store
 //! ckpt-bench faults --dir DIR --mib 64         saves/restores with 5 % of requests failing; an outage
+//! ckpt-bench delta  --dir DIR --params 20M     delta chunks: stored size per kind, save/restore time
+//!                   [--intervals 1,10,100] [--saves 3] [--sinks local,slow] [--slow-mbps 200]
+//!                   [--modes raw,planes,delta,delta-readback,adaptive+delta]
 //! ```
 
 use std::fs::OpenOptions;
@@ -43,6 +46,9 @@ fn open_options() -> ckpt_store::OpenOptions {
 
 #[path = "../versions.rs"]
 mod versions;
+
+#[path = "../delta_bench.rs"]
+mod delta_bench;
 
 fn emit(v: Value) {
     println!("{v}");
@@ -1380,6 +1386,27 @@ fn main() {
             &dir,
             ckpt_train::parse_count(&arg(&args, "--params", "100M")).unwrap(),
         ),
+        Some("delta") => {
+            let list = |name: &str, default: &str| -> Vec<String> {
+                arg(&args, name, default)
+                    .split(',')
+                    .map(str::to_string)
+                    .collect()
+            };
+            let intervals: Vec<u64> = list("--intervals", "1,10,100")
+                .iter()
+                .map(|s| s.parse().unwrap())
+                .collect();
+            delta_bench::delta_bench(
+                &dir,
+                ckpt_train::parse_count(&arg(&args, "--params", "20M")).unwrap(),
+                arg(&args, "--saves", "3").parse().unwrap(),
+                &intervals,
+                &list("--sinks", "local,slow"),
+                &list("--modes", "raw,planes,delta,adaptive+delta"),
+                arg(&args, "--slow-mbps", "200").parse::<f64>().unwrap() * 1e6,
+            )
+        }
         Some("faults") => faults_bench(&dir, arg(&args, "--mib", "64").parse().unwrap()),
         Some("scale") => std::process::exit(ckpt_tests::scale::cli(&args)),
         Some("versions") => versions::versions_bench(
@@ -1388,7 +1415,7 @@ fn main() {
         ),
         _ => {
             eprintln!(
-                "usage: ckpt-bench limits|store|train|startup|recovery|peers|faults|scale|versions --dir DIR [--gib N] [--params N] [--mib N] [--steps N] [--no-background-prefault]"
+                "usage: ckpt-bench limits|store|train|startup|recovery|peers|faults|scale|versions|delta --dir DIR [--gib N] [--params N] [--mib N] [--steps N] [--no-background-prefault]"
             );
             std::process::exit(2);
         }
