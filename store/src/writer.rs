@@ -588,6 +588,13 @@ pub fn assemble_manifest(
     })
 }
 
+fn tensors_have_deltas(tensors: &[TensorShard]) -> bool {
+    tensors
+        .iter()
+        .flat_map(|t| &t.chunks)
+        .any(ChunkRef::is_delta)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -728,11 +735,4 @@ mod tests {
         assert_eq!(reader.read_tensor("b").await.unwrap(), b);
         assert_eq!(reader.read_blob(0, "meta").await.unwrap(), b"hello");
     }
-}
-
-fn tensors_have_deltas(tensors: &[TensorShard]) -> bool {
-    tensors
-        .iter()
-        .flat_map(|t| &t.chunks)
-        .any(ChunkRef::is_delta)
 }
