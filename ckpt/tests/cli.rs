@@ -498,6 +498,7 @@ async fn gc_keeps_what_retention_keeps_and_what_a_pending_save_needs(env: Env) {
         .map(|i| ChunkIn {
             data: bytes::Bytes::from(ckpt_store::testing::det_bytes(900 + i, 4096)),
             elem: 1,
+            base: None,
         })
         .collect();
     let put = env

@@ -603,3 +603,86 @@ async fn readdirplus_attributes_match_lookups() {
     }
     fs.release(fh);
 }
+
+/// Delta chunks (issue 16): a step whose chunks are deltas on the step before reads through
+/// the mount bit for bit, as the tensor file and inside `model.safetensors` (the bytes `ckpt
+/// export` writes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delta_chunks_read_through_the_mount() {
+    use bytes::Bytes;
+    use ckpt_store::writer::{RankWrite, ShardIn};
+    use ckpt_store::{DType, DedupBase, Layout, NdBox, StoreConfig};
+    let ts = test_store();
+    let store = ts
+        .store
+        .clone()
+        .with_config(StoreConfig {
+            adaptive_codec: false,
+            delta_chain: 4,
+            ..ckpt_store::testing::tiny_config()
+        })
+        .unwrap();
+    let n = 8 * 1024usize;
+    let values = |step: u64| -> Vec<u8> {
+        let r = ckpt_store::testing::det_bytes(3, n * 8);
+        (0..n)
+            .flat_map(|i| {
+                let u = u64::from_le_bytes(r[i * 8..i * 8 + 8].try_into().unwrap());
+                let x = ((u >> 11) as f64 / (1u64 << 53) as f64 - 0.5) * 0.04;
+                let drift = 1.0 + 1e-4 * step as f64 * (((u & 0xff) as f64) / 255.0 - 0.5);
+                ((x * drift) as f32).to_le_bytes()
+            })
+            .collect()
+    };
+    let mut base = DedupBase::new();
+    for step in 1..=3u64 {
+        let index = base.pinned(base.base_step());
+        let shard = ShardIn {
+            name: "w".into(),
+            dtype: DType::F32,
+            shape: vec![n as u64],
+            bbox: NdBox::full(&[n as u64]),
+            data: Some(Bytes::from(values(step))),
+            replica_of: None,
+            placement: None,
+        };
+        let w = RankWrite {
+            run: "d".into(),
+            step,
+            rank: 0,
+            layout: Layout::SINGLE,
+            generation: 0,
+        };
+        let (m, _, _) = store
+            .write_rank(&w, vec![shard], vec![], &index)
+            .await
+            .unwrap();
+        store.commit_step("d", step).await.unwrap();
+        base.seed_manifest(&m);
+        if step > 1 {
+            assert!(
+                m.tensors[0].chunks.iter().any(|c| c.is_delta()),
+                "step {step} holds deltas"
+            );
+        }
+    }
+    let fs = CkptFs::new(store.clone(), opts(1 << 20));
+    for step in 1..=3u64 {
+        let want = values(step);
+        let t = fs.resolve(&format!("d/{step}/tensors/w")).await.unwrap();
+        let got = fs.read(t.ino, None, 0, want.len() as u32).await.unwrap();
+        assert!(got == want, "tensors/w of step {step}");
+        let export = export_bytes(&store, "d", step).await;
+        let model = fs
+            .resolve(&format!("d/{step}/model.safetensors"))
+            .await
+            .unwrap();
+        let got = fs
+            .read(model.ino, None, 0, export.len() as u32)
+            .await
+            .unwrap();
+        assert!(got == export, "model.safetensors of step {step}");
+        let header = u64::from_le_bytes(export[..8].try_into().unwrap()) as usize;
+        assert!(export[8 + header..] == want[..], "export of step {step}");
+    }
+}

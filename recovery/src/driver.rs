@@ -146,7 +146,7 @@ async fn step_objects_missing(store: &Store, run: &str, step: u64) -> Result<Vec
             .flat_map(|t| &t.chunks)
             .chain(m.blobs.iter().flat_map(|b| &b.chunks))
         {
-            objects.insert(store.object_of(c));
+            objects.extend(store.chain_objects(c));
         }
     }
     let mut missing = Vec::new();

@@ -187,6 +187,13 @@ impl ChunkCache {
         res.map_err(|(kind, msg)| Error::new(kind, msg))
     }
 
+    /// Keep `b` as the verified bytes of `id` (a writer that just hashed them: the delta
+    /// bases of its next save).
+    pub fn put(&self, id: ChunkId, b: Bytes) {
+        let mut st = self.state.lock().expect("cache");
+        self.insert(&mut st, id, b);
+    }
+
     fn insert(&self, st: &mut State, id: ChunkId, b: Bytes) {
         let len = b.len() as u64;
         if len > self.cap || st.map.contains_key(&id) {

@@ -1,10 +1,10 @@
-//! Chunk objects: a 16-byte header and a payload in one of three codecs.
+//! Chunk objects: a 16-byte header and a payload in one of four codecs.
 //!
 //! ```text
 //! offset  size  field
 //! 0       4     magic "CKPC"
-//! 4       1     format version (1)
-//! 5       1     codec: 0 raw, 1 zstd, 2 byte planes
+//! 4       1     format version (1; 2 for delta objects)
+//! 5       1     codec: 0 raw, 1 zstd, 2 byte planes, 3 delta
 //! 6       1     element size for byte planes (1, 2, 4, 8), else 0
 //! 7       1     transform: 0 none, 1 elements rotated left by one bit (byte planes)
 //! 8       8     raw length, u64 little-endian
@@ -18,6 +18,11 @@
 //! ```text
 //! u8 planes; planes x { u8 kind (0 raw, 1 zstd); u32 stored length }; plane payloads
 //! ```
+//!
+//! A delta object (codec 3, format 2) holds a chunk as the difference to a *base* chunk (the
+//! same region of an earlier committed step): its payload is the base's chunk id (32 bytes)
+//! and then a byte-plane payload, as above, of `plain XOR base plain`. Decoding needs the
+//! base's plain bytes ([`decode_delta`]); the chunk id stays the hash of the plain bytes.
 //!
 //! The codec is chosen per chunk by measuring a sample: a plane (or chunk) is compressed only
 //! when the sample shows it pays. Decoding checks the blake3 hash of the result and refuses
@@ -33,8 +38,10 @@ use crate::id::ChunkId;
 
 /// Magic of chunk objects.
 pub const CHUNK_MAGIC: [u8; 4] = *b"CKPC";
-/// Chunk format version this build writes and reads.
+/// Chunk format version this build writes for raw, zstd and byte-plane objects.
 pub const CHUNK_FORMAT: u8 = 1;
+/// Chunk format version of delta objects (the newest this build reads).
+pub const CHUNK_FORMAT_DELTA: u8 = 2;
 /// Bytes of the chunk header.
 pub const HEADER_LEN: usize = 16;
 /// The largest raw chunk any writer produces (chunk sizes are capped at this). A header
@@ -54,6 +61,8 @@ pub enum Codec {
     Zstd,
     /// Byte planes, each raw or zstd.
     Planes,
+    /// Byte planes of the XOR with a base chunk (see the module docs).
+    Delta,
 }
 
 impl Codec {
@@ -62,6 +71,7 @@ impl Codec {
             Codec::Raw => 0,
             Codec::Zstd => 1,
             Codec::Planes => 2,
+            Codec::Delta => 3,
         }
     }
     fn from_tag(t: u8) -> Option<Codec> {
@@ -69,6 +79,7 @@ impl Codec {
             0 => Some(Codec::Raw),
             1 => Some(Codec::Zstd),
             2 => Some(Codec::Planes),
+            3 => Some(Codec::Delta),
             _ => None,
         }
     }
@@ -78,6 +89,7 @@ impl Codec {
             Codec::Raw => "raw",
             Codec::Zstd => "zstd",
             Codec::Planes => "planes",
+            Codec::Delta => "delta",
         }
     }
 }
@@ -162,11 +174,15 @@ impl Encoded {
 fn header(codec: Codec, elem: u8, raw_len: u64) -> [u8; HEADER_LEN] {
     let mut h = [0u8; HEADER_LEN];
     h[..4].copy_from_slice(&CHUNK_MAGIC);
-    h[4] = CHUNK_FORMAT;
+    h[4] = if codec == Codec::Delta {
+        CHUNK_FORMAT_DELTA
+    } else {
+        CHUNK_FORMAT
+    };
     h[5] = codec.tag();
     h[6] = elem;
     // Byte planes are always written rotated (see `split_planes`).
-    h[7] = u8::from(codec == Codec::Planes);
+    h[7] = u8::from(matches!(codec, Codec::Planes | Codec::Delta));
     h[8..16].copy_from_slice(&raw_len.to_le_bytes());
     h
 }
@@ -340,35 +356,15 @@ pub fn encode(data: &Bytes, elem: usize, policy: CodecPolicy) -> Encoded {
         return raw();
     }
     if matches!(elem, 2 | 4 | 8) && data.len().is_multiple_of(elem) {
-        let planes = split_planes(data, elem, true);
-        let mut table = Vec::with_capacity(elem);
-        let mut payload: Vec<Bytes> = Vec::with_capacity(elem);
-        let mut any = false;
-        for p in planes {
-            if sample_pays(&p, level, min_saving_permille) {
-                let c = compress(&p, level);
-                if c.len() < p.len() {
-                    table.push((1u8, c.len() as u32));
-                    payload.push(Bytes::from(c));
-                    any = true;
-                    continue;
-                }
-            }
-            table.push((0u8, p.len() as u32));
-            payload.push(Bytes::from(p));
-        }
-        if !any {
+        let Some(mut body) = planes_payload(data, elem, level, min_saving_permille, false) else {
             return raw();
-        }
-        let mut head = BytesMut::with_capacity(HEADER_LEN + 1 + 5 * elem);
-        head.put_slice(&header(Codec::Planes, elem as u8, data.len() as u64));
-        head.put_u8(elem as u8);
-        for (kind, len) in &table {
-            head.put_u8(*kind);
-            head.put_u32_le(*len);
-        }
-        let mut parts = vec![head.freeze()];
-        parts.extend(payload);
+        };
+        let mut parts = vec![Bytes::copy_from_slice(&header(
+            Codec::Planes,
+            elem as u8,
+            data.len() as u64,
+        ))];
+        parts.append(&mut body);
         let enc = Encoded {
             codec: Codec::Planes,
             parts,
@@ -394,6 +390,155 @@ pub fn encode(data: &Bytes, elem: usize, policy: CodecPolicy) -> Encoded {
     raw()
 }
 
+/// The byte-plane payload of `data` (table, then planes): `None` when no plane compresses and
+/// `force` is off.
+fn planes_payload(
+    data: &[u8],
+    elem: usize,
+    level: i32,
+    min_saving_permille: u16,
+    force: bool,
+) -> Option<Vec<Bytes>> {
+    let planes = split_planes(data, elem, true);
+    let mut table = Vec::with_capacity(elem);
+    let mut payload: Vec<Bytes> = Vec::with_capacity(elem + 1);
+    let mut any = false;
+    for p in planes {
+        if sample_pays(&p, level, min_saving_permille) {
+            let c = compress(&p, level);
+            if c.len() < p.len() {
+                table.push((1u8, c.len() as u32));
+                payload.push(Bytes::from(c));
+                any = true;
+                continue;
+            }
+        }
+        table.push((0u8, p.len() as u32));
+        payload.push(Bytes::from(p));
+    }
+    if !any && !force {
+        return None;
+    }
+    let mut head = BytesMut::with_capacity(1 + 5 * elem);
+    head.put_u8(elem as u8);
+    for (kind, len) in &table {
+        head.put_u8(*kind);
+        head.put_u32_le(*len);
+    }
+    payload.insert(0, head.freeze());
+    Some(payload)
+}
+
+/// Encode `data` as a delta object against `base` (the plain bytes of chunk `base_id`, the
+/// same length): byte planes of the XOR, zstd at `level` where it pays. The caller decides
+/// whether the result is worth keeping (it is never smaller than needed by construction).
+pub fn encode_delta(
+    data: &[u8],
+    base: &[u8],
+    base_id: &ChunkId,
+    elem: usize,
+    level: i32,
+) -> Encoded {
+    assert_eq!(
+        data.len(),
+        base.len(),
+        "a delta needs a base of the same length"
+    );
+    assert!(
+        matches!(elem, 2 | 4 | 8) && data.len().is_multiple_of(elem),
+        "a delta needs whole float elements"
+    );
+    let mut x = vec![0u8; data.len()];
+    for ((o, a), b) in x.iter_mut().zip(data).zip(base) {
+        *o = a ^ b;
+    }
+    let mut parts = vec![
+        Bytes::copy_from_slice(&header(Codec::Delta, elem as u8, data.len() as u64)),
+        Bytes::copy_from_slice(&base_id.0.0),
+    ];
+    parts.append(&mut planes_payload(&x, elem, level, 0, true).expect("forced"));
+    Encoded {
+        codec: Codec::Delta,
+        parts,
+    }
+}
+
+/// The base chunk a delta object names, after checking its header (`None`: not a delta).
+pub fn delta_base(obj: &[u8], what: &dyn std::fmt::Display) -> Result<Option<ChunkId>> {
+    let h = parse_header(obj, what)?;
+    if h.codec != Codec::Delta {
+        return Ok(None);
+    }
+    match obj.get(HEADER_LEN..HEADER_LEN + 32) {
+        Some(b) => Ok(Some(ChunkId(crate::id::Hash(
+            b.try_into().expect("32 bytes"),
+        )))),
+        None => Err(Error::corrupt(format!(
+            "{what}: delta object too short for its base id (truncated?)"
+        ))),
+    }
+}
+
+/// Decode a delta object of chunk `id` against the plain bytes of its base `base_id`, and
+/// check the result's hash. `what` names the object in messages.
+pub fn decode_delta(
+    obj: &[u8],
+    id: &ChunkId,
+    expect_len: u64,
+    base_id: &ChunkId,
+    base: &[u8],
+    what: &dyn std::fmt::Display,
+) -> Result<Vec<u8>> {
+    let h = parse_header(obj, what)?;
+    if h.codec != Codec::Delta {
+        return Err(Error::corrupt(format!(
+            "{what}: a {} object where a delta on chunk {} was expected",
+            h.codec.name(),
+            base_id.short()
+        )));
+    }
+    if h.raw_len != expect_len || base.len() as u64 != expect_len {
+        return Err(Error::corrupt(format!(
+            "{what}: header says {} bytes but the manifest expects {expect_len} (base: {})",
+            h.raw_len,
+            base.len()
+        )));
+    }
+    let named = delta_base(obj, what)?.expect("a delta");
+    if named != *base_id {
+        return Err(Error::corrupt(format!(
+            "{what}: the delta names base chunk {} but the manifest says {}",
+            named.short(),
+            base_id.short()
+        )));
+    }
+    let mut out = decode_planes(&obj[HEADER_LEN + 32..], &h, what)?;
+    for (o, b) in out.iter_mut().zip(base) {
+        *o ^= b;
+    }
+    let got = ChunkId::of(&out);
+    if got != *id {
+        return Err(Error::corrupt(format!(
+            "{what}: content hash is {} but should be {} (the delta or its base chunk {} is damaged)",
+            got.short(),
+            id.short(),
+            base_id.short()
+        )));
+    }
+    Ok(out)
+}
+
+/// Check a delta object's structure without its base (whole-store verify of an object no
+/// manifest references): header, base id, and that every plane decodes to its length.
+pub fn check_delta_structure(obj: &[u8], what: &dyn std::fmt::Display) -> Result<u64> {
+    let h = parse_header(obj, what)?;
+    if delta_base(obj, what)?.is_none() {
+        return Err(Error::corrupt(format!("{what}: not a delta object")));
+    }
+    decode_planes(&obj[HEADER_LEN + 32..], &h, what)?;
+    Ok(h.raw_len)
+}
+
 /// Parse and check a chunk header. `what` names the object in messages.
 pub fn parse_header(obj: &[u8], what: &dyn std::fmt::Display) -> Result<Header> {
     if obj.len() < HEADER_LEN {
@@ -408,21 +553,28 @@ pub fn parse_header(obj: &[u8], what: &dyn std::fmt::Display) -> Result<Header> 
             &obj[..4]
         )));
     }
-    if obj[4] != CHUNK_FORMAT {
+    if obj[4] != CHUNK_FORMAT && obj[4] != CHUNK_FORMAT_DELTA {
         return Err(Error::corrupt(format!(
-            "{what}: chunk format {} is not supported (this build reads {CHUNK_FORMAT})",
+            "{what}: chunk format {} is not supported (this build reads {CHUNK_FORMAT} and {CHUNK_FORMAT_DELTA})",
             obj[4]
         )));
     }
     let codec = Codec::from_tag(obj[5])
         .ok_or_else(|| Error::corrupt(format!("{what}: unknown codec tag {}", obj[5])))?;
+    if (codec == Codec::Delta) != (obj[4] == CHUNK_FORMAT_DELTA) {
+        return Err(Error::corrupt(format!(
+            "{what}: codec {} in a chunk object of format {}",
+            codec.name(),
+            obj[4]
+        )));
+    }
     let raw_len = u64::from_le_bytes(obj[8..16].try_into().expect("8 bytes"));
     if raw_len > MAX_CHUNK_LEN {
         return Err(Error::corrupt(format!(
             "{what}: header claims {raw_len} bytes, more than any chunk ckpt writes ({MAX_CHUNK_LEN}); refusing to decode"
         )));
     }
-    if obj[7] > 1 || (obj[7] == 1 && codec != Codec::Planes) {
+    if obj[7] > 1 || (obj[7] == 1 && !matches!(codec, Codec::Planes | Codec::Delta)) {
         return Err(Error::corrupt(format!(
             "{what}: unknown transform {} for codec {}",
             obj[7],
@@ -490,60 +642,68 @@ fn decode_payload(obj: &[u8], h: &Header, what: &dyn std::fmt::Display) -> Resul
             decompress_into(payload, &mut out).map_err(corrupt)?;
             Ok(out)
         }
-        Codec::Planes => {
-            let elem = h.elem as usize;
-            if !matches!(elem, 2 | 4 | 8) || !raw_len.is_multiple_of(elem) {
-                return Err(corrupt(format!(
-                    "byte planes of {elem}-byte elements cannot make {raw_len} bytes"
-                )));
-            }
-            if payload.is_empty() || payload[0] as usize != elem {
-                return Err(corrupt("byte-plane table is damaged".into()));
-            }
-            let table_len = 1 + 5 * elem;
-            if payload.len() < table_len {
-                return Err(corrupt("byte-plane table is truncated".into()));
-            }
-            let n = raw_len / elem;
-            let mut pos = table_len;
-            let mut planes: Vec<Vec<u8>> = Vec::with_capacity(elem);
-            for k in 0..elem {
-                let e = &payload[1 + 5 * k..1 + 5 * (k + 1)];
-                let kind = e[0];
-                let len = u32::from_le_bytes(e[1..5].try_into().expect("4 bytes")) as usize;
-                let Some(src) = payload.get(pos..pos.saturating_add(len)) else {
-                    return Err(corrupt(format!("byte plane {k} is truncated")));
-                };
-                pos += len;
-                let plane = match kind {
-                    0 if len == n => src.to_vec(),
-                    0 => {
-                        return Err(corrupt(format!(
-                            "raw byte plane {k} holds {len} bytes, expected {n}"
-                        )));
-                    }
-                    1 => {
-                        let mut p = vec![0u8; n];
-                        decompress_into(src, &mut p)
-                            .map_err(|m| corrupt(format!("byte plane {k}: {m}")))?;
-                        p
-                    }
-                    other => return Err(corrupt(format!("byte plane {k}: unknown kind {other}"))),
-                };
-                planes.push(plane);
-            }
-            if pos != payload.len() {
-                return Err(corrupt(format!(
-                    "{} trailing bytes after the byte planes",
-                    payload.len() - pos
-                )));
-            }
-            let mut out = vec![0u8; raw_len];
-            let refs: Vec<&[u8]> = planes.iter().map(Vec::as_slice).collect();
-            join_planes(&refs, &mut out, h.rotated);
-            Ok(out)
-        }
+        Codec::Planes => decode_planes(payload, h, what),
+        Codec::Delta => Err(Error::corrupt(format!(
+            "{what}: a delta object cannot be decoded without its base chunk (a manifest names it)"
+        ))),
     }
+}
+
+/// Decode a byte-plane payload (table, then planes) into `h.raw_len` bytes.
+fn decode_planes(payload: &[u8], h: &Header, what: &dyn std::fmt::Display) -> Result<Vec<u8>> {
+    let raw_len = h.raw_len as usize;
+    let corrupt = |m: String| Error::corrupt(format!("{what}: {m}"));
+    let elem = h.elem as usize;
+    if !matches!(elem, 2 | 4 | 8) || !raw_len.is_multiple_of(elem) {
+        return Err(corrupt(format!(
+            "byte planes of {elem}-byte elements cannot make {raw_len} bytes"
+        )));
+    }
+    if payload.is_empty() || payload[0] as usize != elem {
+        return Err(corrupt("byte-plane table is damaged".into()));
+    }
+    let table_len = 1 + 5 * elem;
+    if payload.len() < table_len {
+        return Err(corrupt("byte-plane table is truncated".into()));
+    }
+    let n = raw_len / elem;
+    let mut pos = table_len;
+    let mut planes: Vec<Vec<u8>> = Vec::with_capacity(elem);
+    for k in 0..elem {
+        let e = &payload[1 + 5 * k..1 + 5 * (k + 1)];
+        let kind = e[0];
+        let len = u32::from_le_bytes(e[1..5].try_into().expect("4 bytes")) as usize;
+        let Some(src) = payload.get(pos..pos.saturating_add(len)) else {
+            return Err(corrupt(format!("byte plane {k} is truncated")));
+        };
+        pos += len;
+        let plane = match kind {
+            0 if len == n => src.to_vec(),
+            0 => {
+                return Err(corrupt(format!(
+                    "raw byte plane {k} holds {len} bytes, expected {n}"
+                )));
+            }
+            1 => {
+                let mut p = vec![0u8; n];
+                decompress_into(src, &mut p)
+                    .map_err(|m| corrupt(format!("byte plane {k}: {m}")))?;
+                p
+            }
+            other => return Err(corrupt(format!("byte plane {k}: unknown kind {other}"))),
+        };
+        planes.push(plane);
+    }
+    if pos != payload.len() {
+        return Err(corrupt(format!(
+            "{} trailing bytes after the byte planes",
+            payload.len() - pos
+        )));
+    }
+    let mut out = vec![0u8; raw_len];
+    let refs: Vec<&[u8]> = planes.iter().map(Vec::as_slice).collect();
+    join_planes(&refs, &mut out, h.rotated);
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -691,5 +851,50 @@ mod tests {
                 assert_eq!(p[3][0], ((-1.5f32).to_bits() >> 23) as u8);
             }
         }
+    }
+
+    #[test]
+    fn deltas_round_trip_and_check_their_base() {
+        // bf16 weights and the same after a small update of every element.
+        let a = normal_bf16(50_000, 11);
+        let b: Vec<u8> = a
+            .chunks_exact(2)
+            .enumerate()
+            .flat_map(|(i, c)| {
+                let v = u16::from_le_bytes([c[0], c[1]]);
+                let v = if i % 3 == 0 { v ^ 1 } else { v };
+                v.to_le_bytes()
+            })
+            .collect();
+        let (ia, ib) = (ChunkId::of(&a), ChunkId::of(&b));
+        let d = encode_delta(&b, &a, &ia, 2, 1);
+        assert_eq!(d.codec, Codec::Delta);
+        let plain = encode(&Bytes::from(b.clone()), 2, CodecPolicy::FAST);
+        assert!(d.len() * 4 < plain.len(), "{} vs {}", d.len(), plain.len());
+        let obj = d.to_bytes();
+        assert_eq!(obj[4], CHUNK_FORMAT_DELTA);
+        assert_eq!(delta_base(&obj, &"d").unwrap(), Some(ia));
+        let n = b.len() as u64;
+        assert_eq!(decode_delta(&obj, &ib, n, &ia, &a, &"d").unwrap(), b);
+        assert_eq!(check_delta_structure(&obj, &"d").unwrap(), n);
+        // Without its base a delta does not decode; with the wrong one the hash says so.
+        let e = decode(&obj, &ib, n, &"d").unwrap_err();
+        assert!(e.to_string().contains("without its base"), "{e}");
+        let e = decode_delta(&obj, &ib, n, &ib, &b, &"d").unwrap_err();
+        assert!(e.to_string().contains("names base"), "{e}");
+        let mut other = a.clone();
+        other[7] ^= 0x10;
+        let e = decode_delta(&obj, &ib, n, &ia, &other, &"d").unwrap_err();
+        assert!(e.to_string().contains("content hash"), "{e}");
+        // A delta header in a format 1 object, or a format 2 object of another codec: damaged.
+        let mut bad = obj.to_vec();
+        bad[4] = CHUNK_FORMAT;
+        assert!(parse_header(&bad, &"d").is_err());
+        let mut bad = plain.to_bytes().to_vec();
+        bad[4] = CHUNK_FORMAT_DELTA;
+        assert!(parse_header(&bad, &"d").is_err());
+        // Truncated.
+        assert!(decode_delta(&obj[..40], &ib, n, &ia, &a, &"d").is_err());
+        assert!(delta_base(&obj[..20], &"d").is_err());
     }
 }

@@ -87,6 +87,13 @@ pub struct GcReport {
     pub objects_kept: u64,
     /// Bytes of the objects kept.
     pub bytes_kept: u64,
+    /// Objects kept only because a kept delta chunk needs them as its base (no kept step
+    /// references them directly; issue 16).
+    #[serde(default)]
+    pub objects_kept_as_bases: u64,
+    /// Bytes of those objects.
+    #[serde(default)]
+    pub bytes_kept_as_bases: u64,
     /// Temporary files of interrupted writes deleted (local directory only).
     pub temp_files_deleted: u64,
     /// Bytes they held.
@@ -308,7 +315,10 @@ impl Store {
             .buffer_unordered(32)
             .try_collect()
             .await?;
+        // Objects the manifests reference, and the bases of their delta chunks (a kept chunk
+        // keeps its whole chain).
         let mut live: HashSet<Path> = HashSet::new();
+        let mut bases: HashSet<Path> = HashSet::new();
         for m in &manifests {
             for c in m
                 .tensors
@@ -316,9 +326,12 @@ impl Store {
                 .flat_map(|t| &t.chunks)
                 .chain(m.blobs.iter().flat_map(|b| &b.chunks))
             {
-                live.insert(self.object_of(c));
+                let mut chain = self.chain_objects(c).into_iter();
+                live.extend(chain.next());
+                bases.extend(chain);
             }
         }
+        bases.retain(|p| !live.contains(p));
         // Sweep.
         let mut doomed: Vec<(Path, u64)> = Vec::new();
         for dir in [self.keys().chunks_dir(), self.keys().packs_dir()] {
@@ -330,8 +343,14 @@ impl Store {
                 .map_err(|e| Error::backend("listing", &dir, e))?;
             for m in metas {
                 let ours = self.keys().parse_chunk(&m.location).is_some()
+                    || self.keys().parse_delta_chunk(&m.location).is_some()
                     || self.keys().parse_pack(&m.location).is_some();
-                if !ours || live.contains(&m.location) {
+                if bases.contains(&m.location) {
+                    report.objects_kept += 1;
+                    report.bytes_kept += m.size;
+                    report.objects_kept_as_bases += 1;
+                    report.bytes_kept_as_bases += m.size;
+                } else if !ours || live.contains(&m.location) {
                     report.objects_kept += 1;
                     report.bytes_kept += m.size;
                 } else if now - m.last_modified <= grace {

@@ -94,6 +94,31 @@ impl Keys {
         self.join(["chunks", &hex[..2], &hex])
     }
 
+    /// The object of chunk `id` stored as a delta on chunk `base`:
+    /// `chunks/<2 hex>/<id hex>.<base hex>`. Its own key, so that a delta never replaces an
+    /// object other manifests reference whole, nor a delta on another base.
+    pub fn delta_chunk(&self, id: &ChunkId, base: &ChunkId) -> Path {
+        let hex = id.to_hex();
+        let name = format!("{hex}.{}", base.to_hex());
+        self.join(["chunks", &hex[..2], &name])
+    }
+
+    /// `(id, base)` of a delta chunk key, if `path` is one.
+    pub fn parse_delta_chunk(&self, path: &Path) -> Option<(ChunkId, ChunkId)> {
+        let rest = self.strip(path)?;
+        let ["chunks", fan, name] = rest.as_slice() else {
+            return None;
+        };
+        let (hex, base) = name.split_once('.')?;
+        if hex.len() != 64 || !hex.starts_with(fan) {
+            return None;
+        }
+        Some((
+            ChunkId(Hash::from_hex(hex).ok()?),
+            ChunkId(Hash::from_hex(base).ok()?),
+        ))
+    }
+
     /// The object of a pack.
     pub fn pack(&self, id: &PackId) -> Path {
         let hex = id.to_hex();

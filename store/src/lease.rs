@@ -32,6 +32,7 @@
 //! a `ckpt gc` killed mid-sweep holds saves back for seconds, not for [`LOCK_LAPSE`].
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -43,8 +44,8 @@ use tracing::{debug, info, warn};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::keys::validate_run;
-use crate::model::ChunkRef;
-use crate::store::{DedupIndex, Store};
+use crate::model::{ChunkRef, RankManifest};
+use crate::store::{BaseRegions, DedupIndex, Store};
 
 /// How long a writer waits for a GC sweep to end before its save fails.
 pub const SWEEP_WAIT: Duration = Duration::from_secs(120);
@@ -353,6 +354,9 @@ impl Store {
 pub struct DedupBase {
     base: Option<(u64, Vec<ChunkRef>)>,
     pending: Option<(u64, Vec<ChunkRef>)>,
+    /// The same steps' chunks by region (delta bases), when the manifest was given.
+    base_regions: Option<(u64, Arc<BaseRegions>)>,
+    pending_regions: Option<(u64, Arc<BaseRegions>)>,
 }
 
 impl DedupBase {
@@ -365,11 +369,28 @@ impl DedupBase {
     pub fn seed(&mut self, step: u64, refs: Vec<ChunkRef>) {
         self.base = Some((step, refs));
         self.pending = None;
+        self.base_regions = None;
+        self.pending_regions = None;
     }
 
     /// This rank's manifest of `step` is written; whether the step commits is not known yet.
     pub fn persisted(&mut self, step: u64, refs: Vec<ChunkRef>) {
         self.pending = Some((step, refs));
+        self.pending_regions = None;
+    }
+
+    /// [`DedupBase::seed`] from this rank's manifest of committed step `m.step`: its chunks
+    /// also become the delta bases of the next save (by region).
+    pub fn seed_manifest(&mut self, m: &RankManifest) {
+        self.seed(m.step, manifest_refs(m));
+        self.base_regions = Some((m.step, Arc::new(BaseRegions::of(m))));
+    }
+
+    /// [`DedupBase::persisted`] from the manifest written, so that the step, once found
+    /// committed, also gives the next save its delta bases.
+    pub fn persisted_manifest(&mut self, m: &RankManifest) {
+        self.persisted(m.step, manifest_refs(m));
+        self.pending_regions = Some((m.step, Arc::new(BaseRegions::of(m))));
     }
 
     /// The committed step the last pinned save built on.
@@ -399,11 +420,28 @@ impl DedupBase {
         };
         if self.pending.as_ref().is_some_and(|(s, _)| *s == step) {
             self.base = self.pending.take();
+            self.base_regions = self.pending_regions.take();
         }
         match &self.base {
             Some((s, refs)) if *s == step => index.extend(refs.iter()),
             _ => self.base = None,
         }
+        match &self.base_regions {
+            Some((s, r)) if *s == step && self.base.is_some() => {
+                index.set_base_regions(step, r.clone())
+            }
+            _ => self.base_regions = None,
+        }
         index
     }
+}
+
+/// Every chunk reference of a rank manifest (tensors, then blobs).
+fn manifest_refs(m: &RankManifest) -> Vec<ChunkRef> {
+    m.tensors
+        .iter()
+        .flat_map(|t| t.chunks.iter())
+        .chain(m.blobs.iter().flat_map(|b| b.chunks.iter()))
+        .cloned()
+        .collect()
 }

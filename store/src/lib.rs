@@ -18,6 +18,7 @@
 //! let chunks = store.chunk_spans(data.len() as u64).map(|r| ChunkIn {
 //!     data: bytes::Bytes::copy_from_slice(&data[r.start as usize..r.end as usize]),
 //!     elem: 4,
+//!     base: None,
 //! });
 //! let put = store.put_chunks(stream::iter(chunks.collect::<Vec<_>>()), &index).await?;
 //! let manifest = RankManifest {
@@ -90,15 +91,18 @@ pub use id::{ChunkId, Hash, PackId, StepId};
 pub use keys::{Keys, validate_run};
 pub use lease::{DedupBase, LockListing, WriterLease, writer_id};
 pub use model::{
-    BlobEntry, BlobLoc, ChunkRef, CommitRecord, Coords, DType, FORMAT_VERSION, Layout, NdBox,
-    RankEntry, RankManifest, ShardLoc, TensorEntry, TensorShard, WriteStats,
+    BlobEntry, BlobLoc, ChunkRef, CommitRecord, Coords, DELTA_FORMAT_VERSION, DType,
+    FORMAT_VERSION, Layout, NdBox, RankEntry, RankManifest, ShardLoc, TensorEntry, TensorShard,
+    WriteStats,
 };
 pub use node_cache::{NodeCache, NodeCacheStats};
 pub use placement::{Placed, Placement, Stage, TensorSpec, ZeroGroup};
 pub use read::{ChunkSource, ReadPlan, ReadStats, StepReader};
 pub use retry::{RetryConfig, RetryStore};
 pub use st_view::SafetensorsView;
-pub use store::{ChunkIn, DedupIndex, PutReport, PutStats, Store, StoreConfig};
+pub use store::{
+    BaseChunk, BaseRegions, ChunkIn, DedupIndex, PutReport, PutStats, Store, StoreConfig,
+};
 pub use url::{OpenOptions, StoreUrl, open, open_with};
 pub use verify::{Damage, VerifyReport, VerifyScope};
 pub use wrap::{

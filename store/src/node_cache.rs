@@ -237,6 +237,8 @@ mod tests {
             codec: Codec::Raw,
             pack: None,
             offset: 0,
+            bases: Vec::new(),
+            base_step: None,
         }
     }
 

@@ -59,6 +59,17 @@ pub struct StoreConfig {
     /// goes on (default 30 s; the GC refreshes its lock every sixth of it). See
     /// [`crate::lease`].
     pub sweep_lapse: Duration,
+    /// The longest chain of delta chunks (issue 16): a float chunk whose region a committed
+    /// base step holds may be stored as a delta on that step's chunk while the base's chain is
+    /// shorter than this, so a restore reads at most `delta_chain + 1` objects per chunk and a
+    /// whole chunk is stored at least every `delta_chain + 1` saves. 0 turns deltas off
+    /// (the default: on the reference workload no delta paid for itself yet and trying them
+    /// slowed saves; `ckpt-train --delta-chain 8` turns them on). Deltas are tried only where
+    /// the codec governor compresses.
+    pub delta_chain: usize,
+    /// Plain bytes of written float chunks kept in memory as the next save's delta bases, at
+    /// most (default 0: a base is read back from the store, through its own chain).
+    pub delta_cache_bytes: u64,
 }
 
 impl Default for StoreConfig {
@@ -76,6 +87,8 @@ impl Default for StoreConfig {
             multipart_threshold: usize::MAX,
             multipart_part: 16 << 20,
             sweep_lapse: Duration::from_secs(30),
+            delta_chain: 0,
+            delta_cache_bytes: 0,
         }
     }
 }
@@ -120,6 +133,13 @@ impl StoreConfig {
         if self.multipart_part < (5 << 20) && self.multipart_threshold != usize::MAX {
             return Err(Error::invalid("multipart parts must be at least 5 MiB"));
         }
+        if self.delta_chain > crate::model::MAX_DELTA_CHAIN {
+            return Err(Error::invalid(format!(
+                "a delta chain of {} is longer than readers follow ({})",
+                self.delta_chain,
+                crate::model::MAX_DELTA_CHAIN
+            )));
+        }
         if self.sweep_lapse < Duration::from_millis(60) {
             return Err(Error::invalid(format!(
                 "a sweep lock's lapse of {:?} is too short to refresh it",
@@ -138,7 +158,33 @@ pub struct ChunkIn {
     pub data: Bytes,
     /// Element size for the byte-plane codec (2, 4, 8), or 1.
     pub elem: u8,
+    /// The chunk at the same region (same tensor, box and chunk) of a committed step, which
+    /// this one may be stored as a delta on.
+    pub base: Option<BaseChunk>,
 }
+
+impl ChunkIn {
+    /// A chunk with no delta base.
+    pub fn new(data: Bytes, elem: u8) -> Self {
+        ChunkIn {
+            data,
+            elem,
+            base: None,
+        }
+    }
+}
+
+/// A delta base candidate: a chunk of a committed step and that step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BaseChunk {
+    /// The committed step whose manifest references `chunk`.
+    pub step: u64,
+    /// Its reference there.
+    pub chunk: ChunkRef,
+}
+
+/// A delta is kept only when it is at most this many tenths of the chunk's plain encoding.
+const DELTA_MARGIN_TENTHS: usize = 9;
 
 /// What [`Store::put_chunks`] did.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -155,6 +201,12 @@ pub struct PutStats {
     pub objects_written: u64,
     /// Bytes written, as stored.
     pub bytes_written: u64,
+    /// Chunks that had a delta base candidate, and of those, chunks stored as deltas.
+    #[serde(default)]
+    pub delta_tried: u64,
+    /// Chunks stored as deltas.
+    #[serde(default)]
+    pub delta_stored: u64,
     /// Raw bytes of the chunks written, by codec.
     pub raw_by_codec: HashMap<String, u64>,
     /// Stored bytes of the chunks written, by codec.
@@ -255,6 +307,55 @@ impl Governor {
 #[derive(Debug, Default)]
 pub struct DedupIndex {
     map: Mutex<HashMap<ChunkId, ChunkRef>>,
+    regions: Mutex<Option<(u64, Arc<BaseRegions>)>>,
+}
+
+/// The chunks of a committed step's rank manifest by region (tensor, type, shape, box): where
+/// a save finds the delta base of each chunk (the chunk at the same region).
+#[derive(Debug, Default, Clone)]
+pub struct BaseRegions {
+    map: HashMap<(String, crate::model::DType, Vec<u64>, crate::model::NdBox), Vec<ChunkRef>>,
+}
+
+impl BaseRegions {
+    /// The written shards of `m`.
+    pub fn of(m: &crate::model::RankManifest) -> Self {
+        let map = m
+            .tensors
+            .iter()
+            .filter(|t| t.replica_of.is_none() && t.dtype.is_float())
+            .map(|t| {
+                (
+                    (t.name.clone(), t.dtype, t.shape.clone(), t.bbox.clone()),
+                    t.chunks.clone(),
+                )
+            })
+            .collect();
+        BaseRegions { map }
+    }
+
+    /// The chunks of the shard at exactly this region, if the step saved it.
+    pub fn get(
+        &self,
+        name: &str,
+        dtype: crate::model::DType,
+        shape: &[u64],
+        bbox: &crate::model::NdBox,
+    ) -> Option<&[ChunkRef]> {
+        self.map
+            .get(&(name.to_string(), dtype, shape.to_vec(), bbox.clone()))
+            .map(Vec::as_slice)
+    }
+
+    /// Shards known.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// No shard known.
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
 }
 
 impl DedupIndex {
@@ -274,6 +375,18 @@ impl DedupIndex {
         for r in refs {
             m.entry(r.id).or_insert_with(|| r.clone());
         }
+    }
+
+    /// The committed step this index was seeded from, by region (delta bases), if known.
+    pub fn base_regions(&self) -> Option<(u64, Arc<BaseRegions>)> {
+        self.regions.lock().expect("dedup index").clone()
+    }
+
+    /// Say that the chunks of committed step `step` are known by region (`regions`): a save
+    /// may store its chunks as deltas on them. Only a step whose commit the save's lease found
+    /// may be given (FORMAT.md, "What GC may delete").
+    pub fn set_base_regions(&self, step: u64, regions: Arc<BaseRegions>) {
+        *self.regions.lock().expect("dedup index") = Some((step, regions));
     }
 
     /// Replace the contents with `refs`.
@@ -307,6 +420,7 @@ pub struct Store {
     metrics: Option<Arc<crate::wrap::StoreMetrics>>,
     local_root: Option<Arc<std::path::Path>>,
     clock: Arc<dyn crate::clock::Clock>,
+    delta_cache: Arc<crate::cache::ChunkCache>,
 }
 
 enum Slot {
@@ -327,6 +441,7 @@ impl Store {
             metrics: None,
             local_root: None,
             clock: Arc::new(crate::clock::SystemClock),
+            delta_cache: crate::cache::ChunkCache::new(0),
         }
     }
 
@@ -380,6 +495,7 @@ impl Store {
     /// Replace the settings.
     pub fn with_config(mut self, cfg: StoreConfig) -> Result<Self> {
         cfg.validate()?;
+        self.delta_cache = crate::cache::ChunkCache::new(cfg.delta_cache_bytes);
         self.cfg = Arc::new(cfg);
         Ok(self)
     }
@@ -665,14 +781,7 @@ impl Store {
                         codec::encode(&data, c.elem as usize, policy)
                     })
                     .await?;
-                    let r = ChunkRef {
-                        id,
-                        len: len as u32,
-                        stored: enc.len() as u32,
-                        codec: enc.codec,
-                        pack: None,
-                        offset: 0,
-                    };
+                    let r = ChunkRef::plain(id, len as u32, enc.len() as u32, enc.codec);
                     let off = pack.add(id, len as u32, enc);
                     pack_slots.push((i, ChunkRef { offset: off, ..r }));
                     pack_permits.push(permit);
@@ -689,27 +798,75 @@ impl Store {
                 let writers = writers.clone();
                 let gov = governor.clone();
                 let cancel = cancel.clone();
+                let delta_base = c.base.clone().filter(|b| {
+                    policy != CodecPolicy::Raw
+                        && cfg.delta_chain > 0
+                        && matches!(c.elem, 2 | 4 | 8)
+                        && len.is_multiple_of(c.elem as usize)
+                        && b.chunk.len as usize == len
+                        && b.chunk.pack.is_none()
+                        && b.chunk.bases.len() < cfg.delta_chain
+                        && b.chunk.id != id
+                });
+                if delta_base.is_some() {
+                    stats.delta_tried += 1;
+                }
                 tasks.spawn(async move {
                     let data = c.data;
+                    let keep_plain = store.delta_cache.capacity() >= len as u64
+                        && matches!(c.elem, 2 | 4 | 8);
+                    let base = match delta_base {
+                        Some(b) => match store.delta_base_plain(&b.chunk).await {
+                            Ok(plain) => Some((b, plain)),
+                            Err(e) => {
+                                debug!(chunk = %id, base = %b.chunk.id, "no delta: base unreadable: {e}");
+                                None
+                            }
+                        },
+                        None => None,
+                    };
                     let g2 = gov.clone();
-                    let enc: Encoded = tokio::task::spawn_blocking(move || {
+                    let data2 = data.clone();
+                    let (enc, delta): (Encoded, Option<BaseChunk>) = tokio::task::spawn_blocking(move || {
                         let t = Instant::now();
-                        let e = codec::encode(&data, c.elem as usize, policy);
+                        let data = data2;
+                        let mut out = None;
+                        if let (Some((b, plain)), CodecPolicy::Compress { level, .. }) = (&base, policy) {
+                            let d = codec::encode_delta(&data, plain, &b.chunk.id, c.elem as usize, level);
+                            // Plain planes of floats never reach 0.4 of raw: a delta this small
+                            // wins without trying them.
+                            if d.len() * 10 <= data.len() * 4 {
+                                out = Some((d, Some(b.clone())));
+                            } else {
+                                let e = codec::encode(&data, c.elem as usize, policy);
+                                out = Some(if d.len() * 10 <= e.len() * DELTA_MARGIN_TENTHS {
+                                    (d, Some(b.clone()))
+                                } else {
+                                    (e, None)
+                                });
+                            }
+                        }
+                        let out = out.unwrap_or_else(|| (codec::encode(&data, c.elem as usize, policy), None));
                         if policy != CodecPolicy::Raw {
                             g2.record_compress(data.len(), t.elapsed());
                         }
-                        e
+                        out
                     })
                     .await?;
-                    let r = ChunkRef {
-                        id,
-                        len: len as u32,
-                        stored: enc.len() as u32,
-                        codec: enc.codec,
-                        pack: None,
-                        offset: 0,
+                    if keep_plain {
+                        store.delta_cache.put(id, Bytes::copy_from_slice(&data));
+                    }
+                    let mut r = ChunkRef::plain(id, len as u32, enc.len() as u32, enc.codec);
+                    let path = match &delta {
+                        Some(b) => {
+                            r.bases = std::iter::once(b.chunk.id)
+                                .chain(b.chunk.bases.iter().copied())
+                                .collect();
+                            r.base_step = Some(b.step);
+                            store.keys.delta_chunk(&id, &b.chunk.id)
+                        }
+                        None => store.keys.chunk(&id),
                     };
-                    let path = store.keys.chunk(&id);
                     let _w = writers
                         .acquire()
                         .await
@@ -765,6 +922,9 @@ impl Store {
                 if first.get(&r.id) == Some(&i) {
                     if r.pack.is_none() {
                         stats.bytes_written += r.stored as u64;
+                    }
+                    if r.is_delta() {
+                        stats.delta_stored += 1;
                     }
                     count_codec(&mut stats, r);
                 }
@@ -833,10 +993,94 @@ impl Store {
 
     /// The object key a chunk reference points at (its chunk object or its pack).
     pub fn object_of(&self, r: &ChunkRef) -> Path {
-        match &r.pack {
-            Some(p) => self.keys.pack(p),
-            None => self.keys.chunk(&r.id),
+        match (&r.pack, r.bases.first()) {
+            (Some(p), _) => self.keys.pack(p),
+            (None, Some(b)) => self.keys.delta_chunk(&r.id, b),
+            (None, None) => self.keys.chunk(&r.id),
         }
+    }
+
+    /// Every object reading `r` needs: its own, then its delta bases' (nearest first; the
+    /// last is stored whole). One object for a chunk that is not a delta.
+    pub fn chain_objects(&self, r: &ChunkRef) -> Vec<Path> {
+        let mut out = vec![self.object_of(r)];
+        for (i, b) in r.bases.iter().enumerate() {
+            out.push(match r.bases.get(i + 1) {
+                Some(next) => self.keys.delta_chunk(b, next),
+                None => self.keys.chunk(b),
+            });
+        }
+        out
+    }
+
+    /// The plain bytes of a delta base for a write: from the writer's cache of what it wrote
+    /// last (`delta_cache_bytes`), else read back (and verified) through its chain.
+    async fn delta_base_plain(&self, r: &ChunkRef) -> Result<Bytes> {
+        self.delta_cache
+            .get_or_fetch(r.id, || self.get_chunk(r))
+            .await
+    }
+
+    /// Fetch and decode a delta chunk: every object of its chain (at most `MAX_DELTA_CHAIN +
+    /// 1`, fetched in parallel), decoded base-first, each level hash-checked. An error names
+    /// the chunk, the base chunk at fault and (where the manifest says) the base's step.
+    async fn get_delta_chunk(&self, r: &ChunkRef) -> Result<Bytes> {
+        r.check_chain().map_err(Error::corrupt)?;
+        let chain: Vec<ChunkId> = std::iter::once(r.id)
+            .chain(r.bases.iter().copied())
+            .collect();
+        let paths = self.chain_objects(r);
+        let top = r.location();
+        let name = |i: usize| -> String {
+            if i == 0 {
+                top.clone()
+            } else {
+                format!(
+                    "{top}: its base {} ({} of the chain{})",
+                    chain[i],
+                    i,
+                    if i == 1 {
+                        r.base_step
+                            .map(|s| format!(", saved at step {s}"))
+                            .unwrap_or_default()
+                    } else {
+                        String::new()
+                    }
+                )
+            }
+        };
+        let objs = futures::future::try_join_all(paths.iter().enumerate().map(|(i, p)| {
+            let name = name(i);
+            async move {
+                self.get_object(p).await.map_err(|e| {
+                    if e.kind() == ErrorKind::NotFound {
+                        Error::corrupt(format!("{name} is missing from the store ({p})"))
+                    } else {
+                        e.context(name)
+                    }
+                })
+            }
+        }))
+        .await?;
+        let names: Vec<String> = (0..chain.len()).map(name).collect();
+        let len = r.len as u64;
+        let out = tokio::task::spawn_blocking(move || -> Result<Vec<u8>> {
+            let last = chain.len() - 1;
+            let mut plain = codec::decode(&objs[last], &chain[last], len, &names[last])?;
+            for i in (0..last).rev() {
+                plain = codec::decode_delta(
+                    &objs[i],
+                    &chain[i],
+                    len,
+                    &chain[i + 1],
+                    &plain,
+                    &names[i],
+                )?;
+            }
+            Ok(plain)
+        })
+        .await??;
+        Ok(Bytes::from(out))
     }
 
     /// Fetch the stored bytes of a chunk object (not decoded).
@@ -859,8 +1103,12 @@ impl Store {
         Ok(b)
     }
 
-    /// Fetch, decode and verify one chunk.
+    /// Fetch, decode and verify one chunk (a delta with its chain of bases): the one place
+    /// every reader (restore, export, the mount, diff, verify) decodes chunks from the store.
     pub async fn get_chunk(&self, r: &ChunkRef) -> Result<Bytes> {
+        if r.is_delta() || r.codec == Codec::Delta {
+            return self.get_delta_chunk(r).await;
+        }
         let obj = self.get_chunk_object(r).await.map_err(|e| {
             if e.kind() == ErrorKind::NotFound {
                 Error::corrupt(format!(
@@ -907,6 +1155,7 @@ fn count_codec(stats: &mut PutStats, r: &ChunkRef) {
         Codec::Raw => "raw",
         Codec::Zstd => "zstd",
         Codec::Planes => "planes",
+        Codec::Delta => "delta",
     };
     *stats.raw_by_codec.entry(name.to_string()).or_default() += r.len as u64;
     *stats.stored_by_codec.entry(name.to_string()).or_default() += r.stored as u64;

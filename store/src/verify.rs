@@ -248,6 +248,18 @@ impl Store {
                     let key = m.location.to_string();
                     if let Some(p) = self.keys().parse_pack(&m.location) {
                         refs.by_object.entry(key).or_default().pack = Some(p);
+                    } else if let Some((c, _)) = self.keys().parse_delta_chunk(&m.location) {
+                        // A delta no manifest references: its structure is checked (its
+                        // chain is not known).
+                        refs.by_object
+                            .entry(key)
+                            .or_default()
+                            .chunks
+                            .entry(c)
+                            .or_insert_with(|| {
+                                let r = ChunkRef::plain(c, 0, m.size as u32, codec::Codec::Delta);
+                                (r, BTreeSet::new())
+                            });
                     } else if let Some(c) = self.keys().parse_chunk(&m.location) {
                         refs.by_object
                             .entry(key)
@@ -263,6 +275,8 @@ impl Store {
                                         codec: codec::Codec::Raw,
                                         pack: None,
                                         offset: 0,
+                                        bases: Vec::new(),
+                                        base_step: None,
                                     },
                                     BTreeSet::new(),
                                 )
@@ -330,6 +344,29 @@ impl Store {
         };
         let store_key = key.to_string();
         let chunks: Vec<(ChunkRef, BTreeSet<Affected>)> = o.chunks.values().cloned().collect();
+        if o.pack.is_none() && chunks.iter().any(|(c, _)| c.is_delta()) {
+            // A delta decodes only with its chain: through the one decode place, which names
+            // the base chunk (and its step) at fault.
+            let (mut bytes, mut n) = (0, 0);
+            for (c, aff) in &chunks {
+                match self.get_chunk(c).await {
+                    Ok(b) => {
+                        bytes += b.len() as u64;
+                        n += 1;
+                    }
+                    Err(e) => damaged.push(Damage {
+                        object: store_key.clone(),
+                        problem: format!(
+                            "chunk {}: {}",
+                            c.id.short(),
+                            strip_prefix(&e.to_string(), &store_key)
+                        ),
+                        affects: aff.iter().cloned().collect(),
+                    }),
+                }
+            }
+            return (1, bytes, n, damaged);
+        }
         let pack_id = o.pack;
         let res = tokio::task::spawn_blocking(move || {
             let mut bytes = 0u64;
@@ -375,6 +412,8 @@ impl Store {
                                 codec: codec::Codec::Raw,
                                 pack: pack_id,
                                 offset: e.offset,
+                                bases: Vec::new(),
+                                base_step: None,
                             };
                             let s = &obj[e.offset as usize..(e.offset + e.stored as u64) as usize];
                             check(s, &c, true, Vec::new(), &mut damaged);
@@ -434,6 +473,15 @@ fn check_chunk(
     known_len: bool,
     key: &str,
 ) -> std::result::Result<u64, String> {
+    if !known_len && matches!(codec::delta_base(slice, &key), Ok(Some(_))) {
+        return codec::check_delta_structure(slice, &key).map_err(|e| {
+            format!(
+                "chunk {}: {}",
+                c.id.short(),
+                strip_prefix(&e.to_string(), key)
+            )
+        });
+    }
     let r = if known_len {
         codec::decode(slice, &c.id, c.len as u64, &key)
     } else {
@@ -475,7 +523,24 @@ fn damage(
 }
 
 impl Refs {
+    /// `c` and, for a delta, every base of its chain: a damaged base breaks `a` too.
     fn add(&mut self, store: &Store, c: &ChunkRef, a: Affected) {
+        let mut base = c.base_ref();
+        let mut level = 1;
+        while let Some(b) = base {
+            let item = format!(
+                "{} (through the delta chain of chunk {}, base {level})",
+                a.item,
+                c.id.short()
+            );
+            self.add_one(store, &b, Affected { item, ..a.clone() });
+            base = b.base_ref();
+            level += 1;
+        }
+        self.add_one(store, c, a);
+    }
+
+    fn add_one(&mut self, store: &Store, c: &ChunkRef, a: Affected) {
         let key = store.object_of(c).to_string();
         let o = self.by_object.entry(key).or_default();
         if let Some(p) = c.pack {

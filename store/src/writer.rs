@@ -8,10 +8,10 @@ use crate::clock::now_ms;
 use crate::error::{Error, Result};
 use crate::keys::validate_run;
 use crate::model::{
-    BlobEntry, ChunkRef, DType, FORMAT_VERSION, Layout, NdBox, RankEntry, RankManifest,
-    TensorShard, WriteStats, validate_name,
+    BlobEntry, ChunkRef, DELTA_FORMAT_VERSION, DType, FORMAT_VERSION, Layout, NdBox, RankEntry,
+    RankManifest, TensorShard, WriteStats, validate_name,
 };
-use crate::store::{ChunkIn, DedupIndex, PutStats, Store};
+use crate::store::{BaseChunk, ChunkIn, DedupIndex, PutStats, Store};
 
 /// One shard to save: the tensor, the box this rank holds, and its row-major bytes. A shard
 /// whose bytes another rank writes (a data-parallel replica) has `data: None` and names that
@@ -160,8 +160,10 @@ impl Store {
     {
         validate_run(&w.run)?;
         w.layout.validate()?;
-        // What the stream must yield: (shard index, chunk length, element size).
-        let mut expect: Vec<(usize, u64, u8)> = Vec::new();
+        // What the stream must yield: (shard index, chunk length, element size, delta base).
+        let mut expect: Vec<(usize, u64, u8, Option<BaseChunk>)> = Vec::new();
+        // The committed base step's chunks by region: each float chunk's delta base candidate.
+        let regions = index.base_regions();
         // (first chunk index, chunk count) per shard, then per blob.
         let mut spans: Vec<(usize, usize)> = Vec::with_capacity(shards.len() + blobs.len());
         let mut logical = 0u64;
@@ -189,8 +191,22 @@ impl Store {
                 } else {
                     1
                 };
-                for r in self.chunk_spans(want) {
-                    expect.push((i, r.end - r.start, elem));
+                let bases = regions
+                    .as_ref()
+                    .and_then(|(step, reg)| {
+                        let refs = reg.get(&s.name, s.dtype, &s.shape, &s.bbox)?;
+                        Some((*step, refs))
+                    })
+                    .filter(|(_, refs)| refs.len() as u64 == self.chunk_spans(want).count() as u64);
+                for (k, r) in self.chunk_spans(want).enumerate() {
+                    let base = bases.as_ref().and_then(|(step, refs)| {
+                        let c = &refs[k];
+                        (c.len as u64 == r.end - r.start).then(|| BaseChunk {
+                            step: *step,
+                            chunk: c.clone(),
+                        })
+                    });
+                    expect.push((i, r.end - r.start, elem, base));
                 }
             }
             spans.push((start, expect.len() - start));
@@ -205,6 +221,7 @@ impl Store {
                 blob_chunks.push(ChunkIn {
                     data: b.data.slice(r.start as usize..r.end as usize),
                     elem: 1,
+                    base: None,
                 });
             }
             spans.push((start, shard_chunks + blob_chunks.len() - start));
@@ -216,22 +233,22 @@ impl Store {
             .map(Some)
             .chain(stream::once(async { None }))
             .map(move |item| match (item, exp.next()) {
-                (Some(Ok(data)), Some((_, len, elem))) if data.len() as u64 == len => {
-                    Some(Ok(ChunkIn { data, elem }))
+                (Some(Ok(data)), Some((_, len, elem, base))) if data.len() as u64 == len => {
+                    Some(Ok(ChunkIn { data, elem, base }))
                 }
-                (Some(Ok(data)), Some((i, len, _))) => Some(Err(Error::invalid(format!(
+                (Some(Ok(data)), Some((i, len, _, _))) => Some(Err(Error::invalid(format!(
                     "tensor {:?}: a chunk of {} bytes arrived where {len} were expected",
                     names[i],
                     data.len()
                 )))),
-                (Some(Err(e)), Some((i, _, _))) => {
+                (Some(Err(e)), Some((i, _, _, _))) => {
                     Some(Err(e.context(format!("snapshot of tensor {:?}", names[i]))))
                 }
                 (Some(Err(e)), None) => Some(Err(e)),
                 (Some(Ok(_)), None) => Some(Err(Error::invalid(
                     "the snapshot yielded more chunks than its shards hold",
                 ))),
-                (None, Some((i, _, _))) => Some(Err(Error::invalid(format!(
+                (None, Some((i, _, _, _))) => Some(Err(Error::invalid(format!(
                     "the snapshot ended before tensor {:?} was complete",
                     names2[i]
                 )))),
@@ -334,6 +351,8 @@ fn add_stats(to: &mut PutStats, o: &PutStats) {
     to.bytes_skipped += o.bytes_skipped;
     to.objects_written += o.objects_written;
     to.bytes_written += o.bytes_written;
+    to.delta_tried += o.delta_tried;
+    to.delta_stored += o.delta_stored;
     for (k, v) in &o.raw_by_codec {
         *to.raw_by_codec.entry(k.clone()).or_default() += v;
     }
@@ -391,6 +410,7 @@ impl Store {
                         chunks.push(ChunkIn {
                             data: d.slice(r.start as usize..r.end as usize),
                             elem,
+                            base: None,
                         });
                     }
                 }
@@ -412,6 +432,7 @@ impl Store {
                 chunks.push(ChunkIn {
                     data: b.data.slice(r.start as usize..r.end as usize),
                     elem: 1,
+                    base: None,
                 });
             }
         }
@@ -526,7 +547,7 @@ pub fn assemble_manifest(
         at += n;
         r
     };
-    let tensors = tensors
+    let tensors: Vec<TensorShard> = tensors
         .into_iter()
         .map(|(mut t, n)| {
             t.chunks.extend(take(n));
@@ -541,8 +562,13 @@ pub fn assemble_manifest(
             chunks: take(n),
         })
         .collect();
+    let deltas = refs.iter().any(ChunkRef::is_delta) || tensors_have_deltas(&tensors);
     Ok(RankManifest {
-        format: FORMAT_VERSION,
+        format: if deltas {
+            DELTA_FORMAT_VERSION
+        } else {
+            FORMAT_VERSION
+        },
         run: w.run.clone(),
         step: w.step,
         rank: w.rank,
@@ -560,6 +586,13 @@ pub fn assemble_manifest(
             bytes_written: put.bytes_written,
         },
     })
+}
+
+fn tensors_have_deltas(tensors: &[TensorShard]) -> bool {
+    tensors
+        .iter()
+        .flat_map(|t| &t.chunks)
+        .any(ChunkRef::is_delta)
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@ async fn put(store: &Store, n: usize) -> Vec<ChunkRef> {
         .map(|r| ChunkIn {
             data: Bytes::copy_from_slice(&data[r.start as usize..r.end as usize]),
             elem: 1,
+            base: None,
         })
         .collect();
     store

@@ -77,6 +77,8 @@ conformance!(
     gc_racing_saves_never_breaks_a_commit,
     a_started_generation_fences_older_writers,
     replacing_a_manifest_never_breaks_a_racing_commit,
+    delta_chains_restore_bit_exact_and_gc_keeps_their_bases,
+    a_damaged_delta_base_fails_verify_naming_both_steps,
 );
 
 fn w(run: &str, step: u64, rank: u32, layout: Layout) -> RankWrite {
@@ -673,6 +675,7 @@ async fn gc_keeps_retained_and_in_flight(b: Backend) {
     let orphan_young = ckpt_store::ChunkIn {
         data: Bytes::from(det_bytes(300, 4096)),
         elem: 1,
+        base: None,
     };
     let put = store
         .put_chunks(
@@ -756,6 +759,7 @@ async fn gc_keeps_retained_and_in_flight(b: Backend) {
             futures::stream::iter(vec![ckpt_store::ChunkIn {
                 data: Bytes::from(rest.clone()),
                 elem: 4,
+                base: None,
             }]),
             &DedupIndex::new(),
         )
@@ -1552,5 +1556,328 @@ async fn replacing_a_manifest_never_breaks_a_racing_commit(b: Backend) {
             .await
             .unwrap()
             .is_clean()
+    );
+}
+
+// ----- Delta chunks (issue 16): chains bounded, bit-exact, bases kept by GC -------------------
+
+/// Compress always (no governor) and chain deltas up to `k` bases.
+fn delta_config(k: usize) -> StoreConfig {
+    StoreConfig {
+        adaptive_codec: false,
+        delta_chain: k,
+        ..ckpt_store::testing::tiny_config()
+    }
+}
+
+/// fp32 "weights" after `step` small updates: every element changes every step, in its low
+/// mantissa bits only (what an optimizer step does), so a delta on the previous step pays.
+fn drifting_f32(step: u64, n: usize) -> Vec<u8> {
+    let r = det_bytes(7, n * 8);
+    let d = det_bytes(8, n * 8);
+    (0..n)
+        .flat_map(|i| {
+            let u = u64::from_le_bytes(r[i * 8..i * 8 + 8].try_into().unwrap());
+            let v = u64::from_le_bytes(d[i * 8..i * 8 + 8].try_into().unwrap());
+            let x = ((u >> 11) as f64 / (1u64 << 53) as f64 - 0.5) * 0.04;
+            let drift = ((v >> 11) as f64 / (1u64 << 53) as f64 - 0.5) * 2e-4;
+            ((x * (1.0 + drift * step as f64)) as f32).to_le_bytes()
+        })
+        .collect()
+}
+
+/// One rank's save as `Checkpointer` makes it: lease, the committed base's chunks (and regions)
+/// as the index, write, release, remember the manifest, commit.
+async fn delta_save(
+    store: &Store,
+    run: &str,
+    step: u64,
+    tensors: &[(&str, DType, Vec<u64>, Vec<u8>)],
+    base: &mut DedupBase,
+) -> ckpt_store::RankManifest {
+    let lease = store
+        .lease_dedup_base(run, "delta-writer", &base.candidates())
+        .await
+        .unwrap();
+    let index = base.pinned(lease.base());
+    let shards = tensors
+        .iter()
+        .map(|(n, d, s, data)| shard(n, *d, s, NdBox::full(s), data.clone()))
+        .collect();
+    let res = store
+        .write_rank(&w(run, step, 0, Layout::SINGLE), shards, vec![], &index)
+        .await;
+    store.release_lease(lease).await.unwrap();
+    let (m, _, _) = res.unwrap();
+    base.persisted_manifest(&m);
+    store.commit_step(run, step).await.unwrap();
+    m
+}
+
+fn gets(store: &Store) -> u64 {
+    store
+        .metrics()
+        .expect("opened with metrics")
+        .snapshot()
+        .gets
+}
+
+async fn delta_chains_restore_bit_exact_and_gc_keeps_their_bases(b: Backend) {
+    const K: usize = 3;
+    let store = b.store().clone().with_config(delta_config(K)).unwrap();
+    let run = "delta";
+    let shape = vec![64u64, 256];
+    let ints = det_bytes(5, 64 * 256 * 4);
+    let mut base = DedupBase::new();
+    let mut want = Vec::new();
+    let mut manifests = Vec::new();
+    for step in 1..=7u64 {
+        let wbytes = drifting_f32(step, 64 * 256);
+        let mut ints = ints.clone();
+        ints[..8].copy_from_slice(&step.to_le_bytes());
+        let t = vec![
+            ("w", DType::F32, shape.clone(), wbytes.clone()),
+            ("i", DType::I32, shape.clone(), ints),
+        ];
+        let m = delta_save(&store, run, step, &t, &mut base).await;
+        want.push(wbytes);
+        manifests.push(m);
+    }
+    // The chain grows by one a save up to K bases, then a whole chunk starts it again.
+    let chains: Vec<Vec<usize>> = manifests
+        .iter()
+        .map(|m| m.tensors[0].chunks.iter().map(|c| c.bases.len()).collect())
+        .collect();
+    for (s, c) in chains.iter().enumerate() {
+        assert!(
+            c.iter().all(|&n| n <= K),
+            "step {}: chain {c:?} longer than {K}",
+            s + 1
+        );
+    }
+    assert!(
+        chains[0].iter().all(|&n| n == 0),
+        "step 1 has no base: {chains:?}"
+    );
+    let deltas = chains[1].iter().filter(|&&n| n == 1).count();
+    assert!(
+        deltas * 4 >= chains[1].len() * 3,
+        "most float chunks of step 2 are deltas on step 1: {chains:?}"
+    );
+    for (s, c) in chains.iter().enumerate().skip(1) {
+        for (k, &n) in c.iter().enumerate() {
+            let prev = chains[s - 1][k];
+            assert!(
+                n == 0 || n == prev + 1,
+                "step {} chunk {k}: chain {n} after {prev}",
+                s + 1
+            );
+            if prev == K {
+                assert_eq!(
+                    n,
+                    0,
+                    "step {} chunk {k}: a whole chunk after a full chain",
+                    s + 1
+                );
+            }
+        }
+    }
+    assert!(
+        chains.iter().flatten().any(|&n| n == K),
+        "some chain reaches K: {chains:?}"
+    );
+    for m in &manifests {
+        assert!(
+            m.tensors[1].chunks.iter().all(|c| !c.is_delta()),
+            "integers never delta"
+        );
+        for c in m.tensors[0].chunks.iter().filter(|c| c.is_delta()) {
+            assert_eq!(
+                c.base_step,
+                Some(m.step - 1),
+                "the base is the previous committed step"
+            );
+        }
+    }
+    // A delta is smaller than the same region stored whole one step earlier.
+    let (mut delta_stored, mut whole_stored) = (0u64, 0u64);
+    for (d, p) in manifests[1].tensors[0]
+        .chunks
+        .iter()
+        .zip(&manifests[0].tensors[0].chunks)
+    {
+        if d.is_delta() {
+            delta_stored += d.stored as u64;
+            whole_stored += p.stored as u64;
+        }
+    }
+    assert!(
+        delta_stored * 10 < whole_stored * 9,
+        "deltas pay: {delta_stored} vs {whole_stored}"
+    );
+
+    // Every step restores bit for bit: whole, resharded (a box cutting chunks), and as the
+    // consolidated safetensors file.
+    let sub = NdBox::new(vec![10, 32], vec![30, 160]).unwrap();
+    for (s, bytes) in want.iter().enumerate() {
+        let step = s as u64 + 1;
+        let r = StepReader::open(&store, run, step).await.unwrap();
+        assert_eq!(&r.read_tensor("w").await.unwrap(), bytes, "step {step}");
+        assert_eq!(
+            r.read("w", &sub).await.unwrap(),
+            cut(bytes, &shape, &sub, 4),
+            "step {step}, box {sub}"
+        );
+        let view = ckpt_store::SafetensorsView::new(r.commit(), None).unwrap();
+        let mut file = vec![0u8; view.len() as usize];
+        view.read_at(&r, 0, &mut file).await.unwrap();
+        let e = view.entries().iter().find(|e| e.name == "w").unwrap();
+        assert_eq!(
+            &file[e.start as usize..(e.start + e.len) as usize],
+            &bytes[..],
+            "export of step {step}"
+        );
+    }
+    // A restore reads at most K + 1 objects a chunk.
+    for m in &manifests {
+        for c in &m.tensors[0].chunks {
+            let before = gets(&store);
+            store.get_chunk(c).await.unwrap();
+            let n = gets(&store) - before;
+            assert_eq!(
+                n,
+                c.bases.len() as u64 + 1,
+                "objects read for {}",
+                c.location()
+            );
+            assert!(n <= K as u64 + 1);
+        }
+    }
+
+    // Retention drops every step but the newest: its chains' bases (written by dropped steps)
+    // stay, and are reported as kept only as bases.
+    let now = ckpt_store::clock::system_now();
+    let opts = GcOptions {
+        keep_last: Some(1),
+        grace: Duration::ZERO,
+        ..Default::default()
+    };
+    let g = store.gc(&opts, now).await.unwrap();
+    assert_eq!(g.steps_kept, vec![(run.to_string(), 7)]);
+    let newest = &manifests[6].tensors[0].chunks;
+    let depth = newest.iter().map(|c| c.bases.len()).max().unwrap();
+    assert!(depth >= 1, "step 7 holds deltas: {chains:?}");
+    assert!(
+        g.objects_kept_as_bases > 0 && g.bytes_kept_as_bases > 0,
+        "{g:?}"
+    );
+    assert!(
+        g.objects_deleted > 0,
+        "older whole chunks no chain needs are swept: {g:?}"
+    );
+    for c in newest {
+        for p in store.chain_objects(c) {
+            assert!(
+                store.exists(&p).await.unwrap(),
+                "{p} (chain of {}) kept",
+                c.location()
+            );
+        }
+    }
+    let r = StepReader::open(&store, run, 7).await.unwrap();
+    assert_eq!(r.read_tensor("w").await.unwrap(), want[6]);
+    let v = store.verify(&VerifyScope::Store, None).await.unwrap();
+    assert!(v.is_clean(), "{:?}", v.damaged);
+    // The next save builds on step 7 (its chain may be at K: a whole chunk then) and restores.
+    let wbytes = drifting_f32(8, 64 * 256);
+    let t = vec![("w", DType::F32, shape.clone(), wbytes.clone())];
+    let m8 = delta_save(&store, run, 8, &t, &mut base).await;
+    assert!(m8.tensors[0].chunks.iter().all(|c| c.bases.len() <= K));
+    let r = StepReader::open(&store, run, 8).await.unwrap();
+    assert_eq!(r.read_tensor("w").await.unwrap(), wbytes);
+}
+
+async fn a_damaged_delta_base_fails_verify_naming_both_steps(b: Backend) {
+    let store = b.store().clone().with_config(delta_config(4)).unwrap();
+    let run = "dbase";
+    let shape = vec![16u64, 256];
+    let mut base = DedupBase::new();
+    let mut ms = Vec::new();
+    for step in 1..=2u64 {
+        let t = vec![("w", DType::F32, shape.clone(), drifting_f32(step, 16 * 256))];
+        ms.push(delta_save(&store, run, step, &t, &mut base).await);
+    }
+    let delta = ms[1].tensors[0]
+        .chunks
+        .iter()
+        .find(|c| c.is_delta())
+        .expect("step 2 holds a delta")
+        .clone();
+    let base_key = store.keys().chunk(&delta.bases[0]);
+    let mut obj = store.get_object(&base_key).await.unwrap().to_vec();
+    let last = obj.len() - 1;
+    obj[last] ^= 0x5a;
+    store
+        .object_store()
+        .put(&base_key, Bytes::from(obj).into())
+        .await
+        .unwrap();
+
+    // Verifying step 2 alone reads the base through the chain and names both steps.
+    let v = store
+        .verify(&VerifyScope::Step(run.into(), 2), None)
+        .await
+        .unwrap();
+    assert!(!v.is_clean());
+    let d = v
+        .damaged
+        .iter()
+        .find(|d| d.object == store.object_of(&delta).to_string())
+        .unwrap_or_else(|| panic!("the delta object is reported: {:?}", v.damaged));
+    assert!(
+        d.problem.contains(&delta.bases[0].to_string()),
+        "names the base chunk: {}",
+        d.problem
+    );
+    assert!(
+        d.problem.contains("step 1"),
+        "names the base's step: {}",
+        d.problem
+    );
+    assert!(d.affects.iter().any(|a| a.step == 2), "{d:?}");
+    let db = v
+        .damaged
+        .iter()
+        .find(|d| d.object == base_key.to_string())
+        .expect("the base object is reported");
+    assert!(db.affects.iter().any(|a| a.step == 2), "{db:?}");
+    // The whole run: the base object breaks both steps.
+    let v = store
+        .verify(&VerifyScope::Run(run.into()), None)
+        .await
+        .unwrap();
+    let db = v
+        .damaged
+        .iter()
+        .find(|d| d.object == base_key.to_string())
+        .unwrap();
+    let steps: HashSet<u64> = db.affects.iter().map(|a| a.step).collect();
+    assert_eq!(steps, HashSet::from([1, 2]), "{db:?}");
+    // A restore of step 2 fails as damaged, naming the chunk, its base and the base's step.
+    let r = StepReader::open(&store, run, 2).await.unwrap();
+    let e = r.read_tensor("w").await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains(&delta.bases[0].to_string()) && msg.contains("step 1"),
+        "{msg}"
+    );
+
+    // A missing base is named the same way.
+    store.object_store().delete(&base_key).await.unwrap();
+    let e = store.get_chunk(&delta).await.unwrap_err();
+    assert!(
+        e.to_string().contains("missing") && e.to_string().contains("step 1"),
+        "{e}"
     );
 }

@@ -38,6 +38,7 @@ async fn directory_fsyncs_cost_per_save() {
             .map(|r| ChunkIn {
                 data: data.slice(r.start as usize..r.end as usize),
                 elem: 1,
+                base: None,
             })
             .collect();
         let n_chunks = chunks.len();

@@ -19,6 +19,7 @@ async fn save_one_step(store: &ckpt_store::Store) -> Vec<u8> {
         .map(|r| ChunkIn {
             data: bytes::Bytes::copy_from_slice(&data[r.start as usize..r.end as usize]),
             elem: 4,
+            base: None,
         })
         .collect();
     let put = store

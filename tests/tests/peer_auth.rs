@@ -392,6 +392,8 @@ fn a_stranger_cannot_read_chunks() {
                 codec: ckpt_store::codec::Codec::Raw,
                 pack: None,
                 offset: 0,
+                bases: Vec::new(),
+                base_step: None,
             };
             use ckpt_store::ChunkSource;
             (src.fetch(&r).await, src.served_bytes())

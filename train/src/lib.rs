@@ -243,6 +243,14 @@ pub struct TrainArgs {
     /// Chunk size of the store (suffixes K, M; default 4 MiB).
     #[arg(long, value_parser = parse_count)]
     pub chunk_size: Option<u64>,
+    /// The longest chain of delta chunks (issue 16; e.g. 8: a restore reads at most N + 1
+    /// objects a chunk). Default 0: no deltas.
+    #[arg(long)]
+    pub delta_chain: Option<usize>,
+    /// Memory for the plain bytes of written float chunks, the next save's delta bases
+    /// (suffixes K, M, G; default 0: bases are read back from the store).
+    #[arg(long, value_parser = parse_count)]
+    pub delta_cache: Option<u64>,
     /// Make every step take at least this long (tests that kill ranks mid-run).
     #[arg(long, default_value_t = 0)]
     pub step_time_ms: u64,
@@ -485,6 +493,12 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
         cfg.chunk_size = cs as usize;
         cfg.pack_threshold = cfg.pack_threshold.min(cfg.chunk_size);
         cfg.inflight_bytes = cfg.inflight_bytes.max(cfg.pack_target + cfg.chunk_size);
+        store = store.with_config(cfg)?;
+    }
+    if args.delta_chain.is_some() || args.delta_cache.is_some() {
+        let mut cfg = store.config().clone();
+        cfg.delta_chain = args.delta_chain.unwrap_or(cfg.delta_chain);
+        cfg.delta_cache_bytes = args.delta_cache.unwrap_or(cfg.delta_cache_bytes);
         store = store.with_config(cfg)?;
     }
     if let Some(fp) = &args.failpoints {

@@ -1192,12 +1192,7 @@ impl CheckpointManager {
         }
         if same_layout {
             let m = runtime().block_on(reader.manifest(cfg.rank))?;
-            let refs = m
-                .tensors
-                .iter()
-                .flat_map(|t| t.chunks.iter().cloned())
-                .collect();
-            self.ckpt.seed_dedup(step, refs);
+            self.ckpt.seed_dedup(&m);
         }
         self.last_saved_step = Some(step);
         self.auto.last_due = Some(step);

@@ -211,6 +211,14 @@ impl Report for GcOutput {
             fmt::bytes(r.bytes_kept),
             r.objects_in_grace
         )?;
+        if r.objects_kept_as_bases > 0 {
+            writeln!(
+                w,
+                "  bases      kept {} object(s) ({}) only as the delta bases of kept chunks",
+                r.objects_kept_as_bases,
+                fmt::bytes(r.bytes_kept_as_bases)
+            )?;
+        }
         if let Some(why) = &r.sweep_deferred {
             writeln!(w, "  sweep      deferred: {why}")?;
         }

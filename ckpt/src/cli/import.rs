@@ -616,6 +616,7 @@ pub async fn import(store: &Store, args: &ImportArgs, ui: &Ui) -> Result<ImportR
                             .blocking_send(ChunkIn {
                                 data: Bytes::from(buf),
                                 elem,
+                                base: None,
                             })
                             .is_err()
                         {
@@ -628,7 +629,14 @@ pub async fn import(store: &Store, args: &ImportArgs, ui: &Ui) -> Result<ImportR
             if let Some(b) = meta_blob {
                 for r in chunk_blob {
                     let data = b.slice(r.start as usize..r.end as usize);
-                    if tx.blocking_send(ChunkIn { data, elem: 1 }).is_err() {
+                    if tx
+                        .blocking_send(ChunkIn {
+                            data,
+                            elem: 1,
+                            base: None,
+                        })
+                        .is_err()
+                    {
                         return;
                     }
                 }

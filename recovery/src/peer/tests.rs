@@ -35,6 +35,8 @@ fn chunk(data: &[u8]) -> ChunkRef {
         codec: ckpt_store::codec::Codec::Raw,
         pack: None,
         offset: 0,
+        bases: Vec::new(),
+        base_step: None,
     }
 }
 

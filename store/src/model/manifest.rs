@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{DType, FORMAT_VERSION, Layout, NdBox, Placement, numel};
+use super::{DELTA_FORMAT_VERSION, DType, Layout, NdBox, Placement, numel};
 use crate::codec::Codec;
 use crate::error::{Error, Result};
 use crate::id::{ChunkId, PackId};
@@ -28,19 +28,104 @@ pub struct ChunkRef {
     /// Offset of the chunk object inside the pack.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub offset: u64,
+    /// For a delta (`codec` is `delta`): the chain of base chunks, nearest first; the last is
+    /// stored whole. Each is the chunk at the same region of an earlier committed step, of the
+    /// same length, never packed. Empty for any other codec.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub bases: Vec<ChunkId>,
+    /// For a delta: the step whose manifest the nearest base was taken from (for messages).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_step: Option<u64>,
 }
 
 fn is_zero(v: &u64) -> bool {
     *v == 0
 }
 
+/// The longest delta chain a reader follows (writers stop far below: `delta_chain`, 8 by
+/// default); a manifest naming a longer one is damaged.
+pub const MAX_DELTA_CHAIN: usize = 64;
+
 impl ChunkRef {
     /// A short description of where the chunk lives, for messages.
     pub fn location(&self) -> String {
-        match &self.pack {
-            Some(p) => format!("{} (in {} at offset {})", self.id, p, self.offset),
-            None => format!("{}", self.id),
+        match (&self.pack, self.bases.first()) {
+            (Some(p), _) => format!("{} (in {} at offset {})", self.id, p, self.offset),
+            (None, Some(b)) => match self.base_step {
+                Some(s) => format!("{} (a delta on {} of step {s})", self.id, b),
+                None => format!("{} (a delta on {})", self.id, b),
+            },
+            (None, None) => format!("{}", self.id),
         }
+    }
+
+    /// A reference to the chunk stored whole (no pack, no base).
+    pub fn plain(id: ChunkId, len: u32, stored: u32, codec: Codec) -> Self {
+        ChunkRef {
+            id,
+            len,
+            stored,
+            codec,
+            pack: None,
+            offset: 0,
+            bases: Vec::new(),
+            base_step: None,
+        }
+    }
+
+    /// Whether the chunk is stored as a delta on a base chunk.
+    pub fn is_delta(&self) -> bool {
+        !self.bases.is_empty()
+    }
+
+    /// The reference of the nearest base (a delta itself when the chain goes on), as far as
+    /// a manifest knows it: its stored size and codec are not recorded.
+    pub fn base_ref(&self) -> Option<ChunkRef> {
+        let (first, rest) = self.bases.split_first()?;
+        Some(ChunkRef {
+            id: *first,
+            len: self.len,
+            stored: 0,
+            codec: if rest.is_empty() {
+                Codec::Raw
+            } else {
+                Codec::Delta
+            },
+            pack: None,
+            offset: 0,
+            bases: rest.to_vec(),
+            base_step: None,
+        })
+    }
+
+    /// Check what a reader relies on of a delta reference (`Err` is the problem).
+    pub fn check_chain(&self) -> std::result::Result<(), String> {
+        let delta = self.codec == Codec::Delta;
+        if delta != self.is_delta() {
+            return Err(format!(
+                "chunk {}: codec {} with {} base chunk(s)",
+                self.id.short(),
+                self.codec.name(),
+                self.bases.len()
+            ));
+        }
+        if self.bases.len() > MAX_DELTA_CHAIN {
+            return Err(format!(
+                "chunk {}: a delta chain of {} base chunks is longer than any ckpt writes ({MAX_DELTA_CHAIN})",
+                self.id.short(),
+                self.bases.len()
+            ));
+        }
+        if delta && self.pack.is_some() {
+            return Err(format!(
+                "chunk {}: a delta is never packed",
+                self.id.short()
+            ));
+        }
+        if self.bases.contains(&self.id) {
+            return Err(format!("chunk {}: a delta on itself", self.id.short()));
+        }
+        Ok(())
     }
 }
 
@@ -146,11 +231,17 @@ impl RankManifest {
     /// Check everything a reader relies on; `what` names the object in messages.
     pub fn validate(&self, what: &str) -> Result<()> {
         let bad = |m: String| Err(Error::corrupt(format!("{what}: {m}")));
-        if self.format > FORMAT_VERSION {
+        if self.format > DELTA_FORMAT_VERSION {
             return Err(Error::invalid(format!(
-                "{what}: written in format {} by a newer ckpt; this build reads up to {FORMAT_VERSION}",
+                "{what}: written in format {} by a newer ckpt; this build reads up to {DELTA_FORMAT_VERSION}",
                 self.format
             )));
+        }
+        if self.format < DELTA_FORMAT_VERSION && self.has_deltas() {
+            return bad(format!(
+                "format {} manifest references delta chunks (format {DELTA_FORMAT_VERSION})",
+                self.format
+            ));
         }
         self.layout.validate().map_err(|e| e.context(what))?;
         if self.rank >= self.layout.world() {
@@ -195,6 +286,16 @@ impl RankManifest {
         Ok(())
     }
 
+    /// Whether any chunk reference is a delta (the manifest is then of
+    /// [`DELTA_FORMAT_VERSION`]).
+    pub fn has_deltas(&self) -> bool {
+        self.tensors
+            .iter()
+            .flat_map(|t| &t.chunks)
+            .chain(self.blobs.iter().flat_map(|b| &b.chunks))
+            .any(|c| c.is_delta() || c.codec == Codec::Delta)
+    }
+
     /// The shard of `name` this rank wrote (not a replica reference).
     pub fn written_shard(&self, name: &str, bbox: &NdBox) -> Option<&TensorShard> {
         self.tensors
@@ -204,6 +305,9 @@ impl RankManifest {
 }
 
 fn check_chunk_lens(chunks: &[ChunkRef], want: u64) -> std::result::Result<(), String> {
+    for c in chunks {
+        c.check_chain()?;
+    }
     if let Some(c) = chunks
         .iter()
         .find(|c| c.len as u64 > crate::codec::MAX_CHUNK_LEN)

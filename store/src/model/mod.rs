@@ -26,7 +26,8 @@ pub use dtype::DType;
 pub use geometry::{NdBox, copy_runs, numel};
 pub use layout::{Coords, Layout};
 pub use manifest::{
-    BlobEntry, ChunkRef, MAX_NAME_LEN, RankManifest, TensorShard, WriteStats, validate_name,
+    BlobEntry, ChunkRef, MAX_DELTA_CHAIN, MAX_NAME_LEN, RankManifest, TensorShard, WriteStats,
+    validate_name,
 };
 pub use spec::{Placement, Stage, TensorSpec, ZeroGroup};
 
@@ -35,6 +36,12 @@ pub use spec::{Placement, Stage, TensorSpec, ZeroGroup};
 /// Format 2 added the commit record's `checksum`; readers accept a record without one only if
 /// it is of format 1 (written before checksums existed).
 pub const FORMAT_VERSION: u32 = 2;
+
+/// The format of a rank manifest that references delta chunks (a chunk reference's `bases`
+/// and `base_step`, delta chunk objects under their own keys; issue 16), and the newest rank
+/// manifest format this build reads. Manifests without deltas are still written as
+/// [`FORMAT_VERSION`], so stores without deltas stay readable by older builds.
+pub const DELTA_FORMAT_VERSION: u32 = 3;
 
 /// The first format whose commit records carry a `checksum`.
 pub const FIRST_CHECKSUMMED_FORMAT: u32 = 2;

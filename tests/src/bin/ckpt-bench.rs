@@ -11,6 +11,9 @@
 //! ckpt-bench governor --dir DIR --params 150M [--budgets 0.05,0.1,0.25,off] [--every 6] [--saves 3]
 //!                                              the persist governor: slowdown vs. time to durable
 //! ckpt-bench goodput --dir DIR --minutes 20 --mtbf 60   goodput under random failures, per policy
+//! ckpt-bench delta  --dir DIR --params 20M     delta chunks: stored size per kind, save/restore time
+//!                   [--intervals 1,10,100] [--saves 3] [--sinks local,slow] [--slow-mbps 200]
+//!                   [--modes raw,planes,delta,delta-readback,adaptive+delta]
 //! ```
 
 use std::fs::OpenOptions;
@@ -48,6 +51,9 @@ fn open_options() -> ckpt_store::OpenOptions {
 mod governor;
 #[path = "../versions.rs"]
 mod versions;
+
+#[path = "../delta_bench.rs"]
+mod delta_bench;
 
 fn emit(v: Value) {
     println!("{v}");
@@ -1439,6 +1445,27 @@ fn main() {
             ckpt_train::parse_count(&arg(&args, "--params", "100M")).unwrap(),
         ),
         Some("goodput") => std::process::exit(goodput_bench(&dir, &args)),
+        Some("delta") => {
+            let list = |name: &str, default: &str| -> Vec<String> {
+                arg(&args, name, default)
+                    .split(',')
+                    .map(str::to_string)
+                    .collect()
+            };
+            let intervals: Vec<u64> = list("--intervals", "1,10,100")
+                .iter()
+                .map(|s| s.parse().unwrap())
+                .collect();
+            delta_bench::delta_bench(
+                &dir,
+                ckpt_train::parse_count(&arg(&args, "--params", "20M")).unwrap(),
+                arg(&args, "--saves", "3").parse().unwrap(),
+                &intervals,
+                &list("--sinks", "local,slow"),
+                &list("--modes", "raw,planes,delta,adaptive+delta"),
+                arg(&args, "--slow-mbps", "200").parse::<f64>().unwrap() * 1e6,
+            )
+        }
         Some("faults") => faults_bench(&dir, arg(&args, "--mib", "64").parse().unwrap()),
         Some("scale") => std::process::exit(ckpt_tests::scale::cli(&args)),
         Some("governor") => governor::governor_bench(
@@ -1454,7 +1481,7 @@ fn main() {
         ),
         _ => {
             eprintln!(
-                "usage: ckpt-bench limits|store|train|startup|recovery|peers|faults|goodput|scale|versions|governor --dir DIR [--gib N] [--params N] [--mib N] [--steps N] [--no-background-prefault] [--budgets 0.05,0.1,off] [--every N] [--saves N]\n       \
+                "usage: ckpt-bench limits|store|train|startup|recovery|peers|faults|goodput|scale|versions|governor|delta --dir DIR [--gib N] [--params N] [--mib N] [--steps N] [--no-background-prefault] [--budgets 0.05,0.1,off] [--every N] [--saves N]\n       \
                  ckpt-bench goodput --dir DIR [--minutes M | --steps N] [--mtbf S] [--seed X] [--step-ms MS] [--params P] [--repair S] [--every K] [--policies a,b,c]"
             );
             std::process::exit(2);

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use bytes::Bytes;
-use ckpt_store::{ChunkRef, DedupBase, Error, ErrorKind, Result, Store};
+use ckpt_store::{DedupBase, Error, ErrorKind, Result, Store};
 use parking_lot::Mutex;
 use tracing::warn;
 
@@ -197,8 +197,9 @@ impl Checkpointer {
         }
     }
 
-    pub(crate) fn seed_dedup(&self, step: u64, refs: Vec<ChunkRef>) {
-        self.dedup.lock().seed(step, refs);
+    /// The restored step `m.step` (committed) is this rank's dedup and delta base.
+    pub(crate) fn seed_dedup(&self, m: &ckpt_store::RankManifest) {
+        self.dedup.lock().seed_manifest(m);
     }
 
     /// Save `state` as `step` (see the module docs). Returns once every tensor is pinned and

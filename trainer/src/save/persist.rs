@@ -139,7 +139,7 @@ impl PersistJob {
             Some(_) => refs.iter().map(|r| r.id).collect(),
             None => Vec::new(),
         };
-        self.dedup.lock().persisted(step, refs);
+        self.dedup.lock().persisted_manifest(&manifest);
         self.versions
             .lock()
             .persisted(record_versions(step, &manifest, &self.shard_versions));
