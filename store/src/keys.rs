@@ -178,8 +178,7 @@ impl Keys {
     /// The lease a writer holds while its save may reference objects it has not yet recorded
     /// in a manifest: `locks/writers/<2 hex>/writer-<name>`, the two hex digits from the
     /// name's hash, so that thousands of ranks taking leases at once spread their writes over
-    /// 256 prefixes (S3 limits writes per prefix), and a writer's listing of `locks/` with a
-    /// delimiter sees the sweep locks without paging through every lease.
+    /// 256 prefixes (S3 limits writes per prefix).
     pub fn writer_lock(&self, name: &str) -> Path {
         let spread = format!("{:02x}", blake3::hash(name.as_bytes()).as_bytes()[0]);
         self.join(["locks", "writers", &spread])

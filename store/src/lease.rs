@@ -5,13 +5,12 @@
 //! may reference objects no manifest records yet. The exclusion needs only plain puts, lists
 //! and deletes with read-after-write consistency, so it holds on a local directory and on S3:
 //!
-//! - **Writer**: put `locks/writers/<2 hex>/writer-<id>`, *then* list `locks/` with a
-//!   delimiter (one page: the sweep locks, not the other writers' leases) and wait while a
-//!   live `sweep-*` lock exists; only then check that its dedup base is still committed, and
+//! - **Writer**: put `locks/writers/<2 hex>/writer-<id>`, *then* list `locks/` and wait while
+//!   a live `sweep-*` lock exists; only then check that its dedup base is still committed, and
 //!   write chunks and its rank manifest; then delete the lease.
 //! - **Sweep**: put `locks/sweep-<id>`, *then* list all of `locks/`; with a live writer lease
-//!   there, delete the lock and leave the sweep for later. Otherwise list the steps, mark, and delete;
-//!   between delete batches, yield to any writer that has appeared since.
+//!   there, delete the lock and leave the sweep for later. Otherwise list the steps, mark, and
+//!   delete; between delete batches, yield to any writer that has appeared since.
 //!
 //! Either the writer's listing sees the sweep lock (it waits until that sweep is over), or the
 //! sweep's listing sees the writer's lease (it does not sweep). A sweep that runs while no
@@ -118,21 +117,6 @@ impl Store {
             .await
             .map_err(|e| Error::backend("listing", &dir, e))?;
         Ok(self.sort_locks(metas, now, lapse))
-    }
-
-    /// List what a writer must see: the objects directly under `locks/` (one delimited
-    /// listing; the writer leases under `locks/writers/` are not paged through). That is
-    /// every sweep lock, and any writer lease an older build put there.
-    async fn list_sweep_locks(&self, now: DateTime<Utc>) -> Result<LockListing> {
-        let lapse = chrono::Duration::from_std(LOCK_LAPSE)
-            .map_err(|_| Error::invalid("grace period is too long"))?;
-        let dir = self.keys().locks_dir();
-        let listed = self
-            .object_store()
-            .list_with_delimiter(Some(&dir))
-            .await
-            .map_err(|e| Error::backend("listing", &dir, e))?;
-        Ok(self.sort_locks(listed.objects, now, lapse))
     }
 
     fn sort_locks(
@@ -266,7 +250,7 @@ impl Store {
         let mut seen: HashMap<Path, (Write, Instant)> = HashMap::new();
         loop {
             let now = self.now();
-            let locks = self.list_sweep_locks(now).await?;
+            let locks = self.list_locks(now, LOCK_LAPSE).await?;
             let mut live = None;
             let mut dead = Vec::new();
             for m in locks.sweeps {

@@ -606,23 +606,23 @@ async fn step_objects(st: &Store, step: u64) -> ckpt_store::Result<BTreeMap<Stri
     Ok(out)
 }
 
-/// Delete an object of the newest committed step that the step before it does not reference
-/// (any of its objects when none is its own): the step and the object, or `None` when nothing
-/// is committed.
+/// Delete an object of the newest committed step that the step before it does not reference:
+/// the step and the object, or `None` when there is no such object (fewer than two committed
+/// steps, or the newest holds nothing of its own). A disk failure damages one step and leaves
+/// the older ones to recover from; one that destroyed every committed step would leave the
+/// job nothing to resume (recovery then stops, by design, rather than start over silently).
 async fn damage_newest(st: &Store) -> Result<Option<(u64, String)>, String> {
     let steps = st.committed_steps(RUN).await.map_err(|e| e.to_string())?;
-    let Some(&newest) = steps.last() else {
+    let [.., older_step, newest] = steps[..] else {
         return Ok(None);
     };
     let mine = step_objects(st, newest).await.map_err(|e| e.to_string())?;
-    let older = match steps.len().checked_sub(2).map(|i| steps[i]) {
-        Some(s) => step_objects(st, s).await.map_err(|e| e.to_string())?,
-        None => BTreeMap::new(),
-    };
+    let older = step_objects(st, older_step)
+        .await
+        .map_err(|e| e.to_string())?;
     let Some((key, path)) = mine
         .iter()
         .find(|(k, _)| !older.contains_key(*k))
-        .or_else(|| mine.iter().next())
         .map(|(k, p)| (k.clone(), p.clone()))
     else {
         return Ok(None);
