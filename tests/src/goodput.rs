@@ -258,6 +258,13 @@ pub struct RssSample {
     pub agents: usize,
 }
 
+impl RssSample {
+    /// The mean resident memory of one live agent (the sum moves with how many are alive).
+    pub fn per_agent_kib(&self) -> u64 {
+        self.agents_kib / self.agents.max(1) as u64
+    }
+}
+
 /// What one policy's run gave.
 #[derive(Debug, Clone)]
 pub struct PolicyResult {
@@ -300,8 +307,9 @@ pub struct PolicyResult {
     pub verify_clean: bool,
     /// Processes with the run's marker alive after `ckpt resume` exited (then killed).
     pub leftover: Vec<u32>,
-    /// Memory at start (once the first generation runs) and at the end (last sample).
-    pub rss: Option<(RssSample, RssSample)>,
+    /// Memory once the first step is committed (the agents then hold a snapshot), at the end
+    /// (last sample), and the highest of each figure over the run.
+    pub rss: Option<(RssSample, RssSample, RssSample)>,
     /// The plot drawn (`ckpt plot`).
     pub plot: Option<PathBuf>,
     /// The policy's directory (store, rank logs, `resume.json`, `resume.err`).
@@ -321,12 +329,15 @@ impl PolicyResult {
             .iter()
             .map(|k| (k.name().to_string(), json!(count(*k))))
             .collect();
-        let rss = self.rss.map(|(a, b)| {
+        let rss = self.rss.map(|(a, b, peak)| {
             json!({
                 "start_s": a.at_s, "end_s": b.at_s,
                 "supervisor_start_kib": a.supervisor_kib, "supervisor_end_kib": b.supervisor_kib,
+                "supervisor_peak_kib": peak.supervisor_kib,
                 "agents_start_kib": a.agents_kib, "agents_end_kib": b.agents_kib,
                 "agents_start": a.agents, "agents_end": b.agents,
+                "agent_start_kib": a.per_agent_kib(), "agent_end_kib": b.per_agent_kib(),
+                "agent_peak_kib": peak.agents_kib,
             })
         });
         json!({
@@ -818,6 +829,8 @@ fn run_policy(opts: &Options, policy: Policy, want: &str) -> Result<PolicyResult
     let mut last_poll = Instant::now();
     let mut first_rank: Option<Instant> = None;
     let (mut rss_first, mut rss_last): (Option<RssSample>, Option<RssSample>) = (None, None);
+    // The highest supervisor figure and the highest single agent's (in `agents_kib`).
+    let mut rss_peak = RssSample::default();
     let mut last_rss = Instant::now();
     let mut timed_out = false;
     loop {
@@ -836,21 +849,25 @@ fn run_policy(opts: &Options, policy: Policy, want: &str) -> Result<PolicyResult
                 seen.extend(s);
             }
         }
-        // Memory: once a second, from 2 s after the first rank appeared.
-        if first_rank.is_some_and(|t| t.elapsed() >= Duration::from_secs(2))
-            && last_rss.elapsed() >= Duration::from_secs(1)
-        {
+        // Memory: once a second, from the first committed step on (before it the agents
+        // hold no snapshot yet, so a start sample would show their growth to steady state).
+        if !seen.is_empty() && last_rss.elapsed() >= Duration::from_secs(1) {
             last_rss = Instant::now();
             let a = agents(&tag);
+            let each: Vec<u64> = a.iter().map(|(p, _)| rss_kib(*p)).collect();
             let s = RssSample {
                 at_s: t0.elapsed().as_secs_f64(),
                 supervisor_kib: rss_kib(sup),
-                agents_kib: a.iter().map(|(p, _)| rss_kib(*p)).sum(),
+                agents_kib: each.iter().sum(),
                 agents: a.len(),
             };
             if s.supervisor_kib > 0 {
                 rss_first.get_or_insert(s);
                 rss_last = Some(s);
+                rss_peak.supervisor_kib = rss_peak.supervisor_kib.max(s.supervisor_kib);
+                rss_peak.agents_kib = rss_peak
+                    .agents_kib
+                    .max(each.iter().copied().max().unwrap_or(0));
             }
         }
         let due = next.is_some_and(|n| t0.elapsed() >= n);
@@ -985,7 +1002,7 @@ fn run_policy(opts: &Options, policy: Policy, want: &str) -> Result<PolicyResult
         unusable,
         verify_clean,
         leftover,
-        rss: rss_first.zip(rss_last),
+        rss: rss_first.zip(rss_last).map(|(a, b)| (a, b, rss_peak)),
         plot,
         dir,
     })
