@@ -168,6 +168,10 @@ pub struct Options {
     pub auto_min: u64,
     /// See `auto_min`.
     pub auto_max: u64,
+    /// Retention (`ckpt-train --keep-last`): the newest committed steps each run keeps, so a
+    /// long soak's store stays bounded (a 20-minute run without it wrote 19 GB); `None`
+    /// keeps every step.
+    pub keep_last: Option<usize>,
     /// `ckpt resume --heartbeat-timeout`.
     pub heartbeat_timeout: Duration,
     /// `ckpt resume --stop-grace`.
@@ -202,6 +206,7 @@ impl Options {
             every: 50,
             auto_min: 5,
             auto_max: 200,
+            keep_last: Some(8),
             heartbeat_timeout: Duration::from_secs(2),
             stop_grace: Duration::from_secs(1),
             backoff: Duration::from_millis(100),
@@ -514,6 +519,9 @@ fn train_command(opts: &Options, policy: Policy) -> Vec<String> {
         ]);
     } else {
         c.push(opts.every.to_string());
+    }
+    if let Some(k) = opts.keep_last {
+        c.extend(["--keep-last".into(), k.to_string()]);
     }
     c
 }
@@ -963,10 +971,20 @@ fn run_policy(opts: &Options, policy: Policy, want: &str) -> Result<PolicyResult
         .map_err(|e| format!("listing the committed steps: {e}"))?
         .into_iter()
         .collect();
+    // Retention may delete a step only when at least `keep_last` newer ones are committed at
+    // the end: a step gone below that line is lost, whatever deleted it.
+    let retention_line = opts
+        .keep_last
+        .and_then(|k| now.iter().rev().nth(k.saturating_sub(1)).copied());
     let committed_lost: Vec<u64> = seen
         .iter()
-        // Still committed, or damaged by an injection and retired by recovery.
-        .filter(|s| !(now.contains(s) || (damaged.contains(s) && unusable.contains(s))))
+        // Still committed, damaged by an injection and retired by recovery, or older than the
+        // steps retention keeps.
+        .filter(|s| {
+            !(now.contains(s)
+                || (damaged.contains(s) && unusable.contains(s))
+                || retention_line.is_some_and(|line| **s < line))
+        })
         .copied()
         .collect();
     let verify_clean = rt

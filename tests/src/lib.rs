@@ -1,6 +1,7 @@
 //! Helpers for cross-crate scenarios: the workspace's binaries, processes found by their
 //! environment, signals.
 
+pub mod dcp_model;
 pub mod goodput;
 pub mod scale;
 

@@ -1385,6 +1385,13 @@ fn goodput_bench(dir: &Path, args: &[String]) -> i32 {
     o.repair = Duration::from_secs_f64(num("--repair", &mtbf.as_secs_f64().to_string()));
     o.every = num("--every", "50") as u64;
     o.layout = arg(args, "--layout", "dp=1");
+    o.keep_last = match arg(args, "--keep-last", "8").as_str() {
+        "all" => None,
+        k => Some(
+            k.parse()
+                .expect("--keep-last takes a number of steps or `all`"),
+        ),
+    };
     if args.iter().any(|a| a == "--policies") {
         o.policies = arg(args, "--policies", "a,b,c")
             .split(',')
@@ -1468,6 +1475,7 @@ fn main() {
         }
         Some("faults") => faults_bench(&dir, arg(&args, "--mib", "64").parse().unwrap()),
         Some("scale") => std::process::exit(ckpt_tests::scale::cli(&args)),
+        Some("dcp-model") => std::process::exit(ckpt_tests::dcp_model::cli(&args)),
         Some("governor") => governor::governor_bench(
             &dir,
             ckpt_train::parse_count(&arg(&args, "--params", "150M")).unwrap(),
@@ -1482,7 +1490,7 @@ fn main() {
         _ => {
             eprintln!(
                 "usage: ckpt-bench limits|store|train|startup|recovery|peers|faults|goodput|scale|versions|governor|delta --dir DIR [--gib N] [--params N] [--mib N] [--steps N] [--no-background-prefault] [--budgets 0.05,0.1,off] [--every N] [--saves N]\n       \
-                 ckpt-bench goodput --dir DIR [--minutes M | --steps N] [--mtbf S] [--seed X] [--step-ms MS] [--params P] [--repair S] [--every K] [--policies a,b,c]"
+                 ckpt-bench goodput --dir DIR [--minutes M | --steps N] [--mtbf S] [--seed X] [--step-ms MS] [--params P] [--repair S] [--every K] [--keep-last N|all] [--policies a,b,c]"
             );
             std::process::exit(2);
         }
