@@ -1508,7 +1508,10 @@ async fn a_generations_interval_is_agreed_once(b: Backend) {
     );
     let (ra, rb) = (ra.unwrap(), rb.unwrap());
     assert_eq!(ra.0, rb.0, "two ranks of one generation disagree");
-    assert!(ra.1 != rb.1, "exactly one proposal is stored: {ra:?} {rb:?}");
+    assert!(
+        ra.1 != rb.1,
+        "exactly one proposal is stored: {ra:?} {rb:?}"
+    );
     let agreed = ra.0.to_steps;
     assert!(agreed == 7 || agreed == 9);
     // A late proposal gets the stored one.

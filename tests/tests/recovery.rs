@@ -1193,7 +1193,14 @@ fn rank_processes_agree_on_an_automatic_interval_per_generation_that_shrinks_aft
     assert_eq!(first.restarts, 0);
 
     let logs = dir.path().join("logs-2");
-    let sup = spawn_supervisor(options(&store, run, topo, "dp=2", auto_cmd(steps), logs.clone()));
+    let sup = spawn_supervisor(options(
+        &store,
+        run,
+        topo,
+        "dp=2",
+        auto_cmd(steps),
+        logs.clone(),
+    ));
     let st = ckpt_store::open(store.to_str().unwrap()).unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let committed_by = |g: u64| {
@@ -1209,7 +1216,10 @@ fn rank_processes_agree_on_an_automatic_interval_per_generation_that_shrinks_aft
     let t0 = Instant::now();
     let mut kills: Vec<(u64, u32)> = Vec::new();
     while kills.len() < 2 {
-        assert!(!sup.is_finished(), "the job ended before 2 kills: {kills:?}");
+        assert!(
+            !sup.is_finished(),
+            "the job ended before 2 kills: {kills:?}"
+        );
         assert!(t0.elapsed() < Duration::from_secs(120), "kills {kills:?}");
         let live = ranks_of(run);
         let newest = live.iter().map(|x| x.2).max();
@@ -1247,6 +1257,12 @@ fn rank_processes_agree_on_an_automatic_interval_per_generation_that_shrinks_aft
     let gens: Vec<u64> = decisions.iter().filter_map(|c| c.generation).collect();
     assert_eq!(gens.len(), 4, "{decisions:#?}");
     assert!(gens.windows(2).all(|w| w[0] < w[1]), "{decisions:#?}");
+    for d in &decisions {
+        eprintln!(
+            "generation {:?}: {} steps from step {} ({}; cost {:?} s, step {:?} s, {} failures, MTBF {:.1} s)",
+            d.generation, d.to_steps, d.step, d.reason, d.cost_s, d.step_s, d.failures, d.mtbf_s
+        );
+    }
     let [g0, g1, g2, g3] = [0, 1, 2, 3].map(|i| &decisions[i]);
     assert_eq!((g0.to_steps, g0.reason.as_str()), (2, "no_cost"), "{g0:#?}");
     assert!(g1.mtbf_prior && g1.failures == 0, "{g1:#?}");
@@ -1277,8 +1293,10 @@ fn rank_processes_agree_on_an_automatic_interval_per_generation_that_shrinks_aft
     }
     for (g, _) in &kills {
         assert!(
-            steps_committed.iter().any(|s| *s != 30
-                && rt.block_on(st.read_commit(run, *s)).unwrap().0.generation == *g),
+            steps_committed
+                .iter()
+                .any(|s| *s != 30
+                    && rt.block_on(st.read_commit(run, *s)).unwrap().0.generation == *g),
             "generation {g} committed nothing before its last step: {steps_committed:?}"
         );
     }

@@ -222,7 +222,11 @@ fn one_rank_per_process_fixes_the_interval_for_the_generation() {
     let ev = intervals(&store, run);
     assert_eq!(ev.len(), 1, "one decision for the generation: {ev:?}");
     let c = &ev[0];
-    assert_eq!((c.generation, c.failures, c.step), (Some(30), 30, 0), "{c:?}");
+    assert_eq!(
+        (c.generation, c.failures, c.step),
+        (Some(30), 30, 0),
+        "{c:?}"
+    );
     assert_eq!((c.cost_s, c.step_s), (Some(0.05), Some(0.02)), "{c:?}");
     // An MTBF of about 0.1 s: sqrt(2 x 0.05 x 0.1) = 0.1 s, about 5 steps of 20 ms.
     assert!(!c.mtbf_prior && c.mtbf_s < 1.0, "{c:?}");

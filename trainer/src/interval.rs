@@ -218,7 +218,13 @@ pub fn generation_choice(
         Some(c) => match (c.cost_s, c.step_s) {
             (Some(cost_s), Some(step_s)) => {
                 let ch = choose_steps(cost_s, rate.mtbf_s, step_s, min, max);
-                (ch.steps, ch.why, Some(ch.target_s), Some(cost_s), Some(step_s))
+                (
+                    ch.steps,
+                    ch.why,
+                    Some(ch.target_s),
+                    Some(cost_s),
+                    Some(step_s),
+                )
             }
             _ => (
                 from_steps.saturating_mul(2).clamp(min, max),
@@ -532,7 +538,10 @@ mod tests {
             (c.to_steps, c.reason.as_str(), c.from_steps, c.generation),
             (2, "no_cost", 2, Some(0))
         );
-        assert!(c.mtbf_prior && c.failures == 0 && c.cost_s.is_none(), "{c:?}");
+        assert!(
+            c.mtbf_prior && c.failures == 0 && c.cost_s.is_none(),
+            "{c:?}"
+        );
 
         // Generation 2 starts at 500 s. Before it: the run started at 100 s, generations 0
         // and 1 failed, rank 0 of each logged its cost (generation 1's is the newest).
@@ -549,10 +558,18 @@ mod tests {
         // Two failures in 400 s: MTBF 200 s; cost 0.5 s: sqrt(2 x 0.5 x 200) = 14.1 s, at
         // 0.5 s a step 28 steps.
         let c = generation_choice(&log, 2, start, &auto);
-        assert_eq!((c.failures, c.mtbf_s, c.observed_s), (2, 200.0, 400.0), "{c:?}");
+        assert_eq!(
+            (c.failures, c.mtbf_s, c.observed_s),
+            (2, 200.0, 400.0),
+            "{c:?}"
+        );
         assert_eq!((c.cost_s, c.step_s), (Some(0.5), Some(0.5)), "{c:?}");
         assert_eq!((c.to_steps, c.reason.as_str()), (28, "young_daly"), "{c:?}");
-        assert_eq!(c, generation_choice(&log, 2, start, &auto), "not deterministic");
+        assert_eq!(
+            c,
+            generation_choice(&log, 2, start, &auto),
+            "not deterministic"
+        );
 
         // Records that reach the log after the start (a zombie of an old generation writing
         // late, this generation's own rank 0, a later failure) or that belong to this or a
@@ -575,12 +592,19 @@ mod tests {
         prev.generation = Some(1);
         prev.to_steps = 16;
         with_prev.push(at(260_000, Event::CheckpointInterval(prev)));
-        assert_eq!(generation_choice(&with_prev, 2, start, &auto).from_steps, 16);
+        assert_eq!(
+            generation_choice(&with_prev, 2, start, &auto).from_steps,
+            16
+        );
         // The newest cost lacks a baseline (every step had a save in flight): the interval
         // before, doubled.
         with_prev.push(at(270_000, cost(1, 40, None, None)));
         let d = generation_choice(&with_prev, 2, start, &auto);
-        assert_eq!((d.to_steps, d.reason.as_str()), (32, "no_baseline"), "{d:?}");
+        assert_eq!(
+            (d.to_steps, d.reason.as_str()),
+            (32, "no_baseline"),
+            "{d:?}"
+        );
     }
 
     #[test]
