@@ -320,6 +320,49 @@ impl Store {
             .max())
     }
 
+    /// When `generation` of `run` started: the `t_ms` its marker records (the store's clock of
+    /// whoever created it), or `None` when it has no marker (or an old one without a time).
+    pub async fn generation_started_ms(&self, run: &str, generation: u64) -> Result<Option<i64>> {
+        validate_run(run)?;
+        let path = self.keys().generation_marker(run, generation);
+        match self.get_json::<serde_json::Value>(&path).await {
+            Ok((v, _, _)) => Ok(v.get("t_ms").and_then(serde_json::Value::as_i64)),
+            Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The checkpoint interval of `generation` of `run`, agreed once: create its object
+    /// ([`crate::keys::Keys::generation_interval`]) with `proposal` unless one exists, and
+    /// return what the object holds (the proposal when this call created it, `true`; the
+    /// first creator's otherwise, `false`). Every rank of a generation proposes what it
+    /// derived and all use the answer, so they checkpoint the same steps even when they read
+    /// the run's log at different moments; a writer of another generation writes another
+    /// object.
+    pub async fn agree_generation_interval(
+        &self,
+        run: &str,
+        generation: u64,
+        proposal: &crate::records::CheckpointInterval,
+    ) -> Result<(crate::records::CheckpointInterval, bool)> {
+        validate_run(run)?;
+        let path = self.keys().generation_interval(run, generation);
+        match self.put_json(&path, proposal, PutMode::Create).await {
+            Ok(_) => return Ok((proposal.clone(), true)),
+            Err(e) if e.kind() == ErrorKind::Conflict => {}
+            Err(e) => return Err(e),
+        }
+        let (agreed, _, _) = self
+            .get_json::<crate::records::CheckpointInterval>(&path)
+            .await?;
+        if agreed.to_steps == 0 {
+            return Err(Error::corrupt(format!(
+                "{path}: the checkpoint interval of generation {generation} of run {run} is 0 steps"
+            )));
+        }
+        Ok((agreed, false))
+    }
+
     /// Read a step's commit record. `NotFound` if the step is not committed.
     pub async fn read_commit(&self, run: &str, step: u64) -> Result<(CommitRecord, StepId)> {
         self.read_commit_sized(run, step)

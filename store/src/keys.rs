@@ -170,6 +170,14 @@ impl Keys {
         }
     }
 
+    /// The checkpoint interval every rank of `generation` of `run` uses, when ranks in separate
+    /// processes choose it (`--ckpt-every auto`): created once by the first rank to decide,
+    /// read by the others (FORMAT.md, "The automatic interval of a generation").
+    pub fn generation_interval(&self, run: &str, generation: u64) -> Path {
+        self.join(["runs", run, "intervals"])
+            .join(format!("{generation:020}"))
+    }
+
     /// `locks/`: writer leases and GC sweep locks (see FORMAT.md, "What GC may delete").
     pub fn locks_dir(&self) -> Path {
         self.join(["locks"])

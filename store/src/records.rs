@@ -129,6 +129,9 @@ log_records! {
         "checkpoints_resumed" => CheckpointsResumed(CheckpointsResumed),
         /// The automatic checkpoint interval changed, with the figures it was chosen from.
         "checkpoint_interval" => CheckpointInterval(CheckpointInterval),
+        /// What a save costs, as the deciding rank measured it (ranks in separate processes:
+        /// the next generation's interval is derived from it).
+        "save_cost" => SaveCost(SaveCost),
         /// The persist governor changed a rank's persist rate, with the reason.
         "persist_rate" => PersistRate(PersistRate),
     }
@@ -617,6 +620,7 @@ impl Event {
             | Event::CheckpointSkipped(_)
             | Event::CheckpointsResumed(_)
             | Event::CheckpointInterval(_)
+            | Event::SaveCost(_)
             | Event::PersistRate(_) => None,
         }
     }
@@ -817,6 +821,38 @@ pub struct CheckpointInterval {
     pub observed_s: f64,
     /// Whether `mtbf_s` is the prior (no failure logged yet).
     pub mtbf_prior: bool,
+    /// Ranks in separate processes: the generation this interval is fixed for (from its
+    /// first step to its end; `step` is the step it resumed from). Absent when the ranks of
+    /// one process share rank 0's schedule.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub generation: Option<u64>,
+}
+
+/// `{"kind":"save_cost"}`: the cost of a save as the deciding rank (rank 0) of a generation
+/// measured it, after each save it measured. With ranks in separate processes the interval is
+/// fixed per generation, and the next generation derives it from the newest of these
+/// records (ARCHITECTURE.md, "The automatic checkpoint interval").
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SaveCost {
+    /// The generation that measured it.
+    pub generation: u64,
+    /// The rank that measured it (0).
+    pub rank: u32,
+    /// The step whose save completed the measurement.
+    pub step: u64,
+    /// The mean cost of the newest saves measured, seconds (`null`: none measured yet, no
+    /// step without a save in flight to compare against).
+    #[serde(deserialize_with = "lenient_f64")]
+    pub cost_s: Option<f64>,
+    /// The time of a step without a save in flight (median), seconds.
+    #[serde(deserialize_with = "lenient_f64")]
+    pub step_s: Option<f64>,
+    /// The interval in force in this generation, steps.
+    pub steps: u64,
+    /// The interval these figures and this generation's failure rate call for, steps (what the
+    /// next generation would take if no failure came in between).
+    pub next_steps: u64,
 }
 
 /// `{"kind":"persist_rate"}`: the persist governor changed a rank's persist rate.

@@ -76,6 +76,7 @@ conformance!(
     a_live_sweep_is_never_taken_for_a_killed_one,
     gc_racing_saves_never_breaks_a_commit,
     a_started_generation_fences_older_writers,
+    a_generations_interval_is_agreed_once,
     replacing_a_manifest_never_breaks_a_racing_commit,
     delta_chains_restore_bit_exact_and_gc_keeps_their_bases,
     a_damaged_delta_base_fails_verify_naming_both_steps,
@@ -1481,6 +1482,55 @@ async fn a_started_generation_fences_older_writers(b: Backend) {
             .unwrap()
             .is_clean()
     );
+}
+
+async fn a_generations_interval_is_agreed_once(b: Backend) {
+    // Ranks in separate processes propose the interval each derived for their generation;
+    // the first proposal stored is the one every rank uses, also when they race. Another
+    // generation (a zombie of an older one, or the next) has an object of its own.
+    use ckpt_store::records::CheckpointInterval;
+    let store = b.store();
+    let run = "agree";
+    store.start_generation(run, 3).await.unwrap();
+    let t = store.generation_started_ms(run, 3).await.unwrap();
+    assert!(t.is_some_and(|t| t > 0), "{t:?}");
+    assert_eq!(store.generation_started_ms(run, 4).await.unwrap(), None);
+    let proposal = |g: u64, steps: u64| CheckpointInterval {
+        to_steps: steps,
+        reason: "young_daly".into(),
+        generation: Some(g),
+        ..Default::default()
+    };
+    let (a, b1) = (proposal(3, 7), proposal(3, 9));
+    let (ra, rb) = tokio::join!(
+        store.agree_generation_interval(run, 3, &a),
+        store.agree_generation_interval(run, 3, &b1)
+    );
+    let (ra, rb) = (ra.unwrap(), rb.unwrap());
+    assert_eq!(ra.0, rb.0, "two ranks of one generation disagree");
+    assert!(
+        ra.1 != rb.1,
+        "exactly one proposal is stored: {ra:?} {rb:?}"
+    );
+    let agreed = ra.0.to_steps;
+    assert!(agreed == 7 || agreed == 9);
+    // A late proposal gets the stored one.
+    let (late, created) = store
+        .agree_generation_interval(run, 3, &proposal(3, 40))
+        .await
+        .unwrap();
+    assert_eq!((late.to_steps, created), (agreed, false));
+    // An older generation's writer cannot reach generation 3's interval.
+    let (old, created) = store
+        .agree_generation_interval(run, 2, &proposal(2, 40))
+        .await
+        .unwrap();
+    assert_eq!((old.to_steps, created), (40, true));
+    let (again, _) = store
+        .agree_generation_interval(run, 3, &proposal(3, 11))
+        .await
+        .unwrap();
+    assert_eq!(again.to_steps, agreed);
 }
 
 /// Save a one-tensor step as rank 0 of `generation` (the bytes depend on the generation, so

@@ -1140,6 +1140,168 @@ fn the_automatic_interval_counts_the_failures_the_supervisor_logs() {
     assert!(last.to_steps < 40, "{decisions:#?}");
 }
 
+/// `--ckpt-every auto` with one rank per process (issue 19.2), two ranks under the supervisor:
+/// the interval is fixed per generation, every rank derives the same one from the log before
+/// the generation started (agreed through the store). A first supervision trains 30 steps at
+/// the lower bound (nothing measured yet); a second resumes the run to 150 steps: its first
+/// generation, with rank 0's measured cost and no failure, takes the upper bound; a rank of
+/// it and of the next generation is SIGKILLed once the generation committed, and the
+/// intervals after the failures are shorter. Every commit lies on its generation's schedule
+/// (ranks that disagreed would never commit a step before the last), and the job ends
+/// bit-identical to an uninterrupted run with a fixed interval.
+#[test]
+fn rank_processes_agree_on_an_automatic_interval_per_generation_that_shrinks_after_failures() {
+    use ckpt_store::records::{Event, read_records};
+    let dir = tempfile::tempdir().unwrap();
+    let steps = 150;
+    let want = reference_digest(dir.path(), steps, PARAMS);
+    let store = dir.path().join("store");
+    let run = "auto-procs";
+    let topo = Topology {
+        nodes: 2,
+        ranks_per_node: 1,
+        spares: 2,
+    };
+    let auto_cmd = |steps: u64| {
+        let mut cmd = train_cmd(steps, 1, 30);
+        let at = cmd.iter().position(|a| a == "--ckpt-every").unwrap();
+        cmd[at + 1] = "auto".into();
+        cmd.extend(
+            [
+                "--ckpt-every-min",
+                "2",
+                "--ckpt-every-max",
+                "40",
+                "--mtbf-prior",
+                "36000",
+            ]
+            .map(String::from),
+        );
+        cmd
+    };
+    let first = spawn_supervisor(options(
+        &store,
+        run,
+        topo,
+        "dp=2",
+        auto_cmd(30),
+        dir.path().join("logs-1"),
+    ))
+    .join()
+    .unwrap();
+    assert!(first.ok, "{}", first.reason);
+    assert_eq!(first.restarts, 0);
+
+    let logs = dir.path().join("logs-2");
+    let sup = spawn_supervisor(options(
+        &store,
+        run,
+        topo,
+        "dp=2",
+        auto_cmd(steps),
+        logs.clone(),
+    ));
+    let st = ckpt_store::open(store.to_str().unwrap()).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let committed_by = |g: u64| {
+        rt.block_on(async {
+            let Some(s) = st.latest_committed(run).await.ok().flatten() else {
+                return false;
+            };
+            st.read_commit(run, s)
+                .await
+                .is_ok_and(|(c, _)| c.generation == g)
+        })
+    };
+    let t0 = Instant::now();
+    let mut kills: Vec<(u64, u32)> = Vec::new();
+    while kills.len() < 2 {
+        assert!(
+            !sup.is_finished(),
+            "the job ended before 2 kills: {kills:?}"
+        );
+        assert!(t0.elapsed() < Duration::from_secs(120), "kills {kills:?}");
+        let live = ranks_of(run);
+        let newest = live.iter().map(|x| x.2).max();
+        if let Some(g) = newest
+            && kills.last().is_none_or(|k| g > k.0)
+            && committed_by(g)
+        {
+            // Rank 1 of the first generation, rank 0 (the one that measures) of the next.
+            let victim = if kills.is_empty() { 1 } else { 0 };
+            if let Some(&(pid, _, _)) = live.iter().find(|x| x.1 == victim && x.2 == g) {
+                signal(pid, libc::SIGKILL);
+                kills.push((g, victim));
+                continue;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let report = sup.join().unwrap();
+    assert!(report.ok, "{}", report.reason);
+    assert_eq!(report.restarts, 2, "kills {kills:?}");
+    let got = final_digest(&logs).expect("rank 0 printed a digest");
+    assert_eq!(got, want, "checkpoint timing changed the training result");
+
+    // One decision per generation, agreed by both ranks.
+    let mut decisions: Vec<_> = rt
+        .block_on(read_records::<Event>(&st, run))
+        .unwrap()
+        .into_iter()
+        .filter_map(|l| match l.record {
+            Event::CheckpointInterval(c) => Some(c),
+            _ => None,
+        })
+        .collect();
+    decisions.sort_by_key(|c| c.generation);
+    let gens: Vec<u64> = decisions.iter().filter_map(|c| c.generation).collect();
+    assert_eq!(gens.len(), 4, "{decisions:#?}");
+    assert!(gens.windows(2).all(|w| w[0] < w[1]), "{decisions:#?}");
+    for d in &decisions {
+        eprintln!(
+            "generation {:?}: {} steps from step {} ({}; cost {:?} s, step {:?} s, {} failures, MTBF {:.1} s)",
+            d.generation, d.to_steps, d.step, d.reason, d.cost_s, d.step_s, d.failures, d.mtbf_s
+        );
+    }
+    let [g0, g1, g2, g3] = [0, 1, 2, 3].map(|i| &decisions[i]);
+    assert_eq!((g0.to_steps, g0.reason.as_str()), (2, "no_cost"), "{g0:#?}");
+    assert!(g1.mtbf_prior && g1.failures == 0, "{g1:#?}");
+    assert!(g1.cost_s.is_some_and(|c| c > 0.0), "{g1:#?}");
+    assert_eq!((g1.to_steps, g1.reason.as_str(), g1.step), (40, "max", 30));
+    assert_eq!((g2.failures, g3.failures), (1, 2), "{decisions:#?}");
+    assert!(!g2.mtbf_prior && g2.mtbf_s < 120.0, "{g2:#?}");
+    assert!(
+        g2.to_steps < g1.to_steps && g3.to_steps < g1.to_steps,
+        "the interval did not shrink after failures: {decisions:#?}"
+    );
+    // Every commit on its generation's steps (S + k x N), or a job's last step.
+    let steps_committed = rt.block_on(st.committed_steps(run)).unwrap();
+    for s in &steps_committed {
+        let c = rt.block_on(st.read_commit(run, *s)).unwrap().0;
+        assert_eq!(c.ranks.len(), 2, "step {s} was not saved by both ranks");
+        let d = decisions
+            .iter()
+            .find(|d| d.generation == Some(c.generation))
+            .unwrap_or_else(|| panic!("step {s}: no decision for generation {}", c.generation));
+        assert!(
+            *s == 30 || *s == steps || (*s > d.step && (s - d.step) % d.to_steps == 0),
+            "step {s} of generation {} is off its schedule ({} + k x {}): {steps_committed:?}",
+            c.generation,
+            d.step,
+            d.to_steps
+        );
+    }
+    for (g, _) in &kills {
+        assert!(
+            steps_committed
+                .iter()
+                .any(|s| *s != 30
+                    && rt.block_on(st.read_commit(run, *s)).unwrap().0.generation == *g),
+            "generation {g} committed nothing before its last step: {steps_committed:?}"
+        );
+    }
+}
+
 #[test]
 fn a_repaired_node_comes_back_and_the_job_grows_back_to_its_layout() {
     // `ckpt resume` on 2 nodes (no spare), dp=2, peer replicas on, nodes repaired after 1 s

@@ -143,11 +143,16 @@ pub struct TrainArgs {
     /// Checkpoint every K steps (and always at the last step), or `auto`: the interval that
     /// fits the measured cost of a save and the failures in the run's recovery log
     /// (Young/Daly: sqrt(2 x cost x MTBF), in steps, within --ckpt-every-min and
-    /// --ckpt-every-max; each change is a `checkpoint_interval` event).
+    /// --ckpt-every-max; each change is a `checkpoint_interval` event). All ranks in this
+    /// process: rank 0 re-decides after each save it measured. One rank per process (--rank,
+    /// CKPT_RANK) in a larger world: the interval is fixed for each generation of the job,
+    /// from the failures and the save cost (logged by rank 0 as `save_cost`) in the run's log
+    /// before the generation started, the same on every rank; the first generation takes
+    /// --ckpt-every-min.
     #[arg(long, default_value = "10", value_parser = parse_ckpt_every)]
     pub ckpt_every: CkptEvery,
     /// With --ckpt-every auto: the fewest steps between checkpoints (also the interval until
-    /// the first save is measured).
+    /// the first save is measured, and of a job's first generation with one rank per process).
     #[arg(long, default_value_t = ckpt_trainer::interval::DEFAULT_MIN_STEPS)]
     pub ckpt_every_min: u64,
     /// With --ckpt-every auto: the most steps between checkpoints.
@@ -528,18 +533,19 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
             layout.world()
         )));
     }
-    if args.ckpt_every == CkptEvery::Auto && args.rank.is_some() && layout.world() > 1 {
-        return Err(Error::invalid(format!(
-            "--ckpt-every auto: rank 0 chooses the interval and every rank must checkpoint the same steps, but with one rank per process (--rank or CKPT_RANK) over the {} ranks of {layout} the other ranks cannot follow its choice: run all ranks in one process (leave out --rank), or give --ckpt-every a number of steps",
-            layout.world()
-        )));
-    }
     let auto_interval = (args.ckpt_every == CkptEvery::Auto).then(|| {
-        ckpt_trainer::AutoInterval::new(
+        let a = ckpt_trainer::AutoInterval::new(
             args.ckpt_every_min,
             args.ckpt_every_max,
             Duration::from_secs(args.mtbf_prior),
-        )
+        );
+        // One rank per process in a larger world: the ranks cannot follow a schedule rank 0
+        // changes as it goes, so each generation fixes one they all derive and agree on.
+        if args.rank.is_some() && layout.world() > 1 {
+            a.fixed_per_generation()
+        } else {
+            a
+        }
     });
     if let Some(a) = &auto_interval {
         a.validate()

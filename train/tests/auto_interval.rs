@@ -183,31 +183,86 @@ fn failures_in_the_recovery_log_shorten_the_interval_and_never_change_the_result
     );
 }
 
+/// One rank per process (`--rank`, as under `ckpt resume`): the interval is fixed for the
+/// generation, derived by both ranks from the log before it started (30 failures in 3 s, and
+/// the save cost rank 0 of the previous generation logged) and agreed through the store: both
+/// ranks checkpoint the same steps (every step with a manifest is committed), one decision is
+/// logged, rank 0 logs its cost for the next generation, and the result is the fixed run's.
 #[test]
-fn auto_with_one_rank_per_process_is_refused() {
+fn one_rank_per_process_fixes_the_interval_for_the_generation() {
     let dir = tempfile::tempdir().unwrap();
-    let out = cmd(
-        dir.path(),
-        "r",
-        &[
-            "--layout",
-            "dp=2",
-            "--steps",
-            "4",
-            "--ckpt-every",
-            "auto",
-            "--rank",
-            "1",
-        ],
-    )
-    .output()
-    .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("--ckpt-every auto") && err.contains("--rank"),
-        "{err}"
+    let store = dir.path().join("store");
+    let run = "procs";
+    write_failures(&store, run, 30, 3);
+    {
+        let s = ckpt_store::open(store.to_str().unwrap()).unwrap();
+        let mut log = LogWriter::new(&s, run, EVENTS, "monitor-rank-0").unwrap();
+        log.append(&Event::SaveCost(records::SaveCost {
+            generation: 29,
+            rank: 0,
+            step: 50,
+            cost_s: Some(0.05),
+            step_s: Some(0.02),
+            steps: 2,
+            next_steps: 5,
+        }))
+        .unwrap();
+        runtime().block_on(log.flush()).unwrap();
+    }
+    let mut args = auto_args();
+    args.extend(["--generation", "30"]);
+    let d = train_procs(&store, run, 2, &args);
+    let d_fixed = train(
+        &store,
+        "fixed",
+        &["--layout", "dp=2", "--steps", "120", "--ckpt-every", "10"],
     );
+    assert_eq!(d, d_fixed, "auto interval over processes vs fixed");
+
+    let ev = intervals(&store, run);
+    assert_eq!(ev.len(), 1, "one decision for the generation: {ev:?}");
+    let c = &ev[0];
+    assert_eq!(
+        (c.generation, c.failures, c.step),
+        (Some(30), 30, 0),
+        "{c:?}"
+    );
+    assert_eq!((c.cost_s, c.step_s), (Some(0.05), Some(0.02)), "{c:?}");
+    // An MTBF of about 0.1 s: sqrt(2 x 0.05 x 0.1) = 0.1 s, about 5 steps of 20 ms.
+    assert!(!c.mtbf_prior && c.mtbf_s < 1.0, "{c:?}");
+    assert_eq!(c.reason, "young_daly", "{c:?}");
+    assert!((3..=12).contains(&c.to_steps), "{c:?}");
+    let n = c.to_steps;
+    let steps = committed(&store, run);
+    assert_eq!(
+        steps,
+        (1..=STEPS)
+            .filter(|s| s % n == 0 || *s == STEPS)
+            .collect::<Vec<_>>(),
+        "every {n} steps and at the end"
+    );
+    // Rank 0 kept measuring for the next generation.
+    let s = ckpt_store::open(store.to_str().unwrap()).unwrap();
+    let costs: Vec<_> = runtime()
+        .block_on(read_records::<Event>(&s, run))
+        .unwrap()
+        .into_iter()
+        .filter_map(|l| match l.record {
+            Event::SaveCost(c) if c.generation == 30 => Some(c),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        costs
+            .iter()
+            .any(|c| c.cost_s.is_some_and(|x| x > 0.0) && c.steps == n),
+        "{costs:?}"
+    );
+}
+
+#[test]
+fn bad_bounds_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
     let out = cmd(
         dir.path(),
         "r",

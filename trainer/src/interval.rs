@@ -18,12 +18,19 @@
 //! - **Interval** ([`choose_steps`]): `sqrt(2 x cost x MTBF)` seconds, divided by the clean
 //!   step time and rounded, clamped to `[min, max]` steps. Steps, not seconds, because every
 //!   rank must checkpoint the same steps.
+//! - **Ranks in separate processes** ([`generation_choice`]): the interval is fixed per
+//!   generation and derived by every rank from the same inputs, the run's recovery log as it
+//!   stood when the generation started (its marker's time): the failures of earlier
+//!   generations over the run's time up to that start, and the newest `save_cost` record
+//!   rank 0 of an earlier generation logged. Every rank proposes its result and all use the
+//!   first one stored for the generation (`Store::agree_generation_interval`), so a log record
+//!   that lands while they read cannot split them.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ckpt_store::records::{Event, Logged};
+use ckpt_store::records::{CheckpointInterval, Event, Logged};
 use parking_lot::Mutex;
 
 /// The MTBF assumed while the run's recovery log holds no failure: one day.
@@ -55,6 +62,9 @@ pub enum Why {
     /// No clean step measured yet to compare against: the interval doubles (within the
     /// bounds), so that steps without a save in flight appear.
     NoBaseline,
+    /// Ranks in separate processes: no earlier generation measured a save (the first one):
+    /// the lower bound.
+    NoCost,
 }
 
 impl Why {
@@ -65,6 +75,7 @@ impl Why {
             Why::Min => "min",
             Why::Max => "max",
             Why::NoBaseline => "no_baseline",
+            Why::NoCost => "no_cost",
         }
     }
 }
@@ -148,6 +159,96 @@ pub fn failure_rate(events: &[Logged<Event>], now_ms: i64, prior: Duration) -> F
         // of the interval applies then.
         mtbf_s: observed_s / failures as f64,
         prior: false,
+    }
+}
+
+/// The interval of `generation`, derived from the run's events log (`events`) as it stood when
+/// the generation started (`start_ms`, its marker's time): the same records give the same
+/// answer on every rank. Only records written at or before `start_ms` count, and of those only
+/// `failure` and `save_cost` records of older generations (a zombie of an old generation, or
+/// this generation's own rank 0, cannot change it):
+///
+/// - the failure rate: [`failure_rate`] at `start_ms` (failures over the run's time up to this
+///   generation's start; the prior while none is logged);
+/// - the cost: the newest `save_cost` record (by generation, then step), whose `cost_s` and
+///   `step_s` go to [`choose_steps`]; one without a cost (no clean step measured) doubles
+///   the previous generation's interval; none at all (the first generation): the lower bound.
+///
+/// The result is the `checkpoint_interval` record to log, with `generation` set; `from_steps`
+/// is the newest earlier generation's interval (the lower bound if none).
+pub fn generation_choice(
+    events: &[Logged<Event>],
+    generation: u64,
+    start_ms: i64,
+    auto: &AutoInterval,
+) -> CheckpointInterval {
+    let before: Vec<Logged<Event>> = events
+        .iter()
+        .filter(|e| e.t_ms <= start_ms)
+        .filter(|e| match &e.record {
+            Event::Failure(f) => f.generation < generation,
+            Event::SaveCost(c) => c.generation < generation,
+            Event::CheckpointInterval(c) => c.generation.is_some_and(|g| g < generation),
+            _ => true,
+        })
+        .cloned()
+        .collect();
+    let rate = failure_rate(&before, start_ms, auto.mtbf_prior);
+    let cost = before
+        .iter()
+        .filter_map(|e| match &e.record {
+            Event::SaveCost(c) => Some((c.generation, c.step, e.t_ms, c)),
+            _ => None,
+        })
+        .max_by_key(|x| (x.0, x.1, x.2))
+        .map(|x| x.3);
+    let previous = before
+        .iter()
+        .filter_map(|e| match &e.record {
+            Event::CheckpointInterval(c) => Some((c.generation, e.t_ms, c.to_steps)),
+            _ => None,
+        })
+        .max_by_key(|x| (x.0, x.1))
+        .map(|x| x.2)
+        .filter(|&s| s > 0);
+    let min = auto.min_steps.max(1);
+    let max = auto.max_steps.max(min);
+    let from_steps = previous.unwrap_or(min).clamp(min, max);
+    let (steps, why, target_s, cost_s, step_s) = match cost {
+        Some(c) => match (c.cost_s, c.step_s) {
+            (Some(cost_s), Some(step_s)) => {
+                let ch = choose_steps(cost_s, rate.mtbf_s, step_s, min, max);
+                (
+                    ch.steps,
+                    ch.why,
+                    Some(ch.target_s),
+                    Some(cost_s),
+                    Some(step_s),
+                )
+            }
+            _ => (
+                from_steps.saturating_mul(2).clamp(min, max),
+                Why::NoBaseline,
+                None,
+                c.cost_s,
+                c.step_s,
+            ),
+        },
+        None => (min, Why::NoCost, None, None, None),
+    };
+    CheckpointInterval {
+        step: 0,
+        from_steps,
+        to_steps: steps,
+        reason: why.as_str().to_string(),
+        cost_s,
+        step_s,
+        target_s,
+        mtbf_s: rate.mtbf_s,
+        failures: rate.failures,
+        observed_s: rate.observed_s,
+        mtbf_prior: rate.prior,
+        generation: Some(generation),
     }
 }
 
@@ -236,11 +337,13 @@ impl CostMeter {
 
 /// The automatic interval of a [`ManagerConfig`](crate::ManagerConfig) (`auto_interval`).
 ///
-/// Every rank of a job must checkpoint the same steps. Rank 0's manager decides; the others
-/// follow its [`IntervalSchedule`], which clones of this value share: give the managers of
-/// the ranks of one process clones of one `AutoInterval`. Ranks in separate processes have no
-/// shared schedule (`ckpt-train` refuses `--ckpt-every auto` with `--rank` in a world above
-/// one).
+/// Every rank of a job must checkpoint the same steps. With the ranks of one process
+/// (`per_generation` false), rank 0's manager decides during the run and the others follow
+/// its [`IntervalSchedule`], which clones of this value share: give the managers of the ranks
+/// of one process clones of one `AutoInterval`. With ranks in separate processes
+/// (`per_generation` true) the interval is fixed for each generation of the job
+/// ([`generation_choice`], agreed through the store), counted from the step the generation
+/// resumed from; rank 0 keeps measuring and logs `save_cost` records for the next generation.
 #[derive(Debug, Clone)]
 pub struct AutoInterval {
     /// The fewest steps between checkpoints (also the interval until the first evaluation).
@@ -251,6 +354,9 @@ pub struct AutoInterval {
     pub mtbf_prior: Duration,
     /// The interval in force from each step on (shared by clones).
     pub schedule: IntervalSchedule,
+    /// Ranks in separate processes: one interval per generation, derived from the run's log
+    /// at the generation's start and agreed through the store (see the type's docs).
+    pub per_generation: bool,
 }
 
 impl AutoInterval {
@@ -261,7 +367,14 @@ impl AutoInterval {
             max_steps,
             mtbf_prior,
             schedule: IntervalSchedule::default(),
+            per_generation: false,
         }
+    }
+
+    /// The same bounds, one interval per generation (ranks in separate processes).
+    pub fn fixed_per_generation(mut self) -> Self {
+        self.per_generation = true;
+        self
     }
 
     /// Whether the bounds make sense.
@@ -315,7 +428,7 @@ impl IntervalSchedule {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ckpt_store::records::{Failure, Started};
+    use ckpt_store::records::{Failure, SaveCost, Started};
 
     #[test]
     fn young_daly_by_hand() {
@@ -402,6 +515,96 @@ mod tests {
         // Only starts: the prior, with the time observed.
         let r = failure_rate(&log[..1], 500_000, prior);
         assert_eq!((r.failures, r.observed_s, r.mtbf_s), (0, 400.0, 7200.0));
+    }
+
+    fn cost(generation: u64, step: u64, cost_s: Option<f64>, step_s: Option<f64>) -> Event {
+        Event::SaveCost(SaveCost {
+            generation,
+            rank: 0,
+            step,
+            cost_s,
+            step_s,
+            steps: 5,
+            next_steps: 5,
+        })
+    }
+
+    #[test]
+    fn a_generations_interval_comes_from_the_log_before_its_start_only() {
+        let auto = AutoInterval::new(2, 100, Duration::from_secs(7200)).fixed_per_generation();
+        // The first generation: nothing measured yet, the lower bound.
+        let c = generation_choice(&[], 0, 1_000_000, &auto);
+        assert_eq!(
+            (c.to_steps, c.reason.as_str(), c.from_steps, c.generation),
+            (2, "no_cost", 2, Some(0))
+        );
+        assert!(
+            c.mtbf_prior && c.failures == 0 && c.cost_s.is_none(),
+            "{c:?}"
+        );
+
+        // Generation 2 starts at 500 s. Before it: the run started at 100 s, generations 0
+        // and 1 failed, rank 0 of each logged its cost (generation 1's is the newest).
+        let start = 500_000;
+        let log = vec![
+            at(100_000, Event::Started(Started::default())),
+            at(150_000, cost(0, 10, Some(4.0), Some(1.0))),
+            at(160_000, failure(0, 1)),
+            at(170_000, Event::Started(Started::default())),
+            at(200_000, cost(1, 30, Some(0.5), Some(0.5))),
+            at(210_000, cost(1, 25, Some(9.0), Some(9.0))),
+            at(250_000, failure(1, 0)),
+        ];
+        // Two failures in 400 s: MTBF 200 s; cost 0.5 s: sqrt(2 x 0.5 x 200) = 14.1 s, at
+        // 0.5 s a step 28 steps.
+        let c = generation_choice(&log, 2, start, &auto);
+        assert_eq!(
+            (c.failures, c.mtbf_s, c.observed_s),
+            (2, 200.0, 400.0),
+            "{c:?}"
+        );
+        assert_eq!((c.cost_s, c.step_s), (Some(0.5), Some(0.5)), "{c:?}");
+        assert_eq!((c.to_steps, c.reason.as_str()), (28, "young_daly"), "{c:?}");
+        assert_eq!(
+            c,
+            generation_choice(&log, 2, start, &auto),
+            "not deterministic"
+        );
+
+        // Records that reach the log after the start (a zombie of an old generation writing
+        // late, this generation's own rank 0, a later failure) or that belong to this or a
+        // newer generation change nothing, whatever their order in the log.
+        let mut late = log.clone();
+        late.push(at(start + 1, cost(1, 99, Some(50.0), Some(0.01))));
+        late.push(at(start + 5, failure(1, 3)));
+        late.push(at(start + 9, failure(2, 0)));
+        late.insert(3, at(300_000, cost(2, 40, Some(50.0), Some(0.01))));
+        late.insert(4, at(310_000, failure(2, 1)));
+        late.insert(0, at(320_000, cost(7, 1, None, None)));
+        assert_eq!(generation_choice(&late, 2, start, &auto), c);
+        // Yet the same failures do count for the next generation.
+        let next = generation_choice(&late, 3, start + 10, &auto);
+        assert_eq!(next.failures, 3, "{next:?}");
+
+        // The interval before: the newest earlier generation's decision.
+        let mut with_prev = log.clone();
+        let mut prev = c.clone();
+        prev.generation = Some(1);
+        prev.to_steps = 16;
+        with_prev.push(at(260_000, Event::CheckpointInterval(prev)));
+        assert_eq!(
+            generation_choice(&with_prev, 2, start, &auto).from_steps,
+            16
+        );
+        // The newest cost lacks a baseline (every step had a save in flight): the interval
+        // before, doubled.
+        with_prev.push(at(270_000, cost(1, 40, None, None)));
+        let d = generation_choice(&with_prev, 2, start, &auto);
+        assert_eq!(
+            (d.to_steps, d.reason.as_str()),
+            (32, "no_baseline"),
+            "{d:?}"
+        );
     }
 
     #[test]

@@ -47,7 +47,9 @@ use parking_lot::Mutex;
 use tracing::{info, instrument, warn};
 
 use crate::governor::{Change, Governor, GovernorConfig};
-use crate::interval::{AutoInterval, CostMeter, FailureRate, Why, choose_steps, failure_rate};
+use crate::interval::{
+    AutoInterval, CostMeter, FailureRate, Why, choose_steps, failure_rate, generation_choice,
+};
 use crate::memory::{HostTensor, HostView, MemorySink, MemorySource};
 use crate::monitor::{
     Decision, Monitor, MonitorConfig, MonitorState, Observation, RollbackEntry, Spike, StopReason,
@@ -366,6 +368,16 @@ struct AutoState {
     /// Whether the interval was evaluated once (the first decision is logged even when it
     /// keeps the lower bound the run started with).
     evaluated: bool,
+    /// One interval per generation: the one agreed for this generation, once it is.
+    fixed: Option<records::CheckpointInterval>,
+    /// One interval per generation: the step checkpoints are counted from (the step restored;
+    /// 0 for a fresh run).
+    anchor: Option<u64>,
+    /// One interval per generation: agreeing failed (the store); try again after this.
+    retry_at: Option<Instant>,
+    /// One interval per generation: the last `save_cost` record logged (cost, step time,
+    /// next interval).
+    cost_logged: Option<(Option<f64>, Option<f64>, u64)>,
 }
 
 impl std::fmt::Debug for CheckpointManager {
@@ -574,6 +586,9 @@ impl CheckpointManager {
     /// interval when the save being measured is done (the decider), and say whether a
     /// checkpoint is due (the interval in force has passed since the last due one).
     fn auto_due(&mut self, auto: &AutoInterval, step: u64) -> bool {
+        if auto.per_generation && self.auto.fixed.is_none() {
+            self.fix_generation_interval(auto);
+        }
         if self.auto_decides() {
             let now = Instant::now();
             if let Some(prev) = self.auto.last_tick {
@@ -592,12 +607,124 @@ impl CheckpointManager {
             if done == Some(true) {
                 self.auto.tracking = None;
                 let measured = self.auto.meter.save_done();
-                self.evaluate_interval(auto, step, measured.is_some());
+                if auto.per_generation {
+                    self.log_save_cost(auto, step);
+                } else {
+                    self.evaluate_interval(auto, step, measured.is_some());
+                }
             }
             self.auto.busy = self.auto.tracking.is_some();
         }
+        if auto.per_generation {
+            // Counted from the step the generation resumed from, which every rank restored:
+            // no rank's history (a skipped checkpoint, a late agreement) shifts its steps.
+            let Some(n) = self.auto.fixed.as_ref().map(|c| c.to_steps.max(1)) else {
+                return false;
+            };
+            let anchor = self.auto.anchor.unwrap_or(0);
+            return step > anchor && (step - anchor).is_multiple_of(n);
+        }
         let base = self.auto.last_due.or(self.last_saved_step).unwrap_or(0);
         step >= base.saturating_add(auto.at(step))
+    }
+
+    /// One interval per generation: derive this generation's interval from the run's log as it
+    /// stood at the generation's start ([`generation_choice`]), propose it, and take the one
+    /// agreed in the store (the first proposal of any rank of the generation). The rank whose
+    /// proposal was stored logs it (`checkpoint_interval`). If the store fails, no checkpoint
+    /// is due until a later try (a second on) agrees.
+    fn fix_generation_interval(&mut self, auto: &AutoInterval) {
+        if self.auto.retry_at.is_some_and(|t| Instant::now() < t) {
+            return;
+        }
+        let store = self.ckpt.store().clone();
+        let run = self.cfg.ckpt.run.clone();
+        let generation = self.cfg.ckpt.generation;
+        let anchor = *self
+            .auto
+            .anchor
+            .get_or_insert(self.last_saved_step.unwrap_or(0));
+        let r = runtime().block_on(async {
+            let start_ms = match store.generation_started_ms(&run, generation).await? {
+                Some(t) => t,
+                None => store.now().timestamp_millis(),
+            };
+            let events = records::read_records::<Event>(&store, &run).await?;
+            let mut proposal = generation_choice(&events, generation, start_ms, auto);
+            proposal.step = anchor;
+            store
+                .agree_generation_interval(&run, generation, &proposal)
+                .await
+        });
+        let (agreed, proposed) = match r {
+            Ok(x) => x,
+            Err(e) => {
+                warn!(
+                    generation,
+                    "agreeing on the checkpoint interval of this generation: {e}; no checkpoint until it is agreed"
+                );
+                self.auto.retry_at = Some(Instant::now() + Duration::from_secs(1));
+                return;
+            }
+        };
+        auto.schedule.set(0, agreed.to_steps);
+        info!(
+            generation,
+            from_step = agreed.step,
+            steps = agreed.to_steps,
+            reason = agreed.reason.as_str(),
+            cost_s = agreed.cost_s,
+            step_s = agreed.step_s,
+            mtbf_s = agreed.mtbf_s,
+            failures = agreed.failures,
+            proposed,
+            "checkpoint interval of this generation"
+        );
+        if proposed {
+            self.log_event(Event::CheckpointInterval(agreed.clone()));
+        }
+        self.auto.fixed = Some(agreed);
+    }
+
+    /// One interval per generation, on the deciding rank: log what a save costs
+    /// (`save_cost`) for the next generation, when it is the first measurement or the figures
+    /// moved by a tenth or more (or the interval they call for changed).
+    fn log_save_cost(&mut self, auto: &AutoInterval, step: u64) {
+        let Some(fixed) = self.auto.fixed.clone() else {
+            return;
+        };
+        let cost_s = self.auto.meter.cost_s();
+        let step_s = self.auto.meter.step_s();
+        let next_steps = match (cost_s, step_s) {
+            (Some(c), Some(s)) => {
+                choose_steps(c, fixed.mtbf_s, s, auto.min_steps, auto.max_steps).steps
+            }
+            _ => fixed
+                .to_steps
+                .saturating_mul(2)
+                .clamp(auto.min_steps, auto.max_steps),
+        };
+        let moved = |a: Option<f64>, b: Option<f64>| match (a, b) {
+            (Some(a), Some(b)) => (a - b).abs() * 10.0 >= b.abs(),
+            (a, b) => a.is_some() != b.is_some(),
+        };
+        if let Some((c0, s0, n0)) = self.auto.cost_logged
+            && !moved(cost_s, c0)
+            && !moved(step_s, s0)
+            && n0 == next_steps
+        {
+            return;
+        }
+        self.auto.cost_logged = Some((cost_s, step_s, next_steps));
+        self.log_event(Event::SaveCost(records::SaveCost {
+            generation: self.cfg.ckpt.generation,
+            rank: self.cfg.ckpt.rank,
+            step,
+            cost_s,
+            step_s,
+            steps: fixed.to_steps,
+            next_steps,
+        }));
     }
 
     /// Read the run's recovery log in the background (one read at a time): the failure rate
@@ -688,6 +815,7 @@ impl CheckpointManager {
             failures: rate.failures,
             observed_s: rate.observed_s,
             mtbf_prior: rate.prior,
+            generation: None,
         }));
     }
 
@@ -1030,7 +1158,14 @@ impl CheckpointManager {
             self.auto.meter.save_started(t0.elapsed().as_secs_f64());
             self.auto.tracking = Some(h.clone());
             self.auto.busy = true;
-            self.read_failures();
+            if self
+                .cfg
+                .auto_interval
+                .as_ref()
+                .is_some_and(|a| !a.per_generation)
+            {
+                self.read_failures();
+            }
         }
         Ok(h)
     }
@@ -1196,6 +1331,7 @@ impl CheckpointManager {
         }
         self.last_saved_step = Some(step);
         self.auto.last_due = Some(step);
+        self.auto.anchor = Some(step);
         // The restore's time is not a step; a save measured before it is abandoned.
         self.auto.last_tick = None;
         self.auto.tracking = None;
