@@ -1,6 +1,8 @@
 """ckpt for PyTorch: ckpt's content-addressed checkpoint store from Python.
 
-``ckpt.dcp`` holds the storage backend of ``torch.distributed.checkpoint``
+``ckpt.CheckpointManager`` is ckpt's own asynchronous checkpointing for a training loop (the
+Rust manager: staging pool, background persist, retention, a final checkpoint on SIGTERM;
+``ckpt.manager``). ``ckpt.dcp`` holds the storage backend of ``torch.distributed.checkpoint``
 (``StorageWriter``/``StorageReader``); ``ckpt.Store`` is the store itself (open by path or URL
 as the ``ckpt`` CLI takes it). Every error of ckpt is a ``ckpt.CkptError``.
 
@@ -29,8 +31,18 @@ __all__ = [
     "Heartbeat",
     "RankEnv",
     "RankWriter",
+    "CheckpointManager",
     "StepReader",
     "Store",
     "beat",
     "resume_env",
 ]
+
+
+def __getattr__(name):
+    # ``ckpt.CheckpointManager`` imports torch: only when asked for.
+    if name == "CheckpointManager":
+        from ckpt.manager import CheckpointManager
+
+        return CheckpointManager
+    raise AttributeError(f"module 'ckpt' has no attribute {name!r}")

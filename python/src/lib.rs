@@ -13,6 +13,7 @@
 //! heartbeat client (`launched`).
 
 mod launched;
+mod manager;
 
 use std::ffi::c_void;
 use std::sync::{Arc, OnceLock};
@@ -525,6 +526,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Store>()?;
     m.add_class::<RankWriter>()?;
     m.add_class::<StepReader>()?;
+    m.add_class::<manager::Manager>()?;
     m.add_class::<launched::PyRankEnv>()?;
     m.add_class::<launched::Heartbeat>()?;
     m.add_function(wrap_pyfunction!(launched::resume_env, m)?)?;

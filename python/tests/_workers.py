@@ -129,3 +129,64 @@ def roundtrip(rank, world, port, store, fsdir, run):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def manager_roundtrip(rank, world, port, store, run):
+    """The native manager: save Shard(0) (every rank what it holds), restore Shard(1) and
+    Replicate() in fresh managers, each equal to the saved state (non-tensor items too)."""
+    import ckpt
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = dist.device_mesh.init_device_mesh("cpu", (world,))
+        full = full_state()
+        state = distribute(full, mesh, lambda t: Shard(0))
+        mgr = ckpt.CheckpointManager(store, run=run, every_steps=1)
+        assert mgr.restore_latest(distribute(placeholder(full), mesh, lambda t: Shard(0))) is None
+        assert mgr.maybe_save(1, state)
+        mgr.finish()
+        dist.barrier()
+        for name, placement in (("Shard(1)", shard1), ("Replicate()", lambda t: Replicate())):
+            mine = distribute(placeholder(full), mesh, placement)
+            got = ckpt.CheckpointManager(store, run=run).restore_latest(mine)
+            assert got == 1, got
+            w = mine["model"]["0.weight"]
+            assert w.placements == (placement(w),), f"{name}: placed {w.placements}"
+            assert_same(mine, full, f"rank {rank} restoring {name} vs the saved state")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def manager_sigterm(rank, world, port, store, run, progress):
+    """A loop that saves rarely: a SIGTERM to one rank makes every rank take a final
+    checkpoint of the same step and stop; writes `<progress>/rank-<r>` (the step reached) and
+    `<progress>/final-<r>` (the step of the final checkpoint)."""
+    import time
+
+    import ckpt
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        w = torch.zeros(64, 64)
+        state = {"model": {"w": w}, "step": 0}
+        mgr = ckpt.CheckpointManager(store, run=run, every_steps=100_000)
+        for step in range(1, 100_000):
+            w.fill_(float(step))
+            state["step"] = step
+            dist.all_reduce(torch.ones(1))  # the ranks step together, as in training
+            with open(os.path.join(progress, f"rank-{rank}"), "w") as f:
+                f.write(str(step))
+            time.sleep(0.02)
+            mgr.maybe_save(step, state)
+            if mgr.should_stop:
+                with open(os.path.join(progress, f"final-{rank}"), "w") as f:
+                    f.write(str(step))
+                break
+        mgr.finish()
+    finally:
+        dist.destroy_process_group()

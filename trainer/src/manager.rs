@@ -265,6 +265,17 @@ struct Registered {
     spec: TensorSpec,
     held: NdBox,
     memory: Arc<dyn TensorMemory>,
+    saves: Saves,
+}
+
+/// Which boxes of a registered tensor a save writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Saves {
+    /// The boxes the placement rules assign to this rank under the layout.
+    Placed,
+    /// Exactly the held box: written by this rank (`None`) or by the given rank, of which this
+    /// rank holds a replica ([`CheckpointManager::register_held`]).
+    Held(Option<u32>),
 }
 
 /// The training loop's checkpoint manager (see the module docs).
@@ -464,8 +475,54 @@ impl CheckpointManager {
                 spec.name
             )));
         }
-        self.tensors.push(Registered { spec, held, memory });
+        self.tensors.push(Registered {
+            spec,
+            held,
+            memory,
+            saves: Saves::Placed,
+        });
         Ok(())
+    }
+
+    /// Register a tensor whose shards were placed by the caller, outside the placement rules
+    /// (PyTorch's DTensor: the framework decided who holds which box): a save writes exactly
+    /// the held box, by this rank, or by rank `replica_of` when this rank holds a replica of
+    /// that rank's box (every holder must name the same writer). A restore fills the held box
+    /// from whatever boxes the step was saved in, as for [`CheckpointManager::register`].
+    pub fn register_held(
+        &mut self,
+        spec: TensorSpec,
+        held: NdBox,
+        memory: Arc<dyn TensorMemory>,
+        replica_of: Option<u32>,
+    ) -> Result<()> {
+        let cfg = &self.cfg.ckpt;
+        if let Some(w) = replica_of
+            && (w >= cfg.layout.world() || w == cfg.rank)
+        {
+            return Err(Error::invalid(format!(
+                "tensor {:?}: rank {} cannot hold a replica of rank {w}'s box in a world of {} ranks",
+                spec.name,
+                cfg.rank,
+                cfg.layout.world()
+            )));
+        }
+        self.register(spec, held, memory)?;
+        if let Some(r) = self.tensors.last_mut() {
+            r.saves = Saves::Held(replica_of);
+        }
+        Ok(())
+    }
+
+    /// Forget every registered tensor: a loop whose tensors were replaced (new memory, other
+    /// boxes) registers them again before its next save or restore.
+    pub fn clear_tensors(&mut self) {
+        self.tensors.clear();
+    }
+
+    /// The number of registered tensors.
+    pub fn registered(&self) -> usize {
+        self.tensors.len()
     }
 
     /// Register non-tensor state.
@@ -504,19 +561,38 @@ impl CheckpointManager {
     /// wait for it, at full speed, and make [`CheckpointManager::should_stop`] true). Called
     /// once a step, it also times the steps for the persist governor.
     pub fn maybe_save(&mut self, step: u64) -> Result<Option<SaveHandle>> {
+        self.maybe_save_with(step, |_| Ok(()))
+    }
+
+    /// [`CheckpointManager::maybe_save`] that calls `prepare` right before a checkpoint is
+    /// taken, and only then: a loop whose state is not registered once for the whole run (a
+    /// PyTorch state dict, handed over every step) registers it there
+    /// ([`CheckpointManager::clear_tensors`], [`CheckpointManager::register_held`]) and sets
+    /// its [`Stateful`] items, so a step without a checkpoint costs nothing of that. An error
+    /// of `prepare` is the call's.
+    pub fn maybe_save_with(
+        &mut self,
+        step: u64,
+        prepare: impl FnOnce(&mut Self) -> Result<()>,
+    ) -> Result<Option<SaveHandle>> {
         self.govern(step);
-        let r = self.maybe_save_inner(step);
+        let r = self.maybe_save_inner(step, prepare);
         if let Some(g) = self.gov.as_mut() {
             g.last_exit = Some(Instant::now());
         }
         r
     }
 
-    fn maybe_save_inner(&mut self, step: u64) -> Result<Option<SaveHandle>> {
+    fn maybe_save_inner(
+        &mut self,
+        step: u64,
+        prepare: impl FnOnce(&mut Self) -> Result<()>,
+    ) -> Result<Option<SaveHandle>> {
         if self.cfg.final_on_sigterm && self.sigterm.load(Ordering::SeqCst) && !self.stop {
             info!(step, "SIGTERM: taking a final checkpoint");
             // The final checkpoint, and the persist it may wait for, run at full speed.
             let _fast = self.ckpt.persist_rate().full_speed();
+            prepare(self)?;
             let h = self.save_now(step)?;
             self.stop = true;
             h.wait_committed(self.final_wait())?;
@@ -558,6 +634,7 @@ impl CheckpointManager {
                 self.skip_checkpoint(step, &why);
                 return Ok(None);
             }
+            prepare(self)?;
             return match self.save_now(step) {
                 Ok(h) => {
                     // The save may have waited for the one before it to fail.
@@ -1086,15 +1163,39 @@ impl CheckpointManager {
     /// The boxes this rank saves under the current layout.
     pub fn save_state(&self) -> Result<SaveState> {
         let cfg = &self.cfg.ckpt;
-        let specs: Vec<TensorSpec> = self.tensors.iter().map(|t| t.spec.clone()).collect();
+        // The placement rules place the tensors registered with `register`; the others save
+        // their held box as registered.
+        let placed_idx: Vec<usize> = (0..self.tensors.len())
+            .filter(|&i| self.tensors[i].saves == Saves::Placed)
+            .collect();
+        let specs: Vec<TensorSpec> = placed_idx
+            .iter()
+            .map(|&i| self.tensors[i].spec.clone())
+            .collect();
         let placed = place_rank(&cfg.layout, cfg.rank, &specs)?;
         let mut by_spec: HashMap<usize, Vec<&ckpt_store::Placed>> = HashMap::new();
         for p in &placed {
-            by_spec.entry(p.spec).or_default().push(p);
+            by_spec.entry(placed_idx[p.spec]).or_default().push(p);
         }
         let mut tensors = Vec::new();
         for (i, r) in self.tensors.iter().enumerate() {
             let elem = r.spec.dtype.size();
+            if let Saves::Held(replica_of) = r.saves {
+                let source = match replica_of {
+                    None => Some(r.memory.source(&r.held, &r.held, elem)?),
+                    Some(_) => None,
+                };
+                tensors.push(SaveTensor {
+                    name: r.spec.name.clone(),
+                    dtype: r.spec.dtype,
+                    shape: r.spec.shape.clone(),
+                    bbox: r.held.clone(),
+                    placement: None,
+                    source,
+                    replica_of,
+                });
+                continue;
+            }
             for p in by_spec.get(&i).map(Vec::as_slice).unwrap_or(&[]) {
                 if !r.held.contains(&p.bbox) {
                     return Err(Error::invalid(format!(

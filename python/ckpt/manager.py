@@ -1,0 +1,291 @@
+"""``ckpt.CheckpointManager``: ckpt's own asynchronous checkpointing for a PyTorch loop.
+
+::
+
+    mgr = ckpt.CheckpointManager("/data/ckpts", run="llama", every_steps=100, keep_last=3)
+    step = mgr.restore_latest(state_dict)     # None when there is nothing to restore
+    for step in range(0 if step is None else step + 1, steps):
+        ...
+        mgr.maybe_save(step, state_dict)      # returns once the snapshot is taken
+        if mgr.should_stop:                   # SIGTERM: the final checkpoint is committed
+            break
+    mgr.finish()
+
+It is the Rust ``CheckpointManager`` underneath (``ckpt._native.Manager``): the interval
+policy, the staging pool and snapshot, the background persist (chunks, blake3, codecs, dedup
+against the previous step) with its governor, the commit, retention and the final checkpoint
+on SIGTERM. ``maybe_save`` hands the state over only when a checkpoint is due: each tensor's
+memory is lent to Rust without a copy (bf16 and float8 included) and copied into staging by
+Rust threads with the GIL released; the call returns once that copy is done, so a tensor
+changed after it returns never reaches that checkpoint, and the persist goes on in the
+background.
+
+The state dict is flattened as ``torch.distributed.checkpoint`` does (``model.0.weight``,
+``optim.state.0.weight.exp_avg``): a step saved here is an ordinary ckpt step that
+``ckpt.dcp.StorageReader`` loads (its tensors) and ``ckpt export`` writes to safetensors under
+those names. A ``DTensor`` (FSDP2, tensor parallel) is saved as what this rank holds
+(``to_local()``), with the global shape and the shard's offsets as its box; a replicated
+shard (``Replicate()`` mesh dimensions, and plain tensors in a job of several processes, as DCP
+treats them) is written by one holder only. Any world size and placement restores it: every
+rank reads the boxes it holds now. Values that are not tensors (ints, floats, strings, dicts,
+``BytesIO``) are pickled into one blob written by rank 0 and restored on every rank, as DCP
+keeps one copy of them.
+
+Tensors must be on the CPU: a CUDA tensor is refused with an error naming it (move the state
+to host memory first, or use ``ckpt.dcp.StorageWriter``, which DCP stages to host itself).
+"""
+
+from __future__ import annotations
+
+import pickle
+import zlib
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from ckpt._native import CkptError, Manager, Store, resume_env
+from ckpt.dcp import _bytes_view, _ckpt_dtype, _store
+
+try:  # DCP's own flattening, so names match what DCP saves and loads
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict as _flatten
+    from torch.distributed.checkpoint._traverse import set_element as _set_element
+except ImportError:  # pragma: no cover - every torch with DTensor has them
+    _flatten = None
+    _set_element = None
+
+try:
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+except ImportError:  # pragma: no cover - torch without DTensor
+    DTensor = Partial = Replicate = None
+    compute_local_shape_and_global_offset = None
+
+__all__ = ["CheckpointManager"]
+
+
+def _flat(state_dict: dict) -> "Tuple[dict, dict]":
+    if _flatten is None:
+        raise CkptError("this torch has no torch.distributed.checkpoint: cannot flatten a state dict")
+    return _flatten(state_dict)
+
+
+def _writer_coord(fqn: str, size: int) -> int:
+    """The holder that writes a replicated shard: spread by name, the same on every rank."""
+    return zlib.crc32(fqn.encode()) % size
+
+
+class CheckpointManager:
+    """One rank's checkpoints of run ``run`` in the store ``store`` (a path or URL as the
+    ``ckpt`` CLI takes it, or a ``ckpt.Store``); see the module docs.
+
+    ``every_steps`` / ``every_seconds``: the interval policy (a checkpoint when ``step`` is a
+    multiple of ``every_steps``, or when that much time passed since the last one).
+    ``keep_last`` / ``keep_every``: retention (keep the newest N committed steps, and the
+    multiples of K), run by rank 0 in the background. ``final_on_sigterm``: on SIGTERM the
+    next ``maybe_save`` takes a final checkpoint, waits for its commit and sets
+    ``should_stop``; in a job of several processes the ranks agree on it (one tiny gloo
+    all-reduce per ``maybe_save``), so the final checkpoint is one step on every rank even when
+    only one rank got the signal. ``rank``/``world`` default to the default process group's;
+    ``generation`` and the resume step to what ``ckpt resume`` launched this process with.
+    ``staging_bytes`` bounds the staging memory (0: as much as one snapshot needs);
+    ``governor``: pace the persist when it slows the steps beside it (the Rust manager's
+    persist governor).
+    """
+
+    def __init__(
+        self,
+        store: Union[str, Store],
+        run: str,
+        every_steps: Optional[int] = None,
+        every_seconds: Optional[float] = None,
+        keep_last: Optional[int] = None,
+        keep_every: Optional[int] = None,
+        *,
+        final_on_sigterm: bool = True,
+        rank: Optional[int] = None,
+        world: Optional[int] = None,
+        generation: Optional[int] = None,
+        staging_bytes: int = 0,
+        governor: bool = True,
+    ) -> None:
+        distributed = dist.is_available() and dist.is_initialized()
+        if rank is None:
+            rank = dist.get_rank() if distributed else 0
+        if world is None:
+            world = dist.get_world_size() if distributed else 1
+        self.run = run
+        self.rank, self.world = int(rank), int(world)
+        env = resume_env()
+        resume_step = None
+        if env is not None and env.run == run:
+            if generation is None:
+                generation = env.generation
+            resume_step = env.resume_step
+        self.store = _store(store)
+        self._native = Manager(
+            self.store,
+            run,
+            rank=self.rank,
+            world=self.world,
+            generation=int(generation or 0),
+            every_steps=every_steps,
+            every_s=every_seconds,
+            keep_last=keep_last,
+            keep_every=keep_every,
+            final_on_sigterm=final_on_sigterm,
+            resume_step=resume_step,
+            staging_bytes=int(staging_bytes),
+            governor=governor,
+        )
+        # The ranks agree on a SIGTERM through a gloo group (CPU tensors whatever the default
+        # backend is); created by every rank, as `new_group` must be.
+        self._group = None
+        if final_on_sigterm and distributed and self.world > 1:
+            self._group = dist.new_group(backend="gloo")
+
+    # -- the loop's calls -------------------------------------------------------------------
+
+    def restore_latest(self, state_dict: dict) -> Optional[int]:
+        """Restore the step to resume from (the one ``ckpt resume`` chose, else the newest
+        committed step) into ``state_dict`` in place, whatever world size and placement saved
+        it; returns its number, or None when the run has no committed step (``state_dict`` is
+        then untouched). Tensors are written into their memory; other values are replaced.
+        ``state_dict`` must hold every tensor to restore, as ``dcp.load`` needs (an optimizer's
+        state exists after its first step, or from ``get_state_dict`` of
+        ``torch.distributed.checkpoint.state_dict``)."""
+        flat, mapping = _flat(state_dict)
+        entries, others, copies = [], [], []
+        for fqn, v in flat.items():
+            if not isinstance(v, torch.Tensor):
+                others.append(fqn)
+                continue
+            local, shape, offsets, _ = self._box(fqn, v)
+            target = local.detach()
+            if not (target.is_contiguous() and target.device.type == "cpu"):
+                tmp = torch.empty(target.shape, dtype=target.dtype)
+                copies.append((target, tmp))
+                target = tmp
+            entries.append(
+                (
+                    fqn,
+                    _ckpt_dtype(target, fqn),
+                    shape,
+                    offsets,
+                    list(target.shape),
+                    _bytes_view(target),
+                    None,
+                )
+            )
+        got = self._native.restore_latest(entries)
+        if got is None:
+            return None
+        step, pickled = got
+        for dst, tmp in copies:
+            dst.copy_(tmp)
+        values = pickle.loads(pickled) if pickled else {}
+        missing = [k for k in others if k not in values]
+        if missing:
+            raise CkptError(
+                f"step {step} of run {self.run!r} has no value for {', '.join(map(repr, missing))}"
+            )
+        for fqn in others:
+            _set_element(state_dict, mapping[fqn], values[fqn])
+        return step
+
+    def maybe_save(self, step: int, state_dict: dict) -> bool:
+        """Call once a step, after the optimizer step. Saves ``state_dict`` as ``step`` when the
+        interval policy says so (or a final checkpoint after SIGTERM, then ``should_stop``);
+        returns once the snapshot is taken (the state may change from then on) while the
+        persist goes on in the background. Returns whether a checkpoint was taken."""
+        if self._group is not None:
+            flag = torch.tensor([1 if self._native.sigterm_received else 0], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+            if flag.item() and not self._native.sigterm_received:
+                self._native.request_stop()
+        keep: List[Any] = []
+        return self._native.maybe_save(int(step), lambda: self._prepare(state_dict, keep))
+
+    @property
+    def should_stop(self) -> bool:
+        """Whether SIGTERM (or ``request_stop``) asked the job to stop and the final
+        checkpoint was taken: the loop ends."""
+        return self._native.should_stop
+
+    def request_stop(self) -> None:
+        """Take a final checkpoint at the next ``maybe_save`` and stop, as SIGTERM does."""
+        self._native.request_stop()
+
+    def wait(self, timeout_s: float = 600.0) -> Optional[Dict[str, Any]]:
+        """Wait until the last checkpoint taken is committed (rank 0; persisted on the others);
+        its figures: ``step``, ``stage``, ``bytes``, ``snapshot_s`` (the loop's stall),
+        ``persist_s`` (time to durable), ``commit_s``, ``bytes_written``, ``bytes_skipped``."""
+        return self._native.wait(timeout_s)
+
+    def last_report(self) -> Optional[Dict[str, Any]]:
+        """The figures of the last checkpoint taken, so far (see ``wait``)."""
+        return self._native.last_report()
+
+    def finish(self) -> None:
+        """Wait for the checkpoint in flight to commit and for retention."""
+        self._native.finish()
+
+    # -- the state --------------------------------------------------------------------------
+
+    def _box(self, fqn: str, v: torch.Tensor):
+        """(local tensor, global shape, offsets, writer rank or None) of this rank's part."""
+        if DTensor is not None and isinstance(v, DTensor):
+            mesh, placements = v.device_mesh, v.placements
+            if any(isinstance(p, Partial) for p in placements):
+                raise CkptError(
+                    f"tensor {fqn!r} is a Partial DTensor: reduce it (redistribute) before saving"
+                )
+            local = v.to_local()
+            shape = list(v.shape)
+            _, offsets = compute_local_shape_and_global_offset(v.shape, mesh, placements)
+            coord = mesh.get_coordinate()
+            writer = None
+            if coord is not None:
+                want = list(coord)
+                for d, p in enumerate(placements):
+                    if isinstance(p, Replicate):
+                        want[d] = _writer_coord(fqn, mesh.size(d))
+                if want != list(coord):
+                    writer = int(mesh.mesh[tuple(want)].item())
+            return local, shape, [int(o) for o in offsets], writer
+        shape = list(v.shape)
+        writer = _writer_coord(fqn, self.world) if self.world > 1 else 0
+        return v, shape, [0] * len(shape), (None if writer == self.rank else writer)
+
+    def _prepare(self, state_dict: dict, keep: list):
+        """The entries and pickled values of ``state_dict`` (called by the native manager
+        only when a checkpoint is due). ``keep`` holds copies of non-contiguous tensors."""
+        flat, _ = _flat(state_dict)
+        entries, values = [], {}
+        for fqn, v in flat.items():
+            if not isinstance(v, torch.Tensor):
+                values[fqn] = v
+                continue
+            local, shape, offsets, writer = self._box(fqn, v)
+            t = local.detach()
+            if t.device.type != "cpu":
+                raise CkptError(
+                    f"tensor {fqn!r} is on {t.device}: ckpt.CheckpointManager saves CPU tensors; "
+                    "move the state to host memory, or save through ckpt.dcp.StorageWriter"
+                )
+            if not t.is_contiguous():
+                t = t.contiguous()
+                keep.append(t)
+            entries.append(
+                (
+                    fqn,
+                    _ckpt_dtype(t, fqn),
+                    shape,
+                    offsets,
+                    list(t.shape),
+                    _bytes_view(t),
+                    writer,
+                )
+            )
+        pickled = pickle.dumps(values, protocol=4) if self.rank == 0 else b""
+        return entries, pickled

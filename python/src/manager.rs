@@ -1,0 +1,397 @@
+//! `ckpt._native.Manager`: the Rust [`CheckpointManager`] for a PyTorch loop (the native class
+//! under `ckpt.CheckpointManager`).
+//!
+//! Everything a save does is the Rust manager's: the interval policy, the staging pool and the
+//! snapshot, the persist (chunks, hashes, codecs, dedup) and its governor, the commit, retention
+//! (`keep_last`, `keep_every`) and the final checkpoint on SIGTERM. The binding only lends the
+//! tensors' memory: the state dict is handed over as a callable that the manager calls only
+//! when a checkpoint is due ([`CheckpointManager::maybe_save_with`]); each tensor becomes a
+//! [`CheckpointManager::register_held`] tensor (its box as PyTorch placed it) whose memory is
+//! the tensor's own, read by the snapshot's copy threads without a copy on the Python side;
+//! the non-tensor values arrive pickled, as one [`Stateful`] blob. `maybe_save` returns once
+//! the snapshot is taken (the tensors may change from then on); the persist goes on in the
+//! background. The GIL is released for the snapshot, the persist and the restore.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ckpt_store::placement::{Placement, Stage as PStage, TensorSpec};
+use ckpt_store::{Error, Layout, NdBox};
+use ckpt_trainer::{
+    CheckpointManager, CheckpointerConfig, ManagerConfig, MemorySink, MemorySource, PinnedSource,
+    SaveHandle, SaveReport, Scope, Stage, Stateful, TensorMemory,
+};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use crate::{CkptError, Lent, Store, dtype, err, nd_box};
+
+/// The blob (`global/<name>`) that holds the pickled non-tensor values of the state dict.
+pub const PY_STATE_BLOB: &str = "torch.non_tensor";
+
+/// A tensor's memory, lent by Python for as long as it is registered.
+struct PyMemory(Arc<Lent>);
+
+struct PySource(Arc<Lent>);
+
+impl MemorySource for PySource {
+    fn len(&self) -> usize {
+        self.0.len
+    }
+
+    /// No pin can stop Python from writing: `Manager.maybe_save` returns only once the
+    /// snapshot is taken, and the loop runs no step meanwhile.
+    fn pin(&self) -> ckpt_store::Result<Box<dyn PinnedSource>> {
+        Ok(Box::new(PySource(self.0.clone())))
+    }
+}
+
+impl PinnedSource for PySource {
+    fn copy_to(&self, offset: usize, dst: &mut [u8]) -> ckpt_store::Result<()> {
+        let lent: &[u8] = (*self.0).as_ref();
+        let src = lent
+            .get(offset..offset + dst.len())
+            .ok_or_else(|| Error::internal("snapshot copy past the end of a Python tensor"))?;
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn complete(self: Box<Self>) -> ckpt_store::Result<()> {
+        Ok(())
+    }
+}
+
+struct PySink(Arc<Lent>);
+
+impl MemorySink for PySink {
+    fn len(&self) -> usize {
+        self.0.len
+    }
+
+    fn write_at(&self, offset: usize, src: &[u8]) -> ckpt_store::Result<()> {
+        let end = offset
+            .checked_add(src.len())
+            .filter(|&e| e <= self.0.len)
+            .ok_or_else(|| Error::internal("restore write past the end of a Python tensor"))?;
+        // SAFETY: the memory is writable (checked when lent), `len` bytes long and kept alive
+        // by the `Lent`; restores write disjoint ranges, and Python waits in `restore_latest`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                src.as_ptr(),
+                (self.0.ptr as *mut u8).add(offset),
+                end - offset,
+            );
+        }
+        Ok(())
+    }
+}
+
+impl TensorMemory for PyMemory {
+    fn source(
+        &self,
+        held: &NdBox,
+        sub: &NdBox,
+        _elem: usize,
+    ) -> ckpt_store::Result<Arc<dyn MemorySource>> {
+        if held != sub {
+            return Err(Error::internal(format!(
+                "box {sub} of a Python tensor that holds {held}: a Python tensor saves its whole box"
+            )));
+        }
+        Ok(Arc::new(PySource(self.0.clone())))
+    }
+
+    fn sink(&self, held: &NdBox, elem: usize) -> ckpt_store::Result<Arc<dyn MemorySink>> {
+        let want = held.numel() as usize * elem;
+        if self.0.len != want {
+            return Err(Error::invalid(format!(
+                "held box {held} needs {want} bytes, the tensor has {}",
+                self.0.len
+            )));
+        }
+        Ok(Arc::new(PySink(self.0.clone())))
+    }
+}
+
+/// The pickled non-tensor values: set before each save, read after a restore.
+#[derive(Default)]
+struct Blob(Vec<u8>);
+
+impl Stateful for Blob {
+    fn state_dict(&self) -> Vec<u8> {
+        self.0.clone()
+    }
+    fn load_state_dict(&mut self, bytes: &[u8]) -> ckpt_store::Result<()> {
+        self.0 = bytes.to_vec();
+        Ok(())
+    }
+}
+
+/// One tensor as Python hands it: `(name, dtype, shape, offsets, sizes, buffer, replica_of)`.
+type Entry<'py> = (
+    String,
+    String,
+    Vec<u64>,
+    Vec<u64>,
+    Vec<u64>,
+    Bound<'py, PyAny>,
+    Option<u32>,
+);
+
+/// Register `entries` (replacing what was registered) with memory lent from their buffers.
+fn register(m: &mut CheckpointManager, entries: Vec<Entry<'_>>, writable: bool) -> PyResult<()> {
+    m.clear_tensors();
+    for (order, (name, dt, shape, offsets, sizes, buf, replica_of)) in
+        entries.into_iter().enumerate()
+    {
+        let what = format!("tensor {name:?}");
+        let lent = Lent::of(&buf, &what, writable)?;
+        let spec = TensorSpec {
+            name,
+            dtype: dtype(&dt)?,
+            shape,
+            placement: Placement {
+                order: order as u32,
+                tp_dim: None,
+                stage: PStage::First,
+                zero: None,
+            },
+        };
+        let held = nd_box(offsets, sizes)?;
+        let want = held.numel() as usize * spec.dtype.size();
+        if lent.len != want {
+            return Err(CkptError::new_err(format!(
+                "{what}: box {held} of {} needs {want} bytes, the buffer holds {}",
+                spec.dtype, lent.len
+            )));
+        }
+        m.register_held(spec, held, Arc::new(PyMemory(Arc::new(lent))), replica_of)
+            .map_err(err)?;
+    }
+    Ok(())
+}
+
+fn report_dict<'py>(
+    py: Python<'py>,
+    r: &SaveReport,
+    stage: &Stage,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("step", r.step)?;
+    d.set_item("stage", stage_name(stage))?;
+    d.set_item("bytes", r.bytes)?;
+    d.set_item("snapshot_s", r.snapshot_s)?;
+    d.set_item("persist_s", r.persist_s)?;
+    d.set_item("commit_s", r.commit_s)?;
+    d.set_item("bytes_written", r.bytes_written)?;
+    d.set_item("bytes_skipped", r.bytes_skipped)?;
+    d.set_item("bytes_reused", r.bytes_reused)?;
+    d.set_item("staging_peak", r.staging_peak)?;
+    Ok(d)
+}
+
+fn stage_name(s: &Stage) -> &'static str {
+    match s {
+        Stage::Snapshotting => "snapshotting",
+        Stage::Snapshotted => "snapshotted",
+        Stage::Persisted => "persisted",
+        Stage::Committed => "committed",
+        Stage::Failed(_) => "failed",
+        Stage::Skipped(_) => "skipped",
+    }
+}
+
+/// One rank's checkpoint manager (see the module docs); `ckpt.CheckpointManager` wraps it.
+#[pyclass(module = "ckpt._native", frozen)]
+pub struct Manager {
+    inner: Mutex<CheckpointManager>,
+    blob: Arc<parking_lot::Mutex<Blob>>,
+    last: Mutex<Option<SaveHandle>>,
+}
+
+#[pymethods]
+impl Manager {
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (store, run, rank=0, world=1, generation=0, every_steps=None,
+        every_s=None, keep_last=None, keep_every=None, final_on_sigterm=true,
+        resume_step=None, staging_bytes=0, governor=true))]
+    fn new(
+        py: Python<'_>,
+        store: &Store,
+        run: &str,
+        rank: u32,
+        world: u32,
+        generation: u64,
+        every_steps: Option<u64>,
+        every_s: Option<f64>,
+        keep_last: Option<usize>,
+        keep_every: Option<u64>,
+        final_on_sigterm: bool,
+        resume_step: Option<u64>,
+        staging_bytes: usize,
+        governor: bool,
+    ) -> PyResult<Self> {
+        let layout = Layout::new(world, 1, 1, 0).map_err(err)?;
+        let mut ck = CheckpointerConfig::new(run, rank, layout);
+        ck.generation = generation;
+        ck.staging_bytes = staging_bytes;
+        let mut cfg = ManagerConfig::new(ck);
+        cfg.every_steps = every_steps;
+        cfg.every = match every_s {
+            Some(s) if !(s.is_finite() && s > 0.0) => {
+                return Err(CkptError::new_err(format!(
+                    "every_seconds must be a positive number of seconds, not {s}"
+                )));
+            }
+            s => s.map(Duration::from_secs_f64),
+        };
+        cfg.keep_last = keep_last;
+        cfg.keep_every = keep_every;
+        cfg.final_on_sigterm = final_on_sigterm;
+        cfg.resume_step = resume_step;
+        if !governor {
+            cfg.persist_governor = None;
+        }
+        let s = store.store.clone();
+        let mut m = py
+            .allow_threads(move || CheckpointManager::new(s, cfg))
+            .map_err(err)?;
+        let blob = Arc::new(parking_lot::Mutex::new(Blob::default()));
+        m.register_stateful(PY_STATE_BLOB, Scope::Global, blob.clone())
+            .map_err(err)?;
+        Ok(Manager {
+            inner: Mutex::new(m),
+            blob,
+            last: Mutex::new(None),
+        })
+    }
+
+    /// Save `step` if the interval policy says so, or a final checkpoint if SIGTERM arrived:
+    /// then `prepare()` is called for the state, `(entries, pickled)` (`entries`:
+    /// `(name, dtype, shape, offsets, sizes, buffer, replica_of)` per tensor), and the call
+    /// returns once the snapshot is taken. Returns whether a checkpoint was taken.
+    fn maybe_save(&self, py: Python<'_>, step: u64, prepare: Py<PyAny>) -> PyResult<bool> {
+        let mut guard = self.inner.lock().expect("not poisoned");
+        let m: &mut CheckpointManager = &mut guard;
+        let blob = self.blob.clone();
+        let mut failed: Option<PyErr> = None;
+        let res = py.allow_threads(|| {
+            let h = m.maybe_save_with(step, |mgr| {
+                Python::with_gil(|py| -> PyResult<()> {
+                    let got = prepare.call0(py)?;
+                    let (entries, pickled): (Vec<Entry<'_>>, Vec<u8>) = got.extract(py)?;
+                    register(mgr, entries, false)?;
+                    blob.lock().0 = pickled;
+                    Ok(())
+                })
+                .map_err(|e| {
+                    failed = Some(e);
+                    Error::invalid(format!("preparing the state of step {step}"))
+                })
+            })?;
+            let snap = match &h {
+                Some(h) => h.wait_snapshot().map(|_| ()),
+                None => Ok(()),
+            };
+            // The tensors are the loop's again once copied: lend nothing longer.
+            m.clear_tensors();
+            snap.map(|_| h)
+        });
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        let h = res.map_err(err)?;
+        let taken = h.as_ref().is_some_and(|h| !h.is_skipped());
+        if let Some(h) = h {
+            *self.last.lock().expect("not poisoned") = Some(h);
+        }
+        Ok(taken)
+    }
+
+    /// Restore the step to resume from (the resume step `ckpt resume` chose, else the newest
+    /// committed one) into `entries` (their buffers writable); returns `(step, pickled)`, or
+    /// None when there is nothing to restore.
+    fn restore_latest<'py>(
+        &self,
+        py: Python<'py>,
+        entries: Vec<Entry<'py>>,
+    ) -> PyResult<Option<(u64, Bound<'py, PyBytes>)>> {
+        let mut guard = self.inner.lock().expect("not poisoned");
+        let m: &mut CheckpointManager = &mut guard;
+        register(m, entries, true)?;
+        let r = py.allow_threads(|| m.restore_latest());
+        // The buffers are the caller's again.
+        m.clear_tensors();
+        let Some(step) = r.map_err(err)? else {
+            return Ok(None);
+        };
+        let bytes = std::mem::take(&mut self.blob.lock().0);
+        Ok(Some((step, PyBytes::new(py, &bytes))))
+    }
+
+    /// Wait until the last checkpoint taken is committed (rank 0) or persisted (the others);
+    /// its figures.
+    #[pyo3(signature = (timeout_s=600.0))]
+    fn wait<'py>(&self, py: Python<'py>, timeout_s: f64) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(h) = self.last.lock().expect("not poisoned").clone() else {
+            return Ok(None);
+        };
+        let committer = self.is_committer();
+        let within = Duration::from_secs_f64(timeout_s.max(0.0));
+        let r = py
+            .allow_threads(|| {
+                if committer {
+                    h.wait_committed(within)
+                } else {
+                    h.wait_persisted_within(within)
+                }
+            })
+            .map_err(err)?;
+        report_dict(py, &r, &h.stage()).map(Some)
+    }
+
+    /// The figures of the last checkpoint taken so far (None before the first).
+    fn last_report<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        match self.last.lock().expect("not poisoned").as_ref() {
+            Some(h) => report_dict(py, &h.report(), &h.stage()).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Whether SIGTERM (or `request_stop`) asked for a stop and the final checkpoint was taken.
+    #[getter]
+    fn should_stop(&self) -> bool {
+        self.inner.lock().expect("not poisoned").should_stop()
+    }
+
+    /// Whether SIGTERM arrived (or `request_stop` was called).
+    #[getter]
+    fn sigterm_received(&self) -> bool {
+        self.inner.lock().expect("not poisoned").sigterm_received()
+    }
+
+    /// Ask for a final checkpoint at the next `maybe_save`, as SIGTERM does.
+    fn request_stop(&self) {
+        self.inner.lock().expect("not poisoned").request_stop();
+    }
+
+    /// Wait for the checkpoint in flight to commit (or persist, on a rank that does not
+    /// commit) and for retention.
+    fn finish(&self, py: Python<'_>) -> PyResult<()> {
+        let mut guard = self.inner.lock().expect("not poisoned");
+        let m: &mut CheckpointManager = &mut guard;
+        py.allow_threads(|| m.finish()).map_err(err)
+    }
+}
+
+impl Manager {
+    fn is_committer(&self) -> bool {
+        self.inner
+            .lock()
+            .expect("not poisoned")
+            .checkpointer()
+            .config()
+            .committer
+    }
+}

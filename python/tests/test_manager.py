@@ -1,0 +1,183 @@
+"""ckpt.CheckpointManager (the Rust manager under a PyTorch loop): sharded round trips onto
+other placements and world sizes, the snapshot semantics (a change after `maybe_save` returned
+never reaches the checkpoint), restore on an empty store, retention, a final checkpoint on
+SIGTERM, and interop with ckpt.dcp.StorageReader and `ckpt export`."""
+
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+
+import ckpt
+from ckpt.dcp import StorageReader
+from _workers import (
+    assert_same,
+    flat,
+    full_state,
+    manager_roundtrip,
+    manager_sigterm,
+    placeholder,
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_ranks_shard0_restore_resharded_replicated_and_single_process(tmp_path):
+    store = str(tmp_path / "store")
+    mp.spawn(manager_roundtrip, args=(2, free_port(), store, "m"), nprocs=2)
+    # One process, plain tensors, from the step two ranks saved sharded.
+    full = full_state()
+    mine = placeholder(full)
+    assert ckpt.CheckpointManager(store, run="m").restore_latest(mine) == 1
+    assert_same(mine, full, "one process vs the saved state")
+    assert mine["extra"]["epoch"] == 3 and mine["extra"]["cfg"]["name"] == "tiny"
+    assert ckpt.Store(store).open_step("m").world == 2
+
+
+def test_a_change_after_maybe_save_returned_never_reaches_the_checkpoint(tmp_path):
+    store = str(tmp_path / "store")
+    w = torch.randn(4096, 4096)  # 64 MiB: the persist is still running when the loop goes on
+    b = torch.randn(4096).to(torch.bfloat16)
+    before_w, before_b = w.clone(), b.clone()
+    state = {"model": {"w": w, "b": b}, "step": 1}
+    mgr = ckpt.CheckpointManager(store, run="mut", every_steps=1)
+    assert mgr.maybe_save(1, state)
+    # The snapshot is taken, the persist still runs (64 MiB to hash, encode and write).
+    assert mgr.last_report()["stage"] == "snapshotted", mgr.last_report()
+    # The optimizer step, at once.
+    w.add_(1.0)
+    b.mul_(2)
+    state["step"] = 2
+    mgr.finish()
+    assert mgr.last_report()["stage"] == "committed"
+    got = {"model": {"w": torch.zeros_like(w), "b": torch.zeros_like(b)}, "step": 0}
+    assert ckpt.CheckpointManager(store, run="mut").restore_latest(got) == 1
+    assert torch.equal(got["model"]["w"], before_w), "a change after the snapshot was saved"
+    assert torch.equal(got["model"]["b"], before_b)
+    assert got["step"] == 1
+    # The next checkpoint has the changed state.
+    assert mgr.maybe_save(2, state)
+    mgr.finish()
+    assert ckpt.CheckpointManager(store, run="mut").restore_latest(got) == 2
+    assert torch.equal(got["model"]["w"], w) and torch.equal(got["model"]["b"], b)
+
+
+def test_restore_latest_on_an_empty_store_is_none_and_touches_nothing(tmp_path):
+    mgr = ckpt.CheckpointManager(str(tmp_path / "store"), run="empty", every_steps=10)
+    state = {"w": torch.ones(3), "n": 5}
+    assert mgr.restore_latest(state) is None
+    assert torch.equal(state["w"], torch.ones(3)) and state["n"] == 5
+    # Not due: nothing saved, nothing asked of the state.
+    assert not mgr.maybe_save(3, {"w": torch.ones(3, device="meta")})
+    mgr.finish()
+    assert ckpt.Store(str(tmp_path / "store")).committed_steps("empty") == []
+
+
+def test_the_interval_and_keep_last(tmp_path):
+    store = str(tmp_path / "store")
+    w = torch.zeros(256, 256)
+    mgr = ckpt.CheckpointManager(store, run="keep", every_steps=2, keep_last=2)
+    taken = []
+    for step in range(1, 13):
+        w.fill_(step)
+        if mgr.maybe_save(step, {"w": w}):
+            taken.append(step)
+            mgr.wait()
+            time.sleep(0.2)  # retention runs in the background after the next save starts
+    mgr.finish()
+    assert taken == [2, 4, 6, 8, 10, 12]
+    steps = ckpt.Store(store).committed_steps("keep")
+    # Retention runs when a save starts, on the steps committed then: the newest two of them
+    # and the step being saved survive.
+    assert steps == [8, 10, 12], steps
+    got = {"w": torch.zeros(256, 256)}
+    assert ckpt.CheckpointManager(store, run="keep").restore_latest(got) == 12
+    assert torch.equal(got["w"], torch.full((256, 256), 12.0))
+
+
+def test_sigterm_to_one_rank_leaves_a_final_checkpoint_of_the_step_it_was_at(tmp_path):
+    store, progress = str(tmp_path / "store"), tmp_path / "progress"
+    progress.mkdir()
+    ctx = mp.start_processes(
+        manager_sigterm,
+        args=(2, free_port(), store, "term", str(progress)),
+        nprocs=2,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.time() + 120
+    while True:
+        try:
+            if int((progress / "rank-1").read_text() or 0) >= 5:
+                break
+        except (FileNotFoundError, ValueError):
+            pass
+        assert time.time() < deadline, "the ranks did not start stepping"
+        time.sleep(0.05)
+    os.kill(ctx.processes[1].pid, signal.SIGTERM)
+    while not ctx.join(timeout=120):
+        pass
+    finals = {int((progress / f"final-{r}").read_text()) for r in range(2)}
+    assert len(finals) == 1, f"the ranks took their final checkpoints at steps {finals}"
+    (final,) = finals
+    assert final >= 5
+    assert ckpt.Store(store).committed_steps("term") == [final]
+    got = {"model": {"w": torch.zeros(64, 64)}, "step": 0}
+    assert ckpt.CheckpointManager(store, run="term").restore_latest(got) == final
+    assert torch.equal(got["model"]["w"], torch.full((64, 64), float(final)))
+    assert got["step"] == final
+
+
+def test_a_step_of_the_manager_loads_through_dcp_and_exports_with_its_names(tmp_path, ckpt_bin):
+    from safetensors.torch import load_file
+
+    store, out = tmp_path / "store", tmp_path / "export"
+    full = full_state()
+    state = {k: full[k] for k in ("model", "optim", "emb")}
+    mgr = ckpt.CheckpointManager(str(store), run="x", every_steps=5)
+    assert mgr.maybe_save(5, state)
+    mgr.finish()
+    tensors_only = {
+        "model": placeholder(full["model"]),
+        "optim": {"state": placeholder(full["optim"]["state"])},
+        "emb": placeholder(full["emb"]),
+    }
+    reader = StorageReader(str(store), run="x")
+    dcp.load(tensors_only, storage_reader=reader)
+    assert reader.checkpoint_step == 5
+    want = {"model": full["model"], "optim": {"state": full["optim"]["state"]}, "emb": full["emb"]}
+    assert_same(tensors_only, want, "DCP's load of the manager's step")
+    for args in (["verify", "x"], ["export", "x@5", "--out", str(out)]):
+        subprocess.run([str(ckpt_bin), *args], env={"CKPT_STORE": str(store)}, check=True)
+    got = {}
+    for f in out.glob("*.safetensors"):
+        got.update(load_file(f))
+    want = {k: v for k, v in flat(state) if isinstance(v, torch.Tensor)}
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+
+
+def test_bad_state_gets_an_error_naming_the_tensor(tmp_path):
+    mgr = ckpt.CheckpointManager(str(tmp_path / "store"), run="bad", every_steps=1)
+    with pytest.raises(ckpt.CkptError, match="tensor 'model.w' is on meta"):
+        mgr.maybe_save(1, {"model": {"w": torch.ones(3, device="meta")}})
+    with pytest.raises(ckpt.CkptError, match="tensor 'model.c'.*complex"):
+        mgr.maybe_save(2, {"model": {"c": torch.ones(3, dtype=torch.complex64)}})
+    # A tensor the step does not have: the restore names it.
+    assert mgr.maybe_save(3, {"model": {"w": torch.ones(3)}})
+    mgr.finish()
+    with pytest.raises(ckpt.CkptError, match='no tensor "model.v"'):
+        ckpt.CheckpointManager(str(tmp_path / "store"), run="bad").restore_latest(
+            {"model": {"v": torch.ones(3)}}
+        )
