@@ -212,13 +212,17 @@ pub enum Source {
     Trajectory(PathBuf),
 }
 
+/// Managers over a store for the job's ranks: the saving ones (`false`), or fresh ones to
+/// restore into (`true`).
+type ManagersFor = Box<dyn Fn(&Store, bool) -> Vec<CheckpointManager>>;
+
 /// One benchmark job: the managers that save, and how to move the state to a step.
 struct Job {
     state: u64,
     params: u64,
     layout: Layout,
     local: Store,
-    mgrs_for: Box<dyn Fn(&Store, bool) -> Vec<CheckpointManager>>,
+    mgrs_for: ManagersFor,
     advance: Box<dyn FnMut(u64)>,
     /// Bytes a restore fills.
     needed: u64,
