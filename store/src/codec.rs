@@ -463,6 +463,80 @@ pub fn encode_delta(
     }
 }
 
+/// A delta is kept only where it stores at most this many tenths of the plain encoding: below
+/// that, the extra object a restore reads (and decodes) is not worth the saving.
+pub const DELTA_MARGIN_TENTHS: usize = 9;
+
+/// Windows sampled from a chunk to estimate its delta and plain sizes, and their size.
+const ESTIMATE_WINDOWS: usize = 4;
+const ESTIMATE_WINDOW: usize = 16 << 10;
+
+/// Sizes estimated on a sample of a chunk: its delta against a base and its plain encoding
+/// (both byte planes and zstd), in bytes of the sample. See [`estimate_delta`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeltaEstimate {
+    /// The sample's raw bytes.
+    pub sampled: usize,
+    /// The sample stored as a delta.
+    pub delta: usize,
+    /// The sample stored plain.
+    pub plain: usize,
+}
+
+impl DeltaEstimate {
+    /// Whether the delta is expected to pay ([`DELTA_MARGIN_TENTHS`] of the plain encoding).
+    pub fn pays(&self) -> bool {
+        self.delta * 10 <= self.plain * DELTA_MARGIN_TENTHS
+    }
+}
+
+/// zstd over the byte planes of `data`, each plane stored raw where that is smaller: bytes.
+fn planes_size(data: &[u8], elem: usize, level: i32) -> usize {
+    split_planes(data, elem, true)
+        .iter()
+        .map(|p| compress(p, level).len().min(p.len()))
+        .sum()
+}
+
+/// Estimate, from [`ESTIMATE_WINDOWS`] windows spread over the chunk (64 KiB in all, 1.6 % of a
+/// 4 MiB chunk), what `data` stores as a delta against `base` and what it stores plain, so a
+/// writer encodes only the smaller instead of both (issue 16: trying deltas must not slow a
+/// save). Same arguments as [`encode_delta`].
+pub fn estimate_delta(data: &[u8], base: &[u8], elem: usize, level: i32) -> DeltaEstimate {
+    assert_eq!(
+        data.len(),
+        base.len(),
+        "a delta needs a base of the same length"
+    );
+    assert!(
+        matches!(elem, 2 | 4 | 8) && data.len().is_multiple_of(elem),
+        "a delta needs whole float elements"
+    );
+    let (sd, sx): (Vec<u8>, Vec<u8>) = if data.len() <= ESTIMATE_WINDOWS * ESTIMATE_WINDOW {
+        let x = data.iter().zip(base).map(|(a, b)| a ^ b).collect();
+        (data.to_vec(), x)
+    } else {
+        let mut sd = Vec::with_capacity(ESTIMATE_WINDOWS * ESTIMATE_WINDOW);
+        let mut sx = Vec::with_capacity(ESTIMATE_WINDOWS * ESTIMATE_WINDOW);
+        let span = data.len() - ESTIMATE_WINDOW;
+        for i in 0..ESTIMATE_WINDOWS {
+            let at = span * i / (ESTIMATE_WINDOWS - 1) / elem * elem;
+            let (d, b) = (
+                &data[at..at + ESTIMATE_WINDOW],
+                &base[at..at + ESTIMATE_WINDOW],
+            );
+            sd.extend_from_slice(d);
+            sx.extend(d.iter().zip(b).map(|(a, b)| a ^ b));
+        }
+        (sd, sx)
+    };
+    DeltaEstimate {
+        sampled: sd.len(),
+        delta: planes_size(&sx, elem, level),
+        plain: planes_size(&sd, elem, level),
+    }
+}
+
 /// The base chunk a delta object names, after checking its header (`None`: not a delta).
 pub fn delta_base(obj: &[u8], what: &dyn std::fmt::Display) -> Result<Option<ChunkId>> {
     let h = parse_header(obj, what)?;
@@ -896,5 +970,46 @@ mod tests {
         // Truncated.
         assert!(decode_delta(&obj[..40], &ib, n, &ia, &a, &"d").is_err());
         assert!(delta_base(&obj[..20], &"d").is_err());
+    }
+
+    #[test]
+    fn the_sampled_estimate_picks_what_the_whole_chunk_shows() {
+        // 4 MiB of bf16 weights; `small` changes a third of the elements in the lowest bit
+        // (a delta pays), `large` replaces every element (a delta costs more than plain).
+        let a = normal_bf16(2 << 20, 21);
+        let small: Vec<u8> = a
+            .chunks_exact(2)
+            .enumerate()
+            .flat_map(|(i, c)| {
+                let v = u16::from_le_bytes([c[0], c[1]]);
+                (if i % 3 == 0 { v ^ 1 } else { v }).to_le_bytes()
+            })
+            .collect();
+        let large = normal_bf16(2 << 20, 22);
+        let ia = ChunkId::of(&a);
+        for (b, pays) in [(&small, true), (&large, false)] {
+            let est = estimate_delta(b, &a, 2, 1);
+            assert_eq!(est.sampled, 4 * ESTIMATE_WINDOW, "a sample, not the chunk");
+            assert_eq!(est.pays(), pays, "{est:?}");
+            let whole = encode_delta(b, &a, &ia, 2, 1).len();
+            let plain = encode(&Bytes::from(b.clone()), 2, CodecPolicy::FAST).len();
+            assert_eq!(
+                whole * 10 <= plain * DELTA_MARGIN_TENTHS,
+                pays,
+                "{whole} vs {plain}"
+            );
+            // The estimate's ratios are those of the whole chunk, within a few hundredths.
+            let (er, wr) = (
+                est.delta as f64 / est.plain as f64,
+                whole as f64 / plain as f64,
+            );
+            assert!(
+                (er - wr).abs() < 0.05,
+                "estimated {er:.3}, whole chunk {wr:.3}"
+            );
+        }
+        // A chunk smaller than the windows is estimated whole.
+        let est = estimate_delta(&small[..1000], &a[..1000], 2, 1);
+        assert_eq!(est.sampled, 1000);
     }
 }

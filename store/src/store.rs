@@ -63,9 +63,10 @@ pub struct StoreConfig {
     /// base step holds may be stored as a delta on that step's chunk while the base's chain is
     /// shorter than this, so a restore reads at most `delta_chain + 1` objects per chunk and a
     /// whole chunk is stored at least every `delta_chain + 1` saves. 0 turns deltas off
-    /// (the default: on the reference workload no delta paid for itself yet and trying them
-    /// slowed saves; `ckpt-train --delta-chain 8` turns them on). Deltas are tried only where
-    /// the codec governor compresses.
+    /// (the default: on the local disk the governor stores raw, and where deltas engage they
+    /// cost restore time and a copy of the state, BENCHMARKS.md; `ckpt-train --delta-chain 8`
+    /// turns them on). Deltas are tried only where the codec governor compresses, on a sample
+    /// first (`codec::estimate_delta`).
     pub delta_chain: usize,
     /// Plain bytes of written float chunks kept in memory as the next save's delta bases, at
     /// most (default 0: a base is read back from the store, through its own chain).
@@ -183,8 +184,51 @@ pub struct BaseChunk {
     pub chunk: ChunkRef,
 }
 
-/// A delta is kept only when it is at most this many tenths of the chunk's plain encoding.
-const DELTA_MARGIN_TENTHS: usize = 9;
+/// Saves for which a chunk whose delta did not pay is not tried again (its successors at the
+/// same region are stored plain without reading a base), before the next try.
+const DELTA_SKIP_SAVES: u8 = 3;
+
+/// Verdicts carried from a chunk to the chunk that replaces it at the same region in the next
+/// save: a chunk present here with `n` is the base of a region whose delta did not pay, and the
+/// next `n` saves of that region do not try one. Keyed by the chunk id, so no region names are
+/// needed: the next save finds its base's id in it. Bounded: cleared when it grows past
+/// [`DELTA_VERDICTS_MAX`] (a forgotten verdict costs one try).
+#[derive(Debug, Default)]
+struct DeltaVerdicts(Mutex<HashMap<ChunkId, u8>>);
+
+const DELTA_VERDICTS_MAX: usize = 1 << 20;
+
+impl DeltaVerdicts {
+    /// Whether a chunk on `base` should try a delta; `id` inherits the verdict.
+    fn try_on(&self, base: &ChunkId, id: &ChunkId) -> bool {
+        let mut m = self.0.lock().expect("delta verdicts");
+        match m.remove(base) {
+            Some(n) if n > 0 => {
+                m.insert(*id, n - 1);
+                false
+            }
+            _ => true,
+        }
+    }
+
+    /// Whether the next save of `id`'s region will not try a delta.
+    fn rests(&self, id: &ChunkId) -> bool {
+        self.0
+            .lock()
+            .expect("delta verdicts")
+            .get(id)
+            .is_some_and(|n| *n > 0)
+    }
+
+    /// `id`'s delta was tried and did not pay (or its base could not be read).
+    fn did_not_pay(&self, id: &ChunkId) {
+        let mut m = self.0.lock().expect("delta verdicts");
+        if m.len() >= DELTA_VERDICTS_MAX {
+            m.clear();
+        }
+        m.insert(*id, DELTA_SKIP_SAVES);
+    }
+}
 
 /// What [`Store::put_chunks`] did.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -421,6 +465,7 @@ pub struct Store {
     local_root: Option<Arc<std::path::Path>>,
     clock: Arc<dyn crate::clock::Clock>,
     delta_cache: Arc<crate::cache::ChunkCache>,
+    delta_verdicts: Arc<DeltaVerdicts>,
 }
 
 enum Slot {
@@ -442,6 +487,7 @@ impl Store {
             local_root: None,
             clock: Arc::new(crate::clock::SystemClock),
             delta_cache: crate::cache::ChunkCache::new(0),
+            delta_verdicts: Default::default(),
         }
     }
 
@@ -807,19 +853,22 @@ impl Store {
                         && b.chunk.pack.is_none()
                         && b.chunk.bases.len() < cfg.delta_chain
                         && b.chunk.id != id
+                        // A region whose last try did not pay rests for a few saves.
+                        && self.delta_verdicts.try_on(&b.chunk.id, &id)
                 });
                 if delta_base.is_some() {
                     stats.delta_tried += 1;
                 }
                 tasks.spawn(async move {
                     let data = c.data;
-                    let keep_plain = store.delta_cache.capacity() >= len as u64
-                        && matches!(c.elem, 2 | 4 | 8);
+                    let elem = c.elem as usize;
+                    let verdicts = store.delta_verdicts.clone();
                     let base = match delta_base {
                         Some(b) => match store.delta_base_plain(&b.chunk).await {
                             Ok(plain) => Some((b, plain)),
                             Err(e) => {
                                 debug!(chunk = %id, base = %b.chunk.id, "no delta: base unreadable: {e}");
+                                verdicts.did_not_pay(&id);
                                 None
                             }
                         },
@@ -827,33 +876,37 @@ impl Store {
                     };
                     let g2 = gov.clone();
                     let data2 = data.clone();
+                    let v2 = verdicts.clone();
                     let (enc, delta): (Encoded, Option<BaseChunk>) = tokio::task::spawn_blocking(move || {
                         let t = Instant::now();
                         let data = data2;
                         let mut out = None;
                         if let (Some((b, plain)), CodecPolicy::Compress { level, .. }) = (&base, policy) {
-                            let d = codec::encode_delta(&data, plain, &b.chunk.id, c.elem as usize, level);
-                            // Plain planes of floats never reach 0.4 of raw: a delta this small
-                            // wins without trying them.
-                            if d.len() * 10 <= data.len() * 4 {
-                                out = Some((d, Some(b.clone())));
-                            } else {
-                                let e = codec::encode(&data, c.elem as usize, policy);
-                                out = Some(if d.len() * 10 <= e.len() * DELTA_MARGIN_TENTHS {
-                                    (d, Some(b.clone()))
-                                } else {
-                                    (e, None)
-                                });
+                            // Estimate both on a sample and encode only the smaller: trying a
+                            // delta costs 3 % of encoding the chunk, not a second encoding.
+                            if codec::estimate_delta(&data, plain, elem, level).pays() {
+                                let d = codec::encode_delta(&data, plain, &b.chunk.id, elem, level);
+                                if d.len() < data.len() {
+                                    out = Some((d, Some(b.clone())));
+                                }
+                            }
+                            if out.is_none() {
+                                v2.did_not_pay(&id);
                             }
                         }
-                        let out = out.unwrap_or_else(|| (codec::encode(&data, c.elem as usize, policy), None));
+                        let out = out.unwrap_or_else(|| (codec::encode(&data, elem, policy), None));
                         if policy != CodecPolicy::Raw {
                             g2.record_compress(data.len(), t.elapsed());
                         }
                         out
                     })
                     .await?;
-                    if keep_plain {
+                    // Keep the plain bytes as the next save's base, unless that save will not
+                    // try a delta on them.
+                    if store.delta_cache.capacity() >= len as u64
+                        && matches!(elem, 2 | 4 | 8)
+                        && !verdicts.rests(&id)
+                    {
                         store.delta_cache.put(id, Bytes::copy_from_slice(&data));
                     }
                     let mut r = ChunkRef::plain(id, len as u32, enc.len() as u32, enc.codec);
@@ -1159,4 +1212,35 @@ fn count_codec(stats: &mut PutStats, r: &ChunkRef) {
     };
     *stats.raw_by_codec.entry(name.to_string()).or_default() += r.len as u64;
     *stats.stored_by_codec.entry(name.to_string()).or_default() += r.stored as u64;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_region_whose_delta_did_not_pay_rests_then_tries_again() {
+        let v = DeltaVerdicts::default();
+        let id = |n: u8| ChunkId::of(&[n]);
+        // Save 1: chunk 1 on base 0 is tried and does not pay.
+        assert!(v.try_on(&id(0), &id(1)));
+        v.did_not_pay(&id(1));
+        assert!(v.rests(&id(1)));
+        // The next DELTA_SKIP_SAVES saves of that region do not try (nor keep a base).
+        let mut last = 1;
+        for n in 2..2 + DELTA_SKIP_SAVES {
+            assert!(!v.try_on(&id(last), &id(n)), "save {n}");
+            last = n;
+        }
+        assert!(
+            !v.rests(&id(last)),
+            "the save after the rest needs this base"
+        );
+        // Then it tries again; a chunk that paid leaves nothing behind.
+        assert!(v.try_on(&id(last), &id(100)));
+        assert!(v.0.lock().unwrap().is_empty());
+        // Other regions are not affected.
+        v.did_not_pay(&id(1));
+        assert!(v.try_on(&id(50), &id(51)));
+    }
 }

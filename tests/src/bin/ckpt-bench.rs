@@ -54,6 +54,8 @@ mod versions;
 
 #[path = "../delta_bench.rs"]
 mod delta_bench;
+#[path = "../delta_physics.rs"]
+mod delta_physics;
 
 fn emit(v: Value) {
     println!("{v}");
@@ -1463,15 +1465,48 @@ fn main() {
                 .iter()
                 .map(|s| s.parse().unwrap())
                 .collect();
+            let traj = arg(&args, "--trajectory", "");
+            let source = if traj.is_empty() {
+                delta_bench::Source::Reference {
+                    params: ckpt_train::parse_count(&arg(&args, "--params", "20M")).unwrap(),
+                    lr: arg(&args, "--lr", "1e-3").parse().unwrap(),
+                }
+            } else {
+                delta_bench::Source::Trajectory(PathBuf::from(traj))
+            };
+            let first = match &source {
+                delta_bench::Source::Trajectory(p) => delta_physics::trajectory_steps(p)
+                    .first()
+                    .map_or(1, |s| s.0),
+                delta_bench::Source::Reference { .. } => 1,
+            };
             delta_bench::delta_bench(
                 &dir,
-                ckpt_train::parse_count(&arg(&args, "--params", "20M")).unwrap(),
+                &source,
+                arg(&args, "--first", &first.to_string()).parse().unwrap(),
                 arg(&args, "--saves", "3").parse().unwrap(),
                 &intervals,
                 &list("--sinks", "local,slow"),
                 &list("--modes", "raw,planes,delta,adaptive+delta"),
                 arg(&args, "--slow-mbps", "200").parse::<f64>().unwrap() * 1e6,
             )
+        }
+        Some("delta-physics") => {
+            let traj = arg(&args, "--trajectory", "");
+            if traj.is_empty() {
+                let intervals: Vec<u64> = arg(&args, "--intervals", "1,10,100")
+                    .split(',')
+                    .map(|s| s.parse().unwrap())
+                    .collect();
+                delta_physics::physics_reference(
+                    ckpt_train::parse_count(&arg(&args, "--params", "20M")).unwrap(),
+                    arg(&args, "--lr", "1e-3").parse().unwrap(),
+                    arg(&args, "--warm", "50").parse().unwrap(),
+                    &intervals,
+                )
+            } else {
+                delta_physics::physics_trajectory(Path::new(&traj))
+            }
         }
         Some("faults") => faults_bench(&dir, arg(&args, "--mib", "64").parse().unwrap()),
         Some("scale") => std::process::exit(ckpt_tests::scale::cli(&args)),
