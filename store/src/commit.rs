@@ -531,13 +531,13 @@ impl Store {
         let mut has_commit = false;
         for m in &metas {
             match self.keys().parse_step_object(&m.location) {
-                Some((_, _, StepObject::RankManifest(r))) => {
+                Some((_, _, StepObject::RankManifest(r)))
                     if !ranks.contains_key(&r)
-                        || m.location == self.keys().rank_manifest(run, step, r)
-                    {
-                        ranks.insert(r, m.location.clone());
-                    }
+                        || m.location == self.keys().rank_manifest(run, step, r) =>
+                {
+                    ranks.insert(r, m.location.clone());
                 }
+                Some((_, _, StepObject::RankManifest(_))) => {}
                 Some((_, _, StepObject::Commit)) => has_commit = true,
                 None => {}
             }

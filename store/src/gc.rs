@@ -243,7 +243,7 @@ impl Store {
         };
         if let Some(lock) = lock {
             // Best effort: a lock left behind lapses after the grace period.
-            let _ = self.delete_all(lock).await;
+            let _ = self.delete_all(vec![lock]).await;
         }
         res?;
         if opts.sweep {
@@ -410,17 +410,12 @@ impl Store {
 
     /// Write the sweep lock at `path` again every sixth of the lapse, forever (the caller
     /// drops this future when the sweep ends), recording each success in `fresh`.
-    async fn keep_sweep_lock_fresh(
-        &self,
-        lock: &[Path],
-        fresh: &Fresh,
-    ) -> std::convert::Infallible {
+    async fn keep_sweep_lock_fresh(&self, path: &Path, fresh: &Fresh) -> std::convert::Infallible {
         let every = self.config().sweep_lapse / 6;
-        let path = &lock[0];
         loop {
             tokio::time::sleep(every).await;
             let t = Instant::now();
-            match self.put_sweep_lock(lock).await {
+            match self.put_lock(path, "gc sweep").await {
                 Ok(()) => {
                     debug!(%path, "sweep lock refreshed");
                     fresh.mark(t);

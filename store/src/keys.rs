@@ -230,44 +230,6 @@ impl Keys {
         self.locks_dir().join(format!("sweep-{name}"))
     }
 
-    /// A copy of sweep lock `name` in sweep shard `shard` (of [`SWEEP_SHARDS`]):
-    /// `locks/sweeps/<1 hex>/sweep-<name>`. A sweep writes one into every shard before it
-    /// lists the leases; a writer lists only the shard of its lease
-    /// ([`Keys::sweep_shard_of_writer`]), so thousands of writers starting at once read 16
-    /// small prefixes instead of all of `locks/`.
-    pub fn sweep_lock_copy(&self, name: &str, shard: u32) -> Path {
-        self.sweep_shard(shard).join(format!("sweep-{name}"))
-    }
-
-    /// Every object of sweep lock `name`: `locks/sweep-<name>` (which builds before the sweep
-    /// shards watch) and its copy in each sweep shard. A sweep writes, refreshes and deletes
-    /// them together.
-    pub fn sweep_lock_objects(&self, name: &str) -> Vec<Path> {
-        let mut v = vec![self.sweep_lock(name)];
-        v.extend((0..SWEEP_SHARDS).map(|s| self.sweep_lock_copy(name, s)));
-        v
-    }
-
-    /// The name of the sweep lock an object of it ([`Keys::sweep_lock_objects`]) belongs to.
-    pub fn parse_sweep_lock<'a>(&self, path: &'a Path) -> Option<&'a str> {
-        let rest = self.strip(path)?;
-        match rest.as_slice() {
-            ["locks", name] | ["locks", "sweeps", _, name] => name.strip_prefix("sweep-"),
-            _ => None,
-        }
-    }
-
-    /// `locks/sweeps/<1 hex>/`: one sweep shard.
-    pub fn sweep_shard(&self, shard: u32) -> Path {
-        let s = format!("{:x}", shard % SWEEP_SHARDS);
-        self.join(["locks", "sweeps", &s])
-    }
-
-    /// The sweep shard a writer whose lease is named `name` ([`Keys::writer_lock`]) lists.
-    pub fn sweep_shard_of_writer(&self, name: &str) -> Path {
-        self.sweep_shard(blake3::hash(name.as_bytes()).as_bytes()[0] as u32 % SWEEP_SHARDS)
-    }
-
     /// Whether a key under `locks/` is a writer lease (`Some(true)`) or a sweep lock
     /// (`Some(false)`).
     pub fn parse_lock(&self, path: &Path) -> Option<bool> {
@@ -277,7 +239,6 @@ impl Keys {
             // Format 2's writer leases, directly under `locks/` (still honoured by GC).
             ["locks", name] if name.starts_with("writer-") => Some(true),
             ["locks", name] if name.starts_with("sweep-") => Some(false),
-            ["locks", "sweeps", _, name] if name.starts_with("sweep-") => Some(false),
             _ => None,
         }
     }
@@ -371,9 +332,6 @@ impl Keys {
     }
 }
 
-/// The number of sweep shards ([`Keys::sweep_lock_copy`]).
-pub const SWEEP_SHARDS: u32 = 16;
-
 /// The number of fence shards ([`Keys::fence`]): a start of a generation writes one copy of its
 /// marker into each.
 pub const FENCE_SHARDS: u32 = 16;
@@ -411,17 +369,7 @@ mod tests {
                 Some(("r1".into(), 42, StepObject::RankManifest(7)))
             );
             assert_eq!(k.parse_fence(&k.fence("r1", 21, 9)), Some(9));
-            assert_eq!(k.parse_lock(&k.sweep_lock_copy("x", 20)), Some(false));
             assert_eq!(k.parse_lock(&k.writer_lock("x")), Some(true));
-            let objects = k.sweep_lock_objects("g-1");
-            assert_eq!(objects.len(), 1 + SWEEP_SHARDS as usize);
-            assert!(objects.iter().all(|p| k.parse_sweep_lock(p) == Some("g-1")));
-            assert!(
-                k.sweep_lock_copy("x", 3)
-                    .as_ref()
-                    .ends_with("locks/sweeps/3/sweep-x")
-            );
-            assert_eq!(k.parse_generation_marker(&k.fence("r1", 3, 9)), None);
             assert_eq!(
                 k.parse_step_object(&k.commit("r1", u64::MAX)),
                 Some(("r1".into(), u64::MAX, StepObject::Commit))

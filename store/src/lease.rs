@@ -107,25 +107,15 @@ pub struct LockListing {
 impl Store {
     /// List `locks/`: what is live at `now` (younger than `lapse`) and what lapsed.
     pub async fn list_locks(&self, now: DateTime<Utc>, lapse: Duration) -> Result<LockListing> {
-        self.list_locks_under(&self.keys().locks_dir(), now, lapse)
-            .await
-    }
-
-    /// [`Store::list_locks`] of the part of `locks/` below `dir`.
-    async fn list_locks_under(
-        &self,
-        dir: &Path,
-        now: DateTime<Utc>,
-        lapse: Duration,
-    ) -> Result<LockListing> {
         let lapse = chrono::Duration::from_std(lapse)
             .map_err(|_| Error::invalid("grace period is too long"))?;
+        let dir = self.keys().locks_dir();
         let metas: Vec<_> = self
             .object_store()
-            .list(Some(dir))
+            .list(Some(&dir))
             .try_collect()
             .await
-            .map_err(|e| Error::backend("listing", dir, e))?;
+            .map_err(|e| Error::backend("listing", &dir, e))?;
         Ok(self.sort_locks(metas, now, lapse))
     }
 
@@ -203,14 +193,12 @@ impl Store {
         candidates: &[u64],
     ) -> Result<WriterLease> {
         validate_run(run)?;
-        let name = fresh(writer);
-        let path = self.keys().writer_lock(&name);
+        let path = self.keys().writer_lock(&fresh(writer));
         self.put_lock(&path, &format!("save of run {run}"))
             .await
             .map_err(|e| e.context("taking a writer lease"))?;
         let lease = WriterLease { path, base: None };
-        let shard = self.keys().sweep_shard_of_writer(&name);
-        if let Err(e) = self.wait_for_sweeps(run, &shard).await {
+        if let Err(e) = self.wait_for_sweeps(run).await {
             let _ = self.release_lease(lease).await;
             return Err(e);
         }
@@ -251,10 +239,8 @@ impl Store {
     }
 
     /// Wait while a live GC sweep holds a sweep lock (at most [`SWEEP_WAIT`]); delete a lock
-    /// its GC stopped refreshing (see the module docs) and go on. Only the writer's sweep
-    /// shard `shard` is listed: every sweep writes a copy of its lock into each shard before it
-    /// lists the leases.
-    async fn wait_for_sweeps(&self, run: &str, shard: &Path) -> Result<()> {
+    /// its GC stopped refreshing (see the module docs) and go on.
+    async fn wait_for_sweeps(&self, run: &str) -> Result<()> {
         let lapse = self.config().sweep_lapse;
         let t0 = Instant::now();
         let mut pause = Duration::from_millis(5);
@@ -264,7 +250,7 @@ impl Store {
         let mut seen: HashMap<Path, (Write, Instant)> = HashMap::new();
         loop {
             let now = self.now();
-            let locks = self.list_locks_under(shard, now, LOCK_LAPSE).await?;
+            let locks = self.list_locks(now, LOCK_LAPSE).await?;
             let mut live = None;
             let mut dead = Vec::new();
             for m in locks.sweeps {
@@ -291,16 +277,7 @@ impl Store {
                     "a GC sweep lock was not refreshed within its lapse: its GC is gone; \
                      deleting the lock"
                 );
-                // Every object of the dead lock (its copies in the other shards too), so
-                // that the writers of the other shards do not wait for it again.
-                let all = dead
-                    .iter()
-                    .flat_map(|p| match self.keys().parse_sweep_lock(p) {
-                        Some(name) => self.keys().sweep_lock_objects(name),
-                        None => vec![p.clone()],
-                    })
-                    .collect();
-                self.delete_all(all).await?;
+                self.delete_all(dead).await?;
             }
             let Some(sweep) = live else {
                 return Ok(());
@@ -328,37 +305,24 @@ impl Store {
         self.delete_all(vec![lease.path]).await
     }
 
-    /// Write every object of a sweep lock (at once).
-    pub(crate) async fn put_sweep_lock(&self, lock: &[Path]) -> Result<()> {
-        futures::future::try_join_all(lock.iter().map(|p| self.put_lock(p, "gc sweep")))
-            .await
-            .map(|_| ())
-    }
-
-    /// Take a sweep lock for a GC at `now`: `Ok(lock)` (its objects: `locks/sweep-<id>` and a
-    /// copy in every sweep shard) when no writer holds a live lease (the sweep may go on),
-    /// `Err(leases)` when one does (the lock is given back at once).
+    /// Take a sweep lock for a GC at `now`: `Ok(Some(lock))` when no writer holds a live lease
+    /// (the sweep may go on), `Ok(None)` when one does (the lock is given back at once).
     pub(crate) async fn take_sweep_lock(
         &self,
         now: DateTime<Utc>,
         lapse: Duration,
-    ) -> Result<std::result::Result<Vec<Path>, Vec<Path>>> {
-        let lock = self.keys().sweep_lock_objects(&fresh(&writer_id(0, 0)));
-        if let Err(e) = self.put_sweep_lock(&lock).await {
-            let _ = self.delete_all(lock).await;
-            return Err(e);
-        }
-        // Every copy is written before the listing: a writer whose shard listing missed its
-        // copy put its lease before this listing, which then sees it.
+    ) -> Result<std::result::Result<Path, Vec<Path>>> {
+        let path = self.keys().sweep_lock(&fresh(&writer_id(0, 0)));
+        self.put_lock(&path, "gc sweep").await?;
         let locks = self.list_locks(now, lapse).await?;
         if !locks.lapsed.is_empty() {
             info!(n = locks.lapsed.len(), "deleting lapsed leases and locks");
             self.delete_all(locks.lapsed).await?;
         }
         if locks.writers.is_empty() {
-            Ok(Ok(lock))
+            Ok(Ok(path))
         } else {
-            self.delete_all(lock).await?;
+            self.delete_all(vec![path]).await?;
             Ok(Err(locks.writers))
         }
     }

@@ -1088,15 +1088,22 @@ async fn gc_never_sweeps_under_a_save_in_flight(b: Backend) {
     store.release_lease(l).await.unwrap();
 
     // A save waits while a sweep holds its lock.
-    let sweep = store.keys().sweep_lock_objects("test");
-    put_sweep_lock(store, &sweep).await;
+    let sweep = store.keys().sweep_lock("test");
+    store
+        .put_object(
+            &sweep,
+            vec![Bytes::from_static(b"{}")],
+            ckpt_store::object_store::PutMode::Create,
+        )
+        .await
+        .unwrap();
     let waiting = {
         let store = store.clone();
         tokio::spawn(async move { store.lease_dedup_base("leased", "waiter", &[3]).await })
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!waiting.is_finished(), "a save went on during a sweep");
-    store.delete_all(sweep).await.unwrap();
+    store.delete_all(vec![sweep]).await.unwrap();
     let l = tokio::time::timeout(Duration::from_secs(10), waiting)
         .await
         .expect("the save goes on once the sweep ends")
@@ -1116,8 +1123,15 @@ async fn gc_never_sweeps_under_a_save_in_flight(b: Backend) {
 
     // A GC that crashed mid-sweep left its lock: saves wait for it until it lapses by the
     // store's clock (the same clock that stamps the objects), not by the wall clock.
-    let crashed = store.keys().sweep_lock_objects("crashed");
-    put_sweep_lock(store, &crashed).await;
+    let crashed = store.keys().sweep_lock("crashed");
+    store
+        .put_object(
+            &crashed,
+            vec![Bytes::from_static(b"{}")],
+            ckpt_store::object_store::PutMode::Create,
+        )
+        .await
+        .unwrap();
     let waiting = {
         let store = store.clone();
         tokio::spawn(async move { store.lease_dedup_base("leased", "after-crash", &[]).await })
@@ -1134,20 +1148,6 @@ async fn gc_never_sweeps_under_a_save_in_flight(b: Backend) {
         .unwrap()
         .unwrap();
     store.release_lease(l).await.unwrap();
-}
-
-/// Write every object of a sweep lock, as a GC does ([`ckpt_store::Keys::sweep_lock_objects`]).
-async fn put_sweep_lock(store: &Store, lock: &[ckpt_store::object_store::path::Path]) {
-    for p in lock {
-        store
-            .put_object(
-                p,
-                vec![Bytes::from_static(b"{}")],
-                ckpt_store::object_store::PutMode::Create,
-            )
-            .await
-            .unwrap();
-    }
 }
 
 /// `store` with a short sweep-lock lapse, so that the tests below take seconds.
@@ -1167,8 +1167,15 @@ fn short_lapse(store: &Store, lapse: Duration) -> Store {
 async fn a_killed_gcs_sweep_lock_holds_saves_back_only_for_its_lapse(b: Backend) {
     let lapse = Duration::from_millis(600);
     let store = &short_lapse(b.store(), lapse);
-    let lock = store.keys().sweep_lock_objects("killed-gc");
-    put_sweep_lock(store, &lock).await;
+    let lock = store.keys().sweep_lock("killed-gc");
+    store
+        .put_object(
+            &lock,
+            vec![Bytes::from_static(b"{}")],
+            ckpt_store::object_store::PutMode::Create,
+        )
+        .await
+        .unwrap();
     let t0 = std::time::Instant::now();
     let l = tokio::time::timeout(
         Duration::from_secs(20),
@@ -1183,12 +1190,10 @@ async fn a_killed_gcs_sweep_lock_holds_saves_back_only_for_its_lapse(b: Backend)
         "the save took a fresh sweep lock for dead after {waited:?}"
     );
     store.release_lease(l).await.unwrap();
-    for p in &lock {
-        assert!(
-            !store.exists(p).await.unwrap(),
-            "the dead GC's lock is deleted, every copy: {p}"
-        );
-    }
+    assert!(
+        !store.exists(&lock).await.unwrap(),
+        "the dead GC's lock is deleted"
+    );
     let t1 = std::time::Instant::now();
     let l = store
         .lease_dedup_base("killed", &writer_id(0, 0), &[])
