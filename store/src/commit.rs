@@ -1,7 +1,8 @@
 //! The commit protocol: rank manifests and the commit record, both created with
 //! `PutMode::Create`; a step is complete when, and only when, its commit record exists.
 //!
-//! 1. Every rank writes its chunks, then `runs/<run>/steps/<step>/rank-<r>.manifest`.
+//! 1. Every rank writes its chunks, then `runs/<run>/steps/<step>/ranks/<2 hex>/rank-<r>.manifest`
+//!    (`steps/<step>/rank-<r>.manifest` before commit record format 4; still read).
 //! 2. One committer lists the step (1 request per 1000 ranks), reads every rank manifest
 //!    (1 request per rank), checks that they agree on the layout and that the shards of every
 //!    tensor cover its shape exactly once, and creates `COMMIT`. A second committer's create
@@ -9,7 +10,7 @@
 //!
 //! Total cost: O(ranks) requests, never O(ranks^2).
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use futures::{StreamExt, TryStreamExt, stream};
@@ -18,10 +19,10 @@ use tracing::{info, instrument};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::id::StepId;
-use crate::keys::{StepObject, validate_run};
+use crate::keys::{FENCE_SHARDS, StepObject, validate_run};
 use crate::model::{
-    BlobLoc, CommitRecord, FORMAT_VERSION, RankEntry, RankManifest, WriteStats, check_coverage,
-    collect_tensors,
+    BlobLoc, CommitRecord, RECORD_FORMAT_VERSION, RankEntry, RankManifest, WriteStats,
+    check_coverage, collect_tensors,
 };
 use crate::store::Store;
 
@@ -66,7 +67,7 @@ impl Store {
         let hash = crate::id::Hash::of(&bytes);
         let size = bytes.len() as u64;
         // A writer of a generation older than a started one must not add to the run.
-        self.check_generation(&m.run, m.generation, "this writer")
+        self.check_writer_fence(&m.run, m.generation, m.rank, "this writer")
             .await
             .map_err(|e| e.context(what.clone()))?;
         match self
@@ -140,7 +141,7 @@ impl Store {
     ) -> Result<()> {
         let path = self.keys().rank_manifest(&m.run, m.step, m.rank);
         let commit = self.keys().commit(&m.run, m.step);
-        self.join_generation(&m.run, m.generation)
+        self.join_generation_as(&m.run, m.generation, m.rank)
             .await
             .map_err(|e| e.context(what))?;
         let committed = || {
@@ -183,15 +184,62 @@ impl Store {
     /// Whether every manifest `record` pins still has the pinned bytes.
     async fn pins_hold(&self, record: &CommitRecord) -> Result<bool> {
         for e in &record.ranks {
-            let path = self.keys().rank_manifest(&record.run, record.step, e.rank);
-            match self.get_object(&path).await {
-                Ok(b) if crate::id::Hash::of(&b) == e.hash => {}
+            match self
+                .get_manifest_bytes(&record.run, record.step, e.rank)
+                .await
+            {
+                Ok((b, _)) if crate::id::Hash::of(&b) == e.hash => {}
                 Ok(_) => return Ok(false),
                 Err(x) if x.kind() == ErrorKind::NotFound => return Ok(false),
                 Err(x) => return Err(x),
             }
         }
         Ok(true)
+    }
+
+    /// The bytes of one rank's manifest and the key they came from: at its place
+    /// ([`crate::Keys::rank_manifest`]), or where builds before commit record format 4 put it
+    /// ([`crate::Keys::legacy_rank_manifest`]; one more request for such a step).
+    /// `NotFound` names both keys. The one way every reader finds a manifest.
+    pub async fn get_manifest_bytes(
+        &self,
+        run: &str,
+        step: u64,
+        rank: u32,
+    ) -> Result<(bytes::Bytes, object_store::path::Path)> {
+        let path = self.keys().rank_manifest(run, step, rank);
+        match self.get_object(&path).await {
+            Ok(b) => Ok((b, path)),
+            Err(e) if e.kind() == ErrorKind::NotFound => {
+                let legacy = self.keys().legacy_rank_manifest(run, step, rank);
+                match self.get_object(&legacy).await {
+                    Ok(b) => Ok((b, legacy)),
+                    Err(e) if e.kind() == ErrorKind::NotFound => Err(Error::not_found(format!(
+                        "the manifest of rank {rank} for step {step} of run {run} is missing ({path}, or {legacy} as written before format 4)"
+                    ))),
+                    Err(e) => Err(e),
+                }
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// One rank's manifest parsed (not checked), its hash and size, wherever it is (see
+    /// [`Store::get_manifest_bytes`]).
+    pub async fn get_rank_manifest(
+        &self,
+        run: &str,
+        step: u64,
+        rank: u32,
+    ) -> Result<(RankManifest, crate::id::Hash, u64)> {
+        let (bytes, path) = self.get_manifest_bytes(run, step, rank).await?;
+        let m = serde_json::from_slice::<RankManifest>(&bytes).map_err(|e| {
+            Error::corrupt(format!(
+                "{path}: not a valid RankManifest ({e}; {} bytes, truncated or garbage?)",
+                bytes.len()
+            ))
+        })?;
+        Ok((m, crate::id::Hash::of(&bytes), bytes.len() as u64))
     }
 
     /// Read and check one rank's manifest; `expect` (from the commit record) pins its hash.
@@ -202,15 +250,22 @@ impl Store {
         rank: u32,
         expect: Option<&RankEntry>,
     ) -> Result<RankManifest> {
-        let path = self.keys().rank_manifest(run, step, rank);
-        let (m, hash, _) = self.get_json::<RankManifest>(&path).await.map_err(|e| {
-            if e.kind() == ErrorKind::NotFound {
-                Error::corrupt(format!(
-                    "the manifest of rank {rank} for step {step} of run {run} is missing ({path})"
-                ))
-            } else {
-                e
-            }
+        let (bytes, path) = self
+            .get_manifest_bytes(run, step, rank)
+            .await
+            .map_err(|e| {
+                if e.kind() == ErrorKind::NotFound {
+                    Error::corrupt(e.to_string())
+                } else {
+                    e
+                }
+            })?;
+        let hash = crate::id::Hash::of(&bytes);
+        let m = serde_json::from_slice::<RankManifest>(&bytes).map_err(|e| {
+            Error::corrupt(format!(
+                "{path}: not a valid RankManifest ({e}; {} bytes, truncated or garbage?)",
+                bytes.len()
+            ))
         })?;
         if let Some(x) = expect
             && x.hash != hash
@@ -241,10 +296,26 @@ impl Store {
         )
         .map_err(|e| Error::internal(e.to_string()))?;
         match self
-            .put_object(&path, vec![body.into()], PutMode::Create)
+            .put_object(&path, vec![body.clone().into()], PutMode::Create)
             .await
         {
-            Ok(()) => Ok(()),
+            Ok(()) => {
+                // The writers' copies, one per fence shard (after the marker: a copy never
+                // names a generation whose marker does not exist).
+                let copies: Vec<_> = (0..FENCE_SHARDS)
+                    .map(|shard| self.keys().fence(run, shard, generation))
+                    .collect();
+                futures::future::try_join_all(copies.iter().map(|path| {
+                    self.put_object(path, vec![body.clone().into()], PutMode::Overwrite)
+                }))
+                .await
+                .map_err(|e| {
+                        e.context(format!(
+                            "generation {generation} of run {run} is started, but its fence copies were not all written"
+                        ))
+                    })?;
+                Ok(())
+            }
             Err(e) if e.kind() == ErrorKind::Conflict => Err(Error::new(
                 ErrorKind::Conflict,
                 format!(
@@ -278,6 +349,79 @@ impl Store {
             Err(e) => return Err(e),
         }
         self.check_generation(run, generation, "this writer").await
+    }
+
+    /// [`Store::join_generation`] by the writer of `rank`, through its fence shard
+    /// ([`crate::Keys::fence`]): one listing of a prefix that a sixteenth of the ranks read,
+    /// instead of `generations/` that every rank would. A shard showing a newer generation
+    /// fences the writer; one showing this generation is enough to join (its marker exists:
+    /// copies are written after the marker). Otherwise (a generation started by a build
+    /// without fence shards, or whose starter died before writing them) the writer joins
+    /// through the markers and adds this generation's copy to its shard.
+    pub async fn join_generation_as(&self, run: &str, generation: u64, rank: u32) -> Result<()> {
+        let seen = self.fence_shard(run, rank).await?;
+        if let Some(&newer) = seen.iter().max()
+            && newer > generation
+        {
+            return Err(fenced(run, newer, generation, "this writer"));
+        }
+        if seen.contains(&generation) {
+            return Ok(());
+        }
+        self.join_generation(run, generation).await?;
+        let body = serde_json::to_vec(
+            &serde_json::json!({"generation": generation, "t_ms": self.now().timestamp_millis()}),
+        )
+        .map_err(|e| Error::internal(e.to_string()))?;
+        self.put_object(
+            &self.keys().fence(run, rank, generation),
+            vec![body.into()],
+            PutMode::Overwrite,
+        )
+        .await
+    }
+
+    /// The generations in the fence shard of `rank` (one listing).
+    async fn fence_shard(&self, run: &str, rank: u32) -> Result<Vec<u64>> {
+        validate_run(run)?;
+        let dir = self.keys().fence_dir(run, rank);
+        let metas: Vec<_> = self
+            .object_store()
+            .list(Some(&dir))
+            .try_collect()
+            .await
+            .map_err(|e| Error::backend("listing", &dir, e))?;
+        Ok(metas
+            .iter()
+            .filter_map(|m| self.keys().parse_fence(&m.location))
+            .collect())
+    }
+
+    /// The fence check of the writer of `rank` before it creates its manifest:
+    /// [`ErrorKind::Fenced`] if its fence shard shows a generation newer than `generation`. One
+    /// listing of the shard; when the shard does not show `generation` itself (a writer that did
+    /// not join through it), the markers are listed too ([`Store::check_generation`]).
+    ///
+    /// The commit record is fenced by the markers themselves (the committer lists them before
+    /// and after its create): a copy not yet written (its starter is writing them, or died
+    /// first) lets a stale writer's manifest through, never its commit.
+    pub async fn check_writer_fence(
+        &self,
+        run: &str,
+        generation: u64,
+        rank: u32,
+        who: &str,
+    ) -> Result<()> {
+        let seen = self.fence_shard(run, rank).await?;
+        if let Some(&newer) = seen.iter().max()
+            && newer > generation
+        {
+            return Err(fenced(run, newer, generation, who));
+        }
+        if seen.contains(&generation) {
+            return Ok(());
+        }
+        self.check_generation(run, generation, who).await
     }
 
     /// Claim a new generation of `run` for a job that resumes it by itself (no supervisor):
@@ -424,13 +568,19 @@ impl Store {
             .try_collect()
             .await
             .map_err(|e| Error::backend("listing", &dir, e))?;
-        let mut ranks = BTreeSet::new();
+        // Each listed manifest at the key it was found at: this build's place, else (left by a
+        // build before format 4) the old one.
+        let mut ranks: BTreeMap<u32, object_store::path::Path> = BTreeMap::new();
         let mut has_commit = false;
         for m in &metas {
             match self.keys().parse_step_object(&m.location) {
-                Some((_, _, StepObject::RankManifest(r))) => {
-                    ranks.insert(r);
+                Some((_, _, StepObject::RankManifest(r)))
+                    if !ranks.contains_key(&r)
+                        || m.location == self.keys().rank_manifest(run, step, r) =>
+                {
+                    ranks.insert(r, m.location.clone());
                 }
+                Some((_, _, StepObject::RankManifest(_))) => {}
                 Some((_, _, StepObject::Commit)) => has_commit = true,
                 None => {}
             }
@@ -448,12 +598,11 @@ impl Store {
         // of its own generation, and while the listing lacks a rank of it, reads no other:
         // polls then cost a listing, one get and the fence check, not a get per manifest.
         if let Some(g) = generation
-            && let Some(&sample) = ranks.iter().next()
+            && let Some(path) = ranks.values().next()
         {
-            let path = self.keys().rank_manifest(run, step, sample);
-            let (m, _, _) = self.get_json::<RankManifest>(&path).await?;
+            let (m, _, _) = self.get_json::<RankManifest>(path).await?;
             let world = m.layout.world();
-            let unlisted: Vec<u32> = (0..world).filter(|r| !ranks.contains(r)).collect();
+            let unlisted: Vec<u32> = (0..world).filter(|r| !ranks.contains_key(r)).collect();
             if m.generation == g && !unlisted.is_empty() {
                 self.check_generation(run, g, "this committer")
                     .await
@@ -469,9 +618,8 @@ impl Store {
         }
         // Read every manifest present (O(ranks) requests): a restarted job may have left
         // manifests of an older generation and another layout next to the current ones.
-        let present: Vec<(RankManifest, RankEntry)> = stream::iter(ranks.iter().copied())
-            .map(|r| async move {
-                let path = self.keys().rank_manifest(run, step, r);
+        let present: Vec<(RankManifest, RankEntry)> = stream::iter(ranks.clone())
+            .map(|(r, path)| async move {
                 let (m, hash, size) = self.get_json::<RankManifest>(&path).await?;
                 m.validate(path.as_ref())?;
                 Ok::<_, Error>((
@@ -562,7 +710,7 @@ impl Store {
         }
         let mut record = CommitRecord {
             checksum: None,
-            format: FORMAT_VERSION,
+            format: RECORD_FORMAT_VERSION,
             run: run.to_string(),
             step,
             layout,

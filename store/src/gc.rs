@@ -304,8 +304,7 @@ impl Store {
         // Mark.
         let manifests: Vec<RankManifest> = stream::iter(live_manifests)
             .map(|(run, step, rank)| async move {
-                let path = self.keys().rank_manifest(&run, step, rank);
-                self.get_json::<RankManifest>(&path)
+                self.get_rank_manifest(&run, step, rank)
                     .await
                     .map(|(m, _, _)| m)
                     .map_err(|e| {

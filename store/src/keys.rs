@@ -3,8 +3,11 @@
 //! ```text
 //! <prefix>/chunks/<2 hex>/<64 hex>                       chunk object
 //! <prefix>/packs/<2 hex>/<64 hex>                        pack object (small chunks)
-//! <prefix>/runs/<run>/steps/<step:020>/rank-<r:06>.manifest
+//! <prefix>/runs/<run>/steps/<step:020>/ranks/<2 hex>/rank-<r:06>.manifest
+//! <prefix>/runs/<run>/steps/<step:020>/rank-<r:06>.manifest   (records of format 2 and 3)
 //! <prefix>/runs/<run>/steps/<step:020>/COMMIT            the commit record; existence = complete
+//! <prefix>/runs/<run>/generations/<g:020>                generation marker
+//! <prefix>/runs/<run>/fences/<1 hex>/<g:020>             a copy of it, read by writers
 //! <prefix>/runs/<run>/<log name>/<part>.jsonl            append-only logs (metrics, events)
 //! <prefix>/locks/writers/<2 hex>/writer-<id>            a save in flight (writer lease)
 //! <prefix>/locks/sweep-<id>                             a GC sweep in progress
@@ -140,8 +143,22 @@ impl Keys {
         self.join(["runs", run, "steps", &step_segment(step)])
     }
 
-    /// The manifest of one rank of a step.
+    /// The manifest of one rank of a step (commit record format 4 on):
+    /// `steps/<step>/ranks/<2 hex>/rank-<r>.manifest`, the two hex digits the first byte of the
+    /// blake3 of the file name, so that thousands of ranks writing their manifests in the same
+    /// second spread them over 256 prefixes (S3 limits writes per prefix).
     pub fn rank_manifest(&self, run: &str, step: u64, rank: u32) -> Path {
+        let name = format!("rank-{rank:06}.manifest");
+        let spread = format!("{:02x}", blake3::hash(name.as_bytes()).as_bytes()[0]);
+        self.step_dir(run, step)
+            .join("ranks")
+            .join(spread.as_str())
+            .join(name)
+    }
+
+    /// Where builds before commit record format 4 put a rank's manifest:
+    /// `steps/<step>/rank-<r>.manifest`. Still read (and deleted by GC).
+    pub fn legacy_rank_manifest(&self, run: &str, step: u64, rank: u32) -> Path {
         self.step_dir(run, step)
             .join(format!("rank-{rank:06}.manifest"))
     }
@@ -159,6 +176,29 @@ impl Keys {
     /// The marker a supervisor creates when it starts `generation` of `run`.
     pub fn generation_marker(&self, run: &str, generation: u64) -> Path {
         self.generations_dir(run).join(format!("{generation:020}"))
+    }
+
+    /// The writers' copy of generation `generation`'s marker in fence shard `shard` (of
+    /// [`FENCE_SHARDS`]): `runs/<run>/fences/<1 hex>/<g:020>`. A writer checks its fence by
+    /// listing one shard (the one of its rank), so thousands of ranks checking at once read 16
+    /// prefixes, not one.
+    pub fn fence(&self, run: &str, shard: u32, generation: u64) -> Path {
+        self.fence_dir(run, shard).join(format!("{generation:020}"))
+    }
+
+    /// `runs/<run>/fences/<1 hex>/`: one fence shard.
+    pub fn fence_dir(&self, run: &str, shard: u32) -> Path {
+        let s = format!("{:x}", shard % FENCE_SHARDS);
+        self.join(["runs", run, "fences", &s])
+    }
+
+    /// The generation of a fence key.
+    pub fn parse_fence(&self, path: &Path) -> Option<u64> {
+        let rest = self.strip(path)?;
+        match rest.as_slice() {
+            ["runs", _, "fences", _, g] => parse_step_segment(g),
+            _ => None,
+        }
     }
 
     /// The generation of a marker key.
@@ -243,21 +283,30 @@ impl Keys {
         Hash::from_hex(hex).ok()
     }
 
-    /// `(run, step, what)` of a key under `runs/<run>/steps/`, if `path` is one.
+    /// `(run, step, what)` of a key under `runs/<run>/steps/`, if `path` is one (a manifest at
+    /// its place of either format: [`Keys::rank_manifest`], [`Keys::legacy_rank_manifest`]).
     pub fn parse_step_object(&self, path: &Path) -> Option<(String, u64, StepObject)> {
         let rest = self.strip(path)?;
-        let ["runs", run, "steps", step, name] = rest.as_slice() else {
-            return None;
+        let (run, step, name) = match rest.as_slice() {
+            ["runs", run, "steps", step, name] => (run, step, name),
+            ["runs", run, "steps", step, "ranks", _, name] => (run, step, name),
+            _ => return None,
         };
         let step = parse_step_segment(step)?;
-        let what = if *name == "COMMIT" {
+        let what = if *name == "COMMIT" && rest.len() == 5 {
             StepObject::Commit
         } else {
             let r = name.strip_prefix("rank-")?.strip_suffix(".manifest")?;
             if r.is_empty() || !r.bytes().all(|b| b.is_ascii_digit()) {
                 return None;
             }
-            StepObject::RankManifest(r.parse().ok()?)
+            let rank: u32 = r.parse().ok()?;
+            // Only the exact key of either layout: a manifest under the wrong fan-out
+            // directory is not one.
+            if rest.len() == 7 && self.rank_manifest(run, step, rank) != *path {
+                return None;
+            }
+            StepObject::RankManifest(rank)
         };
         Some((run.to_string(), step, what))
     }
@@ -291,6 +340,10 @@ impl Keys {
     }
 }
 
+/// The number of fence shards ([`Keys::fence`]): a start of a generation writes one copy of its
+/// marker into each.
+pub const FENCE_SHARDS: u32 = 16;
+
 fn step_segment(step: u64) -> String {
     format!("{step:020}")
 }
@@ -320,6 +373,12 @@ mod tests {
                 Some(("r1".into(), 42, StepObject::RankManifest(7)))
             );
             assert_eq!(
+                k.parse_step_object(&k.legacy_rank_manifest("r1", 42, 7)),
+                Some(("r1".into(), 42, StepObject::RankManifest(7)))
+            );
+            assert_eq!(k.parse_fence(&k.fence("r1", 21, 9)), Some(9));
+            assert_eq!(k.parse_lock(&k.writer_lock("x")), Some(true));
+            assert_eq!(
                 k.parse_step_object(&k.commit("r1", u64::MAX)),
                 Some(("r1".into(), u64::MAX, StepObject::Commit))
             );
@@ -335,6 +394,38 @@ mod tests {
             k.commit("run", 5).as_ref(),
             "x/runs/run/steps/00000000000000000005/COMMIT"
         );
+        assert_eq!(
+            k.legacy_rank_manifest("run", 5, 3).as_ref(),
+            "x/runs/run/steps/00000000000000000005/rank-000003.manifest"
+        );
+        let spread = k.rank_manifest("run", 5, 3);
+        assert!(
+            spread
+                .as_ref()
+                .starts_with("x/runs/run/steps/00000000000000000005/ranks/")
+                && spread.as_ref().ends_with("/rank-000003.manifest"),
+            "{spread}"
+        );
+        assert_eq!(
+            k.fence("run", 17, 2).as_ref(),
+            "x/runs/run/fences/1/00000000000000000002"
+        );
+    }
+
+    #[test]
+    fn manifests_of_many_ranks_spread_over_the_fan_out() {
+        let k = Keys::new(Path::from(""));
+        let mut per: std::collections::HashMap<String, u32> = Default::default();
+        for r in 0..4096 {
+            let p = k.rank_manifest("r", 1, r);
+            *per.entry(p.as_ref().rsplit_once('/').unwrap().0.to_string())
+                .or_default() += 1;
+        }
+        assert_eq!(per.len(), 256, "4,096 ranks use every prefix");
+        assert!(per.values().all(|&n| n <= 64), "{:?}", per.values().max());
+        // A manifest moved under another fan-out directory is not one.
+        let other = Path::from("runs/r/steps/00000000000000000001/ranks/zz/rank-000001.manifest");
+        assert_eq!(k.parse_step_object(&other), None);
     }
 
     #[test]

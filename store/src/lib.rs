@@ -88,12 +88,12 @@ pub use error::{Error, ErrorKind, Result};
 pub use failpoint::{FailAction, Failpoints};
 pub use gc::{GcOptions, GcReport};
 pub use id::{ChunkId, Hash, PackId, StepId};
-pub use keys::{Keys, validate_run};
+pub use keys::{FENCE_SHARDS, Keys, validate_run};
 pub use lease::{DedupBase, LockListing, WriterLease, writer_id};
 pub use model::{
     BlobEntry, BlobLoc, ChunkRef, CommitRecord, Coords, DELTA_FORMAT_VERSION, DType,
-    FORMAT_VERSION, Layout, NdBox, RankEntry, RankManifest, ShardLoc, TensorEntry, TensorShard,
-    WriteStats,
+    FORMAT_VERSION, Layout, NdBox, RECORD_FORMAT_VERSION, RankEntry, RankManifest, ShardLoc,
+    TensorEntry, TensorShard, WriteStats,
 };
 pub use node_cache::{NodeCache, NodeCacheStats};
 pub use placement::{Placed, Placement, Stage, TensorSpec, ZeroGroup};

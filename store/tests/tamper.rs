@@ -130,7 +130,7 @@ async fn a_bit_flip_in_a_commit_record_is_refused_everywhere() {
     // The shape, the format, the checksum and the layout, besides offsets everywhere.
     let at = offsets(
         &orig,
-        &["512", "\"format\":2", "\"checksum\":\"", "\"tp\":2"],
+        &["512", "\"format\":4", "\"checksum\":\"", "\"tp\":2"],
     );
     for (i, &o) in at.iter().enumerate() {
         let mut bad = orig.clone();
@@ -191,7 +191,7 @@ async fn verify_rebuilds_the_record_from_the_manifests() {
     let orig = store.get_object(&key).await.unwrap().to_vec();
     let what = "test";
     let good = CommitRecord::from_bytes(&orig, what).unwrap();
-    assert_eq!(good.format, ckpt_store::FORMAT_VERSION);
+    assert_eq!(good.format, ckpt_store::RECORD_FORMAT_VERSION);
     assert!(good.checksum.is_some());
 
     let verify = || async {

@@ -308,7 +308,7 @@ pub async fn simulate(
                 // A rank joins its generation once, before its first save (as the trainer's
                 // checkpointer does).
                 if step == 1 {
-                    store.join_generation(run, 0).await?;
+                    store.join_generation_as(run, 0, rank).await?;
                 }
                 let writer = ckpt_store::writer_id(rank, 0);
                 let candidates = bases[rank as usize].lock().expect("base").candidates();
@@ -411,7 +411,11 @@ pub async fn simulate(
             .count();
         let per_rank_protocol = reqs
             .iter()
-            .filter(|r| r.prefix.contains("locks") || r.prefix.contains("/generations"))
+            .filter(|r| {
+                r.prefix.contains("locks")
+                    || r.prefix.contains("/generations")
+                    || r.prefix.contains("/fences")
+            })
             .count();
         let commit = json!({
             "committer_requests_after_manifests": committer.len(),

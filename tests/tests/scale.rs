@@ -51,9 +51,26 @@ fn two_hundred_fifty_six_ranks_commit_list_and_find_the_newest_step_within_their
             protocol <= 6 * ranks + 8,
             "{name}: {protocol} protocol requests"
         );
-        // No prefix of the lock protocol is the hottest for writes: leases spread over 256.
-        let hottest = t["hottest_write_prefix"][0].as_str().unwrap();
-        assert!(!hottest.contains("locks"), "{name}: {t}");
+        // No prefix is hot: the ranks' writes (lease, chunks and packs, manifest) spread over
+        // 256 prefixes and their fence checks over 16, so the busiest prefix's second here,
+        // 16 times over (what 4,096 ranks would make of requests made once a rank), stays
+        // under S3's per-prefix rates. One prefix per step for the manifests (256 writes in
+        // one second here), or every rank listing `generations/` twice, would not. (The
+        // listing of all of `locks/` is one page a rank here but grows with the world: five
+        // pages a rank at 4,096, which this extrapolation does not see; BENCHMARKS.md.)
+        let scale = 4096 / ranks;
+        let writes = t["hottest_write_prefix"][1].as_u64().unwrap();
+        let reads = t["hottest_read_prefix"][1].as_u64().unwrap();
+        assert!(
+            writes * scale <= 3500,
+            "{name}: hottest write prefix {}: {t}",
+            t["hottest_write_prefix"]
+        );
+        assert!(
+            reads * scale <= 5500,
+            "{name}: hottest read prefix {}: {t}",
+            t["hottest_read_prefix"]
+        );
         // Nothing hit the S3 rate limits at this size.
         assert_eq!(t["throttled"], 0, "{name}: {t}");
     }

@@ -1029,8 +1029,7 @@ async fn next_generation(store: &Store, run: &str) -> Result<u64> {
             continue;
         }
         for r in st.ranks {
-            let path = store.keys().rank_manifest(run, st.step, r);
-            if let Ok((m, _, _)) = store.get_json::<ckpt_store::RankManifest>(&path).await {
+            if let Ok((m, _, _)) = store.get_rank_manifest(run, st.step, r).await {
                 g = g.max(m.generation + 1);
             }
         }

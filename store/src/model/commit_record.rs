@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use super::{
-    DType, FIRST_CHECKSUMMED_FORMAT, FORMAT_VERSION, Layout, NdBox, Placement, RankManifest,
+    DType, FIRST_CHECKSUMMED_FORMAT, Layout, NdBox, Placement, RECORD_FORMAT_VERSION, RankManifest,
     TensorSpec, WriteStats, check_coverage, numel,
 };
 use crate::error::{Error, Result};
@@ -90,7 +90,7 @@ pub struct CommitRecord {
     /// field, from format 2 on; `None` only in format 1 records). Set by [`CommitRecord::seal`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checksum: Option<Hash>,
-    /// [`FORMAT_VERSION`] of the writer.
+    /// [`RECORD_FORMAT_VERSION`] of the writer (2 and 3: manifests at their old place).
     pub format: u32,
     /// Run name.
     pub run: String,
@@ -167,9 +167,9 @@ impl CommitRecord {
                     })
                 });
                 if got != Some(want) {
-                    let newer = if c.format > FORMAT_VERSION {
+                    let newer = if c.format > RECORD_FORMAT_VERSION {
                         format!(
-                            " (or written in format {} by a newer ckpt; this build reads up to {FORMAT_VERSION})",
+                            " (or written in format {} by a newer ckpt; this build reads up to {RECORD_FORMAT_VERSION})",
                             c.format
                         )
                     } else {
@@ -197,9 +197,9 @@ impl CommitRecord {
     /// Check what a reader relies on.
     pub fn validate(&self, what: &str) -> Result<()> {
         let bad = |m: String| Err(Error::corrupt(format!("{what}: {m}")));
-        if self.format > FORMAT_VERSION {
+        if self.format > RECORD_FORMAT_VERSION {
             return Err(Error::invalid(format!(
-                "{what}: written in format {} by a newer ckpt; this build reads up to {FORMAT_VERSION}",
+                "{what}: written in format {} by a newer ckpt; this build reads up to {RECORD_FORMAT_VERSION}",
                 self.format
             )));
         }

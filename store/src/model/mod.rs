@@ -43,5 +43,13 @@ pub const FORMAT_VERSION: u32 = 2;
 /// [`FORMAT_VERSION`], so stores without deltas stay readable by older builds.
 pub const DELTA_FORMAT_VERSION: u32 = 3;
 
+/// The format of the commit records this build writes, and the newest it reads.
+///
+/// Format 4 moved the rank manifests of a step to `steps/<step>/ranks/<2 hex>/` (spread over
+/// 256 prefixes) and added the writers' fence shards; readers find the manifests of older
+/// steps at their old place. A build that reads up to format 2 or 3 refuses a format 4
+/// record as newer rather than report its manifests missing.
+pub const RECORD_FORMAT_VERSION: u32 = 4;
+
 /// The first format whose commit records carry a `checksum`.
 pub const FIRST_CHECKSUMMED_FORMAT: u32 = 2;

@@ -106,10 +106,11 @@ impl Checkpointer {
         if self.joined.load(Ordering::SeqCst) {
             return Ok(());
         }
-        let r = runtime().block_on(
-            self.store
-                .join_generation(&self.cfg.run, self.cfg.generation),
-        );
+        let r = runtime().block_on(self.store.join_generation_as(
+            &self.cfg.run,
+            self.cfg.generation,
+            self.cfg.rank,
+        ));
         match r {
             Ok(()) => {
                 self.joined.store(true, Ordering::SeqCst);
