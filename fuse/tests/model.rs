@@ -183,7 +183,7 @@ async fn every_file_holds_the_saved_bytes() {
     let text = String::from_utf8(fs.read_path("train/2/COMMIT.json").await.unwrap()).unwrap();
     assert!(
         text.starts_with("{\n  \"checksum\": \"")
-            && text.contains("\",\n  \"format\": 2,\n  \"run\": \"train\""),
+            && text.contains("\",\n  \"format\": 4,\n  \"run\": \"train\""),
         "{text}"
     );
     assert!(text.ends_with("\n}\n") && text.contains("\n  \"fs_names\": {\n    \""));

@@ -198,13 +198,17 @@ class CheckpointManager:
         interval policy says so (or a final checkpoint after SIGTERM, then ``should_stop``);
         returns once the snapshot is taken (the state may change from then on) while the
         persist goes on in the background. Returns whether a checkpoint was taken."""
+        agreed = None
         if self._group is not None:
             flag = torch.tensor([1 if self._native.sigterm_received else 0], dtype=torch.int32)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-            if flag.item() and not self._native.sigterm_received:
-                self._native.request_stop()
+            # Every rank follows the agreed flag, not its own: a SIGTERM arriving after the
+            # all-reduce waits for the next step, on every rank alike.
+            agreed = bool(flag.item())
         keep: List[Any] = []
-        return self._native.maybe_save(int(step), lambda: self._prepare(state_dict, keep))
+        return self._native.maybe_save(
+            int(step), lambda: self._prepare(state_dict, keep), agreed
+        )
 
     @property
     def should_stop(self) -> bool:

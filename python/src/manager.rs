@@ -271,9 +271,19 @@ impl Manager {
     /// then `prepare()` is called for the state, `(entries, pickled)` (`entries`:
     /// `(name, dtype, shape, offsets, sizes, buffer, replica_of)` per tensor), and the call
     /// returns once the snapshot is taken. Returns whether a checkpoint was taken.
-    fn maybe_save(&self, py: Python<'_>, step: u64, prepare: Py<PyAny>) -> PyResult<bool> {
+    /// `agreed_stop`: the stop decision the ranks agreed on (see `set_agreed_stop` of the Rust
+    /// manager); `None`: this rank's own SIGTERM flag decides.
+    #[pyo3(signature = (step, prepare, agreed_stop=None))]
+    fn maybe_save(
+        &self,
+        py: Python<'_>,
+        step: u64,
+        prepare: Py<PyAny>,
+        agreed_stop: Option<bool>,
+    ) -> PyResult<bool> {
         let mut guard = self.inner.lock().expect("not poisoned");
         let m: &mut CheckpointManager = &mut guard;
+        m.set_agreed_stop(agreed_stop);
         let blob = self.blob.clone();
         let mut failed: Option<PyErr> = None;
         let res = py.allow_threads(|| {

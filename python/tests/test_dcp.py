@@ -70,7 +70,7 @@ def test_async_save_keeps_the_state_staged_before_it_returned(tmp_path):
 def _flip_in(store: Path, run: str, step: int, tensor: str) -> None:
     """Flip the last byte of the stored chunk of `tensor` saved by rank 0."""
     steps = store / "runs" / run / "steps"
-    manifest = next((steps / f"{step:020d}").glob("rank-000000.manifest"))
+    manifest = next((steps / f"{step:020d}").rglob("rank-000000.manifest"))
     m = json.loads(manifest.read_text())
     c = next(t for t in m["tensors"] if t["name"] == tensor)["chunks"][0]
     if c.get("pack"):

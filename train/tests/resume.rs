@@ -146,7 +146,8 @@ fn resume_refuses_a_damaged_commit_record_or_manifest() {
         ("COMMIT", 0),
         ("rank-000001.manifest", 200),
     ] {
-        let path = step_dir.join(file);
+        // Manifests live under `ranks/<2 hex>/` since format 4: find the file by name.
+        let path = find_file(&step_dir, file).unwrap_or_else(|| panic!("no {file} in the step"));
         let orig = std::fs::read(&path).unwrap();
         let mut bad = orig.clone();
         let at = at.min(bad.len() - 1);
@@ -191,4 +192,19 @@ fn resume_refuses_a_damaged_commit_record_or_manifest() {
             "--resume",
         ],
     );
+}
+
+/// The file named `name` in `dir` or below it.
+fn find_file(dir: &std::path::Path, name: &str) -> Option<std::path::PathBuf> {
+    for e in std::fs::read_dir(dir).ok()?.flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            if let Some(f) = find_file(&p, name) {
+                return Some(f);
+            }
+        } else if e.file_name() == name {
+            return Some(p);
+        }
+    }
+    None
 }

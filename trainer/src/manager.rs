@@ -287,6 +287,9 @@ pub struct CheckpointManager {
     last_save: Instant,
     last_saved_step: Option<u64>,
     sigterm: Arc<AtomicBool>,
+    /// The stop decision the ranks agreed on for the current `maybe_save` (see
+    /// [`CheckpointManager::set_agreed_stop`]); `None`: this rank's own SIGTERM flag decides.
+    agreed_stop: Option<bool>,
     stop: bool,
     retention: Option<tokio::task::JoinHandle<()>>,
     retained_step: Option<u64>,
@@ -438,6 +441,7 @@ impl CheckpointManager {
             last_save: Instant::now(),
             last_saved_step: None,
             sigterm,
+            agreed_stop: None,
             stop: false,
             retention: None,
             retained_step: None,
@@ -552,6 +556,15 @@ impl CheckpointManager {
         self.sigterm.store(true, Ordering::SeqCst);
     }
 
+    /// For ranks that agree on stopping among themselves (each reads
+    /// [`CheckpointManager::sigterm_received`], then they reduce it): the agreed decision, which
+    /// the next `maybe_save` follows instead of this rank's own flag, so a SIGTERM arriving
+    /// between the agreement and the save cannot make one rank stop alone. `None` goes back to
+    /// the flag. Taken by the next `maybe_save`.
+    pub fn set_agreed_stop(&mut self, stop: Option<bool>) {
+        self.agreed_stop = stop;
+    }
+
     /// Whether SIGTERM has arrived.
     pub fn sigterm_received(&self) -> bool {
         self.sigterm.load(Ordering::SeqCst)
@@ -588,7 +601,11 @@ impl CheckpointManager {
         step: u64,
         prepare: impl FnOnce(&mut Self) -> Result<()>,
     ) -> Result<Option<SaveHandle>> {
-        if self.cfg.final_on_sigterm && self.sigterm.load(Ordering::SeqCst) && !self.stop {
+        let term = self
+            .agreed_stop
+            .take()
+            .unwrap_or_else(|| self.sigterm.load(Ordering::SeqCst));
+        if self.cfg.final_on_sigterm && term && !self.stop {
             info!(step, "SIGTERM: taking a final checkpoint");
             // The final checkpoint, and the persist it may wait for, run at full speed.
             let _fast = self.ckpt.persist_rate().full_speed();
@@ -682,13 +699,7 @@ impl CheckpointManager {
                 )
             });
             if done == Some(true) {
-                self.auto.tracking = None;
-                let measured = self.auto.meter.save_done();
-                if auto.per_generation {
-                    self.log_save_cost(auto, step);
-                } else {
-                    self.evaluate_interval(auto, step, measured.is_some());
-                }
+                self.tracked_save_done(auto, step);
             }
             self.auto.busy = self.auto.tracking.is_some();
         }
@@ -766,6 +777,18 @@ impl CheckpointManager {
     /// One interval per generation, on the deciding rank: log what a save costs
     /// (`save_cost`) for the next generation, when it is the first measurement or the figures
     /// moved by a tenth or more (or the interval they call for changed).
+    /// The save the automatic interval measures has ended: take its cost, then log it (one
+    /// rank per process) or evaluate the interval (ranks in one process).
+    fn tracked_save_done(&mut self, auto: &AutoInterval, step: u64) {
+        self.auto.tracking = None;
+        let measured = self.auto.meter.save_done();
+        if auto.per_generation {
+            self.log_save_cost(auto, step);
+        } else {
+            self.evaluate_interval(auto, step, measured.is_some());
+        }
+    }
+
     fn log_save_cost(&mut self, auto: &AutoInterval, step: u64) {
         let Some(fixed) = self.auto.fixed.clone() else {
             return;
@@ -1256,8 +1279,27 @@ impl CheckpointManager {
         self.last_saved_step = Some(step);
         self.auto.last_due = Some(step);
         if self.auto_decides() {
-            self.auto.meter.save_started(t0.elapsed().as_secs_f64());
-            self.auto.tracking = Some(h.clone());
+            // The measured save may have been in flight at every `maybe_save` since it started
+            // (persists slower than the interval, as on a loaded machine): if it has ended by
+            // now it is measured here, before the new one replaces it (else no cost was ever
+            // taken and the interval never re-evaluated). A save skipped by back-pressure
+            // leaves the one in flight measured.
+            let ended = |st: Stage| {
+                matches!(
+                    st,
+                    Stage::Persisted | Stage::Committed | Stage::Failed(_) | Stage::Skipped(_)
+                )
+            };
+            let prev_ended = self.auto.tracking.as_ref().map(|p| ended(p.stage()));
+            if let Some(auto) = self.cfg.auto_interval.clone()
+                && prev_ended == Some(true)
+            {
+                self.tracked_save_done(&auto, step);
+            }
+            if !(prev_ended == Some(false) && matches!(h.stage(), Stage::Skipped(_))) {
+                self.auto.meter.save_started(t0.elapsed().as_secs_f64());
+                self.auto.tracking = Some(h.clone());
+            }
             self.auto.busy = true;
             if self
                 .cfg
