@@ -8,8 +8,10 @@ Per method, in fresh processes (so each peak RSS is its own): the training-loop 
 async save (``dcp.async_save`` until it returns; ``maybe_save`` until it returns), time to
 durable (the save's start to its commit / DCP's future done), the load time onto the same
 placement and resharded (Shard(1)), peak RSS of a rank, and bytes on disk. FileSystemWriter
-fsyncs its files (its default); ckpt's local store does too. Limits: a warm single-threaded
-memcpy (torch copy_ of 256 MiB) and the disk's sequential write with fsync (1 GiB)."""
+fsyncs its files (its default); ckpt's local store does too. Limits: the warm memcpy of the
+state (every rank copies its part into warm memory at once, torch ``copy_``, best of 3: what
+the stall is held to), a warm memcpy of 256 MiB by one process alone (torch ``copy_`` with its
+default intra-op threads) and the disk's sequential write with fsync (1 GiB)."""
 
 from __future__ import annotations
 
@@ -92,6 +94,23 @@ def worker(rank, world, port, method, total, root, out):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = dist.device_mesh.init_device_mesh("cpu", (world,))
     state = state_of(total, mesh)
+    if method == "memcpy":
+        # The limit the stall is held to: every rank copies its own part of the state into
+        # warm memory at the same time (as a save's snapshot does), torch's copy_ with its
+        # default threads; best of 3.
+        src = [t.to_local() for t in _tensors(state)]
+        dst = [torch.empty_like(t) for t in src]
+        best = float("inf")
+        for _ in range(4):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for d, t in zip(dst, src):
+                d.copy_(t)
+            best = min(best, time.perf_counter() - t0)
+        with open(os.path.join(out, f"{method}-{rank}.json"), "w") as f:
+            json.dump({"memcpy_state_s": best}, f)
+        dist.destroy_process_group()
+        return
     rss0 = rss_peak()
     where = os.path.join(root, method)
     dist.barrier()
@@ -227,6 +246,11 @@ def main() -> None:
     state_bytes = (total // 10 // (8 * 4096)) * 8 * 4096 * 10
     report = {"state_bytes": state_bytes, "ranks": a.ranks, "limits": lim, "methods": {}}
     per_rank = state_bytes / a.ranks
+    mp.spawn(worker, args=(a.ranks, free_port(), "memcpy", total, a.dir, out), nprocs=a.ranks)
+    lim["memcpy_state_s"] = max(
+        json.load(open(os.path.join(out, f"memcpy-{r}.json")))["memcpy_state_s"]
+        for r in range(a.ranks)
+    )
     for m in a.methods.split(","):
         mp.spawn(worker, args=(a.ranks, free_port(), m, total, a.dir, out), nprocs=a.ranks)
         ranks = [json.load(open(os.path.join(out, f"{m}-{r}.json"))) for r in range(a.ranks)]
@@ -235,8 +259,11 @@ def main() -> None:
         fig["bytes_on_disk"] += du(os.path.join(a.dir, m + "-2")) if os.path.exists(
             os.path.join(a.dir, m + "-2")
         ) else 0
-        fig["stall_vs_memcpy"] = fig["stall_s"] / (per_rank / lim["memcpy_Bps"])
-        fig["warm_stall_vs_memcpy"] = fig["warm_stall_s"] / (per_rank / lim["memcpy_Bps"])
+        # Against every rank copying its part at once (the goal's "warm memcpy of the state"),
+        # and against one process copying a rank's part alone on the idle machine.
+        fig["stall_vs_memcpy_state"] = fig["stall_s"] / lim["memcpy_state_s"]
+        fig["warm_stall_vs_memcpy_state"] = fig["warm_stall_s"] / lim["memcpy_state_s"]
+        fig["warm_stall_vs_memcpy_alone"] = fig["warm_stall_s"] / (per_rank / lim["memcpy_Bps"])
         report["methods"][m] = fig
         shutil.rmtree(os.path.join(a.dir, m), ignore_errors=True)
         shutil.rmtree(os.path.join(a.dir, m + "-2"), ignore_errors=True)

@@ -522,6 +522,7 @@ impl StepReader {
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    init_logging();
     m.add("CkptError", m.py().get_type::<CkptError>())?;
     m.add_class::<Store>()?;
     m.add_class::<RankWriter>()?;
@@ -536,4 +537,22 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // than blame the rank's node.
     m.add("DATA_FAILURE_EXIT", ckpt_recovery::DATA_FAILURE_EXIT)?;
     Ok(())
+}
+
+/// `CKPT_LOG` (a `tracing` env filter such as `info` or `ckpt_trainer=debug`): the Rust side's
+/// events on stderr, as the CLI's `RUST_LOG`; unset, nothing is printed. Read once, when the
+/// module is imported (a binding reads its environment as a binary does).
+fn init_logging() {
+    let Ok(filter) = std::env::var("CKPT_LOG") else {
+        return;
+    };
+    match tracing_subscriber::EnvFilter::try_new(&filter) {
+        Ok(f) => {
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter(f)
+                .with_writer(std::io::stderr)
+                .try_init();
+        }
+        Err(e) => eprintln!("ckpt: ignoring CKPT_LOG={filter:?}: {e}"),
+    }
 }

@@ -172,6 +172,11 @@ pub struct Options {
     /// long soak's store stays bounded (a 20-minute run without it wrote 19 GB); `None`
     /// keeps every step.
     pub keep_last: Option<usize>,
+    /// How often the soak's operator runs `ckpt gc` (retention plus the sweep of unreferenced
+    /// chunks, grace one minute) beside the job, as a long run must: retention alone deletes
+    /// steps, not their chunks, and a 20-minute run with checkpoints every few steps wrote
+    /// 14 GB of packs and filled the disk. `None`: never (or without `keep_last`).
+    pub gc_every: Option<Duration>,
     /// `ckpt resume --heartbeat-timeout`.
     pub heartbeat_timeout: Duration,
     /// `ckpt resume --stop-grace`.
@@ -207,6 +212,7 @@ impl Options {
             auto_min: 5,
             auto_max: 200,
             keep_last: Some(8),
+            gc_every: Some(Duration::from_secs(60)),
             heartbeat_timeout: Duration::from_secs(2),
             stop_grace: Duration::from_secs(1),
             backoff: Duration::from_millis(100),
@@ -319,6 +325,8 @@ pub struct PolicyResult {
     pub plot: Option<PathBuf>,
     /// The policy's directory (store, rank logs, `resume.json`, `resume.err`).
     pub dir: PathBuf,
+    /// `ckpt gc` runs beside the job ([`Options::gc_every`]): (started, failed).
+    pub gc_runs: (u32, u32),
 }
 
 impl PolicyResult {
@@ -369,6 +377,8 @@ impl PolicyResult {
             "unusable_steps": self.unusable,
             "verify_clean": self.verify_clean,
             "leftover_processes": self.leftover.len(),
+            "gc_runs": self.gc_runs.0,
+            "gc_failed": self.gc_runs.1,
             "rss": rss,
             "plot": self.plot.as_ref().map(|p| p.display().to_string()),
             "injections": self.injections.iter().map(|i| json!({
@@ -780,6 +790,103 @@ fn match_injections(injections: &mut [Injection], records: &[Value], completed: 
     used.iter().filter(|u| !**u).count()
 }
 
+/// The operator's `ckpt gc` beside a policy's job, one at a time, every
+/// [`Options::gc_every`]; each run's output appended to `gc.log` in the policy's directory.
+struct Housekeeping {
+    every: Option<Duration>,
+    cmd: Vec<String>,
+    log: PathBuf,
+    running: Option<Child>,
+    last: Instant,
+    started: u32,
+    failed: u32,
+}
+
+impl Housekeeping {
+    fn new(opts: &Options, store: &Path, dir: &Path) -> Housekeeping {
+        let keep = opts.keep_last.unwrap_or(0);
+        Housekeeping {
+            every: opts.gc_every.filter(|_| opts.keep_last.is_some()),
+            cmd: vec![
+                "--store".into(),
+                store.display().to_string(),
+                "--json".into(),
+                "gc".into(),
+                "--run".into(),
+                RUN.into(),
+                "--keep-last".into(),
+                keep.to_string(),
+                "--grace".into(),
+                "60s".into(),
+                "--no-progress".into(),
+            ],
+            log: dir.join("gc.log"),
+            running: None,
+            last: Instant::now(),
+            started: 0,
+            failed: 0,
+        }
+    }
+
+    /// Reap a finished run; start the next one when due.
+    fn poll(&mut self) {
+        if let Some(c) = self.running.as_mut()
+            && let Ok(Some(st)) = c.try_wait()
+        {
+            self.failed += u32::from(!st.success());
+            self.running = None;
+        }
+        let Some(every) = self.every else { return };
+        if self.running.is_some() || self.last.elapsed() < every {
+            return;
+        }
+        self.last = Instant::now();
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log);
+        let Ok(out) = out else {
+            self.failed += 1;
+            return;
+        };
+        let err = out.try_clone();
+        let mut c = Command::new(bin("ckpt", "ckpt"));
+        c.args(&self.cmd)
+            .env("CKPT_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(out);
+        if let Ok(e) = err {
+            c.stderr(e);
+        }
+        match c.spawn() {
+            Ok(child) => {
+                self.started += 1;
+                self.running = Some(child);
+            }
+            Err(_) => self.failed += 1,
+        }
+    }
+
+    /// Wait for the run in flight (a sweep between its delete batches stops within seconds
+    /// of a kill) and return (started, failed).
+    fn finish(mut self) -> (u32, u32) {
+        if let Some(mut c) = self.running.take() {
+            let t = Instant::now();
+            while t.elapsed() < Duration::from_secs(30) {
+                if let Ok(Some(st)) = c.try_wait() {
+                    self.failed += u32::from(!st.success());
+                    return (self.started, self.failed);
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+            self.failed += 1;
+        }
+        (self.started, self.failed)
+    }
+}
+
 fn run_policy(opts: &Options, policy: Policy, want: &str) -> Result<PolicyResult, String> {
     let dir = opts.dir.join(policy.name());
     let _ = std::fs::remove_dir_all(&dir);
@@ -841,7 +948,9 @@ fn run_policy(opts: &Options, policy: Policy, want: &str) -> Result<PolicyResult
     let mut rss_peak = RssSample::default();
     let mut last_rss = Instant::now();
     let mut timed_out = false;
+    let mut gc = Housekeeping::new(opts, &store, &dir);
     loop {
+        gc.poll();
         if child.try_wait().map_err(|e| e.to_string())?.is_some() {
             break;
         }
@@ -911,6 +1020,7 @@ fn run_policy(opts: &Options, policy: Policy, want: &str) -> Result<PolicyResult
         std::thread::sleep(Duration::from_millis(50));
     }
     let wall_s = t0.elapsed().as_secs_f64();
+    let gc_runs = gc.finish();
 
     // Leftovers: nothing of this supervision may outlive it (a few seconds to die).
     let t1 = Instant::now();
@@ -1023,6 +1133,7 @@ fn run_policy(opts: &Options, policy: Policy, want: &str) -> Result<PolicyResult
         rss: rss_first.zip(rss_last).map(|(a, b)| (a, b, rss_peak)),
         plot,
         dir,
+        gc_runs,
     })
 }
 

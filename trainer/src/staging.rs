@@ -374,6 +374,14 @@ impl StagingPool {
             }
             if !waited {
                 waited = true;
+                tracing::debug!(
+                    n,
+                    free = st.free.len(),
+                    can_alloc,
+                    in_use = st.in_use,
+                    capacity = st.capacity,
+                    "waiting for staging slabs"
+                );
                 parking_lot::MutexGuard::unlocked(&mut st, &mut on_wait);
                 continue;
             }

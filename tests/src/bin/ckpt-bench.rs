@@ -1394,6 +1394,12 @@ fn goodput_bench(dir: &Path, args: &[String]) -> i32 {
                 .expect("--keep-last takes a number of steps or `all`"),
         ),
     };
+    o.gc_every = match arg(args, "--gc-every", "60").as_str() {
+        "off" => None,
+        s => Some(Duration::from_secs_f64(
+            s.parse().expect("--gc-every takes seconds or `off`"),
+        )),
+    };
     if args.iter().any(|a| a == "--policies") {
         o.policies = arg(args, "--policies", "a,b,c")
             .split(',')
@@ -1525,7 +1531,7 @@ fn main() {
         _ => {
             eprintln!(
                 "usage: ckpt-bench limits|store|train|startup|recovery|peers|faults|goodput|scale|versions|governor|delta --dir DIR [--gib N] [--params N] [--mib N] [--steps N] [--no-background-prefault] [--budgets 0.05,0.1,off] [--every N] [--saves N]\n       \
-                 ckpt-bench goodput --dir DIR [--minutes M | --steps N] [--mtbf S] [--seed X] [--step-ms MS] [--params P] [--repair S] [--every K] [--keep-last N|all] [--policies a,b,c]"
+                 ckpt-bench goodput --dir DIR [--minutes M | --steps N] [--mtbf S] [--seed X] [--step-ms MS] [--params P] [--repair S] [--every K] [--keep-last N|all] [--gc-every S|off] [--policies a,b,c]"
             );
             std::process::exit(2);
         }

@@ -230,10 +230,24 @@ impl Checkpointer {
         drop(last);
         self.pool.reset_peak();
         let fits = self.size_staging(&plan.lens());
+        tracing::debug!(
+            step,
+            fits,
+            capacity = self.pool.stats().capacity,
+            in_use = self.pool.stats().in_use,
+            shards = plan.lens().len(),
+            bytes = plan.bytes,
+            "snapshot planned"
+        );
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Result<Bytes>>();
         // The persist starts when the snapshot is done or as soon as the snapshot has to wait
-        // for staging space (the pool is shared, or still holds chunks of a previous save):
-        // only the persist frees slabs, so a snapshot never waits on a persist that waits for it.
+        // for staging space (the pool is smaller than the snapshot, shared, or still holds
+        // chunks of a previous save): only the persist frees slabs, so a snapshot never waits
+        // on a persist that waits for it. Until then the copy has every core to itself: a
+        // persist started with the copy (hashing beside it) doubled the stall of a snapshot
+        // that missed fitting its pool by a few slabs (a bound of exactly the state's bytes
+        // loses a little to slab packing), and a pool much smaller than the snapshot only
+        // gains the copy time of one pool's worth by starting earlier.
         let (snap_done_tx, snap_done_rx) = tokio::sync::oneshot::channel::<()>();
         let names: Vec<String> = plan.metas.iter().map(|m| m.name.clone()).collect();
         self.start_snapshot(step, t0, plan.pins, names, &shared, tx, snap_done_tx)?;
@@ -253,7 +267,7 @@ impl Checkpointer {
             metas: plan.metas,
             blobs: plan.blobs,
             rx,
-            start_after: fits.then_some(snap_done_rx),
+            start_after: Some(snap_done_rx),
             rate: self.rate.clone(),
         };
         runtime().spawn(job.run());
@@ -332,9 +346,8 @@ impl Checkpointer {
     }
 
     /// Grow an automatic pool to what shards of `lens` bytes need, and say whether the whole
-    /// snapshot fits the pool. When it does, the persist starts after the copy: the copy then
-    /// has every core to itself and the loop waits least. A smaller pool streams: the persist
-    /// must free slabs while the copy goes on.
+    /// snapshot fits the pool (a figure for the log: the persist starts when the copy is done
+    /// or first waits for staging either way, see [`Checkpointer::save`]).
     fn size_staging(&self, lens: &[usize]) -> bool {
         let slab = self.pool.slab_size();
         if self.cfg.staging_bytes == 0 && self.cfg.pool.is_none() {

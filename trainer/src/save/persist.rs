@@ -41,8 +41,8 @@ pub(super) struct PersistJob {
     pub blobs: Vec<BlobIn>,
     /// The snapshot's chunks, in order.
     pub rx: tokio::sync::mpsc::UnboundedReceiver<Result<Bytes>>,
-    /// When the snapshot fits the pool: fires once it is done (or must wait for staging), and
-    /// the persist starts only then.
+    /// Fires once the snapshot is done or must wait for staging; the persist starts only then
+    /// (`None`: at once).
     pub start_after: Option<tokio::sync::oneshot::Receiver<()>>,
     /// The rate limit the chunks are paced by (none while the snapshot is still copying).
     pub rate: Arc<PersistRate>,

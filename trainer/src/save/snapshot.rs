@@ -94,21 +94,32 @@ pub(super) fn snapshot(
                 .zip(dsts)
                 .map(|(j, d)| (j, d.expect("every job has a destination")))
                 .collect();
-            let per = work.len().div_ceil(threads).max(1);
+            // The threads take jobs one at a time (not a fixed share each): a thread the
+            // scheduler set aside (other ranks' copies, the persist of another save) does not
+            // leave its share for the others to wait on at the batch's end.
+            let work: Vec<parking_lot::Mutex<Option<(&Job, &mut [u8])>>> = work
+                .into_iter()
+                .map(|w| parking_lot::Mutex::new(Some(w)))
+                .collect();
+            let next = std::sync::atomic::AtomicUsize::new(0);
             let res: Vec<std::result::Result<(), (usize, Error)>> = std::thread::scope(|s| {
-                let mut handles = Vec::new();
-                let mut work = work;
-                while !work.is_empty() {
-                    let take = per.min(work.len());
-                    let mine: Vec<(&Job, &mut [u8])> = work.drain(..take).collect();
-                    handles.push(s.spawn(move || {
-                        for (j, dst) in mine {
-                            let (i, p) = pins_ref[j.tensor].as_ref().expect("pinned until copied");
-                            p.copy_to(j.offset, dst).map_err(|e| (*i, e))?;
-                        }
-                        Ok(())
-                    }));
-                }
+                let (work, next) = (&work, &next);
+                let handles: Vec<_> = (0..threads.min(work.len()).max(1))
+                    .map(|_| {
+                        s.spawn(move || {
+                            loop {
+                                let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                let Some(slot) = work.get(k) else {
+                                    return Ok(());
+                                };
+                                let (j, dst) = slot.lock().take().expect("each job taken once");
+                                let (i, p) =
+                                    pins_ref[j.tensor].as_ref().expect("pinned until copied");
+                                p.copy_to(j.offset, dst).map_err(|e| (*i, e))?;
+                            }
+                        })
+                    })
+                    .collect();
                 handles
                     .into_iter()
                     .map(|h| {
