@@ -183,6 +183,75 @@ fn staging_memory_stays_within_its_bound() {
     assert_eq!(read(&store, "bound", 1, "t"), *t.read());
 }
 
+/// A source that copies slowly (the memory of a busy machine), counting its copies.
+struct SlowSource {
+    bytes: Arc<Vec<u8>>,
+}
+
+struct SlowPin(Arc<Vec<u8>>);
+
+impl ckpt_trainer::MemorySource for SlowSource {
+    fn len(&self) -> usize {
+        self.bytes.len()
+    }
+
+    fn pin(&self) -> ckpt_store::Result<Box<dyn ckpt_trainer::PinnedSource>> {
+        Ok(Box::new(SlowPin(self.bytes.clone())))
+    }
+}
+
+impl ckpt_trainer::PinnedSource for SlowPin {
+    fn copy_to(&self, offset: usize, dst: &mut [u8]) -> ckpt_store::Result<()> {
+        std::thread::sleep(Duration::from_millis(3));
+        dst.copy_from_slice(&self.0[offset..offset + dst.len()]);
+        Ok(())
+    }
+
+    fn complete(self: Box<Self>) -> ckpt_store::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn a_snapshot_a_little_larger_than_its_pool_copies_before_the_persist_starts() {
+    // 64 chunks through a pool of 60: the copy has the cores to itself until it must wait for
+    // staging, so the pool fills up (all but less than a batch) before any chunk is persisted.
+    // Were the persist started with the copy, it would drain each chunk as it came (the copy is
+    // slow here) and the pool would never hold more than a few batches.
+    let (store, _d) = memory_store(tiny_config());
+    let chunk = tiny_config().chunk_size;
+    let n = 64 * chunk;
+    let src = SlowSource {
+        bytes: Arc::new(det_bytes(9, n)),
+    };
+    let want = src.bytes.as_ref().clone();
+    let mut cfg = CheckpointerConfig::new("fill", 0, Layout::SINGLE);
+    cfg.staging_bytes = 60 * chunk;
+    cfg.copy_threads = 2;
+    let ck = Checkpointer::new(store.clone(), cfg).unwrap();
+    let mut t = SaveTensor::bytes("t", &HostTensor::from_vec(vec![0; n]), n as u64);
+    t.source = Some(Arc::new(src));
+    let h = ck
+        .save(
+            1,
+            SaveState {
+                tensors: vec![t],
+                blobs: vec![],
+            },
+        )
+        .unwrap();
+    let r = h.wait_committed(Duration::from_secs(60)).unwrap();
+    let batch = 2 * 4 * chunk;
+    assert!(
+        r.staging_peak + batch > 60 * chunk,
+        "the pool peaked at {} of {} bytes: the persist drained it while the copy went on",
+        r.staging_peak,
+        60 * chunk
+    );
+    assert!(r.staging_peak <= 60 * chunk, "{}", r.staging_peak);
+    assert_eq!(read(&store, "fill", 1, "t"), want);
+}
+
 #[test]
 fn a_save_right_after_start_up_is_bit_exact_while_staging_fills_in_the_background() {
     // 8 MiB of state in 4 KiB chunks: 2049 slabs for the background to touch, so the first
