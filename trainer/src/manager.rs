@@ -48,7 +48,8 @@ use tracing::{info, instrument, warn};
 
 use crate::governor::{Change, Governor, GovernorConfig};
 use crate::interval::{
-    AutoInterval, CostMeter, FailureRate, Why, choose_steps, failure_rate, generation_choice,
+    AutoInterval, CostMeter, Decided, FailureRate, Why, choose_steps, failure_rate,
+    generation_choice,
 };
 use crate::memory::{HostTensor, HostView, MemorySink, MemorySource};
 use crate::monitor::{
@@ -855,12 +856,9 @@ impl CheckpointManager {
                 Err(e) => warn!("reading the recovery log for the checkpoint interval: {e}"),
             }
         }
-        self.auto.rate.unwrap_or(FailureRate {
-            failures: 0,
-            observed_s: 0.0,
-            mtbf_s: auto.mtbf_prior.as_secs_f64(),
-            prior: true,
-        })
+        self.auto
+            .rate
+            .unwrap_or_else(|| FailureRate::prior(auto.mtbf_prior))
     }
 
     /// Choose the interval after `step` from the cost of a save and the failure rate; log the
@@ -885,6 +883,13 @@ impl CheckpointManager {
             ),
             _ => return,
         };
+        let decided = Decided {
+            steps,
+            why,
+            cost_s,
+            step_s,
+            target_s,
+        };
         // Once decided, a change of under a tenth within the bounds is noise, not news.
         let small = why == Why::YoungDaly && steps.abs_diff(current) * 10 < current;
         if self.auto.evaluated && (steps == current || small) {
@@ -903,20 +908,12 @@ impl CheckpointManager {
             failures = rate.failures,
             "checkpoint interval changed"
         );
-        self.log_event(Event::CheckpointInterval(records::CheckpointInterval {
+        self.log_event(Event::CheckpointInterval(decided.record(
             step,
-            from_steps: current,
-            to_steps: steps,
-            reason: why.as_str().to_string(),
-            cost_s,
-            step_s,
-            target_s,
-            mtbf_s: rate.mtbf_s,
-            failures: rate.failures,
-            observed_s: rate.observed_s,
-            mtbf_prior: rate.prior,
-            generation: None,
-        }));
+            current,
+            &rate,
+            None,
+        )));
     }
 
     /// The persist governor at the start of `maybe_save(step)`: measure the step interval that
