@@ -642,7 +642,7 @@ impl CheckpointManager {
             if self
                 .watch
                 .iter()
-                .any(|h| matches!(h.stage(), Stage::Snapshotting | Stage::Snapshotted))
+                .any(|h| !h.stage().persist_ended())
                 && gave_up > self.give_ups_seen
             {
                 self.mark_down(step);
@@ -693,12 +693,7 @@ impl CheckpointManager {
                     .step(now.duration_since(prev).as_secs_f64(), busy);
             }
             self.auto.last_tick = Some(now);
-            let done = self.auto.tracking.as_ref().map(|h| {
-                matches!(
-                    h.stage(),
-                    Stage::Persisted | Stage::Committed | Stage::Failed(_) | Stage::Skipped(_)
-                )
-            });
+            let done = self.auto.tracking.as_ref().map(|h| h.stage().persist_ended());
             if done == Some(true) {
                 self.tracked_save_done(auto, step);
             }
@@ -932,7 +927,7 @@ impl CheckpointManager {
         };
         let stage = t.handle.stage();
         let r = t.handle.report();
-        let done = !matches!(stage, Stage::Snapshotting | Stage::Snapshotted);
+        let done = stage.persist_ended();
         let snap_end = match stage {
             Stage::Snapshotting => now,
             _ => t.at + Duration::from_secs_f64(r.snapshot_s),
@@ -1281,13 +1276,11 @@ impl CheckpointManager {
             // now it is measured here, before the new one replaces it (else no cost was ever
             // taken and the interval never re-evaluated). A save skipped by back-pressure
             // leaves the one in flight measured.
-            let ended = |st: Stage| {
-                matches!(
-                    st,
-                    Stage::Persisted | Stage::Committed | Stage::Failed(_) | Stage::Skipped(_)
-                )
-            };
-            let prev_ended = self.auto.tracking.as_ref().map(|p| ended(p.stage()));
+            let prev_ended = self
+                .auto
+                .tracking
+                .as_ref()
+                .map(|p| p.stage().persist_ended());
             if let Some(auto) = self.cfg.auto_interval.clone()
                 && prev_ended == Some(true)
             {
