@@ -436,8 +436,7 @@ async fn seed_index(store: &Store, index: &DedupIndex) -> Result<()> {
         .collect()
         .await;
     for m in &manifests {
-        index.extend(m.tensors.iter().flat_map(|t| &t.chunks));
-        index.extend(m.blobs.iter().flat_map(|b| &b.chunks));
+        index.extend(m.chunk_refs());
     }
     Ok(())
 }

@@ -104,12 +104,7 @@ async fn distinct_bytes(store: &Store, scope: &VerifyScope) -> u64 {
         .collect()
         .await;
     for m in manifests.iter().flatten() {
-        for c in m
-            .tensors
-            .iter()
-            .flat_map(|t| &t.chunks)
-            .chain(m.blobs.iter().flat_map(|b| &b.chunks))
-        {
+        for c in m.chunk_refs() {
             seen.insert(c.id, c.len as u64);
         }
     }
