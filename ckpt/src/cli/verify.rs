@@ -67,25 +67,17 @@ pub async fn scope_of(store: &Store, target: Option<&str>) -> Result<VerifyScope
 /// Raw bytes of the distinct chunks reachable from `scope` (the progress bar's length; the
 /// store's own hint counts a chunk once per step that references it).
 async fn distinct_bytes(store: &Store, scope: &VerifyScope) -> u64 {
-    let steps: Vec<(String, u64)> = match scope {
-        VerifyScope::Step(r, s) => vec![(r.clone(), *s)],
-        VerifyScope::Run(r) => store
-            .committed_steps(r)
-            .await
-            .unwrap_or_default()
-            .into_iter()
-            .map(|s| (r.clone(), s))
-            .collect(),
-        VerifyScope::Store => {
-            let mut v = Vec::new();
-            for r in store.list_runs().await.unwrap_or_default() {
-                for s in store.committed_steps(&r).await.unwrap_or_default() {
-                    v.push((r.clone(), s));
-                }
-            }
-            v
-        }
+    // A step, or the committed steps of the runs named.
+    let (mut steps, runs): (Vec<(String, u64)>, Vec<String>) = match scope {
+        VerifyScope::Step(r, s) => (vec![(r.clone(), *s)], Vec::new()),
+        VerifyScope::Run(r) => (Vec::new(), vec![r.clone()]),
+        VerifyScope::Store => (Vec::new(), store.list_runs().await.unwrap_or_default()),
     };
+    for r in runs {
+        for s in store.committed_steps(&r).await.unwrap_or_default() {
+            steps.push((r.clone(), s));
+        }
+    }
     let mut seen: HashMap<ChunkId, u64> = HashMap::new();
     let manifests: Vec<_> = stream::iter(steps)
         .map(|(run, step)| async move {
