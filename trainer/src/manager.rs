@@ -639,11 +639,7 @@ impl CheckpointManager {
             // The save in flight is still retrying and the store already gave up on a request
             // since it started: do not wait for it to fail.
             let gave_up = self.store_give_ups();
-            if self
-                .watch
-                .iter()
-                .any(|h| !h.stage().persist_ended())
-                && gave_up > self.give_ups_seen
+            if self.watch.iter().any(|h| !h.stage().persist_ended()) && gave_up > self.give_ups_seen
             {
                 self.mark_down(step);
             }
@@ -693,7 +689,11 @@ impl CheckpointManager {
                     .step(now.duration_since(prev).as_secs_f64(), busy);
             }
             self.auto.last_tick = Some(now);
-            let done = self.auto.tracking.as_ref().map(|h| h.stage().persist_ended());
+            let done = self
+                .auto
+                .tracking
+                .as_ref()
+                .map(|h| h.stage().persist_ended());
             if done == Some(true) {
                 self.tracked_save_done(auto, step);
             }
@@ -903,12 +903,9 @@ impl CheckpointManager {
             failures = rate.failures,
             "checkpoint interval changed"
         );
-        self.log_event(Event::CheckpointInterval(decided.record(
-            step,
-            current,
-            &rate,
-            None,
-        )));
+        self.log_event(Event::CheckpointInterval(
+            decided.record(step, current, &rate, None),
+        ));
     }
 
     /// The persist governor at the start of `maybe_save(step)`: measure the step interval that
