@@ -268,6 +268,20 @@ fn encode_plane(p: Vec<u8>, level: i32, min_saving_permille: u16) -> (u8, Bytes)
     }
 }
 
+/// What [`encode_delta`] and [`estimate_delta`] need: a base of the data's length and whole
+/// float elements (a caller's bug otherwise).
+fn check_delta_args(data: &[u8], base: &[u8], elem: usize) {
+    assert_eq!(
+        data.len(),
+        base.len(),
+        "a delta needs a base of the same length"
+    );
+    assert!(
+        matches!(elem, 2 | 4 | 8) && data.len().is_multiple_of(elem),
+        "a delta needs whole float elements"
+    );
+}
+
 /// The XOR of `data` and `base` (the same length): what a delta object encodes.
 fn xor(data: &[u8], base: &[u8]) -> Vec<u8> {
     data.iter().zip(base).map(|(a, b)| a ^ b).collect()
@@ -461,15 +475,7 @@ pub fn encode_delta(
     elem: usize,
     level: i32,
 ) -> Encoded {
-    assert_eq!(
-        data.len(),
-        base.len(),
-        "a delta needs a base of the same length"
-    );
-    assert!(
-        matches!(elem, 2 | 4 | 8) && data.len().is_multiple_of(elem),
-        "a delta needs whole float elements"
-    );
+    check_delta_args(data, base, elem);
     let x = xor(data, base);
     let mut parts = vec![
         Bytes::copy_from_slice(&header(Codec::Delta, elem as u8, data.len() as u64)),
@@ -523,15 +529,7 @@ fn planes_size(data: &[u8], elem: usize, level: i32) -> usize {
 /// writer encodes only the smaller instead of both (issue 16: trying deltas must not slow a
 /// save). Same arguments as [`encode_delta`].
 pub fn estimate_delta(data: &[u8], base: &[u8], elem: usize, level: i32) -> DeltaEstimate {
-    assert_eq!(
-        data.len(),
-        base.len(),
-        "a delta needs a base of the same length"
-    );
-    assert!(
-        matches!(elem, 2 | 4 | 8) && data.len().is_multiple_of(elem),
-        "a delta needs whole float elements"
-    );
+    check_delta_args(data, base, elem);
     let (sd, sb): (Vec<u8>, Vec<u8>) = if data.len() <= ESTIMATE_WINDOWS * ESTIMATE_WINDOW {
         (data.to_vec(), base.to_vec())
     } else {
