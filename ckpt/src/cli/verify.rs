@@ -80,18 +80,7 @@ async fn distinct_bytes(store: &Store, scope: &VerifyScope) -> u64 {
     }
     let mut seen: HashMap<ChunkId, u64> = HashMap::new();
     let manifests: Vec<_> = stream::iter(steps)
-        .map(|(run, step)| async move {
-            let Ok((c, _)) = store.read_commit(&run, step).await else {
-                return Vec::new();
-            };
-            let mut out = Vec::new();
-            for e in &c.ranks {
-                if let Ok(m) = store.read_rank_manifest(&run, step, e.rank, Some(e)).await {
-                    out.push(m);
-                }
-            }
-            out
-        })
+        .map(|(run, step)| async move { super::readable_manifests(store, &run, step).await })
         .buffer_unordered(8)
         .collect()
         .await;
