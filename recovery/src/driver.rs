@@ -135,20 +135,15 @@ pub async fn retire_step(store: &Store, run: &str, step: u64) -> Result<()> {
     Ok(())
 }
 
+/// The objects committed `step` needs (its chunks' and packs', delta chains included) that
+/// are not in the store.
 async fn step_objects_missing(store: &Store, run: &str, step: u64) -> Result<Vec<String>> {
-    let reader = StepReader::open(store, run, step).await?;
-    let mut objects = HashSet::new();
-    for e in &reader.commit().ranks {
-        let m = reader.manifest(e.rank).await?;
-        for c in m
-            .tensors
-            .iter()
-            .flat_map(|t| &t.chunks)
-            .chain(m.blobs.iter().flat_map(|b| &b.chunks))
-        {
-            objects.extend(store.chain_objects(c));
-        }
-    }
+    let objects: HashSet<_> = store
+        .step_chunk_refs(run, step)
+        .await?
+        .iter()
+        .flat_map(|c| store.chain_objects(c))
+        .collect();
     let mut missing = Vec::new();
     let checks = futures::future::join_all(objects.iter().map(|p| store.exists(p))).await;
     for (p, ok) in objects.iter().zip(checks) {

@@ -8,7 +8,8 @@ use serde::Serialize;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::keys::{StepObject, validate_run};
-use crate::model::CommitRecord;
+use crate::model::{ChunkRef, CommitRecord};
+use crate::read::StepReader;
 use crate::store::Store;
 
 /// One step of a run as the store lists it.
@@ -187,5 +188,18 @@ impl Store {
                 ))
             }
         }
+    }
+
+    /// Every chunk reference of committed `step` of `run`: each rank's in the commit record's
+    /// order ([`RankManifest::chunk_refs`](crate::RankManifest::chunk_refs); a chunk that
+    /// several ranks or shards share is listed each time). The objects they name are what the
+    /// step needs ([`Store::object_of`], [`Store::chain_objects`]).
+    pub async fn step_chunk_refs(&self, run: &str, step: u64) -> Result<Vec<ChunkRef>> {
+        let reader = StepReader::open(self, run, step).await?;
+        let mut out = Vec::new();
+        for e in &reader.commit().ranks {
+            out.extend(reader.manifest(e.rank).await?.chunk_refs().cloned());
+        }
+        Ok(out)
     }
 }

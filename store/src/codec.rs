@@ -240,8 +240,51 @@ fn sample_pays(data: &[u8], level: i32, min_saving_permille: u16) -> bool {
         sample = [&data[..half], &data[mid..mid + half]].concat();
         &sample
     };
-    let c = compress(s, level).len();
-    (c as u64) * 1000 <= (s.len() as u64) * (1000 - min_saving_permille as u64)
+    saves(compress(s, level).len(), s.len(), min_saving_permille)
+}
+
+/// Whether `compressed` bytes of `len` save at least `min_saving_permille`.
+fn saves(compressed: usize, len: usize, min_saving_permille: u16) -> bool {
+    (compressed as u64) * 1000 <= (len as u64) * (1000 - min_saving_permille as u64)
+}
+
+/// One byte plane as the encoder stores it: zstd at `level` where that saves at least
+/// `min_saving_permille` (judged on a sample of a plane larger than one) and is smaller, else
+/// raw. The plane's kind in the table (0 raw, 1 zstd) and its bytes.
+fn encode_plane(p: Vec<u8>, level: i32, min_saving_permille: u16) -> (u8, Bytes) {
+    let c = if p.len() < 64 {
+        None
+    } else if p.len() <= SAMPLE {
+        // The plane is its own sample: compressed once.
+        Some(compress(&p, level)).filter(|c| saves(c.len(), p.len(), min_saving_permille))
+    } else if sample_pays(&p, level, min_saving_permille) {
+        Some(compress(&p, level))
+    } else {
+        None
+    };
+    match c {
+        Some(c) if c.len() < p.len() => (1, Bytes::from(c)),
+        _ => (0, Bytes::from(p)),
+    }
+}
+
+/// What [`encode_delta`] and [`estimate_delta`] need: a base of the data's length and whole
+/// float elements (a caller's bug otherwise).
+fn check_delta_args(data: &[u8], base: &[u8], elem: usize) {
+    assert_eq!(
+        data.len(),
+        base.len(),
+        "a delta needs a base of the same length"
+    );
+    assert!(
+        matches!(elem, 2 | 4 | 8) && data.len().is_multiple_of(elem),
+        "a delta needs whole float elements"
+    );
+}
+
+/// The XOR of `data` and `base` (the same length): what a delta object encodes.
+fn xor(data: &[u8], base: &[u8]) -> Vec<u8> {
+    data.iter().zip(base).map(|(a, b)| a ^ b).collect()
 }
 
 /// Split `data` (elements of `elem` bytes, little-endian) into byte planes. With `rotate`,
@@ -404,17 +447,10 @@ fn planes_payload(
     let mut payload: Vec<Bytes> = Vec::with_capacity(elem + 1);
     let mut any = false;
     for p in planes {
-        if sample_pays(&p, level, min_saving_permille) {
-            let c = compress(&p, level);
-            if c.len() < p.len() {
-                table.push((1u8, c.len() as u32));
-                payload.push(Bytes::from(c));
-                any = true;
-                continue;
-            }
-        }
-        table.push((0u8, p.len() as u32));
-        payload.push(Bytes::from(p));
+        let (kind, b) = encode_plane(p, level, min_saving_permille);
+        any |= kind == 1;
+        table.push((kind, b.len() as u32));
+        payload.push(b);
     }
     if !any && !force {
         return None;
@@ -439,19 +475,8 @@ pub fn encode_delta(
     elem: usize,
     level: i32,
 ) -> Encoded {
-    assert_eq!(
-        data.len(),
-        base.len(),
-        "a delta needs a base of the same length"
-    );
-    assert!(
-        matches!(elem, 2 | 4 | 8) && data.len().is_multiple_of(elem),
-        "a delta needs whole float elements"
-    );
-    let mut x = vec![0u8; data.len()];
-    for ((o, a), b) in x.iter_mut().zip(data).zip(base) {
-        *o = a ^ b;
-    }
+    check_delta_args(data, base, elem);
+    let x = xor(data, base);
     let mut parts = vec![
         Bytes::copy_from_slice(&header(Codec::Delta, elem as u8, data.len() as u64)),
         Bytes::copy_from_slice(&base_id.0.0),
@@ -490,11 +515,12 @@ impl DeltaEstimate {
     }
 }
 
-/// zstd over the byte planes of `data`, each plane stored raw where that is smaller: bytes.
+/// The bytes of the byte planes of `data` as a delta object stores them (zstd at `level`
+/// where it is smaller, else raw; without the header and the plane table).
 fn planes_size(data: &[u8], elem: usize, level: i32) -> usize {
     split_planes(data, elem, true)
-        .iter()
-        .map(|p| compress(p, level).len().min(p.len()))
+        .into_iter()
+        .map(|p| encode_plane(p, level, 0).1.len())
         .sum()
 }
 
@@ -503,36 +529,23 @@ fn planes_size(data: &[u8], elem: usize, level: i32) -> usize {
 /// writer encodes only the smaller instead of both (issue 16: trying deltas must not slow a
 /// save). Same arguments as [`encode_delta`].
 pub fn estimate_delta(data: &[u8], base: &[u8], elem: usize, level: i32) -> DeltaEstimate {
-    assert_eq!(
-        data.len(),
-        base.len(),
-        "a delta needs a base of the same length"
-    );
-    assert!(
-        matches!(elem, 2 | 4 | 8) && data.len().is_multiple_of(elem),
-        "a delta needs whole float elements"
-    );
-    let (sd, sx): (Vec<u8>, Vec<u8>) = if data.len() <= ESTIMATE_WINDOWS * ESTIMATE_WINDOW {
-        let x = data.iter().zip(base).map(|(a, b)| a ^ b).collect();
-        (data.to_vec(), x)
+    check_delta_args(data, base, elem);
+    let (sd, sb): (Vec<u8>, Vec<u8>) = if data.len() <= ESTIMATE_WINDOWS * ESTIMATE_WINDOW {
+        (data.to_vec(), base.to_vec())
     } else {
         let mut sd = Vec::with_capacity(ESTIMATE_WINDOWS * ESTIMATE_WINDOW);
-        let mut sx = Vec::with_capacity(ESTIMATE_WINDOWS * ESTIMATE_WINDOW);
+        let mut sb = Vec::with_capacity(ESTIMATE_WINDOWS * ESTIMATE_WINDOW);
         let span = data.len() - ESTIMATE_WINDOW;
         for i in 0..ESTIMATE_WINDOWS {
             let at = span * i / (ESTIMATE_WINDOWS - 1) / elem * elem;
-            let (d, b) = (
-                &data[at..at + ESTIMATE_WINDOW],
-                &base[at..at + ESTIMATE_WINDOW],
-            );
-            sd.extend_from_slice(d);
-            sx.extend(d.iter().zip(b).map(|(a, b)| a ^ b));
+            sd.extend_from_slice(&data[at..at + ESTIMATE_WINDOW]);
+            sb.extend_from_slice(&base[at..at + ESTIMATE_WINDOW]);
         }
-        (sd, sx)
+        (sd, sb)
     };
     DeltaEstimate {
         sampled: sd.len(),
-        delta: planes_size(&sx, elem, level),
+        delta: planes_size(&xor(&sd, &sb), elem, level),
         plain: planes_size(&sd, elem, level),
     }
 }

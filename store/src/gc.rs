@@ -319,12 +319,7 @@ impl Store {
         let mut live: HashSet<Path> = HashSet::new();
         let mut bases: HashSet<Path> = HashSet::new();
         for m in &manifests {
-            for c in m
-                .tensors
-                .iter()
-                .flat_map(|t| &t.chunks)
-                .chain(m.blobs.iter().flat_map(|b| &b.chunks))
-            {
+            for c in m.chunk_refs() {
                 let mut chain = self.chain_objects(c).into_iter();
                 live.extend(chain.next());
                 bases.extend(chain);

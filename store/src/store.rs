@@ -107,6 +107,14 @@ impl StoreConfig {
         }
     }
 
+    /// Byte ranges of the chunks of a buffer of `len` bytes (aligned to its start): how
+    /// every shard and blob is cut.
+    pub fn chunk_spans(&self, len: u64) -> impl Iterator<Item = std::ops::Range<u64>> + use<> {
+        let cs = self.chunk_size as u64;
+        let n = if len == 0 { 0 } else { len.div_ceil(cs) };
+        (0..n).map(move |i| i * cs..((i + 1) * cs).min(len))
+    }
+
     /// Check the settings.
     pub fn validate(&self) -> Result<()> {
         if self.chunk_size == 0 || self.chunk_size as u64 > MAX_CHUNK_LEN {
@@ -588,11 +596,9 @@ impl Store {
         &self.url
     }
 
-    /// Byte ranges of the chunks of a buffer of `len` bytes (aligned to its start).
+    /// Byte ranges of the chunks of a buffer of `len` bytes ([`StoreConfig::chunk_spans`]).
     pub fn chunk_spans(&self, len: u64) -> impl Iterator<Item = std::ops::Range<u64>> + use<> {
-        let cs = self.cfg.chunk_size as u64;
-        let n = if len == 0 { 0 } else { len.div_ceil(cs) };
-        (0..n).map(move |i| i * cs..((i + 1) * cs).min(len))
+        self.cfg.chunk_spans(len)
     }
 
     // ----- plain objects -------------------------------------------------------------------

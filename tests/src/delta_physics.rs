@@ -16,6 +16,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use bytes::Bytes;
+use ckpt_store::StoreConfig;
 use ckpt_store::codec::{self, CodecPolicy};
 use ckpt_store::id::ChunkId;
 use ckpt_store::model::{DType, NdBox, Placement, Stage, TensorSpec};
@@ -168,8 +169,9 @@ struct Acc {
     estimate_right: u64,
 }
 
-/// Compare state `b` with the older state `a` (the same tensors), per kind.
-fn compare(a: &[Tensor], b: &[Tensor], chunk: usize) -> BTreeMap<&'static str, Acc> {
+/// Compare state `b` with the older state `a` (the same tensors), per kind, over the chunks
+/// the store cuts each tensor into under `chunks` ([`StoreConfig::chunk_spans`]).
+fn compare(a: &[Tensor], b: &[Tensor], chunks: &StoreConfig) -> BTreeMap<&'static str, Acc> {
     let policy = CodecPolicy::FAST;
     let level = match policy {
         CodecPolicy::Compress { level, .. } => level,
@@ -179,8 +181,10 @@ fn compare(a: &[Tensor], b: &[Tensor], chunk: usize) -> BTreeMap<&'static str, A
     for (ta, tb) in a.iter().zip(b) {
         assert_eq!(ta.name, tb.name, "the two states hold different tensors");
         let e = ta.dtype.size();
-        for (x, y) in ta.data.chunks(chunk).zip(tb.data.chunks(chunk)) {
-            work.push((tb.kind, e, x, y));
+        assert_eq!(ta.data.len(), tb.data.len(), "{}: sizes differ", ta.name);
+        for r in chunks.chunk_spans(ta.data.len() as u64) {
+            let r = r.start as usize..r.end as usize;
+            work.push((tb.kind, e, &ta.data[r.clone()], &tb.data[r]));
         }
     }
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
@@ -335,7 +339,7 @@ pub fn physics_reference(params: u64, lr: f32, warm: u64, intervals: &[u64]) {
             &source,
             warm,
             warm + k,
-            compare(&base, &now, 4 << 20),
+            compare(&base, &now, &StoreConfig::default()),
             &elem_of,
         );
     }
@@ -356,7 +360,7 @@ pub fn physics_trajectory(dir: &Path) {
             "trajectory",
             steps[0].0,
             *s,
-            compare(&base, &now, 4 << 20),
+            compare(&base, &now, &StoreConfig::default()),
             &elem_of,
         );
     }

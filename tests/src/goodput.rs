@@ -616,23 +616,17 @@ fn rss_kib(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
-/// The chunk and pack objects of `step`.
+/// The chunk and pack objects of `step` (each chunk's own, not its delta bases), by key.
 async fn step_objects(st: &Store, step: u64) -> ckpt_store::Result<BTreeMap<String, ObjectPath>> {
-    let reader = ckpt_store::StepReader::open(st, RUN, step).await?;
-    let mut out = BTreeMap::new();
-    for e in &reader.commit().ranks {
-        let m = reader.manifest(e.rank).await?;
-        for c in m
-            .tensors
-            .iter()
-            .flat_map(|t| &t.chunks)
-            .chain(m.blobs.iter().flat_map(|b| &b.chunks))
-        {
+    Ok(st
+        .step_chunk_refs(RUN, step)
+        .await?
+        .iter()
+        .map(|c| {
             let p = st.object_of(c);
-            out.insert(p.to_string(), p);
-        }
-    }
-    Ok(out)
+            (p.to_string(), p)
+        })
+        .collect())
 }
 
 /// Delete an object of the newest committed step that the step before it does not reference:

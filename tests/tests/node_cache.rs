@@ -43,12 +43,7 @@ fn distinct_stored(store: &ckpt_store::Store, run: &str, step: u64) -> u64 {
         let mut seen = HashMap::new();
         for rank in 0..r.commit().layout.world() {
             let m = r.manifest(rank).await.unwrap();
-            for c in m
-                .tensors
-                .iter()
-                .flat_map(|t| &t.chunks)
-                .chain(m.blobs.iter().flat_map(|b| &b.chunks))
-            {
+            for c in m.chunk_refs() {
                 seen.insert(c.id, u64::from(c.stored));
             }
         }

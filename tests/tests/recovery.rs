@@ -553,22 +553,11 @@ fn object_only_in(store: &Path, run: &str, step: u64, older: u64) -> PathBuf {
     let st = ckpt_store::open(store.to_str().unwrap()).unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let objects = |s: u64| {
-        rt.block_on(async {
-            let reader = ckpt_store::StepReader::open(&st, run, s).await.unwrap();
-            let mut out = std::collections::BTreeSet::new();
-            for e in &reader.commit().ranks {
-                let m = reader.manifest(e.rank).await.unwrap();
-                for c in m
-                    .tensors
-                    .iter()
-                    .flat_map(|t| &t.chunks)
-                    .chain(m.blobs.iter().flat_map(|b| &b.chunks))
-                {
-                    out.insert(st.object_of(c).to_string());
-                }
-            }
-            out
-        })
+        rt.block_on(st.step_chunk_refs(run, s))
+            .unwrap()
+            .iter()
+            .map(|c| st.object_of(c).to_string())
+            .collect::<std::collections::BTreeSet<_>>()
     };
     let old = objects(older);
     let key = objects(step)

@@ -129,6 +129,62 @@ pub struct FailureRate {
     pub prior: bool,
 }
 
+impl FailureRate {
+    /// No failure counted over no time: the MTBF is `prior`.
+    pub fn prior(prior: Duration) -> FailureRate {
+        FailureRate {
+            failures: 0,
+            observed_s: 0.0,
+            mtbf_s: prior.as_secs_f64(),
+            prior: true,
+        }
+    }
+}
+
+/// An interval decided, with the figures it came from: what a `checkpoint_interval` record
+/// says besides the failure rate ([`Decided::record`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Decided {
+    /// Steps between checkpoints.
+    pub steps: u64,
+    /// Why.
+    pub why: Why,
+    /// The measured cost of a save, seconds.
+    pub cost_s: Option<f64>,
+    /// The time of a clean step, seconds.
+    pub step_s: Option<f64>,
+    /// Young/Daly's interval, seconds (when it was computed).
+    pub target_s: Option<f64>,
+}
+
+impl Decided {
+    /// The `checkpoint_interval` record: decided after `step`, changing the interval from
+    /// `from_steps`, under the failure rate `rate`, for `generation` (ranks in separate
+    /// processes) or for the ranks of one process (`None`).
+    pub fn record(
+        &self,
+        step: u64,
+        from_steps: u64,
+        rate: &FailureRate,
+        generation: Option<u64>,
+    ) -> CheckpointInterval {
+        CheckpointInterval {
+            step,
+            from_steps,
+            to_steps: self.steps,
+            reason: self.why.as_str().to_string(),
+            cost_s: self.cost_s,
+            step_s: self.step_s,
+            target_s: self.target_s,
+            mtbf_s: rate.mtbf_s,
+            failures: rate.failures,
+            observed_s: rate.observed_s,
+            mtbf_prior: rate.prior,
+            generation,
+        }
+    }
+}
+
 /// The failure rate that `events` (the run's events log, [`ckpt_store::records::read_records`])
 /// show at `now_ms` (Unix milliseconds), with `prior` as the MTBF while none is logged.
 pub fn failure_rate(events: &[Logged<Event>], now_ms: i64, prior: Duration) -> FailureRate {
@@ -146,10 +202,8 @@ pub fn failure_rate(events: &[Logged<Event>], now_ms: i64, prior: Duration) -> F
     let observed_s = since.map_or(0.0, |t| (now_ms - t).max(0) as f64 / 1000.0);
     if failures == 0 {
         return FailureRate {
-            failures,
             observed_s,
-            mtbf_s: prior.as_secs_f64(),
-            prior: true,
+            ..FailureRate::prior(prior)
         };
     }
     FailureRate {
@@ -214,42 +268,35 @@ pub fn generation_choice(
     let min = auto.min_steps.max(1);
     let max = auto.max_steps.max(min);
     let from_steps = previous.unwrap_or(min).clamp(min, max);
-    let (steps, why, target_s, cost_s, step_s) = match cost {
+    let decided = match cost {
         Some(c) => match (c.cost_s, c.step_s) {
             (Some(cost_s), Some(step_s)) => {
                 let ch = choose_steps(cost_s, rate.mtbf_s, step_s, min, max);
-                (
-                    ch.steps,
-                    ch.why,
-                    Some(ch.target_s),
-                    Some(cost_s),
-                    Some(step_s),
-                )
+                Decided {
+                    steps: ch.steps,
+                    why: ch.why,
+                    cost_s: Some(cost_s),
+                    step_s: Some(step_s),
+                    target_s: Some(ch.target_s),
+                }
             }
-            _ => (
-                from_steps.saturating_mul(2).clamp(min, max),
-                Why::NoBaseline,
-                None,
-                c.cost_s,
-                c.step_s,
-            ),
+            _ => Decided {
+                steps: from_steps.saturating_mul(2).clamp(min, max),
+                why: Why::NoBaseline,
+                cost_s: c.cost_s,
+                step_s: c.step_s,
+                target_s: None,
+            },
         },
-        None => (min, Why::NoCost, None, None, None),
+        None => Decided {
+            steps: min,
+            why: Why::NoCost,
+            cost_s: None,
+            step_s: None,
+            target_s: None,
+        },
     };
-    CheckpointInterval {
-        step: 0,
-        from_steps,
-        to_steps: steps,
-        reason: why.as_str().to_string(),
-        cost_s,
-        step_s,
-        target_s,
-        mtbf_s: rate.mtbf_s,
-        failures: rate.failures,
-        observed_s: rate.observed_s,
-        mtbf_prior: rate.prior,
-        generation: Some(generation),
-    }
+    decided.record(0, from_steps, &rate, Some(generation))
 }
 
 /// Measures what a save costs the training loop (see the module docs). Time enters as values.

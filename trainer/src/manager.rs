@@ -48,7 +48,8 @@ use tracing::{info, instrument, warn};
 
 use crate::governor::{Change, Governor, GovernorConfig};
 use crate::interval::{
-    AutoInterval, CostMeter, FailureRate, Why, choose_steps, failure_rate, generation_choice,
+    AutoInterval, CostMeter, Decided, FailureRate, Why, choose_steps, failure_rate,
+    generation_choice,
 };
 use crate::memory::{HostTensor, HostView, MemorySink, MemorySource};
 use crate::monitor::{
@@ -638,11 +639,7 @@ impl CheckpointManager {
             // The save in flight is still retrying and the store already gave up on a request
             // since it started: do not wait for it to fail.
             let gave_up = self.store_give_ups();
-            if self
-                .watch
-                .iter()
-                .any(|h| matches!(h.stage(), Stage::Snapshotting | Stage::Snapshotted))
-                && gave_up > self.give_ups_seen
+            if self.watch.iter().any(|h| !h.stage().persist_ended()) && gave_up > self.give_ups_seen
             {
                 self.mark_down(step);
             }
@@ -692,12 +689,11 @@ impl CheckpointManager {
                     .step(now.duration_since(prev).as_secs_f64(), busy);
             }
             self.auto.last_tick = Some(now);
-            let done = self.auto.tracking.as_ref().map(|h| {
-                matches!(
-                    h.stage(),
-                    Stage::Persisted | Stage::Committed | Stage::Failed(_) | Stage::Skipped(_)
-                )
-            });
+            let done = self
+                .auto
+                .tracking
+                .as_ref()
+                .map(|h| h.stage().persist_ended());
             if done == Some(true) {
                 self.tracked_save_done(auto, step);
             }
@@ -855,12 +851,9 @@ impl CheckpointManager {
                 Err(e) => warn!("reading the recovery log for the checkpoint interval: {e}"),
             }
         }
-        self.auto.rate.unwrap_or(FailureRate {
-            failures: 0,
-            observed_s: 0.0,
-            mtbf_s: auto.mtbf_prior.as_secs_f64(),
-            prior: true,
-        })
+        self.auto
+            .rate
+            .unwrap_or_else(|| FailureRate::prior(auto.mtbf_prior))
     }
 
     /// Choose the interval after `step` from the cost of a save and the failure rate; log the
@@ -885,6 +878,13 @@ impl CheckpointManager {
             ),
             _ => return,
         };
+        let decided = Decided {
+            steps,
+            why,
+            cost_s,
+            step_s,
+            target_s,
+        };
         // Once decided, a change of under a tenth within the bounds is noise, not news.
         let small = why == Why::YoungDaly && steps.abs_diff(current) * 10 < current;
         if self.auto.evaluated && (steps == current || small) {
@@ -903,20 +903,9 @@ impl CheckpointManager {
             failures = rate.failures,
             "checkpoint interval changed"
         );
-        self.log_event(Event::CheckpointInterval(records::CheckpointInterval {
-            step,
-            from_steps: current,
-            to_steps: steps,
-            reason: why.as_str().to_string(),
-            cost_s,
-            step_s,
-            target_s,
-            mtbf_s: rate.mtbf_s,
-            failures: rate.failures,
-            observed_s: rate.observed_s,
-            mtbf_prior: rate.prior,
-            generation: None,
-        }));
+        self.log_event(Event::CheckpointInterval(
+            decided.record(step, current, &rate, None),
+        ));
     }
 
     /// The persist governor at the start of `maybe_save(step)`: measure the step interval that
@@ -935,7 +924,7 @@ impl CheckpointManager {
         };
         let stage = t.handle.stage();
         let r = t.handle.report();
-        let done = !matches!(stage, Stage::Snapshotting | Stage::Snapshotted);
+        let done = stage.persist_ended();
         let snap_end = match stage {
             Stage::Snapshotting => now,
             _ => t.at + Duration::from_secs_f64(r.snapshot_s),
@@ -1284,13 +1273,11 @@ impl CheckpointManager {
             // now it is measured here, before the new one replaces it (else no cost was ever
             // taken and the interval never re-evaluated). A save skipped by back-pressure
             // leaves the one in flight measured.
-            let ended = |st: Stage| {
-                matches!(
-                    st,
-                    Stage::Persisted | Stage::Committed | Stage::Failed(_) | Stage::Skipped(_)
-                )
-            };
-            let prev_ended = self.auto.tracking.as_ref().map(|p| ended(p.stage()));
+            let prev_ended = self
+                .auto
+                .tracking
+                .as_ref()
+                .map(|p| p.stage().persist_ended());
             if let Some(auto) = self.cfg.auto_interval.clone()
                 && prev_ended == Some(true)
             {

@@ -29,6 +29,15 @@ fn state(ts: &[(&str, &HostTensor)]) -> SaveState {
     }
 }
 
+/// The checkpointer of the one rank of `run`.
+fn single_rank(store: &Store, run: &str) -> Checkpointer {
+    Checkpointer::new(
+        store.clone(),
+        CheckpointerConfig::new(run, 0, Layout::SINGLE),
+    )
+    .unwrap()
+}
+
 fn save(ck: &Checkpointer, step: u64, s: SaveState) -> SaveReport {
     ck.save(step, s).unwrap().wait_committed(T).unwrap()
 }
@@ -50,11 +59,7 @@ fn unchanged_tensors_are_reused_and_every_step_restores_exactly() {
     let (n_w, n_f) = (30_000usize, 90_000usize);
     let w = HostTensor::from_vec(det_bytes(1, n_w));
     let frozen = HostTensor::from_vec(det_bytes(2, n_f));
-    let ck = Checkpointer::new(
-        store.clone(),
-        CheckpointerConfig::new(run, 0, Layout::SINGLE),
-    )
-    .unwrap();
+    let ck = single_rank(&store, run);
     let mut want = Vec::new();
     for step in 1..=6u64 {
         if step > 1 && step != 4 {
@@ -100,11 +105,7 @@ fn a_write_through_the_api_always_reaches_the_next_save() {
     let run = "bump";
     let n = 20_000usize;
     let t = HostTensor::from_vec(det_bytes(3, n));
-    let ck = Checkpointer::new(
-        store.clone(),
-        CheckpointerConfig::new(run, 0, Layout::SINGLE),
-    )
-    .unwrap();
+    let ck = single_rank(&store, run);
     save(&ck, 1, state(&[("t", &t)]));
     let v0 = MemorySource::version(&t).unwrap();
     assert_eq!(MemorySource::version(&t), Some(v0), "reading does not bump");
@@ -162,11 +163,7 @@ fn a_failed_or_uncommitted_save_is_never_reused() {
     let n = 40_000usize;
     let w = HostTensor::from_vec(det_bytes(1, n));
     let frozen = HostTensor::from_vec(det_bytes(2, n));
-    let ck = Checkpointer::new(
-        store.clone(),
-        CheckpointerConfig::new(run, 0, Layout::SINGLE),
-    )
-    .unwrap();
+    let ck = single_rank(&store, run);
     save(&ck, 1, state(&[("w", &w), ("frozen", &frozen)]));
     w.write().copy_from_slice(&det_bytes(5, n));
     store.failpoints().set("before_commit", FailAction::Error);
@@ -216,11 +213,7 @@ fn another_name_shape_or_source_is_never_reused() {
     let run = "boxes";
     let n = 16_000u64;
     let t = HostTensor::from_vec(det_bytes(4, n as usize));
-    let ck = Checkpointer::new(
-        store.clone(),
-        CheckpointerConfig::new(run, 0, Layout::SINGLE),
-    )
-    .unwrap();
+    let ck = single_rank(&store, run);
     let whole = |name: &str, shape: Vec<u64>, t: &HostTensor| SaveTensor {
         name: name.into(),
         dtype: DType::U8,
@@ -280,11 +273,7 @@ fn gc_of_the_step_reused_from_keeps_what_later_steps_reference() {
     let n = 50_000usize;
     let w = HostTensor::from_vec(det_bytes(1, n));
     let frozen = HostTensor::from_vec(det_bytes(2, n));
-    let ck = Checkpointer::new(
-        store.clone(),
-        CheckpointerConfig::new(run, 0, Layout::SINGLE),
-    )
-    .unwrap();
+    let ck = single_rank(&store, run);
     let gc = |keep: usize| {
         let later = ckpt_store::clock::system_now() + chrono::Duration::hours(2);
         let opts = GcOptions {

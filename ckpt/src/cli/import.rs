@@ -420,24 +420,14 @@ async fn seed_index(store: &Store, index: &DedupIndex) -> Result<()> {
             let Ok(Some(step)) = store.latest_committed(&run).await else {
                 return Vec::new();
             };
-            let Ok((c, _)) = store.read_commit(&run, step).await else {
-                return Vec::new();
-            };
-            let mut out = Vec::new();
-            for e in &c.ranks {
-                if let Ok(m) = store.read_rank_manifest(&run, step, e.rank, Some(e)).await {
-                    out.push(m);
-                }
-            }
-            out
+            super::readable_manifests(store, &run, step).await
         })
         .buffer_unordered(8)
         .flat_map(stream::iter)
         .collect()
         .await;
     for m in &manifests {
-        index.extend(m.tensors.iter().flat_map(|t| &t.chunks));
-        index.extend(m.blobs.iter().flat_map(|b| &b.chunks));
+        index.extend(m.chunk_refs());
     }
     Ok(())
 }

@@ -272,12 +272,7 @@ pub async fn inspect(store: &Store, args: &InspectArgs, ui: &Ui) -> Result<Inspe
             }
         })
         .collect();
-    let (n_chunks, stored) = distinct_stored(manifests.iter().flat_map(|m| {
-        m.tensors
-            .iter()
-            .flat_map(|t| &t.chunks)
-            .chain(m.blobs.iter().flat_map(|b| &b.chunks))
-    }));
+    let (n_chunks, stored) = distinct_stored(manifests.iter().flat_map(|m| m.chunk_refs()));
     let ranks = manifests
         .iter()
         .map(|m| {

@@ -246,12 +246,7 @@ async fn list_steps(
         let sizes = (!quick && info.problem.is_none()).then(|| {
             let mut stored: HashMap<ChunkId, u64> = HashMap::new();
             for m in &info.manifests {
-                for c in m
-                    .tensors
-                    .iter()
-                    .flat_map(|t| &t.chunks)
-                    .chain(m.blobs.iter().flat_map(|b| &b.chunks))
-                {
+                for c in m.chunk_refs() {
                     stored.insert(c.id, c.stored as u64);
                 }
             }

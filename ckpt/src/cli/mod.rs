@@ -215,6 +215,25 @@ impl Cli {
     }
 }
 
+/// The rank manifests of committed `step` of `run` that read (none when its commit record
+/// does not): for figures that are best effort (a progress bar's length, a dedup index).
+pub(crate) async fn readable_manifests(
+    store: &ckpt_store::Store,
+    run: &str,
+    step: u64,
+) -> Vec<ckpt_store::RankManifest> {
+    let Ok((c, _)) = store.read_commit(run, step).await else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for e in &c.ranks {
+        if let Ok(m) = store.read_rank_manifest(run, step, e.rank, Some(e)).await {
+            out.push(m);
+        }
+    }
+    out
+}
+
 /// Open the store named by `--store` / `CKPT_STORE`.
 pub fn open_store(url: Option<&str>, open: &ckpt_store::OpenOptions) -> Result<ckpt_store::Store> {
     let url = url.filter(|u| !u.trim().is_empty()).ok_or_else(|| {

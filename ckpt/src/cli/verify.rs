@@ -67,49 +67,25 @@ pub async fn scope_of(store: &Store, target: Option<&str>) -> Result<VerifyScope
 /// Raw bytes of the distinct chunks reachable from `scope` (the progress bar's length; the
 /// store's own hint counts a chunk once per step that references it).
 async fn distinct_bytes(store: &Store, scope: &VerifyScope) -> u64 {
-    let steps: Vec<(String, u64)> = match scope {
-        VerifyScope::Step(r, s) => vec![(r.clone(), *s)],
-        VerifyScope::Run(r) => store
-            .committed_steps(r)
-            .await
-            .unwrap_or_default()
-            .into_iter()
-            .map(|s| (r.clone(), s))
-            .collect(),
-        VerifyScope::Store => {
-            let mut v = Vec::new();
-            for r in store.list_runs().await.unwrap_or_default() {
-                for s in store.committed_steps(&r).await.unwrap_or_default() {
-                    v.push((r.clone(), s));
-                }
-            }
-            v
-        }
+    // A step, or the committed steps of the runs named.
+    let (mut steps, runs): (Vec<(String, u64)>, Vec<String>) = match scope {
+        VerifyScope::Step(r, s) => (vec![(r.clone(), *s)], Vec::new()),
+        VerifyScope::Run(r) => (Vec::new(), vec![r.clone()]),
+        VerifyScope::Store => (Vec::new(), store.list_runs().await.unwrap_or_default()),
     };
+    for r in runs {
+        for s in store.committed_steps(&r).await.unwrap_or_default() {
+            steps.push((r.clone(), s));
+        }
+    }
     let mut seen: HashMap<ChunkId, u64> = HashMap::new();
     let manifests: Vec<_> = stream::iter(steps)
-        .map(|(run, step)| async move {
-            let Ok((c, _)) = store.read_commit(&run, step).await else {
-                return Vec::new();
-            };
-            let mut out = Vec::new();
-            for e in &c.ranks {
-                if let Ok(m) = store.read_rank_manifest(&run, step, e.rank, Some(e)).await {
-                    out.push(m);
-                }
-            }
-            out
-        })
+        .map(|(run, step)| async move { super::readable_manifests(store, &run, step).await })
         .buffer_unordered(8)
         .collect()
         .await;
     for m in manifests.iter().flatten() {
-        for c in m
-            .tensors
-            .iter()
-            .flat_map(|t| &t.chunks)
-            .chain(m.blobs.iter().flat_map(|b| &b.chunks))
-        {
+        for c in m.chunk_refs() {
             seen.insert(c.id, c.len as u64);
         }
     }

@@ -228,6 +228,14 @@ pub struct RankManifest {
 }
 
 impl RankManifest {
+    /// Every chunk reference of this rank: its tensor shards' (in order), then its blobs'.
+    pub fn chunk_refs(&self) -> impl Iterator<Item = &ChunkRef> {
+        self.tensors
+            .iter()
+            .flat_map(|t| &t.chunks)
+            .chain(self.blobs.iter().flat_map(|b| &b.chunks))
+    }
+
     /// Check everything a reader relies on; `what` names the object in messages.
     pub fn validate(&self, what: &str) -> Result<()> {
         let bad = |m: String| Err(Error::corrupt(format!("{what}: {m}")));
@@ -289,10 +297,7 @@ impl RankManifest {
     /// Whether any chunk reference is a delta (the manifest is then of
     /// [`DELTA_FORMAT_VERSION`]).
     pub fn has_deltas(&self) -> bool {
-        self.tensors
-            .iter()
-            .flat_map(|t| &t.chunks)
-            .chain(self.blobs.iter().flat_map(|b| &b.chunks))
+        self.chunk_refs()
             .any(|c| c.is_delta() || c.codec == Codec::Delta)
     }
 

@@ -28,6 +28,14 @@ pub enum Stage {
     Failed(SaveFailure),
 }
 
+impl Stage {
+    /// Whether the save's persist has ended: persisted (or committed), failed or skipped;
+    /// only a save still snapshotting or persisting has not.
+    pub fn persist_ended(&self) -> bool {
+        !matches!(self, Stage::Snapshotting | Stage::Snapshotted)
+    }
+}
+
 /// Why a save failed: the kind of the error where it happened (a fenced writer stays
 /// [`ErrorKind::Fenced`], damaged input [`ErrorKind::Corrupt`], a coverage hole
 /// [`ErrorKind::Incomplete`], ...) and its message. The kind decides what the caller does:
