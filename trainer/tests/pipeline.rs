@@ -218,7 +218,7 @@ fn a_snapshot_a_little_larger_than_its_pool_copies_before_the_persist_starts() {
     // staging, so the pool fills up (all but less than a batch) before any chunk is persisted.
     // Were the persist started with the copy, it would drain each chunk as it came (the copy is
     // slow here) and the pool would never hold more than a few batches.
-    let (store, _d) = memory_store(tiny_config());
+    let store = memory_store(tiny_config());
     let chunk = tiny_config().chunk_size;
     let n = 64 * chunk;
     let src = SlowSource {
