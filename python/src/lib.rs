@@ -542,6 +542,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
 /// `CKPT_LOG` (a `tracing` env filter such as `info` or `ckpt_trainer=debug`): the Rust side's
 /// events on stderr, as the CLI's `RUST_LOG`; unset, nothing is printed. Read once, when the
 /// module is imported (a binding reads its environment as a binary does).
+#[allow(
+    clippy::disallowed_methods,
+    reason = "the extension module is an edge, as a binary is: its log filter comes from the environment of the Python process"
+)]
 fn init_logging() {
     let Ok(filter) = std::env::var("CKPT_LOG") else {
         return;

@@ -97,7 +97,7 @@ pub(super) fn snapshot(
             // The threads take jobs one at a time (not a fixed share each): a thread the
             // scheduler set aside (other ranks' copies, the persist of another save) does not
             // leave its share for the others to wait on at the batch's end.
-            let work: Vec<parking_lot::Mutex<Option<(&Job, &mut [u8])>>> = work
+            let work: Vec<Slot<'_>> = work
                 .into_iter()
                 .map(|w| parking_lot::Mutex::new(Some(w)))
                 .collect();
@@ -161,6 +161,9 @@ pub(super) fn snapshot(
     }
     Ok(())
 }
+
+/// A copy job and its destination, taken once by whichever copy thread gets to it first.
+type Slot<'a> = parking_lot::Mutex<Option<(&'a Job, &'a mut [u8])>>;
 
 /// One batch of a snapshot: consecutive jobs and the slabs they are copied into.
 #[derive(Debug, Clone, PartialEq, Eq)]
