@@ -31,6 +31,26 @@ fn train_cmd(steps: u64, every: u64, step_ms: u64) -> Vec<String> {
     ]
 }
 
+/// [`train_cmd`] with the automatic interval (2 to 40 steps, a 10-hour MTBF before any failure
+/// is logged).
+fn auto_train_cmd(steps: u64, step_ms: u64) -> Vec<String> {
+    let mut cmd = train_cmd(steps, 1, step_ms);
+    let at = cmd.iter().position(|a| a == "--ckpt-every").unwrap();
+    cmd[at + 1] = "auto".into();
+    cmd.extend(
+        [
+            "--ckpt-every-min",
+            "2",
+            "--ckpt-every-max",
+            "40",
+            "--mtbf-prior",
+            "36000",
+        ]
+        .map(String::from),
+    );
+    cmd
+}
+
 fn options(
     store: &Path,
     run: &str,
@@ -1063,20 +1083,7 @@ fn the_automatic_interval_counts_the_failures_the_supervisor_logs() {
         ranks_per_node: 1,
         spares: 0,
     };
-    let mut cmd = train_cmd(steps, 1, 30);
-    let at = cmd.iter().position(|a| a == "--ckpt-every").unwrap();
-    cmd[at + 1] = "auto".into();
-    cmd.extend(
-        [
-            "--ckpt-every-min",
-            "2",
-            "--ckpt-every-max",
-            "40",
-            "--mtbf-prior",
-            "36000",
-        ]
-        .map(String::from),
-    );
+    let cmd = auto_train_cmd(steps, 30);
     let opts = options(&store, run, topo, "dp=1", cmd, dir.path().join("logs"));
     let sup = spawn_supervisor(opts);
     let t0 = Instant::now();
@@ -1151,29 +1158,12 @@ fn rank_processes_agree_on_an_automatic_interval_per_generation_that_shrinks_aft
         ranks_per_node: 1,
         spares: 2,
     };
-    let auto_cmd = |steps: u64| {
-        let mut cmd = train_cmd(steps, 1, 30);
-        let at = cmd.iter().position(|a| a == "--ckpt-every").unwrap();
-        cmd[at + 1] = "auto".into();
-        cmd.extend(
-            [
-                "--ckpt-every-min",
-                "2",
-                "--ckpt-every-max",
-                "40",
-                "--mtbf-prior",
-                "36000",
-            ]
-            .map(String::from),
-        );
-        cmd
-    };
     let first = spawn_supervisor(options(
         &store,
         run,
         topo,
         "dp=2",
-        auto_cmd(30),
+        auto_train_cmd(30, 30),
         dir.path().join("logs-1"),
     ))
     .join()
@@ -1187,7 +1177,7 @@ fn rank_processes_agree_on_an_automatic_interval_per_generation_that_shrinks_aft
         run,
         topo,
         "dp=2",
-        auto_cmd(steps),
+        auto_train_cmd(steps, 30),
         logs.clone(),
     ));
     let st = ckpt_store::open(store.to_str().unwrap()).unwrap();
