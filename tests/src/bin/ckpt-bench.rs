@@ -12,7 +12,7 @@
 //!                                              the persist governor: slowdown vs. time to durable
 //! ckpt-bench goodput --dir DIR --minutes 20 --mtbf 60   goodput under random failures, per policy
 //! ckpt-bench delta  --dir DIR --params 20M     delta chunks: stored size per kind, save/restore time
-//!                   [--intervals 1,10,100] [--saves 3] [--sinks local,slow] [--slow-mbps 200]
+//!                   [--intervals 1,10,100] [--saves 3] [--sinks local,slow] [--slow-mbps 200] [--restores 3]
 //!                   [--modes raw,planes,delta,delta-readback,adaptive+delta]
 //! ```
 
@@ -1495,6 +1495,7 @@ fn main() {
                 &list("--sinks", "local,slow"),
                 &list("--modes", "raw,planes,delta,adaptive+delta"),
                 arg(&args, "--slow-mbps", "200").parse::<f64>().unwrap() * 1e6,
+                arg(&args, "--restores", "3").parse().unwrap(),
             )
         }
         Some("delta-physics") => {
