@@ -22,7 +22,8 @@
 //! A delta object (codec 3, format 2) holds a chunk as the difference to a *base* chunk (the
 //! same region of an earlier committed step): its payload is the base's chunk id (32 bytes)
 //! and then a byte-plane payload, as above, of `plain XOR base plain`. Decoding needs the
-//! base's plain bytes ([`decode_delta`]); the chunk id stays the hash of the plain bytes.
+//! base's plain bytes ([`decode_delta`], a whole chain at once: [`decode_chain`]); the chunk id
+//! stays the hash of the plain bytes.
 //!
 //! The codec is chosen per chunk by measuring a sample: a plane (or chunk) is compressed only
 //! when the sample shows it pays. Decoding checks the blake3 hash of the result and refuses
@@ -315,18 +316,32 @@ pub fn split_planes(data: &[u8], elem: usize, rotate: bool) -> Vec<Vec<u8>> {
 
 /// Interleave byte planes back into `out` (the inverse of [`split_planes`]).
 pub fn join_planes(planes: &[&[u8]], out: &mut [u8], rotated: bool) {
+    join_planes_as::<false>(planes, out, rotated);
+}
+
+/// [`join_planes`] XORed into `out` instead of stored: applies a delta's planes to its base
+/// in one pass.
+fn xor_planes_into(planes: &[&[u8]], out: &mut [u8], rotated: bool) {
+    join_planes_as::<true>(planes, out, rotated);
+}
+
+fn join_planes_as<const XOR: bool>(planes: &[&[u8]], out: &mut [u8], rotated: bool) {
     let elem = planes.len();
     match (elem, rotated) {
-        (2, true) => join_words::<u16, 1>(planes, out),
-        (2, false) => join_words::<u16, 0>(planes, out),
-        (4, true) => join_words::<u32, 1>(planes, out),
-        (4, false) => join_words::<u32, 0>(planes, out),
-        (8, true) => join_words::<u64, 1>(planes, out),
-        (8, false) => join_words::<u64, 0>(planes, out),
+        (2, true) => join_words::<u16, 1, XOR>(planes, out),
+        (2, false) => join_words::<u16, 0, XOR>(planes, out),
+        (4, true) => join_words::<u32, 1, XOR>(planes, out),
+        (4, false) => join_words::<u32, 0, XOR>(planes, out),
+        (8, true) => join_words::<u64, 1, XOR>(planes, out),
+        (8, false) => join_words::<u64, 0, XOR>(planes, out),
         _ => {
             for (i, c) in out.chunks_exact_mut(elem).enumerate() {
                 for (k, byte) in c.iter_mut().enumerate() {
-                    *byte = planes[k][i];
+                    *byte = if XOR {
+                        *byte ^ planes[k][i]
+                    } else {
+                        planes[k][i]
+                    };
                 }
             }
         }
@@ -343,6 +358,7 @@ trait Word:
     Copy
     + Default
     + std::ops::BitOr<Output = Self>
+    + std::ops::BitXor<Output = Self>
     + std::ops::Shl<u32, Output = Self>
     + std::ops::Shr<u32, Output = Self>
 {
@@ -388,8 +404,9 @@ macro_rules! plane_word {
 }
 plane_word!(u16, u32, u64);
 
-/// [`join_planes`] for elements of `W::BYTES` bytes rotated by `R` bits.
-fn join_words<W: Word, const R: u32>(planes: &[&[u8]], out: &mut [u8]) {
+/// [`join_planes`] for elements of `W::BYTES` bytes rotated by `R` bits; with `XOR`, XORed
+/// into `out`.
+fn join_words<W: Word, const R: u32, const XOR: bool>(planes: &[&[u8]], out: &mut [u8]) {
     let e = W::BYTES;
     let n = out.len() / e;
     let blocks = n / PLANE_BLOCK;
@@ -405,7 +422,7 @@ fn join_words<W: Word, const R: u32>(planes: &[&[u8]], out: &mut [u8]) {
         }
         let dst = &mut out[at * e..(at + PLANE_BLOCK) * e];
         for (o, w) in dst.chunks_exact_mut(e).zip(words) {
-            w.rotate_right(R).store(o);
+            put_word::<W, R, XOR>(w, o);
         }
     }
     for i in blocks * PLANE_BLOCK..n {
@@ -413,7 +430,17 @@ fn join_words<W: Word, const R: u32>(planes: &[&[u8]], out: &mut [u8]) {
         for (s, plane) in planes.iter().enumerate() {
             w = w | (W::from_byte(plane[i]) << (8 * s as u32));
         }
-        w.rotate_right(R).store(&mut out[i * e..(i + 1) * e]);
+        put_word::<W, R, XOR>(w, &mut out[i * e..(i + 1) * e]);
+    }
+}
+
+#[inline(always)]
+fn put_word<W: Word, const R: u32, const XOR: bool>(w: W, o: &mut [u8]) {
+    let w = w.rotate_right(R);
+    if XOR {
+        (W::load(o) ^ w).store(o);
+    } else {
+        w.store(o);
     }
 }
 
@@ -634,16 +661,13 @@ pub fn delta_base(obj: &[u8], what: &dyn std::fmt::Display) -> Result<Option<Chu
     }
 }
 
-/// Decode a delta object of chunk `id` against the plain bytes of its base `base_id`, and
-/// check the result's hash. `what` names the object in messages.
-pub fn decode_delta(
+/// The header of a delta object of `expect_len` bytes on `base_id`, checked.
+fn delta_header(
     obj: &[u8],
-    id: &ChunkId,
     expect_len: u64,
     base_id: &ChunkId,
-    base: &[u8],
     what: &dyn std::fmt::Display,
-) -> Result<Vec<u8>> {
+) -> Result<Header> {
     let h = parse_header(obj, what)?;
     if h.codec != Codec::Delta {
         return Err(Error::corrupt(format!(
@@ -652,11 +676,10 @@ pub fn decode_delta(
             base_id.short()
         )));
     }
-    if h.raw_len != expect_len || base.len() as u64 != expect_len {
+    if h.raw_len != expect_len {
         return Err(Error::corrupt(format!(
-            "{what}: header says {} bytes but the manifest expects {expect_len} (base: {})",
-            h.raw_len,
-            base.len()
+            "{what}: header says {} bytes but the manifest expects {expect_len}",
+            h.raw_len
         )));
     }
     let named = delta_base(obj, what)?.expect("a delta");
@@ -667,10 +690,102 @@ pub fn decode_delta(
             base_id.short()
         )));
     }
-    let mut out = decode_planes(&obj[HEADER_LEN + 32..], &h, what)?;
-    for (o, b) in out.iter_mut().zip(base) {
-        *o ^= b;
+    Ok(h)
+}
+
+/// Decode a chunk stored as a delta chain: `objs[i]` is the object of `chain[i]`, `chain[0]`
+/// the chunk itself, each a delta on the next, the last a plain object; `names[i]` says where
+/// each is in errors. The bytes are built in one pass (the levels' planes XORed together,
+/// one join) and hash-checked once against the chunk's id, which proves them whatever the
+/// levels held. Only when that check fails is the chain decoded again level by
+/// level, each level hash-checked, so that the error names the damaged one.
+pub fn decode_chain(
+    objs: &[&[u8]],
+    chain: &[ChunkId],
+    len: u64,
+    names: &[String],
+) -> Result<Vec<u8>> {
+    assert!(
+        !chain.is_empty() && objs.len() == chain.len() && names.len() == chain.len(),
+        "one object and one name per level"
+    );
+    let last = chain.len() - 1;
+    // XOR commutes with the plane split and the rotation, so the deltas' planes are XORed
+    // together where they lie and joined once (into the base's planes when it is stored as
+    // planes of the same shape, else XORed into its plain bytes).
+    let fast = || -> Result<Vec<u8>> {
+        let hb = parse_header(objs[last], &names[last])?;
+        if hb.raw_len != len {
+            return Err(Error::corrupt(format!("{}: wrong length", names[last])));
+        }
+        let mut acc: Option<(Vec<Vec<u8>>, bool)> = None;
+        for i in (0..last).rev() {
+            let h = delta_header(objs[i], len, &chain[i + 1], &names[i])?;
+            let planes = plane_payload(&objs[i][HEADER_LEN + 32..], &h, &names[i])?;
+            match &mut acc {
+                None => {
+                    let owned = planes.into_iter().map(|p| p.into_owned()).collect();
+                    acc = Some((owned, h.rotated));
+                }
+                Some((a, rotated)) if *rotated == h.rotated && a.len() == planes.len() => {
+                    a.iter_mut().zip(&planes).for_each(|(a, p)| xor_into(a, p));
+                }
+                Some(_) => {
+                    return Err(Error::corrupt(format!(
+                        "{}: planes of another shape than its chain's",
+                        names[i]
+                    )));
+                }
+            }
+        }
+        let Some((mut acc, rotated)) = acc else {
+            return decode_payload(objs[last], &hb, &names[last]);
+        };
+        if hb.codec == Codec::Planes && hb.rotated == rotated && hb.elem as usize == acc.len() {
+            let base = plane_payload(&objs[last][HEADER_LEN..], &hb, &names[last])?;
+            acc.iter_mut().zip(&base).for_each(|(a, p)| xor_into(a, p));
+            let mut out = vec![0u8; len as usize];
+            let refs: Vec<&[u8]> = acc.iter().map(Vec::as_slice).collect();
+            join_planes(&refs, &mut out, rotated);
+            Ok(out)
+        } else {
+            let mut out = decode_payload(objs[last], &hb, &names[last])?;
+            let refs: Vec<&[u8]> = acc.iter().map(Vec::as_slice).collect();
+            xor_planes_into(&refs, &mut out, rotated);
+            Ok(out)
+        }
+    };
+    if let Ok(out) = fast()
+        && ChunkId::of(&out) == chain[0]
+    {
+        return Ok(out);
     }
+    let mut plain = decode(objs[last], &chain[last], len, &names[last])?;
+    for i in (0..last).rev() {
+        plain = decode_delta(objs[i], &chain[i], len, &chain[i + 1], &plain, &names[i])?;
+    }
+    Ok(plain)
+}
+
+/// Decode a delta object of chunk `id` against the plain bytes of its base `base_id`, and
+/// check the result's hash. `what` names the object in messages.
+pub fn decode_delta(
+    obj: &[u8],
+    id: &ChunkId,
+    expect_len: u64,
+    base_id: &ChunkId,
+    base: &[u8],
+    what: &dyn std::fmt::Display,
+) -> Result<Vec<u8>> {
+    let h = delta_header(obj, expect_len, base_id, what)?;
+    if base.len() as u64 != expect_len {
+        return Err(Error::corrupt(format!(
+            "{what}: the manifest expects {expect_len} bytes but its base holds {}",
+            base.len()
+        )));
+    }
+    let mut out = base.to_vec();
+    decode_planes_into(&obj[HEADER_LEN + 32..], &h, what, &mut out, true)?;
     let got = ChunkId::of(&out);
     if got != *id {
         return Err(Error::corrupt(format!(
@@ -753,14 +868,49 @@ pub fn decode(
     what: &dyn std::fmt::Display,
 ) -> Result<Vec<u8>> {
     let h = parse_header(obj, what)?;
+    check_len(&h, expect_len, what)?;
+    let out = decode_payload(obj, &h, what)?;
+    check_id(&out, id, what)?;
+    Ok(out)
+}
+
+/// [`decode`] of an object held as [`Bytes`]: a raw chunk is returned as a slice of it (no
+/// copy), anything else decoded.
+pub fn decode_bytes(
+    obj: Bytes,
+    id: &ChunkId,
+    expect_len: u64,
+    what: &dyn std::fmt::Display,
+) -> Result<Bytes> {
+    let h = parse_header(&obj, what)?;
+    if h.codec != Codec::Raw {
+        return decode(&obj, id, expect_len, what).map(Bytes::from);
+    }
+    check_len(&h, expect_len, what)?;
+    let payload = obj.slice(HEADER_LEN..);
+    if payload.len() as u64 != h.raw_len {
+        return Err(Error::corrupt(format!(
+            "{what}: raw payload holds {} bytes, header says {} (truncated?)",
+            payload.len(),
+            h.raw_len
+        )));
+    }
+    check_id(&payload, id, what)?;
+    Ok(payload)
+}
+
+fn check_len(h: &Header, expect_len: u64, what: &dyn std::fmt::Display) -> Result<()> {
     if h.raw_len != expect_len {
         return Err(Error::corrupt(format!(
             "{what}: header says {} bytes but the manifest expects {expect_len}",
             h.raw_len
         )));
     }
-    let out = decode_payload(obj, &h, what)?;
-    let got = ChunkId::of(&out);
+    Ok(())
+}
+
+fn check_id(plain: &[u8], id: &ChunkId, what: &dyn std::fmt::Display) -> Result<()> {
+    let got = ChunkId::of(plain);
     if got != *id {
         return Err(Error::corrupt(format!(
             "{what}: content hash is {} but should be {} (the bytes are damaged)",
@@ -768,7 +918,7 @@ pub fn decode(
             id.short()
         )));
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Decode a chunk object whose id is known but whose length is not (verifying the whole
@@ -806,6 +956,44 @@ fn decode_payload(obj: &[u8], h: &Header, what: &dyn std::fmt::Display) -> Resul
 
 /// Decode a byte-plane payload (table, then planes) into `h.raw_len` bytes.
 fn decode_planes(payload: &[u8], h: &Header, what: &dyn std::fmt::Display) -> Result<Vec<u8>> {
+    let mut out = vec![0u8; h.raw_len as usize];
+    decode_planes_into(payload, h, what, &mut out, false)?;
+    Ok(out)
+}
+
+/// Decode a byte-plane payload into `out` (`h.raw_len` bytes), stored or, with `xor`, XORed
+/// into what `out` holds.
+fn decode_planes_into(
+    payload: &[u8],
+    h: &Header,
+    what: &dyn std::fmt::Display,
+    out: &mut [u8],
+    xor: bool,
+) -> Result<()> {
+    let planes = plane_payload(payload, h, what)?;
+    if out.len() != h.raw_len as usize {
+        return Err(Error::corrupt(format!(
+            "{what}: byte planes of {} bytes for {} bytes",
+            h.raw_len,
+            out.len()
+        )));
+    }
+    let refs: Vec<&[u8]> = planes.iter().map(AsRef::as_ref).collect();
+    if xor {
+        xor_planes_into(&refs, out, h.rotated);
+    } else {
+        join_planes(&refs, out, h.rotated);
+    }
+    Ok(())
+}
+
+/// The byte planes of a byte-plane payload (table, then planes), checked against the header:
+/// raw planes where they lie, compressed ones decompressed.
+fn plane_payload<'a>(
+    payload: &'a [u8],
+    h: &Header,
+    what: &dyn std::fmt::Display,
+) -> Result<Vec<std::borrow::Cow<'a, [u8]>>> {
     let raw_len = h.raw_len as usize;
     let corrupt = |m: String| Error::corrupt(format!("{what}: {m}"));
     let elem = h.elem as usize;
@@ -856,10 +1044,14 @@ fn decode_planes(payload: &[u8], h: &Header, what: &dyn std::fmt::Display) -> Re
             payload.len() - pos
         )));
     }
-    let mut out = vec![0u8; raw_len];
-    let refs: Vec<&[u8]> = planes.iter().map(AsRef::as_ref).collect();
-    join_planes(&refs, &mut out, h.rotated);
-    Ok(out)
+    Ok(planes)
+}
+
+/// `acc ^= p`, byte by byte (the same length).
+fn xor_into(acc: &mut [u8], p: &[u8]) {
+    for (a, b) in acc.iter_mut().zip(p) {
+        *a ^= b;
+    }
 }
 
 #[cfg(test)]
@@ -984,6 +1176,14 @@ mod tests {
         bad[100] ^= 1;
         let e = decode(&bad, &id, n, &"chunk X").unwrap_err();
         assert!(e.to_string().contains("content hash"), "{e}");
+        // The same through `decode_bytes`, which hands a raw chunk out without a copy.
+        let got = decode_bytes(raw.clone(), &id, n, &"chunk X").unwrap();
+        assert!(got == w && got.as_ptr() == raw[HEADER_LEN..].as_ptr());
+        let e = decode_bytes(Bytes::from(bad), &id, n, &"chunk X").unwrap_err();
+        assert!(e.to_string().contains("content hash"), "{e}");
+        let e = decode_bytes(raw.slice(..raw.len() - 1), &id, n, &"chunk X").unwrap_err();
+        assert!(e.to_string().contains("truncated"), "{e}");
+        assert!(decode_bytes(obj.clone(), &id, n, &"chunk X").unwrap() == w);
     }
 
     /// Byte `k` of element `i` of `data` after rotating the element left by `r` bits: what
@@ -1101,6 +1301,65 @@ mod tests {
         // Truncated.
         assert!(decode_delta(&obj[..40], &ib, n, &ia, &a, &"d").is_err());
         assert!(delta_base(&obj[..20], &"d").is_err());
+    }
+
+    #[test]
+    fn a_chain_decodes_in_one_pass_and_a_damaged_level_is_named() {
+        // Three saves of the same bf16 region: a plain base and two deltas on it.
+        let a = normal_bf16(60_000, 5);
+        let step = |d: &[u8], every: usize| -> Vec<u8> {
+            d.chunks_exact(2)
+                .enumerate()
+                .flat_map(|(i, c)| {
+                    let v = u16::from_le_bytes([c[0], c[1]]);
+                    let v = if i % every == 0 { v ^ 3 } else { v };
+                    v.to_le_bytes()
+                })
+                .collect()
+        };
+        let b = step(&a, 3);
+        let c = step(&b, 5);
+        let (ia, ib, ic) = (ChunkId::of(&a), ChunkId::of(&b), ChunkId::of(&c));
+        let pa = encode(&Bytes::from(a.clone()), 2, CodecPolicy::FAST).to_bytes();
+        assert_eq!(
+            pa[5],
+            Codec::Planes.tag(),
+            "the base is stored as byte planes"
+        );
+        let db = encode_delta(&b, &a, &ia, 2, 1).to_bytes();
+        let dc = encode_delta(&c, &b, &ib, 2, 1).to_bytes();
+        let names: Vec<String> = ["top", "middle", "base"].map(String::from).to_vec();
+        let ids = [ic, ib, ia];
+        let n = c.len() as u64;
+        let got = decode_chain(&[&dc, &db, &pa], &ids, n, &names).unwrap();
+        assert!(got == c, "the chain decodes to the newest bytes");
+        // One level of two.
+        let got = decode_chain(&[&db, &pa], &[ib, ia], n, &names[1..]).unwrap();
+        assert!(got == b);
+        // A base stored raw (the governor's choice on a fast disk): its bytes take the planes.
+        let ra = encode(&Bytes::from(a.clone()), 2, CodecPolicy::Raw).to_bytes();
+        let got = decode_chain(&[&dc, &db, &ra], &ids, n, &names).unwrap();
+        assert!(got == c, "on a raw base");
+        // A plain chunk alone is a chain of one.
+        assert!(decode_chain(&[&pa], &[ia], n, &names[2..]).unwrap() == a);
+        // A flipped byte in any level: the error names that level.
+        for (level, obj) in [(0, &dc), (1, &db), (2, &pa)] {
+            let mut bad = obj.to_vec();
+            let at = bad.len() - 7;
+            bad[at] ^= 0x10;
+            let mut objs: Vec<&[u8]> = vec![&dc, &db, &pa];
+            objs[level] = &bad;
+            let e = decode_chain(&objs, &ids, n, &names).unwrap_err();
+            assert_eq!(e.kind(), crate::ErrorKind::Corrupt, "{e}");
+            assert!(
+                e.to_string().starts_with(&names[level]),
+                "level {level}: {e}"
+            );
+        }
+        // A level left out: the delta names another base than the chain.
+        let e = decode_chain(&[&dc, &pa], &[ic, ia], n, &names[1..]).unwrap_err();
+        assert!(e.to_string().contains("names base"), "{e}");
+        assert!(e.to_string().starts_with("middle"), "{e}");
     }
 
     #[test]

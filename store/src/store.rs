@@ -1123,20 +1123,9 @@ impl Store {
         .await?;
         let names: Vec<String> = (0..chain.len()).map(name).collect();
         let len = r.len as u64;
-        let out = tokio::task::spawn_blocking(move || -> Result<Vec<u8>> {
-            let last = chain.len() - 1;
-            let mut plain = codec::decode(&objs[last], &chain[last], len, &names[last])?;
-            for i in (0..last).rev() {
-                plain = codec::decode_delta(
-                    &objs[i],
-                    &chain[i],
-                    len,
-                    &chain[i + 1],
-                    &plain,
-                    &names[i],
-                )?;
-            }
-            Ok(plain)
+        let out = tokio::task::spawn_blocking(move || {
+            let objs: Vec<&[u8]> = objs.iter().map(|o| o.as_ref()).collect();
+            codec::decode_chain(&objs, &chain, len, &names)
         })
         .await??;
         Ok(Bytes::from(out))
@@ -1180,10 +1169,8 @@ impl Store {
         })?;
         let r = r.clone();
         let what = r.location();
-        let out =
-            tokio::task::spawn_blocking(move || codec::decode(&obj, &r.id, r.len as u64, &what))
-                .await??;
-        Ok(Bytes::from(out))
+        tokio::task::spawn_blocking(move || codec::decode_bytes(obj, &r.id, r.len as u64, &what))
+            .await?
     }
 
     /// Fetch many chunks in parallel (bounded by `read_concurrency`); yields `(index, bytes)`

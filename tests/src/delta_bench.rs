@@ -397,12 +397,14 @@ pub fn delta_bench(
                 // Restores of the newest step into fresh memory, each right after a read of
                 // the disk's limit, so that each ratio compares two figures measured within a
                 // second of each other on this shared machine; the median pair is reported.
-                let mut pairs: Vec<(f64, f64, ckpt_store::MetricsSnapshot)> = (0..restores.max(1))
+                let mut pairs: Vec<(f64, f64, ckpt_store::MetricsSnapshot, f64)> = (0..restores
+                    .max(1))
                     .map(|_| {
                         let r = odirect_read(&limit, 8, 4 << 20);
                         let mut mg = (job.mgrs_for)(&store, true);
+                        let cpu = cpu_seconds();
                         let (s, used) = timed_restore(&store, &mut mg, step);
-                        (s, r, used)
+                        (s, r, used, cpu_seconds() - cpu)
                     })
                     .collect();
                 let needed = job.needed;
@@ -410,7 +412,7 @@ pub fn delta_bench(
                     (a.0 / (needed as f64 / a.1)).total_cmp(&(b.0 / (needed as f64 / b.1)))
                 });
                 let restore_all: Vec<f64> = pairs.iter().map(|p| p.0).collect();
-                let (restore_s, disk_r, used) = pairs.swap_remove(pairs.len() / 2);
+                let (restore_s, disk_r, used, restore_cpu) = pairs.swap_remove(pairs.len() / 2);
                 let (raw, stored) = totals.values().fold((0, 0), |a, (r, s)| (a.0 + r, a.1 + s));
                 let ratios: serde_json::Map<String, serde_json::Value> = totals
                     .iter()
@@ -434,6 +436,7 @@ pub fn delta_bench(
                     "sink_write_gbps": sink_w,
                     "commit_over_sink_write_of_state": commit_mean / (state as f64 / sink_w / 1e9),
                     "restore_s": restore_s, "restore_s_all": restore_all,
+                    "restore_cpu_s": restore_cpu,
                     "restore_bytes_read": used.get_bytes,
                     "restore_gets": used.gets,
                     "disk_odirect_read_gbps": disk_r,
@@ -456,4 +459,16 @@ pub fn delta_bench(
         );
     }
     let _ = std::fs::remove_file(limit);
+}
+
+/// CPU seconds (user and system) this process has used so far.
+fn cpu_seconds() -> f64 {
+    // SAFETY: getrusage writes the struct it is given and nothing else.
+    let ru = unsafe {
+        let mut ru: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut ru);
+        ru
+    };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
 }

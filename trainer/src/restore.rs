@@ -79,7 +79,7 @@ pub async fn restore_targets(
     budget: usize,
 ) -> Result<ReadStats> {
     check_targets(reader, targets)?;
-    let parallel = 4usize;
+    let parallel = 16usize;
     let piece_bytes = (budget / parallel).max(1 << 16);
     // (target, first element, end element) pieces.
     let mut pieces: Vec<(usize, u64, u64)> = Vec::new();
