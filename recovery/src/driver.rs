@@ -160,7 +160,7 @@ async fn step_objects_missing(store: &Store, run: &str, step: u64) -> Result<Vec
 pub async fn first_free_generation(store: &Store, run: &str) -> Result<u64> {
     let marked = store.newest_generation(run).await?.map_or(0, |g| g + 1);
     let committed = match store.latest_committed(run).await? {
-        Some(s) => store.read_commit(run, s).await?.0.generation + 1,
+        Some(s) => store.read_commit_root(run, s).await?.0.generation + 1,
         None => 0,
     };
     Ok(marked.max(committed))

@@ -77,6 +77,7 @@ impl Store {
             match what {
                 StepObject::Commit => e.committed = true,
                 StepObject::RankManifest(r) => e.ranks.push(r),
+                StepObject::RecordPart(_) => {}
             }
         }
         let mut out: Vec<StepListing> = steps.into_values().collect();

@@ -7,6 +7,9 @@
 //!    (1 request per rank), checks that they agree on the layout and that the shards of every
 //!    tensor cover its shape exactly once, and creates `COMMIT`. A second committer's create
 //!    fails with "already exists" and it returns the winner's record: harmless.
+//!    A record larger than [`crate::StoreConfig::record_part_bytes`] is split (format 5): the
+//!    committer first puts its parts (`steps/<step>/index/<2 hex>/<blake3>.part`, the same
+//!    bytes from every committer), then creates `COMMIT` as a root that pins them by hash.
 //!
 //! Total cost: O(ranks) requests, never O(ranks^2).
 
@@ -21,8 +24,8 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::id::StepId;
 use crate::keys::{FENCE_SHARDS, StepObject, validate_run};
 use crate::model::{
-    BlobLoc, CommitRecord, RECORD_FORMAT_VERSION, RankEntry, RankManifest, WriteStats,
-    check_coverage, collect_tensors,
+    BlobLoc, CommitRecord, PartRef, RankEntry, RankManifest, RecordPart, WHOLE_RECORD_FORMAT,
+    WriteStats, check_coverage, collect_tensors,
 };
 use crate::store::Store;
 
@@ -514,8 +517,116 @@ impl Store {
             .map(|(c, id, _)| (c, id))
     }
 
-    /// [`Store::read_commit`], and the record's size in bytes.
+    /// [`Store::read_commit`], and the record's size in bytes (a split record's root and
+    /// parts together).
     pub(crate) async fn read_commit_sized(
+        &self,
+        run: &str,
+        step: u64,
+    ) -> Result<(CommitRecord, StepId, u64)> {
+        let (mut c, id, mut size) = self.read_commit_root(run, step).await?;
+        if let Some(index) = c.index.clone() {
+            let parts = self.read_record_parts(&c, index.parts.iter()).await?;
+            size += index.parts.iter().map(PartRef::size).sum::<u64>();
+            c.fill(
+                parts.into_iter().map(Some).collect(),
+                &format!("step {step} of run {run}: commit record"),
+            )?;
+        }
+        Ok((c, id, size))
+    }
+
+    /// Read a step's commit record for a reader of the tensors `names` only: a record written
+    /// whole is read whole; of a split one (format 5), the root and the parts that hold those
+    /// tensors, which pin the rank manifests of their shards. The record returned lists those
+    /// parts' tensors and rank entries (others in it are absent, not missing). Unknown names
+    /// are not an error here: they are absent from the record.
+    pub async fn read_commit_for(
+        &self,
+        run: &str,
+        step: u64,
+        names: &std::collections::BTreeSet<String>,
+    ) -> Result<(CommitRecord, StepId)> {
+        let (mut c, id, _) = self.read_commit_root(run, step).await?;
+        if let Some(index) = c.index.clone() {
+            let wanted = |r: &PartRef| match r {
+                PartRef::Tensors { first, last, .. } if first <= last => {
+                    names.range::<String, _>(first..=last).next().is_some()
+                }
+                _ => false,
+            };
+            let read = self
+                .read_record_parts(&c, index.parts.iter().filter(|r| wanted(r)))
+                .await?;
+            let mut read = read.into_iter();
+            let parts = index
+                .parts
+                .iter()
+                .map(|r| if wanted(r) { read.next() } else { None })
+                .collect();
+            c.fill(parts, &format!("step {step} of run {run}: commit record"))?;
+        }
+        Ok((c, id))
+    }
+
+    /// The rank entry of `rank` in split record `c` (format 5), from the ranks part that holds
+    /// it; `None` if no part lists the rank.
+    pub(crate) async fn read_rank_entry(
+        &self,
+        c: &CommitRecord,
+        rank: u32,
+    ) -> Result<Option<RankEntry>> {
+        let Some(index) = &c.index else {
+            return Ok(None);
+        };
+        let part = index.parts.iter().find(
+            |r| matches!(r, PartRef::Ranks { first, last, .. } if (*first..=*last).contains(&rank)),
+        );
+        let Some(part) = part else {
+            return Ok(None);
+        };
+        let p = self.read_record_parts(c, std::iter::once(part)).await?;
+        Ok(p.into_iter().flat_map(|p| p.ranks).find(|e| e.rank == rank))
+    }
+
+    /// Read parts of split record `c`, in the order given, each checked against the hash and
+    /// size the root pins.
+    async fn read_record_parts<'a>(
+        &self,
+        c: &CommitRecord,
+        refs: impl Iterator<Item = &'a PartRef>,
+    ) -> Result<Vec<RecordPart>> {
+        let (run, step) = (c.run.as_str(), c.step);
+        stream::iter(refs.cloned())
+            .map(|r| async move {
+                let path = self.keys().record_part(run, step, &r.hash());
+                let bytes = self.get_object(&path).await.map_err(|e| match e.kind() {
+                    ErrorKind::NotFound => Error::not_found(format!(
+                        "step {step} of run {run}: part {path} of its commit record is missing"
+                    )),
+                    _ => e,
+                })?;
+                if crate::id::Hash::of(&bytes) != r.hash() || bytes.len() as u64 != r.size() {
+                    return Err(Error::corrupt(format!(
+                        "step {step} of run {run}: part {path} of its commit record is damaged (its {} bytes do not match the hash the record pins); do not use this step",
+                        bytes.len()
+                    )));
+                }
+                serde_json::from_slice::<RecordPart>(&bytes).map_err(|e| {
+                    Error::corrupt(format!(
+                        "step {step} of run {run}: part {path} of its commit record is not a record part ({e})"
+                    ))
+                })
+            })
+            .buffered(16)
+            .try_collect()
+            .await
+    }
+
+    /// The root of a step's commit record as stored, its id, and its size: for a record
+    /// written whole (formats 1-4), the whole record; for a split one (format 5), the step's
+    /// summary and the index of its parts, with no rank entries, tensors or blobs.
+    pub async fn read_commit_root(
         &self,
         run: &str,
         step: u64,
@@ -529,14 +640,18 @@ impl Store {
             _ => e,
         })?;
         let hash = crate::id::Hash::of(&bytes);
-        let c = CommitRecord::from_bytes(
-            &bytes,
-            &format!("step {step} of run {run}: commit record {path}"),
-        )?;
+        let what = format!("step {step} of run {run}: commit record {path}");
+        let c = CommitRecord::from_bytes(&bytes, &what)?;
         if c.run != run || c.step != step {
             return Err(Error::corrupt(format!(
                 "{path}: says run {} step {}, but lives at run {run} step {step}",
                 c.run, c.step
+            )));
+        }
+        if c.index.is_some() && !(c.ranks.is_empty() && c.tensors.is_empty() && c.blobs.is_empty())
+        {
+            return Err(Error::corrupt(format!(
+                "{what}: a split record's root lists rank manifests, tensors or blobs itself (damaged)"
             )));
         }
         Ok((c, StepId(hash), bytes.len() as u64))
@@ -580,7 +695,7 @@ impl Store {
                 {
                     ranks.insert(r, m.location.clone());
                 }
-                Some((_, _, StepObject::RankManifest(_))) => {}
+                Some((_, _, StepObject::RankManifest(_) | StepObject::RecordPart(_))) => {}
                 Some((_, _, StepObject::Commit)) => has_commit = true,
                 None => {}
             }
@@ -710,7 +825,7 @@ impl Store {
         }
         let mut record = CommitRecord {
             checksum: None,
-            format: RECORD_FORMAT_VERSION,
+            format: WHOLE_RECORD_FORMAT,
             run: run.to_string(),
             step,
             layout,
@@ -727,6 +842,7 @@ impl Store {
             tensors,
             blobs,
             stats,
+            index: None,
         };
         self.failpoints().hit("before_commit").await?;
         // Epoch fencing: once a newer generation has started (a supervisor, an agent or a job
@@ -737,7 +853,38 @@ impl Store {
             .map_err(|e| e.context(format!("step {step} of run {run}")))?;
         let path = self.keys().commit(run, step);
         self.failpoints().hit("before_commit_create").await?;
-        let bytes = record.seal()?;
+        let mut bytes = record.seal()?;
+        let part_bytes = self.config().record_part_bytes;
+        if bytes.len() > part_bytes {
+            // Format 5: the parts first, then the root that pins them (a crash between leaves
+            // parts no record names, which GC deletes with the uncommitted step).
+            let (mut root, parts) = record.split(part_bytes)?;
+            let n = parts.len();
+            stream::iter(parts)
+                .map(|(hash, b)| {
+                    let path = self.keys().record_part(run, step, &hash);
+                    async move {
+                        self.put_object(&path, vec![b.into()], PutMode::Overwrite)
+                            .await
+                    }
+                })
+                // One wave for up to 64 parts (4 MB of record), on as many prefixes.
+                .buffer_unordered(64)
+                .try_collect::<Vec<()>>()
+                .await?;
+            self.failpoints().hit("after_record_parts").await?;
+            bytes = root.seal()?;
+            info!(
+                run,
+                step,
+                parts = n,
+                root_bytes = bytes.len(),
+                "commit record split"
+            );
+            record.format = root.format;
+            record.checksum = root.checksum;
+            record.index = root.index;
+        }
         let hash = crate::id::Hash::of(&bytes);
         match self
             .put_object(&path, vec![bytes.into()], PutMode::Create)

@@ -453,7 +453,8 @@ impl Store {
         Ok(())
     }
 
-    /// Delete a step: its commit record first (the step is then invisible), then manifests.
+    /// Delete a step: its commit record first (the step is then invisible), then manifests
+    /// and record parts.
     pub async fn delete_step(&self, run: &str, step: u64, committed: bool) -> Result<()> {
         if committed {
             let c = self.keys().commit(run, step);
@@ -465,11 +466,16 @@ impl Store {
             .list(Some(&dir))
             .map_ok(|m| m.location)
             .try_filter(|p| {
-                let is_manifest = matches!(
+                // Its manifests and the parts of its split record (format 5).
+                let of_step = matches!(
                     self.keys().parse_step_object(p),
-                    Some((_, _, StepObject::RankManifest(_)))
+                    Some((
+                        _,
+                        _,
+                        StepObject::RankManifest(_) | StepObject::RecordPart(_)
+                    ))
                 );
-                futures::future::ready(is_manifest)
+                futures::future::ready(of_step)
             })
             .try_collect()
             .await

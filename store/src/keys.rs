@@ -51,6 +51,8 @@ pub enum StepObject {
     RankManifest(u32),
     /// `COMMIT`
     Commit,
+    /// `index/<2 hex>/<blake3>.part`: a part of a split commit record (format 5).
+    RecordPart(crate::id::Hash),
 }
 
 /// Maps ids and names to keys below a prefix.
@@ -166,6 +168,18 @@ impl Keys {
     /// The commit record of a step.
     pub fn commit(&self, run: &str, step: u64) -> Path {
         self.step_dir(run, step).join("COMMIT")
+    }
+
+    /// A part of a split commit record (format 5), named by the blake3 of its bytes:
+    /// `steps/<step>/index/<2 hex>/<hash>.part`, the two hex digits its hash's first byte, so
+    /// that thousands of restoring ranks reading their parts in the same second spread over
+    /// as many prefixes as there are parts.
+    pub fn record_part(&self, run: &str, step: u64, hash: &crate::id::Hash) -> Path {
+        let hex = hash.to_hex();
+        self.step_dir(run, step)
+            .join("index")
+            .join(&hex[..2])
+            .join(format!("{hex}.part").as_str())
     }
 
     /// `runs/<run>/generations/`: one marker per started job generation.
@@ -290,6 +304,12 @@ impl Keys {
         let (run, step, name) = match rest.as_slice() {
             ["runs", run, "steps", step, name] => (run, step, name),
             ["runs", run, "steps", step, "ranks", _, name] => (run, step, name),
+            ["runs", run, "steps", step, "index", _, name] => {
+                let step = parse_step_segment(step)?;
+                let hash = crate::id::Hash::from_hex(name.strip_suffix(".part")?).ok()?;
+                return (self.record_part(run, step, &hash) == *path)
+                    .then(|| (run.to_string(), step, StepObject::RecordPart(hash)));
+            }
             _ => return None,
         };
         let step = parse_step_segment(step)?;

@@ -92,8 +92,9 @@ pub use keys::{FENCE_SHARDS, Keys, validate_run};
 pub use lease::{DedupBase, LockListing, WriterLease, writer_id};
 pub use model::{
     BlobEntry, BlobLoc, ChunkRef, CommitRecord, Coords, DELTA_FORMAT_VERSION, DType,
-    FORMAT_VERSION, Layout, NdBox, RECORD_FORMAT_VERSION, RankEntry, RankManifest, ShardLoc,
-    TensorEntry, TensorShard, WriteStats,
+    FORMAT_VERSION, Layout, NdBox, PartRef, RECORD_FORMAT_VERSION, RankEntry, RankManifest,
+    RecordIndex, RecordPart, SPLIT_RECORD_FORMAT, ShardLoc, TensorEntry, TensorShard,
+    WHOLE_RECORD_FORMAT, WriteStats,
 };
 pub use node_cache::{NodeCache, NodeCacheStats};
 pub use placement::{Placed, Placement, Stage, TensorSpec, ZeroGroup};

@@ -142,6 +142,31 @@ impl StepReader {
         })
     }
 
+    /// Open a committed step to read only the tensors `names` (a restoring rank's own): of a
+    /// split commit record (format 5) it reads the root and the parts that hold those tensors,
+    /// so the metadata a rank reads does not grow with the world size; a record written whole
+    /// is read whole. [`StepReader::commit`] then lists only those parts' tensors (a tensor not
+    /// among them is not found), and [`StepReader::manifest`] finds any rank's manifest (the
+    /// entry of a rank those parts do not name is read from its ranks part).
+    pub async fn open_tensors(
+        store: &Store,
+        run: &str,
+        step: u64,
+        names: impl IntoIterator<Item = impl Into<String>>,
+    ) -> Result<Self> {
+        let names: std::collections::BTreeSet<String> = names.into_iter().map(Into::into).collect();
+        let (commit, id) = store.read_commit_for(run, step, &names).await?;
+        Ok(StepReader {
+            store: store.clone(),
+            commit: Arc::new(commit),
+            id,
+            manifests: Arc::default(),
+            source: None,
+            node: None,
+            cache: None,
+        })
+    }
+
     /// Open the newest committed step of `run`.
     pub async fn open_latest(store: &Store, run: &str) -> Result<Self> {
         let step = store.require_latest(run).await?;
@@ -192,17 +217,22 @@ impl StepReader {
         if let Some(m) = self.manifests.lock().expect("manifest cache").get(&rank) {
             return Ok(m.clone());
         }
-        let entry = self
-            .commit
-            .ranks
-            .iter()
-            .find(|e| e.rank == rank)
-            .ok_or_else(|| {
-                Error::not_found(format!("{}: rank {rank} is not part of it", self.what()))
-            })?;
+        let listed = self.commit.ranks.iter().find(|e| e.rank == rank).cloned();
+        // A reader opened for some tensors of a split record holds the rank entries those
+        // tensors name; another rank's is in its ranks part.
+        let entry = match listed {
+            Some(e) => Some(e),
+            None if rank < self.commit.layout.world() => {
+                self.store.read_rank_entry(&self.commit, rank).await?
+            }
+            None => None,
+        };
+        let entry = entry.ok_or_else(|| {
+            Error::not_found(format!("{}: rank {rank} is not part of it", self.what()))
+        })?;
         let m = Arc::new(
             self.store
-                .read_rank_manifest(&self.commit.run, self.commit.step, rank, Some(entry))
+                .read_rank_manifest(&self.commit.run, self.commit.step, rank, Some(&entry))
                 .await?,
         );
         self.manifests

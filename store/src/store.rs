@@ -71,6 +71,10 @@ pub struct StoreConfig {
     /// Plain bytes of written float chunks kept in memory as the next save's delta bases, at
     /// most (default 0: a base is read back from the store, through its own chain).
     pub delta_cache_bytes: u64,
+    /// A commit record larger than this is split into a root and parts of about this size
+    /// (format 5, default 64 KiB): a restoring rank then reads the root and the parts of its
+    /// own tensors, not the whole record (3.8 MB at 4,096 ranks of a 70B-like model).
+    pub record_part_bytes: usize,
 }
 
 impl Default for StoreConfig {
@@ -90,6 +94,7 @@ impl Default for StoreConfig {
             sweep_lapse: Duration::from_secs(30),
             delta_chain: 0,
             delta_cache_bytes: 0,
+            record_part_bytes: 64 << 10,
         }
     }
 }
@@ -147,6 +152,12 @@ impl StoreConfig {
                 "a delta chain of {} is longer than readers follow ({})",
                 self.delta_chain,
                 crate::model::MAX_DELTA_CHAIN
+            )));
+        }
+        if self.record_part_bytes < 256 {
+            return Err(Error::invalid(format!(
+                "commit record parts of {} bytes are too small (at least 256)",
+                self.record_part_bytes
             )));
         }
         if self.sweep_lapse < Duration::from_millis(60) {

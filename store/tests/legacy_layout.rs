@@ -90,7 +90,7 @@ async fn make_old(store: &Store, step: u64) {
     let key = store.keys().commit(RUN, step);
     let bytes = store.get_object(&key).await.unwrap();
     let mut rec = CommitRecord::from_bytes(&bytes, "test").unwrap();
-    assert_eq!(rec.format, ckpt_store::RECORD_FORMAT_VERSION);
+    assert_eq!(rec.format, ckpt_store::WHOLE_RECORD_FORMAT);
     rec.format = 2;
     let old = rec.seal().unwrap();
     store
@@ -122,7 +122,7 @@ async fn old_steps_still_read_commit_and_collect(store: &Store) {
     );
 
     // Restore: the old step and the new one, whole and any box.
-    for (step, w, format) in [(1, &w1, 2), (2, &w2, ckpt_store::RECORD_FORMAT_VERSION)] {
+    for (step, w, format) in [(1, &w1, 2), (2, &w2, ckpt_store::WHOLE_RECORD_FORMAT)] {
         let r = StepReader::open(store, RUN, step).await.unwrap();
         assert_eq!(r.commit().format, format);
         assert_eq!(&r.read_tensor("w").await.unwrap(), w, "step {step}");

@@ -191,7 +191,7 @@ async fn verify_rebuilds_the_record_from_the_manifests() {
     let orig = store.get_object(&key).await.unwrap().to_vec();
     let what = "test";
     let good = CommitRecord::from_bytes(&orig, what).unwrap();
-    assert_eq!(good.format, ckpt_store::RECORD_FORMAT_VERSION);
+    assert_eq!(good.format, ckpt_store::WHOLE_RECORD_FORMAT);
     assert!(good.checksum.is_some());
 
     let verify = || async {
@@ -319,6 +319,242 @@ async fn a_step_written_pretty_by_an_earlier_build_still_reads() {
     assert!(
         store
             .verify(&VerifyScope::Step(RUN.into(), 1), None)
+            .await
+            .unwrap()
+            .is_clean()
+    );
+}
+
+/// Step `step` of run `split`: `per_rank` f32 tensors `t<rank>_<i>` of 64 bytes on each of
+/// `world` ranks and a blob per rank, committed with parts of at most 512 bytes, so the
+/// record splits (format 5). Returns each tensor's bytes by name.
+async fn save_split(
+    store: &Store,
+    step: u64,
+    world: u32,
+    per_rank: u32,
+) -> std::collections::BTreeMap<String, Vec<u8>> {
+    let layout = Layout::new(world, 1, 1, 0).unwrap();
+    let index = DedupIndex::new();
+    let mut want = std::collections::BTreeMap::new();
+    for rank in 0..world {
+        let mut shards = Vec::new();
+        for i in 0..per_rank {
+            let name = format!("t{rank}_{i:02}");
+            let data = det_bytes(step * 1000 + u64::from(rank * 100 + i), 64);
+            want.insert(name.clone(), data.clone());
+            shards.push(ShardIn {
+                name,
+                dtype: DType::F32,
+                shape: vec![16],
+                bbox: NdBox::full(&[16]),
+                data: Some(Bytes::from(data)),
+                replica_of: None,
+                placement: None,
+            });
+        }
+        let blobs = vec![BlobIn {
+            name: format!("rank/rng{rank}"),
+            data: Bytes::from(det_bytes(10 + u64::from(rank), 40)),
+        }];
+        let rw = RankWrite {
+            run: "split".into(),
+            step,
+            rank,
+            layout,
+            generation: 0,
+        };
+        store.write_rank(&rw, shards, blobs, &index).await.unwrap();
+    }
+    want
+}
+
+fn split_config() -> ckpt_store::StoreConfig {
+    ckpt_store::StoreConfig {
+        record_part_bytes: 512,
+        ..tiny_config()
+    }
+}
+
+/// Keys of the parts of step `step`'s split record, as listed.
+async fn part_keys(store: &Store, step: u64) -> Vec<Path> {
+    use futures::TryStreamExt;
+    let dir = store.keys().step_dir("split", step).join("index");
+    store
+        .object_store()
+        .list(Some(&dir))
+        .map_ok(|m| m.location)
+        .try_collect()
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_split_commit_record_reads_whole_and_a_rank_reads_only_its_parts() {
+    let (store, _dir) = local_store(split_config());
+    let want = save_split(&store, 1, 4, 12).await;
+    let outcome = store.commit_step("split", 1).await.unwrap();
+    // The root is small and pins its parts; the record reads back whole, as committed.
+    let (root, id, root_len) = store.read_commit_root("split", 1).await.unwrap();
+    assert_eq!(root.format, ckpt_store::SPLIT_RECORD_FORMAT);
+    assert!(root.tensors.is_empty() && root.ranks.is_empty() && root.blobs.is_empty());
+    let index = root.index.clone().expect("split");
+    let tensor_parts: Vec<&ckpt_store::PartRef> = index
+        .parts
+        .iter()
+        .filter(|p| matches!(p, ckpt_store::PartRef::Tensors { .. }))
+        .collect();
+    assert!(tensor_parts.len() >= 4, "{index:?}");
+    assert_eq!(part_keys(&store, 1).await.len(), index.parts.len());
+    let whole_len = serde_json::to_vec(outcome.record()).unwrap().len() as u64;
+    assert!(root_len < whole_len / 2, "root {root_len} of {whole_len}");
+    let (whole, id2) = store.read_commit("split", 1).await.unwrap();
+    assert_eq!(id, id2);
+    assert_eq!(&whole, outcome.record());
+    assert_eq!(
+        (whole.tensors.len(), whole.ranks.len(), whole.blobs.len()),
+        (48, 4, 4)
+    );
+    let r = StepReader::open(&store, "split", 1).await.unwrap();
+    for (name, bytes) in &want {
+        assert_eq!(&r.read_tensor(name).await.unwrap(), bytes, "{name}");
+    }
+    // A second committer gets the same record.
+    let again = store.commit_step("split", 1).await.unwrap();
+    assert_eq!(again.id(), outcome.id());
+    assert_eq!(again.record(), outcome.record());
+    assert!(
+        store
+            .verify(&VerifyScope::Step("split".into(), 1), None)
+            .await
+            .unwrap()
+            .is_clean()
+    );
+
+    // A rank that restores two tensors reads the root and the parts that hold them: with
+    // every other tensors part deleted, it still restores them (and the rank manifests they
+    // name, and another rank's through the ranks parts), where opening the whole record fails.
+    let mine = ["t2_03".to_string(), "t2_04".to_string()];
+    let (keep, drop): (Vec<&ckpt_store::PartRef>, Vec<_>) =
+        tensor_parts.iter().partition(|p| match p {
+            ckpt_store::PartRef::Tensors { first, last, .. } => {
+                mine.iter().any(|n| first <= n && n <= last)
+            }
+            _ => false,
+        });
+    assert!(!keep.is_empty() && keep.len() < tensor_parts.len());
+    for p in &drop {
+        store
+            .delete_all(vec![store.keys().record_part("split", 1, &p.hash())])
+            .await
+            .unwrap();
+    }
+    let r = StepReader::open_tensors(&store, "split", 1, mine.clone())
+        .await
+        .unwrap();
+    assert!(
+        r.commit().tensors.len() < 48,
+        "{}",
+        r.commit().tensors.len()
+    );
+    for n in &mine {
+        assert_eq!(&r.read_tensor(n).await.unwrap(), &want[n], "{n}");
+    }
+    let absent = r.read_tensor("t0_00").await.unwrap_err();
+    assert_eq!(absent.kind(), ErrorKind::NotFound, "{absent}");
+    // Rank 3 saved neither tensor: its entry comes from its ranks part, checked.
+    let m3 = r.manifest(3).await.unwrap();
+    assert_eq!(m3.blobs[0].name, "rank/rng3");
+    assert!(r.manifest(4).await.is_err(), "rank 4 is outside the world");
+    // The whole record is gone with those parts: refused, naming the missing part.
+    let e = StepReader::open(&store, "split", 1).await.unwrap_err();
+    assert!(e.to_string().contains("/index/"), "{e}");
+    assert!(
+        !store
+            .verify(&VerifyScope::Step("split".into(), 1), None)
+            .await
+            .unwrap()
+            .is_clean()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_record_part_is_refused_and_gc_deletes_the_parts() {
+    let (store, _dir) = local_store(split_config());
+    let want = save_split(&store, 1, 2, 10).await;
+    store.commit_step("split", 1).await.unwrap();
+    let (root, _, _) = store.read_commit_root("split", 1).await.unwrap();
+    let first = root.index.unwrap().parts[0].clone();
+    let key = store.keys().record_part("split", 1, &first.hash());
+    let orig = store.get_object(&key).await.unwrap().to_vec();
+    // A flipped bit anywhere in a part: refused as damage naming the part, by every reader.
+    for o in offsets(&orig, &["\"t0_0"]) {
+        let mut bad = orig.clone();
+        bad[o] ^= 4;
+        put(&store, &key, bad).await;
+        let e = StepReader::open(&store, "split", 1).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+        assert!(e.to_string().contains(key.as_ref()), "{e}");
+        let e = StepReader::open_tensors(&store, "split", 1, ["t0_00"])
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+    }
+    put(&store, &key, orig).await;
+    assert_eq!(
+        StepReader::open_tensors(&store, "split", 1, ["t0_00"])
+            .await
+            .unwrap()
+            .read_tensor("t0_00")
+            .await
+            .unwrap(),
+        want["t0_00"]
+    );
+
+    // A committer that dies between its parts and its root leaves no step: the parts are
+    // there, no record names them; a second committer commits; GC of the abandoned step 2
+    // (past its grace) deletes its parts with its manifests.
+    save_split(&store, 2, 2, 10).await;
+    store.failpoints().set(
+        "after_record_parts",
+        ckpt_store::failpoint::FailAction::Error,
+    );
+    assert!(store.commit_step("split", 2).await.is_err());
+    store.failpoints().clear();
+    assert!(!part_keys(&store, 2).await.is_empty());
+    assert_eq!(store.committed_steps("split").await.unwrap(), vec![1]);
+    save_split(&store, 3, 2, 10).await;
+    store.failpoints().set(
+        "after_record_parts",
+        ckpt_store::failpoint::FailAction::Error,
+    );
+    assert!(store.commit_step("split", 3).await.is_err());
+    store.failpoints().clear();
+    store.commit_step("split", 3).await.unwrap();
+    assert_eq!(store.committed_steps("split").await.unwrap(), vec![1, 3]);
+    let later = ckpt_store::clock::system_now() + chrono::Duration::hours(2);
+    let opts = ckpt_store::GcOptions {
+        keep_last: Some(1),
+        grace: std::time::Duration::from_secs(60),
+        ..Default::default()
+    };
+    let report = store.gc(&opts, later).await.unwrap();
+    assert_eq!(report.incomplete_deleted, vec![("split".to_string(), 2)]);
+    assert_eq!(store.committed_steps("split").await.unwrap(), vec![3]);
+    assert!(
+        part_keys(&store, 1).await.is_empty(),
+        "dropped step 1's parts"
+    );
+    assert!(
+        part_keys(&store, 2).await.is_empty(),
+        "abandoned step 2's parts"
+    );
+    assert!(!part_keys(&store, 3).await.is_empty());
+    let r = StepReader::open(&store, "split", 3).await.unwrap();
+    assert_eq!(r.commit().tensors.len(), 20);
+    assert!(
+        store
+            .verify(&VerifyScope::Run("split".into()), None)
             .await
             .unwrap()
             .is_clean()

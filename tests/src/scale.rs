@@ -9,8 +9,8 @@
 //! `ckpt_trainer::Checkpointer` does in the store, in the same order (join its generation,
 //! take a writer lease and pick its dedup base, write chunks and packs, write its manifest,
 //! release the lease; rank 0 then waits for the other manifests and commits); a restoring
-//! rank opens the step, asks `restore_boxes` what it holds and reads it through the read
-//! engine.
+//! rank places its tensors by the job's specs, opens the step for those tensors only (the commit
+//! record's parts that hold them, format 5) and reads them through the read engine.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -19,10 +19,10 @@ use ckpt_store::ObjectStoreExt;
 use ckpt_store::counting::{Counting, CountingStore, ReqKind, Request, SimClock, SimConfig, Tally};
 use ckpt_store::object_store::ObjectStore;
 use ckpt_store::object_store::path::Path;
-use ckpt_store::placement::{place_rank, restore_boxes};
+use ckpt_store::placement::place_rank;
 use ckpt_store::{
-    BlobIn, DType, DedupBase, GcOptions, Layout, Placement, RankWrite, RetryConfig, RetryStore,
-    ShardIn, Stage, StepReader, Store, StoreConfig, TensorSpec, ZeroGroup,
+    BlobIn, DType, DedupBase, GcOptions, Layout, NdBox, Placement, RankWrite, RetryConfig,
+    RetryStore, ShardIn, Stage, StepReader, Store, StoreConfig, TensorSpec, ZeroGroup,
 };
 use serde_json::{Value, json};
 
@@ -386,6 +386,10 @@ pub async fn simulate(
             .await
             .map_err(|e| ckpt_store::Error::backend("head", &"COMMIT", e))?
             .size as usize;
+        // A split record (format 5): its parts, beside the root.
+        let (parts, parts_bytes) = outcome.record().index.as_ref().map_or((0, 0), |i| {
+            (i.parts.len(), i.parts.iter().map(|p| p.size()).sum::<u64>())
+        });
         if outcome.record().step != step {
             return Err(ckpt_store::Error::internal(
                 "the commit answered another step",
@@ -421,7 +425,9 @@ pub async fn simulate(
             "committer_requests_after_manifests": committer.len(),
             "critical_path_requests": depth_all,
             "critical_path_without_manifest_reads": depth_no_manifest_reads,
-            "record_bytes": record,
+            "record_bytes": record + parts_bytes as usize,
+            "record_root_bytes": record,
+            "record_parts": parts,
             "committer_holds_bytes": committer_gets as usize + record,
             "sim_s_after_manifests": (counting.elapsed() - t_manifests).as_secs_f64(),
         });
@@ -468,12 +474,20 @@ pub async fn simulate(
     // Joined in this task: the read engine's futures are not `Send` enough to spawn.
     let mut restores = Vec::new();
     for &rank in &sample {
-        let store = store.clone();
+        let (store, specs) = (store.clone(), specs.clone());
         restores.push(ckpt_store::counting::acting(rank, async move {
-            let reader = StepReader::open(&store, run, step).await?;
+            // What a restoring rank does: place its own tensors by the job's specs, and read
+            // the commit record's parts of those only (format 5), then their manifests.
+            let wanted: Vec<(String, NdBox)> = place_rank(&layout, rank, &specs)?
+                .into_iter()
+                .map(|p| (specs[p.spec].name.clone(), p.bbox))
+                .collect();
+            let reader =
+                StepReader::open_tensors(&store, run, step, wanted.iter().map(|w| w.0.clone()))
+                    .await?;
             let mut bytes = 0u64;
-            for w in restore_boxes(&reader.commit().tensors, &layout, rank)? {
-                bytes += reader.read(&w.name, &w.bbox).await?.len() as u64;
+            for (name, bbox) in &wanted {
+                bytes += reader.read(name, bbox).await?.len() as u64;
             }
             Ok::<_, ckpt_store::Error>(bytes)
         }));
@@ -493,6 +507,21 @@ pub async fn simulate(
                 .sum()
         })
         .collect();
+    // Of which the commit record (its root, and the parts of a split one): everything under
+    // the step but the manifests.
+    let record_per_rank: Vec<u64> = sample
+        .iter()
+        .map(|&r| {
+            reqs.iter()
+                .filter(|q| {
+                    q.actor == Some(r)
+                        && q.prefix.contains("/steps/")
+                        && !q.prefix.contains("/ranks")
+                })
+                .map(|q| q.bytes)
+                .sum()
+        })
+        .collect();
     let manifests_per_rank: Vec<usize> = sample
         .iter()
         .map(|&r| {
@@ -508,6 +537,7 @@ pub async fn simulate(
         json!({"phase": "restore", "step": step, "ranks_restored": k, "bytes": restored,
                "metadata_bytes_per_rank_max": meta_per_rank.iter().max(),
                "metadata_bytes_per_rank_mean": meta_per_rank.iter().sum::<u64>() / k as u64,
+               "record_bytes_per_rank_max": record_per_rank.iter().max(),
                "manifests_read_per_rank_max": manifests_per_rank.iter().max(),
                "requests_per_rank": t.requests as f64 / k as f64,
                "tally": t}),

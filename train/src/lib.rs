@@ -1022,7 +1022,7 @@ async fn next_generation(store: &Store, run: &str) -> Result<u64> {
     let mut g = 0;
     let latest = store.latest_committed(run).await?;
     if let Some(s) = latest {
-        g = store.read_commit(run, s).await?.0.generation + 1;
+        g = store.read_commit_root(run, s).await?.0.generation + 1;
     }
     for st in store.list_steps(run).await? {
         if st.committed || latest.is_some_and(|l| st.step < l) {

@@ -1404,7 +1404,14 @@ impl CheckpointManager {
         let cfg = self.cfg.ckpt.clone();
         let cache = shared_restore_cache(self.cfg.restore_budget);
         let mut reader = runtime()
-            .block_on(StepReader::open(&store, &cfg.run, step))?
+            // Only the record's parts that hold this rank's tensors (format 5): the metadata a
+            // rank reads does not grow with the world.
+            .block_on(StepReader::open_tensors(
+                &store,
+                &cfg.run,
+                step,
+                self.tensors.iter().map(|r| r.spec.name.clone()),
+            ))?
             .with_cache(cache.clone());
         if let Some(dir) = &self.cfg.node_cache {
             match ckpt_store::NodeCache::open(dir) {

@@ -39,12 +39,14 @@ pub fn check_targets(reader: &StepReader, targets: &[RestoreTarget]) -> Result<(
     let c = reader.commit();
     for t in targets {
         let e = c.tensor(&t.name).ok_or_else(|| {
+            // A reader opened for some tensors of a split record knows only those.
+            let has = match c.index {
+                None => format!("it has {} tensors; ", c.tensors.len()),
+                Some(_) => String::new(),
+            };
             Error::not_found(format!(
-                "step {} of run {} has no tensor {:?} (it has {} tensors; was the model changed?)",
-                c.step,
-                c.run,
-                t.name,
-                c.tensors.len()
+                "step {} of run {} has no tensor {:?} ({has}was the model changed?)",
+                c.step, c.run, t.name,
             ))
         })?;
         if e.dtype != t.dtype || e.shape != t.shape {

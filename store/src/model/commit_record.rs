@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{
     DType, FIRST_CHECKSUMMED_FORMAT, Layout, NdBox, Placement, RECORD_FORMAT_VERSION, RankManifest,
-    TensorSpec, WriteStats, check_coverage, numel,
+    SPLIT_RECORD_FORMAT, TensorSpec, WriteStats, check_coverage, numel,
 };
 use crate::error::{Error, Result};
 use crate::id::Hash;
@@ -113,7 +113,94 @@ pub struct CommitRecord {
     /// Sum of the ranks' write statistics.
     #[serde(default)]
     pub stats: WriteStats,
+    /// Format 5, a record too large for one object: where its rank entries, tensors and blobs
+    /// live ([`RecordIndex`]). The stored root has `ranks`, `tensors` and `blobs` empty; a
+    /// record read whole has them filled from the parts (and keeps the index).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub index: Option<RecordIndex>,
 }
+
+/// The parts of a split commit record (format 5), in order: every tensor in exactly one
+/// tensors part (by name, the parts' ranges ascending), every rank entry and blob in exactly
+/// one ranks part (by rank, ascending). Each part is pinned by the blake3 of its bytes, which
+/// is also its key ([`crate::Keys::record_part`]), and the root's checksum covers the pins.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecordIndex {
+    /// The parts.
+    pub parts: Vec<PartRef>,
+}
+
+/// One part of a split commit record, as the root lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum PartRef {
+    /// Tensors `first..=last` by name, with the rank entries of every rank their shards name
+    /// (copies of those in the ranks parts): a reader of these tensors needs nothing else to
+    /// find and check their manifests.
+    Tensors {
+        /// The first tensor's name.
+        first: String,
+        /// The last tensor's name.
+        last: String,
+        /// How many tensors.
+        count: u32,
+        /// blake3 of the part's bytes.
+        hash: Hash,
+        /// Size of the part's bytes.
+        size: u64,
+    },
+    /// The rank entries of ranks `first..=last` and their blobs.
+    Ranks {
+        /// The first rank.
+        first: u32,
+        /// The last rank.
+        last: u32,
+        /// How many rank entries.
+        count: u32,
+        /// blake3 of the part's bytes.
+        hash: Hash,
+        /// Size of the part's bytes.
+        size: u64,
+    },
+}
+
+impl PartRef {
+    /// The blake3 of the part's bytes (its name).
+    pub fn hash(&self) -> Hash {
+        match self {
+            PartRef::Tensors { hash, .. } | PartRef::Ranks { hash, .. } => *hash,
+        }
+    }
+
+    /// The size of the part's bytes.
+    pub fn size(&self) -> u64 {
+        match self {
+            PartRef::Tensors { size, .. } | PartRef::Ranks { size, .. } => *size,
+        }
+    }
+}
+
+/// The bytes of one part of a split commit record (format 5): compact JSON, built only by
+/// [`CommitRecord::split`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RecordPart {
+    /// Run name (the root's).
+    pub run: String,
+    /// Step number (the root's).
+    pub step: u64,
+    /// Tensors, sorted by name.
+    #[serde(default)]
+    pub tensors: Vec<TensorEntry>,
+    /// Rank entries, ascending.
+    #[serde(default)]
+    pub ranks: Vec<RankEntry>,
+    /// Blobs of the part's ranks.
+    #[serde(default)]
+    pub blobs: Vec<BlobLoc>,
+}
+
+/// Rank entries a ranks part holds, at most: about 25 KB of JSON.
+pub const RANKS_PER_PART: usize = 256;
 
 impl CommitRecord {
     /// The tensor called `name`.
@@ -128,6 +215,173 @@ impl CommitRecord {
     pub fn logical_bytes(&self) -> u64 {
         self.tensors.iter().map(|t| t.byte_len()).sum::<u64>()
             + self.blobs.iter().map(|b| b.len).sum::<u64>()
+    }
+
+    /// Split a whole record into a root (format 5, no rank entries, tensors or blobs; not yet
+    /// sealed) and its parts' bytes: tensors grouped in name order into parts of about
+    /// `part_bytes` of JSON, each with the rank entries its shards name, and rank entries with
+    /// their blobs in parts of [`RANKS_PER_PART`]. The same record always gives the same
+    /// bytes, so every committer of a step writes the same parts.
+    pub fn split(&self, part_bytes: usize) -> Result<(CommitRecord, Vec<(Hash, Vec<u8>)>)> {
+        let encode = |p: &RecordPart| {
+            serde_json::to_vec(p)
+                .map_err(|e| Error::internal(format!("serializing a commit record part: {e}")))
+        };
+        let part =
+            |tensors: Vec<TensorEntry>, ranks: Vec<RankEntry>, blobs: Vec<BlobLoc>| RecordPart {
+                run: self.run.clone(),
+                step: self.step,
+                tensors,
+                ranks,
+                blobs,
+            };
+        let mut refs = Vec::new();
+        let mut out = Vec::new();
+        let mut group: Vec<TensorEntry> = Vec::new();
+        let mut group_bytes = 0usize;
+        let mut flush = |group: &mut Vec<TensorEntry>| -> Result<()> {
+            let (Some(first), Some(last)) = (group.first(), group.last()) else {
+                return Ok(());
+            };
+            let (first, last) = (first.name.clone(), last.name.clone());
+            let named: std::collections::BTreeSet<u32> = group
+                .iter()
+                .flat_map(|t| t.shards.iter().map(|s| s.rank))
+                .collect();
+            let ranks: Vec<RankEntry> = self
+                .ranks
+                .iter()
+                .filter(|e| named.contains(&e.rank))
+                .cloned()
+                .collect();
+            let count = group.len() as u32;
+            let bytes = encode(&part(std::mem::take(group), ranks, Vec::new()))?;
+            let hash = Hash::of(&bytes);
+            refs.push(PartRef::Tensors {
+                first,
+                last,
+                count,
+                hash,
+                size: bytes.len() as u64,
+            });
+            out.push((hash, bytes));
+            Ok(())
+        };
+        for t in &self.tensors {
+            let len = serde_json::to_vec(t)
+                .map_err(|e| Error::internal(format!("serializing a tensor entry: {e}")))?
+                .len();
+            if !group.is_empty() && group_bytes + len > part_bytes {
+                flush(&mut group)?;
+                group_bytes = 0;
+            }
+            group_bytes += len;
+            group.push(t.clone());
+        }
+        flush(&mut group)?;
+        for ranks in self.ranks.chunks(RANKS_PER_PART) {
+            let (first, last) = (ranks[0].rank, ranks[ranks.len() - 1].rank);
+            let blobs: Vec<BlobLoc> = self
+                .blobs
+                .iter()
+                .filter(|b| (first..=last).contains(&b.rank))
+                .cloned()
+                .collect();
+            let bytes = encode(&part(Vec::new(), ranks.to_vec(), blobs))?;
+            let hash = Hash::of(&bytes);
+            refs.push(PartRef::Ranks {
+                first,
+                last,
+                count: ranks.len() as u32,
+                hash,
+                size: bytes.len() as u64,
+            });
+            out.push((hash, bytes));
+        }
+        let root = CommitRecord {
+            checksum: None,
+            format: SPLIT_RECORD_FORMAT,
+            ranks: Vec::new(),
+            tensors: Vec::new(),
+            blobs: Vec::new(),
+            index: Some(RecordIndex { parts: refs }),
+            ..self.clone()
+        };
+        Ok((root, out))
+    }
+
+    /// Fill a split record's root with the parts read (`parts[i]` is the part the index lists
+    /// `i`th, or `None` for one not read): its tensors, rank entries and blobs. With every
+    /// part read, the record is whole as it was before the split; with some, it holds those
+    /// parts' tensors and the rank entries they name (checked as a whole record is). A part
+    /// that does not belong here (another run or step, a tensor outside its range) is damage.
+    pub fn fill(&mut self, parts: Vec<Option<RecordPart>>, what: &str) -> Result<()> {
+        let index = self.index.clone().ok_or_else(|| {
+            Error::internal(format!("{what}: filling a record that is not split"))
+        })?;
+        let whole = parts.iter().all(Option::is_some);
+        let mut ranks: BTreeMap<u32, RankEntry> = BTreeMap::new();
+        let mut pins: Vec<RankEntry> = Vec::new();
+        for (r, p) in index.parts.iter().zip(parts) {
+            let Some(p) = p else { continue };
+            let name = format!("{what}: record part {}", r.hash().short());
+            if p.run != self.run || p.step != self.step {
+                return Err(Error::corrupt(format!(
+                    "{name} belongs to step {} of run {}",
+                    p.step, p.run
+                )));
+            }
+            match r {
+                PartRef::Tensors {
+                    first, last, count, ..
+                } => {
+                    if p.tensors.len() != *count as usize
+                        || p.tensors.iter().any(|t| t.name < *first || t.name > *last)
+                    {
+                        return Err(Error::corrupt(format!(
+                            "{name} does not hold the tensors {first:?}..={last:?} the index lists"
+                        )));
+                    }
+                    self.tensors.extend(p.tensors);
+                    pins.extend(p.ranks);
+                }
+                PartRef::Ranks {
+                    first, last, count, ..
+                } => {
+                    if p.ranks.len() != *count as usize
+                        || p.ranks.iter().any(|e| e.rank < *first || e.rank > *last)
+                    {
+                        return Err(Error::corrupt(format!(
+                            "{name} does not hold the ranks {first}..={last} the index lists"
+                        )));
+                    }
+                    ranks.extend(p.ranks.into_iter().map(|e| (e.rank, e)));
+                    self.blobs.extend(p.blobs);
+                }
+            }
+        }
+        for e in pins {
+            match ranks.get(&e.rank) {
+                Some(have) if *have != e => {
+                    return Err(Error::corrupt(format!(
+                        "{what}: the record's parts disagree about the manifest of rank {}",
+                        e.rank
+                    )));
+                }
+                Some(_) if whole => {}
+                _ if whole => {
+                    return Err(Error::corrupt(format!(
+                        "{what}: a tensor's shard names rank {}, which no ranks part lists",
+                        e.rank
+                    )));
+                }
+                _ => {
+                    ranks.insert(e.rank, e);
+                }
+            }
+        }
+        self.ranks = ranks.into_values().collect();
+        self.validate(what)
     }
 
     /// Set [`CommitRecord::checksum`] and return the record's bytes (compact JSON: at
@@ -205,6 +459,17 @@ impl CommitRecord {
         }
         if self.format == 0 {
             return bad("format 0 does not exist (damaged)".into());
+        }
+        if (self.format >= SPLIT_RECORD_FORMAT) != self.index.is_some() {
+            return bad(format!(
+                "a format {} record {} an index of parts (damaged)",
+                self.format,
+                if self.index.is_some() {
+                    "with"
+                } else {
+                    "without"
+                }
+            ));
         }
         self.layout.validate().map_err(|e| e.context(what))?;
         let world = self.layout.world();

@@ -20,7 +20,10 @@ mod layout;
 mod manifest;
 mod spec;
 
-pub use commit_record::{BlobLoc, CommitRecord, RankEntry, ShardLoc, TensorEntry, collect_tensors};
+pub use commit_record::{
+    BlobLoc, CommitRecord, PartRef, RANKS_PER_PART, RankEntry, RecordIndex, RecordPart, ShardLoc,
+    TensorEntry, collect_tensors,
+};
 pub use coverage::check_coverage;
 pub use dtype::DType;
 pub use geometry::{NdBox, copy_runs, numel};
@@ -43,13 +46,26 @@ pub const FORMAT_VERSION: u32 = 2;
 /// [`FORMAT_VERSION`], so stores without deltas stay readable by older builds.
 pub const DELTA_FORMAT_VERSION: u32 = 3;
 
-/// The format of the commit records this build writes, and the newest it reads.
+/// The newest format of commit records this build reads (and writes, for a record too large
+/// for one object: [`SPLIT_RECORD_FORMAT`]).
+///
+/// Format 5 splits a commit record larger than [`crate::StoreConfig::record_part_bytes`] into
+/// a small root (the `COMMIT` object: the step's summary and an index) and content-addressed
+/// parts under `steps/<step>/index/`, so that a restoring rank reads the parts of its own
+/// tensors, not a record that grows with the world. Records that fit in one object are still
+/// written as format 4, readable by builds that read up to 4.
 ///
 /// Format 4 moved the rank manifests of a step to `steps/<step>/ranks/<2 hex>/` (spread over
 /// 256 prefixes) and added the writers' fence shards; readers find the manifests of older
 /// steps at their old place. A build that reads up to format 2 or 3 refuses a format 4
 /// record as newer rather than report its manifests missing.
-pub const RECORD_FORMAT_VERSION: u32 = 4;
+pub const RECORD_FORMAT_VERSION: u32 = 5;
+
+/// The format of a commit record split into a root and parts (see [`RECORD_FORMAT_VERSION`]).
+pub const SPLIT_RECORD_FORMAT: u32 = 5;
+
+/// The format of a commit record written whole.
+pub const WHOLE_RECORD_FORMAT: u32 = 4;
 
 /// The first format whose commit records carry a `checksum`.
 pub const FIRST_CHECKSUMMED_FORMAT: u32 = 2;
