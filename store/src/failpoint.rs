@@ -95,6 +95,16 @@ impl Failpoints {
         );
     }
 
+    /// How often armed failpoint `name` was reached (0 if it is not armed): a test waits on
+    /// it to know that an operation in another task got that far.
+    pub fn hits(&self, name: &str) -> u64 {
+        self.0
+            .lock()
+            .expect("failpoints")
+            .get(name)
+            .map_or(0, |a| a.hits)
+    }
+
     /// Disarm everything.
     pub fn clear(&self) {
         self.0.lock().expect("failpoints").clear();

@@ -5,15 +5,20 @@
 //! may reference objects no manifest records yet. The exclusion needs only plain puts, lists
 //! and deletes with read-after-write consistency, so it holds on a local directory and on S3:
 //!
-//! - **Writer**: put `locks/writers/<2 hex>/writer-<id>`, *then* list `locks/` and wait while
-//!   a live `sweep-*` lock exists; only then check that its dedup base is still committed, and
-//!   write chunks and its rank manifest; then delete the lease.
-//! - **Sweep**: put `locks/sweep-<id>`, *then* list all of `locks/`; with a live writer lease
-//!   there, delete the lock and leave the sweep for later. Otherwise list the steps, mark, and
-//!   delete; between delete batches, yield to any writer that has appeared since.
+//! - **Writer**: put `locks/writers/<2 hex>/writer-<id>`, *then* list `locks/` with a
+//!   delimiter (the objects directly under it: every `sweep-*` lock, in one page; the other
+//!   writers' leases come back as at most 256 common prefixes, not paged through) and wait
+//!   while a live sweep lock exists; only then check that its dedup base is still committed,
+//!   and write chunks and its rank manifest; then delete the lease.
+//! - **Sweep**: put `locks/sweep-<id>`, *then* list all of `locks/` (recursively, every writer
+//!   lease); with a live writer lease there, delete the lock and leave the sweep for later.
+//!   Otherwise list the steps, mark, and delete; between delete batches, yield to any writer
+//!   that has appeared since.
 //!
 //! Either the writer's listing sees the sweep lock (it waits until that sweep is over), or the
-//! sweep's listing sees the writer's lease (it does not sweep). A sweep that runs while no
+//! sweep's listing sees the writer's lease (it does not sweep): the sweep lock is an object
+//! directly under `locks/`, which the delimited listing returns as surely as a full one, and
+//! the lease is under `locks/`, which the sweep lists whole. A sweep that runs while no
 //! save is in flight marks every manifest written before it started, and a step whose commit
 //! record exists keeps its manifests, so a base found committed after the sweeps it waited for
 //! has all its objects until the save's own manifest protects them.
@@ -29,6 +34,17 @@
 //! clock skew with the store does not matter), or sees one older than four lapses by its
 //! clock, takes it for a killed GC's, deletes it and goes on:
 //! a `ckpt gc` killed mid-sweep holds saves back for seconds, not for [`LOCK_LAPSE`].
+//!
+//! "Unchanged for the lapse" is counted only over what the writer watched: from the *end* of
+//! the listing that first returned a write to the *start* of the latest one (a listing shows
+//! the store at some moment between its start and its end), and only while the writer wakes
+//! from its pauses and gets its listings back within a third of the lapse (the GC refreshes
+//! every sixth). A longer gap (this process paused or starved of CPU, or a store so slow that
+//! a refresh may be queued behind the listing) restarts the count: a gap says nothing about
+//! whether the GC refreshed, and a GC paused with the writer (one machine under load) must
+//! not come back to find its lock deleted. A writer that waits through such gaps still gives
+//! up after [`SWEEP_WAIT`], or takes a lock older than four lapses by the store's clock for
+//! dead.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -117,6 +133,24 @@ impl Store {
             .await
             .map_err(|e| Error::backend("listing", &dir, e))?;
         Ok(self.sort_locks(metas, now, lapse))
+    }
+
+    /// List what a writer must see before it saves: the objects directly under `locks/`, with
+    /// a delimiter. That is every sweep lock (and any writer lease a build before the leases were
+    /// spread put there) in one page, whatever the number of writers: the leases under
+    /// `locks/writers/<2 hex>/` come back as at most 256 common prefixes, which are dropped.
+    /// (A full listing reads every other writer's lease: five pages a rank at 4,096 ranks, all
+    /// on the prefix `locks/`, past S3's read rate for one prefix.)
+    pub async fn list_sweep_locks(&self, now: DateTime<Utc>) -> Result<LockListing> {
+        let lapse = chrono::Duration::from_std(LOCK_LAPSE)
+            .map_err(|_| Error::invalid("grace period is too long"))?;
+        let dir = self.keys().locks_dir();
+        let listed = self
+            .object_store()
+            .list_with_delimiter(Some(&dir))
+            .await
+            .map_err(|e| Error::backend("listing", &dir, e))?;
+        Ok(self.sort_locks(listed.objects, now, lapse))
     }
 
     fn sort_locks(
@@ -242,15 +276,33 @@ impl Store {
     /// its GC stopped refreshing (see the module docs) and go on.
     async fn wait_for_sweeps(&self, run: &str) -> Result<()> {
         let lapse = self.config().sweep_lapse;
+        // A pause of this writer, or a listing, longer than this restarts the watch.
+        let watch = lapse / 3;
         let t0 = Instant::now();
         let mut pause = Duration::from_millis(5);
-        // Each sweep lock seen: its last write as listed (time, e-tag) and when this writer
-        // first saw that write.
+        // Each sweep lock seen: its last write as listed (time, e-tag) and the end of the
+        // listing that first returned that write.
         type Write = (DateTime<Utc>, Option<String>);
         let mut seen: HashMap<Path, (Write, Instant)> = HashMap::new();
+        // When this listing was due: the last one's end plus the pause slept since.
+        let mut due: Option<Instant> = None;
         loop {
             let now = self.now();
-            let locks = self.list_locks(now, LOCK_LAPSE).await?;
+            let start = Instant::now();
+            let locks = self.list_sweep_locks(now).await?;
+            let end = Instant::now();
+            // This writer woke up late (paused, or starved of CPU along with the GC), or the
+            // listing was slow (a refresh may wait behind it): what it saw says nothing about
+            // whether the GC refreshed meanwhile. Watch each lock afresh.
+            let late = due.map_or(Duration::ZERO, |d| start.saturating_duration_since(d));
+            if late > watch || end - start > watch {
+                debug!(
+                    late_ms = late.as_millis() as u64,
+                    listing_ms = (end - start).as_millis() as u64,
+                    "a gap in watching the sweep locks: watching afresh"
+                );
+                seen.clear();
+            }
             let mut live = None;
             let mut dead = Vec::new();
             for m in locks.sweeps {
@@ -258,12 +310,13 @@ impl Store {
                 let first = match seen.get(&m.location) {
                     Some((w, at)) if *w == write => *at,
                     _ => {
-                        seen.insert(m.location.clone(), (write, Instant::now()));
-                        Instant::now()
+                        seen.insert(m.location.clone(), (write, end));
+                        end
                     }
                 };
+                let unchanged = start.saturating_duration_since(first);
                 let age = (now - m.last_modified).to_std().unwrap_or_default();
-                if first.elapsed() >= lapse || age >= 4 * lapse {
+                if unchanged >= lapse || age >= 4 * lapse {
                     dead.push(m.location);
                 } else {
                     live.get_or_insert(m.location);
@@ -295,6 +348,7 @@ impl Store {
                 ));
             }
             debug!(%sweep, "waiting for a GC sweep to end");
+            due = Some(Instant::now() + pause);
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(Duration::from_millis(500));
         }

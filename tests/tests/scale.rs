@@ -57,9 +57,10 @@ fn two_hundred_fifty_six_ranks_commit_list_and_find_the_newest_step_within_their
         // 256 prefixes and their fence checks over 16, so the busiest prefix's second here,
         // 16 times over (what 4,096 ranks would make of requests made once a rank), stays
         // under S3's per-prefix rates. One prefix per step for the manifests (256 writes in
-        // one second here), or every rank listing `generations/` twice, would not. (The
-        // listing of all of `locks/` is one page a rank here but grows with the world: five
-        // pages a rank at 4,096, which this extrapolation does not see; BENCHMARKS.md.)
+        // one second here), or every rank listing `generations/` twice, would not. (A writer
+        // lists `locks/` with a delimiter: one page a rank whatever the world; a listing of
+        // all of `locks/` would be one page here but five a rank at 4,096, which this
+        // extrapolation would not see; BENCHMARKS.md.)
         let scale = 4096 / ranks;
         let writes = t["hottest_write_prefix"][1].as_u64().unwrap();
         let reads = t["hottest_read_prefix"][1].as_u64().unwrap();
