@@ -199,6 +199,9 @@ pub struct RecordPart {
     pub blobs: Vec<BlobLoc>,
 }
 
+/// A part's name (the blake3 of its bytes) and its bytes, as [`CommitRecord::split`] makes it.
+pub type PartBytes = (Hash, Vec<u8>);
+
 /// Rank entries a ranks part holds, at most: about 25 KB of JSON.
 pub const RANKS_PER_PART: usize = 256;
 
@@ -222,7 +225,7 @@ impl CommitRecord {
     /// `part_bytes` of JSON, each with the rank entries its shards name, and rank entries with
     /// their blobs in parts of [`RANKS_PER_PART`]. The same record always gives the same
     /// bytes, so every committer of a step writes the same parts.
-    pub fn split(&self, part_bytes: usize) -> Result<(CommitRecord, Vec<(Hash, Vec<u8>)>)> {
+    pub fn split(&self, part_bytes: usize) -> Result<(CommitRecord, Vec<PartBytes>)> {
         let encode = |p: &RecordPart| {
             serde_json::to_vec(p)
                 .map_err(|e| Error::internal(format!("serializing a commit record part: {e}")))
