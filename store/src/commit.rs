@@ -524,16 +524,7 @@ impl Store {
         run: &str,
         step: u64,
     ) -> Result<(CommitRecord, StepId, u64)> {
-        let (mut c, id, mut size) = self.read_commit_root(run, step).await?;
-        if let Some(index) = c.index.clone() {
-            let parts = self.read_record_parts(&c, index.parts.iter()).await?;
-            size += index.parts.iter().map(PartRef::size).sum::<u64>();
-            c.fill(
-                parts.into_iter().map(Some).collect(),
-                &format!("step {step} of run {run}: commit record"),
-            )?;
-        }
-        Ok((c, id, size))
+        self.read_commit_with(run, step, |_| true).await
     }
 
     /// Read a step's commit record for a reader of the tensors `names` only: a record written
@@ -547,18 +538,32 @@ impl Store {
         step: u64,
         names: &std::collections::BTreeSet<String>,
     ) -> Result<(CommitRecord, StepId)> {
-        let (mut c, id, _) = self.read_commit_root(run, step).await?;
+        let wanted = |r: &PartRef| match r {
+            PartRef::Tensors { first, last, .. } if first <= last => {
+                names.range::<String, _>(first..=last).next().is_some()
+            }
+            _ => false,
+        };
+        let (c, id, _) = self.read_commit_with(run, step, wanted).await?;
+        Ok((c, id))
+    }
+
+    /// The root of a step's record, filled with the parts `wanted` picks (a split record), and
+    /// the size of what was read.
+    async fn read_commit_with(
+        &self,
+        run: &str,
+        step: u64,
+        wanted: impl Fn(&PartRef) -> bool,
+    ) -> Result<(CommitRecord, StepId, u64)> {
+        let (mut c, id, mut size) = self.read_commit_root(run, step).await?;
         if let Some(index) = c.index.clone() {
-            let wanted = |r: &PartRef| match r {
-                PartRef::Tensors { first, last, .. } if first <= last => {
-                    names.range::<String, _>(first..=last).next().is_some()
-                }
-                _ => false,
-            };
-            let read = self
-                .read_record_parts(&c, index.parts.iter().filter(|r| wanted(r)))
-                .await?;
-            let mut read = read.into_iter();
+            let picked: Vec<&PartRef> = index.parts.iter().filter(|r| wanted(r)).collect();
+            size += picked.iter().map(|r| r.size()).sum::<u64>();
+            let mut read = self
+                .read_record_parts(&c, picked.into_iter())
+                .await?
+                .into_iter();
             let parts = index
                 .parts
                 .iter()
@@ -566,7 +571,7 @@ impl Store {
                 .collect();
             c.fill(parts, &format!("step {step} of run {run}: commit record"))?;
         }
-        Ok((c, id))
+        Ok((c, id, size))
     }
 
     /// The rank entry of `rank` in split record `c` (format 5), from the ranks part that holds

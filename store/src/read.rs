@@ -131,7 +131,11 @@ impl StepReader {
     /// Open a committed step.
     pub async fn open(store: &Store, run: &str, step: u64) -> Result<Self> {
         let (commit, id) = store.read_commit(run, step).await?;
-        Ok(StepReader {
+        Ok(Self::of_record(store, commit, id))
+    }
+
+    fn of_record(store: &Store, commit: CommitRecord, id: StepId) -> Self {
+        StepReader {
             store: store.clone(),
             commit: Arc::new(commit),
             id,
@@ -139,7 +143,7 @@ impl StepReader {
             source: None,
             node: None,
             cache: None,
-        })
+        }
     }
 
     /// Open a committed step to read only the tensors `names` (a restoring rank's own): of a
@@ -156,15 +160,7 @@ impl StepReader {
     ) -> Result<Self> {
         let names: std::collections::BTreeSet<String> = names.into_iter().map(Into::into).collect();
         let (commit, id) = store.read_commit_for(run, step, &names).await?;
-        Ok(StepReader {
-            store: store.clone(),
-            commit: Arc::new(commit),
-            id,
-            manifests: Arc::default(),
-            source: None,
-            node: None,
-            cache: None,
-        })
+        Ok(Self::of_record(store, commit, id))
     }
 
     /// Open the newest committed step of `run`.
