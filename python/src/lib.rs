@@ -101,6 +101,7 @@ struct Lent {
 // referenced. Python code may write into it meanwhile (a training loop that does not wait for
 // its save), which is the caller's race, as with any buffer.
 unsafe impl Send for Lent {}
+// SAFETY: as for `Send`: `Lent` only hands out shared reads of memory its owner keeps alive.
 unsafe impl Sync for Lent {}
 
 impl AsRef<[u8]> for Lent {

@@ -213,6 +213,8 @@ fn random_sigkills_during_steps_saves_and_restores() {
         kills.push((g, rank, delay));
     }
     let report = sup.join().unwrap();
+    // SAFETY: the supervisor's thread is joined; no other thread of this test reads the
+    // environment (the ranks are child processes).
     unsafe { std::env::remove_var("CKPT_FAILPOINTS") };
     eprintln!("kills {kills:?}; report {:#?}", report.records);
     assert!(

@@ -321,6 +321,7 @@ fn second_sigterm_ends(extra: &[&str]) {
     let err = BufReader::new(child.stderr.take().unwrap());
     std::thread::sleep(Duration::from_millis(1500));
     // SAFETY: plain libc call on a child we spawned.
+    // SAFETY: kill(2) takes plain integers and touches no memory of this process.
     unsafe { libc::kill(pid, libc::SIGTERM) };
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -347,6 +348,7 @@ fn second_sigterm_ends(extra: &[&str]) {
         child.try_wait().unwrap().is_none(),
         "{extra:?}: exited early"
     );
+    // SAFETY: kill(2) takes plain integers and touches no memory of this process.
     unsafe { libc::kill(pid, libc::SIGTERM) };
     let t1 = Instant::now();
     let status = loop {
