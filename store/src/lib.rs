@@ -82,7 +82,7 @@ pub use cache::{CacheStats, ChunkCache};
 pub use catalog::StepListing;
 pub use clock::{Clock, ManualClock, SystemClock, now_ms};
 pub use codec::{Codec, CodecPolicy};
-pub use commit::CommitOutcome;
+pub use commit::{Agreement, CommitOutcome};
 pub use direct::DirectFs;
 pub use error::{Error, ErrorKind, Result};
 pub use failpoint::{FailAction, Failpoints};

@@ -828,6 +828,18 @@ pub struct CheckpointInterval {
     pub generation: Option<u64>,
 }
 
+impl crate::commit::Agreement for CheckpointInterval {
+    /// An interval of 0 steps cannot be used.
+    fn check(&self, run: &str, generation: u64) -> std::result::Result<(), String> {
+        if self.to_steps == 0 {
+            return Err(format!(
+                "the checkpoint interval of generation {generation} of run {run} is 0 steps"
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// `{"kind":"save_cost"}`: the cost of a save as the deciding rank (rank 0) of a generation
 /// measured it, after each save it measured. With ranks in separate processes the interval is
 /// fixed per generation, and the next generation derives it from the newest of these
