@@ -62,7 +62,6 @@ pub mod outfile;
 pub mod pack;
 pub mod placement;
 pub mod read;
-pub mod records;
 pub mod retry;
 pub mod st_view;
 pub mod store;

@@ -1,4 +1,4 @@
-//! The records of a run's logs ([`crate::logs`]): one serde type per record, shared by the
+//! The records of a run's logs ([`ckpt_store::logs`]): one serde type per record, shared by the
 //! processes that write them (`ckpt-train`, the `CheckpointManager`, the recovery drivers) and
 //! the ones that read them back (`ckpt plot`, `ckpt resume`, `ckpt agent`, the supervisor's
 //! report). One enum per log, tagged by `kind`: [`Metric`] for `metrics`, [`Event`] for
@@ -16,12 +16,12 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::Value;
 
-use crate::error::Result;
-use crate::store::Store;
+use ckpt_store::{Result, Store};
 
 /// A record type of one log: its kinds, derived from the enum.
 pub trait LogRecord: Serialize + DeserializeOwned {
-    /// The log it is written to ([`crate::logs::METRICS`] or [`crate::logs::EVENTS`]).
+    /// The log it is written to ([`ckpt_store::logs::METRICS`] or
+    /// [`ckpt_store::logs::EVENTS`]).
     const LOG: &'static str;
     /// Every `kind` of the enum, in declaration order.
     const KINDS: &'static [&'static str];
@@ -66,7 +66,7 @@ macro_rules! log_records {
 
 log_records! {
     /// A record of the `metrics` log.
-    pub enum Metric in crate::logs::METRICS; {
+    pub enum Metric in ckpt_store::logs::METRICS; {
         /// A training step: the job's loss and gradient norm, or one rank's part of it.
         "step" => Step(StepMetrics),
         /// One rank's part of a checkpoint, once it is persisted (committed on the committer).
@@ -89,7 +89,7 @@ log_records! {
 
 log_records! {
     /// A record of the `events` log.
-    pub enum Event in crate::logs::EVENTS; {
+    pub enum Event in ckpt_store::logs::EVENTS; {
         /// A generation of a supervised job started.
         "started" => Started(Started),
         /// A rank failed.
@@ -146,7 +146,7 @@ pub struct Logged<T> {
     pub record: T,
 }
 
-/// The records of `values` (JSON lines of a log, as [`crate::logs::read_log`] returns them)
+/// The records of `values` (JSON lines of a log, as [`ckpt_store::logs::read_log`] returns them)
 /// that `T` reads, in their order. Records of an unknown kind are skipped silently (a newer
 /// writer's); a known kind whose fields do not read is skipped with a warning.
 pub fn parse_records<T: LogRecord>(values: &[Value]) -> Vec<Logged<T>> {
@@ -172,7 +172,7 @@ pub fn parse_records<T: LogRecord>(values: &[Value]) -> Vec<Logged<T>> {
 
 /// Every record of `run`'s log of `T` that `T` reads, in time order ([`parse_records`]).
 pub async fn read_records<T: LogRecord>(store: &Store, run: &str) -> Result<Vec<Logged<T>>> {
-    let values = crate::logs::read_log(store, run, T::LOG).await?;
+    let values = ckpt_store::logs::read_log(store, run, T::LOG).await?;
     Ok(parse_records(&values))
 }
 
@@ -294,7 +294,7 @@ pub struct Final {
 }
 
 /// `{"kind":"store"}`: a process's store request counters (names in
-/// [`crate::wrap::names`], such as `store.puts`, `store.retries`, `store.give_ups`).
+/// [`ckpt_store::wrap::names`], such as `store.puts`, `store.retries`, `store.give_ups`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct StoreCounters {
     /// Counter name to value (fields that are not counters are skipped).
@@ -339,7 +339,7 @@ pub struct CheckpointFailed {
     pub rank: Option<u32>,
     /// The error.
     pub error: String,
-    /// The error's kind (metrics; [`crate::ErrorKind::as_str`]).
+    /// The error's kind (metrics; [`ckpt_store::ErrorKind::as_str`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error_kind: Option<String>,
 }
@@ -828,7 +828,7 @@ pub struct CheckpointInterval {
     pub generation: Option<u64>,
 }
 
-impl crate::commit::Agreement for CheckpointInterval {
+impl ckpt_store::Agreement for CheckpointInterval {
     /// An interval of 0 steps cannot be used.
     fn check(&self, run: &str, generation: u64) -> std::result::Result<(), String> {
         if self.to_steps == 0 {
