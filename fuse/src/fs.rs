@@ -21,11 +21,12 @@
 
 use std::collections::HashMap;
 use std::ffi::OsStr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use ckpt_store::{ErrorKind, Store};
+use parking_lot::Mutex;
 use tokio::sync::{OnceCell, Semaphore};
 use tracing::instrument;
 
@@ -271,7 +272,7 @@ impl CkptFs {
     }
 
     fn intern(&self, n: Node) -> u64 {
-        let mut g = self.inodes.lock().expect("inode table");
+        let mut g = self.inodes.lock();
         if let Some(&i) = g.by_node.get(&n) {
             return i;
         }
@@ -282,7 +283,7 @@ impl CkptFs {
     }
 
     fn node(&self, ino: u64) -> FsResult<Node> {
-        let g = self.inodes.lock().expect("inode table");
+        let g = self.inodes.lock();
         ino.checked_sub(1)
             .and_then(|i| g.nodes.get(i as usize))
             .cloned()
@@ -290,13 +291,13 @@ impl CkptFs {
     }
 
     async fn list_runs(&self) -> FsResult<Arc<Vec<String>>> {
-        if let Some(t) = &*self.runs.lock().expect("runs")
+        if let Some(t) = &*self.runs.lock()
             && t.at.elapsed() < self.opts.list_ttl
         {
             return Ok(t.v.clone());
         }
         let runs = Arc::new(self.store.list_runs().await?);
-        *self.runs.lock().expect("runs") = Some(Timed {
+        *self.runs.lock() = Some(Timed {
             at: Instant::now(),
             v: runs.clone(),
         });
@@ -304,7 +305,7 @@ impl CkptFs {
     }
 
     async fn run_listing(&self, run: &Arc<str>) -> FsResult<Arc<RunListing>> {
-        if let Some(t) = self.run_listings.lock().expect("run listings").get(run)
+        if let Some(t) = self.run_listings.lock().get(run)
             && t.at.elapsed() < self.opts.list_ttl
         {
             return Ok(t.v.clone());
@@ -320,7 +321,7 @@ impl CkptFs {
             steps: committed.iter().map(|s| s.step).collect(),
             mtime,
         });
-        self.run_listings.lock().expect("run listings").insert(
+        self.run_listings.lock().insert(
             run.clone(),
             Timed {
                 at: Instant::now(),
@@ -332,7 +333,7 @@ impl CkptFs {
 
     async fn step(&self, run: &Arc<str>, step: u64) -> FsResult<Arc<StepState>> {
         let cell = {
-            let mut g = self.steps.lock().expect("open steps");
+            let mut g = self.steps.lock();
             g.tick += 1;
             let tick = g.tick;
             let key = (run.clone(), step);
@@ -753,7 +754,7 @@ impl CkptFs {
 
     /// The entries listed when directory handle `fh` was opened.
     pub fn dir_entries(&self, fh: u64) -> FsResult<Arc<Vec<DirEntry>>> {
-        match self.handles.lock().expect("handles").get(&fh).map(|h| &**h) {
+        match self.handles.lock().get(&fh).map(|h| &**h) {
             Some(Handle::Dir { entries, .. }) => Ok(entries.clone()),
             _ => Err(FsError::BadHandle(format!("no open directory handle {fh}"))),
         }
@@ -768,7 +769,7 @@ impl CkptFs {
         &self,
         fh: u64,
     ) -> FsResult<(Arc<Vec<DirEntry>>, Arc<Vec<Attr>>)> {
-        let h = self.handles.lock().expect("handles").get(&fh).cloned();
+        let h = self.handles.lock().get(&fh).cloned();
         let Some(Handle::Dir { entries, attrs }) = h.as_deref() else {
             return Err(FsError::BadHandle(format!("no open directory handle {fh}")));
         };
@@ -804,21 +805,18 @@ impl CkptFs {
 
     fn add_handle(&self, h: Handle) -> u64 {
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        self.handles
-            .lock()
-            .expect("handles")
-            .insert(fh, Arc::new(h));
+        self.handles.lock().insert(fh, Arc::new(h));
         fh
     }
 
     /// Forget a handle.
     pub fn release(&self, fh: u64) {
-        self.handles.lock().expect("handles").remove(&fh);
+        self.handles.lock().remove(&fh);
     }
 
     /// Open handles (files and directories).
     pub fn open_handles(&self) -> usize {
-        self.handles.lock().expect("handles").len()
+        self.handles.lock().len()
     }
 
     /// Read up to `size` bytes at `offset` of file `ino` (fewer at the end of the file).
@@ -847,10 +845,10 @@ impl CkptFs {
         }
         let n = (size as u64).min(flen - offset);
         if let Some(fh) = fh {
-            let h = self.handles.lock().expect("handles").get(&fh).cloned();
+            let h = self.handles.lock().get(&fh).cloned();
             match h.as_deref() {
                 Some(Handle::File { ino: hi, seq }) if *hi == ino => {
-                    let ahead = self.advance(&mut seq.lock().expect("read state"), offset, n, flen);
+                    let ahead = self.advance(&mut seq.lock(), offset, n, flen);
                     if let Some((a, b)) = ahead {
                         self.spawn_prefetch(&s, &content, a, b);
                     }

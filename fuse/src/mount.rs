@@ -31,7 +31,7 @@ enum Event {
 pub struct MountHandle {
     mountpoint: PathBuf,
     fs: Arc<CkptFs>,
-    events: std::sync::Mutex<Receiver<Event>>,
+    events: parking_lot::Mutex<Receiver<Event>>,
     tx: Sender<Event>,
     thread: Option<JoinHandle<()>>,
     runtime: Option<tokio::runtime::Runtime>,
@@ -379,7 +379,7 @@ pub fn spawn_mount(store: Store, opts: &MountOptions) -> Result<MountHandle> {
     Ok(MountHandle {
         mountpoint,
         fs,
-        events: std::sync::Mutex::new(events),
+        events: parking_lot::Mutex::new(events),
         tx,
         thread: Some(thread),
         runtime: Some(runtime),
@@ -423,11 +423,7 @@ impl MountHandle {
 
     fn wait_ended(&mut self, timeout: Duration) -> Result<bool> {
         loop {
-            let ev = self
-                .events
-                .lock()
-                .expect("mount events")
-                .recv_timeout(timeout);
+            let ev = self.events.lock().recv_timeout(timeout);
             match ev {
                 Ok(Event::Ended(r)) => return self.finish(r).map(|_| true),
                 Ok(Event::Signal(_)) => continue,
@@ -509,7 +505,7 @@ impl MountHandle {
         });
         let mut signals = 0;
         loop {
-            let ev = self.events.lock().expect("mount events").recv();
+            let ev = self.events.lock().recv();
             match ev {
                 Ok(Event::Ended(r)) => {
                     info!(mountpoint = %self.mountpoint.display(), "unmounted");

@@ -16,7 +16,7 @@
 //! [`StepReader::plan`] does the geometry), then executed through the [`ChunkCache`].
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -25,6 +25,7 @@ use ckpt_store::{
     ChunkId, ChunkRef, CommitRecord, Error, NdBox, Result, SafetensorsView, StepReader, Store,
 };
 use futures::StreamExt;
+use parking_lot::Mutex;
 use serde_json::{Map, Value, json};
 use tracing::warn;
 
@@ -202,7 +203,7 @@ impl StepState {
 
     /// The tensors rank `r` holds (reads its manifest once).
     pub async fn rank_files(&self, rank: u32) -> Result<Arc<RankFiles>> {
-        if let Some(f) = self.rank_files.lock().expect("rank files").get(&rank) {
+        if let Some(f) = self.rank_files.lock().get(&rank) {
             return Ok(f.clone());
         }
         let m = self.reader.manifest(rank).await?;
@@ -228,10 +229,7 @@ impl StepState {
             .collect();
         let by_tensor = tensors.iter().enumerate().map(|(k, t)| (t.0, k)).collect();
         let f = Arc::new(RankFiles { tensors, by_tensor });
-        self.rank_files
-            .lock()
-            .expect("rank files")
-            .insert(rank, f.clone());
+        self.rank_files.lock().insert(rank, f.clone());
         Ok(f)
     }
 

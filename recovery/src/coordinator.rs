@@ -58,8 +58,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
+use crate::records;
 use ckpt_store::Layout;
-use ckpt_store::records;
 use serde::{Deserialize, Serialize};
 
 /// Nodes and ranks.
@@ -244,8 +244,8 @@ pub struct Assignment {
 /// A record of the recovery log: the coordinator emits the `events` log's recovery records
 /// (`started`, `failure`, `step_unusable`, `recovery`, `resumed`, `finished`, `node_returned`,
 /// `node_kept_out`, `grow`), the types of
-/// [`ckpt_store::records`] that the drivers write and the CLI reads back.
-pub type Record = ckpt_store::records::Event;
+/// [`crate::records`] that the drivers write and the CLI reads back.
+pub type Record = crate::records::Event;
 
 /// What the driver must do.
 #[derive(Debug, Clone, PartialEq)]

@@ -8,9 +8,9 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
+use crate::records::{Event, Metric, StepMetrics};
 use ckpt_store::logs::{EVENTS, LogWriter, METRICS};
 use ckpt_store::placement::restore_boxes;
-use ckpt_store::records::{Event, Metric, StepMetrics};
 use ckpt_store::{Error, ErrorKind, Layout, Result, StepReader, Store, VerifyScope};
 use tokio::sync::mpsc;
 use tracing::{error, info, warn};
@@ -19,7 +19,7 @@ use crate::coordinator::{Assignment, ExitStatus, Record};
 use crate::heartbeat::Workload;
 use crate::rank_env::{HeartbeatEnv, PeerEnv, RankEnv};
 
-pub use ckpt_store::records::RankPlan;
+pub use crate::records::RankPlan;
 
 /// What each rank of `layout` reads to restore `step`: the boxes the placement rules give it
 /// ([`ckpt_store::placement::restore_boxes`], the same answer as `ckpt plan`'s, ZeRO

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use ckpt_store::records::Curve;
+use crate::records::Curve;
 use serde::{Deserialize, Serialize};
 
 use crate::rank_env::RankEnv;

@@ -10,6 +10,8 @@
 //! - [`peer`]: peer replicas: the per-node agent keeping ranks' newest snapshots in memory,
 //!   the upload that feeds it from a save, the chunk source a restore asks first;
 //! - [`rank_env`]: the environment a driver hands each rank it launches, as one type;
+//! - [`records`]: every record of a run's `metrics` and `events` logs as a serde type, shared
+//!   by the processes that write them and the ones that read them back;
 //! - [`driver`]: what both drivers share (launching ranks, the recovery log, choosing the
 //!   step to restore).
 
@@ -22,6 +24,7 @@ pub mod driver;
 pub mod heartbeat;
 pub mod peer;
 pub mod rank_env;
+pub mod records;
 pub mod supervisor;
 
 pub use coordinator::{

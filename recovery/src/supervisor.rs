@@ -20,7 +20,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use ckpt_store::records::{Event as LogEvent, Logged, read_records};
+use crate::records::{Event as LogEvent, Logged, read_records};
 use ckpt_store::{Error, Result};
 use serde::Serialize;
 use tokio::io::AsyncWriteExt;
@@ -271,7 +271,7 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
                     }
                     Action::RetireStep { step } => retire_step(&store, &opts.run, step).await?,
                     Action::Record(rec) => {
-                        if let (ckpt_store::records::Event::Failure(f), Some(d)) =
+                        if let (crate::records::Event::Failure(f), Some(d)) =
                             (&rec, opts.repair_after)
                         {
                             repairs.entry(f.node).or_insert(t0.elapsed() + d);
@@ -440,7 +440,7 @@ async fn start_agent(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ckpt_store::records::parse_records;
+    use crate::records::parse_records;
     use serde_json::json;
 
     #[test]

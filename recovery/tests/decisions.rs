@@ -6,7 +6,7 @@ use std::time::Duration;
 use ckpt_recovery::coordinator::{
     Action, Config, Coordinator, Event, ExitStatus, Record, Topology,
 };
-use ckpt_store::records;
+use ckpt_recovery::records;
 
 const CASES: &str = r#"
 # A crash (SIGKILL) on one of 4 single-rank nodes: stop the others, restore, shrink dp.

@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 
 use ckpt_recovery::driver::LossBoard;
 use ckpt_recovery::heartbeat::{Beat, Figure, Workload};
+use ckpt_recovery::records::{Curve, Metric, read_records};
 use ckpt_store::Store;
-use ckpt_store::records::{Curve, Metric, read_records};
 
 const SCALE: f64 = (1u64 << 40) as f64;
 

@@ -13,10 +13,11 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
+use parking_lot::Mutex;
 use tokio::sync::OnceCell;
 
 use crate::error::{Error, ErrorKind, Result};
@@ -107,7 +108,7 @@ impl ChunkCache {
 
     /// Whether the chunk is held now (no fetch, no recency update).
     pub fn contains(&self, id: &ChunkId) -> bool {
-        self.state.lock().expect("cache").map.contains_key(id)
+        self.state.lock().map.contains_key(id)
     }
 
     /// (hits, misses) so far: a miss is a request that waited for a fetch, its own or one
@@ -119,7 +120,7 @@ impl ChunkCache {
 
     /// Figures so far.
     pub fn stats(&self) -> CacheStats {
-        let st = self.state.lock().expect("cache");
+        let st = self.state.lock();
         CacheStats {
             hits: self.hits.load(Ordering::Relaxed),
             fetches: self.fetches.load(Ordering::Relaxed),
@@ -146,7 +147,7 @@ impl ChunkCache {
         Fut: Future<Output = Result<Bytes>>,
     {
         let cell = {
-            let mut st = self.state.lock().expect("cache");
+            let mut st = self.state.lock();
             if let Some(b) = st.touch(&id) {
                 self.hits.fetch_add(1, Ordering::Relaxed);
                 return Ok(b);
@@ -174,7 +175,7 @@ impl ChunkCache {
             .await
             .clone();
         {
-            let mut st = self.state.lock().expect("cache");
+            let mut st = self.state.lock();
             // Only the fetch this call waited for is retired: a later one for the same id
             // (after a failure) is left alone.
             if st.inflight.get(&id).is_some_and(|c| Arc::ptr_eq(c, &cell)) {
@@ -190,7 +191,7 @@ impl ChunkCache {
     /// Keep `b` as the verified bytes of `id` (a writer that just hashed them: the delta
     /// bases of its next save).
     pub fn put(&self, id: ChunkId, b: Bytes) {
-        let mut st = self.state.lock().expect("cache");
+        let mut st = self.state.lock();
         self.insert(&mut st, id, b);
     }
 

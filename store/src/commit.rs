@@ -18,6 +18,8 @@ use std::time::{Duration, Instant};
 
 use futures::{StreamExt, TryStreamExt, stream};
 use object_store::PutMode;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 use tracing::{info, instrument};
 
 use crate::error::{Error, ErrorKind, Result};
@@ -28,6 +30,15 @@ use crate::model::{
     WriteStats, check_coverage, collect_tensors,
 };
 use crate::store::Store;
+
+/// A value the ranks of a generation agree on once ([`Store::agree_generation_interval`]):
+/// stored as JSON, its type defined by its writers (the checkpoint interval is
+/// `ckpt_recovery::records::CheckpointInterval`), which say whether a stored one can be used.
+pub trait Agreement: Serialize + DeserializeOwned + Clone {
+    /// `Ok` when a value read back for `generation` of `run` can be used; otherwise why not,
+    /// in words (the store reports it as damaged data, naming the object).
+    fn check(&self, run: &str, generation: u64) -> std::result::Result<(), String>;
+}
 
 /// How a commit ended.
 #[derive(Debug, Clone)]
@@ -485,13 +496,14 @@ impl Store {
     /// first creator's otherwise, `false`). Every rank of a generation proposes what it
     /// derived and all use the answer, so they checkpoint the same steps even when they read
     /// the run's log at different moments; a writer of another generation writes another
-    /// object.
-    pub async fn agree_generation_interval(
+    /// object. The store keeps the value as JSON and knows nothing of its fields: the type
+    /// ([`Agreement`]) says whether a stored one can be used.
+    pub async fn agree_generation_interval<T: Agreement>(
         &self,
         run: &str,
         generation: u64,
-        proposal: &crate::records::CheckpointInterval,
-    ) -> Result<(crate::records::CheckpointInterval, bool)> {
+        proposal: &T,
+    ) -> Result<(T, bool)> {
         validate_run(run)?;
         let path = self.keys().generation_interval(run, generation);
         match self.put_json(&path, proposal, PutMode::Create).await {
@@ -499,13 +511,9 @@ impl Store {
             Err(e) if e.kind() == ErrorKind::Conflict => {}
             Err(e) => return Err(e),
         }
-        let (agreed, _, _) = self
-            .get_json::<crate::records::CheckpointInterval>(&path)
-            .await?;
-        if agreed.to_steps == 0 {
-            return Err(Error::corrupt(format!(
-                "{path}: the checkpoint interval of generation {generation} of run {run} is 0 steps"
-            )));
+        let (agreed, _, _) = self.get_json::<T>(&path).await?;
+        if let Err(why) = agreed.check(run, generation) {
+            return Err(Error::corrupt(format!("{path}: {why}")));
         }
         Ok((agreed, false))
     }

@@ -7,8 +7,10 @@
 //! N-th time the point is reached (`after_chunks=kill@2`: the second save dies).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
+
+use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
 
@@ -85,7 +87,7 @@ impl Failpoints {
 
     /// Arm `name` for its `nth` hit only (every hit if `None`).
     pub fn set_nth(&self, name: &str, action: FailAction, nth: Option<u64>) {
-        self.0.lock().expect("failpoints").insert(
+        self.0.lock().insert(
             name.to_string(),
             Armed {
                 action,
@@ -98,22 +100,18 @@ impl Failpoints {
     /// How often armed failpoint `name` was reached (0 if it is not armed): a test waits on
     /// it to know that an operation in another task got that far.
     pub fn hits(&self, name: &str) -> u64 {
-        self.0
-            .lock()
-            .expect("failpoints")
-            .get(name)
-            .map_or(0, |a| a.hits)
+        self.0.lock().get(name).map_or(0, |a| a.hits)
     }
 
     /// Disarm everything.
     pub fn clear(&self) {
-        self.0.lock().expect("failpoints").clear();
+        self.0.lock().clear();
     }
 
     /// Reach failpoint `name`.
     pub async fn hit(&self, name: &str) -> Result<()> {
         let action = {
-            let mut g = self.0.lock().expect("failpoints");
+            let mut g = self.0.lock();
             match g.get_mut(name) {
                 None => None,
                 Some(a) => {

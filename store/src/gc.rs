@@ -20,12 +20,12 @@
 //! sweeps.
 
 use std::collections::{BTreeSet, HashSet};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use futures::{StreamExt, TryStreamExt, stream};
 use object_store::path::Path;
+use parking_lot::Mutex;
 use serde::Serialize;
 use tracing::{debug, info, instrument, warn};
 
@@ -112,11 +112,11 @@ struct Fresh(Mutex<Instant>);
 
 impl Fresh {
     fn mark(&self, at: Instant) {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = at;
+        *self.0.lock() = at;
     }
 
     fn age(&self) -> Duration {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).elapsed()
+        self.0.lock().elapsed()
     }
 }
 

@@ -8,11 +8,12 @@
 //! checked against their hash, and scattered into the destination.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use futures::{StreamExt, stream};
+use parking_lot::Mutex;
 use serde::Serialize;
 use tracing::{instrument, warn};
 
@@ -210,7 +211,7 @@ impl StepReader {
 
     /// A rank's manifest (cached), checked against the hash in the commit record.
     pub async fn manifest(&self, rank: u32) -> Result<Arc<RankManifest>> {
-        if let Some(m) = self.manifests.lock().expect("manifest cache").get(&rank) {
+        if let Some(m) = self.manifests.lock().get(&rank) {
             return Ok(m.clone());
         }
         let listed = self.commit.ranks.iter().find(|e| e.rank == rank).cloned();
@@ -231,10 +232,7 @@ impl StepReader {
                 .read_rank_manifest(&self.commit.run, self.commit.step, rank, Some(&entry))
                 .await?,
         );
-        self.manifests
-            .lock()
-            .expect("manifest cache")
-            .insert(rank, m.clone());
+        self.manifests.lock().insert(rank, m.clone());
         Ok(m)
     }
 

@@ -1509,18 +1509,16 @@ async fn a_generations_interval_is_agreed_once(b: Backend) {
     // Ranks in separate processes propose the interval each derived for their generation;
     // the first proposal stored is the one every rank uses, also when they race. Another
     // generation (a zombie of an older one, or the next) has an object of its own.
-    use ckpt_store::records::CheckpointInterval;
     let store = b.store();
     let run = "agree";
     store.start_generation(run, 3).await.unwrap();
     let t = store.generation_started_ms(run, 3).await.unwrap();
     assert!(t.is_some_and(|t| t > 0), "{t:?}");
     assert_eq!(store.generation_started_ms(run, 4).await.unwrap(), None);
-    let proposal = |g: u64, steps: u64| CheckpointInterval {
+    let proposal = |g: u64, steps: u64| Interval {
         to_steps: steps,
         reason: "young_daly".into(),
         generation: Some(g),
-        ..Default::default()
     };
     let (a, b1) = (proposal(3, 7), proposal(3, 9));
     // Racing proposals only where the conditional create is atomic (real S3's is; `s3s-fs`
@@ -1560,6 +1558,36 @@ async fn a_generations_interval_is_agreed_once(b: Backend) {
         .await
         .unwrap();
     assert_eq!(again.to_steps, agreed);
+    // A stored value its type refuses is damaged data, named by its object.
+    store
+        .agree_generation_interval(run, 5, &proposal(5, 0))
+        .await
+        .unwrap();
+    let e = store
+        .agree_generation_interval(run, 5, &proposal(5, 8))
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+    assert!(e.to_string().contains("is 0 steps"), "{e}");
+}
+
+/// What the store's tests agree on per generation: the store keeps any JSON value and asks
+/// its type whether a stored one can be used (the real one is `ckpt-recovery`'s
+/// `CheckpointInterval` record).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+struct Interval {
+    to_steps: u64,
+    reason: String,
+    generation: Option<u64>,
+}
+
+impl ckpt_store::Agreement for Interval {
+    fn check(&self, _run: &str, _generation: u64) -> Result<(), String> {
+        if self.to_steps == 0 {
+            return Err("the interval is 0 steps".into());
+        }
+        Ok(())
+    }
 }
 
 /// Save a one-tensor step as rank 0 of `generation` (the bytes depend on the generation, so

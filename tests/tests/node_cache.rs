@@ -7,8 +7,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::time::Duration;
 
+use ckpt_recovery::records::{Event, Logged};
 use ckpt_recovery::{Config, SupervisorOptions, Topology};
-use ckpt_store::records::{Event, Logged};
 use ckpt_tests::{bin, spawn_supervisor};
 
 const PARAMS: &str = "400K";
@@ -99,7 +99,7 @@ fn restore_on(nodes: u32) -> (BTreeMap<u32, (u64, u64)>, u64) {
     let store = ckpt_store::open(store_path.to_str().unwrap()).unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let events: Vec<Logged<Event>> = rt
-        .block_on(ckpt_store::records::read_records(&store, run))
+        .block_on(ckpt_recovery::records::read_records(&store, run))
         .unwrap();
     let mut by_node: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
     let mut ranks = 0;

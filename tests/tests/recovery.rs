@@ -1019,7 +1019,7 @@ fn ranks_and_agents_die_with_a_killed_ckpt_resume() {
 /// one process, bit for bit.
 #[test]
 fn the_supervisors_loss_curve_equals_the_one_process_run_bit_for_bit() {
-    use ckpt_store::records::{Metric, read_records};
+    use ckpt_recovery::records::{Metric, read_records};
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
     let steps = 6;
@@ -1074,7 +1074,7 @@ fn the_supervisors_loss_curve_equals_the_one_process_run_bit_for_bit() {
 /// ends bit-identical to an uninterrupted run with a fixed interval.
 #[test]
 fn the_automatic_interval_counts_the_failures_the_supervisor_logs() {
-    use ckpt_store::records::{Event, read_records};
+    use ckpt_recovery::records::{Event, read_records};
     let dir = tempfile::tempdir().unwrap();
     let steps = 90;
     let want = reference_digest(dir.path(), steps, PARAMS);
@@ -1149,7 +1149,7 @@ fn the_automatic_interval_counts_the_failures_the_supervisor_logs() {
 /// bit-identical to an uninterrupted run with a fixed interval.
 #[test]
 fn rank_processes_agree_on_an_automatic_interval_per_generation_that_shrinks_after_failures() {
-    use ckpt_store::records::{Event, read_records};
+    use ckpt_recovery::records::{Event, read_records};
     let dir = tempfile::tempdir().unwrap();
     let steps = 150;
     let want = reference_digest(dir.path(), steps, PARAMS);

@@ -33,9 +33,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use ckpt_recovery::heartbeat::{Figure, Workload};
+use ckpt_recovery::records::{self, Curve, Metric, StepMetrics};
 use ckpt_recovery::{RankEnv, rank_env};
 use ckpt_store::logs::{LogWriter, METRICS};
-use ckpt_store::records::{self, Curve, Metric, StepMetrics};
 use ckpt_store::{Error, ErrorKind, Failpoints, Layout, Result, StepReader, Store};
 use clap::Parser;
 use parking_lot::{Condvar, Mutex};

@@ -7,8 +7,8 @@ use common::*;
 
 use std::path::Path;
 
+use ckpt_recovery::records::{self, Event, read_records};
 use ckpt_store::logs::{EVENTS, LogWriter};
-use ckpt_store::records::{self, Event, read_records};
 use ckpt_trainer::runtime;
 
 const STEPS: u64 = 120;

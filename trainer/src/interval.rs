@@ -30,7 +30,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ckpt_store::records::{CheckpointInterval, Event, Logged};
+use ckpt_recovery::records::{CheckpointInterval, Event, Logged};
 use parking_lot::Mutex;
 
 /// The MTBF assumed while the run's recovery log holds no failure: one day.
@@ -185,8 +185,9 @@ impl Decided {
     }
 }
 
-/// The failure rate that `events` (the run's events log, [`ckpt_store::records::read_records`])
-/// show at `now_ms` (Unix milliseconds), with `prior` as the MTBF while none is logged.
+/// The failure rate that `events` (the run's events log,
+/// [`ckpt_recovery::records::read_records`]) show at `now_ms` (Unix milliseconds), with `prior`
+/// as the MTBF while none is logged.
 pub fn failure_rate(events: &[Logged<Event>], now_ms: i64, prior: Duration) -> FailureRate {
     let mut generations: Vec<u64> = events
         .iter()
@@ -475,7 +476,7 @@ impl IntervalSchedule {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ckpt_store::records::{Failure, SaveCost, Started};
+    use ckpt_recovery::records::{Failure, SaveCost, Started};
 
     #[test]
     fn young_daly_by_hand() {

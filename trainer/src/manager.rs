@@ -37,9 +37,9 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use ckpt_recovery::peer::PeerSource;
+use ckpt_recovery::records::{self, Event};
 use ckpt_store::logs::{EVENTS, LogWriter};
 use ckpt_store::placement::place_rank;
-use ckpt_store::records::{self, Event};
 use ckpt_store::{
     ChunkCache, Error, ErrorKind, GcOptions, NdBox, Result, StepReader, Store, TensorSpec,
 };

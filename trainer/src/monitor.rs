@@ -410,8 +410,8 @@ impl Detector {
 }
 
 // The rollback history and the stop reason are part of the `stop` event record: their types
-// live with the log records (`ckpt_store::records`).
-pub use ckpt_store::records::{RollbackEntry, StopReason};
+// live with the log records (`ckpt_recovery::records`).
+pub use ckpt_recovery::records::{RollbackEntry, StopReason};
 
 /// A stop: the spike, why, and the run's rollbacks so far.
 #[derive(Debug, Clone, PartialEq)]

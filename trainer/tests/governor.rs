@@ -7,8 +7,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use ckpt_recovery::records::{Event, read_records};
 use ckpt_store::placement::{Placement, Stage as PStage, TensorSpec};
-use ckpt_store::records::{Event, read_records};
 use ckpt_store::testing::{det_bytes, local_store};
 use ckpt_store::{DType, Layout, NdBox, Store, StoreConfig};
 use ckpt_trainer::{
@@ -175,7 +175,7 @@ fn train(
     }
 }
 
-fn rate_events(store: &Store, run: &str) -> Vec<ckpt_store::records::PersistRate> {
+fn rate_events(store: &Store, run: &str) -> Vec<ckpt_recovery::records::PersistRate> {
     runtime()
         .block_on(read_records::<Event>(store, run))
         .unwrap()

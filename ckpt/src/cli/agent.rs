@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use ckpt_recovery::Topology;
 use ckpt_recovery::agent::{AgentOptions, AgentReport};
+use ckpt_recovery::records::{Event as LogEvent, parse_records};
 use ckpt_store::ErrorKind;
-use ckpt_store::records::{Event as LogEvent, parse_records};
 use serde::Serialize;
 
 use super::parse::duration;

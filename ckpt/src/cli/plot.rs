@@ -6,15 +6,15 @@
 //! thousand times the loss and would flatten the rest): their curve is clipped at the top of
 //! the panel and the spike's marker there is labelled with its value.
 //!
-//! Records read ([`ckpt_store::records`]; others are ignored): metrics `step` (`loss`,
+//! Records read ([`ckpt_recovery::records`]; others are ignored): metrics `step` (`loss`,
 //! `grad_norm`, of the lowest rank that logs them) and `checkpoint`; events `failure`,
 //! `recovery`, `rollback`, `spike` and `stop` (the monitor stopped the run).
 
 use std::io::Write;
 use std::path::PathBuf;
 
+use ckpt_recovery::records::{Event, Metric, parse_records};
 use ckpt_store::logs::{EVENTS, METRICS, read_log};
-use ckpt_store::records::{Event, Metric, parse_records};
 use ckpt_store::{Store, validate_run};
 use serde::Serialize;
 use serde_json::Value;

@@ -9,8 +9,8 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use ckpt_recovery::records::{Event, LogRecord, parse_records};
 use ckpt_recovery::{Config, SupervisorOptions, Topology};
-use ckpt_store::records::{Event, LogRecord, parse_records};
 use serde::Serialize;
 
 use super::parse::duration;
@@ -254,7 +254,7 @@ pub async fn resume(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ckpt_store::records::{Failure, Recovery, Started};
+    use ckpt_recovery::records::{Failure, Recovery, Started};
 
     #[test]
     fn a_repair_time_is_seconds_or_a_duration() {

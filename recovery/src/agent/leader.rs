@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
-use ckpt_store::records::{Event as LogEvent, Takeover};
+use crate::records::{Event as LogEvent, Takeover};
 use ckpt_store::{ErrorKind, Result, Store};
 use etcd_client::EventType;
 use tracing::{info, warn};
