@@ -10,8 +10,8 @@
 //! - [`peer`]: peer replicas: the per-node agent keeping ranks' newest snapshots in memory,
 //!   the upload that feeds it from a save, the chunk source a restore asks first;
 //! - [`rank_env`]: the environment a driver hands each rank it launches, as one type;
-//! - [`driver`]: what both drivers share (launching ranks, the recovery log, choosing the
-//!   step to restore).
+//! - [`driver`]: what both drivers share (the job's options, launching ranks, the recovery
+//!   log, choosing the step to restore).
 
 #![warn(missing_docs)]
 
@@ -27,6 +27,7 @@ pub mod supervisor;
 pub use coordinator::{
     Action, Config, Coordinator, DATA_FAILURE_EXIT, Event, ExitStatus, Record, Topology,
 };
+pub use driver::JobOptions;
 pub use heartbeat::HeartbeatClient;
 pub use peer::{PeerLink, PeerSecret, PeerSource, PeerUpload};
 pub use rank_env::RankEnv;

@@ -17,7 +17,7 @@
 //! run every [`COMMIT_POLL`] and tells it ([`Event::Committed`]).
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use ckpt_store::records::{Event as LogEvent, Logged, read_records};
@@ -28,30 +28,20 @@ use tokio::net::UnixDatagram;
 use tokio::sync::mpsc;
 use tracing::info;
 
-use crate::coordinator::{Action, Config, Coordinator, Event};
+use crate::coordinator::{Action, Coordinator, Event};
 use crate::driver::{
-    Launch, LossBoard, RankExit, RecoveryLog, check_step, choose_step_logged,
+    JobOptions, Launch, LossBoard, RankExit, RecoveryLog, check_step, choose_step_logged,
     first_free_generation, free_port, private_dir, remove_private_dir, retire_step, signal_rank,
 };
 pub use crate::driver::{RankPlan, choose_step, restore_plan};
 use crate::heartbeat::Beat;
 use crate::peer::{Membership, PeerSecret};
 
-/// What `ckpt resume` asks for.
+/// What `ckpt resume` asks for: the job, and what only the local supervisor does.
 #[derive(Debug, Clone)]
 pub struct SupervisorOptions {
-    /// Store URL, passed to the ranks as `CKPT_STORE`.
-    pub store_url: String,
-    /// Run name, passed as `CKPT_RUN`.
-    pub run: String,
-    /// Coordinator settings (topology, layout, timeouts, restarts).
-    pub config: Config,
-    /// The command to launch per rank.
-    pub command: Vec<String>,
-    /// Where rank stdout/stderr go (`rank-R.gen-G.{out,err}`); inherited when `None`.
-    pub logs_dir: Option<PathBuf>,
-    /// How often ranks beat between steps.
-    pub heartbeat_interval: Duration,
+    /// The job: store, run, coordinator settings, command, logs, heartbeats.
+    pub job: JobOptions,
     /// Peer replicas: the command that starts one node's replica agent (such as
     /// `ckpt replica-agent`; `--listen 127.0.0.1:0 --node N --watch-stdin` is appended, and the
     /// agent prints `listening ADDR` first). The agents listen on loopback only; a secret made
@@ -59,9 +49,6 @@ pub struct SupervisorOptions {
     /// generation's live agents reach every agent as a `members` line on its standard input. One agent runs per node for the whole supervision; a failed
     /// node's agent is killed with its ranks.
     pub replica_agent: Option<Vec<String>>,
-    /// How the supervisor opens the store (its binary reads them from the environment; the
-    /// ranks read their own).
-    pub open: ckpt_store::OpenOptions,
     /// A failed node is repaired and comes back this long after its failure (`None`: never).
     pub repair_after: Option<Duration>,
 }
@@ -133,13 +120,13 @@ pub fn restore_summaries(events: &[Logged<LogEvent>], base: u64) -> Vec<RestoreS
 
 /// Supervise the job (see the module docs) until it completes or recovery gives up.
 pub async fn run(opts: SupervisorOptions) -> Result<Report> {
-    if opts.command.is_empty() {
+    if opts.job.command.is_empty() {
         return Err(Error::invalid("no command to run: pass it after --"));
     }
-    let store = ckpt_store::open_with(&opts.store_url, &opts.open)?;
-    ckpt_store::validate_run(&opts.run)?;
+    let store = ckpt_store::open_with(&opts.job.store_url, &opts.job.open)?;
+    ckpt_store::validate_run(&opts.job.run)?;
     // Generations continue from any earlier supervision of this run.
-    let base = first_free_generation(&store, &opts.run).await?;
+    let base = first_free_generation(&store, &opts.job.run).await?;
     let sock_dir = private_dir("supervisor")?;
     let sock_path = sock_dir.join("heartbeat.sock");
     let sock = UnixDatagram::bind(&sock_path)
@@ -150,36 +137,26 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
     };
     let mut agents = match (&opts.replica_agent, &peer_secret) {
         (Some(cmd), Some(secret)) => {
-            let t = &opts.config.topology;
+            let t = &opts.job.config.topology;
             let mut agents = BTreeMap::new();
             for node in 0..t.nodes + t.spares {
-                let a = start_agent(cmd, node, opts.logs_dir.as_deref(), secret, false).await?;
+                let a = start_agent(cmd, node, opts.job.logs_dir.as_deref(), secret, false).await?;
                 agents.insert(node, a);
             }
             agents
         }
         _ => BTreeMap::new(),
     };
-    let mut launch = Launch {
-        store_url: opts.store_url.clone(),
-        run: opts.run.clone(),
-        command: opts.command.clone(),
-        logs_dir: opts.logs_dir.clone(),
-        heartbeat_socket: sock_path.clone(),
-        heartbeat_interval: opts.heartbeat_interval,
-        ranks_per_node: opts.config.topology.ranks_per_node,
-        // Ranks never outlive `ckpt resume`: if it is killed, they die with it rather than
-        // train on as orphans next to the job a new `ckpt resume` would start.
-        die_with_parent: true,
-        peer_agents: Vec::new(),
+    let mut launch = Launch::new(
+        &opts.job,
+        sock_path.clone(),
+        sock_dir.join("node-cache"),
         peer_secret,
-        // The ranks of a node restore through one shared cache (removed with the directory).
-        node_cache_root: Some(sock_dir.join("node-cache")),
-    };
+    );
     let (exit_tx, mut exit_rx) = mpsc::unbounded_channel::<RankExit>();
-    let mut log = RecoveryLog::new(&store, &opts.run, "supervisor")?;
-    let mut losses = LossBoard::new(&store, &opts.run, "supervisor")?;
-    let mut coord = Coordinator::new(opts.config.clone());
+    let mut log = RecoveryLog::new(&store, &opts.job.run, "supervisor")?;
+    let mut losses = LossBoard::new(&store, &opts.job.run, "supervisor")?;
+    let mut coord = Coordinator::new(opts.job.config.clone());
     let t0 = Instant::now();
     let mut children: HashMap<(u64, u32), u32> = HashMap::new();
     let mut pending: Vec<Event> = vec![Event::Start { now: t0.elapsed() }];
@@ -201,7 +178,7 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
                         resume_from,
                     } => {
                         let g = base + generation;
-                        store.start_generation(&opts.run, g).await?;
+                        store.start_generation(&opts.job.run, g).await?;
                         // A failed node's agent goes with it.
                         for n in coord.excluded() {
                             if let Some(mut a) = agents.remove(&n) {
@@ -252,7 +229,7 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
                         }
                     }
                     Action::ChooseStep { generation, skip } => {
-                        let c = choose_step_logged(&store, &opts.run, &skip).await?;
+                        let c = choose_step_logged(&store, &opts.job.run, &skip).await?;
                         pending.push(Event::StepChosen {
                             generation,
                             step: c.step,
@@ -261,7 +238,7 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
                         });
                     }
                     Action::CheckStep { generation, step } => {
-                        let damage = check_step(&store, &opts.run, step).await?;
+                        let damage = check_step(&store, &opts.job.run, step).await?;
                         pending.push(Event::StepChecked {
                             generation,
                             step,
@@ -269,7 +246,7 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
                             now: t0.elapsed(),
                         });
                     }
-                    Action::RetireStep { step } => retire_step(&store, &opts.run, step).await?,
+                    Action::RetireStep { step } => retire_step(&store, &opts.job.run, step).await?,
                     Action::Record(rec) => {
                         if let (ckpt_store::records::Event::Failure(f), Some(d)) =
                             (&rec, opts.repair_after)
@@ -288,7 +265,7 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
             for a in agents.values_mut() {
                 let _ = a.child.start_kill();
             }
-            let restores = match read_records::<LogEvent>(&store, &opts.run).await {
+            let restores = match read_records::<LogEvent>(&store, &opts.job.run).await {
                 Ok(ev) => restore_summaries(&ev, base),
                 Err(e) => {
                     tracing::warn!("reading the restore events: {e}");
@@ -340,7 +317,7 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
                         if let Some(mut old) = agents.remove(&node) {
                             let _ = old.child.start_kill();
                         }
-                        match start_agent(cmd, node, opts.logs_dir.as_deref(), secret, true).await {
+                        match start_agent(cmd, node, opts.job.logs_dir.as_deref(), secret, true).await {
                             Ok(a) => {
                                 agents.insert(node, a);
                             }
@@ -357,7 +334,7 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
                     Some(g) => {
                         let fresh = watch.is_none_or(|(wg, _, _)| wg != g);
                         if fresh || watch.is_some_and(|(_, at, _)| at.elapsed() >= COMMIT_POLL) {
-                            match store.latest_committed(&opts.run).await {
+                            match store.latest_committed(&opts.job.run).await {
                                 Ok(step) => {
                                     if fresh || watch.is_some_and(|(_, _, last)| last != step) {
                                         pending.push(Event::Committed { generation: g, step, now: t0.elapsed() });

@@ -121,21 +121,21 @@ impl Leader {
         view: &JobState,
         previous: Option<u32>,
     ) -> Result<(Self, Vec<Action>)> {
-        let store = ckpt_store::open_with(&opts.store_url, &opts.open)?;
+        let store = ckpt_store::open_with(&opts.job.store_url, &opts.job.open)?;
         let writer = format!("leader-{}", opts.node);
-        let log = RecoveryLog::new(&store, &opts.run, &writer)?;
-        let losses = LossBoard::new(&store, &opts.run, &writer)?;
-        let floor = first_free_generation(&store, &opts.run).await?;
+        let log = RecoveryLog::new(&store, &opts.job.run, &writer)?;
+        let losses = LossBoard::new(&store, &opts.job.run, &writer)?;
+        let floor = first_free_generation(&store, &opts.job.run).await?;
         let t0 = Instant::now();
         let mut l = Leader {
             node: opts.node,
-            run: opts.run.clone(),
+            run: opts.job.run.clone(),
             keys: Keys::new(&opts.prefix()),
             rev,
             snapshot_rev,
             store,
-            nodes: opts.config.topology.nodes,
-            coord: Coordinator::new(opts.config.clone()),
+            nodes: opts.job.config.topology.nodes,
+            coord: Coordinator::new(opts.job.config.clone()),
             gens: Generations {
                 internal: 0,
                 global: floor,
@@ -225,7 +225,7 @@ impl Leader {
             lost = ?lost_nodes.keys().collect::<Vec<_>>(),
             "taking over as the coordinator"
         );
-        let (coord, actions) = Coordinator::take_over(opts.config.clone(), t, Duration::ZERO);
+        let (coord, actions) = Coordinator::take_over(opts.job.config.clone(), t, Duration::ZERO);
         l.coord = coord;
         l.gens = Generations {
             internal: g,
