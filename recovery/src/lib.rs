@@ -11,7 +11,9 @@
 //!   the upload that feeds it from a save, the chunk source a restore asks first;
 //! - [`rank_env`]: the environment a driver hands each rank it launches, as one type;
 //! - [`driver`]: what both drivers share (the job's options, launching ranks, the recovery
-//!   log, choosing the step to restore).
+//!   log, choosing the step to restore);
+//! - `executor`: the one executor of the coordinator's actions that both drivers run, each
+//!   with its own effects (processes on this machine, or keys on etcd).
 
 #![warn(missing_docs)]
 
@@ -19,6 +21,7 @@
 pub mod agent;
 pub mod coordinator;
 pub mod driver;
+mod executor;
 pub mod heartbeat;
 pub mod peer;
 pub mod rank_env;

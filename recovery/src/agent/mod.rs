@@ -602,7 +602,7 @@ impl Agent {
                 self.last_leader = serde_json::from_slice(value).ok();
             }
             (Key::Leader, EventType::Delete) => {
-                if self.leader.as_ref().is_some_and(|l| !l.finished) {
+                if self.leader.as_ref().is_some_and(|l| !l.finished()) {
                     return Err(Error::new(
                         ErrorKind::Fenced,
                         format!(
@@ -782,7 +782,7 @@ impl Agent {
         let records = self
             .leader
             .as_ref()
-            .map(|l| l.log.records.clone())
+            .map(|l| l.records().to_vec())
             .unwrap_or_default();
         AgentReport {
             node: self.opts.node,
