@@ -15,7 +15,7 @@ use ckpt_store::{Error, ErrorKind, Layout, Result, StepReader, Store, VerifyScop
 use tokio::sync::mpsc;
 use tracing::{error, info, warn};
 
-use crate::coordinator::{Assignment, ExitStatus, Record};
+use crate::coordinator::{Assignment, Config, ExitStatus, Record};
 use crate::heartbeat::Workload;
 use crate::rank_env::{HeartbeatEnv, PeerEnv, RankEnv};
 
@@ -175,6 +175,30 @@ pub async fn choose_step_logged(store: &Store, run: &str, skip: &[u64]) -> Resul
     Ok(chosen)
 }
 
+/// What every driver is asked to run, on one machine or many: `ckpt resume`'s
+/// [`SupervisorOptions`](crate::SupervisorOptions) and `ckpt agent`'s `AgentOptions` embed it
+/// as `job`.
+#[derive(Debug, Clone)]
+pub struct JobOptions {
+    /// Store URL, passed to the ranks as `CKPT_STORE` (the driver, or the etcd agent's
+    /// coordinator, opens it too).
+    pub store_url: String,
+    /// Run name, passed as `CKPT_RUN`.
+    pub run: String,
+    /// Coordinator settings (topology, layout, timeouts, restarts); under etcd, those of the
+    /// agent that coordinates apply.
+    pub config: Config,
+    /// The command to launch per rank, program first.
+    pub command: Vec<String>,
+    /// Where rank stdout/stderr go (`rank-R.gen-G.{out,err}`); inherited when `None`.
+    pub logs_dir: Option<PathBuf>,
+    /// How often ranks beat between steps (and how often an etcd agent relays their beats).
+    pub heartbeat_interval: Duration,
+    /// How the driver opens the store (its binary reads them from the environment; the ranks
+    /// read their own).
+    pub open: ckpt_store::OpenOptions,
+}
+
 /// How ranks are launched: the same for every rank of a job.
 #[derive(Debug, Clone)]
 pub struct Launch {
@@ -231,6 +255,34 @@ pub fn die_with_parent(cmd: &mut tokio::process::Command) {
 }
 
 impl Launch {
+    /// How the driver `job` launches its ranks: they beat to `heartbeat_socket`, share restore
+    /// caches under `node_cache_root`, die with the driver, and prove `peer_secret` to the
+    /// replica agents (none known yet: the driver sets them per generation).
+    pub fn new(
+        job: &JobOptions,
+        heartbeat_socket: PathBuf,
+        node_cache_root: PathBuf,
+        peer_secret: Option<crate::peer::PeerSecret>,
+    ) -> Self {
+        Launch {
+            store_url: job.store_url.clone(),
+            run: job.run.clone(),
+            command: job.command.clone(),
+            logs_dir: job.logs_dir.clone(),
+            heartbeat_socket,
+            heartbeat_interval: job.heartbeat_interval,
+            ranks_per_node: job.config.topology.ranks_per_node,
+            // Ranks never outlive their driver: if it is killed, they die with it rather than
+            // train on as orphans next to the job a new driver would start.
+            die_with_parent: true,
+            peer_agents: Vec::new(),
+            peer_secret,
+            // The ranks of a node restore through one shared cache (removed with the
+            // directory).
+            node_cache_root: Some(node_cache_root),
+        }
+    }
+
     /// Remove the node caches of generations before `generation` (their restores are over).
     pub fn prune_node_caches(&self, generation: u64) {
         let Some(root) = &self.node_cache_root else {

@@ -12,8 +12,10 @@
 //! - [`rank_env`]: the environment a driver hands each rank it launches, as one type;
 //! - [`records`]: every record of a run's `metrics` and `events` logs as a serde type, shared
 //!   by the processes that write them and the ones that read them back;
-//! - [`driver`]: what both drivers share (launching ranks, the recovery log, choosing the
-//!   step to restore).
+//! - [`driver`]: what both drivers share (the job's options, launching ranks, the recovery
+//!   log, choosing the step to restore);
+//! - `executor`: the one executor of the coordinator's actions that both drivers run, each
+//!   with its own effects (processes on this machine, or keys on etcd).
 
 #![warn(missing_docs)]
 
@@ -21,6 +23,7 @@
 pub mod agent;
 pub mod coordinator;
 pub mod driver;
+mod executor;
 pub mod heartbeat;
 pub mod peer;
 pub mod rank_env;
@@ -30,6 +33,7 @@ pub mod supervisor;
 pub use coordinator::{
     Action, Config, Coordinator, DATA_FAILURE_EXIT, Event, ExitStatus, Record, Topology,
 };
+pub use driver::JobOptions;
 pub use heartbeat::HeartbeatClient;
 pub use peer::{PeerLink, PeerSecret, PeerSource, PeerUpload};
 pub use rank_env::RankEnv;

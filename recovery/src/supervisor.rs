@@ -15,43 +15,40 @@
 //! keeps it out. While the coordinator waits for a commit to grow back at
 //! ([`Coordinator::watching_commits`]), the supervisor polls the newest committed step of the
 //! run every [`COMMIT_POLL`] and tells it ([`Event::Committed`]).
+//!
+//! The loop is short: events in (heartbeats, exits, ticks, repaired nodes), actions out
+//! through the executor both drivers share (`executor`); what is this driver's own (rank
+//! processes and replica agents on this machine, the store's generation numbers from the
+//! first free one, the repair schedule, the end of the job) is its `Local` effects.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::time::Duration;
 
 use crate::records::{Event as LogEvent, Logged, read_records};
-use ckpt_store::{Error, Result};
+use ckpt_store::{Error, Layout, Result};
 use serde::Serialize;
 use tokio::io::AsyncWriteExt;
 use tokio::net::UnixDatagram;
 use tokio::sync::mpsc;
 use tracing::info;
 
-use crate::coordinator::{Action, Config, Coordinator, Event};
+use crate::coordinator::{Assignment, Coordinator, Event, Record};
 use crate::driver::{
-    Launch, LossBoard, RankExit, RecoveryLog, check_step, choose_step_logged,
-    first_free_generation, free_port, private_dir, remove_private_dir, retire_step, signal_rank,
+    JobOptions, Launch, LossBoard, RankExit, RecoveryLog, first_free_generation, free_port,
+    private_dir, remove_private_dir, signal_rank,
 };
 pub use crate::driver::{RankPlan, choose_step, restore_plan};
+pub use crate::executor::COMMIT_POLL;
+use crate::executor::{Effects, Executor, Order};
 use crate::heartbeat::Beat;
 use crate::peer::{Membership, PeerSecret};
 
-/// What `ckpt resume` asks for.
+/// What `ckpt resume` asks for: the job, and what only the local supervisor does.
 #[derive(Debug, Clone)]
 pub struct SupervisorOptions {
-    /// Store URL, passed to the ranks as `CKPT_STORE`.
-    pub store_url: String,
-    /// Run name, passed as `CKPT_RUN`.
-    pub run: String,
-    /// Coordinator settings (topology, layout, timeouts, restarts).
-    pub config: Config,
-    /// The command to launch per rank.
-    pub command: Vec<String>,
-    /// Where rank stdout/stderr go (`rank-R.gen-G.{out,err}`); inherited when `None`.
-    pub logs_dir: Option<PathBuf>,
-    /// How often ranks beat between steps.
-    pub heartbeat_interval: Duration,
+    /// The job: store, run, coordinator settings, command, logs, heartbeats.
+    pub job: JobOptions,
     /// Peer replicas: the command that starts one node's replica agent (such as
     /// `ckpt replica-agent`; `--listen 127.0.0.1:0 --node N --watch-stdin` is appended, and the
     /// agent prints `listening ADDR` first). The agents listen on loopback only; a secret made
@@ -59,16 +56,9 @@ pub struct SupervisorOptions {
     /// generation's live agents reach every agent as a `members` line on its standard input. One agent runs per node for the whole supervision; a failed
     /// node's agent is killed with its ranks.
     pub replica_agent: Option<Vec<String>>,
-    /// How the supervisor opens the store (its binary reads them from the environment; the
-    /// ranks read their own).
-    pub open: ckpt_store::OpenOptions,
     /// A failed node is repaired and comes back this long after its failure (`None`: never).
     pub repair_after: Option<Duration>,
 }
-
-/// How often the supervisor looks for a new commit while the coordinator waits for one to grow
-/// the job back at (one listing of the run's steps a time).
-pub const COMMIT_POLL: Duration = Duration::from_millis(100);
 
 /// The outcome of a supervised job.
 #[derive(Debug, Clone, Serialize)]
@@ -133,13 +123,14 @@ pub fn restore_summaries(events: &[Logged<LogEvent>], base: u64) -> Vec<RestoreS
 
 /// Supervise the job (see the module docs) until it completes or recovery gives up.
 pub async fn run(opts: SupervisorOptions) -> Result<Report> {
-    if opts.command.is_empty() {
+    let job = &opts.job;
+    if job.command.is_empty() {
         return Err(Error::invalid("no command to run: pass it after --"));
     }
-    let store = ckpt_store::open_with(&opts.store_url, &opts.open)?;
-    ckpt_store::validate_run(&opts.run)?;
+    let store = ckpt_store::open_with(&job.store_url, &job.open)?;
+    ckpt_store::validate_run(&job.run)?;
     // Generations continue from any earlier supervision of this run.
-    let base = first_free_generation(&store, &opts.run).await?;
+    let base = first_free_generation(&store, &job.run).await?;
     let sock_dir = private_dir("supervisor")?;
     let sock_path = sock_dir.join("heartbeat.sock");
     let sock = UnixDatagram::bind(&sock_path)
@@ -148,229 +139,254 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
         Some(_) => Some(PeerSecret::generate()?),
         None => None,
     };
-    let mut agents = match (&opts.replica_agent, &peer_secret) {
-        (Some(cmd), Some(secret)) => {
-            let t = &opts.config.topology;
-            let mut agents = BTreeMap::new();
-            for node in 0..t.nodes + t.spares {
-                let a = start_agent(cmd, node, opts.logs_dir.as_deref(), secret, false).await?;
-                agents.insert(node, a);
-            }
-            agents
-        }
-        _ => BTreeMap::new(),
-    };
-    let mut launch = Launch {
-        store_url: opts.store_url.clone(),
-        run: opts.run.clone(),
-        command: opts.command.clone(),
-        logs_dir: opts.logs_dir.clone(),
-        heartbeat_socket: sock_path.clone(),
-        heartbeat_interval: opts.heartbeat_interval,
-        ranks_per_node: opts.config.topology.ranks_per_node,
-        // Ranks never outlive `ckpt resume`: if it is killed, they die with it rather than
-        // train on as orphans next to the job a new `ckpt resume` would start.
-        die_with_parent: true,
-        peer_agents: Vec::new(),
-        peer_secret,
-        // The ranks of a node restore through one shared cache (removed with the directory).
-        node_cache_root: Some(sock_dir.join("node-cache")),
-    };
+    let agents = start_agents(&opts, peer_secret.as_ref()).await?;
+    let launch = Launch::new(job, sock_path, sock_dir.join("node-cache"), peer_secret);
     let (exit_tx, mut exit_rx) = mpsc::unbounded_channel::<RankExit>();
-    let mut log = RecoveryLog::new(&store, &opts.run, "supervisor")?;
-    let mut losses = LossBoard::new(&store, &opts.run, "supervisor")?;
-    let mut coord = Coordinator::new(opts.config.clone());
-    let t0 = Instant::now();
-    let mut children: HashMap<(u64, u32), u32> = HashMap::new();
-    let mut pending: Vec<Event> = vec![Event::Start { now: t0.elapsed() }];
+    let log = RecoveryLog::new(&store, &job.run, "supervisor")?;
+    let mut losses = LossBoard::new(&store, &job.run, "supervisor")?;
+    let coord = Coordinator::new(job.config.clone());
+    let mut ex = Executor::new(coord, store, &job.run, log, Order::NewestFirst);
+    ex.push(Event::Start { now: ex.now() });
+    let mut local = Local {
+        base,
+        launch,
+        agents,
+        exit_tx,
+        children: HashMap::new(),
+        repairs: BTreeMap::new(),
+        outcome: None,
+        opts,
+    };
     let mut tick = tokio::time::interval(Duration::from_millis(50));
     let mut buf = vec![0u8; 4096];
-    let mut outcome: Option<(bool, String)> = None;
-    // Failed nodes being repaired: when each comes back.
-    let mut repairs: BTreeMap<u32, Duration> = BTreeMap::new();
-    // The commit watch: (generation, when last polled, the last answer sent).
-    let mut watch: Option<(u64, Instant, Option<u64>)> = None;
     loop {
-        while let Some(ev) = pending.pop() {
-            for act in coord.on_event(ev) {
-                match act {
-                    Action::Start {
-                        generation,
-                        layout,
-                        assignments,
-                        resume_from,
-                    } => {
-                        let g = base + generation;
-                        store.start_generation(&opts.run, g).await?;
-                        // A failed node's agent goes with it.
-                        for n in coord.excluded() {
-                            if let Some(mut a) = agents.remove(&n) {
-                                let _ = a.child.start_kill();
-                                info!(node = n, "replica agent of the failed node stopped");
-                            }
-                        }
-                        launch.peer_agents =
-                            agents.iter().map(|(n, a)| (*n, a.addr.clone())).collect();
-                        // Each agent learns the generation and its buddy from us, not from
-                        // the frames it is sent.
-                        let line = Membership::line(g, &launch.peer_agents);
-                        for (n, a) in agents.iter_mut() {
-                            if let Some(stdin) = a.child.stdin.as_mut()
-                                && let Err(e) = stdin.write_all(line.as_bytes()).await
-                            {
-                                tracing::warn!(
-                                    node = n,
-                                    "telling the replica agent its members: {e}"
-                                );
-                            }
-                        }
-                        launch.prune_node_caches(g);
-                        let port = free_port();
-                        for a in assignments {
-                            let pid = launch.spawn(
-                                g,
-                                &layout,
-                                resume_from,
-                                &a,
-                                ("127.0.0.1", port),
-                                generation,
-                                &exit_tx,
-                            )?;
-                            children.insert((generation, a.rank), pid);
-                        }
-                        info!(generation = g, %layout, "ranks started");
-                    }
-                    Action::Signal {
-                        generation,
-                        ranks,
-                        kill,
-                    } => {
-                        for r in ranks {
-                            if let Some(&pid) = children.get(&(generation, r)) {
-                                signal_rank(pid, kill);
-                            }
-                        }
-                    }
-                    Action::ChooseStep { generation, skip } => {
-                        let c = choose_step_logged(&store, &opts.run, &skip).await?;
-                        pending.push(Event::StepChosen {
-                            generation,
-                            step: c.step,
-                            damaged: c.damaged,
-                            now: t0.elapsed(),
-                        });
-                    }
-                    Action::CheckStep { generation, step } => {
-                        let damage = check_step(&store, &opts.run, step).await?;
-                        pending.push(Event::StepChecked {
-                            generation,
-                            step,
-                            damage,
-                            now: t0.elapsed(),
-                        });
-                    }
-                    Action::RetireStep { step } => retire_step(&store, &opts.run, step).await?,
-                    Action::Record(rec) => {
-                        if let (crate::records::Event::Failure(f), Some(d)) =
-                            (&rec, opts.repair_after)
-                        {
-                            repairs.entry(f.node).or_insert(t0.elapsed() + d);
-                        }
-                        let v = log.render(&rec, |g| base + g).await;
-                        log.write(v).await?;
-                    }
-                    Action::Done { ok, reason } => outcome = Some((ok, reason)),
-                }
-            }
-        }
-        if let Some((ok, reason)) = outcome.take() {
+        ex.drive(&mut local).await?;
+        if let Some((ok, reason)) = local.outcome.take() {
             losses.flush().await;
-            for a in agents.values_mut() {
-                let _ = a.child.start_kill();
-            }
-            let restores = match read_records::<LogEvent>(&store, &opts.run).await {
-                Ok(ev) => restore_summaries(&ev, base),
-                Err(e) => {
-                    tracing::warn!("reading the restore events: {e}");
-                    Vec::new()
-                }
-            };
+            let report = local.finish(ex, ok, reason).await;
             remove_private_dir(&sock_dir);
-            return Ok(Report {
-                ok,
-                reason,
-                restarts: coord.restarts(),
-                records: log.records,
-                layout: coord.layout().to_string(),
-                restores,
-            });
+            return Ok(report);
         }
         tokio::select! {
             r = sock.recv(&mut buf) => {
                 if let Ok(n) = r
                     && let Ok(b) = serde_json::from_slice::<Beat>(&buf[..n])
-                    && b.generation >= base
                 {
-                    let g = b.generation - base;
-                    if let Some(w) = &b.workload {
-                        let world = coord.layout().world();
-                        losses.add(b.generation, b.step, w, world).await?;
-                    }
-                    pending.push(Event::Heartbeat { generation: g, rank: b.rank, step: b.step, now: t0.elapsed() });
+                    on_beat(&mut ex, &mut losses, base, b).await?;
                 }
             }
             Some((generation, rank, status)) = exit_rx.recv() => {
-                pending.push(Event::Exited { generation, rank, status, now: t0.elapsed() });
+                let now = ex.now();
+                ex.push(Event::Exited { generation, rank, status, now });
             }
             _ = tick.tick() => {
-                let now = t0.elapsed();
-                pending.push(Event::Tick { now });
-                let due: Vec<u32> = repairs
-                    .iter()
-                    .filter(|(_, at)| **at <= now)
-                    .map(|(n, _)| *n)
-                    .collect();
-                for node in due {
-                    repairs.remove(&node);
-                    if !coord.is_kept_out(node)
-                        && let (Some(cmd), Some(secret)) = (&opts.replica_agent, &launch.peer_secret)
-                    {
-                        // A repaired node starts empty: a fresh agent. One that does not
-                        // start leaves the node out, not the job stopped.
-                        if let Some(mut old) = agents.remove(&node) {
-                            let _ = old.child.start_kill();
-                        }
-                        match start_agent(cmd, node, opts.logs_dir.as_deref(), secret, true).await {
-                            Ok(a) => {
-                                agents.insert(node, a);
-                            }
-                            Err(e) => {
-                                tracing::warn!(node, "the repaired node's replica agent did not start, so it stays out: {e}");
-                                continue;
-                            }
-                        }
-                    }
-                    info!(node, "failed node repaired");
-                    pending.push(Event::NodeBack { node, now });
+                let now = ex.now();
+                ex.push(Event::Tick { now });
+                local.repair_due(&mut ex, now).await;
+                ex.poll_commits().await;
+            }
+        }
+    }
+}
+
+/// A rank's heartbeat: its workload's sums to the loss board, its step to the coordinator
+/// (beats of generations before this supervision's are ignored).
+async fn on_beat(ex: &mut Executor, losses: &mut LossBoard, base: u64, b: Beat) -> Result<()> {
+    if b.generation < base {
+        return Ok(());
+    }
+    let g = b.generation - base;
+    if let Some(w) = &b.workload {
+        let world = ex.coord.layout().world();
+        losses.add(b.generation, b.step, w, world).await?;
+    }
+    let now = ex.now();
+    ex.push(Event::Heartbeat {
+        generation: g,
+        rank: b.rank,
+        step: b.step,
+        now,
+    });
+    Ok(())
+}
+
+/// Start every node's replica agent, with peer replicas.
+async fn start_agents(
+    opts: &SupervisorOptions,
+    secret: Option<&PeerSecret>,
+) -> Result<BTreeMap<u32, AgentProc>> {
+    let mut agents = BTreeMap::new();
+    if let (Some(cmd), Some(secret)) = (&opts.replica_agent, secret) {
+        let t = &opts.job.config.topology;
+        for node in 0..t.nodes + t.spares {
+            let a = start_agent(cmd, node, opts.job.logs_dir.as_deref(), secret, false).await?;
+            agents.insert(node, a);
+        }
+    }
+    Ok(agents)
+}
+
+/// The local supervisor's [`Effects`]: rank processes and replica agents on this machine.
+struct Local {
+    opts: SupervisorOptions,
+    /// The store's number of the coordinator's generation 0.
+    base: u64,
+    launch: Launch,
+    /// The replica agents, per node.
+    agents: BTreeMap<u32, AgentProc>,
+    exit_tx: mpsc::UnboundedSender<RankExit>,
+    /// Rank processes: (coordinator generation, rank) -> pid.
+    children: HashMap<(u64, u32), u32>,
+    /// Failed nodes being repaired: when each comes back.
+    repairs: BTreeMap<u32, Duration>,
+    /// The end of the job, once the coordinator says so.
+    outcome: Option<(bool, String)>,
+}
+
+impl Effects for Local {
+    fn generation(&self, g: u64) -> u64 {
+        self.base + g
+    }
+
+    async fn start(
+        &mut self,
+        ex: &mut Executor,
+        generation: u64,
+        layout: Layout,
+        assignments: Vec<Assignment>,
+        resume_from: Option<u64>,
+    ) -> Result<()> {
+        let g = self.base + generation;
+        ex.store.start_generation(&ex.run, g).await?;
+        self.tell_agents(&ex.coord.excluded(), g).await;
+        self.launch.prune_node_caches(g);
+        let port = free_port();
+        for a in assignments {
+            let pid = self.launch.spawn(
+                g,
+                &layout,
+                resume_from,
+                &a,
+                ("127.0.0.1", port),
+                generation,
+                &self.exit_tx,
+            )?;
+            self.children.insert((generation, a.rank), pid);
+        }
+        info!(generation = g, %layout, "ranks started");
+        Ok(())
+    }
+
+    async fn signal(
+        &mut self,
+        _ex: &mut Executor,
+        generation: u64,
+        ranks: Vec<u32>,
+        kill: bool,
+    ) -> Result<()> {
+        for r in ranks {
+            if let Some(&pid) = self.children.get(&(generation, r)) {
+                signal_rank(pid, kill);
+            }
+        }
+        Ok(())
+    }
+
+    fn recording(&mut self, ex: &Executor, rec: &Record) {
+        if let (LogEvent::Failure(f), Some(d)) = (rec, self.opts.repair_after) {
+            self.repairs.entry(f.node).or_insert(ex.now() + d);
+        }
+    }
+
+    async fn done(&mut self, _ex: &mut Executor, ok: bool, reason: String) -> Result<()> {
+        self.outcome = Some((ok, reason));
+        Ok(())
+    }
+}
+
+impl Local {
+    /// Generation `g` starts: the agents of failed (`excluded`) nodes go with them, and every
+    /// live agent learns the generation and its buddy from us, not from the frames it is sent.
+    async fn tell_agents(&mut self, excluded: &[u32], g: u64) {
+        for n in excluded {
+            if let Some(mut a) = self.agents.remove(n) {
+                let _ = a.child.start_kill();
+                info!(node = n, "replica agent of the failed node stopped");
+            }
+        }
+        self.launch.peer_agents = self
+            .agents
+            .iter()
+            .map(|(n, a)| (*n, a.addr.clone()))
+            .collect();
+        let line = Membership::line(g, &self.launch.peer_agents);
+        for (n, a) in self.agents.iter_mut() {
+            if let Some(stdin) = a.child.stdin.as_mut()
+                && let Err(e) = stdin.write_all(line.as_bytes()).await
+            {
+                tracing::warn!(node = n, "telling the replica agent its members: {e}");
+            }
+        }
+    }
+
+    /// Failed nodes whose repair time came (`now`) are back: with peer replicas, with a fresh
+    /// agent (one that does not start leaves the node out, not the job stopped).
+    async fn repair_due(&mut self, ex: &mut Executor, now: Duration) {
+        let due: Vec<u32> = self
+            .repairs
+            .iter()
+            .filter(|(_, at)| **at <= now)
+            .map(|(n, _)| *n)
+            .collect();
+        for node in due {
+            self.repairs.remove(&node);
+            if !ex.coord.is_kept_out(node)
+                && let (Some(cmd), Some(secret)) =
+                    (&self.opts.replica_agent, &self.launch.peer_secret)
+            {
+                // A repaired node starts empty: a fresh agent.
+                if let Some(mut old) = self.agents.remove(&node) {
+                    let _ = old.child.start_kill();
                 }
-                match coord.watching_commits() {
-                    Some(g) => {
-                        let fresh = watch.is_none_or(|(wg, _, _)| wg != g);
-                        if fresh || watch.is_some_and(|(_, at, _)| at.elapsed() >= COMMIT_POLL) {
-                            match store.latest_committed(&opts.run).await {
-                                Ok(step) => {
-                                    if fresh || watch.is_some_and(|(_, _, last)| last != step) {
-                                        pending.push(Event::Committed { generation: g, step, now: t0.elapsed() });
-                                    }
-                                    watch = Some((g, Instant::now(), step));
-                                }
-                                Err(e) => tracing::warn!("looking for a new commit to grow at: {e}"),
-                            }
-                        }
+                let logs = self.opts.job.logs_dir.as_deref();
+                match start_agent(cmd, node, logs, secret, true).await {
+                    Ok(a) => {
+                        self.agents.insert(node, a);
                     }
-                    None => watch = None,
+                    Err(e) => {
+                        tracing::warn!(
+                            node,
+                            "the repaired node's replica agent did not start, so it stays out: {e}"
+                        );
+                        continue;
+                    }
                 }
             }
+            info!(node, "failed node repaired");
+            ex.push(Event::NodeBack { node, now });
+        }
+    }
+
+    /// The job is over: the agents stopped, and the report (with how each generation's ranks
+    /// restored, from the run's events).
+    async fn finish(&mut self, ex: Executor, ok: bool, reason: String) -> Report {
+        for a in self.agents.values_mut() {
+            let _ = a.child.start_kill();
+        }
+        let restores = match read_records::<LogEvent>(&ex.store, &ex.run).await {
+            Ok(ev) => restore_summaries(&ev, self.base),
+            Err(e) => {
+                tracing::warn!("reading the restore events: {e}");
+                Vec::new()
+            }
+        };
+        Report {
+            ok,
+            reason,
+            restarts: ex.coord.restarts(),
+            records: ex.log.records,
+            layout: ex.coord.layout().to_string(),
+            restores,
         }
     }
 }

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use ckpt_recovery::records::{Event, Logged};
-use ckpt_recovery::{Config, SupervisorOptions, Topology};
+use ckpt_recovery::{Config, JobOptions, SupervisorOptions, Topology};
 use ckpt_tests::{bin, spawn_supervisor};
 
 const PARAMS: &str = "400K";
@@ -82,14 +82,16 @@ fn restore_on(nodes: u32) -> (BTreeMap<u32, (u64, u64)>, u64) {
     cfg.heartbeat_timeout = Duration::from_secs(20);
     cfg.startup_timeout = Duration::from_secs(120);
     let report = spawn_supervisor(SupervisorOptions {
-        store_url: store_path.to_string_lossy().to_string(),
-        run: run.into(),
-        config: cfg,
-        command: train_cmd(5),
-        logs_dir: Some(dir.path().join("logs")),
-        heartbeat_interval: Duration::from_millis(100),
+        job: JobOptions {
+            store_url: store_path.to_string_lossy().to_string(),
+            run: run.into(),
+            config: cfg,
+            command: train_cmd(5),
+            logs_dir: Some(dir.path().join("logs")),
+            heartbeat_interval: Duration::from_millis(100),
+            open: Default::default(),
+        },
         replica_agent: None,
-        open: Default::default(),
         repair_after: None,
     })
     .join()

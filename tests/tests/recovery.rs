@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use ckpt_recovery::{Config, SupervisorOptions, Topology};
+use ckpt_recovery::{Config, JobOptions, SupervisorOptions, Topology};
 use ckpt_tests::{
     bin, digest_in, env_of, find_processes, reference_digest, replica_agent_command, signal,
     spawn_supervisor,
@@ -67,14 +67,16 @@ fn options(
     cfg.stop_grace = Duration::from_secs(2);
     cfg.backoff = Duration::from_millis(100);
     SupervisorOptions {
-        store_url: store.to_string_lossy().to_string(),
-        run: run.into(),
-        config: cfg,
-        command: cmd,
-        logs_dir: Some(logs),
-        heartbeat_interval: Duration::from_millis(100),
+        job: JobOptions {
+            store_url: store.to_string_lossy().to_string(),
+            run: run.into(),
+            config: cfg,
+            command: cmd,
+            logs_dir: Some(logs),
+            heartbeat_interval: Duration::from_millis(100),
+            open: Default::default(),
+        },
         replica_agent: None,
-        open: Default::default(),
         repair_after: None,
     }
 }
@@ -284,8 +286,8 @@ fn a_hang_is_detected_within_the_timeout_plus_one_heartbeat() {
     };
     let cmd = train_cmd(steps, 3, 100);
     let opts = options(&store, run, topo, "dp=3", cmd, dir.path().join("logs"));
-    let timeout = opts.config.heartbeat_timeout;
-    let interval = opts.heartbeat_interval;
+    let timeout = opts.job.config.heartbeat_timeout;
+    let interval = opts.job.heartbeat_interval;
     let sup_start = Instant::now();
     let sup = spawn_supervisor(opts);
     let t0 = Instant::now();
@@ -619,7 +621,7 @@ fn resume_damaged(dir: &Path, run: &str, max_restarts: u32, damage: impl FnOnce(
         train_cmd(12, 4, 20),
         dir.join("logs"),
     );
-    opts.config.max_restarts = max_restarts;
+    opts.job.config.max_restarts = max_restarts;
     let sup = spawn_supervisor(opts);
     let mut resume_env = std::collections::BTreeMap::new();
     while !sup.is_finished() {

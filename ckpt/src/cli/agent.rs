@@ -8,9 +8,9 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use ckpt_recovery::Topology;
 use ckpt_recovery::agent::{AgentOptions, AgentReport};
 use ckpt_recovery::records::{Event as LogEvent, parse_records};
+use ckpt_recovery::{JobOptions, Topology};
 use ckpt_store::ErrorKind;
 use serde::Serialize;
 
@@ -158,12 +158,15 @@ pub async fn agent(
         etcd: args.etcd.clone(),
         prefix: args.prefix.clone(),
         node: args.node,
-        store_url: url.to_string(),
-        run: args.run.clone(),
-        config: cfg,
-        command: args.command.clone(),
-        logs_dir: args.logs.clone(),
-        heartbeat_interval: args.restarts.heartbeat_interval(),
+        job: JobOptions {
+            store_url: url.to_string(),
+            run: args.run.clone(),
+            config: cfg,
+            command: args.command.clone(),
+            logs_dir: args.logs.clone(),
+            heartbeat_interval: args.restarts.heartbeat_interval(),
+            open: open.clone(),
+        },
         lease_ttl: args.lease_ttl,
         join_timeout: args.join_timeout,
         addr: args.addr.clone(),
@@ -172,7 +175,6 @@ pub async fn agent(
         // other users of the machine would see it).
         peer_secret: ckpt_recovery::rank_env::peer_secret_from_env()?,
         peer_memory_limit: args.peer_memory_limit,
-        open: open.clone(),
     };
     let report = ckpt_recovery::agent::run(opts)
         .await

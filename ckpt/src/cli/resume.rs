@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use ckpt_recovery::records::{Event, LogRecord, parse_records};
-use ckpt_recovery::{Config, SupervisorOptions, Topology};
+use ckpt_recovery::{Config, JobOptions, SupervisorOptions, Topology};
 use serde::Serialize;
 
 use super::parse::duration;
@@ -228,12 +228,15 @@ pub async fn resume(
     };
     let cfg = args.restarts.config(topology, args.layout.as_deref())?;
     let opts = SupervisorOptions {
-        store_url: url.to_string(),
-        run: args.run.clone(),
-        config: cfg,
-        command: args.command.clone(),
-        logs_dir: args.logs.clone(),
-        heartbeat_interval: args.restarts.heartbeat_interval(),
+        job: JobOptions {
+            store_url: url.to_string(),
+            run: args.run.clone(),
+            config: cfg,
+            command: args.command.clone(),
+            logs_dir: args.logs.clone(),
+            heartbeat_interval: args.restarts.heartbeat_interval(),
+            open: open.clone(),
+        },
         replica_agent: match args.peer_replicas {
             true => Some(vec![
                 std::env::current_exe()
@@ -244,7 +247,6 @@ pub async fn resume(
             ]),
             false => None,
         },
-        open: open.clone(),
         repair_after: args.repair_after,
     };
     let report = ckpt_recovery::run(opts).await.map_err(CliError::from)?;

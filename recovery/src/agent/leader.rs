@@ -1,12 +1,12 @@
-//! The coordinator role of an agent: the [`Coordinator`] fed with etcd events, its actions
-//! carried out on etcd (plan, signals, done) and on the store (generation markers, the
-//! recovery log, the step to restore).
+//! The coordinator role of an agent: the [`Coordinator`] fed with etcd events through the
+//! [`Executor`], its actions carried out on etcd ([`Published`]: plan, signals, done) and on
+//! the store (generation markers, the recovery log, the step to restore).
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use crate::records::{Event as LogEvent, Takeover};
-use ckpt_store::{ErrorKind, Result, Store};
+use ckpt_store::{ErrorKind, Layout, Result, Store};
 use etcd_client::EventType;
 use tracing::{info, warn};
 
@@ -14,11 +14,9 @@ use super::AgentOptions;
 use super::JobState;
 use super::etcd::Session;
 use super::keys::{BeatsMsg, DoneMsg, ExitMsg, Key, Keys, NodeMsg, PlanMsg, SignalMsg};
-use crate::coordinator::{Action, Assignment, Coordinator, Event, ExitStatus, TakeOver};
-use crate::driver::{
-    LossBoard, RecoveryLog, check_step, choose_step_logged, first_free_generation, free_port,
-    retire_step,
-};
+use crate::coordinator::{Action, Assignment, Coordinator, Event, ExitStatus, Record, TakeOver};
+use crate::driver::{LossBoard, RecoveryLog, first_free_generation, free_port};
+use crate::executor::{Effects, Executor, Order};
 
 /// Maps the coordinator's generations to the store's: generation markers are created once,
 /// so a generation some earlier coordinator marked is skipped.
@@ -81,33 +79,40 @@ struct Running {
 /// The coordinator role.
 #[derive(Debug)]
 pub(super) struct Leader {
+    ex: Executor,
+    cluster: Cluster,
+    /// Watch events at or before this revision were in the snapshot this role started from.
+    snapshot_rev: i64,
+    /// Nodes that run ranks at the start.
+    nodes: u32,
+    join_deadline: Option<Instant>,
+}
+
+/// What the role knows of the nodes and publishes to them.
+#[derive(Debug)]
+struct Cluster {
     node: u32,
-    run: String,
     keys: Keys,
     /// Create revision of the leader key: every write is guarded by it.
     rev: i64,
-    /// Watch events at or before this revision were in the snapshot this role started from.
-    snapshot_rev: i64,
-    store: Store,
-    nodes: u32,
-    coord: Coordinator,
     gens: Generations,
-    pub(super) log: RecoveryLog,
     losses: LossBoard,
     alive: BTreeMap<u32, NodeMsg>,
     lost: BTreeSet<u32>,
     /// When each node's beats last arrived (for the detection latency of a lost node).
     last_seen: BTreeMap<u32, Duration>,
     running: Option<Running>,
-    pending: VecDeque<Event>,
-    t0: Instant,
-    join_deadline: Option<Instant>,
-    pub(super) finished: bool,
+    finished: bool,
     /// The replica secret every plan carries (with peer replicas and no `CKPT_PEER_SECRET`).
     peer_secret: Option<crate::peer::PeerSecret>,
-    /// While the coordinator waits for a commit to grow the job back at: the generation, when
-    /// the store was last asked, and the newest committed step it said.
-    commit_watch: Option<(u64, Instant, Option<u64>)>,
+}
+
+/// The etcd coordinator's [`Effects`]: a generation is a plan published for every node's
+/// agent to act on, signals and the end of the job are keys too; every write is guarded by
+/// the leader key.
+struct Published<'a> {
+    c: &'a mut Cluster,
+    sess: &'a mut Session,
 }
 
 impl Leader {
@@ -121,149 +126,118 @@ impl Leader {
         view: &JobState,
         previous: Option<u32>,
     ) -> Result<(Self, Vec<Action>)> {
-        let store = ckpt_store::open_with(&opts.store_url, &opts.open)?;
+        let job = &opts.job;
+        let store = ckpt_store::open_with(&job.store_url, &job.open)?;
         let writer = format!("leader-{}", opts.node);
-        let log = RecoveryLog::new(&store, &opts.run, &writer)?;
-        let losses = LossBoard::new(&store, &opts.run, &writer)?;
-        let floor = first_free_generation(&store, &opts.run).await?;
-        let t0 = Instant::now();
+        let log = RecoveryLog::new(&store, &job.run, &writer)?;
+        let losses = LossBoard::new(&store, &job.run, &writer)?;
+        let floor = first_free_generation(&store, &job.run).await?;
+        let coord = Coordinator::new(job.config.clone());
+        let ex = Executor::new(coord, store, &job.run, log, Order::OldestFirst);
+        // The previous coordinator's secret, so the agents and ranks keep theirs; a new
+        // job's first coordinator makes one.
+        let peer_secret = match view.plan.as_ref().and_then(|p| p.peer_secret.clone()) {
+            Some(s) => Some(s),
+            None if opts.peer_replicas && opts.peer_secret.is_none() => {
+                Some(crate::peer::PeerSecret::generate()?)
+            }
+            None => None,
+        };
         let mut l = Leader {
-            node: opts.node,
-            run: opts.run.clone(),
-            keys: Keys::new(&opts.prefix()),
-            rev,
+            join_deadline: Some(ex.started() + opts.join_timeout),
+            ex,
+            cluster: Cluster {
+                node: opts.node,
+                keys: Keys::new(&opts.prefix()),
+                rev,
+                gens: Generations {
+                    internal: 0,
+                    global: floor,
+                    floor,
+                },
+                losses,
+                alive: view.nodes.clone(),
+                lost: BTreeSet::new(),
+                last_seen: BTreeMap::new(),
+                running: None,
+                finished: false,
+                peer_secret,
+            },
             snapshot_rev,
-            store,
-            nodes: opts.config.topology.nodes,
-            coord: Coordinator::new(opts.config.clone()),
-            gens: Generations {
-                internal: 0,
-                global: floor,
-                floor,
-            },
-            log,
-            losses,
-            alive: view.nodes.clone(),
-            lost: BTreeSet::new(),
-            last_seen: BTreeMap::new(),
-            running: None,
-            pending: VecDeque::new(),
-            t0,
-            join_deadline: Some(t0 + opts.join_timeout),
-            finished: false,
-            commit_watch: None,
-            // The previous coordinator's secret, so the agents and ranks keep theirs; a new
-            // job's first coordinator makes one.
-            peer_secret: match view.plan.as_ref().and_then(|p| p.peer_secret.clone()) {
-                Some(s) => Some(s),
-                None if opts.peer_replicas && opts.peer_secret.is_none() => {
-                    Some(crate::peer::PeerSecret::generate()?)
-                }
-                None => None,
-            },
+            nodes: job.config.topology.nodes,
         };
         let Some(plan) = view.plan.clone() else {
             info!(node = opts.node, "coordinating a new job");
             return Ok((l, vec![]));
         };
-        // Carry on from the previous coordinator.
-        l.join_deadline = None;
+        let actions = l.take_over(opts, &plan, view, previous, floor).await?;
+        Ok((l, actions))
+    }
+
+    /// Carry on from the previous coordinator, at the generation of `plan`: the coordinator
+    /// that inherits it, and the `takeover` record; returns what to do now.
+    async fn take_over(
+        &mut self,
+        opts: &AgentOptions,
+        plan: &PlanMsg,
+        view: &JobState,
+        previous: Option<u32>,
+        floor: u64,
+    ) -> Result<Vec<Action>> {
+        self.join_deadline = None;
         let g = plan.generation;
         let layout = plan.layout()?;
-        let signal = view.signals.get(&g);
-        let mut excluded: BTreeSet<u32> = plan.excluded.iter().copied().collect();
-        if let Some(s) = signal {
-            excluded.extend(s.excluded.iter().copied());
-        }
-        let exited: BTreeMap<u32, ExitStatus> = view
-            .exits
-            .iter()
-            .filter(|((eg, _), _)| *eg == g)
-            .map(|((_, r), s)| (*r, *s))
-            .collect();
-        let mut lost_nodes = BTreeMap::new();
-        for a in &plan.assignments {
-            if !view.nodes.contains_key(&a.node) {
-                lost_nodes.insert(
-                    a.node,
-                    "its agent's etcd lease is gone (the machine or the agent died)".to_string(),
-                );
-            }
-        }
-        if let Some(p) = previous.filter(|p| *p != opts.node) {
-            lost_nodes.insert(
-                p,
-                format!(
-                    "it ran the coordinator, whose etcd lease expired; node {} took over",
-                    opts.node
-                ),
-            );
-        }
-        let max_step = view
-            .beats
-            .values()
-            .filter(|b| b.generation == g)
-            .flat_map(|b| b.steps.iter().map(|s| s.1))
-            .max()
-            .unwrap_or(0);
-        let t = TakeOver {
-            generation: g,
-            layout,
-            assignments: plan.assignments.clone(),
-            excluded,
-            restarts: plan.restarts,
-            max_step,
-            stopping: signal.is_some(),
-            killed: signal.is_some_and(|s| s.kill),
-            exited: exited.clone(),
-            lost_nodes: lost_nodes.clone(),
-        };
+        let t = inherited(opts.node, plan, layout, view, previous);
         warn!(
             node = opts.node,
             generation = g,
             previous = ?previous,
-            lost = ?lost_nodes.keys().collect::<Vec<_>>(),
+            lost = ?t.lost_nodes.keys().collect::<Vec<_>>(),
             "taking over as the coordinator"
         );
-        let (coord, actions) = Coordinator::take_over(opts.config.clone(), t, Duration::ZERO);
-        l.coord = coord;
-        l.gens = Generations {
+        let mut gone: BTreeSet<u32> = t.exited.keys().copied().collect();
+        gone.extend(
+            plan.assignments
+                .iter()
+                .filter(|a| t.lost_nodes.contains_key(&a.node))
+                .map(|a| a.rank),
+        );
+        let lost: Vec<u32> = t.lost_nodes.keys().copied().collect();
+        let (coord, actions) = Coordinator::take_over(opts.job.config.clone(), t, Duration::ZERO);
+        self.ex.coord = coord;
+        let c = &mut self.cluster;
+        c.gens = Generations {
             internal: g,
             global: g,
             floor: floor.max(g + 1),
         };
-        let mut gone: BTreeSet<u32> = exited.keys().copied().collect();
-        gone.extend(
-            plan.assignments
-                .iter()
-                .filter(|a| lost_nodes.contains_key(&a.node))
-                .map(|a| a.rank),
-        );
-        l.running = Some(Running {
+        c.running = Some(Running {
             internal: g,
             global: g,
             world: layout.world(),
             assignments: plan.assignments.clone(),
             exited: gone,
         });
-        l.lost.extend(lost_nodes.keys().copied());
+        c.lost.extend(lost.iter().copied());
         let v = LogEvent::Takeover(Takeover {
             generation: g,
             node: opts.node,
             previous,
-            lost_nodes: lost_nodes.keys().copied().collect(),
+            lost_nodes: lost,
             at_ms: 0,
         });
-        l.log.write(v).await?;
-        Ok((l, actions))
+        self.ex.log.write(v).await?;
+        Ok(actions)
     }
 
-    fn now(&self) -> Duration {
-        self.t0.elapsed()
+    /// Whether the job's end is published.
+    pub(super) fn finished(&self) -> bool {
+        self.cluster.finished
     }
 
-    fn guard(&self) -> String {
-        self.keys.key(Key::Leader)
+    /// The recovery log records this role wrote.
+    pub(super) fn records(&self) -> &[serde_json::Value] {
+        &self.ex.log.records
     }
 
     /// Learn from a watch event under the prefix.
@@ -277,76 +251,22 @@ impl Leader {
         if mod_rev <= self.snapshot_rev {
             return Ok(());
         }
-        let now = self.now();
+        let now = self.ex.now();
         match (key, kind) {
             (Key::Node(n), EventType::Put) => {
                 if let Ok(m) = serde_json::from_slice::<NodeMsg>(value) {
-                    self.alive.insert(n, m);
-                    // A lost node's agent registered again (the machine was repaired): the
-                    // job may grow back onto it at the next commit.
-                    if self.lost.remove(&n) {
-                        info!(node = n, "a lost node's agent registered again");
-                        self.pending.push_back(Event::NodeBack { node: n, now });
-                    }
+                    self.node_joined(n, m, now);
                 }
             }
-            (Key::Node(n), EventType::Delete) => {
-                self.alive.remove(&n);
-                self.lost.insert(n);
-                warn!(node = n, "node left: its agent's etcd lease is gone");
-                if let Some(r) = self.running.as_mut() {
-                    for a in r.assignments.iter().filter(|a| a.node == n) {
-                        if r.exited.insert(a.rank) {
-                            self.pending.push_back(Event::Exited {
-                                generation: r.internal,
-                                rank: a.rank,
-                                status: ExitStatus::Signal(9),
-                                now,
-                            });
-                        }
-                    }
-                }
-            }
+            (Key::Node(n), EventType::Delete) => self.node_left(n, now),
             (Key::Beats(n), EventType::Put) => {
-                let Ok(b) = serde_json::from_slice::<BeatsMsg>(value) else {
-                    return Ok(());
-                };
-                self.last_seen.insert(n, now);
-                let Some(r) = self.running.as_ref() else {
-                    return Ok(());
-                };
-                if b.generation != r.global {
-                    return Ok(());
-                }
-                let (internal, world) = (r.internal, r.world);
-                for p in &b.partials {
-                    self.losses
-                        .add(b.generation, p.step, &p.workload, world)
-                        .await?;
-                }
-                for (rank, step) in b.steps {
-                    self.pending.push_back(Event::Heartbeat {
-                        generation: internal,
-                        rank,
-                        step,
-                        now,
-                    });
+                if let Ok(b) = serde_json::from_slice::<BeatsMsg>(value) {
+                    self.beats(n, b, now).await?;
                 }
             }
             (Key::Exit(g, rank), EventType::Put) => {
-                let Ok(e) = serde_json::from_slice::<ExitMsg>(value) else {
-                    return Ok(());
-                };
-                if let Some(r) = self.running.as_mut()
-                    && r.global == g
-                    && r.exited.insert(rank)
-                {
-                    self.pending.push_back(Event::Exited {
-                        generation: r.internal,
-                        rank,
-                        status: e.status,
-                        now,
-                    });
+                if let Ok(e) = serde_json::from_slice::<ExitMsg>(value) {
+                    self.exited(g, rank, e.status, now);
                 }
             }
             _ => {}
@@ -354,225 +274,342 @@ impl Leader {
         Ok(())
     }
 
-    /// Time passes: a tick for the coordinator, and the start of the job once every node
-    /// that runs ranks at the start has joined (or the join timeout passed).
-    pub(super) fn tick(&mut self) {
-        let now = self.now();
-        if let Some(deadline) = self.join_deadline {
-            let joined = (0..self.nodes).all(|n| self.alive.contains_key(&n));
-            if joined || Instant::now() >= deadline {
-                if !joined {
-                    let missing: Vec<u32> = (0..self.nodes)
-                        .filter(|n| !self.alive.contains_key(n))
-                        .collect();
-                    warn!(?missing, "starting without nodes that did not join in time");
-                }
-                self.join_deadline = None;
-                self.pending.push_back(Event::Start { now });
-            }
-            return;
+    /// Node `n` registered.
+    fn node_joined(&mut self, n: u32, m: NodeMsg, now: Duration) {
+        self.cluster.alive.insert(n, m);
+        // A lost node's agent registered again (the machine was repaired): the job may grow
+        // back onto it at the next commit.
+        if self.cluster.lost.remove(&n) {
+            info!(node = n, "a lost node's agent registered again");
+            self.ex.push(Event::NodeBack { node: n, now });
         }
-        self.pending.push_back(Event::Tick { now });
     }
 
-    /// While the coordinator waits to grow the job back onto returned nodes, tell it the newest
-    /// committed step (asked every [`crate::supervisor::COMMIT_POLL`]), as the local supervisor
-    /// does.
-    pub(super) async fn poll_commits(&mut self) {
-        let Some(g) = self.coord.watching_commits() else {
-            self.commit_watch = None;
-            return;
-        };
-        let fresh = self.commit_watch.is_none_or(|(wg, _, _)| wg != g);
-        let due = self
-            .commit_watch
-            .is_some_and(|(_, at, _)| at.elapsed() >= crate::supervisor::COMMIT_POLL);
-        if !fresh && !due {
-            return;
-        }
-        match self.store.latest_committed(&self.run).await {
-            Ok(step) => {
-                if fresh || self.commit_watch.is_some_and(|(_, _, last)| last != step) {
-                    let now = self.now();
-                    self.pending.push_back(Event::Committed {
-                        generation: g,
-                        step,
+    /// Node `n`'s lease is gone: its ranks are gone too.
+    fn node_left(&mut self, n: u32, now: Duration) {
+        let c = &mut self.cluster;
+        c.alive.remove(&n);
+        c.lost.insert(n);
+        warn!(node = n, "node left: its agent's etcd lease is gone");
+        if let Some(r) = c.running.as_mut() {
+            for a in r.assignments.iter().filter(|a| a.node == n) {
+                if r.exited.insert(a.rank) {
+                    self.ex.push(Event::Exited {
+                        generation: r.internal,
+                        rank: a.rank,
+                        status: ExitStatus::Signal(9),
                         now,
                     });
                 }
-                self.commit_watch = Some((g, Instant::now(), step));
             }
-            Err(e) => warn!("looking for a new commit to grow at: {e}"),
         }
     }
 
-    /// Feed the pending events to the coordinator and carry out its actions.
-    pub(super) async fn drive(&mut self, sess: &mut Session) -> Result<()> {
-        while let Some(ev) = self.pending.pop_front() {
-            let actions = self.coord.on_event(ev);
-            self.act(sess, actions).await?;
+    /// Node `n` relayed its ranks' beats.
+    async fn beats(&mut self, n: u32, b: BeatsMsg, now: Duration) -> Result<()> {
+        let c = &mut self.cluster;
+        c.last_seen.insert(n, now);
+        let Some(r) = c.running.as_ref() else {
+            return Ok(());
+        };
+        if b.generation != r.global {
+            return Ok(());
+        }
+        let (internal, world) = (r.internal, r.world);
+        for p in &b.partials {
+            c.losses
+                .add(b.generation, p.step, &p.workload, world)
+                .await?;
+        }
+        for (rank, step) in b.steps {
+            self.ex.push(Event::Heartbeat {
+                generation: internal,
+                rank,
+                step,
+                now,
+            });
         }
         Ok(())
     }
 
+    /// A rank of store generation `g` ended.
+    fn exited(&mut self, g: u64, rank: u32, status: ExitStatus, now: Duration) {
+        if let Some(r) = self.cluster.running.as_mut()
+            && r.global == g
+            && r.exited.insert(rank)
+        {
+            self.ex.push(Event::Exited {
+                generation: r.internal,
+                rank,
+                status,
+                now,
+            });
+        }
+    }
+
+    /// Time passes: a tick for the coordinator, and the start of the job once every node
+    /// that runs ranks at the start has joined (or the join timeout passed).
+    pub(super) fn tick(&mut self) {
+        let now = self.ex.now();
+        if let Some(deadline) = self.join_deadline {
+            let alive = &self.cluster.alive;
+            let joined = (0..self.nodes).all(|n| alive.contains_key(&n));
+            if joined || Instant::now() >= deadline {
+                if !joined {
+                    let missing: Vec<u32> =
+                        (0..self.nodes).filter(|n| !alive.contains_key(n)).collect();
+                    warn!(?missing, "starting without nodes that did not join in time");
+                }
+                self.join_deadline = None;
+                self.ex.push(Event::Start { now });
+            }
+            return;
+        }
+        self.ex.push(Event::Tick { now });
+    }
+
+    /// While the coordinator waits to grow the job back onto returned nodes, tell it the newest
+    /// committed step, as the local supervisor does ([`Executor::poll_commits`]).
+    pub(super) async fn poll_commits(&mut self) {
+        self.ex.poll_commits().await;
+    }
+
+    /// Feed the pending events to the coordinator and carry out its actions.
+    pub(super) async fn drive(&mut self, sess: &mut Session) -> Result<()> {
+        let mut fx = Published {
+            c: &mut self.cluster,
+            sess,
+        };
+        self.ex.drive(&mut fx).await
+    }
+
     /// Carry out the coordinator's actions.
     pub(super) async fn act(&mut self, sess: &mut Session, actions: Vec<Action>) -> Result<()> {
-        // A generation's store number is fixed (its marker written) before its `started`
-        // record, which comes first.
-        for a in &actions {
+        let mut fx = Published {
+            c: &mut self.cluster,
+            sess,
+        };
+        self.ex.execute(&mut fx, actions).await
+    }
+}
+
+/// What the coordinator taking over on `node` inherits of `plan`'s generation (laid out as
+/// `layout`): the ranks known to have ended, the nodes whose agents are gone (and the previous
+/// coordinator's), the highest step reported, whether stopping had begun.
+fn inherited(
+    node: u32,
+    plan: &PlanMsg,
+    layout: Layout,
+    view: &JobState,
+    previous: Option<u32>,
+) -> TakeOver {
+    let g = plan.generation;
+    let signal = view.signals.get(&g);
+    let mut excluded: BTreeSet<u32> = plan.excluded.iter().copied().collect();
+    if let Some(s) = signal {
+        excluded.extend(s.excluded.iter().copied());
+    }
+    let exited: BTreeMap<u32, ExitStatus> = view
+        .exits
+        .iter()
+        .filter(|((eg, _), _)| *eg == g)
+        .map(|((_, r), s)| (*r, *s))
+        .collect();
+    let mut lost_nodes = BTreeMap::new();
+    for a in &plan.assignments {
+        if !view.nodes.contains_key(&a.node) {
+            lost_nodes.insert(
+                a.node,
+                "its agent's etcd lease is gone (the machine or the agent died)".to_string(),
+            );
+        }
+    }
+    if let Some(p) = previous.filter(|p| *p != node) {
+        lost_nodes.insert(
+            p,
+            format!("it ran the coordinator, whose etcd lease expired; node {node} took over"),
+        );
+    }
+    let max_step = view
+        .beats
+        .values()
+        .filter(|b| b.generation == g)
+        .flat_map(|b| b.steps.iter().map(|s| s.1))
+        .max()
+        .unwrap_or(0);
+    TakeOver {
+        generation: g,
+        layout,
+        assignments: plan.assignments.clone(),
+        excluded,
+        restarts: plan.restarts,
+        max_step,
+        stopping: signal.is_some(),
+        killed: signal.is_some_and(|s| s.kill),
+        exited,
+        lost_nodes,
+    }
+}
+
+impl Published<'_> {
+    fn guard(&self) -> String {
+        self.c.keys.key(Key::Leader)
+    }
+
+    /// Write `puts` in one transaction guarded by the leader key (`once`: a key among them
+    /// created only if absent).
+    async fn publish(&mut self, puts: Vec<(String, Vec<u8>)>, once: Option<&str>) -> Result<()> {
+        let guard = self.guard();
+        self.sess.put_guarded(&guard, self.c.rev, puts, once).await
+    }
+
+    /// The plan of generation `global` (`generation` to the coordinator), with the master
+    /// address of rank 0's node.
+    fn plan(
+        &self,
+        ex: &Executor,
+        global: u64,
+        layout: &Layout,
+        assignments: &[Assignment],
+        resume_from: Option<u64>,
+    ) -> PlanMsg {
+        let rank0 = assignments.iter().find(|a| a.rank == 0).map(|a| a.node);
+        let (master_addr, master_port) = match rank0.and_then(|n| self.c.alive.get(&n)) {
+            Some(m) => (m.addr.clone(), m.port),
+            None => ("127.0.0.1".to_string(), free_port()),
+        };
+        PlanMsg {
+            generation: global,
+            layout: layout.to_string(),
+            assignments: assignments.to_vec(),
+            resume_from,
+            master_addr,
+            master_port,
+            leader: self.c.node,
+            excluded: ex.coord.excluded(),
+            restarts: ex.coord.restarts(),
+            peer_secret: self.c.peer_secret.clone(),
+        }
+    }
+}
+
+impl Effects for Published<'_> {
+    fn generation(&self, g: u64) -> u64 {
+        self.c.gens.global(g)
+    }
+
+    /// A generation's store number is fixed (its marker written) before its `started`
+    /// record, which comes first.
+    async fn prepare(&mut self, ex: &mut Executor, actions: &[Action]) -> Result<()> {
+        for a in actions {
             if let Action::Start { generation, .. } = a {
-                self.gens
-                    .allocate(*generation, &self.store, &self.run)
+                self.c
+                    .gens
+                    .allocate(*generation, &ex.store, &ex.run)
                     .await?;
             }
         }
-        for act in actions {
-            match act {
-                Action::Start {
+        Ok(())
+    }
+
+    async fn start(
+        &mut self,
+        ex: &mut Executor,
+        generation: u64,
+        layout: Layout,
+        assignments: Vec<Assignment>,
+        resume_from: Option<u64>,
+    ) -> Result<()> {
+        let global = self.c.gens.global(generation);
+        let plan = self.plan(ex, global, &layout, &assignments, resume_from);
+        let body = serde_json::to_vec(&plan).expect("plans serialize");
+        let once = self.c.keys.key(Key::Plans(global));
+        let plan_key = self.c.keys.key(Key::Plan);
+        self.publish(
+            vec![(plan_key, body.clone()), (once.clone(), body)],
+            Some(&once),
+        )
+        .await?;
+        info!(generation = global, %layout, "plan published");
+        let mut r = Running {
+            internal: generation,
+            global,
+            world: layout.world(),
+            assignments,
+            exited: BTreeSet::new(),
+        };
+        // Ranks placed on nodes that are not (or no longer) alive are gone.
+        let now = ex.now();
+        for a in &r.assignments {
+            if !self.c.alive.contains_key(&a.node) && r.exited.insert(a.rank) {
+                warn!(
+                    node = a.node,
+                    rank = a.rank,
+                    "rank placed on a node that is not alive"
+                );
+                self.c.lost.insert(a.node);
+                ex.push(Event::Exited {
                     generation,
-                    layout,
-                    assignments,
-                    resume_from,
-                } => {
-                    let global = self.gens.global(generation);
-                    let rank0 = assignments.iter().find(|a| a.rank == 0).map(|a| a.node);
-                    let (master_addr, master_port) = match rank0.and_then(|n| self.alive.get(&n)) {
-                        Some(m) => (m.addr.clone(), m.port),
-                        None => ("127.0.0.1".to_string(), free_port()),
-                    };
-                    let plan = PlanMsg {
-                        generation: global,
-                        layout: layout.to_string(),
-                        assignments: assignments.clone(),
-                        resume_from,
-                        master_addr,
-                        master_port,
-                        leader: self.node,
-                        excluded: self.coord.excluded(),
-                        restarts: self.coord.restarts(),
-                        peer_secret: self.peer_secret.clone(),
-                    };
-                    let body = serde_json::to_vec(&plan).expect("plans serialize");
-                    let once = self.keys.key(Key::Plans(global));
-                    sess.put_guarded(
-                        &self.guard(),
-                        self.rev,
-                        vec![
-                            (self.keys.key(Key::Plan), body.clone()),
-                            (once.clone(), body),
-                        ],
-                        Some(&once),
-                    )
-                    .await?;
-                    info!(generation = global, %layout, "plan published");
-                    let mut r = Running {
-                        internal: generation,
-                        global,
-                        world: layout.world(),
-                        assignments,
-                        exited: BTreeSet::new(),
-                    };
-                    // Ranks placed on nodes that are not (or no longer) alive are gone.
-                    let now = self.now();
-                    for a in &r.assignments {
-                        if !self.alive.contains_key(&a.node) && r.exited.insert(a.rank) {
-                            warn!(
-                                node = a.node,
-                                rank = a.rank,
-                                "rank placed on a node that is not alive"
-                            );
-                            self.lost.insert(a.node);
-                            self.pending.push_back(Event::Exited {
-                                generation,
-                                rank: a.rank,
-                                status: ExitStatus::Signal(9),
-                                now,
-                            });
-                        }
-                    }
-                    self.running = Some(r);
-                }
-                Action::Signal {
-                    generation,
-                    ranks,
-                    kill,
-                } => {
-                    let global = self.gens.global(generation);
-                    let msg = SignalMsg {
-                        ranks,
-                        kill,
-                        excluded: self.coord.excluded(),
-                    };
-                    let body = serde_json::to_vec(&msg).expect("signals serialize");
-                    sess.put_guarded(
-                        &self.guard(),
-                        self.rev,
-                        vec![(self.keys.key(Key::Signals(global)), body)],
-                        None,
-                    )
-                    .await?;
-                }
-                Action::ChooseStep { generation, skip } => {
-                    let c = choose_step_logged(&self.store, &self.run, &skip).await?;
-                    self.pending.push_back(Event::StepChosen {
-                        generation,
-                        step: c.step,
-                        damaged: c.damaged,
-                        now: self.now(),
-                    });
-                }
-                Action::CheckStep { generation, step } => {
-                    let damage = check_step(&self.store, &self.run, step).await?;
-                    self.pending.push_back(Event::StepChecked {
-                        generation,
-                        step,
-                        damage,
-                        now: self.now(),
-                    });
-                }
-                Action::RetireStep { step } => retire_step(&self.store, &self.run, step).await?,
-                Action::Record(rec) => {
-                    let gens = &self.gens;
-                    let mut v = self.log.render(&rec, |g| gens.global(g)).await;
-                    // A node whose lease expired shows up as SIGKILLed ranks; say so, and
-                    // count the detection from the node's last heartbeats.
-                    if let LogEvent::Failure(f) = &mut v
-                        && f.how == "signal"
-                        && self.lost.contains(&f.node)
-                    {
-                        let n = f.node;
-                        if let Some(seen) = self.last_seen.get(&n) {
-                            f.detection_s = self.now().saturating_sub(*seen).as_secs_f64();
-                        }
-                        f.how = "node".into();
-                        f.detail = format!(
-                            "node {n} left: its agent's etcd lease expired (the machine or the agent died); {}",
-                            f.detail
-                        );
-                    }
-                    self.log.write(v).await?;
-                }
-                Action::Done { ok, reason } => {
-                    self.losses.flush().await;
-                    let msg = DoneMsg {
-                        ok,
-                        reason,
-                        generation: self.running.as_ref().map(|r| r.global),
-                        layout: self.coord.layout().to_string(),
-                        restarts: self.coord.restarts(),
-                    };
-                    let body = serde_json::to_vec(&msg).expect("done serializes");
-                    sess.put_guarded(
-                        &self.guard(),
-                        self.rev,
-                        vec![(self.keys.key(Key::Done), body)],
-                        None,
-                    )
-                    .await?;
-                    self.finished = true;
-                }
+                    rank: a.rank,
+                    status: ExitStatus::Signal(9),
+                    now,
+                });
             }
         }
+        self.c.running = Some(r);
+        Ok(())
+    }
+
+    async fn signal(
+        &mut self,
+        ex: &mut Executor,
+        generation: u64,
+        ranks: Vec<u32>,
+        kill: bool,
+    ) -> Result<()> {
+        let global = self.c.gens.global(generation);
+        let msg = SignalMsg {
+            ranks,
+            kill,
+            excluded: ex.coord.excluded(),
+        };
+        let body = serde_json::to_vec(&msg).expect("signals serialize");
+        let key = self.c.keys.key(Key::Signals(global));
+        self.publish(vec![(key, body)], None).await
+    }
+
+    /// A node whose lease expired shows up as SIGKILLed ranks; say so, and count the
+    /// detection from the node's last heartbeats.
+    fn amend(&mut self, ex: &Executor, logged: &mut Record) {
+        if let LogEvent::Failure(f) = logged
+            && f.how == "signal"
+            && self.c.lost.contains(&f.node)
+        {
+            let n = f.node;
+            if let Some(seen) = self.c.last_seen.get(&n) {
+                f.detection_s = ex.now().saturating_sub(*seen).as_secs_f64();
+            }
+            f.how = "node".into();
+            f.detail = format!(
+                "node {n} left: its agent's etcd lease expired (the machine or the agent died); {}",
+                f.detail
+            );
+        }
+    }
+
+    async fn done(&mut self, ex: &mut Executor, ok: bool, reason: String) -> Result<()> {
+        self.c.losses.flush().await;
+        let msg = DoneMsg {
+            ok,
+            reason,
+            generation: self.c.running.as_ref().map(|r| r.global),
+            layout: ex.coord.layout().to_string(),
+            restarts: ex.coord.restarts(),
+        };
+        let body = serde_json::to_vec(&msg).expect("done serializes");
+        let key = self.c.keys.key(Key::Done);
+        self.publish(vec![(key, body)], None).await?;
+        self.c.finished = true;
         Ok(())
     }
 }

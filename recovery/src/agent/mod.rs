@@ -41,7 +41,6 @@ pub mod keys;
 mod leader;
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -53,8 +52,10 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
 use tracing::{error, info, warn};
 
-use crate::coordinator::{Config, ExitStatus};
-use crate::driver::{Launch, RankExit, free_port, private_dir, remove_private_dir, signal_rank};
+use crate::coordinator::ExitStatus;
+use crate::driver::{
+    JobOptions, Launch, RankExit, free_port, private_dir, remove_private_dir, signal_rank,
+};
 use crate::heartbeat::Beat;
 pub use keys::{
     BeatsMsg, DoneMsg, ExitMsg, JobMsg, Key, Keys, NodeMsg, Partial, PlanMsg, SignalMsg,
@@ -70,19 +71,10 @@ pub struct AgentOptions {
     pub prefix: Option<String>,
     /// This agent's node id: `0..nodes + spares`.
     pub node: u32,
-    /// Store URL, passed to the ranks as `CKPT_STORE` (the coordinator uses it too).
-    pub store_url: String,
-    /// Run name.
-    pub run: String,
-    /// Coordinator settings (topology, layout, timeouts, restarts); the coordinator's own
-    /// apply.
-    pub config: Config,
-    /// The command each rank runs.
-    pub command: Vec<String>,
-    /// Where this node's rank stdout/stderr go (`rank-R.gen-G.{out,err}`).
-    pub logs_dir: Option<PathBuf>,
-    /// How often ranks beat, and how often the agent relays their beats.
-    pub heartbeat_interval: Duration,
+    /// The job: store, run, coordinator settings (the coordinating agent's apply), command,
+    /// this node's rank logs, heartbeats (relayed as often as ranks beat), how the agent and
+    /// its coordinator open the store.
+    pub job: JobOptions,
     /// The agent's lease: a node silent for this long is dead.
     pub lease_ttl: Duration,
     /// How long a new coordinator waits for the first `nodes` nodes to join before it starts
@@ -103,8 +95,6 @@ pub struct AgentOptions {
     /// The most bytes of snapshots the replica agent holds (`None`: a quarter of the
     /// machine's memory, [`crate::peer::default_memory_limit`]).
     pub peer_memory_limit: Option<u64>,
-    /// How the agent (and its coordinator) open the store.
-    pub open: ckpt_store::OpenOptions,
 }
 
 impl AgentOptions {
@@ -112,7 +102,7 @@ impl AgentOptions {
     pub fn prefix(&self) -> String {
         self.prefix
             .clone()
-            .unwrap_or_else(|| format!("/ckpt/{}", self.run))
+            .unwrap_or_else(|| format!("/ckpt/{}", self.job.run))
     }
 }
 
@@ -256,11 +246,11 @@ fn host_name() -> String {
 /// whether the job completed; an `Err` means this agent could not go on (etcd unreachable
 /// for longer than its lease, lost the coordinator role, stopped by a signal, bad settings).
 pub async fn run(opts: AgentOptions) -> Result<AgentReport> {
-    let t = opts.config.topology;
-    if opts.command.is_empty() {
+    let t = opts.job.config.topology;
+    if opts.job.command.is_empty() {
         return Err(Error::invalid("no command to run: pass it after --"));
     }
-    ckpt_store::validate_run(&opts.run)?;
+    ckpt_store::validate_run(&opts.job.run)?;
     if opts.node >= t.nodes + t.spares {
         return Err(Error::invalid(format!(
             "--node {} is out of range: the job has nodes 0..{} ({} nodes + {} spares)",
@@ -279,19 +269,7 @@ pub async fn run(opts: AgentOptions) -> Result<AgentReport> {
     let (exit_tx, exit_rx) = mpsc::unbounded_channel::<RankExit>();
     let mut agent = Agent {
         keys: Keys::new(&opts.prefix()),
-        launch: Launch {
-            store_url: opts.store_url.clone(),
-            run: opts.run.clone(),
-            command: opts.command.clone(),
-            logs_dir: opts.logs_dir.clone(),
-            heartbeat_socket: sock_path,
-            heartbeat_interval: opts.heartbeat_interval,
-            ranks_per_node: t.ranks_per_node,
-            die_with_parent: true,
-            peer_agents: Vec::new(),
-            peer_secret: None,
-            node_cache_root: Some(sock_dir.join("node-cache")),
-        },
+        launch: Launch::new(&opts.job, sock_path, sock_dir.join("node-cache"), None),
         opts,
         sess,
         exit_tx,
@@ -382,7 +360,7 @@ impl Agent {
         let mut sigint = signal(SignalKind::interrupt())
             .map_err(|e| Error::io("installing a signal handler", &"SIGINT", e))?;
         let mut tick = tokio::time::interval(Duration::from_millis(50));
-        let mut relay = tokio::time::interval(self.opts.heartbeat_interval);
+        let mut relay = tokio::time::interval(self.opts.job.heartbeat_interval);
         let mut buf = vec![0u8; 4096];
         loop {
             if let Some(d) = self.done.take() {
@@ -454,9 +432,9 @@ impl Agent {
 
     /// Check the job's settings, and register this node.
     async fn join(&mut self) -> Result<()> {
-        let c = &self.opts.config;
+        let c = &self.opts.job.config;
         let job = JobMsg {
-            run: self.opts.run.clone(),
+            run: self.opts.job.run.clone(),
             nodes: c.topology.nodes,
             ranks_per_node: c.topology.ranks_per_node,
             spares: c.topology.spares,
@@ -624,7 +602,7 @@ impl Agent {
                 self.last_leader = serde_json::from_slice(value).ok();
             }
             (Key::Leader, EventType::Delete) => {
-                if self.leader.as_ref().is_some_and(|l| !l.finished) {
+                if self.leader.as_ref().is_some_and(|l| !l.finished()) {
                     return Err(Error::new(
                         ErrorKind::Fenced,
                         format!(
@@ -804,7 +782,7 @@ impl Agent {
         let records = self
             .leader
             .as_ref()
-            .map(|l| l.log.records.clone())
+            .map(|l| l.records().to_vec())
             .unwrap_or_default();
         AgentReport {
             node: self.opts.node,

@@ -1,11 +1,12 @@
 //! The agent: what it holds and knows, its server, the copy to its buddy.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use ckpt_store::{ChunkId, Error, Result};
+use parking_lot::{Mutex, RwLock};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, info, warn};
@@ -66,7 +67,7 @@ impl AgentState {
 
     /// Set the job's secret (an etcd agent learns it from the job's plan).
     pub fn set_secret(&self, secret: PeerSecret) {
-        *self.secret.write().expect("secret") = Some(secret);
+        *self.secret.write() = Some(secret);
     }
 
     /// Set what the agent knows of the job (its launch configuration, then each plan).
@@ -78,12 +79,12 @@ impl AgentState {
             wards = ?m.wards,
             "replica agent membership"
         );
-        *self.members.write().expect("members") = m;
+        *self.members.write() = m;
     }
 
     /// What the agent knows of the job.
     pub fn membership(&self) -> Membership {
-        self.members.read().expect("members").clone()
+        self.members.read().clone()
     }
 
     /// The memory limit (bytes).
@@ -93,7 +94,7 @@ impl AgentState {
 
     /// What it holds.
     pub fn holdings(&self) -> Holdings {
-        let h = self.held.lock().expect("agent");
+        let h = self.held.lock();
         Holdings {
             snapshots: h.snaps.len() as u64,
             chunks: h.snaps.values().map(|s| s.chunks.len() as u64).sum(),
@@ -103,7 +104,7 @@ impl AgentState {
 
     /// The chunk `id`, from any snapshot held.
     pub fn get(&self, id: &ChunkId) -> Option<Bytes> {
-        let h = self.held.lock().expect("agent");
+        let h = self.held.lock();
         h.snaps.values().find_map(|s| s.chunks.get(id).cloned())
     }
 
@@ -111,7 +112,7 @@ impl AgentState {
     /// its own ranks' snapshots and those of the nodes it keeps copies for, of generations up
     /// to the job's current one.
     fn admit(&self, role: Role, node: u32, generation: u64) -> Result<()> {
-        let m = self.members.read().expect("members");
+        let m = self.members.read();
         if let Some(g) = m.generation
             && generation > g
         {
@@ -140,7 +141,7 @@ impl AgentState {
 
     /// Reserve room for `n` more bytes of an arriving snapshot, within the memory limit.
     fn reserve(&self, n: u64) -> Result<()> {
-        let mut h = self.held.lock().expect("agent");
+        let mut h = self.held.lock();
         if h.held + h.inflight + n > self.limit {
             return Err(Error::invalid(format!(
                 "memory limit: a chunk of {n} bytes is refused ({} bytes held, {} arriving, \
@@ -153,7 +154,7 @@ impl AgentState {
     }
 
     fn release(&self, n: u64) {
-        let mut h = self.held.lock().expect("agent");
+        let mut h = self.held.lock();
         h.inflight = h.inflight.saturating_sub(n);
     }
 
@@ -161,7 +162,7 @@ impl AgentState {
     /// a newer one is held; a snapshot of a newer generation drops every snapshot of older ones
     /// (their layout is gone, and the new generation restored before it saved).
     fn insert(&self, node: u32, rank: u32, snap: Snapshot, reserved: u64) {
-        let mut h = self.held.lock().expect("agent");
+        let mut h = self.held.lock();
         h.inflight = h.inflight.saturating_sub(reserved);
         let mut dropped = 0;
         h.snaps.retain(|_, s| {
@@ -184,7 +185,7 @@ impl AgentState {
     }
 
     fn secret(&self) -> Option<PeerSecret> {
-        self.secret.read().expect("secret").clone()
+        self.secret.read().clone()
     }
 }
 

@@ -1,12 +1,13 @@
 //! The chunk source a restore asks before the store.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use ckpt_store::{ChunkId, ChunkRef, ChunkSource};
+use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tracing::warn;
@@ -44,7 +45,7 @@ impl AsRef<[u8]> for Pooled {
 
 impl Drop for Pooled {
     fn drop(&mut self) {
-        let mut pool = self.1.lock().expect("buffers");
+        let mut pool = self.1.lock();
         if pool.len() < KEEP_BUFS {
             pool.push(std::mem::take(&mut self.0));
         }
@@ -108,7 +109,7 @@ impl PeerSource {
                         "the agent sent {n} bytes for a chunk of {len}"
                     )));
                 }
-                let mut buf = self.bufs.lock().expect("buffers").pop().unwrap_or_default();
+                let mut buf = self.bufs.lock().pop().unwrap_or_default();
                 buf.resize(n as usize, 0);
                 s.read_exact(&mut buf).await?;
                 Some(Bytes::from_owner(Pooled(buf, self.bufs.clone())))

@@ -1,10 +1,11 @@
 //! The agent, the upload and the source together over loopback.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use ckpt_store::{ChunkId, ChunkRef, ChunkSource};
+use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -126,7 +127,7 @@ async fn a_wedged_agent_holds_up_neither_a_persist_nor_a_restore() {
     let h2 = held.clone();
     tokio::spawn(async move {
         while let Ok((s, _)) = l.accept().await {
-            h2.lock().unwrap().push(s);
+            h2.lock().push(s);
         }
     });
     let t = Duration::from_millis(300);

@@ -940,7 +940,7 @@ fn train_bench(dir: &Path, params: u64) {
 /// or stopped (SIGSTOP) after the second checkpoint; the recovery log gives detection,
 /// decision, restart and the first step after it.
 fn recovery_bench(dir: &Path, params: &str, how: &str) {
-    use ckpt_recovery::{Config, SupervisorOptions, Topology};
+    use ckpt_recovery::{Config, JobOptions, SupervisorOptions, Topology};
     let train = ckpt_tests::bin("ckpt-train", "ckpt-train");
     let store = dir.join(format!("recovery-{how}"));
     let _ = std::fs::remove_dir_all(&store);
@@ -959,28 +959,30 @@ fn recovery_bench(dir: &Path, params: &str, how: &str) {
     cfg.stop_grace = Duration::from_secs(2);
     cfg.backoff = Duration::from_millis(100);
     let opts = SupervisorOptions {
-        store_url: store.to_string_lossy().to_string(),
-        run: run.clone(),
-        config: cfg,
-        command: vec![
-            train.to_string_lossy().to_string(),
-            "--params".into(),
-            params.into(),
-            "--steps".into(),
-            "30".into(),
-            "--ckpt-every".into(),
-            "5".into(),
-            "--step-time-ms".into(),
-            "200".into(),
-            "--zero".into(),
-            "1".into(),
-        ],
-        logs_dir: Some(logs.clone()),
-        heartbeat_interval: Duration::from_millis(100),
+        job: JobOptions {
+            store_url: store.to_string_lossy().to_string(),
+            run: run.clone(),
+            config: cfg,
+            command: vec![
+                train.to_string_lossy().to_string(),
+                "--params".into(),
+                params.into(),
+                "--steps".into(),
+                "30".into(),
+                "--ckpt-every".into(),
+                "5".into(),
+                "--step-time-ms".into(),
+                "200".into(),
+                "--zero".into(),
+                "1".into(),
+            ],
+            logs_dir: Some(logs.clone()),
+            heartbeat_interval: Duration::from_millis(100),
+            open: open_options(),
+        },
         replica_agent: how
             .ends_with("peers")
             .then(ckpt_tests::replica_agent_command),
-        open: open_options(),
         repair_after: None,
     };
     let t0 = Instant::now();

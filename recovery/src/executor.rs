@@ -1,0 +1,249 @@
+//! The one executor of the [`Coordinator`]'s actions, for every driver: events in, actions
+//! out, as raft-rs's `Ready` loop.
+//!
+//! A driver queues what it learns ([`Executor::push`]: exits, heartbeats, ticks, nodes back)
+//! and calls [`Executor::drive`], which feeds the queue to the coordinator and carries out the
+//! actions it answers with, in order. What every driver does alike is done here: choosing the
+//! step to restore and verifying a step (their answers queued as events), retiring a step,
+//! the recovery log, and the newest commit while the coordinator waits to grow
+//! ([`Executor::poll_commits`]). What differs is the driver's [`Effects`]: how a generation's
+//! ranks are started and signalled (processes on this machine for the local supervisor, a
+//! plan and signals published on etcd for the agents' coordinator), the store's number of a
+//! generation, what a driver adds to a record, and the end of the job.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use ckpt_store::{Layout, Result, Store};
+use tracing::warn;
+
+use crate::coordinator::{Action, Assignment, Coordinator, Event, Record};
+use crate::driver::{RecoveryLog, check_step, choose_step_logged, retire_step};
+
+/// How often a driver looks for a new commit while the coordinator waits for one to grow the
+/// job back at (one listing of the run's steps a time).
+pub const COMMIT_POLL: Duration = Duration::from_millis(100);
+
+/// Which queued event the coordinator is told next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Order {
+    /// The newest first (the local supervisor): an answer the actions queue (the step chosen,
+    /// the step checked) is told before older events, and a tick's events in reverse.
+    NewestFirst,
+    /// The oldest first (the etcd coordinator): in the order they were learned.
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+    OldestFirst,
+}
+
+/// What a driver does its own way (see the module docs). Every method gets the executor, for
+/// the coordinator's state, the store, the clock and the queue.
+pub(crate) trait Effects {
+    /// The store's number of the coordinator's generation `g` (the store's generations go on
+    /// across supervisions and coordinators).
+    fn generation(&self, g: u64) -> u64;
+
+    /// Before the actions of one event are carried out.
+    async fn prepare(&mut self, ex: &mut Executor, actions: &[Action]) -> Result<()> {
+        let _ = (ex, actions);
+        Ok(())
+    }
+
+    /// [`Action::Start`]: start generation `generation`'s ranks.
+    async fn start(
+        &mut self,
+        ex: &mut Executor,
+        generation: u64,
+        layout: Layout,
+        assignments: Vec<Assignment>,
+        resume_from: Option<u64>,
+    ) -> Result<()>;
+
+    /// [`Action::Signal`]: SIGTERM (or SIGKILL) to ranks of `generation`.
+    async fn signal(
+        &mut self,
+        ex: &mut Executor,
+        generation: u64,
+        ranks: Vec<u32>,
+        kill: bool,
+    ) -> Result<()>;
+
+    /// A record is about to be logged, as the coordinator made it.
+    fn recording(&mut self, ex: &Executor, rec: &Record) {
+        let _ = (ex, rec);
+    }
+
+    /// What the driver knows that the coordinator does not, added to a record as logged.
+    fn amend(&mut self, ex: &Executor, logged: &mut Record) {
+        let _ = (ex, logged);
+    }
+
+    /// [`Action::Done`]: the job is over.
+    async fn done(&mut self, ex: &mut Executor, ok: bool, reason: String) -> Result<()>;
+}
+
+/// The coordinator with what it has still to be told, the store it acts on, the recovery log
+/// and the driver's clock (see the module docs).
+#[derive(Debug)]
+pub(crate) struct Executor {
+    /// The coordinator.
+    pub(crate) coord: Coordinator,
+    /// The store of the run.
+    pub(crate) store: Store,
+    /// The run.
+    pub(crate) run: String,
+    /// The recovery log this driver writes.
+    pub(crate) log: RecoveryLog,
+    /// Time zero of the coordinator's clock.
+    t0: Instant,
+    queue: VecDeque<Event>,
+    order: Order,
+    /// While the coordinator waits for a commit to grow the job back at: the generation, when
+    /// the store was last asked, and the newest committed step it said.
+    commit_watch: Option<(u64, Instant, Option<u64>)>,
+}
+
+impl Executor {
+    /// An executor of `coord`'s actions on `run`; its clock starts now.
+    pub(crate) fn new(
+        coord: Coordinator,
+        store: Store,
+        run: &str,
+        log: RecoveryLog,
+        order: Order,
+    ) -> Self {
+        Executor {
+            coord,
+            store,
+            run: run.to_string(),
+            log,
+            t0: Instant::now(),
+            queue: VecDeque::new(),
+            order,
+            commit_watch: None,
+        }
+    }
+
+    /// When the clock started.
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+    pub(crate) fn started(&self) -> Instant {
+        self.t0
+    }
+
+    /// The coordinator's time.
+    pub(crate) fn now(&self) -> Duration {
+        self.t0.elapsed()
+    }
+
+    /// Queue an event for the coordinator.
+    pub(crate) fn push(&mut self, ev: Event) {
+        self.queue.push_back(ev);
+    }
+
+    fn next(&mut self) -> Option<Event> {
+        match self.order {
+            Order::NewestFirst => self.queue.pop_back(),
+            Order::OldestFirst => self.queue.pop_front(),
+        }
+    }
+
+    /// Feed the queued events to the coordinator, and carry out its actions, until none is
+    /// left (actions may queue more).
+    pub(crate) async fn drive(&mut self, fx: &mut impl Effects) -> Result<()> {
+        while let Some(ev) = self.next() {
+            let actions = self.coord.on_event(ev);
+            self.execute(fx, actions).await?;
+        }
+        Ok(())
+    }
+
+    /// Carry out `actions`, in order.
+    pub(crate) async fn execute(
+        &mut self,
+        fx: &mut impl Effects,
+        actions: Vec<Action>,
+    ) -> Result<()> {
+        fx.prepare(self, &actions).await?;
+        for act in actions {
+            match act {
+                Action::Start {
+                    generation,
+                    layout,
+                    assignments,
+                    resume_from,
+                } => {
+                    fx.start(self, generation, layout, assignments, resume_from)
+                        .await?
+                }
+                Action::Signal {
+                    generation,
+                    ranks,
+                    kill,
+                } => fx.signal(self, generation, ranks, kill).await?,
+                Action::ChooseStep { generation, skip } => {
+                    let c = choose_step_logged(&self.store, &self.run, &skip).await?;
+                    let now = self.now();
+                    self.push(Event::StepChosen {
+                        generation,
+                        step: c.step,
+                        damaged: c.damaged,
+                        now,
+                    });
+                }
+                Action::CheckStep { generation, step } => {
+                    let damage = check_step(&self.store, &self.run, step).await?;
+                    let now = self.now();
+                    self.push(Event::StepChecked {
+                        generation,
+                        step,
+                        damage,
+                        now,
+                    });
+                }
+                Action::RetireStep { step } => retire_step(&self.store, &self.run, step).await?,
+                Action::Record(rec) => self.record(fx, rec).await?,
+                Action::Done { ok, reason } => fx.done(self, ok, reason).await?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Log a record: renumbered to the store's generations, the restore plan added to a
+    /// decision, and what the driver adds.
+    async fn record(&mut self, fx: &mut impl Effects, rec: Record) -> Result<()> {
+        fx.recording(self, &rec);
+        let mut logged = self.log.render(&rec, |g| fx.generation(g)).await;
+        fx.amend(self, &mut logged);
+        self.log.write(logged).await
+    }
+
+    /// While the coordinator waits to grow the job back onto returned nodes, tell it the
+    /// newest committed step: at once, then whenever it changes (the store asked every
+    /// [`COMMIT_POLL`]).
+    pub(crate) async fn poll_commits(&mut self) {
+        let Some(g) = self.coord.watching_commits() else {
+            self.commit_watch = None;
+            return;
+        };
+        let fresh = self.commit_watch.is_none_or(|(wg, _, _)| wg != g);
+        let due = self
+            .commit_watch
+            .is_some_and(|(_, at, _)| at.elapsed() >= COMMIT_POLL);
+        if !fresh && !due {
+            return;
+        }
+        match self.store.latest_committed(&self.run).await {
+            Ok(step) => {
+                if fresh || self.commit_watch.is_some_and(|(_, _, last)| last != step) {
+                    let now = self.now();
+                    self.push(Event::Committed {
+                        generation: g,
+                        step,
+                        now,
+                    });
+                }
+                self.commit_watch = Some((g, Instant::now(), step));
+            }
+            Err(e) => warn!("looking for a new commit to grow at: {e}"),
+        }
+    }
+}
