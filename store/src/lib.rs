@@ -54,6 +54,7 @@ pub mod failpoint;
 pub mod gc;
 pub mod id;
 pub mod keys;
+mod layer;
 pub mod lease;
 pub mod logs;
 pub mod model;
