@@ -739,7 +739,7 @@ mod tests {
 
     /// Rank `rank` of a 4-rank job saves one byte of a 4-byte tensor as `step` of `run`.
     async fn save_tiny(store: &crate::Store, run: &str, step: u64, rank: u32) {
-        use crate::{DType, DedupIndex, NdBox, RankWrite, ShardIn};
+        use crate::{DType, DedupIndex, NdBox, RankWrite, ShardDesc, ShardIn};
         let w = RankWrite {
             run: run.into(),
             step,
@@ -748,13 +748,15 @@ mod tests {
             generation: 0,
         };
         let shard = ShardIn {
-            name: "w".into(),
-            dtype: DType::U8,
-            shape: vec![4],
-            bbox: NdBox::new(vec![rank as u64], vec![1]).unwrap(),
+            shard: ShardDesc {
+                name: "w".into(),
+                dtype: DType::U8,
+                shape: vec![4],
+                bbox: NdBox::new(vec![rank as u64], vec![1]).unwrap(),
+                replica_of: None,
+                placement: None,
+            },
             data: Some(Bytes::from(vec![rank as u8])),
-            replica_of: None,
-            placement: None,
         };
         store
             .write_rank(&w, vec![shard], vec![], &DedupIndex::new())

@@ -111,4 +111,4 @@ pub use wrap::{
     Fault, FaultAction, FaultHandle, FaultOp, FaultyStore, MetricsSnapshot, MetricsStore,
     RandomFaultStats, RandomFaults, StoreMetrics,
 };
-pub use writer::{BlobIn, RankParts, RankWrite, ShardIn, ShardMeta, assemble_manifest};
+pub use writer::{BlobIn, RankParts, RankWrite, ShardDesc, ShardIn, ShardMeta, assemble_manifest};
