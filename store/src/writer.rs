@@ -174,7 +174,7 @@ impl Store {
         validate_run(&w.run)?;
         w.layout.validate()?;
         // What the stream must yield: (shard index, chunk length, element size, delta base).
-        let mut expect: Vec<(usize, u64, u8, Option<BaseChunk>)> = Vec::new();
+        let mut expect: Vec<Expected> = Vec::new();
         // The committed base step's chunks by region: each float chunk's delta base candidate.
         let regions = index.base_regions();
         // (first chunk index, chunk count) per shard, then per blob.
@@ -241,35 +241,7 @@ impl Store {
             spans.push((start, shard_chunks + blob_chunks.len() - start));
         }
         let names: Vec<String> = shards.iter().map(|s| s.shard.name.clone()).collect();
-        let names2 = names.clone();
-        let mut exp = expect.into_iter();
-        let checked = chunks
-            .map(Some)
-            .chain(stream::once(async { None }))
-            .map(move |item| match (item, exp.next()) {
-                (Some(Ok(data)), Some((_, len, elem, base))) if data.len() as u64 == len => {
-                    Some(Ok(ChunkIn { data, elem, base }))
-                }
-                (Some(Ok(data)), Some((i, len, _, _))) => Some(Err(Error::invalid(format!(
-                    "tensor {:?}: a chunk of {} bytes arrived where {len} were expected",
-                    names[i],
-                    data.len()
-                )))),
-                (Some(Err(e)), Some((i, _, _, _))) => {
-                    Some(Err(e.context(format!("snapshot of tensor {:?}", names[i]))))
-                }
-                (Some(Err(e)), None) => Some(Err(e)),
-                (Some(Ok(_)), None) => Some(Err(Error::invalid(
-                    "the snapshot yielded more chunks than its shards hold",
-                ))),
-                (None, Some((i, _, _, _))) => Some(Err(Error::invalid(format!(
-                    "the snapshot ended before tensor {:?} was complete",
-                    names2[i]
-                )))),
-                (None, None) => None,
-            })
-            .take_while(|x| futures::future::ready(x.is_some()))
-            .map(|x| x.expect("taken while some"))
+        let checked = check_chunks(chunks, expect, names)
             .chain(stream::iter(blob_chunks.into_iter().map(Ok)));
         let mut put = self.try_put_chunks(checked, index).await?;
         put.stats.chunks += reused.0;
@@ -292,6 +264,51 @@ impl Store {
         let entry = self.write_rank_manifest(&manifest).await?;
         Ok((manifest, entry, put.stats))
     }
+}
+
+/// What the stream of a rank write must yield, per chunk: the shard's index, the chunk's
+/// length, its element size and its delta base candidate.
+type Expected = (usize, u64, u8, Option<BaseChunk>);
+
+/// The chunk buffers of a rank write's stream as [`ChunkIn`]s, checked against what its shards
+/// expect: a chunk of the wrong size, a failing stream, one that ends early or runs long ends
+/// the write with an error naming the tensor (`names`, by shard index).
+fn check_chunks<S>(
+    chunks: S,
+    expect: Vec<Expected>,
+    names: Vec<String>,
+) -> impl Stream<Item = Result<ChunkIn>>
+where
+    S: Stream<Item = Result<Bytes>>,
+{
+    let mut exp = expect.into_iter();
+    chunks
+        .map(Some)
+        .chain(stream::once(async { None }))
+        .map(move |item| match (item, exp.next()) {
+            (Some(Ok(data)), Some((_, len, elem, base))) if data.len() as u64 == len => {
+                Some(Ok(ChunkIn { data, elem, base }))
+            }
+            (Some(Ok(data)), Some((i, len, _, _))) => Some(Err(Error::invalid(format!(
+                "tensor {:?}: a chunk of {} bytes arrived where {len} were expected",
+                names[i],
+                data.len()
+            )))),
+            (Some(Err(e)), Some((i, _, _, _))) => {
+                Some(Err(e.context(format!("snapshot of tensor {:?}", names[i]))))
+            }
+            (Some(Err(e)), None) => Some(Err(e)),
+            (Some(Ok(_)), None) => Some(Err(Error::invalid(
+                "the snapshot yielded more chunks than its shards hold",
+            ))),
+            (None, Some((i, _, _, _))) => Some(Err(Error::invalid(format!(
+                "the snapshot ended before tensor {:?} was complete",
+                names[i]
+            )))),
+            (None, None) => None,
+        })
+        .take_while(|x| futures::future::ready(x.is_some()))
+        .map(|x| x.expect("taken while some"))
 }
 
 /// A rank's part of a step written in batches ([`Store::put_rank_part`]) before its manifest
