@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use ckpt::store::placement::{Placement, Stage, TensorSpec, place_rank};
-use ckpt::store::{DType, DedupIndex, Layout, RankWrite, ShardIn};
+use ckpt::store::{DType, DedupIndex, Layout, RankWrite, ShardDesc, ShardIn};
 
 /// Tensor rows x columns (bf16): 64 MiB each.
 const ROWS: u64 = 8192;
@@ -56,16 +56,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     let len = p.bbox.numel() as usize;
                     bytes += 2 * len as u64;
                     ShardIn {
-                        name: s.name.clone(),
-                        dtype: s.dtype,
-                        shape: s.shape.clone(),
+                        shard: ShardDesc {
+                            name: s.name.clone(),
+                            dtype: s.dtype,
+                            shape: s.shape.clone(),
+                            bbox: p.bbox,
+                            replica_of: p.replica_of,
+                            placement: Some(s.placement.clone()),
+                        },
                         data: Some(Bytes::from(weights(
                             p.spec as u64 * 1000 + rank as u64 + step,
                             len,
                         ))),
-                        bbox: p.bbox,
-                        replica_of: p.replica_of,
-                        placement: Some(s.placement.clone()),
                     }
                 })
                 .collect();

@@ -6,7 +6,7 @@
 mod common;
 
 use bytes::Bytes;
-use ckpt_store::{DType, DedupIndex, Layout, NdBox, RankWrite, ShardIn};
+use ckpt_store::{DType, DedupIndex, Layout, NdBox, RankWrite, ShardDesc, ShardIn};
 use common::{Env, files_below, local, s3, tmp};
 
 macro_rules! on_both {
@@ -277,13 +277,15 @@ async fn hostile_names_never_leave_out_or_reach_the_terminal(env: Env) {
         .iter()
         .enumerate()
         .map(|(i, n)| ShardIn {
-            name: n.to_string(),
-            dtype: DType::U8,
-            shape: vec![3 + i as u64],
-            bbox: NdBox::full(&[3 + i as u64]),
+            shard: ShardDesc {
+                name: n.to_string(),
+                dtype: DType::U8,
+                shape: vec![3 + i as u64],
+                bbox: NdBox::full(&[3 + i as u64]),
+                replica_of: None,
+                placement: None,
+            },
             data: Some(Bytes::from(vec![i as u8; 3 + i])),
-            replica_of: None,
-            placement: None,
         })
         .collect();
     let w = RankWrite {
@@ -377,13 +379,15 @@ async fn hostile_names_never_leave_out_or_reach_the_terminal(env: Env) {
 
     // A name safetensors cannot hold gets a clear error, and --exclude gets around it.
     let shard = ShardIn {
-        name: "__metadata__".into(),
-        dtype: DType::U8,
-        shape: vec![1],
-        bbox: NdBox::full(&[1]),
+        shard: ShardDesc {
+            name: "__metadata__".into(),
+            dtype: DType::U8,
+            shape: vec![1],
+            bbox: NdBox::full(&[1]),
+            replica_of: None,
+            placement: None,
+        },
         data: Some(Bytes::from_static(&[1])),
-        replica_of: None,
-        placement: None,
     };
     let w = RankWrite { step: 2, ..w };
     env.store

@@ -14,7 +14,9 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use ckpt_store::placement::{Placement, Stage, TensorSpec, place_rank};
-use ckpt_store::{DType, DedupIndex, Layout, RankWrite, SafetensorsView, ShardIn, StepReader};
+use ckpt_store::{
+    DType, DedupIndex, Layout, RankWrite, SafetensorsView, ShardDesc, ShardIn, StepReader,
+};
 use futures::StreamExt;
 use futures::stream::FuturesOrdered;
 
@@ -79,16 +81,18 @@ async fn save(
         for (r, ps) in placed.iter().enumerate() {
             for p in ps.iter().filter(|p| p.spec == i) {
                 per_rank[r].push(ShardIn {
-                    name: s.name.clone(),
-                    dtype: s.dtype,
-                    shape: s.shape.clone(),
-                    bbox: p.bbox.clone(),
+                    shard: ShardDesc {
+                        name: s.name.clone(),
+                        dtype: s.dtype,
+                        shape: s.shape.clone(),
+                        bbox: p.bbox.clone(),
+                        replica_of: p.replica_of,
+                        placement: Some(s.placement.clone()),
+                    },
                     data: p
                         .replica_of
                         .is_none()
                         .then(|| Bytes::from(cut(&whole, &s.shape, &p.bbox, s.dtype.size()))),
-                    replica_of: p.replica_of,
-                    placement: Some(s.placement.clone()),
                 });
             }
         }

@@ -610,7 +610,7 @@ async fn readdirplus_attributes_match_lookups() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delta_chunks_read_through_the_mount() {
     use bytes::Bytes;
-    use ckpt_store::writer::{RankWrite, ShardIn};
+    use ckpt_store::writer::{RankWrite, ShardDesc, ShardIn};
     use ckpt_store::{DType, DedupBase, Layout, NdBox, StoreConfig};
     let ts = test_store();
     let store = ts
@@ -638,13 +638,15 @@ async fn delta_chunks_read_through_the_mount() {
     for step in 1..=3u64 {
         let index = base.pinned(base.base_step());
         let shard = ShardIn {
-            name: "w".into(),
-            dtype: DType::F32,
-            shape: vec![n as u64],
-            bbox: NdBox::full(&[n as u64]),
+            shard: ShardDesc {
+                name: "w".into(),
+                dtype: DType::F32,
+                shape: vec![n as u64],
+                bbox: NdBox::full(&[n as u64]),
+                replica_of: None,
+                placement: None,
+            },
             data: Some(Bytes::from(values(step))),
-            replica_of: None,
-            placement: None,
         };
         let w = RankWrite {
             run: "d".into(),

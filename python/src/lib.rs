@@ -20,8 +20,8 @@ use std::sync::{Arc, OnceLock};
 
 use bytes::Bytes;
 use ckpt_store::{
-    BlobIn, DType, DedupIndex, Error, Layout, NdBox, RankParts, RankWrite, ShardIn, WriterLease,
-    writer_id,
+    BlobIn, DType, DedupIndex, Error, Layout, NdBox, RankParts, RankWrite, ShardDesc, ShardIn,
+    WriterLease, writer_id,
 };
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
@@ -369,13 +369,15 @@ impl RankWriter {
         for (name, dt, shape, offsets, sizes, data) in &tensors {
             let what = format!("tensor {name:?}");
             shards.push(ShardIn {
-                name: name.clone(),
-                dtype: dtype(dt)?,
-                shape: shape.clone(),
-                bbox: nd_box(offsets.clone(), sizes.clone())?,
+                shard: ShardDesc {
+                    name: name.clone(),
+                    dtype: dtype(dt)?,
+                    shape: shape.clone(),
+                    bbox: nd_box(offsets.clone(), sizes.clone())?,
+                    replica_of: None,
+                    placement: None,
+                },
                 data: Some(lend(data, &what)?),
-                replica_of: None,
-                placement: None,
             });
         }
         let mut blob_ins = Vec::with_capacity(blobs.len());

@@ -31,11 +31,7 @@ impl Store {
     /// The runs in the store, sorted.
     pub async fn list_runs(&self) -> Result<Vec<String>> {
         let dir = self.keys().runs_dir();
-        let res = self
-            .object_store()
-            .list_with_delimiter(Some(&dir))
-            .await
-            .map_err(|e| Error::backend("listing", &dir, e))?;
+        let res = self.list_level(&dir).await?;
         let mut runs: Vec<String> = res
             .common_prefixes
             .iter()
@@ -54,12 +50,7 @@ impl Store {
 
     /// The steps with objects below `dir` (a run's steps, or one step), listed object by object.
     async fn list_step_objects(&self, dir: &object_store::path::Path) -> Result<Vec<StepListing>> {
-        let metas: Vec<_> = self
-            .object_store()
-            .list(Some(dir))
-            .try_collect()
-            .await
-            .map_err(|e| Error::backend("listing", dir, e))?;
+        let metas = self.list_all(dir).await?;
         let mut steps: BTreeMap<u64, StepListing> = BTreeMap::new();
         for m in metas {
             let Some((_, step, what)) = self.keys().parse_step_object(&m.location) else {
@@ -133,11 +124,7 @@ impl Store {
     async fn step_numbers(&self, run: &str) -> Result<Vec<u64>> {
         validate_run(run)?;
         let dir = self.keys().steps_dir(run);
-        let res = self
-            .object_store()
-            .list_with_delimiter(Some(&dir))
-            .await
-            .map_err(|e| Error::backend("listing", &dir, e))?;
+        let res = self.list_level(&dir).await?;
         let mut steps: Vec<u64> = res
             .common_prefixes
             .iter()

@@ -399,12 +399,7 @@ impl Store {
     async fn fence_shard(&self, run: &str, rank: u32) -> Result<Vec<u64>> {
         validate_run(run)?;
         let dir = self.keys().fence_dir(run, rank);
-        let metas: Vec<_> = self
-            .object_store()
-            .list(Some(&dir))
-            .try_collect()
-            .await
-            .map_err(|e| Error::backend("listing", &dir, e))?;
+        let metas = self.list_all(&dir).await?;
         Ok(metas
             .iter()
             .filter_map(|m| self.keys().parse_fence(&m.location))
@@ -466,12 +461,7 @@ impl Store {
     pub async fn newest_generation(&self, run: &str) -> Result<Option<u64>> {
         validate_run(run)?;
         let dir = self.keys().generations_dir(run);
-        let metas: Vec<_> = self
-            .object_store()
-            .list(Some(&dir))
-            .try_collect()
-            .await
-            .map_err(|e| Error::backend("listing", &dir, e))?;
+        let metas = self.list_all(&dir).await?;
         Ok(metas
             .iter()
             .filter_map(|m| self.keys().parse_generation_marker(&m.location))
@@ -690,12 +680,7 @@ impl Store {
     ) -> Result<CommitOutcome> {
         validate_run(run)?;
         let dir = self.keys().step_dir(run, step);
-        let metas: Vec<_> = self
-            .object_store()
-            .list(Some(&dir))
-            .try_collect()
-            .await
-            .map_err(|e| Error::backend("listing", &dir, e))?;
+        let metas = self.list_all(&dir).await?;
         // Each listed manifest at the key it was found at: this build's place, else (left by a
         // build before format 4) the old one.
         let mut ranks: BTreeMap<u32, object_store::path::Path> = BTreeMap::new();

@@ -21,9 +21,8 @@
 //! many requests one rank made in sequence ([`Tally::depth`]).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::fmt;
 use std::future::Future;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -36,7 +35,10 @@ use object_store::{
     PutMode, PutMultipartOptions, PutOptions, PutPayload, PutResult, RenameOptions,
     Result as OsResult,
 };
+use parking_lot::Mutex;
 use serde::Serialize;
+
+use crate::layer::{HookedUpload, UploadHooks, wrapper_display};
 
 /// The kind of one request, as an object store bills it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -189,24 +191,24 @@ impl Counting {
 
     /// A mark: requests counted so far (pass it to [`Counting::since`]).
     pub fn mark(&self) -> usize {
-        self.log.lock().expect("counting log").requests.len()
+        self.log.lock().requests.len()
     }
 
     /// Every request from `mark` on.
     pub fn requests_since(&self, mark: usize) -> Vec<Request> {
-        self.log.lock().expect("counting log").requests[mark..].to_vec()
+        self.log.lock().requests[mark..].to_vec()
     }
 
     /// The figures of the requests from `mark` on.
     pub fn since(&self, mark: usize) -> Tally {
-        Tally::of(&self.log.lock().expect("counting log").requests[mark..])
+        Tally::of(&self.log.lock().requests[mark..])
     }
 
     /// Count a request starting now; `Some(index)` of its record, and whether it is refused.
     fn admit(&self, kind: ReqKind, prefix: &str, bytes: u64) -> (usize, bool) {
         let t_us = self.now_us();
         let actor = ACTOR.try_with(|a| *a).ok();
-        let mut log = self.log.lock().expect("counting log");
+        let mut log = self.log.lock();
         let prefix: Arc<str> = match log.names.get(prefix) {
             Some(p) => p.clone(),
             None => {
@@ -242,7 +244,7 @@ impl Counting {
     }
 
     fn add_bytes(&self, i: usize, n: u64) {
-        if let Some(r) = self.log.lock().expect("counting log").requests.get_mut(i) {
+        if let Some(r) = self.log.lock().requests.get_mut(i) {
             r.bytes += n;
         }
     }
@@ -388,42 +390,26 @@ fn slow_down(kind: ReqKind, prefix: &str) -> object_store::Error {
     }
 }
 
-impl<S: ObjectStore> fmt::Display for CountingStore<S> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Counting({})", self.inner)
-    }
-}
+wrapper_display!([S: ObjectStore] CountingStore<S>, "Counting");
 
-struct CountingUpload {
-    inner: Box<dyn MultipartUpload>,
+/// Counts each part of a multipart upload, and its completion as a put, on the upload's prefix.
+struct CountParts {
     state: Arc<Counting>,
     prefix: String,
 }
 
-impl fmt::Debug for CountingUpload {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("CountingUpload")
-    }
-}
-
 #[async_trait]
-impl MultipartUpload for CountingUpload {
-    fn put_part(&mut self, data: PutPayload) -> object_store::UploadPart {
-        let (_, throttled) =
-            self.state
-                .admit(ReqKind::Part, &self.prefix, data.content_length() as u64);
+impl UploadHooks for CountParts {
+    fn part(&self, len: u64) -> OsResult<()> {
+        let (_, throttled) = self.state.admit(ReqKind::Part, &self.prefix, len);
         if throttled {
-            let e = slow_down(ReqKind::Part, &self.prefix);
-            return Box::pin(async move { Err(e) });
+            return Err(slow_down(ReqKind::Part, &self.prefix));
         }
-        self.inner.put_part(data)
+        Ok(())
     }
-    async fn complete(&mut self) -> OsResult<PutResult> {
+    async fn complete(&self) -> OsResult<()> {
         enter(&self.state, ReqKind::Put, &self.prefix, 0).await?;
-        self.inner.complete().await
-    }
-    async fn abort(&mut self) -> OsResult<()> {
-        self.inner.abort().await
+        Ok(())
     }
 }
 
@@ -451,10 +437,12 @@ impl<S: ObjectStore> ObjectStore for CountingStore<S> {
     ) -> OsResult<Box<dyn MultipartUpload>> {
         self.enter(ReqKind::Put, prefix_of(location), 0).await?;
         let inner = self.inner.put_multipart_opts(location, opts).await?;
-        Ok(Box::new(CountingUpload {
+        Ok(Box::new(HookedUpload {
             inner,
-            state: self.state.clone(),
-            prefix: prefix_of(location).to_string(),
+            hooks: CountParts {
+                state: self.state.clone(),
+                prefix: prefix_of(location).to_string(),
+            },
         }))
     }
 
@@ -751,7 +739,7 @@ mod tests {
 
     /// Rank `rank` of a 4-rank job saves one byte of a 4-byte tensor as `step` of `run`.
     async fn save_tiny(store: &crate::Store, run: &str, step: u64, rank: u32) {
-        use crate::{DType, DedupIndex, NdBox, RankWrite, ShardIn};
+        use crate::{DType, DedupIndex, NdBox, RankWrite, ShardDesc, ShardIn};
         let w = RankWrite {
             run: run.into(),
             step,
@@ -760,13 +748,15 @@ mod tests {
             generation: 0,
         };
         let shard = ShardIn {
-            name: "w".into(),
-            dtype: DType::U8,
-            shape: vec![4],
-            bbox: NdBox::new(vec![rank as u64], vec![1]).unwrap(),
+            shard: ShardDesc {
+                name: "w".into(),
+                dtype: DType::U8,
+                shape: vec![4],
+                bbox: NdBox::new(vec![rank as u64], vec![1]).unwrap(),
+                replica_of: None,
+                placement: None,
+            },
             data: Some(Bytes::from(vec![rank as u8])),
-            replica_of: None,
-            placement: None,
         };
         store
             .write_rank(&w, vec![shard], vec![], &DedupIndex::new())

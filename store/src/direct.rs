@@ -28,19 +28,19 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path as FsPath, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use futures::StreamExt;
-use futures::stream::BoxStream;
 use object_store::local::LocalFileSystem;
 use object_store::path::Path;
 use object_store::{
-    CopyOptions, GetOptions, GetRange, GetResult, GetResultPayload, ListResult, MultipartUpload,
-    ObjectMeta, ObjectStore, PutMode, PutMultipartOptions, PutOptions, PutPayload, PutResult,
-    RenameOptions, Result as OsResult,
+    GetOptions, GetRange, GetResult, GetResultPayload, ObjectMeta, PutMode, PutOptions, PutPayload,
+    PutResult, Result as OsResult,
 };
+use parking_lot::Mutex;
+
+use crate::layer::object_store_wrapper;
 
 /// Objects at least this large use `O_DIRECT`.
 pub const DIRECT_MIN: usize = 256 << 10;
@@ -125,14 +125,14 @@ impl Drop for AlignedBuf {
 /// the peer source's (`ckpt_recovery::peer::PeerSource`) are plain `Vec`s a socket fills, owned per source so
 /// a restore's buffers go with it; the CUDA bounce buffers are page-locked memory, slow to
 /// allocate and registered with the driver. One shared pool would hand out the wrong kind.
-static READ_BUFS: std::sync::Mutex<Vec<AlignedBuf>> = std::sync::Mutex::new(Vec::new());
+static READ_BUFS: Mutex<Vec<AlignedBuf>> = Mutex::new(Vec::new());
 /// Read buffers kept for reuse at most.
 const KEEP_READ_BUFS: usize = 16;
 
 /// A buffer of at least `need` bytes from the pool (one not more than twice as large), or a
 /// new one.
 fn read_buf(need: usize) -> AlignedBuf {
-    let mut pool = READ_BUFS.lock().unwrap_or_else(|e| e.into_inner());
+    let mut pool = READ_BUFS.lock();
     match pool
         .iter()
         .position(|b| b.capacity() >= need && b.capacity() <= 2 * need.max(ALIGN))
@@ -154,7 +154,7 @@ impl AsRef<[u8]> for PooledRead {
 impl Drop for PooledRead {
     fn drop(&mut self) {
         if let Some(b) = self.0.take() {
-            let mut pool = READ_BUFS.lock().unwrap_or_else(|e| e.into_inner());
+            let mut pool = READ_BUFS.lock();
             if pool.len() < KEEP_READ_BUFS {
                 pool.push(b);
             }
@@ -168,7 +168,7 @@ fn round_up(n: usize, a: usize) -> usize {
 
 /// Aligned write buffers, reused across writes (touched once, not per object) and bounded by
 /// the number of writes in flight rather than by the number of threads that ever wrote.
-static WRITE_BUFS: std::sync::Mutex<Vec<AlignedBuf>> = std::sync::Mutex::new(Vec::new());
+static WRITE_BUFS: Mutex<Vec<AlignedBuf>> = Mutex::new(Vec::new());
 /// Buffers kept for reuse at most (more in flight are freed when they finish).
 const KEEP_BUFS: usize = 16;
 
@@ -207,10 +207,7 @@ impl std::fmt::Debug for DirSync {
 
 impl DirSync {
     fn mark(&self, dir: &FsPath) {
-        self.dirty
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(dir.to_path_buf());
+        self.dirty.lock().insert(dir.to_path_buf());
     }
 
     /// fsync every dirty directory (blocking), [`SYNC_THREADS`] at a time: each directory
@@ -218,11 +215,10 @@ impl DirSync {
     /// so a batch of a few hundred costs about as much as a few sequential ones. A directory
     /// removed since (an emptied one, cleaned up after a delete) has nothing to make durable.
     fn flush(&self) -> std::io::Result<()> {
-        let _one_at_a_time = self.flushing.lock().unwrap_or_else(|e| e.into_inner());
-        let dirs: Vec<PathBuf> =
-            std::mem::take(&mut *self.dirty.lock().unwrap_or_else(|e| e.into_inner()))
-                .into_iter()
-                .collect();
+        let _one_at_a_time = self.flushing.lock();
+        let dirs: Vec<PathBuf> = std::mem::take(&mut *self.dirty.lock())
+            .into_iter()
+            .collect();
         if dirs.is_empty() {
             return Ok(());
         }
@@ -240,10 +236,7 @@ impl DirSync {
                         }
                     }
                     Err(e) if e.kind() == IoKind::NotFound => {}
-                    Err(e) => failed
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .push((d.clone(), e)),
+                    Err(e) => failed.lock().push((d.clone(), e)),
                 }
             }
         };
@@ -257,12 +250,12 @@ impl DirSync {
                 }
             });
         }
-        let failed = failed.into_inner().unwrap_or_else(|e| e.into_inner());
+        let failed = failed.into_inner();
         let Some((d, e)) = failed.first() else {
             return Ok(());
         };
         let err = std::io::Error::new(e.kind(), format!("syncing directory {}: {e}", d.display()));
-        let mut dirty = self.dirty.lock().unwrap_or_else(|e| e.into_inner());
+        let mut dirty = self.dirty.lock();
         dirty.extend(failed.into_iter().map(|(d, _)| d));
         Err(err)
     }
@@ -524,14 +517,14 @@ fn write_aligned(file: &File, payload: &PutPayload) -> std::io::Result<()> {
     let total = payload.content_length();
     let need = IO_PIECE.min(round_up(total.max(1), ALIGN));
     let mut buf = {
-        let mut pool = WRITE_BUFS.lock().unwrap_or_else(|e| e.into_inner());
+        let mut pool = WRITE_BUFS.lock();
         match pool.iter().position(|b| b.capacity() >= need) {
             Some(i) => pool.swap_remove(i),
             None => AlignedBuf::zeroed(IO_PIECE.max(need)),
         }
     };
     let res = write_with(file, payload, total, &mut buf);
-    let mut pool = WRITE_BUFS.lock().unwrap_or_else(|e| e.into_inner());
+    let mut pool = WRITE_BUFS.lock();
     if pool.len() < KEEP_BUFS {
         pool.push(buf);
     }
@@ -640,8 +633,18 @@ fn read_range(
     Ok((bytes, r, meta))
 }
 
-#[async_trait]
-impl ObjectStore for DirectFs {
+object_store_wrapper! {
+    impl [] for DirectFs;
+    pass [
+        put_multipart_opts,
+        delete_stream,
+        list,
+        list_with_offset,
+        list_with_delimiter,
+        copy_opts,
+        rename_opts,
+    ];
+
     async fn put_opts(
         &self,
         location: &Path,
@@ -698,14 +701,6 @@ impl ObjectStore for DirectFs {
         })?
     }
 
-    async fn put_multipart_opts(
-        &self,
-        location: &Path,
-        opts: PutMultipartOptions,
-    ) -> OsResult<Box<dyn MultipartUpload>> {
-        self.inner.put_multipart_opts(location, opts).await
-    }
-
     async fn get_opts(&self, location: &Path, options: GetOptions) -> OsResult<GetResult> {
         let conditional = options.if_match.is_some()
             || options.if_none_match.is_some()
@@ -753,43 +748,12 @@ impl ObjectStore for DirectFs {
             extensions: Default::default(),
         })
     }
-
-    fn delete_stream(
-        &self,
-        locations: BoxStream<'static, OsResult<Path>>,
-    ) -> BoxStream<'static, OsResult<Path>> {
-        self.inner.delete_stream(locations)
-    }
-
-    fn list(&self, prefix: Option<&Path>) -> BoxStream<'static, OsResult<ObjectMeta>> {
-        self.inner.list(prefix)
-    }
-
-    fn list_with_offset(
-        &self,
-        prefix: Option<&Path>,
-        offset: &Path,
-    ) -> BoxStream<'static, OsResult<ObjectMeta>> {
-        self.inner.list_with_offset(prefix, offset)
-    }
-
-    async fn list_with_delimiter(&self, prefix: Option<&Path>) -> OsResult<ListResult> {
-        self.inner.list_with_delimiter(prefix).await
-    }
-
-    async fn copy_opts(&self, from: &Path, to: &Path, options: CopyOptions) -> OsResult<()> {
-        self.inner.copy_opts(from, to, options).await
-    }
-
-    async fn rename_opts(&self, from: &Path, to: &Path, options: RenameOptions) -> OsResult<()> {
-        self.inner.rename_opts(from, to, options).await
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use object_store::ObjectStoreExt;
+    use object_store::{ObjectStore, ObjectStoreExt};
 
     #[tokio::test]
     async fn large_and_small_objects_round_trip() {
@@ -851,7 +815,6 @@ mod tests {
             Arc::new(move |d: &FsPath| {
                 synced
                     .lock()
-                    .unwrap()
                     .push((d.to_path_buf(), c1.exists(), c2.exists()))
             })
         };
@@ -860,10 +823,7 @@ mod tests {
         s.put(&Path::from("chunks/aa/one"), big(1)).await.unwrap();
         s.put(&Path::from("chunks/aa/two"), big(2)).await.unwrap();
         s.put(&Path::from("packs/bb/three"), big(3)).await.unwrap();
-        assert!(
-            synced.lock().unwrap().is_empty(),
-            "synced before any commit"
-        );
+        assert!(synced.lock().is_empty(), "synced before any commit");
 
         // A small commit record (through LocalFileSystem).
         s.put_opts(
@@ -873,7 +833,7 @@ mod tests {
         )
         .await
         .unwrap();
-        let got = std::mem::take(&mut *synced.lock().unwrap());
+        let got = std::mem::take(&mut *synced.lock());
         let mut dirs: Vec<PathBuf> = got.iter().map(|(d, _, _)| d.clone()).collect();
         dirs.sort();
         let want: Vec<PathBuf> = ["", "chunks", "chunks/aa", "packs", "packs/bb"]
@@ -904,7 +864,7 @@ mod tests {
         )
         .await
         .unwrap();
-        let mut got = std::mem::take(&mut *synced.lock().unwrap());
+        let mut got = std::mem::take(&mut *synced.lock());
         got.sort();
         assert_eq!(
             got,
@@ -922,7 +882,7 @@ mod tests {
         )
         .await
         .unwrap();
-        assert!(synced.lock().unwrap().is_empty());
+        assert!(synced.lock().is_empty());
     }
 
     #[test]

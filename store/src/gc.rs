@@ -329,12 +329,7 @@ impl Store {
         // Sweep.
         let mut doomed: Vec<(Path, u64)> = Vec::new();
         for dir in [self.keys().chunks_dir(), self.keys().packs_dir()] {
-            let metas: Vec<_> = self
-                .object_store()
-                .list(Some(&dir))
-                .try_collect()
-                .await
-                .map_err(|e| Error::backend("listing", &dir, e))?;
+            let metas = self.list_all(&dir).await?;
             for m in metas {
                 let ours = self.keys().parse_chunk(&m.location).is_some()
                     || self.keys().parse_delta_chunk(&m.location).is_some()
@@ -461,25 +456,20 @@ impl Store {
             self.delete_all(vec![c]).await?;
         }
         let dir = self.keys().step_dir(run, step);
-        let rest: Vec<Path> = self
-            .object_store()
-            .list(Some(&dir))
-            .map_ok(|m| m.location)
-            .try_filter(|p| {
+        let rest: Vec<Path> = (self.list_all(&dir).await?.into_iter())
+            .map(|m| m.location)
+            .filter(|p| {
                 // Its manifests and the parts of its split record (format 5).
-                let of_step = matches!(
+                matches!(
                     self.keys().parse_step_object(p),
                     Some((
                         _,
                         _,
                         StepObject::RankManifest(_) | StepObject::RecordPart(_)
                     ))
-                );
-                futures::future::ready(of_step)
+                )
             })
-            .try_collect()
-            .await
-            .map_err(|e| Error::backend("listing", &dir, e))?;
+            .collect();
         self.delete_all(rest).await
     }
 

@@ -52,7 +52,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
-use futures::TryStreamExt;
 use object_store::path::Path;
 use object_store::{ObjectMeta, PutMode};
 use tracing::{debug, info, warn};
@@ -126,12 +125,7 @@ impl Store {
         let lapse = chrono::Duration::from_std(lapse)
             .map_err(|_| Error::invalid("grace period is too long"))?;
         let dir = self.keys().locks_dir();
-        let metas: Vec<_> = self
-            .object_store()
-            .list(Some(&dir))
-            .try_collect()
-            .await
-            .map_err(|e| Error::backend("listing", &dir, e))?;
+        let metas = self.list_all(&dir).await?;
         Ok(self.sort_locks(metas, now, lapse))
     }
 
@@ -145,11 +139,7 @@ impl Store {
         let lapse = chrono::Duration::from_std(LOCK_LAPSE)
             .map_err(|_| Error::invalid("grace period is too long"))?;
         let dir = self.keys().locks_dir();
-        let listed = self
-            .object_store()
-            .list_with_delimiter(Some(&dir))
-            .await
-            .map_err(|e| Error::backend("listing", &dir, e))?;
+        let listed = self.list_level(&dir).await?;
         Ok(self.sort_locks(listed.objects, now, lapse))
     }
 

@@ -41,37 +41,52 @@
 
 #![warn(missing_docs)]
 
+// The handle and how it is opened: `Store` and its settings, URLs, time, errors, failpoints.
+pub mod clock;
+pub mod error;
+pub mod failpoint;
+pub mod store;
+pub mod url;
+
+// Ids, the one key layout, the data model and the placement rules.
+pub mod id;
+pub mod keys;
+pub mod model;
+pub mod placement;
+
+// Chunk objects and packs.
+pub mod codec;
+pub mod pack;
+
+// Saving a step: rank writes, writer leases, the commit protocol.
+pub mod commit;
+pub mod lease;
+pub mod writer;
+
+// Reading a step: the read engine, its caches, listings, the safetensors view, files out.
 pub mod cache;
 pub mod catalog;
-pub mod clock;
-pub mod codec;
-pub mod commit;
+pub mod node_cache;
+pub mod outfile;
+pub mod read;
+pub mod st_view;
+
+// Housekeeping.
+pub mod gc;
+pub mod verify;
+
+// The logs of a run (their records are `ckpt_recovery::records`).
+pub mod logs;
+
+// `ObjectStore` wrappers (what they share: `layer`), and test helpers.
 #[cfg(feature = "testing")]
 pub mod counting;
 pub mod direct;
-pub mod error;
-pub mod failpoint;
-pub mod gc;
-pub mod id;
-pub mod keys;
-pub mod lease;
-pub mod logs;
-pub mod model;
-pub mod node_cache;
-pub mod outfile;
-pub mod pack;
-pub mod placement;
-pub mod read;
+mod layer;
 pub mod retry;
-pub mod st_view;
-pub mod store;
-pub mod url;
-pub mod verify;
-pub mod wrap;
-pub mod writer;
-
 #[cfg(feature = "testing")]
 pub mod testing;
+pub mod wrap;
 
 pub use bytes;
 pub use object_store;
@@ -109,4 +124,4 @@ pub use wrap::{
     Fault, FaultAction, FaultHandle, FaultOp, FaultyStore, MetricsSnapshot, MetricsStore,
     RandomFaultStats, RandomFaults, StoreMetrics,
 };
-pub use writer::{BlobIn, RankParts, RankWrite, ShardIn, ShardMeta, assemble_manifest};
+pub use writer::{BlobIn, RankParts, RankWrite, ShardDesc, ShardIn, ShardMeta, assemble_manifest};

@@ -7,7 +7,6 @@
 //! Readers list the parts and merge their records by their `t_ms` field.
 
 use bytes::Bytes;
-use futures::TryStreamExt;
 use object_store::PutMode;
 use serde::Serialize;
 use serde_json::Value;
@@ -103,13 +102,9 @@ impl LogWriter {
 pub async fn read_log(store: &Store, run: &str, log: &str) -> Result<Vec<Value>> {
     validate_run(run)?;
     let dir = store.keys().log_dir(run, log);
-    let mut parts: Vec<_> = store
-        .object_store()
-        .list(Some(&dir))
-        .map_ok(|m| m.location)
-        .try_collect()
-        .await
-        .map_err(|e| Error::backend("listing", &dir, e))?;
+    let mut parts: Vec<_> = (store.list_all(&dir).await?.into_iter())
+        .map(|m| m.location)
+        .collect();
     parts.sort();
     let mut out = Vec::new();
     for p in parts {

@@ -40,6 +40,7 @@ use object_store::{
 };
 
 use crate::error::{Error, Result};
+use crate::layer::wrapper_display;
 use crate::wrap::StoreMetrics;
 
 /// Settings of a [`RetryStore`].
@@ -182,11 +183,7 @@ pub struct RetryStore<S> {
     metrics: Arc<StoreMetrics>,
 }
 
-impl<S: ObjectStore> fmt::Display for RetryStore<S> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Retry({})", self.inner)
-    }
-}
+wrapper_display!([S: ObjectStore] RetryStore<S>, "Retry");
 
 /// The outcome of one attempt.
 enum Attempt<T> {

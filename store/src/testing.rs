@@ -303,9 +303,9 @@ pub fn workspace_bin(
     package: &str,
     features: &[&str],
 ) -> PathBuf {
-    static BUILD: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    static BUILD: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
     let p = profile_dir.join(name);
-    let _g = BUILD.lock().unwrap_or_else(|e| e.into_inner());
+    let _g = BUILD.lock();
     let built = std::fs::metadata(&p).and_then(|m| m.modified()).ok();
     let root = FsPath::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
@@ -550,7 +550,7 @@ pub struct ClockStore {
     inner: std::sync::Arc<dyn object_store::ObjectStore>,
     clock: TestClock,
     stamps: std::sync::Arc<
-        std::sync::Mutex<
+        parking_lot::Mutex<
             std::collections::HashMap<object_store::path::Path, chrono::DateTime<chrono::Utc>>,
         >,
     >,
@@ -576,14 +576,11 @@ impl ClockStore {
     }
 
     fn stamp(&self, p: &object_store::path::Path) -> Option<chrono::DateTime<chrono::Utc>> {
-        self.stamps
-            .lock()
-            .expect("stamps")
-            .insert(p.clone(), self.clock.now())
+        self.stamps.lock().insert(p.clone(), self.clock.now())
     }
 
     fn unstamp(&self, p: &object_store::path::Path, before: Option<chrono::DateTime<chrono::Utc>>) {
-        let mut g = self.stamps.lock().expect("stamps");
+        let mut g = self.stamps.lock();
         match before {
             Some(t) => g.insert(p.clone(), t),
             None => g.remove(p),
@@ -591,26 +588,24 @@ impl ClockStore {
     }
 
     fn restamp(
-        stamps: &std::sync::Mutex<
+        stamps: &parking_lot::Mutex<
             std::collections::HashMap<object_store::path::Path, chrono::DateTime<chrono::Utc>>,
         >,
         mut m: object_store::ObjectMeta,
     ) -> object_store::ObjectMeta {
-        if let Some(t) = stamps.lock().expect("stamps").get(&m.location) {
+        if let Some(t) = stamps.lock().get(&m.location) {
             m.last_modified = *t;
         }
         m
     }
 }
 
-impl std::fmt::Display for ClockStore {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Clock({})", self.inner)
-    }
-}
+crate::layer::wrapper_display!([] ClockStore, "Clock");
 
-#[async_trait::async_trait]
-impl object_store::ObjectStore for ClockStore {
+crate::layer::object_store_wrapper! {
+    impl [] for ClockStore;
+    pass [get_ranges];
+
     async fn put_opts(
         &self,
         location: &object_store::path::Path,
@@ -650,14 +645,6 @@ impl object_store::ObjectStore for ClockStore {
         Ok(r)
     }
 
-    async fn get_ranges(
-        &self,
-        location: &object_store::path::Path,
-        ranges: &[std::ops::Range<u64>],
-    ) -> object_store::Result<Vec<bytes::Bytes>> {
-        self.inner.get_ranges(location, ranges).await
-    }
-
     fn delete_stream(
         &self,
         locations: futures::stream::BoxStream<
@@ -671,7 +658,7 @@ impl object_store::ObjectStore for ClockStore {
             .delete_stream(locations)
             .inspect(move |r| {
                 if let Ok(p) = r {
-                    stamps.lock().expect("stamps").remove(p);
+                    stamps.lock().remove(p);
                 }
             })
             .boxed()
@@ -726,7 +713,7 @@ impl object_store::ObjectStore for ClockStore {
         let r = self.inner.rename_opts(from, to, options).await;
         match &r {
             Ok(()) => {
-                self.stamps.lock().expect("stamps").remove(from);
+                self.stamps.lock().remove(from);
             }
             Err(_) => self.unstamp(to, before),
         }

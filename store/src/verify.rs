@@ -238,12 +238,7 @@ impl Store {
                 })
                 .collect();
             for dir in [self.keys().chunks_dir(), self.keys().packs_dir()] {
-                let metas: Vec<_> = self
-                    .object_store()
-                    .list(Some(&dir))
-                    .try_collect()
-                    .await
-                    .map_err(|e| crate::Error::backend("listing", &dir, e))?;
+                let metas = self.list_all(&dir).await?;
                 for m in metas {
                     let key = m.location.to_string();
                     if let Some(p) = self.keys().parse_pack(&m.location) {

@@ -3,9 +3,7 @@
 //! Each wrapper implements `ObjectStore` over an inner store, so they stack in any order:
 //! `Store::new(Arc::new(MetricsStore::new(FaultyStore::new(DirectFs::new(..)?))), ..)`.
 
-use std::fmt;
 use std::sync::Arc;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -19,6 +17,9 @@ use object_store::{
     ObjectStore, PutMultipartOptions, PutOptions, PutPayload, PutResult, RenameOptions,
     Result as OsResult,
 };
+use parking_lot::Mutex;
+
+use crate::layer::{HookedUpload, UploadHooks, object_store_wrapper, wrapper_display};
 
 /// Metric names (one place, for logs and `--json` output).
 pub mod names {
@@ -160,42 +161,23 @@ impl<S: ObjectStore> MetricsStore<S> {
     }
 }
 
-impl<S: ObjectStore> fmt::Display for MetricsStore<S> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Metrics({})", self.inner)
+wrapper_display!([S: ObjectStore] MetricsStore<S>, "Metrics");
+
+/// Counts each part of a multipart upload as a put.
+struct CountParts(Arc<StoreMetrics>);
+
+impl UploadHooks for CountParts {
+    fn part(&self, len: u64) -> OsResult<()> {
+        self.0.puts.fetch_add(1, Ordering::Relaxed);
+        self.0.put_bytes.fetch_add(len, Ordering::Relaxed);
+        Ok(())
     }
 }
 
-struct CountingUpload {
-    inner: Box<dyn MultipartUpload>,
-    metrics: Arc<StoreMetrics>,
-}
+object_store_wrapper! {
+    impl [S: ObjectStore] for MetricsStore<S>;
+    pass [copy_opts, rename_opts];
 
-impl fmt::Debug for CountingUpload {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("CountingUpload")
-    }
-}
-
-#[async_trait]
-impl MultipartUpload for CountingUpload {
-    fn put_part(&mut self, data: PutPayload) -> object_store::UploadPart {
-        self.metrics.puts.fetch_add(1, Ordering::Relaxed);
-        self.metrics
-            .put_bytes
-            .fetch_add(data.content_length() as u64, Ordering::Relaxed);
-        self.inner.put_part(data)
-    }
-    async fn complete(&mut self) -> OsResult<PutResult> {
-        self.inner.complete().await
-    }
-    async fn abort(&mut self) -> OsResult<()> {
-        self.inner.abort().await
-    }
-}
-
-#[async_trait]
-impl<S: ObjectStore> ObjectStore for MetricsStore<S> {
     async fn put_opts(
         &self,
         location: &Path,
@@ -215,9 +197,9 @@ impl<S: ObjectStore> ObjectStore for MetricsStore<S> {
         opts: PutMultipartOptions,
     ) -> OsResult<Box<dyn MultipartUpload>> {
         let inner = self.inner.put_multipart_opts(location, opts).await?;
-        Ok(Box::new(CountingUpload {
+        Ok(Box::new(HookedUpload {
             inner,
-            metrics: self.metrics.clone(),
+            hooks: CountParts(self.metrics.clone()),
         }))
     }
 
@@ -271,14 +253,6 @@ impl<S: ObjectStore> ObjectStore for MetricsStore<S> {
     async fn list_with_delimiter(&self, prefix: Option<&Path>) -> OsResult<ListResult> {
         self.metrics.lists.fetch_add(1, Ordering::Relaxed);
         self.inner.list_with_delimiter(prefix).await
-    }
-
-    async fn copy_opts(&self, from: &Path, to: &Path, options: CopyOptions) -> OsResult<()> {
-        self.inner.copy_opts(from, to, options).await
-    }
-
-    async fn rename_opts(&self, from: &Path, to: &Path, options: RenameOptions) -> OsResult<()> {
-        self.inner.rename_opts(from, to, options).await
     }
 }
 
@@ -499,11 +473,7 @@ pub struct FaultyStore<S> {
     random: Arc<Mutex<RandomState>>,
 }
 
-impl<S: ObjectStore> fmt::Display for FaultyStore<S> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Faulty({})", self.inner)
-    }
-}
+wrapper_display!([S: ObjectStore] FaultyStore<S>, "Faulty");
 
 /// A handle to add and inspect the rules of a [`FaultyStore`] after it was moved into a store.
 #[derive(Debug, Clone)]
@@ -515,7 +485,7 @@ pub struct FaultHandle {
 impl FaultHandle {
     /// Add a rule.
     pub fn add(&self, fault: Fault) {
-        self.rules.lock().expect("fault rules").push(RuleState {
+        self.rules.lock().push(RuleState {
             fault,
             seen: 0,
             fired: 0,
@@ -523,34 +493,29 @@ impl FaultHandle {
     }
     /// Remove every rule, turn random faults and the outage off.
     pub fn clear(&self) {
-        self.rules.lock().expect("fault rules").clear();
-        let mut r = self.random.lock().expect("random faults");
+        self.rules.lock().clear();
+        let mut r = self.random.lock();
         r.cfg = None;
         r.outage = false;
     }
     /// How many times rules fired in total.
     pub fn fired(&self) -> u64 {
-        self.rules
-            .lock()
-            .expect("fault rules")
-            .iter()
-            .map(|r| r.fired)
-            .sum()
+        self.rules.lock().iter().map(|r| r.fired).sum()
     }
     /// Fail requests at random as `faults` says (`None`: stop), restarting the generator from
     /// its seed.
     pub fn set_random(&self, faults: Option<RandomFaults>) {
-        let mut r = self.random.lock().expect("random faults");
+        let mut r = self.random.lock();
         r.rng = faults.as_ref().map_or(0, |f| f.seed);
         r.cfg = faults.map(|f| (f, std::time::Instant::now()));
     }
     /// Turn the outage on (every request fails at once) or off.
     pub fn set_outage(&self, on: bool) {
-        self.random.lock().expect("random faults").outage = on;
+        self.random.lock().outage = on;
     }
     /// What random faults and the outage did so far.
     pub fn random_stats(&self) -> RandomFaultStats {
-        self.random.lock().expect("random faults").stats
+        self.random.lock().stats
     }
 }
 
@@ -573,7 +538,7 @@ impl<S: ObjectStore> FaultyStore<S> {
     }
 
     fn actions(&self, op: FaultOp, key: &Path) -> Vec<FaultAction> {
-        let mut rules = self.rules.lock().expect("fault rules");
+        let mut rules = self.rules.lock();
         let mut out = Vec::new();
         for r in rules.iter_mut() {
             let op_ok = r.fault.op == FaultOp::Any || r.fault.op == op;
@@ -596,7 +561,7 @@ impl<S: ObjectStore> FaultyStore<S> {
     /// The random fault of one request: errors and slowness happen here; a timeout hangs here
     /// unless `hang_after` (a write: it is carried out first, see [`FaultyStore::after`]).
     async fn chance(&self, what: &str, key: &Path, hang_after: bool) -> OsResult<Chance> {
-        let c = self.random.lock().expect("random faults").draw();
+        let c = self.random.lock().draw();
         match c {
             Chance::Error => Err(object_store::Error::Generic {
                 store: "FaultyStore",
@@ -735,7 +700,7 @@ impl<S: ObjectStore> ObjectStore for FaultyStore<S> {
         self.inner
             .delete_stream(locations)
             .then(move |r| {
-                let c = random.lock().expect("random faults").draw();
+                let c = random.lock().draw();
                 async move {
                     let p = r?;
                     match c {
@@ -759,7 +724,7 @@ impl<S: ObjectStore> ObjectStore for FaultyStore<S> {
     }
 
     fn list(&self, prefix: Option<&Path>) -> BoxStream<'static, OsResult<ObjectMeta>> {
-        let c = self.random.lock().expect("random faults").draw();
+        let c = self.random.lock().draw();
         let what = prefix.map_or_else(String::new, |p| p.to_string());
         match c {
             Chance::None => self.inner.list(prefix),

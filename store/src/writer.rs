@@ -13,11 +13,11 @@ use crate::model::{
 };
 use crate::store::{BaseChunk, ChunkIn, DedupIndex, PutStats, Store};
 
-/// One shard to save: the tensor, the box this rank holds, and its row-major bytes. A shard
-/// whose bytes another rank writes (a data-parallel replica) has `data: None` and names that
-/// rank in `replica_of`.
+/// A shard described without its bytes: the tensor, the box this rank holds, who writes its
+/// bytes and how the tensor is placed. [`ShardIn`] adds the bytes, [`ShardMeta`] the chunks
+/// an unchanged shard reuses; its manifest entry is [`ShardDesc::into_tensor`].
 #[derive(Debug, Clone)]
-pub struct ShardIn {
+pub struct ShardDesc {
     /// Tensor name.
     pub name: String,
     /// Element type.
@@ -26,12 +26,40 @@ pub struct ShardIn {
     pub shape: Vec<u64>,
     /// This rank's box.
     pub bbox: NdBox,
-    /// The box's bytes, or `None` for a replica.
-    pub data: Option<Bytes>,
-    /// For a replica: the rank that writes the bytes.
+    /// For a replica: the rank that writes the bytes (none come from this one).
     pub replica_of: Option<u32>,
     /// How the tensor is placed across ranks (recorded so other layouts can be planned).
     pub placement: Option<crate::placement::Placement>,
+}
+
+impl ShardDesc {
+    /// Bytes of the box.
+    pub fn byte_len(&self) -> u64 {
+        self.bbox.numel() * self.dtype.size() as u64
+    }
+
+    /// The shard's entry in a rank manifest, with its chunks.
+    pub fn into_tensor(self, chunks: Vec<ChunkRef>) -> TensorShard {
+        TensorShard {
+            name: self.name,
+            dtype: self.dtype,
+            shape: self.shape,
+            bbox: self.bbox,
+            chunks,
+            replica_of: self.replica_of,
+            placement: self.placement,
+        }
+    }
+}
+
+/// One shard to save: what it is and its row-major bytes. A shard whose bytes another rank
+/// writes (a data-parallel replica) has `data: None` and names that rank in `replica_of`.
+#[derive(Debug, Clone)]
+pub struct ShardIn {
+    /// The tensor and box.
+    pub shard: ShardDesc,
+    /// The box's bytes, or `None` for a replica.
+    pub data: Option<Bytes>,
 }
 
 /// One blob to save.
@@ -58,21 +86,11 @@ pub struct RankWrite {
     pub generation: u64,
 }
 
-/// A shard described without its bytes: what [`Store::write_rank_stream`] needs up front.
+/// A shard as [`Store::write_rank_stream`] needs it up front (its bytes come in the stream).
 #[derive(Debug, Clone)]
 pub struct ShardMeta {
-    /// Tensor name.
-    pub name: String,
-    /// Element type.
-    pub dtype: DType,
-    /// Global shape.
-    pub shape: Vec<u64>,
-    /// This rank's box.
-    pub bbox: NdBox,
-    /// For a replica: the rank that writes the bytes (no chunks come for it).
-    pub replica_of: Option<u32>,
-    /// How the tensor is placed across ranks.
-    pub placement: Option<crate::placement::Placement>,
+    /// The tensor and box.
+    pub shard: ShardDesc,
     /// The shard's chunks already in the store (an unchanged tensor whose chunks a committed
     /// step references): no chunks come for it in the stream, the manifest takes these. The
     /// caller must hold a writer lease under which a step referencing them was found
@@ -83,7 +101,7 @@ pub struct ShardMeta {
 impl ShardMeta {
     /// Bytes of the box.
     pub fn byte_len(&self) -> u64 {
-        self.bbox.numel() * self.dtype.size() as u64
+        self.shard.byte_len()
     }
 }
 
@@ -101,17 +119,17 @@ impl Store {
         let mut metas = Vec::with_capacity(shards.len());
         let mut chunks: Vec<Result<Bytes>> = Vec::new();
         for s in shards {
-            match (&s.data, s.replica_of) {
+            match (&s.data, s.shard.replica_of) {
                 (Some(d), None) => {
-                    let want = s.bbox.numel() * s.dtype.size() as u64;
+                    let want = s.shard.bbox.numel() * s.shard.dtype.size() as u64;
                     if d.len() as u64 != want {
                         return Err(Error::invalid(format!(
                             "tensor {:?} box {}: {} bytes given, {want} expected ({} x {})",
-                            s.name,
-                            s.bbox,
+                            s.shard.name,
+                            s.shard.bbox,
                             d.len(),
-                            s.bbox.numel(),
-                            s.dtype
+                            s.shard.bbox.numel(),
+                            s.shard.dtype
                         )));
                     }
                     for r in self.chunk_spans(want) {
@@ -122,17 +140,12 @@ impl Store {
                 _ => {
                     return Err(Error::invalid(format!(
                         "tensor {:?}: a shard needs either bytes or replica_of, not both or neither",
-                        s.name
+                        s.shard.name
                     )));
                 }
             }
             metas.push(ShardMeta {
-                name: s.name,
-                dtype: s.dtype,
-                shape: s.shape,
-                bbox: s.bbox,
-                replica_of: s.replica_of,
-                placement: s.placement,
+                shard: s.shard,
                 reuse: None,
             });
         }
@@ -161,7 +174,7 @@ impl Store {
         validate_run(&w.run)?;
         w.layout.validate()?;
         // What the stream must yield: (shard index, chunk length, element size, delta base).
-        let mut expect: Vec<(usize, u64, u8, Option<BaseChunk>)> = Vec::new();
+        let mut expect: Vec<Expected> = Vec::new();
         // The committed base step's chunks by region: each float chunk's delta base candidate.
         let regions = index.base_regions();
         // (first chunk index, chunk count) per shard, then per blob.
@@ -170,11 +183,11 @@ impl Store {
         // Chunks and raw bytes of shards whose chunks are reused.
         let mut reused = (0u64, 0u64);
         for (i, s) in shards.iter().enumerate() {
-            validate_name(&s.name)?;
-            if !s.bbox.within(&s.shape) {
+            validate_name(&s.shard.name)?;
+            if !s.shard.bbox.within(&s.shard.shape) {
                 return Err(Error::invalid(format!(
                     "tensor {:?}: box {} does not fit the shape {:?}",
-                    s.name, s.bbox, s.shape
+                    s.shard.name, s.shard.bbox, s.shard.shape
                 )));
             }
             let start = expect.len();
@@ -183,18 +196,19 @@ impl Store {
                 logical += s.byte_len();
                 reused.0 += refs.len() as u64;
                 reused.1 += s.byte_len();
-            } else if s.replica_of.is_none() {
+            } else if s.shard.replica_of.is_none() {
                 let want = s.byte_len();
                 logical += want;
-                let elem = if s.dtype.is_float() {
-                    s.dtype.size() as u8
+                let elem = if s.shard.dtype.is_float() {
+                    s.shard.dtype.size() as u8
                 } else {
                     1
                 };
                 let bases = regions
                     .as_ref()
                     .and_then(|(step, reg)| {
-                        let refs = reg.get(&s.name, s.dtype, &s.shape, &s.bbox)?;
+                        let refs =
+                            reg.get(&s.shard.name, s.shard.dtype, &s.shard.shape, &s.shard.bbox)?;
                         Some((*step, refs))
                     })
                     .filter(|(_, refs)| refs.len() as u64 == self.chunk_spans(want).count() as u64);
@@ -226,36 +240,8 @@ impl Store {
             }
             spans.push((start, shard_chunks + blob_chunks.len() - start));
         }
-        let names: Vec<String> = shards.iter().map(|s| s.name.clone()).collect();
-        let names2 = names.clone();
-        let mut exp = expect.into_iter();
-        let checked = chunks
-            .map(Some)
-            .chain(stream::once(async { None }))
-            .map(move |item| match (item, exp.next()) {
-                (Some(Ok(data)), Some((_, len, elem, base))) if data.len() as u64 == len => {
-                    Some(Ok(ChunkIn { data, elem, base }))
-                }
-                (Some(Ok(data)), Some((i, len, _, _))) => Some(Err(Error::invalid(format!(
-                    "tensor {:?}: a chunk of {} bytes arrived where {len} were expected",
-                    names[i],
-                    data.len()
-                )))),
-                (Some(Err(e)), Some((i, _, _, _))) => {
-                    Some(Err(e.context(format!("snapshot of tensor {:?}", names[i]))))
-                }
-                (Some(Err(e)), None) => Some(Err(e)),
-                (Some(Ok(_)), None) => Some(Err(Error::invalid(
-                    "the snapshot yielded more chunks than its shards hold",
-                ))),
-                (None, Some((i, _, _, _))) => Some(Err(Error::invalid(format!(
-                    "the snapshot ended before tensor {:?} was complete",
-                    names2[i]
-                )))),
-                (None, None) => None,
-            })
-            .take_while(|x| futures::future::ready(x.is_some()))
-            .map(|x| x.expect("taken while some"))
+        let names: Vec<String> = shards.iter().map(|s| s.shard.name.clone()).collect();
+        let checked = check_chunks(chunks, expect, names)
             .chain(stream::iter(blob_chunks.into_iter().map(Ok)));
         let mut put = self.try_put_chunks(checked, index).await?;
         put.stats.chunks += reused.0;
@@ -265,20 +251,7 @@ impl Store {
         let tensors: Vec<(TensorShard, usize)> = shards
             .into_iter()
             .zip(&spans)
-            .map(|(s, &(_, n))| {
-                (
-                    TensorShard {
-                        name: s.name,
-                        dtype: s.dtype,
-                        shape: s.shape,
-                        bbox: s.bbox,
-                        chunks: s.reuse.unwrap_or_default(),
-                        replica_of: s.replica_of,
-                        placement: s.placement,
-                    },
-                    n,
-                )
-            })
+            .map(|(s, &(_, n))| (s.shard.into_tensor(s.reuse.unwrap_or_default()), n))
             .collect();
         let n_shards = tensors.len();
         let blobs: Vec<(String, u64, usize)> = blobs
@@ -291,6 +264,51 @@ impl Store {
         let entry = self.write_rank_manifest(&manifest).await?;
         Ok((manifest, entry, put.stats))
     }
+}
+
+/// What the stream of a rank write must yield, per chunk: the shard's index, the chunk's
+/// length, its element size and its delta base candidate.
+type Expected = (usize, u64, u8, Option<BaseChunk>);
+
+/// The chunk buffers of a rank write's stream as [`ChunkIn`]s, checked against what its shards
+/// expect: a chunk of the wrong size, a failing stream, one that ends early or runs long ends
+/// the write with an error naming the tensor (`names`, by shard index).
+fn check_chunks<S>(
+    chunks: S,
+    expect: Vec<Expected>,
+    names: Vec<String>,
+) -> impl Stream<Item = Result<ChunkIn>>
+where
+    S: Stream<Item = Result<Bytes>>,
+{
+    let mut exp = expect.into_iter();
+    chunks
+        .map(Some)
+        .chain(stream::once(async { None }))
+        .map(move |item| match (item, exp.next()) {
+            (Some(Ok(data)), Some((_, len, elem, base))) if data.len() as u64 == len => {
+                Some(Ok(ChunkIn { data, elem, base }))
+            }
+            (Some(Ok(data)), Some((i, len, _, _))) => Some(Err(Error::invalid(format!(
+                "tensor {:?}: a chunk of {} bytes arrived where {len} were expected",
+                names[i],
+                data.len()
+            )))),
+            (Some(Err(e)), Some((i, _, _, _))) => {
+                Some(Err(e.context(format!("snapshot of tensor {:?}", names[i]))))
+            }
+            (Some(Err(e)), None) => Some(Err(e)),
+            (Some(Ok(_)), None) => Some(Err(Error::invalid(
+                "the snapshot yielded more chunks than its shards hold",
+            ))),
+            (None, Some((i, _, _, _))) => Some(Err(Error::invalid(format!(
+                "the snapshot ended before tensor {:?} was complete",
+                names[i]
+            )))),
+            (None, None) => None,
+        })
+        .take_while(|x| futures::future::ready(x.is_some()))
+        .map(|x| x.expect("taken while some"))
 }
 
 /// A rank's part of a step written in batches ([`Store::put_rank_part`]) before its manifest
@@ -379,30 +397,30 @@ impl Store {
         let mut counts = Vec::with_capacity(shards.len());
         let mut logical = 0u64;
         for s in &shards {
-            validate_name(&s.name)?;
-            if !s.bbox.within(&s.shape) {
+            validate_name(&s.shard.name)?;
+            if !s.shard.bbox.within(&s.shard.shape) {
                 return Err(Error::invalid(format!(
                     "tensor {:?}: box {} does not fit the shape {:?}",
-                    s.name, s.bbox, s.shape
+                    s.shard.name, s.shard.bbox, s.shard.shape
                 )));
             }
             let start = chunks.len();
-            match (&s.data, s.replica_of) {
+            match (&s.data, s.shard.replica_of) {
                 (Some(d), None) => {
-                    let want = s.bbox.numel() * s.dtype.size() as u64;
+                    let want = s.shard.bbox.numel() * s.shard.dtype.size() as u64;
                     if d.len() as u64 != want {
                         return Err(Error::invalid(format!(
                             "tensor {:?} box {}: {} bytes given, {want} expected ({} x {})",
-                            s.name,
-                            s.bbox,
+                            s.shard.name,
+                            s.shard.bbox,
                             d.len(),
-                            s.bbox.numel(),
-                            s.dtype
+                            s.shard.bbox.numel(),
+                            s.shard.dtype
                         )));
                     }
                     logical += want;
-                    let elem = if s.dtype.is_float() {
-                        s.dtype.size() as u8
+                    let elem = if s.shard.dtype.is_float() {
+                        s.shard.dtype.size() as u8
                     } else {
                         1
                     };
@@ -418,7 +436,7 @@ impl Store {
                 _ => {
                     return Err(Error::invalid(format!(
                         "tensor {:?}: a shard needs either bytes or replica_of, not both or neither",
-                        s.name
+                        s.shard.name
                     )));
                 }
             }
@@ -439,18 +457,8 @@ impl Store {
         let put = self.put_chunks(stream::iter(chunks), index).await?;
         let mut at = 0usize;
         for (s, n) in shards.into_iter().zip(counts) {
-            part.tensors.push((
-                TensorShard {
-                    name: s.name,
-                    dtype: s.dtype,
-                    shape: s.shape,
-                    bbox: s.bbox,
-                    chunks: put.refs[at..at + n].to_vec(),
-                    replica_of: s.replica_of,
-                    placement: s.placement,
-                },
-                0,
-            ));
+            part.tensors
+                .push((s.shard.into_tensor(put.refs[at..at + n].to_vec()), 0));
             at += n;
         }
         debug_assert_eq!(at, shard_chunks);
@@ -489,10 +497,10 @@ impl Store {
 /// Reused chunks must be what [`Store::chunk_spans`] cuts the shard into: as many, each as
 /// long, and never for a replica.
 fn check_reuse(store: &Store, s: &ShardMeta, refs: &[ChunkRef]) -> Result<()> {
-    if s.replica_of.is_some() {
+    if s.shard.replica_of.is_some() {
         return Err(Error::invalid(format!(
             "tensor {:?}: a replica has no chunks to reuse",
-            s.name
+            s.shard.name
         )));
     }
     let spans: Vec<_> = store.chunk_spans(s.byte_len()).collect();
@@ -505,8 +513,8 @@ fn check_reuse(store: &Store, s: &ShardMeta, refs: &[ChunkRef]) -> Result<()> {
         return Err(Error::invalid(format!(
             "tensor {:?} box {}: {} reused chunks of {} bytes do not cut its {} bytes into \
              chunks of {}",
-            s.name,
-            s.bbox,
+            s.shard.name,
+            s.shard.bbox,
             refs.len(),
             refs.iter().map(|c| c.len as u64).sum::<u64>(),
             s.byte_len(),
@@ -602,12 +610,14 @@ mod tests {
 
     fn meta(name: &str, len: u64, reuse: Option<Vec<ChunkRef>>) -> ShardMeta {
         ShardMeta {
-            name: name.into(),
-            dtype: DType::U8,
-            shape: vec![len],
-            bbox: NdBox::full(&[len]),
-            replica_of: None,
-            placement: None,
+            shard: ShardDesc {
+                name: name.into(),
+                dtype: DType::U8,
+                shape: vec![len],
+                bbox: NdBox::full(&[len]),
+                replica_of: None,
+                placement: None,
+            },
             reuse,
         }
     }
@@ -630,13 +640,15 @@ mod tests {
             .write_rank(
                 &w(1),
                 vec![ShardIn {
-                    name: "a".into(),
-                    dtype: DType::U8,
-                    shape: vec![10_000],
-                    bbox: NdBox::full(&[10_000]),
+                    shard: ShardDesc {
+                        name: "a".into(),
+                        dtype: DType::U8,
+                        shape: vec![10_000],
+                        bbox: NdBox::full(&[10_000]),
+                        replica_of: None,
+                        placement: None,
+                    },
                     data: Some(Bytes::from(a.clone())),
-                    replica_of: None,
-                    placement: None,
                 }],
                 vec![],
                 &idx,
@@ -694,13 +706,15 @@ mod tests {
             generation: 0,
         };
         let shard = |name: &str, data: &[u8]| ShardIn {
-            name: name.into(),
-            dtype: DType::U8,
-            shape: vec![data.len() as u64],
-            bbox: NdBox::full(&[data.len() as u64]),
+            shard: ShardDesc {
+                name: name.into(),
+                dtype: DType::U8,
+                shape: vec![data.len() as u64],
+                bbox: NdBox::full(&[data.len() as u64]),
+                replica_of: None,
+                placement: None,
+            },
             data: Some(Bytes::from(data.to_vec())),
-            replica_of: None,
-            placement: None,
         };
         let (a, b) = (det_bytes(1, 10_000), det_bytes(2, 300));
         let idx = DedupIndex::new();
@@ -710,7 +724,7 @@ mod tests {
             .await
             .unwrap();
         let mut bad = shard("bad", &b);
-        bad.shape = vec![10];
+        bad.shard.shape = vec![10];
         let e = store
             .put_rank_part(&mut part, vec![bad], vec![], &idx)
             .await

@@ -8,7 +8,7 @@ use bytes::Bytes;
 use ckpt_store::testing::{
     ClockStore, Need, S3Server, TestClock, det_bytes, local_store, memory_store, tiny_config,
 };
-use ckpt_store::writer::{BlobIn, RankWrite, ShardIn};
+use ckpt_store::writer::{BlobIn, RankWrite, ShardDesc, ShardIn};
 use ckpt_store::{
     ChunkRef, CommitOutcome, DType, DedupBase, DedupIndex, ErrorKind, FailAction, GcOptions,
     Layout, NdBox, ObjectStoreExt as _, StepReader, Store, StoreConfig, VerifyScope, writer_id,
@@ -94,13 +94,15 @@ fn w(run: &str, step: u64, rank: u32, layout: Layout) -> RankWrite {
 
 fn shard(name: &str, dtype: DType, shape: &[u64], bbox: NdBox, data: Vec<u8>) -> ShardIn {
     ShardIn {
-        name: name.into(),
-        dtype,
-        shape: shape.to_vec(),
-        bbox,
+        shard: ShardDesc {
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+            bbox,
+            replica_of: None,
+            placement: None,
+        },
         data: Some(Bytes::from(data)),
-        replica_of: None,
-        placement: None,
     }
 }
 
@@ -262,13 +264,15 @@ async fn save_sharded(store: &Store, run: &str, step: u64, whole: &[u8], bias: &
             shard("b", DType::Bf16, &[24], NdBox::full(&[24]), bias.to_vec())
         } else {
             ShardIn {
-                name: "b".into(),
-                dtype: DType::Bf16,
-                shape: vec![24],
-                bbox: NdBox::full(&[24]),
+                shard: ShardDesc {
+                    name: "b".into(),
+                    dtype: DType::Bf16,
+                    shape: vec![24],
+                    bbox: NdBox::full(&[24]),
+                    replica_of: Some(0),
+                    placement: None,
+                },
                 data: None,
-                replica_of: Some(0),
-                placement: None,
             }
         });
         let store = store.clone();

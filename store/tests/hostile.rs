@@ -7,7 +7,7 @@ use ckpt_store::codec::{self, CodecPolicy, HEADER_LEN};
 use ckpt_store::pack::{PACK_HEADER_LEN, PackBuilder, parse_pack};
 use ckpt_store::testing::det_bytes;
 use ckpt_store::testing::fuzz::{apply, mutation};
-use ckpt_store::writer::{RankWrite, ShardIn};
+use ckpt_store::writer::{RankWrite, ShardDesc, ShardIn};
 use ckpt_store::{
     ChunkId, CommitRecord, DType, DedupIndex, Layout, NdBox, RankManifest, SafetensorsView,
     StepReader, Store,
@@ -139,15 +139,17 @@ async fn two_rank_step(rows: u64, cols: u64, cut: u64) -> (Store, Vec<u8>) {
             (cut, rows - cut)
         };
         let shards = vec![ShardIn {
-            name: "w".into(),
-            dtype: DType::F32,
-            shape: vec![rows, cols],
-            bbox: NdBox::new(vec![lo, 0], vec![n, cols]).unwrap(),
+            shard: ShardDesc {
+                name: "w".into(),
+                dtype: DType::F32,
+                shape: vec![rows, cols],
+                bbox: NdBox::new(vec![lo, 0], vec![n, cols]).unwrap(),
+                replica_of: None,
+                placement: None,
+            },
             data: Some(Bytes::copy_from_slice(
                 &whole[lo as usize * row..(lo + n) as usize * row],
             )),
-            replica_of: None,
-            placement: None,
         }];
         let w = RankWrite {
             run: "h".into(),

@@ -9,7 +9,7 @@
 use bytes::Bytes;
 use chrono::Duration;
 use ckpt_store::testing::{det_bytes, local_store, memory_store, tiny_config};
-use ckpt_store::writer::{BlobIn, RankWrite, ShardIn};
+use ckpt_store::writer::{BlobIn, RankWrite, ShardDesc, ShardIn};
 use ckpt_store::{
     CommitRecord, DType, DedupIndex, ErrorKind, GcOptions, Layout, NdBox, StepReader, Store,
     VerifyScope,
@@ -26,25 +26,29 @@ async fn save(store: &Store, step: u64, seed: u64) -> Vec<u8> {
     for rank in 0..2u32 {
         let half = NdBox::new(vec![rank as u64 * 256], vec![256]).unwrap();
         let mut shards = vec![ShardIn {
-            name: "w".into(),
-            dtype: DType::Bf16,
-            shape: vec![512],
-            bbox: half,
+            shard: ShardDesc {
+                name: "w".into(),
+                dtype: DType::Bf16,
+                shape: vec![512],
+                bbox: half,
+                replica_of: None,
+                placement: None,
+            },
             data: Some(Bytes::copy_from_slice(
                 &w[rank as usize * 512..(rank as usize + 1) * 512],
             )),
-            replica_of: None,
-            placement: None,
         }];
         if rank == 0 {
             shards.push(ShardIn {
-                name: "b".into(),
-                dtype: DType::F32,
-                shape: vec![16],
-                bbox: NdBox::full(&[16]),
+                shard: ShardDesc {
+                    name: "b".into(),
+                    dtype: DType::F32,
+                    shape: vec![16],
+                    bbox: NdBox::full(&[16]),
+                    replica_of: None,
+                    placement: None,
+                },
                 data: Some(Bytes::from(det_bytes(2, 64))),
-                replica_of: None,
-                placement: None,
             });
         }
         let blobs = vec![BlobIn {

@@ -4,7 +4,7 @@
 use bytes::Bytes;
 use ckpt_store::testing::{det_bytes, memory_store, tiny_config};
 use ckpt_store::{
-    DType, DedupIndex, Layout, NdBox, RankWrite, SafetensorsView, ShardIn, StepReader,
+    DType, DedupIndex, Layout, NdBox, RankWrite, SafetensorsView, ShardDesc, ShardIn, StepReader,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -24,22 +24,26 @@ async fn sharded_step_as_one_safetensors_file() {
         let (lo, hi) = [(0usize, 2usize), (2, 4), (4, 6), (6, 7)][rank as usize];
         let shards = vec![
             ShardIn {
-                name: "w".into(),
-                dtype: DType::Bf16,
-                shape: vec![10, 8],
-                bbox: bx,
+                shard: ShardDesc {
+                    name: "w".into(),
+                    dtype: DType::Bf16,
+                    shape: vec![10, 8],
+                    bbox: bx,
+                    replica_of: None,
+                    placement: None,
+                },
                 data: Some(Bytes::from(data)),
-                replica_of: None,
-                placement: None,
             },
             ShardIn {
-                name: "v".into(),
-                dtype: DType::F32,
-                shape: vec![7],
-                bbox: NdBox::new(vec![lo as u64], vec![(hi - lo) as u64]).unwrap(),
+                shard: ShardDesc {
+                    name: "v".into(),
+                    dtype: DType::F32,
+                    shape: vec![7],
+                    bbox: NdBox::new(vec![lo as u64], vec![(hi - lo) as u64]).unwrap(),
+                    replica_of: None,
+                    placement: None,
+                },
                 data: Some(Bytes::copy_from_slice(&v[lo * 4..hi * 4])),
-                replica_of: None,
-                placement: None,
             },
         ];
         let wr = RankWrite {
@@ -100,13 +104,15 @@ async fn readers_sharing_a_cache_fetch_each_chunk_once() {
         generation: 0,
     };
     let shard = ShardIn {
-        name: "w".into(),
-        dtype: DType::F32,
-        shape: vec![64, 64],
-        bbox: NdBox::full(&[64, 64]),
+        shard: ShardDesc {
+            name: "w".into(),
+            dtype: DType::F32,
+            shape: vec![64, 64],
+            bbox: NdBox::full(&[64, 64]),
+            replica_of: None,
+            placement: None,
+        },
         data: Some(Bytes::from(data.clone())),
-        replica_of: None,
-        placement: None,
     };
     store
         .write_rank(&wr, vec![shard], vec![], &DedupIndex::new())

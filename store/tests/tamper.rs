@@ -3,7 +3,7 @@
 
 use bytes::Bytes;
 use ckpt_store::testing::{det_bytes, local_store, tiny_config};
-use ckpt_store::writer::{BlobIn, RankWrite, ShardIn};
+use ckpt_store::writer::{BlobIn, RankWrite, ShardDesc, ShardIn};
 use ckpt_store::{
     CommitRecord, DType, DedupIndex, ErrorKind, Layout, NdBox, SafetensorsView, StepReader, Store,
     VerifyScope,
@@ -23,25 +23,29 @@ async fn save(store: &Store) -> (Vec<u8>, Vec<u8>) {
     for rank in 0..2u32 {
         let half = NdBox::new(vec![rank as u64 * 256], vec![256]).unwrap();
         let mut shards = vec![ShardIn {
-            name: "w".into(),
-            dtype: DType::Bf16,
-            shape: vec![512],
-            bbox: half,
+            shard: ShardDesc {
+                name: "w".into(),
+                dtype: DType::Bf16,
+                shape: vec![512],
+                bbox: half,
+                replica_of: None,
+                placement: None,
+            },
             data: Some(Bytes::copy_from_slice(
                 &w[rank as usize * 512..(rank as usize + 1) * 512],
             )),
-            replica_of: None,
-            placement: None,
         }];
         if rank == 0 {
             shards.push(ShardIn {
-                name: "b".into(),
-                dtype: DType::F32,
-                shape: vec![16],
-                bbox: NdBox::full(&[16]),
+                shard: ShardDesc {
+                    name: "b".into(),
+                    dtype: DType::F32,
+                    shape: vec![16],
+                    bbox: NdBox::full(&[16]),
+                    replica_of: None,
+                    placement: None,
+                },
                 data: Some(Bytes::from(b.clone())),
-                replica_of: None,
-                placement: None,
             });
         }
         let blobs = vec![BlobIn {
@@ -344,13 +348,15 @@ async fn save_split(
             let data = det_bytes(step * 1000 + u64::from(rank * 100 + i), 64);
             want.insert(name.clone(), data.clone());
             shards.push(ShardIn {
-                name,
-                dtype: DType::F32,
-                shape: vec![16],
-                bbox: NdBox::full(&[16]),
+                shard: ShardDesc {
+                    name,
+                    dtype: DType::F32,
+                    shape: vec![16],
+                    bbox: NdBox::full(&[16]),
+                    replica_of: None,
+                    placement: None,
+                },
                 data: Some(Bytes::from(data)),
-                replica_of: None,
-                placement: None,
             });
         }
         let blobs = vec![BlobIn {

@@ -22,7 +22,7 @@ use ckpt_store::object_store::path::Path;
 use ckpt_store::placement::place_rank;
 use ckpt_store::{
     BlobIn, DType, DedupBase, GcOptions, Layout, NdBox, Placement, RankWrite, RetryConfig,
-    RetryStore, ShardIn, Stage, StepReader, Store, StoreConfig, TensorSpec, ZeroGroup,
+    RetryStore, ShardDesc, ShardIn, Stage, StepReader, Store, StoreConfig, TensorSpec, ZeroGroup,
 };
 use serde_json::{Value, json};
 
@@ -211,13 +211,15 @@ fn rank_state(
             ckpt_store::bytes::Bytes::from(fill(seed, len))
         });
         shards.push(ShardIn {
-            name: s.name.clone(),
-            dtype: s.dtype,
-            shape: s.shape.clone(),
-            bbox: p.bbox,
+            shard: ShardDesc {
+                name: s.name.clone(),
+                dtype: s.dtype,
+                shape: s.shape.clone(),
+                bbox: p.bbox,
+                replica_of: p.replica_of,
+                placement: Some(s.placement.clone()),
+            },
             data,
-            replica_of: p.replica_of,
-            placement: Some(s.placement.clone()),
         });
     }
     let mut blobs = vec![BlobIn {

@@ -16,7 +16,7 @@ use ckpt_recovery::peer::{
     chunk_head, end_frame, holdings,
 };
 use ckpt_store::testing::{det_bytes, memory_store, tiny_config};
-use ckpt_store::writer::{RankWrite, ShardIn};
+use ckpt_store::writer::{RankWrite, ShardDesc, ShardIn};
 use ckpt_store::{ChunkId, DType, DedupIndex, Layout, NdBox, StepReader, Store};
 
 fn rt() -> tokio::runtime::Runtime {
@@ -215,13 +215,15 @@ fn saved_step() -> (Store, Vec<u8>, Vec<Bytes>) {
             generation: 1,
         };
         let shard = ShardIn {
-            name: "w".into(),
-            dtype: DType::F32,
-            shape: vec![128, 128],
-            bbox: NdBox::new(vec![0, 0], vec![128, 128]).unwrap(),
+            shard: ShardDesc {
+                name: "w".into(),
+                dtype: DType::F32,
+                shape: vec![128, 128],
+                bbox: NdBox::new(vec![0, 0], vec![128, 128]).unwrap(),
+                replica_of: None,
+                placement: None,
+            },
             data: Some(Bytes::from(whole.clone())),
-            replica_of: None,
-            placement: None,
         };
         store
             .write_rank(&w, vec![shard], vec![], &DedupIndex::new())

@@ -10,7 +10,7 @@ use std::process::{Command, Output};
 use bytes::Bytes;
 use ckpt_store::placement::{Placement, Stage, TensorSpec, ZeroGroup, place_rank};
 use ckpt_store::testing::{S3Server, det_bytes, local_store, tiny_config};
-use ckpt_store::{BlobIn, DType, DedupIndex, Layout, NdBox, RankWrite, ShardIn, Store};
+use ckpt_store::{BlobIn, DType, DedupIndex, Layout, NdBox, RankWrite, ShardDesc, ShardIn, Store};
 
 /// A store under test and what keeps it alive.
 pub struct Env {
@@ -258,13 +258,15 @@ pub async fn save_rank(
                 .is_none()
                 .then(|| Bytes::from(cut(&global(s, step), &s.shape, &p.bbox, s.dtype.size())));
             ShardIn {
-                name: s.name.clone(),
-                dtype: s.dtype,
-                shape: s.shape.clone(),
-                bbox: p.bbox.clone(),
+                shard: ShardDesc {
+                    name: s.name.clone(),
+                    dtype: s.dtype,
+                    shape: s.shape.clone(),
+                    bbox: p.bbox.clone(),
+                    replica_of: p.replica_of,
+                    placement: Some(s.placement.clone()),
+                },
                 data,
-                replica_of: p.replica_of,
-                placement: Some(s.placement.clone()),
             }
         })
         .collect();

@@ -12,7 +12,7 @@ use ckpt_store::placement::{Placed, Placement, Stage, TensorSpec, ZeroGroup, pla
 use ckpt_store::testing::{det_bytes, tiny_config};
 use ckpt_store::{
     BlobIn, ChunkRef, DType, DedupIndex, DirectFs, Layout, MetricsStore, NdBox, ObjectStoreExt,
-    RankWrite, SafetensorsView, ShardIn, StepReader, Store, StoreMetrics,
+    RankWrite, SafetensorsView, ShardDesc, ShardIn, StepReader, Store, StoreMetrics,
 };
 
 /// A store in a temporary directory, with request counters.
@@ -175,16 +175,18 @@ pub async fn save(
                 .or_default()
                 .push(p.bbox.clone());
             shards.push(ShardIn {
-                name: s.name.clone(),
-                dtype: s.dtype,
-                shape: s.shape.clone(),
-                bbox: p.bbox.clone(),
+                shard: ShardDesc {
+                    name: s.name.clone(),
+                    dtype: s.dtype,
+                    shape: s.shape.clone(),
+                    bbox: p.bbox.clone(),
+                    replica_of: p.replica_of,
+                    placement: Some(s.placement.clone()),
+                },
                 data: p
                     .replica_of
                     .is_none()
                     .then(|| Bytes::from(cut(&t.bytes, &t.shape, &p.bbox, s.dtype.size()))),
-                replica_of: p.replica_of,
-                placement: Some(s.placement.clone()),
             });
         }
         let blobs = vec![
@@ -278,13 +280,15 @@ pub async fn hostile_run(store: &Store) -> Expected {
             .or_default()
             .insert(n.clone(), vec![NdBox::full(&shape)]);
         shards.push(ShardIn {
-            name: n.clone(),
-            dtype: DType::F32,
-            shape: shape.clone(),
-            bbox: NdBox::full(&shape),
+            shard: ShardDesc {
+                name: n.clone(),
+                dtype: DType::F32,
+                shape: shape.clone(),
+                bbox: NdBox::full(&shape),
+                replica_of: None,
+                placement: None,
+            },
             data: Some(Bytes::from(bytes.clone())),
-            replica_of: None,
-            placement: None,
         });
         exp.tensors.insert(
             n.clone(),

@@ -26,7 +26,8 @@ use bytes::Bytes;
 use ckpt_recovery::peer::PeerLink;
 use ckpt_store::direct::AlignedBuf;
 use ckpt_store::{
-    BlobIn, CodecPolicy, DType, DedupIndex, Layout, NdBox, RankWrite, ShardIn, Store, StoreConfig,
+    BlobIn, CodecPolicy, DType, DedupIndex, Layout, NdBox, RankWrite, ShardDesc, ShardIn, Store,
+    StoreConfig,
 };
 use ckpt_trainer::workload::{ModelConfig, RankState, TrainConfig};
 use ckpt_trainer::{CheckpointManager, CheckpointerConfig, HostTensor, ManagerConfig, runtime};
@@ -393,13 +394,15 @@ fn save4(
                 // A slice of the state, as a snapshot in staging would be: no copy.
                 let b = data.slice((lo as usize) * dt.size()..(hi as usize) * dt.size());
                 shards.push(ShardIn {
-                    name: name.clone(),
-                    dtype: *dt,
-                    shape: vec![n],
-                    bbox: NdBox::new(vec![lo], vec![hi - lo]).unwrap(),
+                    shard: ShardDesc {
+                        name: name.clone(),
+                        dtype: *dt,
+                        shape: vec![n],
+                        bbox: NdBox::new(vec![lo], vec![hi - lo]).unwrap(),
+                        replica_of: None,
+                        placement: None,
+                    },
                     data: Some(b),
-                    replica_of: None,
-                    placement: None,
                 });
             }
             let store = store.clone();

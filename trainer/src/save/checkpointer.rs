@@ -249,7 +249,7 @@ impl Checkpointer {
         // loses a little to slab packing), and a pool much smaller than the snapshot only
         // gains the copy time of one pool's worth by starting earlier.
         let (snap_done_tx, snap_done_rx) = tokio::sync::oneshot::channel::<()>();
-        let names: Vec<String> = plan.metas.iter().map(|m| m.name.clone()).collect();
+        let names: Vec<String> = plan.metas.iter().map(|m| m.shard.name.clone()).collect();
         self.start_snapshot(step, t0, plan.pins, names, &shared, tx, snap_done_tx)?;
         let job = PersistJob {
             store: self.store.clone(),

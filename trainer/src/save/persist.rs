@@ -177,7 +177,7 @@ async fn check_reuse(
         for r in m.reuse.iter_mut().flatten() {
             match index.get(&r.id) {
                 Some(known) => *r = known,
-                None => missing = missing.or(Some(m.name.clone())),
+                None => missing = missing.or(Some(m.shard.name.clone())),
             }
         }
     }

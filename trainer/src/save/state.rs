@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use ckpt_store::{BlobIn, DType, Error, NdBox, Placement, Result, ShardMeta};
+use ckpt_store::{BlobIn, DType, Error, NdBox, Placement, Result, ShardDesc, ShardMeta};
 
 use super::versions::{ShardKey, StepVersions};
 use crate::memory::{MemorySource, PinnedSource, SourceVersion};
@@ -135,12 +135,14 @@ impl SavePlan {
             }
             plan.versions.push(version);
             plan.metas.push(ShardMeta {
-                name: t.name.clone(),
-                dtype: t.dtype,
-                shape: t.shape.clone(),
-                bbox: t.bbox.clone(),
-                replica_of: t.replica_of,
-                placement: t.placement.clone(),
+                shard: ShardDesc {
+                    name: t.name.clone(),
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                    bbox: t.bbox.clone(),
+                    replica_of: t.replica_of,
+                    placement: t.placement.clone(),
+                },
                 reuse,
             });
         }

@@ -1,0 +1,159 @@
+//! Reading chunks back: the object keys of a chunk reference, and fetching, decoding and
+//! verifying chunks (deltas through their chain of bases).
+
+use bytes::Bytes;
+use futures::stream::{self, Stream, StreamExt};
+use object_store::path::Path;
+
+use super::Store;
+use crate::codec::{self, Codec};
+use crate::error::{Error, ErrorKind, Result};
+use crate::id::ChunkId;
+use crate::model::ChunkRef;
+
+impl Store {
+    /// The object key a chunk reference points at (its chunk object or its pack).
+    pub fn object_of(&self, r: &ChunkRef) -> Path {
+        match (&r.pack, r.bases.first()) {
+            (Some(p), _) => self.keys.pack(p),
+            (None, Some(b)) => self.keys.delta_chunk(&r.id, b),
+            (None, None) => self.keys.chunk(&r.id),
+        }
+    }
+
+    /// Every object reading `r` needs: its own, then its delta bases' (nearest first; the
+    /// last is stored whole). One object for a chunk that is not a delta.
+    pub fn chain_objects(&self, r: &ChunkRef) -> Vec<Path> {
+        let mut out = vec![self.object_of(r)];
+        for (i, b) in r.bases.iter().enumerate() {
+            out.push(match r.bases.get(i + 1) {
+                Some(next) => self.keys.delta_chunk(b, next),
+                None => self.keys.chunk(b),
+            });
+        }
+        out
+    }
+
+    /// The plain bytes of a delta base for a write: from the writer's cache of what it wrote
+    /// last (`delta_cache_bytes`), else read back (and verified) through its chain.
+    pub(super) async fn delta_base_plain(&self, r: &ChunkRef) -> Result<Bytes> {
+        self.delta_cache
+            .get_or_fetch(r.id, || self.get_chunk(r))
+            .await
+    }
+
+    /// Fetch and decode a delta chunk: every object of its chain (at most `MAX_DELTA_CHAIN +
+    /// 1`, fetched in parallel), decoded base-first, each level hash-checked. An error names
+    /// the chunk, the base chunk at fault and (where the manifest says) the base's step.
+    async fn get_delta_chunk(&self, r: &ChunkRef) -> Result<Bytes> {
+        r.check_chain().map_err(Error::corrupt)?;
+        let chain: Vec<ChunkId> = std::iter::once(r.id)
+            .chain(r.bases.iter().copied())
+            .collect();
+        let paths = self.chain_objects(r);
+        let top = r.location();
+        let name = |i: usize| -> String {
+            if i == 0 {
+                top.clone()
+            } else {
+                format!(
+                    "{top}: its base {} ({} of the chain{})",
+                    chain[i],
+                    i,
+                    if i == 1 {
+                        r.base_step
+                            .map(|s| format!(", saved at step {s}"))
+                            .unwrap_or_default()
+                    } else {
+                        String::new()
+                    }
+                )
+            }
+        };
+        let objs = futures::future::try_join_all(paths.iter().enumerate().map(|(i, p)| {
+            let name = name(i);
+            async move {
+                self.get_object(p).await.map_err(|e| {
+                    if e.kind() == ErrorKind::NotFound {
+                        Error::corrupt(format!("{name} is missing from the store ({p})"))
+                    } else {
+                        e.context(name)
+                    }
+                })
+            }
+        }))
+        .await?;
+        let names: Vec<String> = (0..chain.len()).map(name).collect();
+        let len = r.len as u64;
+        let out = tokio::task::spawn_blocking(move || {
+            let objs: Vec<&[u8]> = objs.iter().map(|o| o.as_ref()).collect();
+            codec::decode_chain(&objs, &chain, len, &names)
+        })
+        .await??;
+        Ok(Bytes::from(out))
+    }
+
+    /// Fetch the stored bytes of a chunk object (not decoded).
+    pub async fn get_chunk_object(&self, r: &ChunkRef) -> Result<Bytes> {
+        let path = self.object_of(r);
+        let b = match &r.pack {
+            Some(_) => {
+                let end = r.offset.checked_add(r.stored as u64).ok_or_else(|| {
+                    Error::corrupt(format!(
+                        "chunk {}: offset {} + {} stored bytes overflows",
+                        r.location(),
+                        r.offset,
+                        r.stored
+                    ))
+                })?;
+                self.get_range(&path, r.offset..end).await?
+            }
+            None => self.get_object(&path).await?,
+        };
+        Ok(b)
+    }
+
+    /// Fetch, decode and verify one chunk (a delta with its chain of bases): the one place
+    /// every reader (restore, export, the mount, diff, verify) decodes chunks from the store.
+    pub async fn get_chunk(&self, r: &ChunkRef) -> Result<Bytes> {
+        if r.is_delta() || r.codec == Codec::Delta {
+            return self.get_delta_chunk(r).await;
+        }
+        let obj = self.get_chunk_object(r).await.map_err(|e| {
+            if e.kind() == ErrorKind::NotFound {
+                Error::corrupt(format!(
+                    "chunk {} is missing from the store ({e})",
+                    r.location()
+                ))
+            } else {
+                e
+            }
+        })?;
+        let r = r.clone();
+        let what = r.location();
+        tokio::task::spawn_blocking(move || codec::decode_bytes(obj, &r.id, r.len as u64, &what))
+            .await?
+    }
+
+    /// Fetch many chunks in parallel (bounded by `read_concurrency`); yields `(index, bytes)`
+    /// as they arrive.
+    pub fn get_chunks(
+        &self,
+        refs: Vec<ChunkRef>,
+    ) -> impl Stream<Item = Result<(usize, Bytes)>> + Send + use<> {
+        let store = self.clone();
+        let n = self.cfg.read_concurrency;
+        stream::iter(refs.into_iter().enumerate())
+            .map(move |(i, r)| {
+                let store = store.clone();
+                async move { store.get_chunk(&r).await.map(|b| (i, b)) }
+            })
+            .buffer_unordered(n)
+    }
+
+    /// Whether the store holds the chunk object of `id` (one HEAD request). Packed chunks are
+    /// found through manifests, not this.
+    pub async fn has_chunk_object(&self, id: &ChunkId) -> Result<bool> {
+        self.exists(&self.keys.chunk(id)).await
+    }
+}

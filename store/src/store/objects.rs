@@ -1,0 +1,170 @@
+//! Plain objects: writes (multipart above the threshold), whole and ranged reads, existence,
+//! JSON documents and listings, each error naming the object and the operation.
+
+use bytes::Bytes;
+use futures::stream::{self, StreamExt, TryStreamExt};
+use object_store::path::Path;
+use object_store::{
+    ListResult, ObjectMeta, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload,
+};
+use serde::{Deserialize, Serialize};
+
+use super::Store;
+use crate::error::{Error, Result};
+use crate::id::Hash;
+
+impl Store {
+    /// Write an object from pieces; multipart when it is larger than the threshold.
+    pub async fn put_object(&self, path: &Path, parts: Vec<Bytes>, mode: PutMode) -> Result<()> {
+        let len: usize = parts.iter().map(Bytes::len).sum();
+        if len > self.cfg.multipart_threshold && matches!(mode, PutMode::Overwrite) {
+            return self.put_multipart(path, parts).await;
+        }
+        let payload: PutPayload = parts.into_iter().collect();
+        self.inner
+            .put_opts(path, payload, PutOptions::from(mode))
+            .await
+            .map_err(|e| self.write_error("writing", path, e))?;
+        Ok(())
+    }
+
+    /// An error of a write to `path`; a full file system says which one.
+    fn write_error(&self, op: &str, path: &Path, e: object_store::Error) -> Error {
+        let e = Error::backend(op, path, e);
+        match &self.local_root {
+            Some(root) => e.no_space_at(root.display()),
+            None => e.no_space_at(&self.url),
+        }
+    }
+
+    async fn put_multipart(&self, path: &Path, parts: Vec<Bytes>) -> Result<()> {
+        let mut up = self
+            .inner
+            .put_multipart(path)
+            .await
+            .map_err(|e| self.write_error("starting multipart upload of", path, e))?;
+        let part = self.cfg.multipart_part;
+        let mut pending = Vec::new();
+        let mut cur: Vec<Bytes> = Vec::new();
+        let mut cur_len = 0usize;
+        for mut b in parts {
+            while !b.is_empty() {
+                let take = (part - cur_len).min(b.len());
+                cur.push(b.split_to(take));
+                cur_len += take;
+                if cur_len == part {
+                    pending.push(up.put_part(std::mem::take(&mut cur).into_iter().collect()));
+                    cur_len = 0;
+                }
+            }
+        }
+        if cur_len > 0 {
+            pending.push(up.put_part(cur.into_iter().collect()));
+        }
+        let res = stream::iter(pending)
+            .buffer_unordered(4)
+            .try_collect::<Vec<_>>()
+            .await;
+        if let Err(e) = res {
+            let _ = up.abort().await;
+            return Err(self.write_error("uploading a part of", path, e));
+        }
+        if let Err(e) = up.complete().await {
+            let _ = up.abort().await;
+            return Err(self.write_error("completing multipart upload of", path, e));
+        }
+        Ok(())
+    }
+
+    /// Read a whole object.
+    pub async fn get_object(&self, path: &Path) -> Result<Bytes> {
+        let r = self
+            .inner
+            .get(path)
+            .await
+            .map_err(|e| Error::backend("reading", path, e))?;
+        r.bytes()
+            .await
+            .map_err(|e| Error::backend("reading", path, e))
+    }
+
+    /// Read a byte range of an object.
+    pub async fn get_range(&self, path: &Path, range: std::ops::Range<u64>) -> Result<Bytes> {
+        let Some(want) = range.end.checked_sub(range.start) else {
+            return Err(Error::invalid(format!(
+                "{path}: byte range {}..{} ends before it starts",
+                range.start, range.end
+            )));
+        };
+        let b = self
+            .inner
+            .get_range(path, range.clone())
+            .await
+            .map_err(|e| Error::backend("reading", path, e))?;
+        if b.len() as u64 != want {
+            return Err(Error::corrupt(format!(
+                "{path}: bytes {}..{} asked, {} returned (the object is truncated)",
+                range.start,
+                range.end,
+                b.len()
+            )));
+        }
+        Ok(b)
+    }
+
+    /// Whether an object exists.
+    pub async fn exists(&self, path: &Path) -> Result<bool> {
+        match self.inner.head(path).await {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::NotFound { .. }) => Ok(false),
+            Err(e) => Err(Error::backend("checking", path, e)),
+        }
+    }
+
+    /// Write a JSON document with `mode` (manifests, commit records).
+    pub async fn put_json<T: Serialize>(&self, path: &Path, v: &T, mode: PutMode) -> Result<Hash> {
+        let bytes = serde_json::to_vec(v)
+            .map_err(|e| Error::internal(format!("serializing {path}: {e}")))?;
+        let h = Hash::of(&bytes);
+        self.put_object(path, vec![Bytes::from(bytes)], mode)
+            .await?;
+        Ok(h)
+    }
+
+    /// Read and parse a JSON document; returns it with the blake3 of its bytes.
+    pub async fn get_json<T: for<'de> Deserialize<'de>>(
+        &self,
+        path: &Path,
+    ) -> Result<(T, Hash, u64)> {
+        let b = self.get_object(path).await?;
+        let v = serde_json::from_slice(&b).map_err(|e| {
+            Error::corrupt(format!(
+                "{path}: not a valid {} ({e}; {} bytes, truncated or garbage?)",
+                std::any::type_name::<T>()
+                    .rsplit("::")
+                    .next()
+                    .unwrap_or("document"),
+                b.len()
+            ))
+        })?;
+        Ok((v, Hash::of(&b), b.len() as u64))
+    }
+
+    /// Every object below `dir` (one listing, all its pages); an error names the listing.
+    pub(crate) async fn list_all(&self, dir: &Path) -> Result<Vec<ObjectMeta>> {
+        self.inner
+            .list(Some(dir))
+            .try_collect()
+            .await
+            .map_err(|e| Error::backend("listing", dir, e))
+    }
+
+    /// The objects directly below `dir` and its sub-folders (one listing with a delimiter); an
+    /// error names the listing.
+    pub(crate) async fn list_level(&self, dir: &Path) -> Result<ListResult> {
+        self.inner
+            .list_with_delimiter(Some(dir))
+            .await
+            .map_err(|e| Error::backend("listing", dir, e))
+    }
+}
