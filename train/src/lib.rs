@@ -1242,17 +1242,7 @@ fn agree(
 /// The persist governor's figures of the persists that ended (`persist` records).
 fn emit_persists(sh: &Shared, mgr: &mut CheckpointManager) {
     for f in mgr.take_persist_figures() {
-        sh.emit(&Metric::Persist(records::PersistMetrics {
-            step: f.step,
-            rank: f.rank,
-            bytes: f.bytes,
-            slowdown: f.slowdown,
-            overlap_s: f.overlap_s,
-            durable_s: f.durable_s,
-            rate_bps: f.rate_bps,
-            budget: f.budget,
-            baseline_s: f.baseline_s,
-        }));
+        sh.emit(&Metric::Persist(f));
     }
 }
 
