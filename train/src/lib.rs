@@ -1299,16 +1299,9 @@ fn emit_finished(
             h.report()
         };
         let v = records::CheckpointMetrics {
-            step: r.step,
             rank: Some(rank),
-            bytes: r.bytes,
             stall_s: stall,
-            snapshot_s: r.snapshot_s,
-            persist_s: r.persist_s,
-            commit_s: r.commit_s,
-            bytes_written: r.bytes_written,
-            bytes_skipped: r.bytes_skipped,
-            staging_peak: r.staging_peak as u64,
+            ..records::CheckpointMetrics::from(&r)
         };
         sh.outcome.lock().checkpoints.push(v.clone());
         sh.emit(&Metric::Checkpoint(v));
