@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use ckpt_recovery::{HeartbeatClient, RankEnv};
-use ckpt_store::records::{self, Metric};
+use ckpt_store::records::Metric;
 use ckpt_store::{Error, ErrorKind, Result};
 use parking_lot::Mutex;
 use tracing::{info, warn};
@@ -371,13 +371,7 @@ impl RankLoop<'_> {
         emit_persists(sh, &mut self.mgr);
         let health = self.mgr.store_health();
         if health != Default::default() {
-            sh.emit(&Metric::StoreHealth(records::StoreHealth {
-                rank,
-                failed: health.failed,
-                skipped: health.skipped,
-                resumed: health.resumed,
-                down: health.down,
-            }));
+            sh.emit(&Metric::StoreHealth(health.record(rank)));
         }
         if rank == 0 || sh.world_threads == 1 {
             let mut out = sh.outcome.lock();

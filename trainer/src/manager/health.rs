@@ -22,6 +22,19 @@ pub struct StoreHealth {
     pub down: bool,
 }
 
+impl StoreHealth {
+    /// Rank `rank`'s `store_health` record of the metrics log.
+    pub fn record(&self, rank: u32) -> records::StoreHealth {
+        records::StoreHealth {
+            rank,
+            failed: self.failed,
+            skipped: self.skipped,
+            resumed: self.resumed,
+            down: self.down,
+        }
+    }
+}
+
 /// Errors of a store that may come back: worth skipping a checkpoint for, not stopping.
 pub(crate) fn store_failure(kind: ErrorKind) -> bool {
     matches!(kind, ErrorKind::Backend | ErrorKind::Io)
@@ -217,6 +230,8 @@ mod tests {
         }
         let s = h.snapshot();
         assert_eq!((s.skipped, s.resumed, s.down), (1, 1, false));
+        let r = s.record(4);
+        assert_eq!((r.rank, r.skipped, r.resumed, r.down), (4, 1, 1, false));
         let logged: Vec<_> = runtime()
             .block_on(records::read_records::<Event>(&store, "r"))
             .unwrap()
