@@ -3,11 +3,12 @@
 //! client (`ckpt.Heartbeat`, `ckpt.beat`), thin layers over `ckpt_recovery`'s `RankEnv` and
 //! `HeartbeatClient`. Outside a driver `resume_env()` is `None` and heartbeats cost nothing.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use ckpt_recovery::heartbeat::Workload;
 use ckpt_recovery::{HeartbeatClient, RankEnv};
 use ckpt_store::Error;
+use parking_lot::Mutex;
 use pyo3::prelude::*;
 
 use crate::err;
@@ -226,7 +227,7 @@ static PROCESS_BEAT: Mutex<Option<Arc<Option<HeartbeatClient>>>> = Mutex::new(No
 #[pyfunction]
 #[pyo3(signature = (step, loss=None, samples=1))]
 pub fn beat(py: Python<'_>, step: u64, loss: Option<f64>, samples: u64) -> PyResult<()> {
-    let existing = PROCESS_BEAT.lock().expect("not poisoned").clone();
+    let existing = PROCESS_BEAT.lock().clone();
     let hb = match existing {
         Some(hb) => hb,
         None => {
@@ -236,7 +237,6 @@ pub fn beat(py: Python<'_>, step: u64, loss: Option<f64>, samples: u64) -> PyRes
             };
             PROCESS_BEAT
                 .lock()
-                .expect("not poisoned")
                 .get_or_insert_with(|| Arc::new(client))
                 .clone()
         }

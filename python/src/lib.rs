@@ -280,8 +280,8 @@ impl Store {
         })?;
         Ok(RankWriter {
             store: self.store.clone(),
-            parts: std::sync::Mutex::new(Some(parts)),
-            lease: std::sync::Mutex::new(Some(lease)),
+            parts: parking_lot::Mutex::new(Some(parts)),
+            lease: parking_lot::Mutex::new(Some(lease)),
             index,
         })
     }
@@ -324,8 +324,8 @@ impl Store {
 #[pyclass(module = "ckpt._native", frozen)]
 struct RankWriter {
     store: ckpt_store::Store,
-    parts: std::sync::Mutex<Option<RankParts>>,
-    lease: std::sync::Mutex<Option<WriterLease>>,
+    parts: parking_lot::Mutex<Option<RankParts>>,
+    lease: parking_lot::Mutex<Option<WriterLease>>,
     index: DedupIndex,
 }
 
@@ -391,7 +391,6 @@ impl RankWriter {
         let mut parts = self
             .parts
             .lock()
-            .expect("not poisoned")
             .take()
             .ok_or_else(|| CkptError::new_err("this rank writer has finished"))?;
         let res = block(py, async {
@@ -399,7 +398,7 @@ impl RankWriter {
                 .put_rank_part(&mut parts, shards, blob_ins, &self.index)
                 .await
         });
-        *self.parts.lock().expect("not poisoned") = Some(parts);
+        *self.parts.lock() = Some(parts);
         stats_dict(py, &res?)
     }
 
@@ -409,10 +408,9 @@ impl RankWriter {
         let parts = self
             .parts
             .lock()
-            .expect("not poisoned")
             .take()
             .ok_or_else(|| CkptError::new_err("this rank writer has finished"))?;
-        let lease = self.lease.lock().expect("not poisoned").take();
+        let lease = self.lease.lock().take();
         let store = self.store.clone();
         let stats = block(py, async move {
             let res = store.write_rank_parts(parts).await;
@@ -429,7 +427,7 @@ impl Drop for RankWriter {
     fn drop(&mut self) {
         // A writer dropped without `finish` (a failed save) gives its lease back now rather
         // than when it lapses.
-        if let Some(l) = self.lease.lock().ok().and_then(|mut g| g.take()) {
+        if let Some(l) = self.lease.lock().take() {
             let store = self.store.clone();
             runtime().spawn(async move {
                 let _ = store.release_lease(l).await;

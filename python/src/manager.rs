@@ -12,7 +12,7 @@
 //! the snapshot is taken (the tensors may change from then on); the persist goes on in the
 //! background. The GIL is released for the snapshot, the persist and the restore.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use ckpt_store::placement::{Placement, Stage as PStage, TensorSpec};
@@ -21,6 +21,7 @@ use ckpt_trainer::{
     CheckpointManager, CheckpointerConfig, ManagerConfig, MemorySink, MemorySource, PinnedSource,
     SaveHandle, SaveReport, Scope, Stage, Stateful, TensorMemory,
 };
+use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -205,7 +206,7 @@ fn stage_name(s: &Stage) -> &'static str {
 #[pyclass(module = "ckpt._native", frozen)]
 pub struct Manager {
     inner: Mutex<CheckpointManager>,
-    blob: Arc<parking_lot::Mutex<Blob>>,
+    blob: Arc<Mutex<Blob>>,
     last: Mutex<Option<SaveHandle>>,
 }
 
@@ -257,7 +258,7 @@ impl Manager {
         let mut m = py
             .allow_threads(move || CheckpointManager::new(s, cfg))
             .map_err(err)?;
-        let blob = Arc::new(parking_lot::Mutex::new(Blob::default()));
+        let blob = Arc::new(Mutex::new(Blob::default()));
         m.register_stateful(PY_STATE_BLOB, Scope::Global, blob.clone())
             .map_err(err)?;
         Ok(Manager {
@@ -281,7 +282,7 @@ impl Manager {
         prepare: Py<PyAny>,
         agreed_stop: Option<bool>,
     ) -> PyResult<bool> {
-        let mut guard = self.inner.lock().expect("not poisoned");
+        let mut guard = self.inner.lock();
         let m: &mut CheckpointManager = &mut guard;
         m.set_agreed_stop(agreed_stop);
         let blob = self.blob.clone();
@@ -314,7 +315,7 @@ impl Manager {
         let h = res.map_err(err)?;
         let taken = h.as_ref().is_some_and(|h| !h.is_skipped());
         if let Some(h) = h {
-            *self.last.lock().expect("not poisoned") = Some(h);
+            *self.last.lock() = Some(h);
         }
         Ok(taken)
     }
@@ -327,7 +328,7 @@ impl Manager {
         py: Python<'py>,
         entries: Vec<Entry<'py>>,
     ) -> PyResult<Option<(u64, Bound<'py, PyBytes>)>> {
-        let mut guard = self.inner.lock().expect("not poisoned");
+        let mut guard = self.inner.lock();
         let m: &mut CheckpointManager = &mut guard;
         register(m, entries, true)?;
         let r = py.allow_threads(|| m.restore_latest());
@@ -344,7 +345,7 @@ impl Manager {
     /// its figures.
     #[pyo3(signature = (timeout_s=600.0))]
     fn wait<'py>(&self, py: Python<'py>, timeout_s: f64) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let Some(h) = self.last.lock().expect("not poisoned").clone() else {
+        let Some(h) = self.last.lock().clone() else {
             return Ok(None);
         };
         let committer = self.is_committer();
@@ -363,7 +364,7 @@ impl Manager {
 
     /// The figures of the last checkpoint taken so far (None before the first).
     fn last_report<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        match self.last.lock().expect("not poisoned").as_ref() {
+        match self.last.lock().as_ref() {
             Some(h) => report_dict(py, &h.report(), &h.stage()).map(Some),
             None => Ok(None),
         }
@@ -372,24 +373,24 @@ impl Manager {
     /// Whether SIGTERM (or `request_stop`) asked for a stop and the final checkpoint was taken.
     #[getter]
     fn should_stop(&self) -> bool {
-        self.inner.lock().expect("not poisoned").should_stop()
+        self.inner.lock().should_stop()
     }
 
     /// Whether SIGTERM arrived (or `request_stop` was called).
     #[getter]
     fn sigterm_received(&self) -> bool {
-        self.inner.lock().expect("not poisoned").sigterm_received()
+        self.inner.lock().sigterm_received()
     }
 
     /// Ask for a final checkpoint at the next `maybe_save`, as SIGTERM does.
     fn request_stop(&self) {
-        self.inner.lock().expect("not poisoned").request_stop();
+        self.inner.lock().request_stop();
     }
 
     /// Wait for the checkpoint in flight to commit (or persist, on a rank that does not
     /// commit) and for retention.
     fn finish(&self, py: Python<'_>) -> PyResult<()> {
-        let mut guard = self.inner.lock().expect("not poisoned");
+        let mut guard = self.inner.lock();
         let m: &mut CheckpointManager = &mut guard;
         py.allow_threads(|| m.finish()).map_err(err)
     }
@@ -397,11 +398,6 @@ impl Manager {
 
 impl Manager {
     fn is_committer(&self) -> bool {
-        self.inner
-            .lock()
-            .expect("not poisoned")
-            .checkpointer()
-            .config()
-            .committer
+        self.inner.lock().checkpointer().config().committer
     }
 }

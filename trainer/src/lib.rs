@@ -35,8 +35,7 @@ pub mod workload;
 pub use governor::GovernorConfig;
 pub use interval::AutoInterval;
 pub use manager::{
-    CheckpointManager, ManagerConfig, PersistFigures, Rollback, Scope, Stateful, StoreHealth,
-    TensorMemory, events,
+    CheckpointManager, ManagerConfig, Rollback, Scope, Stateful, StoreHealth, TensorMemory, events,
 };
 pub use memory::{HostTensor, HostView, MemorySink, MemorySource, PinnedSource, SourceVersion};
 pub use monitor::{Decision, Monitor, MonitorConfig, Observation, Spike, SpikeAction};

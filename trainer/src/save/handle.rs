@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use ckpt_recovery::records::CheckpointMetrics;
 use ckpt_store::{Error, ErrorKind, Result, Store};
 use parking_lot::{Condvar, Mutex};
 use serde::Serialize;
@@ -85,6 +86,25 @@ pub struct SaveReport {
     pub bytes_reused: u64,
     /// Staging in use at its peak during this save.
     pub staging_peak: usize,
+}
+
+/// A save's figures as the `checkpoint` record of the metrics log, without what only the loop
+/// knows (`rank`, `stall_s`: set them with struct update syntax).
+impl From<&SaveReport> for CheckpointMetrics {
+    fn from(r: &SaveReport) -> Self {
+        CheckpointMetrics {
+            step: r.step,
+            rank: None,
+            bytes: r.bytes,
+            stall_s: 0.0,
+            snapshot_s: r.snapshot_s,
+            persist_s: r.persist_s,
+            commit_s: r.commit_s,
+            bytes_written: r.bytes_written,
+            bytes_skipped: r.bytes_skipped,
+            staging_peak: r.staging_peak as u64,
+        }
+    }
 }
 
 #[derive(Debug)]

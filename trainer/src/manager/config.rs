@@ -1,0 +1,138 @@
+//! [`ManagerConfig`]: the settings of a [`CheckpointManager`](super::CheckpointManager).
+
+use std::time::Duration;
+
+use ckpt_store::{Error, Result};
+
+use crate::governor::GovernorConfig;
+use crate::interval::AutoInterval;
+use crate::monitor::MonitorConfig;
+use crate::save::CheckpointerConfig;
+
+/// Settings of a [`CheckpointManager`](super::CheckpointManager).
+#[derive(Debug, Clone)]
+pub struct ManagerConfig {
+    /// The checkpointer's settings (run, rank, layout, staging, back-pressure).
+    pub ckpt: CheckpointerConfig,
+    /// Save every N steps.
+    pub every_steps: Option<u64>,
+    /// Save when this much time passed since the last save.
+    pub every: Option<Duration>,
+    /// Choose the interval from the measured cost of a save and the run's failure rate
+    /// (Young/Daly, within bounds; [`crate::interval`]); replaces `every_steps` and `every`.
+    pub auto_interval: Option<AutoInterval>,
+    /// Keep the newest N committed steps.
+    pub keep_last: Option<usize>,
+    /// Keep steps that are multiples of K.
+    pub keep_every: Option<u64>,
+    /// Objects younger than this are never deleted by retention's sweep.
+    pub retention_grace: Duration,
+    /// Save a final checkpoint when SIGTERM arrives (preemption). A second SIGTERM ends the
+    /// process at once (exit status 143) whatever the final checkpoint is doing.
+    pub final_on_sigterm: bool,
+    /// The most the final checkpoint (after SIGTERM) may take, persist and commit together;
+    /// past it the save fails with an error naming what it waits for.
+    pub final_deadline: Duration,
+    /// Bytes in flight during a restore; also the size of the chunk cache that the ranks of
+    /// one process share while they restore (see [`shared_restore_cache`](super::shared_restore_cache)).
+    pub restore_budget: usize,
+    /// A directory the ranks of this node share while they restore (see
+    /// [`ckpt_store::NodeCache`]): each chunk is read from the store once per node. `None`:
+    /// each rank reads the store itself.
+    pub node_cache: Option<std::path::PathBuf>,
+    /// Loss-spike monitoring and its action (default: off). The manager sees a loss only
+    /// through [`CheckpointManager::observe`](super::CheckpointManager::observe).
+    pub monitor: MonitorConfig,
+    /// The step to resume from, exactly: what a supervisor chose (`ckpt resume` passes it to
+    /// the ranks as `CKPT_RESUME_STEP`; the program's entry point reads it into this field).
+    /// [`CheckpointManager::restore_latest`](super::CheckpointManager::restore_latest) restores it instead of the newest committed step,
+    /// which may be one the supervisor found damaged. `None`: the newest committed step.
+    pub resume_step: Option<u64>,
+    /// The persist governor (see [`crate::governor`]): when the steps that run beside a
+    /// persist are slower than its budget (default 10 %) than steps without one, it lowers
+    /// the persist's rate (down to a floor, so time to durable stays bounded), and raises it
+    /// again when they are not. The final checkpoint and every wait for a persist run at full
+    /// speed. `None`: persists always run at full speed.
+    pub persist_governor: Option<GovernorConfig>,
+}
+
+impl ManagerConfig {
+    /// Defaults around a checkpointer config.
+    pub fn new(ckpt: CheckpointerConfig) -> Self {
+        ManagerConfig {
+            ckpt,
+            every_steps: None,
+            every: None,
+            auto_interval: None,
+            keep_last: None,
+            keep_every: None,
+            retention_grace: Duration::from_secs(3600),
+            final_on_sigterm: true,
+            final_deadline: Duration::from_secs(300),
+            restore_budget: 256 << 20,
+            node_cache: None,
+            monitor: MonitorConfig::default(),
+            resume_step: None,
+            persist_governor: Some(GovernorConfig::default()),
+        }
+    }
+}
+
+impl ManagerConfig {
+    /// Check the settings of the parts that have their own (monitor, automatic interval,
+    /// persist governor).
+    pub(crate) fn validate(&self) -> Result<()> {
+        self.monitor
+            .validate()
+            .map_err(|e| Error::invalid(format!("monitor settings: {e}")))?;
+        if let Some(a) = &self.auto_interval {
+            a.validate()
+                .map_err(|e| Error::invalid(format!("automatic checkpoint interval: {e}")))?;
+        }
+        if let Some(g) = &self.persist_governor {
+            g.validate()
+                .map_err(|e| Error::invalid(format!("persist governor: {e}")))?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> ManagerConfig {
+        ManagerConfig::new(CheckpointerConfig::new(
+            "r",
+            0,
+            "dp=1,tp=1,pp=1".parse().unwrap(),
+        ))
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        let c = cfg();
+        c.validate().unwrap();
+        assert!(c.final_on_sigterm && c.persist_governor.is_some());
+        assert_eq!(c.retention_grace, Duration::from_secs(3600));
+    }
+
+    #[test]
+    fn each_part_checks_its_settings() {
+        let mut c = cfg();
+        c.auto_interval = Some(AutoInterval::new(0, 10, Duration::from_secs(1)));
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("automatic checkpoint interval"), "{e}");
+        let mut c = cfg();
+        c.persist_governor = Some(GovernorConfig {
+            budget: -1.0,
+            ..Default::default()
+        });
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("persist governor"), "{e}");
+        let mut c = cfg();
+        c.monitor.window = 0;
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("monitor settings"), "{e}");
+    }
+}

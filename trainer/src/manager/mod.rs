@@ -1,0 +1,499 @@
+//! [`CheckpointManager`]: what a training loop talks to.
+//!
+//! ```text
+//! let mut mgr = CheckpointManager::new(store, cfg)?;
+//! mgr.register(spec, held_box, memory)?;            // every tensor this rank holds
+//! mgr.register_stateful("data", Scope::Global, loader)?;
+//! let start = mgr.restore_latest()?.map_or(0, |s| s + 1);
+//! for step in start..steps {
+//!     forward_backward();
+//!     mgr.maybe_save(step)?;                        // interval policy; SIGTERM -> final save
+//!     optimizer_step();                             // waits only for tensors not yet copied
+//!     if mgr.should_stop() { break }
+//! }
+//! mgr.finish()?;
+//! ```
+//!
+//! With a monitor ([`ManagerConfig::monitor`], see [`crate::monitor`]), the loop reports each
+//! step's loss and acts on the decision:
+//!
+//! ```text
+//! match mgr.observe(&Observation::new(step, loss).batch(batch).grad_norm(g)) {
+//!     Decision::Continue | Decision::Alert(_) => {}
+//!     Decision::Rollback(spike) => {
+//!         // Restores the newest committed step before the spike (tensors, Stateful items
+//!         // and the monitor's window); the closure moves the data position past the spike.
+//!         let rb = mgr.rollback(&spike, |_| loader.skip_through(spike.batch))?;
+//!         next_step = rb.to_step + 1; // nothing of the spike's step is saved
+//!         continue;
+//!     }
+//!     Decision::Stop(stop) => return Err(stop.to_string()),
+//! }
+//! ```
+//!
+//! The manager is a handle over its parts, each in its own module:
+//!
+//! | module | owns |
+//! |---|---|
+//! | `config` | [`ManagerConfig`] and its checks |
+//! | `registry` | the registered tensors and [`Stateful`] items; what a save writes, what a restore fills |
+//! | `interval` | when a checkpoint is due: every N steps / so long, or the automatic interval's glue |
+//! | `health` | a failing store: failed saves reported, checkpoints skipped while it is down ([`StoreHealth`]) |
+//! | `pacing` | the persist governor's glue: step times in, rate changes and persist figures out |
+//! | `retention` | deleting old steps in the background after a commit |
+//! | `restore` | the step to resume from and reading a step into the registry ([`shared_restore_cache`]) |
+//! | `rollback` | the spike monitor, its records, and what a rollback restores ([`Rollback`]) |
+//! | `events` | the event kinds the manager writes and the writer of the run's events log |
+//! | `sigterm` | the SIGTERM handler ([`on_sigterm`]) and the stop flag |
+
+mod config;
+pub mod events;
+mod health;
+mod interval;
+mod pacing;
+mod registry;
+mod restore;
+mod retention;
+mod rollback;
+mod sigterm;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ckpt_recovery::records::{self, Event};
+use ckpt_store::{Error, ErrorKind, NdBox, Result, Store, TensorSpec};
+use parking_lot::Mutex;
+use tracing::{info, instrument};
+
+use crate::monitor::{Decision, Monitor, Observation, Spike};
+use crate::save::{Checkpointer, SaveHandle, SaveState, Stage, runtime};
+
+pub use config::ManagerConfig;
+pub use health::StoreHealth;
+pub use registry::{MONITOR_BLOB, Scope, Stateful, TensorMemory};
+pub use restore::shared_restore_cache;
+pub use rollback::Rollback;
+pub use sigterm::on_sigterm;
+
+use events::EventLog;
+use health::{Health, store_failure};
+use interval::Interval;
+use pacing::Pacing;
+use registry::Registry;
+use restore::Restorer;
+use retention::Retention;
+use rollback::Spikes;
+use sigterm::StopFlag;
+
+/// The training loop's checkpoint manager (see the module docs).
+pub struct CheckpointManager {
+    ckpt: Checkpointer,
+    cfg: ManagerConfig,
+    registry: Registry,
+    /// The step saved or restored last.
+    last_saved_step: Option<u64>,
+    stop: StopFlag,
+    interval: Interval,
+    health: Health,
+    pacing: Pacing,
+    retention: Retention,
+    restorer: Restorer,
+    spikes: Spikes,
+    events: EventLog,
+}
+
+impl std::fmt::Debug for CheckpointManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CheckpointManager({:?})", self.ckpt)
+    }
+}
+
+impl CheckpointManager {
+    /// A manager for one rank.
+    pub fn new(store: Store, cfg: ManagerConfig) -> Result<Self> {
+        cfg.validate()?;
+        let ckpt = Checkpointer::new(store.clone(), cfg.ckpt.clone())?;
+        Ok(CheckpointManager {
+            ckpt,
+            registry: Registry::default(),
+            last_saved_step: None,
+            stop: StopFlag::new(cfg.final_on_sigterm)?,
+            interval: Interval::new(&cfg),
+            health: Health::default(),
+            pacing: Pacing::new(cfg.persist_governor.clone(), cfg.ckpt.rank),
+            retention: Retention::new(&cfg),
+            restorer: Restorer::new(&cfg),
+            spikes: Spikes::new(cfg.monitor.clone()),
+            events: EventLog::new(store, &cfg.ckpt.run, cfg.ckpt.rank),
+            cfg,
+        })
+    }
+
+    /// The checkpointer underneath.
+    pub fn checkpointer(&self) -> &Checkpointer {
+        &self.ckpt
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Store {
+        self.ckpt.store()
+    }
+
+    /// Register a tensor: its spec (with its placement), the box this rank holds in memory,
+    /// and that memory. A save writes the boxes placement assigns to this rank under the
+    /// current layout (cut out of the held box); a restore fills the whole held box.
+    pub fn register(
+        &mut self,
+        spec: TensorSpec,
+        held: NdBox,
+        memory: Arc<dyn TensorMemory>,
+    ) -> Result<()> {
+        self.registry.register(spec, held, memory)
+    }
+
+    /// Register a tensor whose shards were placed by the caller, outside the placement rules
+    /// (PyTorch's DTensor: the framework decided who holds which box): a save writes exactly
+    /// the held box, by this rank, or by rank `replica_of` when this rank holds a replica of
+    /// that rank's box (every holder must name the same writer). A restore fills the held box
+    /// from whatever boxes the step was saved in, as for [`CheckpointManager::register`].
+    pub fn register_held(
+        &mut self,
+        spec: TensorSpec,
+        held: NdBox,
+        memory: Arc<dyn TensorMemory>,
+        replica_of: Option<u32>,
+    ) -> Result<()> {
+        self.registry
+            .register_held(&self.cfg.ckpt, spec, held, memory, replica_of)
+    }
+
+    /// Forget every registered tensor: a loop whose tensors were replaced (new memory, other
+    /// boxes) registers them again before its next save or restore.
+    pub fn clear_tensors(&mut self) {
+        self.registry.clear_tensors();
+    }
+
+    /// The number of registered tensors.
+    pub fn registered(&self) -> usize {
+        self.registry.tensor_count()
+    }
+
+    /// Register non-tensor state.
+    pub fn register_stateful(
+        &mut self,
+        name: &str,
+        scope: Scope,
+        item: Arc<Mutex<dyn Stateful>>,
+    ) -> Result<()> {
+        self.registry.register_stateful(name, scope, item)
+    }
+
+    /// Whether a SIGTERM asked the job to stop (after its final checkpoint).
+    pub fn should_stop(&self) -> bool {
+        self.stop.stopped()
+    }
+
+    /// Ask for a stop as if SIGTERM had arrived.
+    pub fn request_stop(&self) {
+        self.stop.request();
+    }
+
+    /// For ranks that agree on stopping among themselves (each reads
+    /// [`CheckpointManager::sigterm_received`], then they reduce it): the agreed decision, which
+    /// the next `maybe_save` follows instead of this rank's own flag, so a SIGTERM arriving
+    /// between the agreement and the save cannot make one rank stop alone. `None` goes back to
+    /// the flag. Taken by the next `maybe_save`.
+    pub fn set_agreed_stop(&mut self, stop: Option<bool>) {
+        self.stop.agree(stop);
+    }
+
+    /// Whether SIGTERM has arrived.
+    pub fn sigterm_received(&self) -> bool {
+        self.stop.received()
+    }
+
+    /// Save if the interval policy says so, or a final checkpoint if SIGTERM arrived (then
+    /// wait for it, at full speed, and make [`CheckpointManager::should_stop`] true). Called
+    /// once a step, it also times the steps for the persist governor.
+    pub fn maybe_save(&mut self, step: u64) -> Result<Option<SaveHandle>> {
+        self.maybe_save_with(step, |_| Ok(()))
+    }
+
+    /// [`CheckpointManager::maybe_save`] that calls `prepare` right before a checkpoint is
+    /// taken, and only then: a loop whose state is not registered once for the whole run (a
+    /// PyTorch state dict, handed over every step) registers it there
+    /// ([`CheckpointManager::clear_tensors`], [`CheckpointManager::register_held`]) and sets
+    /// its [`Stateful`] items, so a step without a checkpoint costs nothing of that. An error
+    /// of `prepare` is the call's.
+    pub fn maybe_save_with(
+        &mut self,
+        step: u64,
+        prepare: impl FnOnce(&mut Self) -> Result<()>,
+    ) -> Result<Option<SaveHandle>> {
+        self.pacing
+            .step_began(step, self.ckpt.persist_rate(), &mut self.events);
+        let r = self.decide_and_save(step, prepare);
+        self.pacing.step_ended();
+        r
+    }
+
+    /// `maybe_save`'s decisions in order: the final checkpoint after SIGTERM; whether one is
+    /// due; whether the store is down; then the save.
+    fn decide_and_save(
+        &mut self,
+        step: u64,
+        prepare: impl FnOnce(&mut Self) -> Result<()>,
+    ) -> Result<Option<SaveHandle>> {
+        let term = self.stop.take_due();
+        if self.cfg.final_on_sigterm && term {
+            return self.final_checkpoint(step, prepare).map(Some);
+        }
+        let due = self.interval.due(
+            step,
+            self.last_saved_step,
+            self.ckpt.store(),
+            &self.cfg.ckpt,
+            &mut self.events,
+        );
+        if !due || self.last_saved_step == Some(step) {
+            return Ok(None);
+        }
+        self.interval.note_due(step);
+        let run = &self.cfg.ckpt.run;
+        let skip = self
+            .health
+            .skip_reason(step, self.ckpt.store(), run, &mut self.events);
+        if let Some(why) = skip {
+            self.health.skip(step, &why, &mut self.events);
+            return Ok(None);
+        }
+        prepare(self)?;
+        self.save_watched(step)
+    }
+
+    /// The final checkpoint after SIGTERM, waited for at full speed; the loop stops after it.
+    fn final_checkpoint(
+        &mut self,
+        step: u64,
+        prepare: impl FnOnce(&mut Self) -> Result<()>,
+    ) -> Result<SaveHandle> {
+        info!(step, "SIGTERM: taking a final checkpoint");
+        // The final checkpoint, and the persist it may wait for, run at full speed.
+        let _fast = self.ckpt.persist_rate().full_speed();
+        prepare(self)?;
+        let h = self.save_now(step)?;
+        self.stop.set_stopped();
+        h.wait_committed(self.final_wait())?;
+        Ok(h)
+    }
+
+    /// A due checkpoint: saved and watched for a failure in the store; one that fails in the
+    /// store at once is skipped (the store is taken as down), not the loop's error.
+    fn save_watched(&mut self, step: u64) -> Result<Option<SaveHandle>> {
+        match self.save_now(step) {
+            Ok(h) => {
+                // The save may have waited for the one before it to fail.
+                self.health.report_failed(step, &mut self.events);
+                self.health.watch(h.clone());
+                Ok(Some(h))
+            }
+            Err(e) if store_failure(e.kind()) => {
+                self.health.mark_down(step, &mut self.events);
+                self.health.skip(step, &e.to_string(), &mut self.events);
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The figures of the persists the governor saw end since the last call (oldest first),
+    /// as the `persist` records of the metrics log.
+    pub fn take_persist_figures(&mut self) -> Vec<records::PersistMetrics> {
+        self.pacing.take_figures()
+    }
+
+    /// The persist governor's current rate, raw bytes/s (`None`: no limit, or no governor).
+    pub fn persist_rate(&self) -> Option<u64> {
+        self.ckpt.persist_rate().get()
+    }
+
+    /// How checkpointing fared against a failing store.
+    pub fn store_health(&self) -> StoreHealth {
+        self.health.snapshot()
+    }
+
+    /// The boxes this rank saves under the current layout.
+    pub fn save_state(&self) -> Result<SaveState> {
+        self.registry
+            .save_state(&self.cfg.ckpt, &self.spikes.monitor)
+    }
+
+    /// Save `step` now. After a save of this writer was fenced (a newer generation of the run
+    /// took over), every later save fails with that error at once: a fenced writer stops.
+    pub fn save_now(&mut self, step: u64) -> Result<SaveHandle> {
+        if let Some(Stage::Failed(f)) = self.ckpt.last().map(|h| h.stage())
+            && f.kind == ErrorKind::Fenced
+        {
+            return Err(Error::new(
+                ErrorKind::Fenced,
+                format!("not saving step {step}: {}", f.message),
+            ));
+        }
+        self.retention.apply(&self.ckpt);
+        let t0 = Instant::now();
+        let state = self.save_state()?;
+        let h = self.ckpt.save(step, state)?;
+        self.pacing
+            .save_started(&h, self.ckpt.persist_rate(), &mut self.events);
+        self.last_saved_step = Some(step);
+        self.interval.saved(
+            step,
+            &h,
+            t0,
+            self.ckpt.store(),
+            &self.cfg.ckpt,
+            &mut self.events,
+        );
+        Ok(h)
+    }
+
+    /// The step a resume restores: [`ManagerConfig::resume_step`] when set (it must be
+    /// committed), else the newest committed step, if any.
+    pub fn resume_target(&self) -> Result<Option<u64>> {
+        self.restorer
+            .resume_target(self.ckpt.store(), &self.cfg.ckpt.run)
+    }
+
+    /// Restore the step to resume from ([`CheckpointManager::resume_target`]: the configured
+    /// resume step, else the newest committed one), if any; returns its number.
+    /// This rank's generation is joined first (see [`Checkpointer::join_generation`]), so a
+    /// job resumed while an older one still runs fences the older one before it chooses.
+    pub fn restore_latest(&mut self) -> Result<Option<u64>> {
+        self.ckpt.join_generation()?;
+        match self.resume_target()? {
+            None => Ok(None),
+            Some(step) => self.restore(step).map(|_| Some(step)),
+        }
+    }
+
+    /// Restore `step` onto the held boxes of every registered tensor and the stateful items,
+    /// whatever layout saved it. A failure because of the data (an object missing or
+    /// damaged: `NotFound`, `Corrupt`) is also logged as a `restore_failed` event.
+    pub fn restore(&mut self, step: u64) -> Result<()> {
+        // A restore starts (or joins) this rank's generation before anything of it is saved.
+        self.ckpt.join_generation()?;
+        let r = self.restore_inner(step);
+        if let Err(e) = &r
+            && matches!(e.kind(), ErrorKind::NotFound | ErrorKind::Corrupt)
+        {
+            let cfg = &self.cfg.ckpt;
+            let rec = Event::RestoreFailed(records::RestoreFailed {
+                step,
+                rank: cfg.rank,
+                generation: cfg.generation,
+                error_kind: e.kind().as_str().to_string(),
+                error: e.to_string(),
+            });
+            self.events.log(rec);
+        }
+        r
+    }
+
+    /// Read `step`, then re-base the parts on it: the dedup base, the interval's count, the
+    /// governor's step timing.
+    fn restore_inner(&mut self, step: u64) -> Result<()> {
+        let mut r = self.restorer.restore(
+            self.ckpt.store(),
+            &self.cfg.ckpt,
+            step,
+            &self.registry,
+            &mut self.spikes.monitor,
+        )?;
+        if let Some(m) = &r.manifest {
+            self.ckpt.seed_dedup(m);
+        }
+        self.last_saved_step = Some(step);
+        self.interval.restored(step);
+        self.pacing.restored();
+        r.finish();
+        self.events.log(Event::Restore(r.record.clone()));
+        r.trace();
+        Ok(())
+    }
+
+    /// The spike monitor.
+    pub fn monitor(&self) -> &Monitor {
+        &self.spikes.monitor
+    }
+
+    /// Report a step's loss (and batch, gradient norm) to the monitor and get what to do. A
+    /// spike is logged (a tracing warning and a `spike` record in the run's events log), and a
+    /// stop also gets a `stop` record with the rollback history. Call it before saving the
+    /// step: a spike's state must not be checkpointed. Does nothing with the action `off`.
+    pub fn observe(&mut self, o: &Observation) -> Decision {
+        self.spikes.observe(o, &self.cfg.ckpt.run, &mut self.events)
+    }
+
+    /// Roll back after `spike`: wait for the save in flight, restore the newest committed step
+    /// before the spike (tensors, [`Stateful`] items, the monitor's window; the rollback
+    /// history is kept), then call `skip_data(restored_step)`, which moves the loop's data
+    /// position past the spike's batch and returns the batches it skipped. Logs a `rollback`
+    /// record when this manager decided the rollback. Every rank of the job calls it for the
+    /// same spike. Without a committed step before the spike, logs a `stop` and fails.
+    #[instrument(skip_all, fields(run = %self.cfg.ckpt.run, from_step = spike.step))]
+    pub fn rollback(
+        &mut self,
+        spike: &Spike,
+        skip_data: impl FnOnce(u64) -> Option<(u64, u64)>,
+    ) -> Result<Rollback> {
+        let run = self.cfg.ckpt.run.clone();
+        if let Some(h) = self.ckpt.last() {
+            rollback::settle(&h, self.store(), &run, self.cfg.ckpt.commit_timeout);
+        }
+        let steps = runtime().block_on(self.store().list_steps(&run))?;
+        let target =
+            rollback::rollback_target(steps.iter().map(|s| (s.step, s.committed)), spike.step);
+        let logs = self.spikes.decided(spike);
+        let Some(to) = target else {
+            return Err(self.spikes.no_checkpoint(spike, &run, &mut self.events));
+        };
+        let history = self.spikes.monitor.history().to_vec();
+        self.restore(to)?;
+        self.spikes.keep_history(history);
+        let skipped = skip_data(to);
+        Ok(self
+            .spikes
+            .rolled_back(spike, to, skipped, logs, &mut self.events))
+    }
+
+    /// How long a save may still take: the commit timeout, or the final deadline once SIGTERM
+    /// has arrived.
+    fn final_wait(&self) -> Duration {
+        if self.sigterm_received() {
+            self.cfg.final_deadline.min(self.cfg.ckpt.commit_timeout)
+        } else {
+            self.cfg.ckpt.commit_timeout
+        }
+    }
+
+    /// Wait for the save in flight to commit (or fail), at full speed, and for retention;
+    /// within the commit timeout (the final deadline after SIGTERM). The governed persist's
+    /// figures are then ready ([`CheckpointManager::take_persist_figures`]).
+    pub fn finish(&mut self) -> Result<()> {
+        if let Some(h) = self.ckpt.last() {
+            // At full speed (the handle's waits lift the governor's limit).
+            let within = self.final_wait();
+            if self.cfg.ckpt.committer {
+                h.wait_committed(within)?;
+            } else {
+                h.wait_persisted_within(within)?;
+            }
+            self.pacing
+                .persist_ended(h.step(), self.ckpt.persist_rate(), &mut self.events);
+        }
+        self.retention.wait();
+        // Events that waited while the store was down.
+        self.events.flush();
+        Ok(())
+    }
+}

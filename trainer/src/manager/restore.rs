@@ -1,0 +1,266 @@
+//! Restoring a step onto what a rank registered: [`Restorer`] chooses the step to resume from
+//! and reads a step into the registered tensors (through the process's shared chunk cache, the
+//! node's cache and the peer replicas), the [`Stateful`](super::Stateful) items and the
+//! monitor's window; the manager then re-bases its other parts on the step.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Weak};
+use std::time::Instant;
+
+use ckpt_recovery::peer::PeerSource;
+use ckpt_recovery::records;
+use ckpt_store::{ChunkCache, Error, RankManifest, ReadStats, Result, StepReader, Store};
+use parking_lot::Mutex;
+use tracing::{info, warn};
+
+use super::ManagerConfig;
+use super::registry::{MONITOR_BLOB, Registry};
+use crate::monitor::{Monitor, MonitorState};
+use crate::restore::restore_targets;
+use crate::save::{CheckpointerConfig, runtime};
+
+/// The chunk cache that every restore running in this process at the same time shares.
+///
+/// Ranks run as threads of one process (one process per node, or the reference workload)
+/// restore at about the same time; after a reshard their boxes cut the same chunks (a
+/// tensor-parallel split along columns needs a part of every row, so every chunk of the old
+/// shard), and each chunk is then fetched and decoded once instead of once per rank. Chunks
+/// are content-addressed, so sharing across stores and runs is sound. The cache lives while
+/// some restore holds it and is freed when the last one ends; `cap` sizes a new one. A caller
+/// that restores ranks one after another holds the returned cache across them.
+pub fn shared_restore_cache(cap: usize) -> Arc<ChunkCache> {
+    static CACHE: Mutex<Weak<ChunkCache>> = Mutex::new(Weak::new());
+    let mut slot = CACHE.lock();
+    if let Some(c) = slot.upgrade() {
+        return c;
+    }
+    let c = ChunkCache::new(cap as u64);
+    *slot = Arc::downgrade(&c);
+    c
+}
+
+/// The restore settings of a manager.
+pub(crate) struct Restorer {
+    /// Bytes in flight; also the size of the shared chunk cache.
+    budget: usize,
+    /// The node's shared restore cache.
+    node_cache: Option<PathBuf>,
+    /// The step to resume from, exactly.
+    resume_step: Option<u64>,
+}
+
+/// A step restored: what the manager logs, and this rank's manifest when the layout is the
+/// same (the next save's dedup base).
+pub(crate) struct Restored {
+    pub(crate) record: records::Restore,
+    pub(crate) manifest: Option<Arc<RankManifest>>,
+    stats: ReadStats,
+    cache: Arc<ChunkCache>,
+    t0: Instant,
+}
+
+impl Restored {
+    /// Stamp the restore's duration (taken once the manager re-based its parts on the step).
+    pub(crate) fn finish(&mut self) {
+        self.record.seconds = self.t0.elapsed().as_secs_f64();
+    }
+
+    /// The `restored` trace line.
+    pub(crate) fn trace(&self) {
+        let (hits, misses) = self.cache.counts();
+        let (s, r) = (&self.stats, &self.record);
+        info!(
+            step = r.step,
+            bytes = s.bytes_copied,
+            from_peers = s.source_bytes,
+            from_store = s.stored_bytes,
+            from_node = s.node_bytes,
+            chunks = s.chunks,
+            cache_hits = hits,
+            cache_misses = misses,
+            seconds = r.seconds,
+            from = %r.from_layout,
+            to = %r.to_layout,
+            "restored"
+        );
+    }
+}
+
+impl Restorer {
+    /// The settings of `cfg`.
+    pub(crate) fn new(cfg: &ManagerConfig) -> Self {
+        Restorer {
+            budget: cfg.restore_budget,
+            node_cache: cfg.node_cache.clone(),
+            resume_step: cfg.resume_step,
+        }
+    }
+
+    /// The step a resume restores: the resume step when set (it must be committed), else the
+    /// newest committed step of `run`, if any.
+    pub(crate) fn resume_target(&self, store: &Store, run: &str) -> Result<Option<u64>> {
+        match self.resume_step {
+            Some(step) => {
+                if !runtime().block_on(store.exists(&store.keys().commit(run, step)))? {
+                    return Err(Error::not_found(format!(
+                        "the resume step {step} of run {run} is not committed (CKPT_RESUME_STEP or ManagerConfig::resume_step)"
+                    )));
+                }
+                Ok(Some(step))
+            }
+            None => runtime().block_on(store.latest_committed(run)),
+        }
+    }
+
+    /// Read `step` into `registry`'s tensors and items and `monitor` (when enabled), whatever
+    /// layout saved it.
+    pub(crate) fn restore(
+        &self,
+        store: &Store,
+        cfg: &CheckpointerConfig,
+        step: u64,
+        registry: &Registry,
+        monitor: &mut Monitor,
+    ) -> Result<Restored> {
+        let t0 = Instant::now();
+        let cache = shared_restore_cache(self.budget);
+        let reader = self.open(store, cfg, step, registry, &cache)?;
+        let targets = registry.restore_targets()?;
+        let stats = runtime().block_on(restore_targets(&reader, &targets, self.budget))?;
+        let same_layout = reader.commit().layout == cfg.layout;
+        registry.load_stateful(&reader, cfg, same_layout)?;
+        if monitor.enabled() {
+            restore_monitor(&reader, monitor, cfg, same_layout)?;
+        }
+        let manifest = if same_layout {
+            Some(runtime().block_on(reader.manifest(cfg.rank))?)
+        } else {
+            None
+        };
+        let record = records::Restore {
+            step,
+            rank: cfg.rank,
+            generation: cfg.generation,
+            from_layout: reader.commit().layout.to_string(),
+            to_layout: cfg.layout.to_string(),
+            bytes: stats.bytes_copied,
+            bytes_from_peers: stats.source_bytes,
+            bytes_from_store: stats.stored_bytes,
+            bytes_from_node: stats.node_bytes,
+            seconds: 0.0,
+        };
+        Ok(Restored {
+            record,
+            manifest,
+            stats,
+            cache,
+            t0,
+        })
+    }
+
+    /// A reader of `step` for the registered tensors, with the shared cache, the node's cache
+    /// and the peer replicas in front of the store.
+    fn open(
+        &self,
+        store: &Store,
+        cfg: &CheckpointerConfig,
+        step: u64,
+        registry: &Registry,
+        cache: &Arc<ChunkCache>,
+    ) -> Result<StepReader> {
+        let mut reader = runtime()
+            // Only the record's parts that hold this rank's tensors (format 5): the metadata a
+            // rank reads does not grow with the world.
+            .block_on(StepReader::open_tensors(
+                store,
+                &cfg.run,
+                step,
+                registry.tensor_names(),
+            ))?
+            .with_cache(cache.clone());
+        if let Some(dir) = &self.node_cache {
+            match ckpt_store::NodeCache::open(dir) {
+                Ok(n) => reader = reader.with_node_cache(Arc::new(n)),
+                Err(e) => warn!("restoring without the node's shared cache: {e}"),
+            }
+        }
+        // Replica agents first (memory of the surviving nodes), the store for the rest.
+        if let Some(link) = cfg.peer.as_ref().filter(|l| !l.peers.is_empty()) {
+            reader = reader.with_source(PeerSource::new(&link.peers, &link.secret));
+        }
+        Ok(reader)
+    }
+}
+
+/// The monitor's window and history from `reader`: this rank's when the layout is the same,
+/// rank 0's otherwise; a fresh window (a new warm-up) when the step has none.
+fn restore_monitor(
+    reader: &StepReader,
+    monitor: &mut Monitor,
+    cfg: &CheckpointerConfig,
+    same_layout: bool,
+) -> Result<()> {
+    let blob = format!("rank/{MONITOR_BLOB}");
+    let rank = if same_layout { cfg.rank } else { 0 };
+    let m = runtime().block_on(reader.manifest(rank))?;
+    if !m.blobs.iter().any(|b| b.name == blob) {
+        info!(
+            step = reader.commit().step,
+            "the checkpoint has no monitor state: the spike monitor warms up again"
+        );
+        monitor.reset_window();
+        return Ok(());
+    }
+    let bytes = runtime().block_on(reader.read_blob(rank, &blob))?;
+    let state: MonitorState = serde_json::from_slice(&bytes).map_err(|e| {
+        Error::corrupt(format!(
+            "monitor state of rank {rank} at step {} of run {}: {e}",
+            reader.commit().step,
+            cfg.run
+        ))
+    })?;
+    monitor.load_state(state);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::monitor::MonitorConfig;
+
+    #[test]
+    fn restores_at_the_same_time_share_one_cache() {
+        let a = shared_restore_cache(1 << 20);
+        let b = shared_restore_cache(2 << 20);
+        assert!(Arc::ptr_eq(&a, &b));
+        drop((a, b));
+    }
+
+    #[test]
+    fn a_resume_step_must_be_committed() {
+        let store = Store::memory();
+        let mut cfg = ManagerConfig::new(CheckpointerConfig::new(
+            "r",
+            0,
+            "dp=1,tp=1,pp=1".parse().unwrap(),
+        ));
+        assert_eq!(
+            Restorer::new(&cfg).resume_target(&store, "r").unwrap(),
+            None
+        );
+        cfg.resume_step = Some(7);
+        let e = Restorer::new(&cfg).resume_target(&store, "r").unwrap_err();
+        assert_eq!(e.kind(), ckpt_store::ErrorKind::NotFound);
+        assert!(e.to_string().contains("resume step 7"), "{e}");
+    }
+
+    #[test]
+    fn nothing_registered_nothing_to_read() {
+        let store = Store::memory();
+        let cfg = CheckpointerConfig::new("r", 0, "dp=1,tp=1,pp=1".parse().unwrap());
+        let mut monitor = Monitor::new(MonitorConfig::default());
+        let r = Restorer::new(&ManagerConfig::new(cfg.clone()));
+        let e = r.restore(&store, &cfg, 3, &Registry::default(), &mut monitor);
+        assert!(e.is_err(), "step 3 was never saved");
+    }
+}
