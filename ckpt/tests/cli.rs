@@ -683,7 +683,7 @@ async fn export_matches_the_view_and_import_round_trips(env: Env) {
     // --dtype bf16: floats convert (round to nearest even), integers keep their dtype.
     let out3 = dir.path().join("bf16");
     let mut args = ExportArgs::new(CkptRef::at("train", 20), &out3);
-    args.dtype = Some(ckpt::cli::stats::FloatDType::Bf16);
+    args.dtype = Some(ckpt::cli::shared::values::FloatDType::Bf16);
     args.exclude = vec!["optim.exp_avg.*".into()];
     export(&env.store, &args, &q()).await.unwrap();
     let b = std::fs::read(out3.join("model.safetensors")).unwrap();

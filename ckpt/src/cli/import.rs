@@ -17,7 +17,9 @@ use std::fmt as stdfmt;
 use std::io::{Read, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -31,7 +33,7 @@ use serde::de::{Deserializer, MapAccess, Visitor};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::fmt;
+use super::shared::fmt;
 use super::{CliError, Report, Result, Ui};
 
 /// The largest header accepted, as in the reference implementation.
@@ -420,7 +422,7 @@ async fn seed_index(store: &Store, index: &DedupIndex) -> Result<()> {
             let Ok(Some(step)) = store.latest_committed(&run).await else {
                 return Vec::new();
             };
-            super::readable_manifests(store, &run, step).await
+            super::shared::readable_manifests(store, &run, step).await
         })
         .buffer_unordered(8)
         .flat_map(stream::iter)
@@ -574,7 +576,7 @@ pub async fn import(store: &Store, args: &ImportArgs, ui: &Ui) -> Result<ImportR
                 let file = match std::fs::File::open(&f.path) {
                     Ok(x) => x,
                     Err(e) => {
-                        *failure.lock().expect("failure slot") = Some(CliError::error(format!(
+                        *failure.lock() = Some(CliError::error(format!(
                             "opening {}: {e}",
                             f.path.display()
                         )));
@@ -592,13 +594,11 @@ pub async fn import(store: &Store, args: &ImportArgs, ui: &Ui) -> Result<ImportR
                         if let Err(e) =
                             file.read_exact_at(&mut buf, f.data_start + t.begin + r.start)
                         {
-                            *failure.lock().expect("failure slot") = Some(CliError::error(
-                                format!(
-                                    "reading tensor \"{}\" from {}: {e} (was the file changed while importing?)",
-                                    fmt::name(&t.name),
-                                    f.path.display()
-                                ),
-                            ));
+                            *failure.lock() = Some(CliError::error(format!(
+                                "reading tensor \"{}\" from {}: {e} (was the file changed while importing?)",
+                                fmt::name(&t.name),
+                                f.path.display()
+                            )));
                             return;
                         }
                         pb.inc(buf.len() as u64);
@@ -637,7 +637,7 @@ pub async fn import(store: &Store, args: &ImportArgs, ui: &Ui) -> Result<ImportR
     let put = store.put_chunks(chunks, &index).await;
     let _ = reader.join();
     pb.finish_and_clear();
-    if let Some(e) = failure.lock().expect("failure slot").take() {
+    if let Some(e) = failure.lock().take() {
         return Err(e);
     }
     let put = put?;
