@@ -1,9 +1,11 @@
 //! The store as every subcommand sees it: opening it from `--store`, resolving a checkpoint
 //! name against it with errors that say what exists instead (a run's committed steps, the
-//! runs a store holds), and reading a step's rank manifests.
+//! runs a store holds, why a run has no committed step yet), and reading a step's rank
+//! manifests.
 
 use std::sync::Arc;
 
+use ckpt_store::records::{Event, Logged, Metric, read_records};
 use ckpt_store::{ErrorKind, OpenOptions, RankManifest, StepReader, Store};
 use futures::{StreamExt, TryStreamExt, stream};
 
@@ -45,15 +47,56 @@ pub async fn resolve(store: &Store, ckpt: &CkptRef) -> Result<u64> {
     }
 }
 
-/// The error for a run the store does not hold, naming the runs it does hold.
+/// The error for a run with no step in the store: one it does not hold at all (naming the
+/// runs it does hold), or one that has logs and no step yet (saying why, when its logs do).
 pub async fn no_such_run(store: &Store, run: &str) -> CliError {
     let runs = store.list_runs().await.unwrap_or_default();
+    if runs.iter().any(|r| r == run) {
+        return no_step_yet(store, run).await;
+    }
     let known = if runs.is_empty() {
         format!("the store {} holds no runs", store.url())
     } else {
         format!("known runs: {}", runs.join(", "))
     };
     CliError::error(format!("no run named {run} ({known})"))
+}
+
+/// The error for a run the store holds only the logs of (its first checkpoint is being saved,
+/// or failed): with the newest failed save's error, from the run's events log (or, from a
+/// writer that logs it there, its metrics log).
+async fn no_step_yet(store: &Store, run: &str) -> CliError {
+    let events = read_records::<Event>(store, run).await.unwrap_or_default();
+    let metrics = read_records::<Metric>(store, run).await.unwrap_or_default();
+    let failed = events
+        .into_iter()
+        .filter_map(|Logged { t_ms, record }| match record {
+            Event::CheckpointFailed(f) => Some((t_ms, f)),
+            _ => None,
+        })
+        .chain(
+            metrics
+                .into_iter()
+                .filter_map(|Logged { t_ms, record }| match record {
+                    Metric::CheckpointFailed(f) => Some((t_ms, f)),
+                    _ => None,
+                }),
+        )
+        .max_by_key(|(t_ms, _)| *t_ms);
+    match failed {
+        Some((_, f)) => CliError::error(format!(
+            "run {run} has no committed step yet: its newest save (step {}) failed: {}",
+            f.step, f.error
+        ))
+        .hint(format!(
+            "the run's events log says why saves fail; once the store takes them, \
+             `ckpt ls {run}` lists its steps"
+        )),
+        None => CliError::error(format!(
+            "run {run} has no committed step yet (the store holds only its logs)"
+        ))
+        .hint("its first checkpoint may still be saving; `ckpt ls` lists the runs"),
+    }
 }
 
 /// The error for a step that is not committed, naming what the run does have.
