@@ -598,68 +598,10 @@ impl Report for DiffReport {
                 b.unchanged
             )?;
         }
-        let list = |title: &str, sign: &str, v: &[TensorBrief], w: &mut dyn Write| {
-            if v.is_empty() {
-                return Ok(());
-            }
-            writeln!(w, "{title}:")?;
-            let mut t = Table::new(&[
-                ("", Align::Left),
-                ("TENSOR", Align::Left),
-                ("DTYPE", Align::Left),
-                ("SHAPE", Align::Left),
-                ("SIZE", Align::Right),
-            ]);
-            for x in v {
-                t.row(vec![
-                    sign.into(),
-                    fmt::name(&x.name),
-                    x.dtype.clone(),
-                    fmt::shape(&x.shape),
-                    fmt::bytes(x.bytes),
-                ]);
-            }
-            write!(w, "{}", t.render())
-        };
-        list("added", "+", &self.added, w)?;
-        list("removed", "-", &self.removed, w)?;
+        print_briefs("added", "+", &self.added, w)?;
+        print_briefs("removed", "-", &self.removed, w)?;
         if !self.changed.is_empty() {
-            writeln!(w, "changed:")?;
-            let mut t = Table::new(&[
-                ("", Align::Left),
-                ("TENSOR", Align::Left),
-                ("CHANGE", Align::Left),
-                ("DIFFER", Align::Right),
-                ("ELEMENTS", Align::Right),
-                ("MAX |A-B|", Align::Right),
-                ("CHUNKS SHARED", Align::Right),
-            ]);
-            for c in &self.changed {
-                let change = match c.what.as_str() {
-                    "values" => format!("{} {}", c.dtype_b, fmt::shape(&c.shape_b)),
-                    "unknown" => "saved under another layout: compare without --quick".into(),
-                    _ => format!(
-                        "{} {} -> {} {}",
-                        c.dtype_a,
-                        fmt::shape(&c.shape_a),
-                        c.dtype_b,
-                        fmt::shape(&c.shape_b)
-                    ),
-                };
-                t.row(vec![
-                    "~".into(),
-                    fmt::name(&c.name),
-                    change,
-                    match c.bytes_differ {
-                        Some(n) => format!("{} of {}", fmt::bytes(n), fmt::bytes(c.bytes)),
-                        None => "?".into(),
-                    },
-                    c.elements_differ.map_or("-".into(), |e| e.to_string()),
-                    c.max_abs_diff.map_or("-".into(), |m| format!("{m:.4e}")),
-                    format!("{}/{}", c.chunks_shared, c.chunks_total),
-                ]);
-            }
-            write!(w, "{}", t.render())?;
+            print_changed(&self.changed, w)?;
         }
         for (title, v) in [
             ("blobs added", &b.added),
@@ -672,6 +614,77 @@ impl Report for DiffReport {
         }
         Ok(())
     }
+}
+
+/// A table of tensors added (`+`) or removed (`-`), under `title`; nothing when there are none.
+fn print_briefs(
+    title: &str,
+    sign: &str,
+    v: &[TensorBrief],
+    w: &mut dyn Write,
+) -> std::io::Result<()> {
+    if v.is_empty() {
+        return Ok(());
+    }
+    writeln!(w, "{title}:")?;
+    let mut t = Table::new(&[
+        ("", Align::Left),
+        ("TENSOR", Align::Left),
+        ("DTYPE", Align::Left),
+        ("SHAPE", Align::Left),
+        ("SIZE", Align::Right),
+    ]);
+    for x in v {
+        t.row(vec![
+            sign.into(),
+            fmt::name(&x.name),
+            x.dtype.clone(),
+            fmt::shape(&x.shape),
+            fmt::bytes(x.bytes),
+        ]);
+    }
+    write!(w, "{}", t.render())
+}
+
+/// The table of changed tensors.
+fn print_changed(changed: &[TensorChange], w: &mut dyn Write) -> std::io::Result<()> {
+    writeln!(w, "changed:")?;
+    let mut t = Table::new(&[
+        ("", Align::Left),
+        ("TENSOR", Align::Left),
+        ("CHANGE", Align::Left),
+        ("DIFFER", Align::Right),
+        ("ELEMENTS", Align::Right),
+        ("MAX |A-B|", Align::Right),
+        ("CHUNKS SHARED", Align::Right),
+    ]);
+    for c in changed {
+        let change = match c.what.as_str() {
+            "values" => format!("{} {}", c.dtype_b, fmt::shape(&c.shape_b)),
+            "unknown" => "saved under another layout: compare without --quick".into(),
+            _ => format!(
+                "{} {} -> {} {}",
+                c.dtype_a,
+                fmt::shape(&c.shape_a),
+                c.dtype_b,
+                fmt::shape(&c.shape_b)
+            ),
+        };
+        t.row(vec![
+            "~".into(),
+            fmt::name(&c.name),
+            change,
+            match c.bytes_differ {
+                Some(n) => format!("{} of {}", fmt::bytes(n), fmt::bytes(c.bytes)),
+                None => "?".into(),
+            },
+            c.elements_differ.map_or("-".into(), |e| e.to_string()),
+            c.max_abs_diff.map_or("-".into(), |m| format!("{m:.4e}")),
+            format!("{}/{}", c.chunks_shared, c.chunks_total),
+        ]);
+    }
+    write!(w, "{}", t.render())?;
+    Ok(())
 }
 
 #[cfg(test)]

@@ -104,57 +104,62 @@ pub fn series(metrics: &[Value], events: &[Value]) -> Series {
         }
     }
     for e in &events {
-        let t = rel(e.t_ms);
-        match &e.record {
-            Event::Failure(f) => s.failures.push(Mark {
-                t,
-                label: format!(
-                    "✕ rank {} {}",
-                    f.rank,
-                    if f.how.is_empty() { "failed" } else { &f.how }
-                ),
-                v: None,
-            }),
-            Event::Recovery(r) => s.recoveries.push(Mark {
-                t,
-                label: format!(
-                    "recovered {} @{} (−{} steps)",
-                    r.layout,
-                    r.step.map_or("?".into(), |x| x.to_string()),
-                    r.steps_lost
-                ),
-                v: None,
-            }),
-            Event::Rollback(r) => s.rollbacks.push(Mark {
-                t,
-                label: format!("rollback {}→{}", r.from_step, r.to_step),
-                v: None,
-            }),
-            Event::Spike(p) => s.spikes.push(Mark {
-                t,
-                label: format!(
-                    "{} @{}",
-                    match p.what.as_str() {
-                        "nonfinite" => "NaN",
-                        "grad_norm" => "grad blow-up",
-                        _ => "spike",
-                    },
-                    p.step
-                ),
-                v: p.loss.filter(|x| x.is_finite()),
-            }),
-            Event::Stop(p) => s.stops.push(Mark {
-                t,
-                label: format!("stopped @{}", p.step),
-                v: None,
-            }),
-            _ => {}
-        }
+        mark_event(&mut s, rel(e.t_ms), &e.record);
     }
     for p in [&mut s.loss, &mut s.grad_norm] {
         p.sort_by(|a, b| a.t.total_cmp(&b.t));
     }
     s
+}
+
+/// The mark of event `e` at `t` seconds, in its list of `s` (events of other kinds are left
+/// out).
+fn mark_event(s: &mut Series, t: f64, e: &Event) {
+    match e {
+        Event::Failure(f) => s.failures.push(Mark {
+            t,
+            label: format!(
+                "✕ rank {} {}",
+                f.rank,
+                if f.how.is_empty() { "failed" } else { &f.how }
+            ),
+            v: None,
+        }),
+        Event::Recovery(r) => s.recoveries.push(Mark {
+            t,
+            label: format!(
+                "recovered {} @{} (−{} steps)",
+                r.layout,
+                r.step.map_or("?".into(), |x| x.to_string()),
+                r.steps_lost
+            ),
+            v: None,
+        }),
+        Event::Rollback(r) => s.rollbacks.push(Mark {
+            t,
+            label: format!("rollback {}→{}", r.from_step, r.to_step),
+            v: None,
+        }),
+        Event::Spike(p) => s.spikes.push(Mark {
+            t,
+            label: format!(
+                "{} @{}",
+                match p.what.as_str() {
+                    "nonfinite" => "NaN",
+                    "grad_norm" => "grad blow-up",
+                    _ => "spike",
+                },
+                p.step
+            ),
+            v: p.loss.filter(|x| x.is_finite()),
+        }),
+        Event::Stop(p) => s.stops.push(Mark {
+            t,
+            label: format!("stopped @{}", p.step),
+            v: None,
+        }),
+        _ => {}
+    }
 }
 
 /// The loss (and grad-norm) points of spike steps, as (step, time bits): for each spike, the
