@@ -1,5 +1,5 @@
 //! Everything the CLI writes on stdout goes through here: a command's report ([`emit`]) and
-//! the lines a command prints for a parent process ([`line`]). A reader that closed the pipe
+//! the lines a command prints for a parent process ([`line()`]). A reader that closed the pipe
 //! (`ckpt inspect r --raw | head -c 10`) is not an error, as for any Unix tool: the command
 //! ends quietly with exit 0, whatever layer of the output the closed pipe surfaced in
 //! ([`closed_pipe`]).
