@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use ckpt::cli::import::{parse_header, read_file_header, read_index};
-use ckpt::cli::parse::{CkptRef, StepSel, duration, size};
+use ckpt::cli::shared::parse::{CkptRef, StepSel, duration, size};
 use ckpt::recovery::driver::LossBoard;
 use ckpt::recovery::heartbeat::Beat;
 use ckpt_store::testing::fuzz::{apply, mutation};

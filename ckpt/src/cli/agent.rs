@@ -14,8 +14,8 @@ use ckpt_recovery::{JobOptions, Topology};
 use ckpt_store::ErrorKind;
 use serde::Serialize;
 
-use super::parse::duration;
 use super::resume::{RestartArgs, ResumeOutput};
+use super::shared::parse::duration;
 use super::{CliError, Report, Result, Ui};
 
 /// Arguments of `ckpt agent`.
@@ -70,7 +70,7 @@ pub struct AgentArgs {
     pub peer_replicas: bool,
     /// With --peer-replicas: the most bytes of snapshots the replica agent holds (arriving
     /// ones included). Default: a quarter of the machine's memory.
-    #[arg(long, env = ckpt_recovery::peer::MEMORY_LIMIT_ENV, value_parser = super::parse::size)]
+    #[arg(long, env = ckpt_recovery::peer::MEMORY_LIMIT_ENV, value_parser = super::shared::parse::size)]
     pub peer_memory_limit: Option<u64>,
     /// Write this node's rank stdout and stderr into this directory.
     #[arg(long)]

@@ -15,10 +15,10 @@ use futures::{StreamExt, TryStreamExt, stream};
 use indicatif::ProgressBar;
 use serde::Serialize;
 
-use super::fmt::{self, Align, Table};
-use super::inspect::all_manifests;
-use super::parse::{CkptRef, ckpt_ref};
-use super::stats::decode;
+use super::shared::all_manifests;
+use super::shared::fmt::{self, Align, Table};
+use super::shared::parse::{CkptRef, ckpt_ref};
+use super::shared::values::decode;
 use super::{Report, Result, Ui};
 
 /// Arguments of `ckpt diff`.
@@ -227,8 +227,8 @@ fn compare(dtype: DType, base: u64, a: &[u8], b: &[u8]) -> Delta {
 
 /// Compare two checkpoints.
 pub async fn diff(store: &Store, args: &DiffArgs, ui: &Ui) -> Result<DiffReport> {
-    let sa = args.a.resolve(store).await?;
-    let sb = args.b.resolve(store).await?;
+    let sa = super::shared::resolve(store, &args.a).await?;
+    let sb = super::shared::resolve(store, &args.b).await?;
     let ra = StepReader::open(store, &args.a.run, sa).await?;
     let rb = StepReader::open(store, &args.b.run, sb).await?;
     let a = Sided {
@@ -264,18 +264,67 @@ pub async fn diff(store: &Store, args: &DiffArgs, ui: &Ui) -> Result<DiffReport>
         .map(brief)
         .collect();
 
-    // Plan: which tensors compare chunk by chunk, which need full reads.
-    struct Work<'a> {
-        ta: &'a TensorEntry,
-        tb: &'a TensorEntry,
-        aligned: Option<Vec<(u64, ChunkRef, ChunkRef)>>,
-        shared: u64,
-        total: u64,
-        stored_shared: u64,
+    let (work, to_read) = plan_work(&a, &b, &in_a, args.quick);
+    let pb = ui.bytes(to_read, "comparing");
+    let mut changed = Vec::new();
+    let mut totals = DiffTotals::default();
+    let (mut unchanged, mut unchanged_bytes) = (0usize, 0u64);
+    for w in &work {
+        match compare_tensor(store, &a, &b, w, args.quick, &pb, &mut totals).await? {
+            Some(c) => changed.push(c),
+            None => {
+                unchanged += 1;
+                unchanged_bytes += w.tb.byte_len();
+            }
+        }
     }
+    pb.finish_and_clear();
+
+    Ok(DiffReport {
+        a: Side {
+            run: ca.run.clone(),
+            step: ca.step,
+            layout: ca.layout.to_string(),
+        },
+        b: Side {
+            run: cb.run.clone(),
+            step: cb.step,
+            layout: cb.layout.to_string(),
+        },
+        added,
+        removed,
+        changed,
+        unchanged,
+        unchanged_bytes,
+        blobs: diff_blobs(&a.manifests, &b.manifests),
+        totals,
+        quick: args.quick,
+    })
+}
+
+/// A tensor of both steps to compare: chunk by chunk where both are stored in the same
+/// shards and chunk sizes (`aligned`: the pairs of chunks that differ, with their offsets), by
+/// reading them otherwise.
+struct Work<'a> {
+    ta: &'a TensorEntry,
+    tb: &'a TensorEntry,
+    aligned: Option<Vec<(u64, ChunkRef, ChunkRef)>>,
+    shared: u64,
+    total: u64,
+    stored_shared: u64,
+}
+
+/// Which tensors of `b` (also in `a`) compare chunk by chunk, which need full reads; and the
+/// bytes the comparison reads (none with `quick`).
+fn plan_work<'a>(
+    a: &'a Sided,
+    b: &'a Sided,
+    in_a: &HashMap<&str, &'a TensorEntry>,
+    quick: bool,
+) -> (Vec<Work<'a>>, u64) {
     let mut work = Vec::new();
     let mut to_read = 0u64;
-    for tb in &cb.tensors {
+    for tb in &b.reader.commit().tensors {
         let Some(&ta) = in_a.get(tb.name.as_str()) else {
             continue;
         };
@@ -311,7 +360,7 @@ pub async fn diff(store: &Store, args: &DiffArgs, ui: &Ui) -> Result<DiffReport>
             }
             pairs
         });
-        if !args.quick && same_kind {
+        if !quick && same_kind {
             to_read += match &aligned {
                 Some(p) => p.iter().map(|(_, x, y)| (x.len + y.len) as u64).sum(),
                 None => 2 * tb.byte_len(),
@@ -326,101 +375,83 @@ pub async fn diff(store: &Store, args: &DiffArgs, ui: &Ui) -> Result<DiffReport>
             stored_shared,
         });
     }
+    (work, to_read)
+}
 
-    let pb = ui.bytes(to_read, "comparing");
-    let mut changed = Vec::new();
-    let mut totals = DiffTotals::default();
-    let (mut unchanged, mut unchanged_bytes) = (0usize, 0u64);
-    for w in &work {
-        let (ta, tb) = (w.ta, w.tb);
-        totals.tensors_compared += 1;
-        totals.bytes_compared += tb.byte_len();
-        totals.chunks_shared += w.shared;
-        totals.chunks_total += w.total;
-        totals.stored_bytes_shared += w.stored_shared;
-        let what = match (ta.dtype == tb.dtype, ta.shape == tb.shape) {
-            (true, true) => "values",
-            (false, true) => "dtype",
-            (true, false) => "shape",
-            (false, false) => "dtype and shape",
-        };
-        let delta: Option<Delta> = if what != "values" {
-            None
-        } else {
-            match (&w.aligned, args.quick) {
-                (Some(pairs), true) => pairs.is_empty().then(Delta::default),
-                (None, true) => None,
-                (Some(pairs), false) => {
-                    let d = compare_pairs(store, tb.dtype, pairs, &pb).await?;
-                    totals.bytes_read += pairs
-                        .iter()
-                        .map(|(_, x, y)| (x.len + y.len) as u64)
-                        .sum::<u64>();
-                    Some(d)
-                }
-                (None, false) => {
-                    let d = compare_read(&a.reader, &b.reader, tb, &pb).await?;
-                    totals.bytes_read += 2 * tb.byte_len();
-                    Some(d)
-                }
+/// Compare one tensor, counting into `totals`; `None` when it is unchanged (same kind and
+/// either no differing chunk or no differing byte).
+async fn compare_tensor(
+    store: &Store,
+    a: &Sided,
+    b: &Sided,
+    w: &Work<'_>,
+    quick: bool,
+    pb: &ProgressBar,
+    totals: &mut DiffTotals,
+) -> Result<Option<TensorChange>> {
+    let (ta, tb) = (w.ta, w.tb);
+    totals.tensors_compared += 1;
+    totals.bytes_compared += tb.byte_len();
+    totals.chunks_shared += w.shared;
+    totals.chunks_total += w.total;
+    totals.stored_bytes_shared += w.stored_shared;
+    let what = match (ta.dtype == tb.dtype, ta.shape == tb.shape) {
+        (true, true) => "values",
+        (false, true) => "dtype",
+        (true, false) => "shape",
+        (false, false) => "dtype and shape",
+    };
+    let delta: Option<Delta> = if what != "values" {
+        None
+    } else {
+        match (&w.aligned, quick) {
+            (Some(pairs), true) => pairs.is_empty().then(Delta::default),
+            (None, true) => None,
+            (Some(pairs), false) => {
+                let d = compare_pairs(store, tb.dtype, pairs, pb).await?;
+                totals.bytes_read += pairs
+                    .iter()
+                    .map(|(_, x, y)| (x.len + y.len) as u64)
+                    .sum::<u64>();
+                Some(d)
             }
+            (None, false) => {
+                let d = compare_read(&a.reader, &b.reader, tb, pb).await?;
+                totals.bytes_read += 2 * tb.byte_len();
+                Some(d)
+            }
+        }
+    };
+    let same = what == "values"
+        && match (&w.aligned, &delta) {
+            (Some(p), _) if p.is_empty() => true,
+            (_, Some(d)) => d.bytes == 0,
+            _ => false,
         };
-        // Unchanged: same kind and either no differing chunk or no differing byte.
-        let same = what == "values"
-            && match (&w.aligned, &delta) {
-                (Some(p), _) if p.is_empty() => true,
-                (_, Some(d)) => d.bytes == 0,
-                _ => false,
-            };
-        if same {
-            unchanged += 1;
-            unchanged_bytes += tb.byte_len();
-            continue;
-        }
-        if let Some(d) = &delta {
-            totals.bytes_differ += d.bytes;
-        }
-        changed.push(TensorChange {
-            name: tb.name.clone(),
-            what: if what == "values" && delta.is_none() {
-                "unknown".into()
-            } else {
-                what.into()
-            },
-            dtype_a: ta.dtype.to_string(),
-            dtype_b: tb.dtype.to_string(),
-            shape_a: ta.shape.clone(),
-            shape_b: tb.shape.clone(),
-            bytes: tb.byte_len(),
-            bytes_differ: delta.map(|d| d.bytes),
-            elements_differ: delta.map(|d| d.elements),
-            max_abs_diff: delta.and_then(|d| d.max_abs),
-            chunks_shared: w.shared,
-            chunks_total: w.total,
-        });
+    if same {
+        return Ok(None);
     }
-    pb.finish_and_clear();
-
-    Ok(DiffReport {
-        a: Side {
-            run: ca.run.clone(),
-            step: ca.step,
-            layout: ca.layout.to_string(),
+    if let Some(d) = &delta {
+        totals.bytes_differ += d.bytes;
+    }
+    Ok(Some(TensorChange {
+        name: tb.name.clone(),
+        what: if what == "values" && delta.is_none() {
+            "unknown".into()
+        } else {
+            what.into()
         },
-        b: Side {
-            run: cb.run.clone(),
-            step: cb.step,
-            layout: cb.layout.to_string(),
-        },
-        added,
-        removed,
-        changed,
-        unchanged,
-        unchanged_bytes,
-        blobs: diff_blobs(&a.manifests, &b.manifests),
-        totals,
-        quick: args.quick,
-    })
+        dtype_a: ta.dtype.to_string(),
+        dtype_b: tb.dtype.to_string(),
+        shape_a: ta.shape.clone(),
+        shape_b: tb.shape.clone(),
+        bytes: tb.byte_len(),
+        bytes_differ: delta.map(|d| d.bytes),
+        elements_differ: delta.map(|d| d.elements),
+        max_abs_diff: delta.and_then(|d| d.max_abs),
+        chunks_shared: w.shared,
+        chunks_total: w.total,
+    }))
 }
 
 async fn compare_pairs(
@@ -567,68 +598,10 @@ impl Report for DiffReport {
                 b.unchanged
             )?;
         }
-        let list = |title: &str, sign: &str, v: &[TensorBrief], w: &mut dyn Write| {
-            if v.is_empty() {
-                return Ok(());
-            }
-            writeln!(w, "{title}:")?;
-            let mut t = Table::new(&[
-                ("", Align::Left),
-                ("TENSOR", Align::Left),
-                ("DTYPE", Align::Left),
-                ("SHAPE", Align::Left),
-                ("SIZE", Align::Right),
-            ]);
-            for x in v {
-                t.row(vec![
-                    sign.into(),
-                    fmt::name(&x.name),
-                    x.dtype.clone(),
-                    fmt::shape(&x.shape),
-                    fmt::bytes(x.bytes),
-                ]);
-            }
-            write!(w, "{}", t.render())
-        };
-        list("added", "+", &self.added, w)?;
-        list("removed", "-", &self.removed, w)?;
+        print_briefs("added", "+", &self.added, w)?;
+        print_briefs("removed", "-", &self.removed, w)?;
         if !self.changed.is_empty() {
-            writeln!(w, "changed:")?;
-            let mut t = Table::new(&[
-                ("", Align::Left),
-                ("TENSOR", Align::Left),
-                ("CHANGE", Align::Left),
-                ("DIFFER", Align::Right),
-                ("ELEMENTS", Align::Right),
-                ("MAX |A-B|", Align::Right),
-                ("CHUNKS SHARED", Align::Right),
-            ]);
-            for c in &self.changed {
-                let change = match c.what.as_str() {
-                    "values" => format!("{} {}", c.dtype_b, fmt::shape(&c.shape_b)),
-                    "unknown" => "saved under another layout: compare without --quick".into(),
-                    _ => format!(
-                        "{} {} -> {} {}",
-                        c.dtype_a,
-                        fmt::shape(&c.shape_a),
-                        c.dtype_b,
-                        fmt::shape(&c.shape_b)
-                    ),
-                };
-                t.row(vec![
-                    "~".into(),
-                    fmt::name(&c.name),
-                    change,
-                    match c.bytes_differ {
-                        Some(n) => format!("{} of {}", fmt::bytes(n), fmt::bytes(c.bytes)),
-                        None => "?".into(),
-                    },
-                    c.elements_differ.map_or("-".into(), |e| e.to_string()),
-                    c.max_abs_diff.map_or("-".into(), |m| format!("{m:.4e}")),
-                    format!("{}/{}", c.chunks_shared, c.chunks_total),
-                ]);
-            }
-            write!(w, "{}", t.render())?;
+            print_changed(&self.changed, w)?;
         }
         for (title, v) in [
             ("blobs added", &b.added),
@@ -641,6 +614,77 @@ impl Report for DiffReport {
         }
         Ok(())
     }
+}
+
+/// A table of tensors added (`+`) or removed (`-`), under `title`; nothing when there are none.
+fn print_briefs(
+    title: &str,
+    sign: &str,
+    v: &[TensorBrief],
+    w: &mut dyn Write,
+) -> std::io::Result<()> {
+    if v.is_empty() {
+        return Ok(());
+    }
+    writeln!(w, "{title}:")?;
+    let mut t = Table::new(&[
+        ("", Align::Left),
+        ("TENSOR", Align::Left),
+        ("DTYPE", Align::Left),
+        ("SHAPE", Align::Left),
+        ("SIZE", Align::Right),
+    ]);
+    for x in v {
+        t.row(vec![
+            sign.into(),
+            fmt::name(&x.name),
+            x.dtype.clone(),
+            fmt::shape(&x.shape),
+            fmt::bytes(x.bytes),
+        ]);
+    }
+    write!(w, "{}", t.render())
+}
+
+/// The table of changed tensors.
+fn print_changed(changed: &[TensorChange], w: &mut dyn Write) -> std::io::Result<()> {
+    writeln!(w, "changed:")?;
+    let mut t = Table::new(&[
+        ("", Align::Left),
+        ("TENSOR", Align::Left),
+        ("CHANGE", Align::Left),
+        ("DIFFER", Align::Right),
+        ("ELEMENTS", Align::Right),
+        ("MAX |A-B|", Align::Right),
+        ("CHUNKS SHARED", Align::Right),
+    ]);
+    for c in changed {
+        let change = match c.what.as_str() {
+            "values" => format!("{} {}", c.dtype_b, fmt::shape(&c.shape_b)),
+            "unknown" => "saved under another layout: compare without --quick".into(),
+            _ => format!(
+                "{} {} -> {} {}",
+                c.dtype_a,
+                fmt::shape(&c.shape_a),
+                c.dtype_b,
+                fmt::shape(&c.shape_b)
+            ),
+        };
+        t.row(vec![
+            "~".into(),
+            fmt::name(&c.name),
+            change,
+            match c.bytes_differ {
+                Some(n) => format!("{} of {}", fmt::bytes(n), fmt::bytes(c.bytes)),
+                None => "?".into(),
+            },
+            c.elements_differ.map_or("-".into(), |e| e.to_string()),
+            c.max_abs_diff.map_or("-".into(), |m| format!("{m:.4e}")),
+            format!("{}/{}", c.chunks_shared, c.chunks_total),
+        ]);
+    }
+    write!(w, "{}", t.render())?;
+    Ok(())
 }
 
 #[cfg(test)]

@@ -16,8 +16,8 @@ use chrono::{DateTime, Utc};
 use ckpt_store::{GcOptions, GcReport, Store, validate_run};
 use serde::Serialize;
 
-use super::fmt;
-use super::parse::{CkptRef, ckpt_ref, duration};
+use super::shared::fmt;
+use super::shared::parse::{CkptRef, ckpt_ref, duration};
 use super::{CliError, Report, Result, Ui};
 
 /// Shortest grace period accepted without `--force`.
@@ -54,16 +54,34 @@ pub struct GcArgs {
 }
 
 impl Default for GcArgs {
+    /// The store's defaults ([`GcOptions::default`]), no run named, nothing protected.
     fn default() -> Self {
+        let o = GcOptions::default();
         GcArgs {
-            keep_last: None,
-            keep_every: None,
-            grace: Duration::from_secs(3600),
-            dry_run: false,
-            runs: Vec::new(),
+            keep_last: o.keep_last,
+            keep_every: o.keep_every,
+            grace: o.grace,
+            dry_run: o.dry_run,
+            runs: o.runs,
             protect: Vec::new(),
             force: false,
-            no_sweep: false,
+            no_sweep: !o.sweep,
+        }
+    }
+}
+
+impl From<&GcArgs> for GcOptions {
+    /// The store's options for these flags, protecting nothing yet: `--protect` names steps
+    /// that are resolved against the store first.
+    fn from(a: &GcArgs) -> Self {
+        GcOptions {
+            keep_last: a.keep_last,
+            keep_every: a.keep_every,
+            grace: a.grace,
+            dry_run: a.dry_run,
+            runs: a.runs.clone(),
+            protect: Vec::new(),
+            sweep: !a.no_sweep,
         }
     }
 }
@@ -97,22 +115,14 @@ pub async fn gc(store: &Store, args: &GcArgs, now: DateTime<Utc>, ui: &Ui) -> Re
     for r in &args.runs {
         validate_run(r).map_err(|e| CliError::usage(e.to_string()))?;
         if store.list_steps(r).await?.is_empty() {
-            return Err(super::parse::no_such_run(store, r).await);
+            return Err(super::shared::no_such_run(store, r).await);
         }
     }
-    let mut protect = Vec::new();
+    let mut opts = GcOptions::from(args);
     for p in &args.protect {
-        protect.push((p.run.clone(), p.resolve(store).await?));
+        opts.protect
+            .push((p.run.clone(), super::shared::resolve(store, p).await?));
     }
-    let opts = GcOptions {
-        keep_last: args.keep_last,
-        keep_every: args.keep_every,
-        grace: args.grace,
-        dry_run: args.dry_run,
-        runs: args.runs.clone(),
-        protect,
-        sweep: !args.no_sweep,
-    };
     let pb = ui.spinner(if args.dry_run {
         "collecting garbage (dry run)"
     } else {
@@ -232,5 +242,27 @@ impl Report for GcOutput {
             )?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Line {
+        #[command(flatten)]
+        gc: GcArgs,
+    }
+
+    /// `ckpt gc` without flags, and `GcArgs::default()`, ask the store for its own defaults.
+    #[test]
+    fn no_flags_are_the_stores_defaults() {
+        let store = format!("{:?}", GcOptions::default());
+        let parsed = Line::parse_from(["gc"]).gc;
+        assert_eq!(format!("{:?}", GcOptions::from(&parsed)), store);
+        assert_eq!(format!("{:?}", GcOptions::from(&GcArgs::default())), store);
     }
 }

@@ -17,7 +17,9 @@ use std::fmt as stdfmt;
 use std::io::{Read, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -31,7 +33,7 @@ use serde::de::{Deserializer, MapAccess, Visitor};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::fmt;
+use super::shared::fmt;
 use super::{CliError, Report, Result, Ui};
 
 /// The largest header accepted, as in the reference implementation.
@@ -420,7 +422,7 @@ async fn seed_index(store: &Store, index: &DedupIndex) -> Result<()> {
             let Ok(Some(step)) = store.latest_committed(&run).await else {
                 return Vec::new();
             };
-            super::readable_manifests(store, &run, step).await
+            super::shared::readable_manifests(store, &run, step).await
         })
         .buffer_unordered(8)
         .flat_map(stream::iter)
@@ -436,9 +438,90 @@ async fn seed_index(store: &Store, index: &DedupIndex) -> Result<()> {
 pub async fn import(store: &Store, args: &ImportArgs, ui: &Ui) -> Result<ImportReport> {
     let t0 = Instant::now();
     validate_run(&args.run).map_err(|e| CliError::usage(e.to_string()))?;
+    let files = read_inputs(&args.files)?;
+    check_step_free(store, args).await?;
+
+    let lease = store
+        .lease_dedup_base(&args.run, &ckpt_store::writer_id(0, 0), &[])
+        .await?;
+    let index = DedupIndex::new();
+    seed_index(store, &index).await?;
+    let known = index.len();
+
+    let meta_blob = metadata_blob(&files)?;
+
+    // Chunk plan: per tensor (file order), then the blob.
+    let mut plan: Vec<(usize, usize, usize)> = Vec::new(); // (file, tensor, chunks)
+    let mut logical = 0u64;
+    for (fi, f) in files.iter().enumerate() {
+        for (ti, t) in f.tensors.iter().enumerate() {
+            let n = store.chunk_spans(t.end - t.begin).count();
+            plan.push((fi, ti, n));
+            logical += t.end - t.begin;
+        }
+    }
+    let pb = ui.bytes(
+        logical,
+        format!("importing into {}@{}", args.run, args.step),
+    );
+
+    // A reader thread streams chunks in plan order; the store pulls them as fast as it writes.
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<ChunkIn>(8);
+    let failure: Arc<Mutex<Option<CliError>>> = Arc::default();
+    let reader = spawn_reader(store, &files, meta_blob.clone(), &pb, &failure, tx);
+    let chunks = stream::poll_fn(move |cx| rx.poll_recv(cx));
+    let put = store.put_chunks(chunks, &index).await;
+    let _ = reader.join();
+    pb.finish_and_clear();
+    if let Some(e) = failure.lock().take() {
+        return Err(e);
+    }
+    let put = put?;
+    let s = &put.stats;
+    let head = RankWrite {
+        run: args.run.clone(),
+        step: args.step,
+        rank: 0,
+        layout: Layout::SINGLE,
+        generation: 0,
+    };
+    let blob_len = meta_blob.as_ref().map_or(0, |b| b.len() as u64);
+    let manifest = manifest_of(store, &head, &files, &plan, blob_len, logical, &put)?;
+    store.write_rank_manifest(&manifest).await?;
+    // The manifest now protects what it references; the lease may go (or lapse, on an error
+    // above).
+    let _ = store.release_lease(lease).await;
+    store.commit_step(&args.run, args.step).await?;
+    Ok(ImportReport {
+        run: args.run.clone(),
+        step: args.step,
+        files: files
+            .iter()
+            .map(|f| ImportedFile {
+                path: f.path.display().to_string(),
+                tensors: f.tensors.len(),
+                bytes: f.tensors.iter().map(|t| t.end - t.begin).sum(),
+            })
+            .collect(),
+        tensors: plan.len(),
+        logical_bytes: logical,
+        chunks: s.chunks,
+        chunks_skipped: s.chunks_skipped,
+        bytes_skipped: s.bytes_skipped,
+        objects_written: s.objects_written,
+        bytes_written: s.bytes_written,
+        dedup_chunks_known: known,
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}
+
+/// The safetensors files to import (those given, or those an index json names), their
+/// headers read and checked: each file once, each tensor in one file, as the index maps them;
+/// some tensor in all.
+fn read_inputs(given: &[PathBuf]) -> Result<Vec<StFile>> {
     // Which files, and which tensors an index expects in each.
     let mut inputs: Vec<(PathBuf, Option<Vec<String>>)> = Vec::new();
-    for f in &args.files {
+    for f in given {
         if f.extension().is_some_and(|e| e == "json") {
             inputs.extend(read_index(f)?.into_iter().map(|(p, t)| (p, Some(t))));
         } else {
@@ -490,6 +573,11 @@ pub async fn import(store: &Store, args: &ImportArgs, ui: &Ui) -> Result<ImportR
             "the files hold no tensors; nothing to import",
         ));
     }
+    Ok(files)
+}
+
+/// An error when `--step` of `--run` exists already (committed or not).
+async fn check_step_free(store: &Store, args: &ImportArgs) -> Result<()> {
     let existing = store.list_steps(&args.run).await?;
     if let Some(s) = existing.iter().find(|s| s.step == args.step) {
         return Err(CliError::error(format!(
@@ -508,14 +596,11 @@ pub async fn import(store: &Store, args: &ImportArgs, ui: &Ui) -> Result<ImportR
         )));
     }
 
-    let lease = store
-        .lease_dedup_base(&args.run, &ckpt_store::writer_id(0, 0), &[])
-        .await?;
-    let index = DedupIndex::new();
-    seed_index(store, &index).await?;
-    let known = index.len();
+    Ok(())
+}
 
-    // The metadata blob: every file's __metadata__, by file name.
+/// The metadata blob: every file's `__metadata__`, by file name (none when no file has any).
+fn metadata_blob(files: &[StFile]) -> Result<Option<Bytes>> {
     let meta: BTreeMap<String, &BTreeMap<String, String>> = files
         .iter()
         .filter(|f| !f.metadata.is_empty())
@@ -529,100 +614,70 @@ pub async fn import(store: &Store, args: &ImportArgs, ui: &Ui) -> Result<ImportR
             )
         })
         .collect();
-    let meta_blob = (!meta.is_empty())
+    (!meta.is_empty())
         .then(|| serde_json::to_vec(&meta).map(Bytes::from))
         .transpose()
-        .map_err(|e| CliError::error(format!("metadata blob: {e}")))?;
+        .map_err(|e| CliError::error(format!("metadata blob: {e}")))
+}
 
-    // Chunk plan: per tensor (file order), then the blob.
-    let mut plan: Vec<(usize, usize, usize)> = Vec::new(); // (file, tensor, chunks)
-    let mut logical = 0u64;
-    for (fi, f) in files.iter().enumerate() {
-        for (ti, t) in f.tensors.iter().enumerate() {
-            let n = store.chunk_spans(t.end - t.begin).count();
-            plan.push((fi, ti, n));
-            logical += t.end - t.begin;
-        }
-    }
-    let pb = ui.bytes(
-        logical,
-        format!("importing into {}@{}", args.run, args.step),
-    );
-
-    // A reader thread streams chunks in plan order; the store pulls them as fast as it writes.
-    let (tx, mut rx) = tokio::sync::mpsc::channel::<ChunkIn>(8);
-    let failure: Arc<Mutex<Option<CliError>>> = Arc::default();
-    let reader = {
-        let files = files.clone();
-        let spans: Vec<Vec<std::ops::Range<u64>>> = files
-            .iter()
-            .flat_map(|f| {
-                f.tensors
-                    .iter()
-                    .map(|t| store.chunk_spans(t.end - t.begin).collect())
-            })
-            .collect();
-        let failure = failure.clone();
-        let meta_blob = meta_blob.clone();
-        let chunk_blob = store
-            .chunk_spans(meta_blob.as_ref().map_or(0, |b| b.len() as u64))
-            .collect::<Vec<_>>();
-        let pb = pb.clone();
-        std::thread::spawn(move || {
-            let mut k = 0usize;
-            for f in &files {
-                let file = match std::fs::File::open(&f.path) {
-                    Ok(x) => x,
-                    Err(e) => {
-                        *failure.lock().expect("failure slot") = Some(CliError::error(format!(
-                            "opening {}: {e}",
+/// A thread that reads the chunks of every tensor (file order), then of the metadata blob, into
+/// `tx`; a read that fails puts its error in `failure` and ends the stream.
+fn spawn_reader(
+    store: &Store,
+    files: &[StFile],
+    meta_blob: Option<Bytes>,
+    pb: &indicatif::ProgressBar,
+    failure: &Arc<Mutex<Option<CliError>>>,
+    tx: tokio::sync::mpsc::Sender<ChunkIn>,
+) -> std::thread::JoinHandle<()> {
+    let files = files.to_vec();
+    let spans: Vec<Vec<std::ops::Range<u64>>> = files
+        .iter()
+        .flat_map(|f| {
+            f.tensors
+                .iter()
+                .map(|t| store.chunk_spans(t.end - t.begin).collect())
+        })
+        .collect();
+    let failure = failure.clone();
+    let chunk_blob = store
+        .chunk_spans(meta_blob.as_ref().map_or(0, |b| b.len() as u64))
+        .collect::<Vec<_>>();
+    let pb = pb.clone();
+    std::thread::spawn(move || {
+        let mut k = 0usize;
+        for f in &files {
+            let file = match std::fs::File::open(&f.path) {
+                Ok(x) => x,
+                Err(e) => {
+                    *failure.lock() = Some(CliError::error(format!(
+                        "opening {}: {e}",
+                        f.path.display()
+                    )));
+                    return;
+                }
+            };
+            for t in &f.tensors {
+                let elem = if t.dtype.is_float() {
+                    t.dtype.size() as u8
+                } else {
+                    1
+                };
+                for r in &spans[k] {
+                    let mut buf = vec![0u8; (r.end - r.start) as usize];
+                    if let Err(e) = file.read_exact_at(&mut buf, f.data_start + t.begin + r.start) {
+                        *failure.lock() = Some(CliError::error(format!(
+                            "reading tensor \"{}\" from {}: {e} (was the file changed while importing?)",
+                            fmt::name(&t.name),
                             f.path.display()
                         )));
                         return;
                     }
-                };
-                for t in &f.tensors {
-                    let elem = if t.dtype.is_float() {
-                        t.dtype.size() as u8
-                    } else {
-                        1
-                    };
-                    for r in &spans[k] {
-                        let mut buf = vec![0u8; (r.end - r.start) as usize];
-                        if let Err(e) =
-                            file.read_exact_at(&mut buf, f.data_start + t.begin + r.start)
-                        {
-                            *failure.lock().expect("failure slot") = Some(CliError::error(
-                                format!(
-                                    "reading tensor \"{}\" from {}: {e} (was the file changed while importing?)",
-                                    fmt::name(&t.name),
-                                    f.path.display()
-                                ),
-                            ));
-                            return;
-                        }
-                        pb.inc(buf.len() as u64);
-                        if tx
-                            .blocking_send(ChunkIn {
-                                data: Bytes::from(buf),
-                                elem,
-                                base: None,
-                            })
-                            .is_err()
-                        {
-                            return;
-                        }
-                    }
-                    k += 1;
-                }
-            }
-            if let Some(b) = meta_blob {
-                for r in chunk_blob {
-                    let data = b.slice(r.start as usize..r.end as usize);
+                    pb.inc(buf.len() as u64);
                     if tx
                         .blocking_send(ChunkIn {
-                            data,
-                            elem: 1,
+                            data: Bytes::from(buf),
+                            elem,
                             base: None,
                         })
                         .is_err()
@@ -630,18 +685,38 @@ pub async fn import(store: &Store, args: &ImportArgs, ui: &Ui) -> Result<ImportR
                         return;
                     }
                 }
+                k += 1;
             }
-        })
-    };
-    let chunks = stream::poll_fn(move |cx| rx.poll_recv(cx));
-    let put = store.put_chunks(chunks, &index).await;
-    let _ = reader.join();
-    pb.finish_and_clear();
-    if let Some(e) = failure.lock().expect("failure slot").take() {
-        return Err(e);
-    }
-    let put = put?;
-    let s = &put.stats;
+        }
+        if let Some(b) = meta_blob {
+            for r in chunk_blob {
+                let data = b.slice(r.start as usize..r.end as usize);
+                if tx
+                    .blocking_send(ChunkIn {
+                        data,
+                        elem: 1,
+                        base: None,
+                    })
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        }
+    })
+}
+
+/// The rank manifest of the imported step: every tensor whole (in `plan` order, with its chunk
+/// count), the metadata blob of `blob_len` bytes if any, over the chunk references `put` made.
+fn manifest_of(
+    store: &Store,
+    head: &RankWrite,
+    files: &[StFile],
+    plan: &[(usize, usize, usize)],
+    blob_len: u64,
+    logical: u64,
+    put: &ckpt_store::PutReport,
+) -> Result<RankManifest> {
     let tensors: Vec<(TensorShard, usize)> = plan
         .iter()
         .map(|&(fi, ti, n)| {
@@ -658,55 +733,24 @@ pub async fn import(store: &Store, args: &ImportArgs, ui: &Ui) -> Result<ImportR
             (shard, n)
         })
         .collect();
-    let blobs = match &meta_blob {
-        Some(b) => vec![(
+    let blobs = if blob_len > 0 {
+        vec![(
             METADATA_BLOB.to_string(),
-            b.len() as u64,
-            store.chunk_spans(b.len() as u64).count(),
-        )],
-        None => Vec::new(),
+            blob_len,
+            store.chunk_spans(blob_len).count(),
+        )]
+    } else {
+        Vec::new()
     };
-    let head = RankWrite {
-        run: args.run.clone(),
-        step: args.step,
-        rank: 0,
-        layout: Layout::SINGLE,
-        generation: 0,
-    };
-    let manifest = assemble_manifest(
-        &head,
+    assemble_manifest(
+        head,
         tensors,
         blobs,
         &put.refs,
-        logical + meta_blob.as_ref().map_or(0, |b| b.len() as u64),
-        s,
-    )?;
-    store.write_rank_manifest(&manifest).await?;
-    // The manifest now protects what it references; the lease may go (or lapse, on an error
-    // above).
-    let _ = store.release_lease(lease).await;
-    store.commit_step(&args.run, args.step).await?;
-    Ok(ImportReport {
-        run: args.run.clone(),
-        step: args.step,
-        files: files
-            .iter()
-            .map(|f| ImportedFile {
-                path: f.path.display().to_string(),
-                tensors: f.tensors.len(),
-                bytes: f.tensors.iter().map(|t| t.end - t.begin).sum(),
-            })
-            .collect(),
-        tensors: plan.len(),
-        logical_bytes: logical,
-        chunks: s.chunks,
-        chunks_skipped: s.chunks_skipped,
-        bytes_skipped: s.bytes_skipped,
-        objects_written: s.objects_written,
-        bytes_written: s.bytes_written,
-        dedup_chunks_known: known,
-        seconds: t0.elapsed().as_secs_f64(),
-    })
+        logical + blob_len,
+        &put.stats,
+    )
+    .map_err(CliError::from)
 }
 
 impl Report for ImportReport {

@@ -8,12 +8,13 @@ use std::time::Instant;
 
 use ckpt_store::placement::{Placement, flat_range_boxes};
 use ckpt_store::{ChunkId, ChunkRef, Layout, NdBox, RankManifest, StepReader, Store, WriteStats};
-use futures::{StreamExt, TryStreamExt, stream};
+use futures::{StreamExt, stream};
 use serde::Serialize;
 
-use super::fmt::{self, Align, Table};
-use super::parse::{CkptRef, ckpt_ref};
-use super::stats::{Summary, decode};
+use super::shared::all_manifests;
+use super::shared::fmt::{self, Align, Table};
+use super::shared::parse::{CkptRef, ckpt_ref};
+use super::shared::values::{Summary, decode};
 use super::{CliError, Report, Result, Ui};
 
 /// Arguments of `ckpt inspect`.
@@ -59,7 +60,7 @@ impl Report for RawDocument {
 
 /// The commit record of a step, or one rank's manifest, as stored.
 pub async fn raw(store: &Store, args: &InspectArgs) -> Result<RawDocument> {
-    let step = args.ckpt.resolve(store).await?;
+    let step = super::shared::resolve(store, &args.ckpt).await?;
     let v = match args.rank {
         None => serde_json::to_value(store.read_commit(&args.ckpt.run, step).await?.0),
         Some(r) => {
@@ -203,17 +204,6 @@ pub struct ShardRow {
     pub replicas: Vec<u32>,
 }
 
-/// Every rank manifest of the reader's step, fetched in parallel.
-pub async fn all_manifests(reader: &StepReader) -> Result<Vec<Arc<RankManifest>>> {
-    let ranks: Vec<u32> = reader.commit().ranks.iter().map(|e| e.rank).collect();
-    let ms: Vec<Arc<RankManifest>> = stream::iter(ranks)
-        .map(|r| async move { reader.manifest(r).await })
-        .buffered(16)
-        .try_collect()
-        .await?;
-    Ok(ms)
-}
-
 fn codec_counts<'a>(chunks: impl Iterator<Item = &'a ChunkRef>) -> BTreeMap<String, u64> {
     let mut m = BTreeMap::new();
     for c in chunks {
@@ -232,7 +222,7 @@ fn distinct_stored<'a>(chunks: impl Iterator<Item = &'a ChunkRef>) -> (usize, u6
 
 /// Inspect a committed step.
 pub async fn inspect(store: &Store, args: &InspectArgs, ui: &Ui) -> Result<InspectReport> {
-    let step = args.ckpt.resolve(store).await?;
+    let step = super::shared::resolve(store, &args.ckpt).await?;
     let reader = StepReader::open(store, &args.ckpt.run, step).await?;
     let manifests = all_manifests(&reader).await?;
     let c = reader.commit();
@@ -396,9 +386,19 @@ async fn tensor_detail(
         });
     }
 
-    // Statistics: read the tensor in slabs of whole elements, two slabs in flight.
-    const SLAB: u64 = 16 << 20;
     let t0 = Instant::now();
+    let stats = value_stats(reader, t, ui).await?;
+    Ok(TensorDetail {
+        row,
+        shard_list,
+        stats,
+        read_seconds: t0.elapsed().as_secs_f64(),
+    })
+}
+
+/// Statistics of tensor `t`'s values: read in slabs of whole elements, two slabs in flight.
+async fn value_stats(reader: &StepReader, t: &ckpt_store::TensorEntry, ui: &Ui) -> Result<Summary> {
+    const SLAB: u64 = 16 << 20;
     let elem = t.dtype.size() as u64;
     let n = NdBox::full(&t.shape).numel();
     let per = (SLAB / elem).max(1);
@@ -433,12 +433,7 @@ async fn tensor_detail(
         pb.inc(buf.len() as u64);
     }
     pb.finish_and_clear();
-    Ok(TensorDetail {
-        row,
-        shard_list,
-        stats,
-        read_seconds: t0.elapsed().as_secs_f64(),
-    })
+    Ok(stats)
 }
 
 fn codecs_text(m: &BTreeMap<String, u64>) -> String {
@@ -491,82 +486,16 @@ impl Report for InspectReport {
             ws.chunks,
             fmt::bytes(ws.bytes_skipped)
         )?;
-        if let Some(d) = &self.tensor {
-            let r = &d.row;
-            writeln!(w)?;
-            writeln!(w, "tensor \"{}\"", fmt::name(&r.name))?;
-            writeln!(
-                w,
-                "  {} {}  {}  {} shards, {} replicas, {} chunks ({}), {} stored",
-                r.dtype,
-                fmt::shape(&r.shape),
-                fmt::bytes(r.bytes),
-                r.shards,
-                r.replicas,
-                r.chunks,
-                codecs_text(&r.codecs),
-                fmt::bytes(r.stored_bytes)
-            )?;
-            if let Some(p) = &r.placement {
-                writeln!(
-                    w,
-                    "  placement: order {}, tp_dim {}, stage {:?}{}",
-                    p.order,
-                    p.tp_dim
-                        .map_or("none (replicated)".into(), |d| d.to_string()),
-                    p.stage,
-                    p.zero.as_ref().map_or(String::new(), |z| format!(
-                        ", ZeRO group {} from stage {}",
-                        z.group, z.from_stage
-                    ))
-                )?;
-            }
-            let mut t = Table::new(&[
-                ("RANK", Align::Right),
-                ("BOX", Align::Left),
-                ("BYTES", Align::Right),
-                ("CHUNKS", Align::Right),
-                ("STORED", Align::Right),
-                ("CODECS", Align::Left),
-                ("REPLICAS", Align::Left),
-            ]);
-            for s in &d.shard_list {
-                t.row(vec![
-                    s.rank.to_string(),
-                    s.bbox.to_string(),
-                    fmt::bytes(s.bytes),
-                    s.chunks.to_string(),
-                    fmt::bytes(s.stored_bytes),
-                    codecs_text(&s.codecs),
-                    if s.replicas.is_empty() {
-                        "-".into()
-                    } else {
-                        s.replicas
-                            .iter()
-                            .map(u32::to_string)
-                            .collect::<Vec<_>>()
-                            .join(",")
-                    },
-                ]);
-            }
-            write!(w, "{}", t.render())?;
-            let s = &d.stats;
-            writeln!(
-                w,
-                "values ({} read in {}):",
-                fmt::bytes(r.bytes),
-                fmt::duration(d.read_seconds)
-            )?;
-            writeln!(w, "  count  {}", s.count)?;
-            writeln!(w, "  min    {}", num(s.min))?;
-            writeln!(w, "  max    {}", num(s.max))?;
-            writeln!(w, "  mean   {}", num(s.mean))?;
-            writeln!(w, "  std    {}", num(s.std))?;
-            writeln!(w, "  zeros  {}", s.zeros)?;
-            writeln!(w, "  nan    {}", s.nan)?;
-            writeln!(w, "  inf    {}", s.inf)?;
-            return Ok(());
+        match &self.tensor {
+            Some(d) => print_tensor(d, w),
+            None => self.print_tables(w),
         }
+    }
+}
+
+impl InspectReport {
+    /// The tables of ranks, tensors and blobs.
+    fn print_tables(&self, w: &mut dyn Write) -> std::io::Result<()> {
         writeln!(w)?;
         let mut t = Table::new(&[
             ("RANK", Align::Right),
@@ -635,6 +564,84 @@ impl Report for InspectReport {
         }
         Ok(())
     }
+}
+
+/// One tensor: its row, shards and value statistics (`--tensor`).
+fn print_tensor(d: &TensorDetail, w: &mut dyn Write) -> std::io::Result<()> {
+    let r = &d.row;
+    writeln!(w)?;
+    writeln!(w, "tensor \"{}\"", fmt::name(&r.name))?;
+    writeln!(
+        w,
+        "  {} {}  {}  {} shards, {} replicas, {} chunks ({}), {} stored",
+        r.dtype,
+        fmt::shape(&r.shape),
+        fmt::bytes(r.bytes),
+        r.shards,
+        r.replicas,
+        r.chunks,
+        codecs_text(&r.codecs),
+        fmt::bytes(r.stored_bytes)
+    )?;
+    if let Some(p) = &r.placement {
+        writeln!(
+            w,
+            "  placement: order {}, tp_dim {}, stage {:?}{}",
+            p.order,
+            p.tp_dim
+                .map_or("none (replicated)".into(), |d| d.to_string()),
+            p.stage,
+            p.zero.as_ref().map_or(String::new(), |z| format!(
+                ", ZeRO group {} from stage {}",
+                z.group, z.from_stage
+            ))
+        )?;
+    }
+    let mut t = Table::new(&[
+        ("RANK", Align::Right),
+        ("BOX", Align::Left),
+        ("BYTES", Align::Right),
+        ("CHUNKS", Align::Right),
+        ("STORED", Align::Right),
+        ("CODECS", Align::Left),
+        ("REPLICAS", Align::Left),
+    ]);
+    for s in &d.shard_list {
+        t.row(vec![
+            s.rank.to_string(),
+            s.bbox.to_string(),
+            fmt::bytes(s.bytes),
+            s.chunks.to_string(),
+            fmt::bytes(s.stored_bytes),
+            codecs_text(&s.codecs),
+            if s.replicas.is_empty() {
+                "-".into()
+            } else {
+                s.replicas
+                    .iter()
+                    .map(u32::to_string)
+                    .collect::<Vec<_>>()
+                    .join(",")
+            },
+        ]);
+    }
+    write!(w, "{}", t.render())?;
+    let s = &d.stats;
+    writeln!(
+        w,
+        "values ({} read in {}):",
+        fmt::bytes(r.bytes),
+        fmt::duration(d.read_seconds)
+    )?;
+    writeln!(w, "  count  {}", s.count)?;
+    writeln!(w, "  min    {}", num(s.min))?;
+    writeln!(w, "  max    {}", num(s.max))?;
+    writeln!(w, "  mean   {}", num(s.mean))?;
+    writeln!(w, "  std    {}", num(s.std))?;
+    writeln!(w, "  zeros  {}", s.zeros)?;
+    writeln!(w, "  nan    {}", s.nan)?;
+    writeln!(w, "  inf    {}", s.inf)?;
+    Ok(())
 }
 
 /// Names of the tensors of a step as a set (diff, export).

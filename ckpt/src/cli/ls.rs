@@ -4,11 +4,11 @@ use std::collections::{HashMap, HashSet};
 use std::io::Write;
 
 use chrono::{DateTime, TimeZone, Utc};
-use ckpt_store::{ChunkId, CommitRecord, RankManifest, Store, validate_run};
+use ckpt_store::{ChunkId, CommitRecord, RankManifest, StepListing, Store, validate_run};
 use futures::{StreamExt, TryStreamExt, stream};
 use serde::Serialize;
 
-use super::fmt::{self, Align, Table};
+use super::shared::fmt::{self, Align, Table};
 use super::{CliError, Report, Result, Ui};
 
 /// Arguments of `ckpt ls`.
@@ -189,48 +189,14 @@ async fn list_steps(
         .into_iter()
         .unzip();
     if steps.is_empty() {
-        return Err(super::parse::no_such_run(store, run).await);
+        return Err(super::shared::no_such_run(store, run).await);
     }
     let pb = ui.items(steps.len() as u64, format!("reading {run}"));
     let infos: Vec<StepInfo> = stream::iter(steps.iter().zip(records))
         .map(|(s, record)| {
             let pb = pb.clone();
             async move {
-                let mut info = StepInfo {
-                    commit: None,
-                    manifests: Vec::new(),
-                    problem: None,
-                };
-                match record {
-                    Some(Ok(c)) => info.commit = Some(c),
-                    Some(Err(e)) => info.problem = Some(e.to_string()),
-                    None => {}
-                }
-                // Incomplete steps need one manifest for their layout; sizes need them all.
-                let wanted: Vec<(u32, Option<ckpt_store::RankEntry>)> = match &info.commit {
-                    Some(c) if !quick => {
-                        c.ranks.iter().map(|e| (e.rank, Some(e.clone()))).collect()
-                    }
-                    Some(_) => Vec::new(),
-                    None if quick => s.ranks.iter().take(1).map(|&r| (r, None)).collect(),
-                    None => s.ranks.iter().map(|&r| (r, None)).collect(),
-                };
-                let got: Vec<_> = stream::iter(wanted)
-                    .map(|(r, e)| async move {
-                        store.read_rank_manifest(run, s.step, r, e.as_ref()).await
-                    })
-                    .buffer_unordered(16)
-                    .collect()
-                    .await;
-                for m in got {
-                    match m {
-                        Ok(m) => info.manifests.push(m),
-                        Err(e) => {
-                            info.problem.get_or_insert_with(|| e.to_string());
-                        }
-                    }
-                }
-                info.manifests.sort_by_key(|m| m.rank);
+                let info = step_info(store, run, s, record, quick).await;
                 pb.inc(1);
                 info
             }
@@ -240,77 +206,123 @@ async fn list_steps(
         .await;
     pb.finish_and_clear();
 
+    // What each step adds: the stored bytes of chunks no earlier step references.
     let mut seen: HashSet<ChunkId> = HashSet::new();
-    let mut rows = Vec::with_capacity(steps.len());
-    for (s, info) in steps.iter().zip(infos) {
-        let sizes = (!quick && info.problem.is_none()).then(|| {
-            let mut stored: HashMap<ChunkId, u64> = HashMap::new();
-            for m in &info.manifests {
-                for c in m.chunk_refs() {
-                    stored.insert(c.id, c.stored as u64);
-                }
-            }
-            let total: u64 = stored.values().sum();
-            let new: u64 = stored
-                .iter()
-                .filter(|(id, _)| !seen.contains(*id))
-                .map(|(_, n)| n)
-                .sum();
-            seen.extend(stored.keys().copied());
-            (total, new)
-        });
-        let first = info.manifests.first();
-        let (layout, generation) = match (&info.commit, first) {
-            (Some(c), _) => (Some(c.layout), Some(c.generation)),
-            (None, Some(m)) => (Some(m.layout), Some(m.generation)),
-            _ => (None, None),
-        };
-        let time = match &info.commit {
-            Some(c) => ms_time(c.committed_ms),
-            None => s.last_modified,
-        };
-        let logical = match &info.commit {
-            Some(c) => Some(c.logical_bytes()),
-            None if !info.manifests.is_empty() => Some(
-                info.manifests
-                    .iter()
-                    .map(|m| m.stats.logical_bytes)
-                    .sum::<u64>(),
-            ),
-            None => None,
-        };
-        let written = match &info.commit {
-            Some(c) => Some(c.stats.bytes_written),
-            None if !info.manifests.is_empty() => Some(
-                info.manifests
-                    .iter()
-                    .map(|m| m.stats.bytes_written)
-                    .sum::<u64>(),
-            ),
-            None => None,
-        };
-        rows.push(StepRow {
-            step: s.step,
-            committed: s.committed,
-            ranks: s.ranks.len(),
-            world: layout.map(|l| l.world()),
-            layout: layout.map(|l| l.to_string()),
-            generation,
-            tensors: info.commit.as_ref().map(|c| c.tensors.len()),
-            logical_bytes: logical,
-            stored_bytes: sizes.map(|s| s.0),
-            new_bytes: sizes.map(|s| s.1),
-            written_bytes: written,
-            time: time.to_rfc3339(),
-            age_s: age(now, time),
-            problem: info.problem,
-        });
-    }
+    let rows = steps
+        .iter()
+        .zip(infos)
+        .map(|(s, info)| step_row(s, info, &mut seen, quick, now))
+        .collect();
     Ok(StepsListing {
         store: store.url().to_string(),
         run: run.to_string(),
         steps: rows,
     })
+}
+
+/// A step's commit record (read with the listing) and the manifests its row needs:
+/// incomplete steps need one for their layout, sizes need them all.
+async fn step_info(
+    store: &Store,
+    run: &str,
+    s: &StepListing,
+    record: Option<ckpt_store::Result<CommitRecord>>,
+    quick: bool,
+) -> StepInfo {
+    let mut info = StepInfo {
+        commit: None,
+        manifests: Vec::new(),
+        problem: None,
+    };
+    match record {
+        Some(Ok(c)) => info.commit = Some(c),
+        Some(Err(e)) => info.problem = Some(e.to_string()),
+        None => {}
+    }
+    let wanted: Vec<(u32, Option<ckpt_store::RankEntry>)> = match &info.commit {
+        Some(c) if !quick => c.ranks.iter().map(|e| (e.rank, Some(e.clone()))).collect(),
+        Some(_) => Vec::new(),
+        None if quick => s.ranks.iter().take(1).map(|&r| (r, None)).collect(),
+        None => s.ranks.iter().map(|&r| (r, None)).collect(),
+    };
+    let got: Vec<_> = stream::iter(wanted)
+        .map(|(r, e)| async move { store.read_rank_manifest(run, s.step, r, e.as_ref()).await })
+        .buffer_unordered(16)
+        .collect()
+        .await;
+    for m in got {
+        match m {
+            Ok(m) => info.manifests.push(m),
+            Err(e) => {
+                info.problem.get_or_insert_with(|| e.to_string());
+            }
+        }
+    }
+    info.manifests.sort_by_key(|m| m.rank);
+    info
+}
+
+/// The row of step `s`; `seen` holds the chunks of the steps before it, and gets its own.
+fn step_row(
+    s: &StepListing,
+    info: StepInfo,
+    seen: &mut HashSet<ChunkId>,
+    quick: bool,
+    now: DateTime<Utc>,
+) -> StepRow {
+    let sizes = (!quick && info.problem.is_none()).then(|| {
+        let mut stored: HashMap<ChunkId, u64> = HashMap::new();
+        for m in &info.manifests {
+            for c in m.chunk_refs() {
+                stored.insert(c.id, c.stored as u64);
+            }
+        }
+        let total: u64 = stored.values().sum();
+        let new: u64 = stored
+            .iter()
+            .filter(|(id, _)| !seen.contains(*id))
+            .map(|(_, n)| n)
+            .sum();
+        seen.extend(stored.keys().copied());
+        (total, new)
+    });
+    let first = info.manifests.first();
+    let (layout, generation) = match (&info.commit, first) {
+        (Some(c), _) => (Some(c.layout), Some(c.generation)),
+        (None, Some(m)) => (Some(m.layout), Some(m.generation)),
+        _ => (None, None),
+    };
+    let time = match &info.commit {
+        Some(c) => ms_time(c.committed_ms),
+        None => s.last_modified,
+    };
+    // Summed over the manifests of an incomplete step.
+    let from_manifests = |f: fn(&RankManifest) -> u64| {
+        (!info.manifests.is_empty()).then(|| info.manifests.iter().map(f).sum::<u64>())
+    };
+    let (logical, written) = match &info.commit {
+        Some(c) => (Some(c.logical_bytes()), Some(c.stats.bytes_written)),
+        None => (
+            from_manifests(|m| m.stats.logical_bytes),
+            from_manifests(|m| m.stats.bytes_written),
+        ),
+    };
+    StepRow {
+        step: s.step,
+        committed: s.committed,
+        ranks: s.ranks.len(),
+        world: layout.map(|l| l.world()),
+        layout: layout.map(|l| l.to_string()),
+        generation,
+        tensors: info.commit.as_ref().map(|c| c.tensors.len()),
+        logical_bytes: logical,
+        stored_bytes: sizes.map(|s| s.0),
+        new_bytes: sizes.map(|s| s.1),
+        written_bytes: written,
+        time: time.to_rfc3339(),
+        age_s: age(now, time),
+        problem: info.problem,
+    }
 }
 
 fn opt_bytes(v: Option<u64>) -> String {

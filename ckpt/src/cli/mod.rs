@@ -1,54 +1,40 @@
-//! The `ckpt` subcommands, one library function each.
+//! The `ckpt` subcommands, one library function each, and the dispatcher.
 //!
 //! Every subcommand is `async fn NAME(store, &Args, ..., &Ui) -> Result<Report>`: it does the
 //! work and returns a report that serializes to the `--json` output and prints as text.
 //! [`main`] parses nothing: it opens the store, dispatches, prints and maps errors to exit
 //! codes ([`EXIT_OK`], [`EXIT_ERROR`], [`EXIT_USAGE`], [`EXIT_DAMAGE`]).
+//!
+//! This file is only the dispatcher; one file (or folder: `export/`, `plot/`) per subcommand;
+//! what they share (errors, parsing, the store's lookups, values, text, progress, stdout) is
+//! in [`shared`], which depends on no subcommand.
 
 use std::io::Write;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use serde::Serialize;
 
 #[cfg(feature = "etcd")]
 pub mod agent;
 pub mod diff;
-pub mod error;
 pub mod export;
-pub mod export_jobs;
-pub mod export_plan;
-pub mod fmt;
 pub mod gc;
 pub mod import;
 pub mod inspect;
 pub mod ls;
 pub mod mount;
-pub mod parse;
 pub mod plan;
 pub mod plot;
-pub mod progress;
-pub mod render;
 pub mod replica;
 pub mod resume;
-pub mod stats;
+pub mod shared;
 pub mod verify;
 
-pub use error::{CliError, Failure};
-pub use parse::{CkptRef, StepSel};
-pub use progress::Ui;
-
-/// Exit code: success.
-pub const EXIT_OK: u8 = 0;
-/// Exit code: an error (store unreachable, not found, bad input file, ...).
-pub const EXIT_ERROR: u8 = 1;
-/// Exit code: bad usage (unknown flag, malformed `RUN@STEP`, impossible layout, ...).
-pub const EXIT_USAGE: u8 = 2;
-/// Exit code: damaged data found (`verify`, or a read that hit a bad chunk).
-pub const EXIT_DAMAGE: u8 = 3;
-
-/// `Result` of the CLI functions.
-pub type Result<T, E = CliError> = std::result::Result<T, E>;
+pub use shared::error::{CliError, EXIT_DAMAGE, EXIT_ERROR, EXIT_OK, EXIT_USAGE, Failure, Result};
+pub use shared::open_store;
+pub use shared::output::{Report, emit, to_text};
+pub use shared::parse::{CkptRef, StepSel};
+pub use shared::progress::Ui;
 
 /// Look into checkpoint stores: list, inspect, compare, verify, collect garbage, export to and
 /// import from safetensors, plan resharding, plot training runs, mount.
@@ -198,7 +184,7 @@ pub fn execute(cli: Cli) -> Result<Outcome> {
                 global.extend([flag.to_string(), v.clone()]);
             }
         }
-        a.spawn = Some(export_jobs::Spawn { exe, global });
+        a.spawn = Some(export::jobs::Spawn { exe, global });
     }
     rt.block_on(run(cli.store.as_deref(), &open, command, &ui))
 }
@@ -213,36 +199,6 @@ impl Cli {
         )
         .map_err(CliError::from)
     }
-}
-
-/// The rank manifests of committed `step` of `run` that read (none when its commit record
-/// does not): for figures that are best effort (a progress bar's length, a dedup index).
-pub(crate) async fn readable_manifests(
-    store: &ckpt_store::Store,
-    run: &str,
-    step: u64,
-) -> Vec<ckpt_store::RankManifest> {
-    let Ok((c, _)) = store.read_commit(run, step).await else {
-        return Vec::new();
-    };
-    let mut out = Vec::new();
-    for e in &c.ranks {
-        if let Ok(m) = store.read_rank_manifest(run, step, e.rank, Some(e)).await {
-            out.push(m);
-        }
-    }
-    out
-}
-
-/// Open the store named by `--store` / `CKPT_STORE`.
-pub fn open_store(url: Option<&str>, open: &ckpt_store::OpenOptions) -> Result<ckpt_store::Store> {
-    let url = url.filter(|u| !u.trim().is_empty()).ok_or_else(|| {
-        CliError::usage(
-            "no store given: pass --store URL or set CKPT_STORE \
-             (a directory, file:///dir, s3://bucket/prefix or memory://)",
-        )
-    })?;
-    ckpt_store::open_with(url, open).map_err(CliError::from)
 }
 
 /// Run one command against the store at `url`, printing its report to stdout.
@@ -307,39 +263,4 @@ fn finished(run: &str, ok: bool, reason: &str) -> Result<()> {
             "run {run} did not finish: {reason}"
         )))
     }
-}
-
-/// A report every command returns: JSON for `--json`, text otherwise.
-pub trait Report: Serialize {
-    /// Print the text form.
-    fn print(&self, w: &mut dyn Write) -> std::io::Result<()>;
-}
-
-/// Print `r` as JSON or text on stdout.
-pub fn emit<R: Report>(ui: &Ui, r: &R) -> Result<()> {
-    let stdout = std::io::stdout();
-    let mut out = stdout.lock();
-    let res = if ui.json {
-        // Serialized first, so that a closed pipe is an I/O error of its own kind below
-        // rather than a serde error wrapping it.
-        serde_json::to_string_pretty(r)
-            .map_err(std::io::Error::other)
-            .and_then(|s| writeln!(out, "{s}"))
-    } else {
-        r.print(&mut out)
-    }
-    .and_then(|()| out.flush());
-    match res {
-        Ok(()) => Ok(()),
-        // `ckpt ls --json | head` closes the pipe: not an error, as for any Unix tool.
-        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
-        Err(e) => Err(CliError::error(format!("writing the output: {e}"))),
-    }
-}
-
-/// Text of a report (tests and callers that want a string).
-pub fn to_text<R: Report>(r: &R) -> String {
-    let mut v = Vec::new();
-    r.print(&mut v).expect("writing to a Vec cannot fail");
-    String::from_utf8_lossy(&v).into_owned()
 }

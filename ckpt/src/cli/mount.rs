@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use ckpt_store::Store;
 
-use super::parse::size;
+use super::shared::parse::size;
 use super::{CliError, Result, Ui};
 
 /// Arguments of `ckpt mount`.
@@ -104,14 +104,13 @@ fn background(url: Option<&str>, args: &MountArgs, ui: &Ui) -> Result<()> {
         }
         if is_mounted(&args.mountpoint) {
             pb.finish_and_clear();
-            println!(
+            return super::shared::output::line(format_args!(
                 "mounted at {} (pid {}, log {}); unmount with `fusermount3 -u {}`",
                 args.mountpoint.display(),
                 child.id(),
                 log_path.display(),
                 args.mountpoint.display()
-            );
-            return Ok(());
+            ));
         }
         std::thread::sleep(Duration::from_millis(50));
     }

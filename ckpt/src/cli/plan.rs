@@ -15,8 +15,8 @@ use ckpt_store::placement::{Wanted, restore_boxes};
 use ckpt_store::{ChunkId, Layout, NdBox, StepReader, Store};
 use serde::Serialize;
 
-use super::fmt::{self, Align, Table};
-use super::parse::{CkptRef, ckpt_ref};
+use super::shared::fmt::{self, Align, Table};
+use super::shared::parse::{CkptRef, ckpt_ref};
 use super::{CliError, Report, Result, Ui};
 
 /// Arguments of `ckpt plan`.
@@ -141,6 +141,53 @@ pub struct PlanReport {
 
 /// Plan restoring a step onto another layout.
 pub async fn plan(store: &Store, args: &PlanArgs, ui: &Ui) -> Result<PlanReport> {
+    let layout = target_layout(args)?;
+    let step = super::shared::resolve(store, &args.ckpt).await?;
+    let reader = StepReader::open(store, &args.ckpt.run, step).await?;
+    let commit = reader.commit().clone();
+    let unplaced: Vec<String> = commit
+        .tensors
+        .iter()
+        .filter(|t| t.placement.is_none())
+        .map(|t| t.name.clone())
+        .collect();
+
+    let pb = ui.items(layout.world() as u64, "planning");
+    let mut ranks = Vec::with_capacity(layout.world() as usize);
+    let mut all = Distinct::default();
+    let mut totals = PlanTotals::default();
+    for r in 0..layout.world() {
+        let rank = plan_rank(store, &reader, &layout, r, &mut all).await?;
+        totals.bytes_needed += rank.bytes_needed;
+        totals.raw_bytes += rank.raw_bytes;
+        totals.stored_bytes += rank.stored_bytes;
+        ranks.push(rank);
+        pb.inc(1);
+    }
+    pb.finish_and_clear();
+    totals.distinct_chunks = all.chunks.len();
+    totals.distinct_stored_bytes = all.chunks.values().sum();
+    totals.distinct_objects = all.objects.len();
+    totals.read_amplification = if totals.bytes_needed == 0 {
+        1.0
+    } else {
+        totals.raw_bytes as f64 / totals.bytes_needed as f64
+    };
+    Ok(PlanReport {
+        run: commit.run.clone(),
+        step: commit.step,
+        from_layout: commit.layout.to_string(),
+        to_layout: layout.to_string(),
+        world: layout.world(),
+        unplaced,
+        ranks,
+        totals,
+        detail: args.rank,
+    })
+}
+
+/// The layout planned for (`--layout`, `--zero`), checked against `--rank`.
+fn target_layout(args: &PlanArgs) -> Result<Layout> {
     let mut layout: Layout = args
         .layout
         .parse()
@@ -159,106 +206,83 @@ pub async fn plan(store: &Store, args: &PlanArgs, ui: &Ui) -> Result<PlanReport>
             layout.world()
         )));
     }
-    let step = args.ckpt.resolve(store).await?;
-    let reader = StepReader::open(store, &args.ckpt.run, step).await?;
-    let commit = reader.commit().clone();
-    let unplaced: Vec<String> = commit
-        .tensors
-        .iter()
-        .filter(|t| t.placement.is_none())
-        .map(|t| t.name.clone())
-        .collect();
+    Ok(layout)
+}
 
-    let pb = ui.items(layout.world() as u64, "planning");
-    let mut ranks = Vec::with_capacity(layout.world() as usize);
-    let mut all_chunks: HashMap<ChunkId, u64> = HashMap::new();
-    let mut all_objects: HashSet<String> = HashSet::new();
-    let mut totals = PlanTotals::default();
-    for r in 0..layout.world() {
-        let wanted = restore_boxes(&commit.tensors, &layout, r).map_err(|e| {
-            CliError::usage(format!(
-                "{}@{} cannot be placed on {layout}: {}",
-                commit.run,
-                commit.step,
-                e.message()
-            ))
-        })?;
-        let mut reads = Vec::with_capacity(wanted.len());
-        let mut chunks: HashMap<ChunkId, (u64, u64)> = HashMap::new();
-        let mut objects: BTreeSet<String> = BTreeSet::new();
-        let mut needed = 0u64;
-        for Wanted {
-            name,
-            bbox,
-            unplaced,
-        } in wanted
-        {
-            let plan = reader.plan(&name, &bbox).await?;
-            needed += plan.bytes_needed();
-            let mut cr = Vec::with_capacity(plan.chunks.len());
-            for pc in &plan.chunks {
-                let object = store.object_of(&pc.chunk).to_string();
-                chunks.insert(pc.chunk.id, (pc.chunk.len as u64, pc.chunk.stored as u64));
-                all_chunks.insert(pc.chunk.id, pc.chunk.stored as u64);
-                objects.insert(object.clone());
-                all_objects.insert(object.clone());
-                cr.push(ChunkRead {
-                    chunk: pc.chunk.id.to_hex(),
-                    object,
-                    from_rank: pc.rank,
-                    raw_bytes: pc.chunk.len as u64,
-                    stored_bytes: pc.chunk.stored as u64,
-                    used_bytes: pc.copies.iter().map(|c| c.len).sum(),
-                });
-            }
-            reads.push(TensorRead {
-                bytes: plan.bytes_needed(),
-                tensor: name,
-                bbox,
-                unplaced,
-                chunks: cr,
+/// The distinct chunks (stored bytes) and objects every rank of the plan reads.
+#[derive(Default)]
+struct Distinct {
+    chunks: HashMap<ChunkId, u64>,
+    objects: HashSet<String>,
+}
+
+/// What rank `r` of `layout` reads of the reader's step; its chunks and objects also go into
+/// `all`.
+async fn plan_rank(
+    store: &Store,
+    reader: &StepReader,
+    layout: &Layout,
+    r: u32,
+    all: &mut Distinct,
+) -> Result<RankPlan> {
+    let commit = reader.commit();
+    let wanted = restore_boxes(&commit.tensors, layout, r).map_err(|e| {
+        CliError::usage(format!(
+            "{}@{} cannot be placed on {layout}: {}",
+            commit.run,
+            commit.step,
+            e.message()
+        ))
+    })?;
+    let mut reads = Vec::with_capacity(wanted.len());
+    let mut chunks: HashMap<ChunkId, (u64, u64)> = HashMap::new();
+    let mut objects: BTreeSet<String> = BTreeSet::new();
+    let mut needed = 0u64;
+    for Wanted {
+        name,
+        bbox,
+        unplaced,
+    } in wanted
+    {
+        let plan = reader.plan(&name, &bbox).await?;
+        needed += plan.bytes_needed();
+        let mut cr = Vec::with_capacity(plan.chunks.len());
+        for pc in &plan.chunks {
+            let object = store.object_of(&pc.chunk).to_string();
+            chunks.insert(pc.chunk.id, (pc.chunk.len as u64, pc.chunk.stored as u64));
+            all.chunks.insert(pc.chunk.id, pc.chunk.stored as u64);
+            objects.insert(object.clone());
+            all.objects.insert(object.clone());
+            cr.push(ChunkRead {
+                chunk: pc.chunk.id.to_hex(),
+                object,
+                from_rank: pc.rank,
+                raw_bytes: pc.chunk.len as u64,
+                stored_bytes: pc.chunk.stored as u64,
+                used_bytes: pc.copies.iter().map(|c| c.len).sum(),
             });
         }
-        let raw: u64 = chunks.values().map(|c| c.0).sum();
-        let stored: u64 = chunks.values().map(|c| c.1).sum();
-        totals.bytes_needed += needed;
-        totals.raw_bytes += raw;
-        totals.stored_bytes += stored;
-        let c = layout.coords(r);
-        ranks.push(RankPlan {
-            rank: r,
-            dp: c.dp,
-            tp: c.tp,
-            pp: c.pp,
-            boxes: reads.len(),
-            bytes_needed: needed,
-            chunks: chunks.len(),
-            raw_bytes: raw,
-            stored_bytes: stored,
-            objects: objects.len(),
-            reads,
+        reads.push(TensorRead {
+            bytes: plan.bytes_needed(),
+            tensor: name,
+            bbox,
+            unplaced,
+            chunks: cr,
         });
-        pb.inc(1);
     }
-    pb.finish_and_clear();
-    totals.distinct_chunks = all_chunks.len();
-    totals.distinct_stored_bytes = all_chunks.values().sum();
-    totals.distinct_objects = all_objects.len();
-    totals.read_amplification = if totals.bytes_needed == 0 {
-        1.0
-    } else {
-        totals.raw_bytes as f64 / totals.bytes_needed as f64
-    };
-    Ok(PlanReport {
-        run: commit.run.clone(),
-        step: commit.step,
-        from_layout: commit.layout.to_string(),
-        to_layout: layout.to_string(),
-        world: layout.world(),
-        unplaced,
-        ranks,
-        totals,
-        detail: args.rank,
+    let c = layout.coords(r);
+    Ok(RankPlan {
+        rank: r,
+        dp: c.dp,
+        tp: c.tp,
+        pp: c.pp,
+        boxes: reads.len(),
+        bytes_needed: needed,
+        chunks: chunks.len(),
+        raw_bytes: chunks.values().map(|c| c.0).sum(),
+        stored_bytes: chunks.values().map(|c| c.1).sum(),
+        objects: objects.len(),
+        reads,
     })
 }
 

@@ -20,7 +20,7 @@ use ckpt_recovery::peer::{
 };
 use tracing::{info, warn};
 
-use super::parse::size;
+use super::shared::parse::size;
 use super::{CliError, Result};
 
 /// Arguments of `ckpt replica-agent`.
@@ -65,12 +65,7 @@ pub async fn replica_agent(args: &ReplicaArgs) -> Result<()> {
     let addr = l
         .local_addr()
         .map_err(|e| CliError::error(format!("no local address: {e}")))?;
-    {
-        use std::io::Write;
-        let mut out = std::io::stdout().lock();
-        let _ = writeln!(out, "listening {addr}");
-        let _ = out.flush();
-    }
+    let _ = super::shared::output::line(format_args!("listening {addr}"));
     info!(node = args.node, %addr, memory_limit = limit, "replica agent listening");
     let state = AgentState::new(args.node, Some(secret), limit);
     if args.buddy.is_some() {

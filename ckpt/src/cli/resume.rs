@@ -13,7 +13,7 @@ use ckpt_recovery::records::{Event, LogRecord, parse_records};
 use ckpt_recovery::{Config, JobOptions, SupervisorOptions, Topology};
 use serde::Serialize;
 
-use super::parse::duration;
+use super::shared::parse::duration;
 use super::{CliError, Report, Result, Ui};
 
 /// Arguments of `ckpt resume`.
@@ -198,10 +198,10 @@ impl Report for ResumeOutput {
                  {} read from the store), slowest rank {:.2} s",
                 r.generation,
                 r.ranks,
-                super::fmt::bytes(r.bytes),
+                super::shared::fmt::bytes(r.bytes),
                 r.step,
-                super::fmt::bytes(r.bytes_from_peers),
-                super::fmt::bytes(r.bytes_from_store),
+                super::shared::fmt::bytes(r.bytes_from_peers),
+                super::shared::fmt::bytes(r.bytes_from_store),
                 r.slowest_s
             )?;
         }

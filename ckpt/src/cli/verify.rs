@@ -12,8 +12,8 @@ use ckpt_store::{ChunkId, Store, VerifyReport, VerifyScope};
 use futures::{StreamExt, stream};
 use serde::Serialize;
 
-use super::fmt;
-use super::parse::{CkptRef, StepSel};
+use super::shared::fmt;
+use super::shared::parse::{CkptRef, StepSel};
 use super::{Report, Result, Ui};
 
 /// Arguments of `ckpt verify`.
@@ -53,12 +53,12 @@ pub async fn scope_of(store: &Store, target: Option<&str>) -> Result<VerifyScope
             // A run: every committed step; say so when it has none.
             let steps = store.list_steps(&r.run).await?;
             if steps.is_empty() {
-                return Err(super::parse::no_such_run(store, &r.run).await);
+                return Err(super::shared::no_such_run(store, &r.run).await);
             }
             VerifyScope::Run(r.run)
         }
         (true, StepSel::Latest | StepSel::Step(_)) => {
-            let s = r.resolve(store).await?;
+            let s = super::shared::resolve(store, &r).await?;
             VerifyScope::Step(r.run, s)
         }
     })
@@ -80,7 +80,9 @@ async fn distinct_bytes(store: &Store, scope: &VerifyScope) -> u64 {
     }
     let mut seen: HashMap<ChunkId, u64> = HashMap::new();
     let manifests: Vec<_> = stream::iter(steps)
-        .map(|(run, step)| async move { super::readable_manifests(store, &run, step).await })
+        .map(
+            |(run, step)| async move { super::shared::readable_manifests(store, &run, step).await },
+        )
         .buffer_unordered(8)
         .collect()
         .await;

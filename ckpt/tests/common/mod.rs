@@ -292,6 +292,15 @@ pub async fn save_step(store: &Store, run: &str, step: u64, extra: bool, index: 
     store.commit_step(run, step).await.unwrap();
 }
 
+/// Steps 10 and 20 of run `train` committed (20 adds a tensor and changes qkv), step 30
+/// incomplete.
+pub async fn two_steps_and_a_pending_one(env: &Env) {
+    let index = DedupIndex::new();
+    save_step(&env.store, "train", 10, false, &index).await;
+    save_step(&env.store, "train", 20, true, &index).await;
+    save_rank(&env.store, "train", 30, 0, true, &index).await;
+}
+
 /// A temporary directory for files.
 pub fn tmp() -> tempfile::TempDir {
     tempfile::tempdir().expect("temp dir")

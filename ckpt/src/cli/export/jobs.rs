@@ -4,6 +4,7 @@
 //! fails stops the others (they are killed; what they finished stays, complete, for a rerun)
 //! and its error is this command's.
 
+use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::Stdio;
 
@@ -12,9 +13,8 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::process::Command;
 use tokio::task::JoinSet;
 
-use super::export::ExportArgs;
-use super::export_plan::ExportPlan;
-use super::{CliError, Result};
+use super::plan::ExportPlan;
+use crate::cli::{CliError, Result};
 
 /// How to start a part: the `ckpt` executable and the global flags it needs.
 #[derive(Debug, Clone, Default)]
@@ -25,13 +25,14 @@ pub struct Spawn {
     pub global: Vec<String>,
 }
 
-/// Run the parts of `plan` that have files as child processes; returns their JSON reports in
-/// part order.
+/// Run the parts of `plan` that have files as child processes, part `I` of `N` with the
+/// arguments `part_args(I, N)` after the global ones (`what` is `RUN@STEP`, for messages);
+/// returns their JSON reports in part order.
 pub async fn run_parts(
     spawn: &Spawn,
-    args: &ExportArgs,
     what: &str,
     plan: &ExportPlan,
+    part_args: impl Fn(usize, usize) -> Vec<OsString>,
     pb: &ProgressBar,
 ) -> Result<Vec<serde_json::Value>> {
     let n = plan.parts;
@@ -41,28 +42,7 @@ pub async fn run_parts(
             continue; // more parts than files
         }
         let mut c = Command::new(&spawn.exe);
-        c.args(&spawn.global)
-            .args(["export", what, "--out"])
-            .arg(&args.out)
-            .args(["--part", &format!("{part}/{n}")])
-            .args(["--memory-budget", &args.memory_budget.to_string()])
-            .args(["--json", "--no-progress", "--progress-lines"]);
-        if let Some(m) = args.max_shard_size {
-            c.args(["--max-shard-size", &m.to_string()]);
-        }
-        if let Some(d) = args.dtype {
-            let v = clap::ValueEnum::to_possible_value(&d).expect("no skipped variants");
-            c.args(["--dtype", v.get_name()]);
-        }
-        for p in &args.include {
-            c.args(["--include", p]);
-        }
-        for p in &args.exclude {
-            c.args(["--exclude", p]);
-        }
-        if args.force {
-            c.arg("--force");
-        }
+        c.args(&spawn.global).args(part_args(part, n));
         c.stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

@@ -5,7 +5,17 @@ use std::fmt;
 
 use ckpt_store::ErrorKind;
 
-use super::{EXIT_DAMAGE, EXIT_ERROR, EXIT_USAGE};
+/// Exit code: success.
+pub const EXIT_OK: u8 = 0;
+/// Exit code: an error (store unreachable, not found, bad input file, ...).
+pub const EXIT_ERROR: u8 = 1;
+/// Exit code: bad usage (unknown flag, malformed `RUN@STEP`, impossible layout, ...).
+pub const EXIT_USAGE: u8 = 2;
+/// Exit code: damaged data found (`verify`, or a read that hit a bad chunk).
+pub const EXIT_DAMAGE: u8 = 3;
+
+/// `Result` of the CLI functions.
+pub type Result<T, E = CliError> = std::result::Result<T, E>;
 
 /// Which exit code an error gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -11,7 +11,7 @@ use tiny_skia::{
 };
 
 /// The embedded font (see `assets/DejaVuSans-LICENSE.txt`).
-pub const FONT: &[u8] = include_bytes!("../../assets/DejaVuSans-subset.ttf");
+pub const FONT: &[u8] = include_bytes!("../../../assets/DejaVuSans-subset.ttf");
 
 /// An sRGB colour with alpha.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,15 +1,14 @@
 //! Parsing what people type: `RUN@STEP`, sizes (`2GiB`, `500MB`), durations (`90s`, `1h`),
-//! name patterns (`layers.*.weight`); and resolving a checkpoint name against a store with
-//! errors that say what exists instead.
+//! name patterns (`layers.*.weight`). No I/O: resolving a name against a store is
+//! [`super::store::resolve`].
 
 use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
-use ckpt_store::{ErrorKind, Store, validate_run};
+use ckpt_store::validate_run;
 
 use super::error::CliError;
-use super::fmt::ranges;
 
 /// Which step of a run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,71 +43,6 @@ impl CkptRef {
             run: run.into(),
             step: StepSel::Latest,
         }
-    }
-
-    /// The committed step this names, or an error that lists what exists.
-    pub async fn resolve(&self, store: &Store) -> Result<u64, CliError> {
-        match self.step {
-            StepSel::Latest => store.require_latest(&self.run).await.map_err(|e| {
-                if e.kind() == ErrorKind::NotFound {
-                    CliError::from(e).hint(format!(
-                        "`ckpt ls` lists the runs of {}, `ckpt ls {}` the steps of this one",
-                        store.url(),
-                        self.run
-                    ))
-                } else {
-                    e.into()
-                }
-            }),
-            StepSel::Step(s) => {
-                if store.exists(&store.keys().commit(&self.run, s)).await? {
-                    return Ok(s);
-                }
-                Err(not_committed(store, &self.run, s).await)
-            }
-        }
-    }
-}
-
-/// The error for a run the store does not hold, naming the runs it does hold.
-pub async fn no_such_run(store: &Store, run: &str) -> CliError {
-    let runs = store.list_runs().await.unwrap_or_default();
-    let known = if runs.is_empty() {
-        format!("the store {} holds no runs", store.url())
-    } else {
-        format!("known runs: {}", runs.join(", "))
-    };
-    CliError::error(format!("no run named {run} ({known})"))
-}
-
-/// The error for a step that is not committed, naming what the run does have.
-async fn not_committed(store: &Store, run: &str, step: u64) -> CliError {
-    let steps = match store.list_steps(run).await {
-        Ok(s) => s,
-        Err(e) => return e.into(),
-    };
-    if steps.is_empty() {
-        return no_such_run(store, run).await;
-    }
-    let committed: Vec<u64> = steps
-        .iter()
-        .filter(|s| s.committed)
-        .map(|s| s.step)
-        .collect();
-    let have = if committed.is_empty() {
-        "it has no committed step".to_string()
-    } else {
-        format!("committed steps: {}", ranges(&committed))
-    };
-    match steps.iter().find(|s| s.step == step) {
-        Some(s) => CliError::error(format!(
-            "step {step} of run {run} is incomplete: only rank(s) {} wrote manifests and no \
-             commit record exists ({have})",
-            ranges(&s.ranks.iter().map(|&r| r as u64).collect::<Vec<_>>())
-        ))
-        .hint("a save may still be running; a crashed one is reclaimed by `ckpt gc`"),
-        None => CliError::error(format!("run {run} has no step {step} ({have})"))
-            .hint(format!("`ckpt ls {run}` lists its steps")),
     }
 }
 

@@ -9,9 +9,10 @@ use std::path::Path;
 
 use ckpt_store::{CommitRecord, SafetensorsView};
 
-use super::parse::selected;
-use super::stats::{FloatDType, converted_dtype};
-use super::{CliError, Result};
+use crate::cli::shared::fmt;
+use crate::cli::shared::parse::selected;
+use crate::cli::shared::values::{FloatDType, converted_dtype};
+use crate::cli::{CliError, Result};
 
 /// The file name of a single-file export, and of the shard index.
 pub const SINGLE_FILE: &str = "model.safetensors";
@@ -388,9 +389,9 @@ impl Pipeline {
             format!(
                 "--memory-budget {} is too small for this step's chunks of {}: it must hold a \
                  chunk as stored and decoded and a block being written, at least {}",
-                super::fmt::bytes(budget),
-                super::fmt::bytes(chunk),
-                super::fmt::bytes(min.div_ceil(1 << 20) << 20)
+                fmt::bytes(budget),
+                fmt::bytes(chunk),
+                fmt::bytes(min.div_ceil(1 << 20) << 20)
             )
         })
     }
