@@ -5,6 +5,12 @@
 //! `interval` in between, so a long step is not mistaken for a dead rank. A process stopped
 //! with SIGSTOP sends nothing (its threads are stopped too): a missed heartbeat. A training
 //! loop that hangs keeps beating without progress: a hang.
+//!
+//! A rank can connect before it has a step to report ([`HeartbeatClient::starting_from_rank_env`]):
+//! until its first [`HeartbeatClient::step`] its thread's beats say `starting` (alive, still
+//! opening the store and restoring). The driver then tells a rank stopped or gone during its
+//! restore by its missed beats within the heartbeat timeout, and one that beats but never
+//! reports a step by its start-up timeout.
 
 use std::collections::BTreeMap;
 use std::os::unix::net::UnixDatagram;
@@ -30,6 +36,10 @@ pub struct Beat {
     /// What the workload reports with step `step` (a beat after a step, not one in between).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub workload: Option<Workload>,
+    /// The rank is alive but has no step to report yet (starting, restoring): `step` means
+    /// nothing.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub starting: bool,
 }
 
 /// Sums a [`Workload`] carries at most (more: the payload is ignored).
@@ -138,6 +148,8 @@ pub struct HeartbeatClient {
     generation: u64,
     rank: u32,
     step: Arc<AtomicU64>,
+    /// Whether a step was reported (before it, the thread's beats are `starting`).
+    started: Arc<AtomicBool>,
     stop: Arc<AtomicBool>,
 }
 
@@ -163,6 +175,17 @@ impl HeartbeatClient {
         interval: Duration,
         supervisor: Option<u32>,
     ) -> std::io::Result<Self> {
+        Self::spawn(path, generation, rank, interval, supervisor, true)
+    }
+
+    fn spawn(
+        path: &Path,
+        generation: u64,
+        rank: u32,
+        interval: Duration,
+        supervisor: Option<u32>,
+        started: bool,
+    ) -> std::io::Result<Self> {
         let parent = std::os::unix::process::parent_id();
         let sock = Arc::new(UnixDatagram::unbound()?);
         sock.set_nonblocking(true)?;
@@ -172,12 +195,14 @@ impl HeartbeatClient {
             generation,
             rank,
             step: Arc::new(AtomicU64::new(0)),
+            started: Arc::new(AtomicBool::new(started)),
             stop: Arc::new(AtomicBool::new(false)),
         };
-        let (sock, path, step, stop) = (
+        let (sock, path, step, started, stop) = (
             c.sock.clone(),
             c.path.clone(),
             c.step.clone(),
+            c.started.clone(),
             c.stop.clone(),
         );
         std::thread::Builder::new()
@@ -198,6 +223,7 @@ impl HeartbeatClient {
                         rank,
                         step: step.load(Ordering::Relaxed),
                         workload: None,
+                        starting: !started.load(Ordering::Acquire),
                     };
                     if let Ok(bytes) = serde_json::to_vec(&b) {
                         let _ = sock.send_to(&bytes, &path);
@@ -224,14 +250,32 @@ impl HeartbeatClient {
         )
     }
 
+    /// [`HeartbeatClient::from_rank_env`] for a rank that connects first thing, before it
+    /// opens the store and restores: its beats say `starting` until its first
+    /// [`HeartbeatClient::step`] (the step it resumed from), so the driver detects a rank
+    /// stopped or killed during its restore within the heartbeat timeout, not the start-up
+    /// timeout.
+    pub fn starting_from_rank_env(env: &RankEnv) -> std::io::Result<Self> {
+        Self::spawn(
+            &env.heartbeat.socket,
+            env.generation,
+            env.rank,
+            env.heartbeat.interval,
+            Some(env.supervisor_pid),
+            false,
+        )
+    }
+
     /// Report that `step` is complete, with what the workload reports of it, if anything.
     pub fn step(&self, step: u64, workload: Option<Workload>) {
         self.step.store(step, Ordering::Relaxed);
+        self.started.store(true, Ordering::Release);
         let b = Beat {
             generation: self.generation,
             rank: self.rank,
             step,
             workload,
+            starting: false,
         };
         if let Ok(bytes) = serde_json::to_vec(&b) {
             let _ = self.sock.send_to(&bytes, &self.path);
@@ -278,6 +322,7 @@ mod tests {
             rank: 0,
             step: 9,
             workload: Some(a.clone()),
+            starting: false,
         };
         let back: Beat = serde_json::from_slice(&serde_json::to_vec(&beat).unwrap()).unwrap();
         assert_eq!(back.workload, Some(a));
@@ -315,5 +360,52 @@ mod tests {
             }
         }
         assert!(saw_partial && saw_periodic > 2);
+    }
+
+    #[test]
+    fn a_starting_client_beats_starting_until_its_first_step() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("hb.sock");
+        let server = UnixDatagram::bind(&path).unwrap();
+        server
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let c =
+            HeartbeatClient::spawn(&path, 2, 1, Duration::from_millis(10), None, false).unwrap();
+        let mut buf = [0u8; 512];
+        let mut recv = || -> Beat {
+            let n = server.recv(&mut buf).unwrap();
+            serde_json::from_slice(&buf[..n]).unwrap()
+        };
+        for _ in 0..3 {
+            let b = recv();
+            assert!(b.starting, "{b:?}");
+            assert_eq!((b.generation, b.rank), (2, 1));
+        }
+        c.step(40, None);
+        // Beats already in flight may still say starting; the step's beat and every one the
+        // thread sends after it do not.
+        let mut after = 0;
+        let mut saw_step = false;
+        for _ in 0..50 {
+            let b = recv();
+            if !saw_step {
+                saw_step = !b.starting && b.step == 40;
+                continue;
+            }
+            assert!(
+                !b.starting,
+                "a beat after the first step says starting: {b:?}"
+            );
+            assert_eq!(b.step, 40);
+            after += 1;
+            if after == 3 {
+                break;
+            }
+        }
+        assert_eq!(after, 3, "the thread kept beating after the step");
+        // An old beat (no field) reads as not starting.
+        let old: Beat = serde_json::from_str(r#"{"generation":1,"rank":0,"step":3}"#).unwrap();
+        assert!(!old.starting);
     }
 }

@@ -201,11 +201,19 @@ async fn on_beat(ex: &mut Executor, losses: &mut LossBoard, base: u64, b: Beat) 
         losses.add(b.generation, b.step, w, world).await?;
     }
     let now = ex.now();
-    ex.push(Event::Heartbeat {
-        generation: g,
-        rank: b.rank,
-        step: b.step,
-        now,
+    ex.push(if b.starting {
+        Event::Alive {
+            generation: g,
+            rank: b.rank,
+            now,
+        }
+    } else {
+        Event::Heartbeat {
+            generation: g,
+            rank: b.rank,
+            step: b.step,
+            now,
+        }
     });
     Ok(())
 }

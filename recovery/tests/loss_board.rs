@@ -73,6 +73,7 @@ async fn totals_are_exact_and_do_not_depend_on_the_order_of_the_beats() {
                 rank: i as u32,
                 step: 12,
                 workload: Some(parts[i].clone()),
+                starting: false,
             };
             let b: Beat = serde_json::from_slice(&serde_json::to_vec(&beat).unwrap()).unwrap();
             board

@@ -1,6 +1,7 @@
 //! Named failpoints at crash-relevant steps, per store instance (so parallel tests do not
 //! interfere): `after_chunks` (chunks written, rank manifest not yet), `before_commit`
-//! (manifests checked, commit record not yet).
+//! (manifests checked, commit record not yet), `before_restore` (a rank's restore of a step,
+//! before it reads anything).
 //!
 //! Processes can set them from the environment: `CKPT_FAILPOINTS=after_chunks=kill` or
 //! `...=sleep(500)` or `...=error`, several separated by `;`. A suffix `@N` fires only on the

@@ -330,6 +330,68 @@ fn a_hang_is_detected_within_the_timeout_plus_one_heartbeat() {
 }
 
 #[test]
+fn a_rank_stopped_while_it_restores_is_found_by_its_missed_beats() {
+    let dir = tempfile::tempdir().unwrap();
+    let want = reference_digest(dir.path(), 8, PARAMS);
+    let store = dir.path().join("store");
+    let run = "restoring";
+    committed_run(&store, run, 4, 4);
+    let topo = Topology {
+        nodes: 2,
+        ranks_per_node: 1,
+        spares: 1,
+    };
+    // Every rank waits 6 s before it reads anything of the step it resumes: long enough to
+    // stop one in its restore. The start-up timeout is 60 s.
+    let mut cmd = train_cmd(8, 4, 20);
+    cmd.extend(["--failpoints".into(), "before_restore=sleep(6000)".into()]);
+    let opts = options(&store, run, topo, "dp=2", cmd, dir.path().join("logs"));
+    let timeout = opts.job.config.heartbeat_timeout;
+    let interval = opts.job.heartbeat_interval;
+    let sup_start = Instant::now();
+    let sup = spawn_supervisor(opts);
+    let t0 = Instant::now();
+    let victim = loop {
+        let live = ranks_of(run);
+        if live.len() == 2 {
+            // Started, connected and in the restore's wait.
+            std::thread::sleep(Duration::from_millis(1500));
+            break live.iter().find(|r| r.1 == 1).unwrap().0;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60));
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    signal(victim, libc::SIGSTOP);
+    let stopped_at = sup_start.elapsed();
+    let report = sup.join().unwrap();
+    assert!(report.ok, "{}", report.reason);
+    let f = report
+        .records
+        .iter()
+        .find(|r| r["kind"] == "failure")
+        .expect("a failure record");
+    assert_eq!(
+        (f["rank"].as_u64(), f["how"].as_str()),
+        (Some(1), Some("heartbeat")),
+        "{f}"
+    );
+    assert!(
+        f["detail"].as_str().unwrap().contains("while starting"),
+        "{f}"
+    );
+    // Found by its missed beats: the timeout plus one interval and slack after the stop, not
+    // the start-up timeout (nor the end of its restore's wait).
+    let latency = Duration::from_millis(f["at_ms"].as_u64().unwrap()).saturating_sub(stopped_at);
+    let limit = timeout + interval + Duration::from_millis(500);
+    assert!(
+        latency <= limit,
+        "detected {latency:?} after the SIGSTOP, limit {limit:?}"
+    );
+    // The job resumed step 4 again on the spare and finished bit-identical.
+    assert_eq!(final_digest(&dir.path().join("logs")).unwrap(), want);
+}
+
+#[test]
 fn too_few_survivors_for_tp_x_pp_stop_with_a_reason() {
     let dir = tempfile::tempdir().unwrap();
     let run = "few";

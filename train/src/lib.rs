@@ -92,6 +92,7 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
     // Launched by a driver (`ckpt resume`, `ckpt agent`): its environment, read once.
     let launched = RankEnv::from_env()?;
     setup::check_launched(launched.as_ref(), &layout)?;
+    let heartbeat = setup::heartbeat(launched.as_ref())?;
     let store = setup::open_store(&args)?;
     let model = setup::model(&args, &layout)?;
     setup::check_monitor(&args, &layout)?;
@@ -126,6 +127,7 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
     let shared = Arc::new(Shared {
         generation,
         launched,
+        heartbeat: Mutex::new(heartbeat),
         auto_interval,
         args: args.clone(),
         store,

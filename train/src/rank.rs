@@ -43,17 +43,9 @@ pub(crate) fn rank_main(sh: &Shared, rank: u32) -> Result<()> {
     if rank == 0 || sh.world_threads == 1 {
         sh.outcome.lock().resumed_from = resumed;
     }
-    // Supervised (ckpt resume): beat after every step and in between.
-    let heartbeat = match &sh.launched {
-        Some(e) => Some(HeartbeatClient::from_rank_env(e).map_err(|err| {
-            Error::io(
-                "connecting to the driver's heartbeat socket",
-                &e.heartbeat.socket.display(),
-                err,
-            )
-        })?),
-        None => None,
-    };
+    // Supervised (ckpt resume): beating since the process started (as `starting`), from here
+    // on the resumed step, then after every step and in between.
+    let heartbeat = sh.heartbeat.lock().take();
     if let Some(hb) = &heartbeat {
         hb.step(progress.lock().step, None);
     }

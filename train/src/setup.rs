@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use ckpt_recovery::RankEnv;
+use ckpt_recovery::{HeartbeatClient, RankEnv};
 use ckpt_store::logs::{LogWriter, METRICS};
 use ckpt_store::{Error, Failpoints, Layout, Result, Store};
 
@@ -37,6 +37,24 @@ pub(crate) fn check_launched(launched: Option<&RankEnv>, layout: &Layout) -> Res
         )));
     }
     Ok(())
+}
+
+/// Under a driver, the heartbeat, connected first thing: the driver sees the rank alive while
+/// it opens the store and restores (its beats say `starting` until the rank reports the step
+/// it resumed from), so a rank stopped or killed meanwhile is found within the heartbeat
+/// timeout, not the start-up timeout.
+pub(crate) fn heartbeat(launched: Option<&RankEnv>) -> Result<Option<HeartbeatClient>> {
+    launched
+        .map(|e| {
+            HeartbeatClient::starting_from_rank_env(e).map_err(|err| {
+                Error::io(
+                    "connecting to the driver's heartbeat socket",
+                    &e.heartbeat.socket.display(),
+                    err,
+                )
+            })
+        })
+        .transpose()
 }
 
 /// The store, with the request layers, chunk size, deltas and failpoints the arguments set.

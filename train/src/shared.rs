@@ -5,8 +5,8 @@ use std::io::Write;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
-use ckpt_recovery::RankEnv;
 use ckpt_recovery::records::Metric;
+use ckpt_recovery::{HeartbeatClient, RankEnv};
 use ckpt_store::logs::LogWriter;
 use ckpt_store::{Error, Layout, Result, Store};
 use parking_lot::{Condvar, Mutex};
@@ -23,6 +23,8 @@ pub(crate) struct Shared {
     pub(crate) generation: u64,
     /// What the driver that launched this process handed it (`None`: run by hand).
     pub(crate) launched: Option<RankEnv>,
+    /// Under a driver, the heartbeat connected at start (its one rank takes it).
+    pub(crate) heartbeat: Mutex<Option<HeartbeatClient>>,
     /// `--ckpt-every auto`: one schedule that every rank thread's manager follows.
     pub(crate) auto_interval: Option<ckpt_trainer::AutoInterval>,
     pub(crate) args: TrainArgs,

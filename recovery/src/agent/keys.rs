@@ -202,6 +202,9 @@ pub struct BeatsMsg {
     pub generation: u64,
     /// (rank, last step completed) of each rank that beat.
     pub steps: Vec<(u32, u64)>,
+    /// The ranks that beat while starting (alive, no step to report yet).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub starting: Vec<u32>,
     /// Partial loss sums of the steps completed.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub partials: Vec<Partial>,

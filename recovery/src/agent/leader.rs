@@ -321,6 +321,13 @@ impl Leader {
                 .add(b.generation, p.step, &p.workload, world)
                 .await?;
         }
+        for rank in b.starting {
+            self.ex.push(Event::Alive {
+                generation: internal,
+                rank,
+                now,
+            });
+        }
         for (rank, step) in b.steps {
             self.ex.push(Event::Heartbeat {
                 generation: internal,

@@ -40,7 +40,7 @@ mod etcd;
 pub mod keys;
 mod leader;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -277,6 +277,7 @@ pub async fn run(opts: AgentOptions) -> Result<AgentReport> {
         reg_rev: 0,
         current: None,
         fresh: BTreeMap::new(),
+        starting: BTreeSet::new(),
         partials: Vec::new(),
         last_leader: None,
         leader: None,
@@ -310,6 +311,8 @@ struct Agent {
     current: Option<PlanMsg>,
     /// Steps local ranks reported since the last relay.
     fresh: BTreeMap<u32, u64>,
+    /// Local ranks that beat while starting since the last relay (no step yet).
+    starting: BTreeSet<u32>,
     partials: Vec<Partial>,
     last_leader: Option<u32>,
     leader: Option<Leader>,
@@ -644,6 +647,7 @@ impl Agent {
             }
         }
         self.fresh.clear();
+        self.starting.clear();
         self.partials.clear();
         let layout = p.layout()?;
         let mine: Vec<_> = p
@@ -715,6 +719,13 @@ impl Agent {
         if b.generation != p.generation || !self.children.contains_key(&(b.generation, b.rank)) {
             return;
         }
+        if b.starting {
+            if !self.fresh.contains_key(&b.rank) {
+                self.starting.insert(b.rank);
+            }
+            return;
+        }
+        self.starting.remove(&b.rank);
         let e = self.fresh.entry(b.rank).or_insert(b.step);
         *e = (*e).max(b.step);
         if let Some(workload) = b.workload {
@@ -732,12 +743,13 @@ impl Agent {
         let Some(p) = &self.current else {
             return Ok(());
         };
-        if self.fresh.is_empty() && self.partials.is_empty() {
+        if self.fresh.is_empty() && self.partials.is_empty() && self.starting.is_empty() {
             return Ok(());
         }
         let msg = BeatsMsg {
             generation: p.generation,
             steps: std::mem::take(&mut self.fresh).into_iter().collect(),
+            starting: std::mem::take(&mut self.starting).into_iter().collect(),
             partials: std::mem::take(&mut self.partials),
         };
         let key = self.key(Key::Beats(self.opts.node));

@@ -65,6 +65,17 @@ pub enum Event {
         /// Time.
         now: Duration,
     },
+    /// A rank is alive but has no step to report yet (starting, restoring): it beats, so a
+    /// rank stopped or gone meanwhile is found by its missed beats; the start-up timeout still
+    /// bounds the time to its first step report.
+    Alive {
+        /// Its generation.
+        generation: u64,
+        /// The rank.
+        rank: u32,
+        /// Time.
+        now: Duration,
+    },
     /// A rank process ended.
     Exited {
         /// Its generation.

@@ -80,7 +80,9 @@ pub use take_over::TakeOver;
 struct RankState {
     node: u32,
     started: Duration,
+    /// The last beat of any kind (a step's, or an `Alive` one while starting).
     last_beat: Option<Duration>,
+    /// The last step reported (`None`: still starting).
     last_step: Option<u64>,
     last_progress: Duration,
     exited: Option<ExitStatus>,
@@ -96,6 +98,58 @@ impl RankState {
             last_step: None,
             last_progress: now,
             exited,
+        }
+    }
+
+    /// Why this running rank has failed by `now`, if it has: its beats stopped (a process
+    /// stopped or gone, also while it restores), no step reported within the start-up timeout
+    /// (beating or not), or no step progress within the hang timeout. (How, detail, seconds
+    /// since the last sign.)
+    fn overdue(
+        &self,
+        rank: u32,
+        cfg: &Config,
+        now: Duration,
+    ) -> Option<(&'static str, String, f64)> {
+        let since = |t: Duration| now.saturating_sub(t);
+        if let Some(b) = self.last_beat
+            && since(b) > cfg.heartbeat_timeout
+        {
+            let s = since(b).as_secs_f64();
+            let what = if self.last_step.is_some() {
+                ""
+            } else {
+                " while starting"
+            };
+            let detail = format!(
+                "rank {rank} missed its heartbeats for {s:.1} s{what} (stopped or unreachable)"
+            );
+            return Some(("heartbeat", detail, s));
+        }
+        match self.last_step {
+            None if since(self.started) > cfg.startup_timeout => {
+                let detail = if self.last_beat.is_none() {
+                    format!(
+                        "rank {rank} sent no heartbeat within {:?} of starting",
+                        cfg.startup_timeout
+                    )
+                } else {
+                    format!(
+                        "rank {rank} reported no step within {:?} of starting (alive, still starting or restoring)",
+                        cfg.startup_timeout
+                    )
+                };
+                Some(("startup", detail, since(self.started).as_secs_f64()))
+            }
+            Some(_) if since(self.last_progress) > cfg.hang_timeout => {
+                let s = since(self.last_progress).as_secs_f64();
+                let detail = format!(
+                    "rank {rank} made no step progress for {s:.1} s (last step {:?})",
+                    self.last_step
+                );
+                Some(("hang", detail, s))
+            }
+            _ => None,
         }
     }
 }
@@ -384,6 +438,18 @@ impl Coordinator {
                 }
                 out
             }
+            Event::Alive {
+                generation,
+                rank,
+                now,
+            } => {
+                if generation == self.generation
+                    && let Some(r) = self.ranks.get_mut(&rank)
+                {
+                    r.last_beat = Some(now);
+                }
+                vec![]
+            }
             Event::Exited {
                 generation,
                 rank,
@@ -572,10 +638,10 @@ impl Coordinator {
                     }
                     return vec![];
                 }
-                // Before its first heartbeat the rank was restoring: a data failure is about
+                // Before its first step report the rank was restoring: a data failure is about
                 // the step it was given, not its node.
                 if status == ExitStatus::Code(DATA_FAILURE_EXIT)
-                    && self.ranks[&rank].last_beat.is_none()
+                    && self.ranks[&rank].last_step.is_none()
                     && let Some(step) = self.resume_from
                 {
                     return self.stop_for_data(rank, step, now);
@@ -620,53 +686,14 @@ impl Coordinator {
     fn on_tick(&mut self, now: Duration) -> Vec<Action> {
         match self.phase.clone() {
             Phase::Running => {
-                let cfg = &self.cfg;
-                let mut found: Option<(u32, &'static str, String, f64)> = None;
-                for (&rank, r) in &self.ranks {
-                    if r.exited.is_some() {
-                        continue;
-                    }
-                    match r.last_beat {
-                        None if now.saturating_sub(r.started) > cfg.startup_timeout => {
-                            found = Some((
-                                rank,
-                                "startup",
-                                format!(
-                                    "rank {rank} sent no heartbeat within {:?} of starting",
-                                    cfg.startup_timeout
-                                ),
-                                now.saturating_sub(r.started).as_secs_f64(),
-                            ));
-                        }
-                        Some(b) if now.saturating_sub(b) > cfg.heartbeat_timeout => {
-                            found = Some((
-                                rank,
-                                "heartbeat",
-                                format!(
-                                    "rank {rank} missed its heartbeats for {:.1} s (stopped or unreachable)",
-                                    now.saturating_sub(b).as_secs_f64()
-                                ),
-                                now.saturating_sub(b).as_secs_f64(),
-                            ));
-                        }
-                        Some(_) if now.saturating_sub(r.last_progress) > cfg.hang_timeout => {
-                            found = Some((
-                                rank,
-                                "hang",
-                                format!(
-                                    "rank {rank} made no step progress for {:.1} s (last step {:?})",
-                                    now.saturating_sub(r.last_progress).as_secs_f64(),
-                                    r.last_step
-                                ),
-                                now.saturating_sub(r.last_progress).as_secs_f64(),
-                            ));
-                        }
-                        _ => {}
-                    }
-                    if found.is_some() {
-                        break;
-                    }
-                }
+                let found = self
+                    .ranks
+                    .iter()
+                    .filter(|(_, r)| r.exited.is_none())
+                    .find_map(|(&rank, r)| {
+                        let (how, detail, since) = r.overdue(rank, &self.cfg, now)?;
+                        Some((rank, how, detail, since))
+                    });
                 match found {
                     Some((rank, how, detail, since)) => self.fail(rank, how, detail, since, now),
                     None => vec![],

@@ -631,3 +631,117 @@ fn failures_spread_over_more_than_ten_minutes_do_not_keep_a_node_out() {
         vec![602_000, 700_000]
     );
 }
+
+/// Generation 0 of two ranks resuming step 10, with rank 1 reporting step 10 at 100 ms; the
+/// config's heartbeat timeout is 2 s.
+fn restoring(startup: Duration) -> Coordinator {
+    let mut c = cfg(2, 0, "dp=2");
+    c.heartbeat_timeout = Duration::from_secs(2);
+    c.hang_timeout = Duration::from_secs(600);
+    c.startup_timeout = startup;
+    let mut c = Coordinator::new(c);
+    started(&mut c, Some(10));
+    assert_eq!(c.generation(), 0);
+    c
+}
+
+fn alive(c: &mut Coordinator, rank: u32, t: u64) -> Vec<Action> {
+    c.on_event(Event::Alive {
+        generation: c.generation(),
+        rank,
+        now: ms(t),
+    })
+}
+
+fn beat(c: &mut Coordinator, rank: u32, step: u64, t: u64) -> Vec<Action> {
+    c.on_event(Event::Heartbeat {
+        generation: c.generation(),
+        rank,
+        step,
+        now: ms(t),
+    })
+}
+
+fn failures(out: &[Action]) -> Vec<&records::Failure> {
+    out.iter()
+        .filter_map(|a| match a {
+            Action::Record(Record::Failure(f)) => Some(f),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_rank_stopped_while_restoring_is_failed_by_its_missed_beats_not_the_startup_timeout() {
+    // Start-up may take five minutes; rank 0 beats while it restores, then stops at 1 s.
+    let mut c = restoring(Duration::from_secs(300));
+    let mut t = 0;
+    while t < 3_500 {
+        t += 100;
+        if t <= 1_000 {
+            assert!(alive(&mut c, 0, t).is_empty());
+        }
+        beat(&mut c, 1, 10, t);
+        let out = c.on_event(Event::Tick { now: ms(t) });
+        let f = failures(&out);
+        if t <= 3_000 {
+            assert!(f.is_empty(), "failed at {t} ms: {out:?}");
+            continue;
+        }
+        assert_eq!(f.len(), 1, "{out:?}");
+        assert_eq!((f[0].rank, f[0].how.as_str()), (0, "heartbeat"));
+        assert!(f[0].detail.contains("while starting"), "{}", f[0].detail);
+        return;
+    }
+    panic!("the rank stopped while restoring was not failed within the heartbeat timeout");
+}
+
+#[test]
+fn a_rank_that_beats_but_reports_no_step_fails_at_the_startup_timeout() {
+    let mut c = restoring(Duration::from_secs(3));
+    let mut t = 0;
+    while t < 4_000 {
+        t += 100;
+        alive(&mut c, 0, t);
+        beat(&mut c, 1, 10 + t / 1_000, t);
+        let out = c.on_event(Event::Tick { now: ms(t) });
+        let f = failures(&out);
+        if t <= 3_000 {
+            assert!(f.is_empty(), "failed at {t} ms: {out:?}");
+            continue;
+        }
+        assert_eq!(f.len(), 1, "{out:?}");
+        assert_eq!((f[0].rank, f[0].how.as_str()), (0, "startup"));
+        assert!(f[0].detail.contains("reported no step"), "{}", f[0].detail);
+        return;
+    }
+    panic!("beats without a step held off the startup timeout");
+}
+
+#[test]
+fn a_data_failure_after_starting_beats_is_the_steps_not_the_nodes() {
+    let mut c = restoring(Duration::from_secs(300));
+    assert!(alive(&mut c, 0, 100).is_empty());
+    let out = c.on_event(Event::Exited {
+        generation: 0,
+        rank: 0,
+        status: ExitStatus::Code(DATA_FAILURE_EXIT),
+        now: ms(200),
+    });
+    assert!(failures(&out).is_empty(), "a node was blamed: {out:?}");
+    assert!(out.contains(&Action::Signal {
+        generation: 0,
+        ranks: vec![1],
+        kill: false
+    }));
+    // Once a rank reported its step, the same exit is a failure of its own.
+    let mut c = restoring(Duration::from_secs(300));
+    beat(&mut c, 0, 10, 100);
+    let out = c.on_event(Event::Exited {
+        generation: 0,
+        rank: 0,
+        status: ExitStatus::Code(DATA_FAILURE_EXIT),
+        now: ms(200),
+    });
+    assert_eq!(failures(&out).len(), 1, "{out:?}");
+}

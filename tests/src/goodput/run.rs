@@ -373,22 +373,31 @@ fn committed_lost(
         .map_err(|e| format!("listing the committed steps: {e}"))?
         .into_iter()
         .collect();
-    // Retention may delete a step only when at least `keep_last` newer ones are committed at
-    // the end: a step gone below that line is lost, whatever deleted it.
-    let retention_line = opts
-        .keep_last
-        .and_then(|k| now.iter().rev().nth(k.saturating_sub(1)).copied());
-    Ok(seen
+    let retired: BTreeSet<u64> = damaged
         .iter()
-        // Still committed, damaged by an injection and retired by recovery, or older than the
-        // steps retention keeps.
-        .filter(|s| {
-            !(now.contains(s)
-                || (damaged.contains(s) && unusable.contains(s))
-                || retention_line.is_some_and(|line| **s < line))
-        })
+        .filter(|s| unusable.contains(s))
         .copied()
-        .collect())
+        .collect();
+    Ok(lost_steps(seen, &now, &retired, opts.keep_last))
+}
+
+/// The steps of `seen` gone from `now` for no good reason: not damaged by an injection and
+/// retired by recovery (`retired`), and not older than the steps retention keeps. Retention
+/// may delete a step only when at least `keep_last` newer ones are committed at the end (a step
+/// gone below that line is lost, whatever deleted it); a newer step damaged and retired after
+/// retention ran counts among them, since retention kept it then.
+pub(super) fn lost_steps(
+    seen: &BTreeSet<u64>,
+    now: &BTreeSet<u64>,
+    retired: &BTreeSet<u64>,
+    keep_last: Option<usize>,
+) -> Vec<u64> {
+    let kept: BTreeSet<u64> = now.union(retired).copied().collect();
+    let line = keep_last.and_then(|k| kept.iter().rev().nth(k.saturating_sub(1)).copied());
+    seen.iter()
+        .filter(|s| !(now.contains(s) || retired.contains(s) || line.is_some_and(|l| **s < l)))
+        .copied()
+        .collect()
 }
 
 /// The run's plot (`ckpt plot`), when asked for and drawn.

@@ -4,6 +4,7 @@ use std::time::Duration;
 use serde_json::{Value, json};
 
 use super::failures::{Rng, Schedule, match_injections};
+use super::run::lost_steps;
 use super::{FailureKind, Injection};
 
 #[test]
@@ -85,4 +86,33 @@ fn injections_match_failure_records_of_their_generation_and_node() {
     let mut third = vec![inj(FailureKind::RankKilled, 0, 0, None)];
     match_injections(&mut third, &records, false);
     assert!(third[0].detected && !third[0].recovered);
+}
+
+#[test]
+fn steps_retention_deleted_below_newer_ones_retired_after_it_are_not_lost() {
+    let set = |v: &[u64]| v.iter().copied().collect::<BTreeSet<u64>>();
+    // The CI run of seed 584642: steps 5, 45..285 seen; at the end 250..275 committed, 280 and
+    // 285 damaged and retired; retention keeps 8.
+    let seen: BTreeSet<u64> = std::iter::once(5).chain((45..=285).step_by(5)).collect();
+    let now: BTreeSet<u64> = (250..=275).step_by(5).collect();
+    assert_eq!(
+        lost_steps(&seen, &now, &set(&[280, 285]), Some(8)),
+        Vec::<u64>::new()
+    );
+    // Had 280 and 285 gone for no reason, six committed steps would be fewer than retention
+    // keeps: every step gone is lost (the 42 older ones the CI run reported, and those two).
+    assert_eq!(lost_steps(&seen, &now, &set(&[]), Some(8)).len(), 44);
+    // A step gone above the line is lost, whatever the retired ones (seven kept, retention
+    // of seven: the line is 250).
+    let mut gapped = now.clone();
+    gapped.remove(&270);
+    assert_eq!(
+        lost_steps(&seen, &gapped, &set(&[280, 285]), Some(7)),
+        vec![270]
+    );
+    // Without retention, every step gone is lost but the retired ones.
+    assert_eq!(
+        lost_steps(&set(&[5, 10, 280]), &set(&[10]), &set(&[280]), None),
+        vec![5]
+    );
 }

@@ -123,6 +123,7 @@ impl Restorer {
         monitor: &mut Monitor,
     ) -> Result<Restored> {
         let t0 = Instant::now();
+        runtime().block_on(store.failpoints().hit("before_restore"))?;
         let cache = shared_restore_cache(self.budget);
         let reader = self.open(store, cfg, step, registry, &cache)?;
         let targets = registry.restore_targets()?;
