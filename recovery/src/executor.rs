@@ -35,6 +35,19 @@ pub(crate) enum Order {
     OldestFirst,
 }
 
+/// A generation to start: [`Action::Start`]'s orders.
+#[derive(Debug, Clone)]
+pub(crate) struct Start {
+    /// The coordinator's generation.
+    pub(crate) generation: u64,
+    /// Its layout.
+    pub(crate) layout: Layout,
+    /// Where each rank runs.
+    pub(crate) assignments: Vec<Assignment>,
+    /// The step its ranks restore (`None`: from scratch).
+    pub(crate) resume_from: Option<u64>,
+}
+
 /// What a driver does its own way (see the module docs). Every method gets the executor, for
 /// the coordinator's state, the store, the clock and the queue.
 pub(crate) trait Effects {
@@ -49,14 +62,7 @@ pub(crate) trait Effects {
     }
 
     /// [`Action::Start`]: start generation `generation`'s ranks.
-    async fn start(
-        &mut self,
-        ex: &mut Executor,
-        generation: u64,
-        layout: Layout,
-        assignments: Vec<Assignment>,
-        resume_from: Option<u64>,
-    ) -> Result<()>;
+    async fn start(&mut self, ex: &mut Executor, s: Start) -> Result<()>;
 
     /// [`Action::Signal`]: SIGTERM (or SIGKILL) to ranks of `generation`.
     async fn signal(
@@ -171,8 +177,13 @@ impl Executor {
                     assignments,
                     resume_from,
                 } => {
-                    fx.start(self, generation, layout, assignments, resume_from)
-                        .await?
+                    let s = Start {
+                        generation,
+                        layout,
+                        assignments,
+                        resume_from,
+                    };
+                    fx.start(self, s).await?
                 }
                 Action::Signal {
                     generation,

@@ -26,21 +26,21 @@ use std::path::Path;
 use std::time::Duration;
 
 use crate::records::{Event as LogEvent, Logged, read_records};
-use ckpt_store::{Error, Layout, Result};
+use ckpt_store::{Error, Result};
 use serde::Serialize;
 use tokio::io::AsyncWriteExt;
 use tokio::net::UnixDatagram;
 use tokio::sync::mpsc;
 use tracing::info;
 
-use crate::coordinator::{Assignment, Coordinator, Event, Record};
+use crate::coordinator::{Coordinator, Event, Record};
 use crate::driver::{
     JobOptions, Launch, LossBoard, RankExit, RecoveryLog, first_free_generation, free_port,
     private_dir, remove_private_dir, signal_rank,
 };
 pub use crate::driver::{RankPlan, choose_step, restore_plan};
 pub use crate::executor::COMMIT_POLL;
-use crate::executor::{Effects, Executor, Order};
+use crate::executor::{Effects, Executor, Order, Start};
 use crate::heartbeat::Beat;
 use crate::peer::{Membership, PeerSecret};
 
@@ -256,32 +256,25 @@ impl Effects for Local {
         self.base + g
     }
 
-    async fn start(
-        &mut self,
-        ex: &mut Executor,
-        generation: u64,
-        layout: Layout,
-        assignments: Vec<Assignment>,
-        resume_from: Option<u64>,
-    ) -> Result<()> {
-        let g = self.base + generation;
+    async fn start(&mut self, ex: &mut Executor, s: Start) -> Result<()> {
+        let g = self.base + s.generation;
         ex.store.start_generation(&ex.run, g).await?;
         self.tell_agents(&ex.coord.excluded(), g).await;
         self.launch.prune_node_caches(g);
         let port = free_port();
-        for a in assignments {
+        for a in &s.assignments {
             let pid = self.launch.spawn(
                 g,
-                &layout,
-                resume_from,
-                &a,
+                &s.layout,
+                s.resume_from,
+                a,
                 ("127.0.0.1", port),
-                generation,
+                s.generation,
                 &self.exit_tx,
             )?;
-            self.children.insert((generation, a.rank), pid);
+            self.children.insert((s.generation, a.rank), pid);
         }
-        info!(generation = g, %layout, "ranks started");
+        info!(generation = g, layout = %s.layout, "ranks started");
         Ok(())
     }
 

@@ -16,7 +16,7 @@ use super::etcd::Session;
 use super::keys::{BeatsMsg, DoneMsg, ExitMsg, Key, Keys, NodeMsg, PlanMsg, SignalMsg};
 use crate::coordinator::{Action, Assignment, Coordinator, Event, ExitStatus, Record, TakeOver};
 use crate::driver::{LossBoard, RecoveryLog, first_free_generation, free_port};
-use crate::executor::{Effects, Executor, Order};
+use crate::executor::{Effects, Executor, Order, Start};
 
 /// Maps the coordinator's generations to the store's: generation markers are created once,
 /// so a generation some earlier coordinator marked is skipped.
@@ -519,14 +519,13 @@ impl Effects for Published<'_> {
         Ok(())
     }
 
-    async fn start(
-        &mut self,
-        ex: &mut Executor,
-        generation: u64,
-        layout: Layout,
-        assignments: Vec<Assignment>,
-        resume_from: Option<u64>,
-    ) -> Result<()> {
+    async fn start(&mut self, ex: &mut Executor, s: Start) -> Result<()> {
+        let Start {
+            generation,
+            layout,
+            assignments,
+            resume_from,
+        } = s;
         let global = self.c.gens.global(generation);
         let plan = self.plan(ex, global, &layout, &assignments, resume_from);
         let body = serde_json::to_vec(&plan).expect("plans serialize");

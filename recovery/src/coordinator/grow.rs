@@ -60,21 +60,7 @@ impl Coordinator {
         self.grow_wait = None;
         self.growing = true;
         self.failed_at = Some(now);
-        let live = self.live_ranks();
-        self.phase = Phase::Stopping {
-            kill_at: now + self.cfg.stop_grace,
-            killed: false,
-        };
-        let mut out = Vec::new();
-        if !live.is_empty() {
-            out.push(Action::Signal {
-                generation: self.generation,
-                ranks: live,
-                kill: false,
-            });
-        }
-        out.extend(self.maybe_all_stopped(now));
-        out
+        self.stop_live(now)
     }
 
     /// Restart after a grow's stop, on the larger layout, at once.

@@ -729,6 +729,12 @@ impl Coordinator {
         self.grow_wait = None;
         self.data_failure = Some((rank, step));
         self.failed_at = Some(now);
+        self.stop_live(now)
+    }
+
+    /// Stop every live rank of the generation (SIGTERM now, SIGKILL after the grace), and go
+    /// on at once if none is left.
+    fn stop_live(&mut self, now: Duration) -> Vec<Action> {
         let live = self.live_ranks();
         self.phase = Phase::Stopping {
             kill_at: now + self.cfg.stop_grace,
@@ -770,19 +776,7 @@ impl Coordinator {
         }))];
         out.extend(self.node_failed_at(node, now));
         // A hung or silent rank is still alive: it is stopped with the others.
-        let live = self.live_ranks();
-        self.phase = Phase::Stopping {
-            kill_at: now + self.cfg.stop_grace,
-            killed: false,
-        };
-        if !live.is_empty() {
-            out.push(Action::Signal {
-                generation: self.generation,
-                ranks: live,
-                kill: false,
-            });
-        }
-        out.extend(self.maybe_all_stopped(now));
+        out.extend(self.stop_live(now));
         out
     }
 
