@@ -328,14 +328,20 @@ mod tests {
         assert_eq!(back.workload, Some(a));
     }
 
-    #[test]
-    fn beats_arrive_from_steps_and_the_thread() {
+    /// A driver's socket at `hb.sock` in a fresh folder (kept while the folder lives).
+    fn listening() -> (tempfile::TempDir, UnixDatagram) {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("hb.sock");
-        let server = UnixDatagram::bind(&path).unwrap();
+        let server = UnixDatagram::bind(dir.path().join("hb.sock")).unwrap();
         server
             .set_read_timeout(Some(Duration::from_secs(5)))
             .unwrap();
+        (dir, server)
+    }
+
+    #[test]
+    fn beats_arrive_from_steps_and_the_thread() {
+        let (dir, server) = listening();
+        let path = dir.path().join("hb.sock");
         let c = HeartbeatClient::connect(&path, 3, 7, Duration::from_millis(20)).unwrap();
         let w = Workload {
             sums: [("a".to_string(), "10".to_string())].into(),
@@ -364,12 +370,8 @@ mod tests {
 
     #[test]
     fn a_starting_client_beats_starting_until_its_first_step() {
-        let dir = tempfile::tempdir().unwrap();
+        let (dir, server) = listening();
         let path = dir.path().join("hb.sock");
-        let server = UnixDatagram::bind(&path).unwrap();
-        server
-            .set_read_timeout(Some(Duration::from_secs(5)))
-            .unwrap();
         let c =
             HeartbeatClient::spawn(&path, 2, 1, Duration::from_millis(10), None, false).unwrap();
         let mut buf = [0u8; 512];

@@ -19,7 +19,7 @@ use bytes::Bytes;
 use ckpt_store::StoreConfig;
 use ckpt_store::codec::{self, CodecPolicy};
 use ckpt_store::id::ChunkId;
-use ckpt_store::model::{DType, NdBox, Placement, Stage, TensorSpec};
+use ckpt_store::model::{DType, NdBox, TensorSpec};
 use ckpt_trainer::workload::{ModelConfig, RankState, TrainConfig};
 use serde_json::json;
 
@@ -136,17 +136,7 @@ pub fn whole_spec(t: &Tensor, order: u32) -> (TensorSpec, NdBox) {
         t.shape.clone()
     };
     (
-        TensorSpec {
-            name: t.name.clone(),
-            dtype: t.dtype,
-            shape: shape.clone(),
-            placement: Placement {
-                order,
-                tp_dim: None,
-                stage: Stage::First,
-                zero: None,
-            },
-        },
+        TensorSpec::first_stage(t.name.clone(), t.dtype, &shape).with_order(order),
         NdBox::full(&shape),
     )
 }

@@ -123,6 +123,35 @@ pub fn digest_in(text: &str) -> Option<String> {
         .map(str::to_string)
 }
 
+/// The digest printed by rank 0 of the newest generation that printed one
+/// (`rank-0.gen-G.out` in the folder of a driver's rank logs).
+pub fn final_digest(logs: &std::path::Path) -> Option<String> {
+    newest_digest([logs.to_path_buf()])
+}
+
+/// [`final_digest`] over several folders (each node's rank logs).
+pub fn newest_digest(dirs: impl IntoIterator<Item = PathBuf>) -> Option<String> {
+    let mut best: Option<(u64, String)> = None;
+    for dir in dirs {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            if let Some(g) = name
+                .strip_prefix("rank-0.gen-")
+                .and_then(|s| s.strip_suffix(".out"))
+                .and_then(|g| g.parse::<u64>().ok())
+                && let Some(d) = digest_in(&std::fs::read_to_string(e.path()).unwrap_or_default())
+                && best.as_ref().is_none_or(|(bg, _)| g > *bg)
+            {
+                best = Some((g, d));
+            }
+        }
+    }
+    best.map(|b| b.1)
+}
+
 /// Send `sig` to every process of the process group `pgid` (a whole simulated machine: an
 /// agent started in its own group, and its ranks).
 pub fn signal_group(pgid: u32, sig: i32) {

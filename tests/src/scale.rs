@@ -211,14 +211,7 @@ fn rank_state(
             ckpt_store::bytes::Bytes::from(fill(seed, len))
         });
         shards.push(ShardIn {
-            shard: ShardDesc {
-                name: s.name.clone(),
-                dtype: s.dtype,
-                shape: s.shape.clone(),
-                bbox: p.bbox,
-                replica_of: p.replica_of,
-                placement: Some(s.placement.clone()),
-            },
+            shard: ShardDesc::placed(s, p.bbox, p.replica_of),
             data,
         });
     }

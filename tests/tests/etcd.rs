@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use ckpt_recovery::agent::{JobState, job_state};
 use ckpt_tests::{
-    Etcd, bin, digest_in, env_of, find_processes, reference_digest, signal, signal_group,
+    Etcd, bin, env_of, find_processes, newest_digest, reference_digest, signal, signal_group,
 };
 use serde_json::Value;
 
@@ -275,27 +275,11 @@ impl Job {
 
     /// Rank 0's digest in the newest generation that printed one.
     fn final_digest(&self) -> Option<String> {
-        let mut best: Option<(u64, String)> = None;
-        for n in &self.nodes {
-            let dir = self.dir.path().join(format!("logs/node-{}", n.id));
-            let Ok(entries) = std::fs::read_dir(dir) else {
-                continue;
-            };
-            for e in entries.flatten() {
-                let name = e.file_name().to_string_lossy().to_string();
-                if let Some(g) = name
-                    .strip_prefix("rank-0.gen-")
-                    .and_then(|s| s.strip_suffix(".out"))
-                    .and_then(|g| g.parse::<u64>().ok())
-                    && let Some(d) =
-                        digest_in(&std::fs::read_to_string(e.path()).unwrap_or_default())
-                    && best.as_ref().is_none_or(|(bg, _)| g > *bg)
-                {
-                    best = Some((g, d));
-                }
-            }
-        }
-        best.map(|b| b.1)
+        newest_digest(
+            self.nodes
+                .iter()
+                .map(|n| self.dir.path().join(format!("logs/node-{}", n.id))),
+        )
     }
 
     fn recovery_log(&self) -> Vec<Value> {

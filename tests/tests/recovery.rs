@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use ckpt_recovery::{Config, JobOptions, SupervisorOptions, Topology};
 use ckpt_tests::{
-    bin, digest_in, env_of, find_processes, reference_digest, replica_agent_command, signal,
-    spawn_supervisor,
+    bin, digest_in, env_of, final_digest, find_processes, reference_digest, replica_agent_command,
+    signal, spawn_supervisor,
 };
 
 const PARAMS: &str = "40K";
@@ -96,23 +96,6 @@ fn ranks_of(run: &str) -> Vec<(u32, u32, u64)> {
             Some((pid, r, g))
         })
         .collect()
-}
-
-fn final_digest(logs: &Path) -> Option<String> {
-    let mut best: Option<(u64, String)> = None;
-    for e in std::fs::read_dir(logs).ok()?.flatten() {
-        let name = e.file_name().to_string_lossy().to_string();
-        if let Some(g) = name
-            .strip_prefix("rank-0.gen-")
-            .and_then(|s| s.strip_suffix(".out"))
-            && let Ok(g) = g.parse::<u64>()
-            && let Some(d) = digest_in(&std::fs::read_to_string(e.path()).unwrap_or_default())
-            && best.as_ref().is_none_or(|(bg, _)| g > *bg)
-        {
-            best = Some((g, d));
-        }
-    }
-    best.map(|b| b.1)
 }
 
 /// A tiny deterministic RNG so a failing schedule can be replayed from its seed.

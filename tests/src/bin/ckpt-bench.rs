@@ -394,14 +394,12 @@ fn save4(
                 // A slice of the state, as a snapshot in staging would be: no copy.
                 let b = data.slice((lo as usize) * dt.size()..(hi as usize) * dt.size());
                 shards.push(ShardIn {
-                    shard: ShardDesc {
-                        name: name.clone(),
-                        dtype: *dt,
-                        shape: vec![n],
-                        bbox: NdBox::new(vec![lo], vec![hi - lo]).unwrap(),
-                        replica_of: None,
-                        placement: None,
-                    },
+                    shard: ShardDesc::boxed(
+                        name.clone(),
+                        *dt,
+                        vec![n],
+                        NdBox::new(vec![lo], vec![hi - lo]).unwrap(),
+                    ),
                     data: Some(b),
                 });
             }

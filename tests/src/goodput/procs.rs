@@ -2,10 +2,8 @@
 //! the run's marker in their environment), their state and resident memory, and the digest
 //! the newest generation printed.
 
-use std::path::Path;
-
 use super::TAG_ENV;
-use crate::{digest_in, env_of, find_processes};
+use crate::{env_of, find_processes};
 
 /// A live rank process of the supervision.
 #[derive(Debug, Clone, Copy)]
@@ -81,22 +79,4 @@ pub(super) fn rss_kib(pid: u32) -> u64 {
                 .and_then(|v| v.split_whitespace().next()?.parse().ok())
         })
         .unwrap_or(0)
-}
-
-/// The digest printed by the newest generation's rank 0 (`rank-0.gen-G.out`).
-pub(super) fn final_digest(logs: &Path) -> Option<String> {
-    let mut best: Option<(u64, String)> = None;
-    for e in std::fs::read_dir(logs).ok()?.flatten() {
-        let name = e.file_name().to_string_lossy().to_string();
-        if let Some(g) = name
-            .strip_prefix("rank-0.gen-")
-            .and_then(|s| s.strip_suffix(".out"))
-            .and_then(|g| g.parse::<u64>().ok())
-            && let Some(d) = digest_in(&std::fs::read_to_string(e.path()).unwrap_or_default())
-            && best.as_ref().is_none_or(|(bg, _)| g > *bg)
-        {
-            best = Some((g, d));
-        }
-    }
-    best.map(|b| b.1)
 }

@@ -11,8 +11,9 @@ use serde_json::Value;
 
 use super::failures::{Schedule, inject, match_injections, of_kind};
 use super::housekeeping::Housekeeping;
-use super::procs::{RankProc, agents, final_digest, ranks, rss_kib, tagged};
+use super::procs::{RankProc, agents, ranks, rss_kib, tagged};
 use super::{Injection, Options, Policy, PolicyResult, RUN, RssSample, TAG_ENV, ms, train_command};
+use crate::final_digest;
 use crate::{bin, signal};
 
 /// Run `policy` (see the module docs of [`super`]) and collect its [`PolicyResult`].
