@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ckpt_recovery::records::{Event, read_records};
-use ckpt_store::placement::{Placement, Stage as PStage, TensorSpec};
+use ckpt_store::placement::TensorSpec;
 use ckpt_store::{DType, FailAction, Layout, NdBox};
 use ckpt_trainer::{
     CheckpointManager, CheckpointerConfig, HostTensor, ManagerConfig, Stage, runtime,
@@ -24,17 +24,7 @@ fn train_with_failing_saves(store: &ckpt_store::Store, run: &str) {
     c.final_on_sigterm = false;
     c.every_steps = Some(1);
     let mut m = CheckpointManager::new(store.clone(), c).unwrap();
-    let spec = TensorSpec {
-        name: "w".into(),
-        dtype: DType::U8,
-        shape: vec![N],
-        placement: Placement {
-            order: 0,
-            tp_dim: None,
-            stage: PStage::First,
-            zero: None,
-        },
-    };
+    let spec = TensorSpec::first_stage("w", DType::U8, &[N]);
     let w = HostTensor::zeroed(N as usize);
     m.register(spec, NdBox::full(&[N]), Arc::new(w.clone()))
         .unwrap();

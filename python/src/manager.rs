@@ -15,7 +15,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use ckpt_store::placement::{Placement, Stage as PStage, TensorSpec};
+use ckpt_store::placement::TensorSpec;
 use ckpt_store::{Error, Layout, NdBox};
 use ckpt_trainer::{
     CheckpointManager, CheckpointerConfig, ManagerConfig, MemorySink, MemorySource, PinnedSource,
@@ -147,17 +147,7 @@ fn register(m: &mut CheckpointManager, entries: Vec<Entry<'_>>, writable: bool) 
     {
         let what = format!("tensor {name:?}");
         let lent = Lent::of(&buf, &what, writable)?;
-        let spec = TensorSpec {
-            name,
-            dtype: dtype(&dt)?,
-            shape,
-            placement: Placement {
-                order: order as u32,
-                tp_dim: None,
-                stage: PStage::First,
-                zero: None,
-            },
-        };
+        let spec = TensorSpec::first_stage(name, dtype(&dt)?, &shape).with_order(order as u32);
         let held = nd_box(offsets, sizes)?;
         let want = held.numel() as usize * spec.dtype.size();
         if lent.len != want {

@@ -9,7 +9,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ckpt_store::placement::{Placement, Stage as PStage, TensorSpec, ZeroGroup, tp_box};
+use ckpt_store::placement::{TensorSpec, ZeroGroup, tp_box};
 use ckpt_store::testing::{det_bytes, local_store};
 use ckpt_store::{DType, ErrorKind, Layout, NdBox, StepReader, Store, StoreConfig};
 use ckpt_trainer::cuda::peer::{PeerExchange, PeerTensor, restore_with_peers};
@@ -69,17 +69,7 @@ fn store() -> (Store, tempfile::TempDir) {
 }
 
 fn spec(name: &str, dtype: DType, shape: &[u64], tp_dim: Option<usize>) -> TensorSpec {
-    TensorSpec {
-        name: name.into(),
-        dtype,
-        shape: shape.to_vec(),
-        placement: Placement {
-            order: 0,
-            tp_dim,
-            stage: PStage::First,
-            zero: None,
-        },
-    }
+    TensorSpec::first_stage(name, dtype, shape).with_tp(tp_dim)
 }
 
 fn manager(store: &Store, run: &str, layout: &str, rank: u32) -> CheckpointManager {

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ckpt_store::logs::{EVENTS, read_log};
-use ckpt_store::placement::{Placement, Stage as PStage, TensorSpec};
+use ckpt_store::placement::TensorSpec;
 use ckpt_store::testing::{
     Need, S3Server, available, det_bytes, faulty_local_store, faulty_store, tiny_config,
 };
@@ -23,17 +23,7 @@ use ckpt_trainer::{
 const N: usize = 96 << 10;
 
 fn spec(name: &str) -> TensorSpec {
-    TensorSpec {
-        name: name.into(),
-        dtype: DType::U8,
-        shape: vec![N as u64],
-        placement: Placement {
-            order: 0,
-            tp_dim: None,
-            stage: PStage::First,
-            zero: None,
-        },
-    }
+    TensorSpec::first_stage(name, DType::U8, &[N as u64])
 }
 
 /// Short enough that a hung request costs a test little; a hang outlasts it.

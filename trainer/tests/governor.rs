@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ckpt_recovery::records::{Event, read_records};
-use ckpt_store::placement::{Placement, Stage as PStage, TensorSpec};
+use ckpt_store::placement::TensorSpec;
 use ckpt_store::testing::{det_bytes, local_store};
 use ckpt_store::{DType, Layout, NdBox, Store, StoreConfig};
 use ckpt_trainer::{
@@ -124,17 +124,7 @@ fn waiting_for_a_throttled_persist_runs_it_at_full_speed() {
 }
 
 fn spec(name: &str, n: u64) -> TensorSpec {
-    TensorSpec {
-        name: name.into(),
-        dtype: DType::U8,
-        shape: vec![n],
-        placement: Placement {
-            order: 0,
-            tp_dim: None,
-            stage: PStage::First,
-            zero: None,
-        },
-    }
+    TensorSpec::first_stage(name, DType::U8, &[n])
 }
 
 fn manager(

@@ -7,23 +7,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use ckpt_store::placement::{Placement, Stage as PStage, TensorSpec};
+use ckpt_store::placement::TensorSpec;
 use ckpt_store::testing::{det_bytes, local_store};
 use ckpt_store::{DType, Layout, NdBox, Store, StoreConfig};
 use ckpt_trainer::{CheckpointManager, CheckpointerConfig, HostTensor, ManagerConfig};
 
 fn spec(name: &str, shape: &[u64]) -> TensorSpec {
-    TensorSpec {
-        name: name.into(),
-        dtype: DType::F32,
-        shape: shape.to_vec(),
-        placement: Placement {
-            order: 0,
-            tp_dim: None,
-            stage: PStage::First,
-            zero: None,
-        },
-    }
+    TensorSpec::first_stage(name, DType::F32, shape)
 }
 
 fn manager(store: &Store, rank: u32, world: u32) -> CheckpointManager {

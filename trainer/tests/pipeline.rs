@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use ckpt_store::placement::{Placement, Stage as PStage, TensorSpec};
+use ckpt_store::placement::TensorSpec;
 use ckpt_store::testing::{det_bytes, local_store, memory_store, tiny_config};
 use ckpt_store::{DType, ErrorKind, Layout, NdBox, Store, StoreConfig};
 use ckpt_trainer::{
@@ -16,17 +16,7 @@ mod common;
 use common::read;
 
 fn spec(name: &str, shape: &[u64], tp_dim: Option<usize>) -> TensorSpec {
-    TensorSpec {
-        name: name.into(),
-        dtype: DType::F32,
-        shape: shape.to_vec(),
-        placement: Placement {
-            order: 0,
-            tp_dim,
-            stage: PStage::First,
-            zero: None,
-        },
-    }
+    TensorSpec::first_stage(name, DType::F32, shape).with_tp(tp_dim)
 }
 
 #[test]

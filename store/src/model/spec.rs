@@ -60,3 +60,35 @@ pub struct TensorSpec {
     /// Placement.
     pub placement: Placement,
 }
+
+impl TensorSpec {
+    /// A tensor of the first pipeline stage, neither split by tensor parallelism nor
+    /// partitioned by ZeRO, registered first: how a model without model parallelism places
+    /// every tensor. [`TensorSpec::with_tp`] and [`TensorSpec::with_order`] change the two
+    /// that vary most.
+    pub fn first_stage(name: impl Into<String>, dtype: DType, shape: &[u64]) -> TensorSpec {
+        TensorSpec {
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+            placement: Placement {
+                order: 0,
+                tp_dim: None,
+                stage: Stage::First,
+                zero: None,
+            },
+        }
+    }
+
+    /// This spec split across tensor-parallel ranks along `dim` (`None`: replicated).
+    pub fn with_tp(mut self, dim: Option<usize>) -> TensorSpec {
+        self.placement.tp_dim = dim;
+        self
+    }
+
+    /// This spec registered `order`-th.
+    pub fn with_order(mut self, order: u32) -> TensorSpec {
+        self.placement.order = order;
+        self
+    }
+}

@@ -346,20 +346,9 @@ mod tests {
     use super::*;
     use crate::monitor::MonitorConfig;
     use ckpt_store::DType;
-    use ckpt_store::placement::{Placement, Stage as PStage};
 
     fn spec(name: &str, shape: &[u64], tp_dim: Option<usize>) -> TensorSpec {
-        TensorSpec {
-            name: name.into(),
-            dtype: DType::F32,
-            shape: shape.to_vec(),
-            placement: Placement {
-                order: 0,
-                tp_dim,
-                stage: PStage::First,
-                zero: None,
-            },
-        }
+        TensorSpec::first_stage(name, DType::F32, shape).with_tp(tp_dim)
     }
 
     fn memory(elems: usize) -> Arc<dyn TensorMemory> {
