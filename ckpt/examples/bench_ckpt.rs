@@ -56,14 +56,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     let len = p.bbox.numel() as usize;
                     bytes += 2 * len as u64;
                     ShardIn {
-                        shard: ShardDesc {
-                            name: s.name.clone(),
-                            dtype: s.dtype,
-                            shape: s.shape.clone(),
-                            bbox: p.bbox,
-                            replica_of: p.replica_of,
-                            placement: Some(s.placement.clone()),
-                        },
+                        shard: ShardDesc::placed(s, p.bbox, p.replica_of),
                         data: Some(Bytes::from(weights(
                             p.spec as u64 * 1000 + rank as u64 + step,
                             len,

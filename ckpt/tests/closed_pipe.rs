@@ -31,14 +31,12 @@ async fn wide_run(env: &Env, run: &str, steps: u64) {
         };
         let shards = (0..tensors)
             .map(|i| ShardIn {
-                shard: ShardDesc {
-                    name: format!("model.layers.{i}.self_attn.q_proj.weight"),
-                    dtype: DType::F32,
-                    shape: vec![4],
-                    bbox: NdBox::full(&[4]),
-                    replica_of: None,
-                    placement: None,
-                },
+                shard: ShardDesc::boxed(
+                    format!("model.layers.{i}.self_attn.q_proj.weight"),
+                    DType::F32,
+                    vec![4],
+                    NdBox::full(&[4]),
+                ),
                 data: Some(Bytes::from(vec![(step as u8) ^ (i as u8); 16])),
             })
             .collect();

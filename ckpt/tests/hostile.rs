@@ -277,14 +277,12 @@ async fn hostile_names_never_leave_out_or_reach_the_terminal(env: Env) {
         .iter()
         .enumerate()
         .map(|(i, n)| ShardIn {
-            shard: ShardDesc {
-                name: n.to_string(),
-                dtype: DType::U8,
-                shape: vec![3 + i as u64],
-                bbox: NdBox::full(&[3 + i as u64]),
-                replica_of: None,
-                placement: None,
-            },
+            shard: ShardDesc::boxed(
+                n.to_string(),
+                DType::U8,
+                vec![3 + i as u64],
+                NdBox::full(&[3 + i as u64]),
+            ),
             data: Some(Bytes::from(vec![i as u8; 3 + i])),
         })
         .collect();
@@ -379,14 +377,7 @@ async fn hostile_names_never_leave_out_or_reach_the_terminal(env: Env) {
 
     // A name safetensors cannot hold gets a clear error, and --exclude gets around it.
     let shard = ShardIn {
-        shard: ShardDesc {
-            name: "__metadata__".into(),
-            dtype: DType::U8,
-            shape: vec![1],
-            bbox: NdBox::full(&[1]),
-            replica_of: None,
-            placement: None,
-        },
+        shard: ShardDesc::boxed("__metadata__", DType::U8, vec![1], NdBox::full(&[1])),
         data: Some(Bytes::from_static(&[1])),
     };
     let w = RankWrite { step: 2, ..w };

@@ -9,11 +9,12 @@
 //! fuse_bench rand  FILE COUNT SIZE SEED [direct]   random reads; latency percentiles
 //! ```
 
+use ckpt_store::model::cut_box as cut;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::time::Instant;
 
 use bytes::Bytes;
-use ckpt_store::placement::{Placement, Stage, TensorSpec, place_rank};
+use ckpt_store::placement::{TensorSpec, place_rank};
 use ckpt_store::{
     DType, DedupIndex, Layout, RankWrite, SafetensorsView, ShardDesc, ShardIn, StepReader,
 };
@@ -48,21 +49,6 @@ fn weights(seed: u64, n: usize) -> Vec<u8> {
     out
 }
 
-fn cut(whole: &[u8], shape: &[u64], bbox: &ckpt_store::NdBox, elem: usize) -> Vec<u8> {
-    let mut out = vec![0u8; bbox.numel() as usize * elem];
-    ckpt_store::model::copy_runs(
-        &ckpt_store::NdBox::full(shape),
-        bbox,
-        bbox,
-        elem,
-        |s, d, l| {
-            let (s, d, l) = (s as usize, d as usize, l as usize);
-            out[d..d + l].copy_from_slice(&whole[s..s + l]);
-        },
-    );
-    out
-}
-
 async fn save(
     store: &ckpt_store::Store,
     run: &str,
@@ -81,14 +67,7 @@ async fn save(
         for (r, ps) in placed.iter().enumerate() {
             for p in ps.iter().filter(|p| p.spec == i) {
                 per_rank[r].push(ShardIn {
-                    shard: ShardDesc {
-                        name: s.name.clone(),
-                        dtype: s.dtype,
-                        shape: s.shape.clone(),
-                        bbox: p.bbox.clone(),
-                        replica_of: p.replica_of,
-                        placement: Some(s.placement.clone()),
-                    },
+                    shard: ShardDesc::placed(s, p.bbox.clone(), p.replica_of),
                     data: p
                         .replica_of
                         .is_none()
@@ -120,17 +99,9 @@ fn spec(
     tp_dim: Option<usize>,
     order: u32,
 ) -> TensorSpec {
-    TensorSpec {
-        name,
-        dtype,
-        shape,
-        placement: Placement {
-            order,
-            tp_dim,
-            stage: Stage::First,
-            zero: None,
-        },
-    }
+    TensorSpec::first_stage(name, dtype, &shape)
+        .with_tp(tp_dim)
+        .with_order(order)
 }
 
 async fn make(a: &[String]) -> Res<()> {

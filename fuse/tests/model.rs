@@ -638,14 +638,7 @@ async fn delta_chunks_read_through_the_mount() {
     for step in 1..=3u64 {
         let index = base.pinned(base.base_step());
         let shard = ShardIn {
-            shard: ShardDesc {
-                name: "w".into(),
-                dtype: DType::F32,
-                shape: vec![n as u64],
-                bbox: NdBox::full(&[n as u64]),
-                replica_of: None,
-                placement: None,
-            },
+            shard: ShardDesc::boxed("w", DType::F32, vec![n as u64], NdBox::full(&[n as u64])),
             data: Some(Bytes::from(values(step))),
         };
         let w = RankWrite {

@@ -369,14 +369,12 @@ impl RankWriter {
         for (name, dt, shape, offsets, sizes, data) in &tensors {
             let what = format!("tensor {name:?}");
             shards.push(ShardIn {
-                shard: ShardDesc {
-                    name: name.clone(),
-                    dtype: dtype(dt)?,
-                    shape: shape.clone(),
-                    bbox: nd_box(offsets.clone(), sizes.clone())?,
-                    replica_of: None,
-                    placement: None,
-                },
+                shard: ShardDesc::boxed(
+                    name.clone(),
+                    dtype(dt)?,
+                    shape.clone(),
+                    nd_box(offsets.clone(), sizes.clone())?,
+                ),
                 data: Some(lend(data, &what)?),
             });
         }

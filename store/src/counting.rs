@@ -748,14 +748,12 @@ mod tests {
             generation: 0,
         };
         let shard = ShardIn {
-            shard: ShardDesc {
-                name: "w".into(),
-                dtype: DType::U8,
-                shape: vec![4],
-                bbox: NdBox::new(vec![rank as u64], vec![1]).unwrap(),
-                replica_of: None,
-                placement: None,
-            },
+            shard: ShardDesc::boxed(
+                "w",
+                DType::U8,
+                vec![4],
+                NdBox::new(vec![rank as u64], vec![1]).unwrap(),
+            ),
             data: Some(Bytes::from(vec![rank as u8])),
         };
         store

@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::keys::validate_run;
 use crate::model::{
     BlobEntry, ChunkRef, DELTA_FORMAT_VERSION, DType, FORMAT_VERSION, Layout, NdBox, RankEntry,
-    RankManifest, TensorShard, WriteStats, validate_name,
+    RankManifest, TensorShard, TensorSpec, WriteStats, validate_name,
 };
 use crate::store::{BaseChunk, ChunkIn, DedupIndex, PutStats, Store};
 
@@ -33,6 +33,31 @@ pub struct ShardDesc {
 }
 
 impl ShardDesc {
+    /// The box `bbox` of `spec` that a placement gives a rank (`replica_of`: the rank that
+    /// writes it, when this one holds a replica), with the placement recorded.
+    pub fn placed(spec: &TensorSpec, bbox: NdBox, replica_of: Option<u32>) -> ShardDesc {
+        ShardDesc {
+            name: spec.name.clone(),
+            dtype: spec.dtype,
+            shape: spec.shape.clone(),
+            bbox,
+            replica_of,
+            placement: Some(spec.placement.clone()),
+        }
+    }
+
+    /// The box `bbox` of a tensor this rank writes, without a placement.
+    pub fn boxed(name: impl Into<String>, dtype: DType, shape: Vec<u64>, bbox: NdBox) -> ShardDesc {
+        ShardDesc {
+            name: name.into(),
+            dtype,
+            shape,
+            bbox,
+            replica_of: None,
+            placement: None,
+        }
+    }
+
     /// Bytes of the box.
     pub fn byte_len(&self) -> u64 {
         self.bbox.numel() * self.dtype.size() as u64

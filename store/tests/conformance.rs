@@ -1,6 +1,7 @@
 //! One conformance suite, every backend: each case below runs on the in-memory store, a local
 //! directory and a real S3-compatible server (`s3s-fs`) on loopback, with the same code.
 
+use ckpt_store::model::cut_box as cut;
 use std::collections::HashSet;
 use std::time::Duration;
 
@@ -104,16 +105,6 @@ fn shard(name: &str, dtype: DType, shape: &[u64], bbox: NdBox, data: Vec<u8>) ->
         },
         data: Some(Bytes::from(data)),
     }
-}
-
-/// Row-major bytes of `bbox` cut out of a whole tensor's bytes.
-fn cut(whole: &[u8], shape: &[u64], bbox: &NdBox, elem: usize) -> Vec<u8> {
-    let mut out = vec![0u8; bbox.numel() as usize * elem];
-    ckpt_store::model::copy_runs(&NdBox::full(shape), bbox, bbox, elem, |s, d, l| {
-        let (s, d, l) = (s as usize, d as usize, l as usize);
-        out[d..d + l].copy_from_slice(&whole[s..s + l]);
-    });
-    out
 }
 
 async fn save_single(

@@ -139,14 +139,12 @@ async fn two_rank_step(rows: u64, cols: u64, cut: u64) -> (Store, Vec<u8>) {
             (cut, rows - cut)
         };
         let shards = vec![ShardIn {
-            shard: ShardDesc {
-                name: "w".into(),
-                dtype: DType::F32,
-                shape: vec![rows, cols],
-                bbox: NdBox::new(vec![lo, 0], vec![n, cols]).unwrap(),
-                replica_of: None,
-                placement: None,
-            },
+            shard: ShardDesc::boxed(
+                "w",
+                DType::F32,
+                vec![rows, cols],
+                NdBox::new(vec![lo, 0], vec![n, cols]).unwrap(),
+            ),
             data: Some(Bytes::copy_from_slice(
                 &whole[lo as usize * row..(lo + n) as usize * row],
             )),

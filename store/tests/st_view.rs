@@ -24,25 +24,16 @@ async fn sharded_step_as_one_safetensors_file() {
         let (lo, hi) = [(0usize, 2usize), (2, 4), (4, 6), (6, 7)][rank as usize];
         let shards = vec![
             ShardIn {
-                shard: ShardDesc {
-                    name: "w".into(),
-                    dtype: DType::Bf16,
-                    shape: vec![10, 8],
-                    bbox: bx,
-                    replica_of: None,
-                    placement: None,
-                },
+                shard: ShardDesc::boxed("w", DType::Bf16, vec![10, 8], bx),
                 data: Some(Bytes::from(data)),
             },
             ShardIn {
-                shard: ShardDesc {
-                    name: "v".into(),
-                    dtype: DType::F32,
-                    shape: vec![7],
-                    bbox: NdBox::new(vec![lo as u64], vec![(hi - lo) as u64]).unwrap(),
-                    replica_of: None,
-                    placement: None,
-                },
+                shard: ShardDesc::boxed(
+                    "v",
+                    DType::F32,
+                    vec![7],
+                    NdBox::new(vec![lo as u64], vec![(hi - lo) as u64]).unwrap(),
+                ),
                 data: Some(Bytes::copy_from_slice(&v[lo * 4..hi * 4])),
             },
         ];
@@ -104,14 +95,7 @@ async fn readers_sharing_a_cache_fetch_each_chunk_once() {
         generation: 0,
     };
     let shard = ShardIn {
-        shard: ShardDesc {
-            name: "w".into(),
-            dtype: DType::F32,
-            shape: vec![64, 64],
-            bbox: NdBox::full(&[64, 64]),
-            replica_of: None,
-            placement: None,
-        },
+        shard: ShardDesc::boxed("w", DType::F32, vec![64, 64], NdBox::full(&[64, 64])),
         data: Some(Bytes::from(data.clone())),
     };
     store

@@ -23,28 +23,14 @@ async fn save(store: &Store) -> (Vec<u8>, Vec<u8>) {
     for rank in 0..2u32 {
         let half = NdBox::new(vec![rank as u64 * 256], vec![256]).unwrap();
         let mut shards = vec![ShardIn {
-            shard: ShardDesc {
-                name: "w".into(),
-                dtype: DType::Bf16,
-                shape: vec![512],
-                bbox: half,
-                replica_of: None,
-                placement: None,
-            },
+            shard: ShardDesc::boxed("w", DType::Bf16, vec![512], half),
             data: Some(Bytes::copy_from_slice(
                 &w[rank as usize * 512..(rank as usize + 1) * 512],
             )),
         }];
         if rank == 0 {
             shards.push(ShardIn {
-                shard: ShardDesc {
-                    name: "b".into(),
-                    dtype: DType::F32,
-                    shape: vec![16],
-                    bbox: NdBox::full(&[16]),
-                    replica_of: None,
-                    placement: None,
-                },
+                shard: ShardDesc::boxed("b", DType::F32, vec![16], NdBox::full(&[16])),
                 data: Some(Bytes::from(b.clone())),
             });
         }

@@ -215,14 +215,12 @@ fn saved_step() -> (Store, Vec<u8>, Vec<Bytes>) {
             generation: 1,
         };
         let shard = ShardIn {
-            shard: ShardDesc {
-                name: "w".into(),
-                dtype: DType::F32,
-                shape: vec![128, 128],
-                bbox: NdBox::new(vec![0, 0], vec![128, 128]).unwrap(),
-                replica_of: None,
-                placement: None,
-            },
+            shard: ShardDesc::boxed(
+                "w",
+                DType::F32,
+                vec![128, 128],
+                NdBox::new(vec![0, 0], vec![128, 128]).unwrap(),
+            ),
             data: Some(Bytes::from(whole.clone())),
         };
         store

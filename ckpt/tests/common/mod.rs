@@ -4,6 +4,7 @@
 
 #![allow(dead_code)]
 
+pub use ckpt_store::model::cut_box as cut;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -227,16 +228,6 @@ pub fn global(s: &TensorSpec, step: u64) -> Vec<u8> {
     out
 }
 
-/// Row-major bytes of `bbox` cut out of a whole tensor.
-pub fn cut(whole: &[u8], shape: &[u64], bbox: &NdBox, elem: usize) -> Vec<u8> {
-    let mut out = vec![0u8; bbox.numel() as usize * elem];
-    ckpt_store::model::copy_runs(&NdBox::full(shape), bbox, bbox, elem, |s, d, l| {
-        let (s, d, l) = (s as usize, d as usize, l as usize);
-        out[d..d + l].copy_from_slice(&whole[s..s + l]);
-    });
-    out
-}
-
 /// Save one rank of a step (placement recorded).
 pub async fn save_rank(
     store: &Store,
@@ -258,14 +249,7 @@ pub async fn save_rank(
                 .is_none()
                 .then(|| Bytes::from(cut(&global(s, step), &s.shape, &p.bbox, s.dtype.size())));
             ShardIn {
-                shard: ShardDesc {
-                    name: s.name.clone(),
-                    dtype: s.dtype,
-                    shape: s.shape.clone(),
-                    bbox: p.bbox.clone(),
-                    replica_of: p.replica_of,
-                    placement: Some(s.placement.clone()),
-                },
+                shard: ShardDesc::placed(s, p.bbox.clone(), p.replica_of),
                 data,
             }
         })

@@ -2,6 +2,7 @@
 //! names, damage, and what every file of the mount must hold.
 #![allow(dead_code)]
 
+pub use ckpt_store::model::cut_box as cut;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -65,16 +66,6 @@ impl Expected {
         }
         out
     }
-}
-
-/// Row-major bytes of `bbox` cut out of a whole tensor's bytes.
-pub fn cut(whole: &[u8], shape: &[u64], bbox: &NdBox, elem: usize) -> Vec<u8> {
-    let mut out = vec![0u8; bbox.numel() as usize * elem];
-    ckpt_store::model::copy_runs(&NdBox::full(shape), bbox, bbox, elem, |s, d, l| {
-        let (s, d, l) = (s as usize, d as usize, l as usize);
-        out[d..d + l].copy_from_slice(&whole[s..s + l]);
-    });
-    out
 }
 
 fn spec(
@@ -175,14 +166,7 @@ pub async fn save(
                 .or_default()
                 .push(p.bbox.clone());
             shards.push(ShardIn {
-                shard: ShardDesc {
-                    name: s.name.clone(),
-                    dtype: s.dtype,
-                    shape: s.shape.clone(),
-                    bbox: p.bbox.clone(),
-                    replica_of: p.replica_of,
-                    placement: Some(s.placement.clone()),
-                },
+                shard: ShardDesc::placed(s, p.bbox.clone(), p.replica_of),
                 data: p
                     .replica_of
                     .is_none()
@@ -280,14 +264,7 @@ pub async fn hostile_run(store: &Store) -> Expected {
             .or_default()
             .insert(n.clone(), vec![NdBox::full(&shape)]);
         shards.push(ShardIn {
-            shard: ShardDesc {
-                name: n.clone(),
-                dtype: DType::F32,
-                shape: shape.clone(),
-                bbox: NdBox::full(&shape),
-                replica_of: None,
-                placement: None,
-            },
+            shard: ShardDesc::boxed(n.clone(), DType::F32, shape.clone(), NdBox::full(&shape)),
             data: Some(Bytes::from(bytes.clone())),
         });
         exp.tensors.insert(

@@ -137,6 +137,17 @@ impl fmt::Display for NdBox {
     }
 }
 
+/// The row-major bytes of `bbox` cut out of `whole`, the row-major bytes of a tensor of
+/// `shape` with elements of `elem` bytes.
+pub fn cut_box(whole: &[u8], shape: &[u64], bbox: &NdBox, elem: usize) -> Vec<u8> {
+    let mut out = vec![0u8; bbox.numel() as usize * elem];
+    copy_runs(&NdBox::full(shape), bbox, bbox, elem, |s, d, l| {
+        let (s, d, l) = (s as usize, d as usize, l as usize);
+        out[d..d + l].copy_from_slice(&whole[s..s + l]);
+    });
+    out
+}
+
 /// Calls `f(src_byte, dst_byte, len)` for every contiguous run of `region`, where `src` and
 /// `dst` are boxes stored row-major and `region` lies inside both.
 ///

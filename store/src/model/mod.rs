@@ -26,7 +26,7 @@ pub use commit_record::{
 };
 pub use coverage::check_coverage;
 pub use dtype::DType;
-pub use geometry::{NdBox, copy_runs, numel};
+pub use geometry::{NdBox, copy_runs, cut_box, numel};
 pub use layout::{Coords, Layout};
 pub use manifest::{
     BlobEntry, ChunkRef, MAX_DELTA_CHAIN, MAX_NAME_LEN, RankManifest, TensorShard, WriteStats,
