@@ -155,134 +155,164 @@ impl Store {
             )));
         }
         for (run, step) in &steps {
-            report.steps += 1;
-            let commit_key = self.keys().commit(run, *step);
-            let commit = match self.read_commit(run, *step).await {
-                Ok((c, _)) => c,
+            self.verify_step(run, *step, &mut report, &mut refs).await;
+        }
+        if *scope == VerifyScope::Store {
+            self.unreferenced_objects(&mut report, &mut refs).await?;
+        }
+        let (objects, bytes, chunks, damaged) = self.check_objects(refs, progress).await?;
+        report.objects += objects;
+        report.bytes += bytes;
+        report.chunks += chunks;
+        report.damaged.extend(damaged);
+        report.damaged.sort_by(|a, b| a.object.cmp(&b.object));
+        Ok(report)
+    }
+
+    /// One committed step: its record and manifests read back (what cannot be is damage),
+    /// every chunk they reference noted in `refs`, the record compared with the manifests.
+    async fn verify_step(&self, run: &str, step: u64, report: &mut VerifyReport, refs: &mut Refs) {
+        report.steps += 1;
+        let commit_key = self.keys().commit(run, step);
+        let commit = match self.read_commit(run, step).await {
+            Ok((c, _)) => c,
+            Err(e) => {
+                damage(report, &commit_key, &e, run, step, "commit record");
+                return;
+            }
+        };
+        let mut manifests = Vec::with_capacity(commit.ranks.len());
+        for entry in &commit.ranks {
+            let key = self.keys().rank_manifest(run, step, entry.rank);
+            let m = match self
+                .read_rank_manifest(run, step, entry.rank, Some(entry))
+                .await
+            {
+                Ok(m) => m,
                 Err(e) => {
-                    damage(&mut report, &commit_key, &e, run, *step, "commit record");
+                    damage(
+                        report,
+                        &key,
+                        &e,
+                        run,
+                        step,
+                        &format!("manifest of rank {}", entry.rank),
+                    );
                     continue;
                 }
             };
-            let mut manifests = Vec::with_capacity(commit.ranks.len());
-            for entry in &commit.ranks {
-                let key = self.keys().rank_manifest(run, *step, entry.rank);
-                let m = match self
-                    .read_rank_manifest(run, *step, entry.rank, Some(entry))
-                    .await
-                {
-                    Ok(m) => m,
-                    Err(e) => {
-                        damage(
-                            &mut report,
-                            &key,
-                            &e,
-                            run,
-                            *step,
-                            &format!("manifest of rank {}", entry.rank),
-                        );
-                        continue;
-                    }
-                };
-                for t in &m.tensors {
-                    for c in &t.chunks {
-                        refs.add(
-                            self,
-                            c,
-                            Affected {
-                                run: run.clone(),
-                                step: *step,
-                                item: format!("tensor {}", t.name),
-                            },
-                        );
-                    }
+            for t in &m.tensors {
+                for c in &t.chunks {
+                    refs.add(
+                        self,
+                        c,
+                        Affected {
+                            run: run.to_string(),
+                            step,
+                            item: format!("tensor {}", t.name),
+                        },
+                    );
                 }
-                for b in &m.blobs {
-                    for c in &b.chunks {
-                        refs.add(
-                            self,
-                            c,
-                            Affected {
-                                run: run.clone(),
-                                step: *step,
-                                item: format!("blob {} of rank {}", b.name, m.rank),
-                            },
-                        );
-                    }
-                }
-                manifests.push(m);
             }
-            if manifests.len() == commit.ranks.len() {
-                for (item, problem) in compare_with_manifests(&commit, &manifests) {
-                    report.damaged.push(Damage {
-                        object: commit_key.to_string(),
-                        problem,
-                        affects: vec![Affected {
-                            run: run.clone(),
-                            step: *step,
-                            item,
-                        }],
-                    });
+            for b in &m.blobs {
+                for c in &b.chunks {
+                    refs.add(
+                        self,
+                        c,
+                        Affected {
+                            run: run.to_string(),
+                            step,
+                            item: format!("blob {} of rank {}", b.name, m.rank),
+                        },
+                    );
+                }
+            }
+            manifests.push(m);
+        }
+        if manifests.len() == commit.ranks.len() {
+            for (item, problem) in compare_with_manifests(&commit, &manifests) {
+                report.damaged.push(Damage {
+                    object: commit_key.to_string(),
+                    problem,
+                    affects: vec![Affected {
+                        run: run.to_string(),
+                        step,
+                        item,
+                    }],
+                });
+            }
+        }
+    }
+
+    /// The whole store's scope: temporary files, and the chunk and pack objects no step
+    /// references (their structure is checked too).
+    async fn unreferenced_objects(&self, report: &mut VerifyReport, refs: &mut Refs) -> Result<()> {
+        report.temp_files = self
+            .temp_files()
+            .await?
+            .into_iter()
+            .map(|t| TempFileNote {
+                file: t.key,
+                bytes: t.bytes,
+                modified_ms: t.modified.timestamp_millis(),
+            })
+            .collect();
+        for dir in [self.keys().chunks_dir(), self.keys().packs_dir()] {
+            let metas = self.list_all(&dir).await?;
+            for m in metas {
+                let key = m.location.to_string();
+                if let Some(p) = self.keys().parse_pack(&m.location) {
+                    refs.by_object.entry(key).or_default().pack = Some(p);
+                } else if let Some((c, _)) = self.keys().parse_delta_chunk(&m.location) {
+                    // A delta no manifest references: its structure is checked (its
+                    // chain is not known).
+                    refs.by_object
+                        .entry(key)
+                        .or_default()
+                        .chunks
+                        .entry(c)
+                        .or_insert_with(|| {
+                            let r = ChunkRef::plain(c, 0, m.size as u32, codec::Codec::Delta);
+                            (r, BTreeSet::new())
+                        });
+                } else if let Some(c) = self.keys().parse_chunk(&m.location) {
+                    refs.by_object
+                        .entry(key)
+                        .or_default()
+                        .chunks
+                        .entry(c)
+                        .or_insert_with(|| {
+                            (
+                                ChunkRef {
+                                    id: c,
+                                    len: 0,
+                                    stored: m.size as u32,
+                                    codec: codec::Codec::Raw,
+                                    pack: None,
+                                    offset: 0,
+                                    bases: Vec::new(),
+                                    base_step: None,
+                                },
+                                BTreeSet::new(),
+                            )
+                        });
                 }
             }
         }
-        if *scope == VerifyScope::Store {
-            report.temp_files = self
-                .temp_files()
-                .await?
-                .into_iter()
-                .map(|t| TempFileNote {
-                    file: t.key,
-                    bytes: t.bytes,
-                    modified_ms: t.modified.timestamp_millis(),
-                })
-                .collect();
-            for dir in [self.keys().chunks_dir(), self.keys().packs_dir()] {
-                let metas = self.list_all(&dir).await?;
-                for m in metas {
-                    let key = m.location.to_string();
-                    if let Some(p) = self.keys().parse_pack(&m.location) {
-                        refs.by_object.entry(key).or_default().pack = Some(p);
-                    } else if let Some((c, _)) = self.keys().parse_delta_chunk(&m.location) {
-                        // A delta no manifest references: its structure is checked (its
-                        // chain is not known).
-                        refs.by_object
-                            .entry(key)
-                            .or_default()
-                            .chunks
-                            .entry(c)
-                            .or_insert_with(|| {
-                                let r = ChunkRef::plain(c, 0, m.size as u32, codec::Codec::Delta);
-                                (r, BTreeSet::new())
-                            });
-                    } else if let Some(c) = self.keys().parse_chunk(&m.location) {
-                        refs.by_object
-                            .entry(key)
-                            .or_default()
-                            .chunks
-                            .entry(c)
-                            .or_insert_with(|| {
-                                (
-                                    ChunkRef {
-                                        id: c,
-                                        len: 0,
-                                        stored: m.size as u32,
-                                        codec: codec::Codec::Raw,
-                                        pack: None,
-                                        offset: 0,
-                                        bases: Vec::new(),
-                                        base_step: None,
-                                    },
-                                    BTreeSet::new(),
-                                )
-                            });
-                    }
-                }
-            }
-        }
+        Ok(())
+    }
+
+    /// Check every object of `refs` (hashes, codecs, packs), `read_concurrency` at a time,
+    /// telling `progress` the bytes done: (objects read, raw bytes hashed, chunks hashed,
+    /// damage).
+    async fn check_objects(
+        &self,
+        refs: Refs,
+        progress: Option<Progress>,
+    ) -> Result<(u64, u64, u64, Vec<Damage>)> {
         let done = Arc::new(AtomicU64::new(0));
         let n = self.config().read_concurrency;
-        let results: Vec<(u64, u64, u64, Vec<Damage>)> = stream::iter(refs.by_object.into_iter())
+        let results: Vec<(u64, u64, u64, Vec<Damage>)> = stream::iter(refs.by_object)
             .map(|(key, objrefs)| {
                 let store = self.clone();
                 let done = done.clone();
@@ -300,14 +330,14 @@ impl Store {
             .buffer_unordered(n)
             .try_collect()
             .await?;
+        let mut sum = (0, 0, 0, Vec::new());
         for (objects, bytes, chunks, d) in results {
-            report.objects += objects;
-            report.bytes += bytes;
-            report.chunks += chunks;
-            report.damaged.extend(d);
+            sum.0 += objects;
+            sum.1 += bytes;
+            sum.2 += chunks;
+            sum.3.extend(d);
         }
-        report.damaged.sort_by(|a, b| a.object.cmp(&b.object));
-        Ok(report)
+        Ok(sum)
     }
 
     /// Check one object; returns (objects read, raw bytes hashed, chunks hashed, damage).
@@ -340,111 +370,14 @@ impl Store {
         let store_key = key.to_string();
         let chunks: Vec<(ChunkRef, BTreeSet<Affected>)> = o.chunks.values().cloned().collect();
         if o.pack.is_none() && chunks.iter().any(|(c, _)| c.is_delta()) {
-            // A delta decodes only with its chain: through the one decode place, which names
-            // the base chunk (and its step) at fault.
-            let (mut bytes, mut n) = (0, 0);
-            for (c, aff) in &chunks {
-                match self.get_chunk(c).await {
-                    Ok(b) => {
-                        bytes += b.len() as u64;
-                        n += 1;
-                    }
-                    Err(e) => damaged.push(Damage {
-                        object: store_key.clone(),
-                        problem: format!(
-                            "chunk {}: {}",
-                            c.id.short(),
-                            strip_prefix(&e.to_string(), &store_key)
-                        ),
-                        affects: aff.iter().cloned().collect(),
-                    }),
-                }
-            }
+            let (bytes, n, d) = self.verify_deltas(&store_key, &chunks).await;
+            damaged.extend(d);
             return (1, bytes, n, damaged);
         }
         let pack_id = o.pack;
-        let res = tokio::task::spawn_blocking(move || {
-            let mut bytes = 0u64;
-            let mut n = 0u64;
-            let mut damaged = Vec::new();
-            let mut check = |slice: &[u8], c: &ChunkRef, known_len: bool, aff: Vec<Affected>, damaged: &mut Vec<Damage>| {
-                match check_chunk(slice, c, known_len, &store_key) {
-                    Ok(len) => {
-                        bytes += len;
-                        n += 1;
-                    }
-                    Err(problem) => damaged.push(Damage {
-                        object: store_key.clone(),
-                        problem,
-                        affects: aff,
-                    }),
-                }
-            };
-            let is_pack = pack_id.is_some() || chunks.iter().any(|(c, _)| c.pack.is_some());
-            if is_pack {
-                // Check the chunks manifests reference, then any other entry of the index.
-                let entries = pack::parse_pack(&obj, &store_key);
-                let mut seen = BTreeSet::new();
-                for (c, aff) in &chunks {
-                    seen.insert(c.id);
-                    let end = c.offset.saturating_add(c.stored as u64);
-                    match obj.get(c.offset as usize..end as usize) {
-                        Some(s) => check(s, c, true, aff.iter().cloned().collect(), &mut damaged),
-                        None => damaged.push(Damage {
-                            object: store_key.clone(),
-                            problem: format!("chunk {} at {}..{} lies past the end ({} bytes; truncated)", c.id.short(), c.offset, end, obj.len()),
-                            affects: aff.iter().cloned().collect(),
-                        }),
-                    }
-                }
-                match entries {
-                    Ok(es) => {
-                        for e in es.iter().filter(|e| !seen.contains(&e.id)) {
-                            let c = ChunkRef {
-                                id: e.id,
-                                len: e.raw,
-                                stored: e.stored,
-                                codec: codec::Codec::Raw,
-                                pack: pack_id,
-                                offset: e.offset,
-                                bases: Vec::new(),
-                                base_step: None,
-                            };
-                            let s = &obj[e.offset as usize..(e.offset + e.stored as u64) as usize];
-                            check(s, &c, true, Vec::new(), &mut damaged);
-                        }
-                    }
-                    Err(e) if pack_id.is_some() && chunks.is_empty() => damaged.push(Damage {
-                        object: store_key.clone(),
-                        problem: strip_prefix(&e.to_string(), &store_key),
-                        affects: Vec::new(),
-                    }),
-                    Err(_) => {}
-                }
-            } else {
-                for (c, aff) in &chunks {
-                    check(&obj, c, !aff.is_empty(), aff.iter().cloned().collect(), &mut damaged);
-                }
-            }
-            // Damage outside every chunk (the pack's header or index) breaks no tensor, but
-            // the object is not what it claims to be.
-            if let Some(pid) = pack_id {
-                let actual = PackId::of(&obj);
-                if actual != pid && damaged.is_empty() {
-                    damaged.push(Damage {
-                        object: store_key.clone(),
-                        problem: format!(
-                            "pack hash is {} but should be {} (header or index damaged; its chunks are intact)",
-                            actual.short(),
-                            pid.short()
-                        ),
-                        affects: Vec::new(),
-                    });
-                }
-            }
-            (bytes, n, damaged)
-        })
-        .await;
+        let res =
+            tokio::task::spawn_blocking(move || check_object(&obj, &chunks, pack_id, &store_key))
+                .await;
         match res {
             Ok((bytes, n, d)) => {
                 damaged.extend(d);
@@ -460,6 +393,143 @@ impl Store {
             }
         }
     }
+
+    /// The chunks of a delta object: through the one decode place, which names the base chunk
+    /// (and its step) at fault. (Raw bytes hashed, chunks hashed, damage.)
+    async fn verify_deltas(
+        &self,
+        store_key: &str,
+        chunks: &[(ChunkRef, BTreeSet<Affected>)],
+    ) -> (u64, u64, Vec<Damage>) {
+        let mut damaged = Vec::new();
+        // A delta decodes only with its chain: through the one decode place, which names
+        // the base chunk (and its step) at fault.
+        let (mut bytes, mut n) = (0, 0);
+        for (c, aff) in chunks {
+            match self.get_chunk(c).await {
+                Ok(b) => {
+                    bytes += b.len() as u64;
+                    n += 1;
+                }
+                Err(e) => damaged.push(Damage {
+                    object: store_key.to_string(),
+                    problem: format!(
+                        "chunk {}: {}",
+                        c.id.short(),
+                        strip_prefix(&e.to_string(), store_key)
+                    ),
+                    affects: aff.iter().cloned().collect(),
+                }),
+            }
+        }
+        (bytes, n, damaged)
+    }
+}
+
+/// Check the bytes `obj` of a chunk object or pack (`pack_id`) against the chunks that
+/// reference it, and a pack's other entries and hash. (Raw bytes hashed, chunks hashed,
+/// damage.)
+fn check_object(
+    obj: &[u8],
+    chunks: &[(ChunkRef, BTreeSet<Affected>)],
+    pack_id: Option<PackId>,
+    store_key: &str,
+) -> (u64, u64, Vec<Damage>) {
+    let mut bytes = 0u64;
+    let mut n = 0u64;
+    let mut damaged = Vec::new();
+    let mut check = |slice: &[u8],
+                     c: &ChunkRef,
+                     known_len: bool,
+                     aff: Vec<Affected>,
+                     damaged: &mut Vec<Damage>| {
+        match check_chunk(slice, c, known_len, store_key) {
+            Ok(len) => {
+                bytes += len;
+                n += 1;
+            }
+            Err(problem) => damaged.push(Damage {
+                object: store_key.to_string(),
+                problem,
+                affects: aff,
+            }),
+        }
+    };
+    let is_pack = pack_id.is_some() || chunks.iter().any(|(c, _)| c.pack.is_some());
+    if is_pack {
+        // Check the chunks manifests reference, then any other entry of the index.
+        let entries = pack::parse_pack(obj, &store_key);
+        let mut seen = BTreeSet::new();
+        for (c, aff) in chunks {
+            seen.insert(c.id);
+            let end = c.offset.saturating_add(c.stored as u64);
+            match obj.get(c.offset as usize..end as usize) {
+                Some(s) => check(s, c, true, aff.iter().cloned().collect(), &mut damaged),
+                None => damaged.push(Damage {
+                    object: store_key.to_string(),
+                    problem: format!(
+                        "chunk {} at {}..{} lies past the end ({} bytes; truncated)",
+                        c.id.short(),
+                        c.offset,
+                        end,
+                        obj.len()
+                    ),
+                    affects: aff.iter().cloned().collect(),
+                }),
+            }
+        }
+        match entries {
+            Ok(es) => {
+                for e in es.iter().filter(|e| !seen.contains(&e.id)) {
+                    let c = ChunkRef {
+                        id: e.id,
+                        len: e.raw,
+                        stored: e.stored,
+                        codec: codec::Codec::Raw,
+                        pack: pack_id,
+                        offset: e.offset,
+                        bases: Vec::new(),
+                        base_step: None,
+                    };
+                    let s = &obj[e.offset as usize..(e.offset + e.stored as u64) as usize];
+                    check(s, &c, true, Vec::new(), &mut damaged);
+                }
+            }
+            Err(e) if pack_id.is_some() && chunks.is_empty() => damaged.push(Damage {
+                object: store_key.to_string(),
+                problem: strip_prefix(&e.to_string(), store_key),
+                affects: Vec::new(),
+            }),
+            Err(_) => {}
+        }
+    } else {
+        for (c, aff) in chunks {
+            check(
+                obj,
+                c,
+                !aff.is_empty(),
+                aff.iter().cloned().collect(),
+                &mut damaged,
+            );
+        }
+    }
+    // Damage outside every chunk (the pack's header or index) breaks no tensor, but
+    // the object is not what it claims to be.
+    if let Some(pid) = pack_id {
+        let actual = PackId::of(obj);
+        if actual != pid && damaged.is_empty() {
+            damaged.push(Damage {
+                object: store_key.to_string(),
+                problem: format!(
+                    "pack hash is {} but should be {} (header or index damaged; its chunks are intact)",
+                    actual.short(),
+                    pid.short()
+                ),
+                affects: Vec::new(),
+            });
+        }
+    }
+    (bytes, n, damaged)
 }
 
 fn check_chunk(
