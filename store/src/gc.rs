@@ -269,9 +269,33 @@ impl Store {
         sweep: Option<&Fresh>,
         report: &mut GcReport,
     ) -> Result<()> {
-        // List the steps again (after the sweep lock, so every manifest written by a save that
-        // ended before it is seen), delete the manifests of dropped and abandoned steps, and
-        // collect every other one.
+        let live_manifests = self
+            .drop_manifests(opts, now, grace, dropped, report)
+            .await?;
+        if !opts.sweep || (sweep.is_none() && !opts.dry_run) {
+            return Ok(());
+        }
+        let (live, bases) = self.marked(live_manifests).await?;
+        let doomed = self.unreferenced(now, grace, &live, &bases, report).await?;
+        if opts.dry_run {
+            report.objects_deleted += doomed.len() as u64;
+            report.bytes_freed += doomed.iter().map(|(_, n)| n).sum::<u64>();
+            return Ok(());
+        }
+        self.delete_swept(opts, now, sweep, &doomed, report).await
+    }
+
+    /// List the steps again (after the sweep lock, so every manifest written by a save that
+    /// ended before it is seen), delete the manifests of dropped and abandoned steps, and
+    /// return every other one (run, step, rank).
+    async fn drop_manifests(
+        &self,
+        opts: &GcOptions,
+        now: DateTime<Utc>,
+        grace: chrono::Duration,
+        dropped: Vec<(String, BTreeSet<u64>, Vec<StepListing>)>,
+        report: &mut GcReport,
+    ) -> Result<Vec<(String, u64, u32)>> {
         let mut live_manifests: Vec<(String, u64, u32)> = Vec::new();
         for (run, dropped, listed) in dropped {
             let steps = if opts.dry_run {
@@ -298,10 +322,15 @@ impl Store {
                 }
             }
         }
-        if !opts.sweep || (sweep.is_none() && !opts.dry_run) {
-            return Ok(());
-        }
-        // Mark.
+        Ok(live_manifests)
+    }
+
+    /// Mark: the objects the live manifests reference, and (apart) the bases of their delta
+    /// chunks that are not referenced themselves (a kept chunk keeps its whole chain).
+    async fn marked(
+        &self,
+        live_manifests: Vec<(String, u64, u32)>,
+    ) -> Result<(HashSet<Path>, HashSet<Path>)> {
         let manifests: Vec<RankManifest> = stream::iter(live_manifests)
             .map(|(run, step, rank)| async move {
                 self.get_rank_manifest(&run, step, rank)
@@ -314,8 +343,6 @@ impl Store {
             .buffer_unordered(32)
             .try_collect()
             .await?;
-        // Objects the manifests reference, and the bases of their delta chunks (a kept chunk
-        // keeps its whole chain).
         let mut live: HashSet<Path> = HashSet::new();
         let mut bases: HashSet<Path> = HashSet::new();
         for m in &manifests {
@@ -326,7 +353,19 @@ impl Store {
             }
         }
         bases.retain(|p| !live.contains(p));
-        // Sweep.
+        Ok((live, bases))
+    }
+
+    /// Sweep: the chunk and pack objects neither `live` nor a base, and older than the grace
+    /// period (with their sizes); what is kept is counted in `report`.
+    async fn unreferenced(
+        &self,
+        now: DateTime<Utc>,
+        grace: chrono::Duration,
+        live: &HashSet<Path>,
+        bases: &HashSet<Path>,
+        report: &mut GcReport,
+    ) -> Result<Vec<(Path, u64)>> {
         let mut doomed: Vec<(Path, u64)> = Vec::new();
         for dir in [self.keys().chunks_dir(), self.keys().packs_dir()] {
             let metas = self.list_all(&dir).await?;
@@ -351,14 +390,21 @@ impl Store {
                 }
             }
         }
-        if opts.dry_run {
-            report.objects_deleted += doomed.len() as u64;
-            report.bytes_freed += doomed.iter().map(|(_, n)| n).sum::<u64>();
-            return Ok(());
-        }
-        // Delete in batches; a save that started meanwhile waits for this sweep, so yield to
-        // it between batches (the rest waits for a later run).
-        let mut rest = doomed.as_slice();
+        Ok(doomed)
+    }
+
+    /// Delete `doomed` in batches; a save that started meanwhile waits for this sweep, so
+    /// yield to it between batches (the rest waits for a later run), and stop when the sweep
+    /// lock went stale.
+    async fn delete_swept(
+        &self,
+        opts: &GcOptions,
+        now: DateTime<Utc>,
+        sweep: Option<&Fresh>,
+        doomed: &[(Path, u64)],
+        report: &mut GcReport,
+    ) -> Result<()> {
+        let mut rest = doomed;
         while !rest.is_empty() {
             self.failpoints().hit("before_sweep_delete").await?;
             // A GC that could not refresh its lock for half the lapse (paused, or the store
