@@ -657,9 +657,21 @@ fn compare_with_manifests(c: &CommitRecord, ms: &[RankManifest]) -> Vec<(String,
             return out;
         }
     };
+    compare_tensors(c, &rebuilt, &mut out);
+    compare_blobs(c, ms, &mut out);
+    out
+}
+
+/// The record's tensors against the ones `rebuilt` from the manifests: each listed in both,
+/// with the same type, shape, shards and placement, and covered exactly once.
+fn compare_tensors(
+    c: &CommitRecord,
+    rebuilt: &[crate::model::TensorEntry],
+    out: &mut Vec<(String, String)>,
+) {
     let mut theirs: std::collections::BTreeMap<&str, &crate::model::TensorEntry> =
         c.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
-    for t in &rebuilt {
+    for t in rebuilt {
         let item = format!("tensor {}", t.name);
         if let Err(e) = check_coverage(&t.name, &t.shape, &t.shards) {
             out.push((item.clone(), format!("the rank manifests: {}", e.message())));
@@ -709,6 +721,10 @@ fn compare_with_manifests(c: &CommitRecord, ms: &[RankManifest]) -> Vec<(String,
             "the commit record lists it, no rank manifest holds it".to_string(),
         ));
     }
+}
+
+/// The record's blobs against the manifests': the same names, ranks and sizes.
+fn compare_blobs(c: &CommitRecord, ms: &[RankManifest], out: &mut Vec<(String, String)>) {
     let mut blobs: Vec<BlobLoc> = ms
         .iter()
         .flat_map(|m| {
@@ -745,7 +761,6 @@ fn compare_with_manifests(c: &CommitRecord, ms: &[RankManifest]) -> Vec<(String,
             ));
         }
     }
-    out
 }
 
 fn shards_text(s: &[crate::model::ShardLoc]) -> String {
