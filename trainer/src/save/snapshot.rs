@@ -32,19 +32,8 @@ pub(super) fn snapshot(
     tx: &tokio::sync::mpsc::UnboundedSender<Result<Bytes>>,
 ) -> std::result::Result<(), (usize, Error)> {
     let slab = pool.slab_size();
-    let mut jobs: Vec<Job> = Vec::new();
-    for (k, (_, _, len)) in pins.iter().enumerate() {
-        let mut off = 0;
-        while off < *len {
-            let l = slab.min(len - off);
-            jobs.push(Job {
-                tensor: k,
-                offset: off,
-                len: l,
-            });
-            off += l;
-        }
-    }
+    let lens: Vec<usize> = pins.iter().map(|(_, _, len)| *len).collect();
+    let jobs = jobs_of(&lens, slab);
     let mut remaining: Vec<usize> = vec![0; pins.len()];
     for j in &jobs {
         remaining[j.tensor] += 1;
@@ -71,67 +60,8 @@ pub(super) fn snapshot(
         let mut slabs = pool
             .acquire_many(b.fills.len(), stall, &mut start_persist)
             .map_err(|e| (first, e))?;
-        {
-            // Disjoint destination slices, one per job, in slab order within each slab.
-            let mut order: Vec<usize> = (0..group.len()).collect();
-            order.sort_by_key(|&k| places[k]);
-            let mut dsts: Vec<Option<&mut [u8]>> = (0..group.len()).map(|_| None).collect();
-            let mut rest: Vec<&mut [u8]> = slabs.iter_mut().map(|s| s.bytes_mut()).collect();
-            let mut cut: Vec<usize> = vec![0; rest.len()];
-            for k in order {
-                let (si, at) = places[k];
-                let len = group[k].len;
-                let buf = std::mem::take(&mut rest[si]);
-                let (_, tail) = buf.split_at_mut(at - cut[si]);
-                let (dst, tail) = tail.split_at_mut(len);
-                rest[si] = tail;
-                cut[si] = at + len;
-                dsts[k] = Some(dst);
-            }
-            let pins_ref = &pins;
-            let work: Vec<(&Job, &mut [u8])> = group
-                .iter()
-                .zip(dsts)
-                .map(|(j, d)| (j, d.expect("every job has a destination")))
-                .collect();
-            // The threads take jobs one at a time (not a fixed share each): a thread the
-            // scheduler set aside (other ranks' copies, the persist of another save) does not
-            // leave its share for the others to wait on at the batch's end.
-            let work: Vec<Slot<'_>> = work
-                .into_iter()
-                .map(|w| parking_lot::Mutex::new(Some(w)))
-                .collect();
-            let next = std::sync::atomic::AtomicUsize::new(0);
-            let res: Vec<std::result::Result<(), (usize, Error)>> = std::thread::scope(|s| {
-                let (work, next) = (&work, &next);
-                let handles: Vec<_> = (0..threads.min(work.len()).max(1))
-                    .map(|_| {
-                        s.spawn(move || {
-                            loop {
-                                let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                                let Some(slot) = work.get(k) else {
-                                    return Ok(());
-                                };
-                                let (j, dst) = slot.lock().take().expect("each job taken once");
-                                let (i, p) =
-                                    pins_ref[j.tensor].as_ref().expect("pinned until copied");
-                                p.copy_to(j.offset, dst).map_err(|e| (*i, e))?;
-                            }
-                        })
-                    })
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| {
-                        h.join()
-                            .unwrap_or_else(|_| Err((0, Error::internal("a copy thread panicked"))))
-                    })
-                    .collect()
-            });
-            for r in res {
-                r?;
-            }
-        }
+        let dsts = destinations(group, places, &mut slabs);
+        copy_all(group.iter().zip(dsts).collect(), &pins, threads)?;
         // Device copies complete asynchronously: wait for this batch before handing it on.
         let mut touched: Vec<usize> = group.iter().map(|j| j.tensor).collect();
         touched.dedup();
@@ -160,6 +90,93 @@ pub(super) fn snapshot(
         }
     }
     Ok(())
+}
+
+/// The copy jobs of tensors of `lens` bytes: slab-sized pieces of each, in order.
+fn jobs_of(lens: &[usize], slab: usize) -> Vec<Job> {
+    let mut jobs: Vec<Job> = Vec::new();
+    for (k, len) in lens.iter().enumerate() {
+        let mut off = 0;
+        while off < *len {
+            let l = slab.min(len - off);
+            jobs.push(Job {
+                tensor: k,
+                offset: off,
+                len: l,
+            });
+            off += l;
+        }
+    }
+    jobs
+}
+
+/// Disjoint destination slices of `slabs`, one per job of `group` at its place (slab, byte),
+/// cut in slab order within each slab.
+fn destinations<'a>(
+    group: &[Job],
+    places: &[(usize, usize)],
+    slabs: &'a mut [crate::staging::Slab],
+) -> Vec<&'a mut [u8]> {
+    let mut order: Vec<usize> = (0..group.len()).collect();
+    order.sort_by_key(|&k| places[k]);
+    let mut dsts: Vec<Option<&mut [u8]>> = (0..group.len()).map(|_| None).collect();
+    let mut rest: Vec<&mut [u8]> = slabs.iter_mut().map(|s| s.bytes_mut()).collect();
+    let mut cut: Vec<usize> = vec![0; rest.len()];
+    for k in order {
+        let (si, at) = places[k];
+        let len = group[k].len;
+        let buf = std::mem::take(&mut rest[si]);
+        let (_, tail) = buf.split_at_mut(at - cut[si]);
+        let (dst, tail) = tail.split_at_mut(len);
+        rest[si] = tail;
+        cut[si] = at + len;
+        dsts[k] = Some(dst);
+    }
+    dsts.into_iter()
+        .map(|d| d.expect("every job has a destination"))
+        .collect()
+}
+
+/// Copy each job's bytes of its pinned source into its destination with up to `threads`
+/// threads. The threads take jobs one at a time (not a fixed share each): a thread the
+/// scheduler set aside (other ranks' copies, the persist of another save) does not leave its
+/// share for the others to wait on at the batch's end. On error, the tensor index.
+fn copy_all(
+    work: Vec<(&Job, &mut [u8])>,
+    pins: &[Option<(usize, Box<dyn PinnedSource>)>],
+    threads: usize,
+) -> std::result::Result<(), (usize, Error)> {
+    let work: Vec<Slot<'_>> = work
+        .into_iter()
+        .map(|w| parking_lot::Mutex::new(Some(w)))
+        .collect();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let res: Vec<std::result::Result<(), (usize, Error)>> = std::thread::scope(|s| {
+        let (work, next) = (&work, &next);
+        let handles: Vec<_> = (0..threads.min(work.len()).max(1))
+            .map(|_| {
+                s.spawn(move || {
+                    loop {
+                        let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(slot) = work.get(k) else {
+                            return Ok(());
+                        };
+                        let (j, dst) = slot.lock().take().expect("each job taken once");
+                        let (i, p) = pins[j.tensor].as_ref().expect("pinned until copied");
+                        p.copy_to(j.offset, dst).map_err(|e| (*i, e))?;
+                    }
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err((0, Error::internal("a copy thread panicked"))))
+            })
+            .collect()
+    });
+    res.into_iter().collect()
 }
 
 /// A copy job and its destination, taken once by whichever copy thread gets to it first.
