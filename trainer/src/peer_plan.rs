@@ -157,76 +157,9 @@ pub fn plan(step: u64, needs: &[Need], holdings: &[Holding], cost: &PeerCost) ->
     let mut transfers = Vec::new();
     let mut reads = Vec::new();
     for n in needs.iter().filter(|n| !n.bbox.is_empty()) {
-        let mut pieces = vec![n.bbox.clone()];
-        let mut cands: Vec<&&Holding> = usable
-            .iter()
-            .filter(|h| {
-                h.tensor == n.tensor && h.elem == n.elem && h.bbox.intersect(&n.bbox).is_some()
-            })
-            .collect();
-        cands.sort_by_key(|h| {
-            (
-                h.rank != n.rank,
-                sent.get(&h.rank).copied().unwrap_or(0),
-                h.rank,
-            )
-        });
-        for h in cands {
-            let mut next = Vec::new();
-            for p in pieces {
-                match p.intersect(&h.bbox) {
-                    Some(i) if !i.is_empty() => {
-                        let bytes = i.numel() * n.elem as u64;
-                        if h.rank != n.rank {
-                            *sent.entry(h.rank).or_default() += bytes;
-                        }
-                        next.extend(subtract(&p, &i));
-                        transfers.push(Transfer {
-                            tensor: n.tensor.clone(),
-                            region: i,
-                            from: h.rank,
-                            to: n.rank,
-                            bytes,
-                        });
-                    }
-                    _ => next.push(p),
-                }
-            }
-            pieces = next;
-            if pieces.is_empty() {
-                break;
-            }
-        }
-        for p in pieces {
-            let bytes = p.numel() * n.elem as u64;
-            reads.push(StoreRead {
-                rank: n.rank,
-                tensor: n.tensor.clone(),
-                region: p,
-                bytes,
-            });
-        }
+        cover(n, &usable, &mut sent, &mut transfers, &mut reads);
     }
-    let mut busy: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
-    let mut recv_all: BTreeMap<u32, u64> = BTreeMap::new();
-    let (mut peer_bytes, mut local_bytes) = (0u64, 0u64);
-    for t in &transfers {
-        *recv_all.entry(t.to).or_default() += t.bytes;
-        if t.from == t.to {
-            local_bytes += t.bytes;
-        } else {
-            peer_bytes += t.bytes;
-            busy.entry(t.from).or_default().0 += t.bytes;
-            busy.entry(t.to).or_default().1 += t.bytes;
-        }
-    }
-    let busiest = busy.values().map(|(s, r)| (*s).max(*r)).max().unwrap_or(0);
-    let est_peer_s = if peer_bytes > 0 {
-        cost.setup_s + busiest as f64 / cost.link_bytes_per_s
-    } else {
-        0.0
-    };
-    let est_store_s = recv_all.values().copied().max().unwrap_or(0) as f64 / cost.store_bytes_per_s;
+    let (peer_bytes, local_bytes, est_peer_s, est_store_s) = estimate(&transfers, cost);
     let stale_note = if stale > 0 {
         format!(" ({stale} holdings of other steps ignored)")
     } else {
@@ -281,6 +214,90 @@ pub fn plan(step: u64, needs: &[Need], holdings: &[Holding], cost: &PeerCost) ->
         est_peer_s,
         est_store_s,
     }
+}
+
+/// Cover `n`'s box from the holdings of its tensor: its own rank's first, then the ranks that
+/// sent least so far (`sent`); what no holding covers is read from the store.
+fn cover(
+    n: &Need,
+    usable: &[&Holding],
+    sent: &mut BTreeMap<u32, u64>,
+    transfers: &mut Vec<Transfer>,
+    reads: &mut Vec<StoreRead>,
+) {
+    let mut pieces = vec![n.bbox.clone()];
+    let mut cands: Vec<&&Holding> = usable
+        .iter()
+        .filter(|h| h.tensor == n.tensor && h.elem == n.elem && h.bbox.intersect(&n.bbox).is_some())
+        .collect();
+    cands.sort_by_key(|h| {
+        (
+            h.rank != n.rank,
+            sent.get(&h.rank).copied().unwrap_or(0),
+            h.rank,
+        )
+    });
+    for h in cands {
+        let mut next = Vec::new();
+        for p in pieces {
+            match p.intersect(&h.bbox) {
+                Some(i) if !i.is_empty() => {
+                    let bytes = i.numel() * n.elem as u64;
+                    if h.rank != n.rank {
+                        *sent.entry(h.rank).or_default() += bytes;
+                    }
+                    next.extend(subtract(&p, &i));
+                    transfers.push(Transfer {
+                        tensor: n.tensor.clone(),
+                        region: i,
+                        from: h.rank,
+                        to: n.rank,
+                        bytes,
+                    });
+                }
+                _ => next.push(p),
+            }
+        }
+        pieces = next;
+        if pieces.is_empty() {
+            break;
+        }
+    }
+    for p in pieces {
+        let bytes = p.numel() * n.elem as u64;
+        reads.push(StoreRead {
+            rank: n.rank,
+            tensor: n.tensor.clone(),
+            region: p,
+            bytes,
+        });
+    }
+}
+
+/// What `transfers` cost: (bytes between peers, bytes a rank holds itself, the peers' time
+/// (setup plus the busiest rank's link time), the store's time for the rank receiving most).
+fn estimate(transfers: &[Transfer], cost: &PeerCost) -> (u64, u64, f64, f64) {
+    let mut busy: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
+    let mut recv_all: BTreeMap<u32, u64> = BTreeMap::new();
+    let (mut peer_bytes, mut local_bytes) = (0u64, 0u64);
+    for t in transfers {
+        *recv_all.entry(t.to).or_default() += t.bytes;
+        if t.from == t.to {
+            local_bytes += t.bytes;
+        } else {
+            peer_bytes += t.bytes;
+            busy.entry(t.from).or_default().0 += t.bytes;
+            busy.entry(t.to).or_default().1 += t.bytes;
+        }
+    }
+    let busiest = busy.values().map(|(s, r)| (*s).max(*r)).max().unwrap_or(0);
+    let est_peer_s = if peer_bytes > 0 {
+        cost.setup_s + busiest as f64 / cost.link_bytes_per_s
+    } else {
+        0.0
+    };
+    let est_store_s = recv_all.values().copied().max().unwrap_or(0) as f64 / cost.store_bytes_per_s;
+    (peer_bytes, local_bytes, est_peer_s, est_store_s)
 }
 
 /// Cut `transfers` into rounds in which no rank needs more than `budget` bytes of temporary
