@@ -590,7 +590,8 @@ impl CkptFs {
         }
     }
 
-    /// The entries of directory `ino`, `.` and `..` first.
+    /// The entries of directory `ino`, `.` and `..` first. (Over 100 lines on purpose: one
+    /// arm per kind of directory of the mount, each a few lines, read as the layout's table.)
     #[instrument(level = "trace", skip(self))]
     pub async fn readdir(&self, ino: u64) -> FsResult<Vec<DirEntry>> {
         let node = self.node(ino)?;

@@ -299,6 +299,54 @@ pub fn spawn_mount(store: Store, opts: &MountOptions) -> Result<MountHandle> {
     ));
     let adapter = FuseAdapter::new(fs.clone(), runtime.handle().clone());
 
+    let (cfg, auto_unmount) = session_config(&url, opts, &mountpoint);
+
+    let session =
+        fuser::Session::new(adapter, &mountpoint, &cfg).map_err(|e| mount_error(&mountpoint, e))?;
+    // The device fd fusermount3 passes over has no close-on-exec flag: a process this one
+    // starts later would inherit it and keep a dead mount's connection alive.
+    {
+        use std::os::fd::{AsFd, AsRawFd};
+        let fd = session.as_fd().as_raw_fd();
+        // SAFETY: fcntl on a descriptor the session owns, which stays open during the call.
+        unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFD);
+            if flags >= 0 {
+                libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC);
+            }
+        }
+    }
+    let conn = connection_of(&mountpoint);
+    let (tx, events) = channel();
+    let done = tx.clone();
+    let thread = std::thread::Builder::new()
+        .name("ckpt-fuse-session".into())
+        .spawn(move || {
+            let r = session.run();
+            if let Err(e) = &r {
+                tracing::error!(error = %e, "the FUSE session ended with an error: {e}");
+            }
+            let _ = done.send(Event::Ended(r));
+        })
+        .map_err(|e| Error::io("starting the FUSE session thread", &"thread", e))?;
+    info!(store = %url, mountpoint = %mountpoint.display(), auto_unmount,
+        "mounted {url} at {}", mountpoint.display());
+    Ok(MountHandle {
+        mountpoint,
+        fs,
+        events: parking_lot::Mutex::new(events),
+        tx,
+        thread: Some(thread),
+        runtime: Some(runtime),
+        conn,
+        auto_unmount,
+        ended: false,
+    })
+}
+
+/// The FUSE session's settings: read-only and safe options, who may enter, and whether the
+/// mount goes away with this process (auto-unmount, when fusermount3 can).
+fn session_config(url: &str, opts: &MountOptions, mountpoint: &Path) -> (Config, bool) {
     let mut cfg = Config::default();
     let fsname: String = format!("ckpt:{url}")
         .chars()
@@ -345,48 +393,7 @@ pub fn spawn_mount(store: Store, opts: &MountOptions) -> Result<MountHandle> {
     }
     cfg.n_threads = Some(2);
     cfg.clone_fd = true;
-
-    let session =
-        fuser::Session::new(adapter, &mountpoint, &cfg).map_err(|e| mount_error(&mountpoint, e))?;
-    // The device fd fusermount3 passes over has no close-on-exec flag: a process this one
-    // starts later would inherit it and keep a dead mount's connection alive.
-    {
-        use std::os::fd::{AsFd, AsRawFd};
-        let fd = session.as_fd().as_raw_fd();
-        // SAFETY: fcntl on a descriptor the session owns, which stays open during the call.
-        unsafe {
-            let flags = libc::fcntl(fd, libc::F_GETFD);
-            if flags >= 0 {
-                libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC);
-            }
-        }
-    }
-    let conn = connection_of(&mountpoint);
-    let (tx, events) = channel();
-    let done = tx.clone();
-    let thread = std::thread::Builder::new()
-        .name("ckpt-fuse-session".into())
-        .spawn(move || {
-            let r = session.run();
-            if let Err(e) = &r {
-                tracing::error!(error = %e, "the FUSE session ended with an error: {e}");
-            }
-            let _ = done.send(Event::Ended(r));
-        })
-        .map_err(|e| Error::io("starting the FUSE session thread", &"thread", e))?;
-    info!(store = %url, mountpoint = %mountpoint.display(), auto_unmount,
-        "mounted {url} at {}", mountpoint.display());
-    Ok(MountHandle {
-        mountpoint,
-        fs,
-        events: parking_lot::Mutex::new(events),
-        tx,
-        thread: Some(thread),
-        runtime: Some(runtime),
-        conn,
-        auto_unmount,
-        ended: false,
-    })
+    (cfg, auto_unmount)
 }
 
 impl MountHandle {

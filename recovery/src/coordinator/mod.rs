@@ -378,7 +378,8 @@ impl Coordinator {
         ]
     }
 
-    /// Feed one event; returns what to do.
+    /// Feed one event; returns what to do. (Over 100 lines on purpose: one short arm per
+    /// kind of event, the dispatch read as the table it is; the longer answers are methods.)
     pub fn on_event(&mut self, ev: Event) -> Vec<Action> {
         match ev {
             Event::Start { now } => {
