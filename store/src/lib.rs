@@ -112,7 +112,7 @@ pub use model::{
 };
 pub use node_cache::{NodeCache, NodeCacheStats};
 pub use placement::{Placed, Placement, Stage, TensorSpec, ZeroGroup};
-pub use read::{ChunkSource, ReadPlan, ReadStats, StepReader};
+pub use read::{ChunkSource, CopyOp, PlannedChunk, ReadPlan, ReadStats, StepReader};
 pub use retry::{RetryConfig, RetryStore};
 pub use st_view::SafetensorsView;
 pub use store::{

@@ -373,6 +373,29 @@ impl StepReader {
         }
     }
 
+    /// The plain, hash-checked bytes of a planned chunk of `tensor` (from the chunk source, the
+    /// caches or the store), and what fetching it cost (`chunks` and `raw_bytes` counted; not
+    /// `bytes_copied`, which is the caller's). An error names the step, the tensor and the rank
+    /// whose shard holds the chunk. The engine behind [`StepReader::execute`], for callers that
+    /// scatter a chunk's runs themselves (a restore writing straight into its sinks).
+    pub async fn fetch_planned(
+        &self,
+        pc: &PlannedChunk,
+        tensor: &str,
+    ) -> Result<(Bytes, ReadStats)> {
+        let mut st = ReadStats::default();
+        let b = self.fetch(&pc.chunk, &mut st).await.map_err(|e| {
+            e.context(format!(
+                "{}: tensor {tensor:?} (shard of rank {})",
+                self.what(),
+                pc.rank
+            ))
+        })?;
+        st.chunks += 1;
+        st.raw_bytes += b.len() as u64;
+        Ok((b, st))
+    }
+
     /// Execute a plan into `out` (which must be the plan's box, row-major).
     pub async fn execute(&self, plan: &ReadPlan, out: &mut [u8]) -> Result<ReadStats> {
         if out.len() as u64 != plan.bytes_needed() {
@@ -386,15 +409,7 @@ impl StepReader {
         let n = self.store.config().read_concurrency;
         let mut fetched = stream::iter(plan.chunks.iter())
             .map(|pc| async move {
-                let mut st = ReadStats::default();
-                let b = self.fetch(&pc.chunk, &mut st).await.map_err(|e| {
-                    e.context(format!(
-                        "{}: tensor {:?} (shard of rank {})",
-                        self.what(),
-                        plan.tensor,
-                        pc.rank
-                    ))
-                })?;
+                let (b, st) = self.fetch_planned(pc, &plan.tensor).await?;
                 Ok::<_, Error>((pc, b, st))
             })
             .buffer_unordered(n);
@@ -402,8 +417,6 @@ impl StepReader {
         while let Some(r) = fetched.next().await {
             let (pc, b, st) = r?;
             stats.add(&st);
-            stats.chunks += 1;
-            stats.raw_bytes += b.len() as u64;
             for c in &pc.copies {
                 let (s, d, l) = (c.src as usize, c.dst as usize, c.len as usize);
                 out[d..d + l].copy_from_slice(&b[s..s + l]);

@@ -3,6 +3,7 @@
 
 pub mod dcp_model;
 pub mod goodput;
+pub mod restore_bench;
 pub mod scale;
 
 use std::path::PathBuf;

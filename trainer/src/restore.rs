@@ -8,7 +8,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use ckpt_store::placement::flat_range_boxes;
-use ckpt_store::{DType, Error, NdBox, ReadStats, Result, StepReader};
+use ckpt_store::{CopyOp, DType, Error, NdBox, PlannedChunk, ReadStats, Result, StepReader};
 use futures::{StreamExt, TryStreamExt, stream};
 
 use crate::memory::MemorySink;
@@ -74,13 +74,109 @@ pub fn check_targets(reader: &StepReader, targets: &[RestoreTarget]) -> Result<(
     Ok(())
 }
 
-/// Restore every target, at most `budget` bytes in flight.
+/// Restore every target, at most about `budget` bytes in flight.
+///
+/// A target whose chunks each land in one contiguous range of its memory (a restore onto the
+/// saved layout, a split along the first dimension, a ZeRO partition: nearly every restore) is
+/// planned whole and each chunk, once fetched and hash-checked, is written straight into the
+/// sink: one copy of each byte. A target whose chunks scatter into many runs (a split along
+/// another dimension, so a chunk holds part of every row) is read in pieces gathered in a
+/// buffer first, so a sink is written in few large writes (a device sink pays per write).
 pub async fn restore_targets(
     reader: &StepReader,
     targets: &[RestoreTarget],
     budget: usize,
 ) -> Result<ReadStats> {
     check_targets(reader, targets)?;
+    let mut direct: Vec<(usize, PlannedChunk)> = Vec::new();
+    let mut gathered: Vec<usize> = Vec::new();
+    for (i, t) in targets.iter().enumerate() {
+        let plan = reader.plan(&t.name, &t.bbox).await?;
+        if plan.chunks.iter().all(|c| contiguous(&c.copies)) {
+            direct.extend(plan.chunks.into_iter().map(|c| (i, c)));
+        } else {
+            gathered.push(i);
+        }
+    }
+    let mut total = restore_direct(reader, targets, direct, budget).await?;
+    if !gathered.is_empty() {
+        let picked: Vec<RestoreTarget> = gathered.iter().map(|&i| targets[i].clone()).collect();
+        total.add(&restore_pieces(reader, &picked, budget).await?);
+    }
+    let want: u64 = targets.iter().map(|t| t.sink.len() as u64).sum();
+    if total.bytes_copied != want {
+        return Err(Error::internal(format!(
+            "step {} of run {}: the restore wrote {} bytes into sinks of {want}",
+            reader.commit().step,
+            reader.commit().run,
+            total.bytes_copied
+        )));
+    }
+    Ok(total)
+}
+
+/// Whether `copies` are one contiguous run of the chunk into one contiguous range of the
+/// destination, in order (a box cut from a wider shard has contiguous destination runs but
+/// strided source ones).
+fn contiguous(copies: &[CopyOp]) -> bool {
+    copies
+        .windows(2)
+        .all(|w| w[0].dst + w[0].len == w[1].dst && w[0].src + w[0].len == w[1].src)
+}
+
+/// The chunks of targets planned whole, each written straight into its sink as it arrives:
+/// `budget` bounds the chunks in flight (and a chunk's bytes are dropped once written, so the
+/// read buffers go back to their pool warm).
+async fn restore_direct(
+    reader: &StepReader,
+    targets: &[RestoreTarget],
+    work: Vec<(usize, PlannedChunk)>,
+    budget: usize,
+) -> Result<ReadStats> {
+    let chunk = reader.store().config().chunk_size.max(1);
+    // Enough chunks in flight to keep the disk's queue full (8 reach its O_DIRECT limit here;
+    // twice the store's read concurrency leaves room for the hashing between reads), within
+    // the budget.
+    let inflight = (budget / chunk).clamp(1, 2 * reader.store().config().read_concurrency);
+    stream::iter(work)
+        .map(|(i, pc)| async move {
+            let t = &targets[i];
+            let (bytes, mut st) = reader.fetch_planned(&pc, &t.name).await?;
+            let (sink, name) = (t.sink.clone(), t.name.clone());
+            let copied = tokio::task::spawn_blocking(move || -> Result<u64> {
+                let (first, last) = (&pc.copies[0], &pc.copies[pc.copies.len() - 1]);
+                let (src, len) = (
+                    first.src as usize,
+                    (last.src + last.len - first.src) as usize,
+                );
+                let run = bytes.get(src..src + len).ok_or_else(|| {
+                    Error::internal(format!(
+                        "tensor {name:?}: a planned run past the end of chunk {}",
+                        pc.chunk.id
+                    ))
+                })?;
+                sink.write_at(first.dst as usize, run)?;
+                Ok(len as u64)
+            })
+            .await??;
+            st.bytes_copied += copied;
+            Ok::<_, Error>(st)
+        })
+        .buffer_unordered(inflight)
+        .try_fold(ReadStats::default(), |mut acc, st| async move {
+            acc.add(&st);
+            Ok(acc)
+        })
+        .await
+}
+
+/// Restore `targets` in pieces of bounded size, each gathered in a reused buffer and written
+/// into its sink with one write.
+async fn restore_pieces(
+    reader: &StepReader,
+    targets: &[RestoreTarget],
+    budget: usize,
+) -> Result<ReadStats> {
     // Pieces in flight: enough to keep the disk's queue full when most tensors are smaller
     // than a piece (4 left a restore at 1.4-1.9x the read limit); memory stays `budget`.
     let parallel = 16usize;

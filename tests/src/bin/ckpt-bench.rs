@@ -11,6 +11,9 @@
 //! ckpt-bench governor --dir DIR --params 150M [--budgets 0.05,0.1,0.25,off] [--every 6] [--saves 3]
 //!                                              the persist governor: slowdown vs. time to durable
 //! ckpt-bench goodput --dir DIR --minutes 20 --mtbf 60   goodput under random failures, per policy
+//! ckpt-bench restore --dir DIR --gib 2 [--tensors 64] [--values random|normal] [--rounds 2]
+//!                   [--modes manager,reader] [--caches cold,hot] [--budget-mib 256]
+//!                                              restore in fresh processes vs. the O_DIRECT read
 //! ckpt-bench delta  --dir DIR --params 20M     delta chunks: stored size per kind, save/restore time
 //!                   [--intervals 1,10,100] [--saves 3] [--sinks local,slow] [--slow-mbps 200] [--restores 3]
 //!                   [--modes raw,planes,delta,delta-readback,adaptive+delta]
@@ -55,6 +58,7 @@ mod versions;
 
 #[path = "../delta_bench.rs"]
 mod delta_bench;
+
 #[path = "../delta_physics.rs"]
 mod delta_physics;
 
@@ -1518,6 +1522,34 @@ fn main() {
                 delta_physics::physics_trajectory(Path::new(&traj))
             }
         }
+        Some("restore") => {
+            let list = |name: &str, default: &str| -> Vec<String> {
+                arg(&args, name, default)
+                    .split(',')
+                    .map(str::to_string)
+                    .collect()
+            };
+            ckpt_tests::restore_bench::run(
+                &ckpt_tests::restore_bench::Options {
+                    dir: dir.clone(),
+                    gib: arg(&args, "--gib", "2").parse().unwrap(),
+                    tensors: arg(&args, "--tensors", "64").parse().unwrap(),
+                    values: arg(&args, "--values", "random"),
+                    rounds: arg(&args, "--rounds", "2").parse().unwrap(),
+                    modes: list("--modes", "manager,reader"),
+                    caches: list("--caches", "cold,hot"),
+                    budget_mib: arg(&args, "--budget-mib", "256").parse().unwrap(),
+                },
+                &emit,
+            )
+        }
+        Some("restore-child") => emit(ckpt_tests::restore_bench::child(
+            &dir,
+            &arg(&args, "--mode", "manager"),
+            arg(&args, "--gib", "2").parse().unwrap(),
+            arg(&args, "--tensors", "64").parse().unwrap(),
+            arg(&args, "--budget-mib", "256").parse().unwrap(),
+        )),
         Some("faults") => faults_bench(&dir, arg(&args, "--mib", "64").parse().unwrap()),
         Some("scale") => std::process::exit(ckpt_tests::scale::cli(&args)),
         Some("dcp-model") => std::process::exit(ckpt_tests::dcp_model::cli(&args)),
@@ -1534,7 +1566,7 @@ fn main() {
         ),
         _ => {
             eprintln!(
-                "usage: ckpt-bench limits|store|train|startup|recovery|peers|faults|goodput|scale|versions|governor|delta --dir DIR [--gib N] [--params N] [--mib N] [--steps N] [--no-background-prefault] [--budgets 0.05,0.1,off] [--every N] [--saves N]\n       \
+                "usage: ckpt-bench limits|store|train|startup|recovery|peers|faults|goodput|scale|versions|governor|delta|restore --dir DIR [--gib N] [--params N] [--mib N] [--steps N] [--no-background-prefault] [--budgets 0.05,0.1,off] [--every N] [--saves N]\n       \
                  ckpt-bench goodput --dir DIR [--minutes M | --steps N] [--mtbf S] [--seed X] [--step-ms MS] [--params P] [--repair S] [--every K] [--keep-last N|all] [--gc-every S|off] [--policies a,b,c]"
             );
             std::process::exit(2);

@@ -4,6 +4,7 @@
 //! monitor's window; the manager then re-bases its other parts on the step.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Instant;
 
@@ -39,9 +40,13 @@ pub fn shared_restore_cache(cap: usize) -> Arc<ChunkCache> {
     c
 }
 
+/// Managers alive in this process: more than one means ranks run as threads of it.
+static LIVE_RESTORERS: AtomicUsize = AtomicUsize::new(0);
+
 /// The restore settings of a manager.
 pub(crate) struct Restorer {
-    /// Bytes in flight; also the size of the shared chunk cache.
+    /// Bytes in flight; also the size of the chunk cache shared by ranks that run as threads of
+    /// one process.
     budget: usize,
     /// The node's shared restore cache.
     node_cache: Option<PathBuf>,
@@ -86,9 +91,16 @@ impl Restored {
     }
 }
 
+impl Drop for Restorer {
+    fn drop(&mut self) {
+        LIVE_RESTORERS.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 impl Restorer {
     /// The settings of `cfg`.
     pub(crate) fn new(cfg: &ManagerConfig) -> Self {
+        LIVE_RESTORERS.fetch_add(1, Ordering::Relaxed);
         Restorer {
             budget: cfg.restore_budget,
             node_cache: cfg.node_cache.clone(),
@@ -124,7 +136,15 @@ impl Restorer {
     ) -> Result<Restored> {
         let t0 = Instant::now();
         runtime().block_on(store.failpoints().hit("before_restore"))?;
-        let cache = shared_restore_cache(self.budget);
+        // Ranks as threads of this process restore together and share the cache; a process of
+        // one rank reads each chunk once (a cache would only hold its read buffers away from
+        // their pool, so each read would fill fresh memory), so its cache merges concurrent
+        // fetches only.
+        let cache = if LIVE_RESTORERS.load(Ordering::Relaxed) > 1 {
+            shared_restore_cache(self.budget)
+        } else {
+            ChunkCache::new(0)
+        };
         let reader = self.open(store, cfg, step, registry, &cache)?;
         let targets = registry.restore_targets()?;
         let stats = runtime().block_on(restore_targets(&reader, &targets, self.budget))?;
