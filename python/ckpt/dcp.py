@@ -51,6 +51,11 @@ from ckpt._native import CkptError, Store, resume_env
 
 __all__ = ["StorageWriter", "StorageReader", "METADATA_BLOB"]
 
+# A load plan's tensors are read in batches of about this many bytes, all their chunks in
+# flight together: enough to keep the disk's queue full across many small items, while a
+# planner's temporaries (resolved, not yet committed) stay bounded.
+_READ_BATCH_BYTES = 512 << 20
+
 #: The blob of the coordinator's rank that holds DCP's pickled ``Metadata``.
 METADATA_BLOB = "dcp.metadata"
 
@@ -366,7 +371,25 @@ class StorageReader(_DcpStorageReader):
         return None if self._reader is None else self._reader.step
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read the plan's items: blobs one by one, tensors in batches of about
+        ``_READ_BATCH_BYTES`` whose chunks are all in flight at once (``read_many``), each
+        written straight into its target when the target is a contiguous CPU tensor of the
+        saved dtype (else into a temporary, copied after)."""
         reader = self._open()
+        batch, batch_bytes = [], 0
+
+        def flush() -> None:
+            if not batch:
+                return
+            reader.read_many(
+                [(name, offs, sizes, _bytes_view(buf)) for _, _, name, offs, sizes, buf in batch]
+            )
+            for req, target, _, _, _, buf in batch:
+                if buf is not target:
+                    target.copy_(buf)
+                planner.commit_tensor(req, target)
+            batch.clear()
+
         for req in plan.items:
             where = self.storage_data.get(req.storage_index)
             if req.type == LoadItemType.BYTE_IO:
@@ -397,12 +420,15 @@ class StorageReader(_DcpStorageReader):
                     f"the region read {sizes}"
                 )
             if target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous():
-                reader.read_into(name, offsets, sizes, _bytes_view(target))
+                buf = target
             else:
-                tmp = torch.empty(sizes, dtype=dtype)
-                reader.read_into(name, offsets, sizes, _bytes_view(tmp))
-                target.copy_(tmp)
-            planner.commit_tensor(req, target)
+                buf = torch.empty(sizes, dtype=dtype)
+            batch.append((req, target, name, offsets, sizes, buf))
+            batch_bytes += buf.numel() * buf.element_size()
+            if batch_bytes >= _READ_BATCH_BYTES:
+                flush()
+                batch_bytes = 0
+        flush()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

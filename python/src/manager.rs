@@ -62,7 +62,8 @@ impl PinnedSource for PySource {
     }
 }
 
-struct PySink(Arc<Lent>);
+/// Memory lent by Python that a restore writes into.
+pub(crate) struct PySink(pub(crate) Arc<Lent>);
 
 impl MemorySink for PySink {
     fn len(&self) -> usize {

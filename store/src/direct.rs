@@ -179,6 +179,15 @@ pub struct DirectFs {
     inner: LocalFileSystem,
     direct: Arc<AtomicBool>,
     dirs: Arc<DirSync>,
+    /// Large reads served by the page cache, and by the disk.
+    reads: Arc<ReadCounts>,
+}
+
+/// How large reads were served.
+#[derive(Debug, Default)]
+struct ReadCounts {
+    cached: AtomicU64,
+    disk: AtomicU64,
 }
 
 /// Directory fsyncs of one batch in flight at most.
@@ -350,6 +359,7 @@ impl DirectFs {
             inner,
             direct: Arc::new(AtomicBool::new(true)),
             dirs: Arc::default(),
+            reads: Arc::default(),
         })
     }
 
@@ -377,6 +387,14 @@ impl DirectFs {
     pub fn with_direct_io(self, on: bool) -> Self {
         self.direct.store(on, Ordering::Relaxed);
         self
+    }
+
+    /// Large reads so far: (served by the page cache, read from the disk).
+    pub fn read_counts(&self) -> (u64, u64) {
+        (
+            self.reads.cached.load(Ordering::Relaxed),
+            self.reads.disk.load(Ordering::Relaxed),
+        )
     }
 
     /// The root directory.
@@ -579,15 +597,44 @@ fn sync_dir(path: &FsPath) -> std::io::Result<()> {
     }
 }
 
+/// Read `range` of the object at `path`: from the page cache when it holds all of it, else
+/// from the disk (with `O_DIRECT` when on).
 fn read_range(
     path: &FsPath,
     range: Option<GetRange>,
     direct: &AtomicBool,
+    reads: &ReadCounts,
 ) -> std::io::Result<(Bytes, Range<u64>, std::fs::Metadata)> {
-    let file = open_direct(path, false, direct)?;
+    // A plain descriptor first: the page cache may hold the range (read or written buffered by
+    // someone else: a copy, another reader on this node), and then a read from it is a memory
+    // copy where an O_DIRECT read would go to the disk again.
+    let file = open_direct(path, false, &AtomicBool::new(false))?;
     let meta = file.metadata()?;
     let size = meta.len();
-    let r = match range {
+    let r = bounded(range, size)?;
+    let start = r.start as usize & !(ALIGN - 1);
+    let end = round_up(r.end as usize, ALIGN);
+    let mut buf = read_buf(end - start);
+    let want = (r.end as usize) - start;
+    if read_cached(&file, &mut buf.full_mut()[..want], start as u64)? {
+        reads.cached.fetch_add(1, Ordering::Relaxed);
+    } else {
+        let file = if direct.load(Ordering::Relaxed) {
+            open_direct(path, false, direct)?
+        } else {
+            file
+        };
+        read_full(&file, buf.full_mut(), want, start, path)?;
+        reads.disk.fetch_add(1, Ordering::Relaxed);
+    }
+    buf.set_len(want);
+    let bytes = Bytes::from_owner(PooledRead(Some(buf))).slice(r.start as usize - start..);
+    Ok((bytes, r, meta))
+}
+
+/// The bytes of `range` in an object of `size` bytes.
+fn bounded(range: Option<GetRange>, size: u64) -> std::io::Result<Range<u64>> {
+    Ok(match range {
         None => 0..size,
         Some(GetRange::Bounded(r)) => {
             if r.start > r.end || r.start > size {
@@ -608,29 +655,78 @@ fn read_range(
             o..size
         }
         Some(GetRange::Suffix(n)) => size.saturating_sub(n)..size,
-    };
-    let start = r.start as usize & !(ALIGN - 1);
-    let end = round_up(r.end as usize, ALIGN);
-    let mut buf = read_buf(end - start);
-    let mut got = 0usize;
-    let want = (r.end as usize) - start;
-    {
-        let full = buf.full_mut();
-        while got < want {
-            let piece = (full.len() - got).min(IO_PIECE);
-            let n = file.read_at(&mut full[got..got + piece], (start + got) as u64)?;
-            if n == 0 {
-                return Err(std::io::Error::new(
-                    IoKind::UnexpectedEof,
-                    format!("{} shrank while being read", path.display()),
-                ));
-            }
-            got += n;
-        }
+    })
+}
+
+/// Fill `dst` from `file` at `at` if the page cache holds all of it. `false`: some of it is
+/// not cached. Residency is asked of `mincore(2)` over a mapping of the range, which reads
+/// nothing (a `preadv2` with `RWF_NOWAIT` says EAGAIN but starts the readahead of what it did
+/// not find, so the disk would read the range twice); a page evicted between the question and
+/// the read makes that read go to the disk, still correct.
+fn read_cached(file: &File, dst: &mut [u8], at: u64) -> std::io::Result<bool> {
+    if dst.is_empty() || !resident(file, at, dst.len()) {
+        return Ok(false);
     }
-    buf.set_len(want);
-    let bytes = Bytes::from_owner(PooledRead(Some(buf))).slice(r.start as usize - start..);
-    Ok((bytes, r, meta))
+    let mut got = 0usize;
+    while got < dst.len() {
+        let piece = (dst.len() - got).min(IO_PIECE);
+        let n = file.read_at(&mut dst[got..got + piece], at + got as u64)?;
+        if n == 0 {
+            // The object shrank: let the disk read report it.
+            return Ok(false);
+        }
+        got += n;
+    }
+    Ok(true)
+}
+
+/// Whether every page of `len` bytes of `file` from `at` (page-aligned) is in the page cache.
+fn resident(file: &File, at: u64, len: usize) -> bool {
+    use std::os::fd::AsRawFd;
+    let page = ALIGN;
+    let pages = len.div_ceil(page);
+    // SAFETY: a private read-only mapping of the file's range, never dereferenced (mincore
+    // only asks the kernel about its pages) and unmapped before returning; `at` is aligned.
+    unsafe {
+        let map = libc::mmap(
+            std::ptr::null_mut(),
+            pages * page,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            file.as_raw_fd(),
+            at as libc::off_t,
+        );
+        if map == libc::MAP_FAILED {
+            return false;
+        }
+        let mut vec = vec![0u8; pages];
+        let ok = libc::mincore(map, pages * page, vec.as_mut_ptr()) == 0;
+        libc::munmap(map, pages * page);
+        ok && vec.iter().all(|v| v & 1 == 1)
+    }
+}
+
+/// Read `want` bytes of `file` from `start` into `full` (aligned, for `O_DIRECT`).
+fn read_full(
+    file: &File,
+    full: &mut [u8],
+    want: usize,
+    start: usize,
+    path: &FsPath,
+) -> std::io::Result<()> {
+    let mut got = 0usize;
+    while got < want {
+        let piece = (full.len() - got).min(IO_PIECE);
+        let n = file.read_at(&mut full[got..got + piece], (start + got) as u64)?;
+        if n == 0 {
+            return Err(std::io::Error::new(
+                IoKind::UnexpectedEof,
+                format!("{} shrank while being read", path.display()),
+            ));
+        }
+        got += n;
+    }
+    Ok(())
 }
 
 object_store_wrapper! {
@@ -720,8 +816,9 @@ object_store_wrapper! {
         let direct = self.direct.clone();
         let loc = location.clone();
         let range = options.range.clone();
+        let reads = self.reads.clone();
         let (bytes, r, meta) = tokio::task::spawn_blocking(move || {
-            read_range(&path, range, &direct).map_err(|e| os_err(&path, e))
+            read_range(&path, range, &direct, &reads).map_err(|e| os_err(&path, e))
         })
         .await
         .map_err(|e| object_store::Error::Generic {
@@ -754,6 +851,43 @@ object_store_wrapper! {
 mod tests {
     use super::*;
     use object_store::{ObjectStore, ObjectStoreExt};
+
+    #[tokio::test]
+    async fn a_read_the_page_cache_holds_is_served_from_it_and_one_it_lacks_from_the_disk() {
+        use std::os::fd::AsRawFd;
+        let dir = tempfile::tempdir().unwrap();
+        let s = DirectFs::new(dir.path()).unwrap();
+        let data: Vec<u8> = (0..(DIRECT_MIN * 3 + 123))
+            .map(|i| (i * 7 % 253) as u8)
+            .collect();
+        let p = Path::from("chunks/ab/obj");
+        s.put(&p, PutPayload::from(data.clone())).await.unwrap();
+        let file = s.fs_path(&p);
+        let evict = || {
+            let f = File::open(&file).unwrap();
+            // SAFETY: a plain advice call on an open descriptor.
+            unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        };
+        // Written with O_DIRECT, or evicted: read from the disk.
+        evict();
+        let got = s.get(&p).await.unwrap().bytes().await.unwrap();
+        assert_eq!(got.as_ref(), &data[..]);
+        assert_eq!(s.read_counts(), (0, 1));
+        // Read buffered by someone else (a copy): now served by the page cache, same bytes,
+        // whole and by range.
+        let _ = std::fs::read(&file).unwrap();
+        let got = s.get(&p).await.unwrap().bytes().await.unwrap();
+        assert_eq!(got.as_ref(), &data[..]);
+        let r = DIRECT_MIN as u64 + 5..2 * DIRECT_MIN as u64 + 77;
+        let part = s.get_range(&p, r.clone()).await.unwrap();
+        assert_eq!(part.as_ref(), &data[r.start as usize..r.end as usize]);
+        assert_eq!(s.read_counts(), (2, 1));
+        // Evicted again: the disk.
+        evict();
+        let got = s.get(&p).await.unwrap().bytes().await.unwrap();
+        assert_eq!(got.as_ref(), &data[..]);
+        assert_eq!(s.read_counts(), (2, 2));
+    }
 
     #[tokio::test]
     async fn large_and_small_objects_round_trip() {

@@ -1543,6 +1543,7 @@ fn main() {
                 &emit,
             )
         }
+        Some("read-limit") => emit(ckpt_tests::restore_bench::read_limit_of_dir(&dir)),
         Some("restore-child") => emit(ckpt_tests::restore_bench::child(
             &dir,
             &arg(&args, "--mode", "manager"),
