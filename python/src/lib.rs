@@ -515,12 +515,7 @@ impl StepReader {
     /// read after another. An error names the tensor (and the chunk and rank where it is
     /// about one); the buffers are then partly written.
     #[pyo3(signature = (items, budget=256 << 20))]
-    fn read_many(
-        &self,
-        py: Python<'_>,
-        items: Vec<ReadItem<'_>>,
-        budget: usize,
-    ) -> PyResult<()> {
+    fn read_many(&self, py: Python<'_>, items: Vec<ReadItem<'_>>, budget: usize) -> PyResult<()> {
         let commit = self.reader.commit();
         let mut targets = Vec::with_capacity(items.len());
         for (name, offsets, sizes, out) in items {

@@ -86,6 +86,27 @@ impl MemorySink for PySink {
         }
         Ok(())
     }
+
+    fn with_memory(
+        &self,
+        offset: usize,
+        len: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> ckpt_store::Result<()>,
+    ) -> Option<ckpt_store::Result<()>> {
+        if offset.checked_add(len).is_none_or(|e| e > self.0.len) {
+            return Some(Err(Error::internal(
+                "restore write past the end of a Python tensor",
+            )));
+        }
+        if len == 0 {
+            return Some(fill(&mut []));
+        }
+        // SAFETY: as for `write_at`: writable memory of `len` bytes from `offset`, kept alive
+        // by the `Lent`; restores write disjoint ranges while Python waits.
+        let dst =
+            unsafe { std::slice::from_raw_parts_mut((self.0.ptr as *mut u8).add(offset), len) };
+        Some(fill(dst))
+    }
 }
 
 impl TensorMemory for PyMemory {

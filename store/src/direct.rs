@@ -49,11 +49,25 @@ const ALIGN: usize = 4096;
 const IO_PIECE: usize = 8 << 20;
 
 /// A heap buffer aligned for `O_DIRECT`.
+///
+/// A buffer of [`HUGE_PAGE`] bytes or more is its own anonymous mapping, aligned to 2 MiB and
+/// advised `MADV_HUGEPAGE` before anything touches it: where the kernel gives transparent
+/// huge pages for the asking (`madvise` mode, the default of most distributions), its first
+/// touch faults 2 MiB at a time, not 4 KiB. Memory touched for the first time is what made a
+/// first save and a restore's fresh buffers slow on these machines (4 KiB pages: 0.15-0.6
+/// GB/s; huge pages: 1.1-1.5 GB/s, `BENCHMARKS.md`); the allocator's zeroed allocation for an
+/// alignment above its own writes every page itself, too early for the advice.
 pub struct AlignedBuf {
     ptr: NonNull<u8>,
     len: usize,
     cap: usize,
+    /// Its own mapping (unmapped on drop), else the global allocator's.
+    mapped: bool,
 }
+
+/// The size of a transparent huge page on x86-64 and most arm64 kernels; buffers this large or
+/// larger are mapped for huge pages.
+pub const HUGE_PAGE: usize = 2 << 20;
 
 // SAFETY: AlignedBuf owns its allocation exclusively, like a Vec<u8>.
 unsafe impl Send for AlignedBuf {}
@@ -66,15 +80,63 @@ impl std::fmt::Debug for AlignedBuf {
     }
 }
 
+/// A zeroed, untouched anonymous mapping of `cap` bytes aligned to [`HUGE_PAGE`] and advised
+/// for huge pages; `None` where the kernel refuses the mapping.
+fn map_huge(cap: usize) -> Option<NonNull<u8>> {
+    let over = cap + HUGE_PAGE;
+    // SAFETY: an anonymous private mapping (no file, zero-filled); its unaligned head and
+    // tail are unmapped at once, leaving `cap` bytes from an aligned start, owned by the
+    // caller. The advice is only advice.
+    unsafe {
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            over,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        );
+        if p == libc::MAP_FAILED {
+            return None;
+        }
+        let base = p as usize;
+        let start = round_up(base, HUGE_PAGE);
+        if start > base {
+            libc::munmap(p, start - base);
+        }
+        let tail = base + over - (start + cap);
+        if tail > 0 {
+            libc::munmap((start + cap) as *mut libc::c_void, tail);
+        }
+        libc::madvise(start as *mut libc::c_void, cap, libc::MADV_HUGEPAGE);
+        NonNull::new(start as *mut u8)
+    }
+}
+
 impl AlignedBuf {
     /// A zeroed buffer of `len` bytes, capacity rounded up to the alignment.
     pub fn zeroed(len: usize) -> Self {
         let cap = round_up(len.max(1), ALIGN);
+        if cap >= HUGE_PAGE
+            && let Some(ptr) = map_huge(cap)
+        {
+            return AlignedBuf {
+                ptr,
+                len,
+                cap,
+                mapped: true,
+            };
+        }
         let layout = std::alloc::Layout::from_size_align(cap, ALIGN).expect("layout");
         // SAFETY: layout has non-zero size.
         let p = unsafe { std::alloc::alloc_zeroed(layout) };
         let ptr = NonNull::new(p).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        AlignedBuf { ptr, len, cap }
+        AlignedBuf {
+            ptr,
+            len,
+            cap,
+            mapped: false,
+        }
     }
 
     /// Capacity (a multiple of the alignment).
@@ -111,6 +173,11 @@ impl AsRef<[u8]> for AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
+        if self.mapped {
+            // SAFETY: the mapping of `cap` bytes made by `map_huge`, unmapped once.
+            unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.cap) };
+            return;
+        }
         let layout = std::alloc::Layout::from_size_align(self.cap, ALIGN).expect("layout");
         // SAFETY: allocated in `zeroed` with this layout.
         unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) }

@@ -384,16 +384,58 @@ impl StepReader {
         tensor: &str,
     ) -> Result<(Bytes, ReadStats)> {
         let mut st = ReadStats::default();
-        let b = self.fetch(&pc.chunk, &mut st).await.map_err(|e| {
-            e.context(format!(
-                "{}: tensor {tensor:?} (shard of rank {})",
-                self.what(),
-                pc.rank
-            ))
-        })?;
+        let b = self
+            .fetch(&pc.chunk, &mut st)
+            .await
+            .map_err(|e| e.context(self.chunk_context(pc, tensor)))?;
         st.chunks += 1;
         st.raw_bytes += b.len() as u64;
         Ok((b, st))
+    }
+
+    /// The payload of a planned chunk of `tensor` stored raw, **not yet hash-checked**, for a
+    /// caller that hashes it while it copies it out (one pass over memory instead of two) and
+    /// refuses it with [`StepReader::check_fetched`]; `None` where the chunk must come through
+    /// [`StepReader::fetch_planned`]: an encoded chunk, or a reader with a chunk source, a
+    /// node cache or a chunk cache in front of the store (they serve checked bytes).
+    pub async fn fetch_raw_unchecked(
+        &self,
+        pc: &PlannedChunk,
+        tensor: &str,
+    ) -> Result<Option<(Bytes, ReadStats)>> {
+        let cached = self.cache.as_ref().is_some_and(|c| c.capacity() > 0);
+        if self.source.is_some() || self.node.is_some() || cached {
+            return Ok(None);
+        }
+        let got = self
+            .store
+            .get_raw_unchecked(&pc.chunk)
+            .await
+            .map_err(|e| e.context(self.chunk_context(pc, tensor)))?;
+        Ok(got.map(|b| {
+            let st = ReadStats {
+                chunks: 1,
+                raw_bytes: b.len() as u64,
+                stored_bytes: pc.chunk.stored as u64,
+                ..ReadStats::default()
+            };
+            (b, st)
+        }))
+    }
+
+    /// Refuse a chunk fetched by [`StepReader::fetch_raw_unchecked`] whose bytes hash to `got`
+    /// rather than to its id, with the words of every other read's refusal.
+    pub fn check_fetched(&self, pc: &PlannedChunk, tensor: &str, got: ChunkId) -> Result<()> {
+        crate::codec::check_id_of(got, &pc.chunk.id, &pc.chunk.location())
+            .map_err(|e| e.context(self.chunk_context(pc, tensor)))
+    }
+
+    fn chunk_context(&self, pc: &PlannedChunk, tensor: &str) -> String {
+        format!(
+            "{}: tensor {tensor:?} (shard of rank {})",
+            self.what(),
+            pc.rank
+        )
     }
 
     /// Execute a plan into `out` (which must be the plan's box, row-major).

@@ -358,8 +358,9 @@ pub fn child(dir: &Path, mode: &str, gib: f64, tensors: usize, budget_mib: usize
     let stats = match mode {
         "manager" => {
             let mut m = manager(&store, &ts, n, budget_mib);
+            let made = t.elapsed().as_secs_f64();
             m.restore(1).expect("restore");
-            Value::Null
+            json!({"manager_made_s": made})
         }
         "reader" => runtime().block_on(async {
             let r = StepReader::open(&store, RUN, 1).await.expect("step 1");

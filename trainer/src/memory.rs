@@ -88,6 +88,20 @@ pub trait MemorySink: Send + Sync {
 
     /// Write `src` at `offset`.
     fn write_at(&self, offset: usize, src: &[u8]) -> Result<()>;
+
+    /// Hand `fill` the sink's own bytes `offset .. offset + len` to write in place, where the
+    /// sink is plain host memory: a restore then hashes each block of a chunk right after
+    /// copying it (one pass over memory, not two). `None`: the sink has no such memory (a
+    /// device, or a box scattered over a larger one); the caller writes with `write_at`.
+    fn with_memory(
+        &self,
+        offset: usize,
+        len: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> Result<()>,
+    ) -> Option<Result<()>> {
+        let _ = (offset, len, fill);
+        None
+    }
 }
 
 /// A tensor shard in host memory, shareable between the training loop and the checkpointer.
@@ -189,6 +203,21 @@ impl MemorySink for HostTensor {
             .ok_or_else(|| Error::invalid("restore write past the end of a host tensor"))?;
         dst.copy_from_slice(src);
         Ok(())
+    }
+
+    fn with_memory(
+        &self,
+        offset: usize,
+        len: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> Result<()>,
+    ) -> Option<Result<()>> {
+        let mut g = self.write();
+        Some(match g.get_mut(offset..offset + len) {
+            Some(dst) => fill(dst),
+            None => Err(Error::invalid(
+                "restore write past the end of a host tensor",
+            )),
+        })
     }
 }
 

@@ -8,7 +8,9 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use ckpt_store::placement::flat_range_boxes;
-use ckpt_store::{CopyOp, DType, Error, NdBox, PlannedChunk, ReadStats, Result, StepReader};
+use ckpt_store::{
+    ChunkId, CopyOp, DType, Error, NdBox, PlannedChunk, ReadStats, Result, StepReader,
+};
 use futures::{StreamExt, TryStreamExt, stream};
 
 use crate::memory::MemorySink;
@@ -141,25 +143,24 @@ async fn restore_direct(
     stream::iter(work)
         .map(|(i, pc)| async move {
             let t = &targets[i];
-            let (bytes, mut st) = reader.fetch_planned(&pc, &t.name).await?;
-            let (sink, name) = (t.sink.clone(), t.name.clone());
-            let copied = tokio::task::spawn_blocking(move || -> Result<u64> {
-                let (first, last) = (&pc.copies[0], &pc.copies[pc.copies.len() - 1]);
-                let (src, len) = (
-                    first.src as usize,
-                    (last.src + last.len - first.src) as usize,
-                );
-                let run = bytes.get(src..src + len).ok_or_else(|| {
-                    Error::internal(format!(
-                        "tensor {name:?}: a planned run past the end of chunk {}",
-                        pc.chunk.id
-                    ))
-                })?;
-                sink.write_at(first.dst as usize, run)?;
-                Ok(len as u64)
+            // A chunk stored raw, with nothing in front of the store, arrives unchecked and is
+            // hashed as it is copied; anything else arrives checked.
+            let (bytes, mut st, checked) = match reader.fetch_raw_unchecked(&pc, &t.name).await? {
+                Some((b, st)) => (b, st, false),
+                None => {
+                    let (b, st) = reader.fetch_planned(&pc, &t.name).await?;
+                    (b, st, true)
+                }
+            };
+            let sink = t.sink.clone();
+            let ((copied, got), pc) = tokio::task::spawn_blocking(move || {
+                (write_chunk(&*sink, &pc, &bytes, checked), pc)
             })
-            .await??;
-            st.bytes_copied += copied;
+            .await?;
+            if let Some(got) = got {
+                reader.check_fetched(&pc, &t.name, got)?;
+            }
+            st.bytes_copied += copied?;
             Ok::<_, Error>(st)
         })
         .buffer_unordered(inflight)
@@ -168,6 +169,67 @@ async fn restore_direct(
             Ok(acc)
         })
         .await
+}
+
+/// Bytes of a chunk copied and hashed a block at a time: the hash reads each block while the
+/// copy left it in the core's cache.
+const HASH_BLOCK: usize = 256 << 10;
+
+/// Write the contiguous run `pc` plans out of `bytes` (the whole chunk) into `sink`; when the
+/// bytes are not `checked` yet, hash the whole chunk on the way (fused with the copy where the
+/// sink is host memory) and return the hash for the caller to check. (Bytes written, the
+/// hash.) The sink holds the bytes before they are checked: a refused chunk fails the
+/// restore, whose caller then uses nothing of it.
+fn write_chunk(
+    sink: &dyn MemorySink,
+    pc: &PlannedChunk,
+    bytes: &[u8],
+    checked: bool,
+) -> (Result<u64>, Option<ChunkId>) {
+    let (first, last) = (&pc.copies[0], &pc.copies[pc.copies.len() - 1]);
+    let (src, len) = (
+        first.src as usize,
+        (last.src + last.len - first.src) as usize,
+    );
+    let dst = first.dst as usize;
+    if bytes.len() < src + len {
+        let e = Error::internal(format!(
+            "a planned run past the end of chunk {}",
+            pc.chunk.id
+        ));
+        return (Err(e), None);
+    }
+    if checked {
+        return (
+            sink.write_at(dst, &bytes[src..src + len])
+                .map(|()| len as u64),
+            None,
+        );
+    }
+    let mut hasher = blake3::Hasher::new();
+    let fused = sink.with_memory(dst, len, &mut |out| {
+        // The chunk's bytes before the run, the run (copied, then hashed from the cache), and
+        // the bytes after it.
+        hasher.update(&bytes[..src]);
+        for (o, i) in out
+            .chunks_mut(HASH_BLOCK)
+            .zip(bytes[src..src + len].chunks(HASH_BLOCK))
+        {
+            o.copy_from_slice(i);
+            hasher.update(o);
+        }
+        hasher.update(&bytes[src + len..]);
+        Ok(())
+    });
+    let wrote = match fused {
+        Some(r) => r,
+        None => {
+            hasher.update(bytes);
+            sink.write_at(dst, &bytes[src..src + len])
+        }
+    };
+    let got = ChunkId(ckpt_store::Hash(*hasher.finalize().as_bytes()));
+    (wrote.map(|()| len as u64), Some(got))
 }
 
 /// Restore `targets` in pieces of bounded size, each gathered in a reused buffer and written

@@ -159,15 +159,9 @@ fn background_fill(pool: Weak<StagingPool>, slab: usize, hurry: Arc<AtomicBool>)
             st.bg_pending += 1;
         }
         drop(p);
+        // A slab is mapped for huge pages (`AlignedBuf`): one fault fills 2 MiB where the
+        // kernel has them, so the fill needs far less of the little CPU time it gets.
         let mut b = AlignedBuf::zeroed(slab);
-        // Huge pages where the kernel has them for the asking (transparent huge pages in
-        // `madvise` mode): one fault fills 2 MiB, so the fill needs far less of the little
-        // CPU time it gets. Advice only: nothing changes where it is refused.
-        let full = b.full_mut();
-        // SAFETY: advice on memory this slab owns, page-aligned (AlignedBuf).
-        unsafe {
-            libc::madvise(full.as_mut_ptr().cast(), full.len(), libc::MADV_HUGEPAGE);
-        }
         touch_until(&mut b, &hurry);
         let full = b.full_mut();
         if let Some(h) = &hook {

@@ -340,6 +340,76 @@ fn metrics(store: &Store) -> ckpt_store::MetricsSnapshot {
 }
 
 #[test]
+fn a_damaged_chunk_fails_the_restore_naming_step_tensor_and_chunk() {
+    // One manager alive in the process, a local store: raw chunks are hashed while they are
+    // copied into the tensor (issue 27). A byte flipped in one chunk object must still fail
+    // the restore, naming the step, the tensor and the chunk, and an intact copy restores.
+    let (store, dir) = local_store(tiny_config());
+    let data = det_bytes(4, 64 << 10);
+    {
+        // Saved, and the manager gone before the restores.
+        let mut c = ManagerConfig::new(CheckpointerConfig::new("dmg", 0, Layout::SINGLE));
+        c.final_on_sigterm = false;
+        let mut m = CheckpointManager::new(store.clone(), c).unwrap();
+        m.register(
+            spec("w", &[16 << 10], None),
+            NdBox::full(&[16 << 10]),
+            Arc::new(HostTensor::from_vec(data.clone())),
+        )
+        .unwrap();
+        m.save_now(1)
+            .unwrap()
+            .wait_committed(Duration::from_secs(30))
+            .unwrap();
+        m.finish().unwrap();
+    }
+    let restore = || {
+        let mut c = ManagerConfig::new(CheckpointerConfig::new("dmg", 0, Layout::SINGLE));
+        c.final_on_sigterm = false;
+        let mut m = CheckpointManager::new(store.clone(), c).unwrap();
+        let t = HostTensor::zeroed(data.len());
+        m.register(
+            spec("w", &[16 << 10], None),
+            NdBox::full(&[16 << 10]),
+            Arc::new(t.clone()),
+        )
+        .unwrap();
+        m.restore(1).map(|()| t.read().clone())
+    };
+    assert_eq!(restore().unwrap(), data);
+    // Flip a byte in the middle of one chunk object's payload.
+    let mut objects = Vec::new();
+    let mut stack = vec![dir.path().join("chunks")];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                objects.push(p);
+            }
+        }
+    }
+    objects.sort();
+    let victim = &objects[objects.len() / 2];
+    let mut b = std::fs::read(victim).unwrap();
+    let mid = b.len() - 100;
+    b[mid] ^= 0x01;
+    std::fs::write(victim, &b).unwrap();
+    let e = restore().unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+    let msg = e.to_string();
+    let id = victim.file_name().unwrap().to_str().unwrap();
+    assert!(
+        msg.contains("step 1")
+            && msg.contains("\"w\"")
+            && msg.contains(id)
+            && msg.contains("damaged"),
+        "{msg}"
+    );
+}
+
+#[test]
 fn restore_errors_name_the_problem() {
     let (store, _d) = local_store(tiny_config());
     let mut m = CheckpointManager::new(store.clone(), {

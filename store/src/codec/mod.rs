@@ -441,9 +441,27 @@ pub fn decode_bytes(
     expect_len: u64,
     what: &dyn std::fmt::Display,
 ) -> Result<Bytes> {
-    let h = parse_header(&obj, what)?;
+    match raw_payload(&obj, expect_len, what)? {
+        Some(payload) => {
+            check_id(&payload, id, what)?;
+            Ok(payload)
+        }
+        None => decode(&obj, id, expect_len, what).map(Bytes::from),
+    }
+}
+
+/// The payload of a chunk object stored raw, its header and length checked but **not its
+/// hash**: for a reader that hashes the bytes as it copies them out
+/// ([`check_id_of`] with the hash it computed), one pass over memory instead of two. `None`:
+/// the object is encoded (decode it with [`decode_bytes`]).
+pub fn raw_payload(
+    obj: &Bytes,
+    expect_len: u64,
+    what: &dyn std::fmt::Display,
+) -> Result<Option<Bytes>> {
+    let h = parse_header(obj, what)?;
     if h.codec != Codec::Raw {
-        return decode(&obj, id, expect_len, what).map(Bytes::from);
+        return Ok(None);
     }
     check_len(&h, expect_len, what)?;
     let payload = obj.slice(HEADER_LEN..);
@@ -454,8 +472,20 @@ pub fn decode_bytes(
             h.raw_len
         )));
     }
-    check_id(&payload, id, what)?;
-    Ok(payload)
+    Ok(Some(payload))
+}
+
+/// Check that `got`, the hash of a chunk's plain bytes computed by the caller, is `id`: the
+/// same refusal, in the same words, as every other read's check.
+pub fn check_id_of(got: ChunkId, id: &ChunkId, what: &dyn std::fmt::Display) -> Result<()> {
+    if got != *id {
+        return Err(Error::corrupt(format!(
+            "{what}: content hash is {} but should be {} (the bytes are damaged)",
+            got.short(),
+            id.short()
+        )));
+    }
+    Ok(())
 }
 
 fn check_len(h: &Header, expect_len: u64, what: &dyn std::fmt::Display) -> Result<()> {
@@ -469,15 +499,7 @@ fn check_len(h: &Header, expect_len: u64, what: &dyn std::fmt::Display) -> Resul
 }
 
 fn check_id(plain: &[u8], id: &ChunkId, what: &dyn std::fmt::Display) -> Result<()> {
-    let got = ChunkId::of(plain);
-    if got != *id {
-        return Err(Error::corrupt(format!(
-            "{what}: content hash is {} but should be {} (the bytes are damaged)",
-            got.short(),
-            id.short()
-        )));
-    }
-    Ok(())
+    check_id_of(ChunkId::of(plain), id, what)
 }
 
 /// Decode a chunk object whose id is known but whose length is not (verifying the whole

@@ -119,7 +119,16 @@ impl Store {
         if r.is_delta() || r.codec == Codec::Delta {
             return self.get_delta_chunk(r).await;
         }
-        let obj = self.get_chunk_object(r).await.map_err(|e| {
+        let obj = self.get_stored_chunk(r).await?;
+        let r = r.clone();
+        let what = r.location();
+        tokio::task::spawn_blocking(move || codec::decode_bytes(obj, &r.id, r.len as u64, &what))
+            .await?
+    }
+
+    /// The stored object of a chunk; a missing one is damage (a manifest names it).
+    async fn get_stored_chunk(&self, r: &ChunkRef) -> Result<Bytes> {
+        self.get_chunk_object(r).await.map_err(|e| {
             if e.kind() == ErrorKind::NotFound {
                 Error::corrupt(format!(
                     "chunk {} is missing from the store ({e})",
@@ -128,11 +137,20 @@ impl Store {
             } else {
                 e
             }
-        })?;
-        let r = r.clone();
+        })
+    }
+
+    /// The payload of a chunk stored raw, its header checked but **not its hash** (the caller
+    /// hashes it as it copies it out, and refuses it with [`codec::check_id_of`]); `None` for
+    /// a chunk stored any other way (read it with [`Store::get_chunk`]). A chunk whose
+    /// reference says raw but whose object is encoded is read and checked whole, here.
+    pub async fn get_raw_unchecked(&self, r: &ChunkRef) -> Result<Option<Bytes>> {
+        if r.is_delta() || r.codec != Codec::Raw {
+            return Ok(None);
+        }
+        let obj = self.get_stored_chunk(r).await?;
         let what = r.location();
-        tokio::task::spawn_blocking(move || codec::decode_bytes(obj, &r.id, r.len as u64, &what))
-            .await?
+        codec::raw_payload(&obj, r.len as u64, &what)
     }
 
     /// Fetch many chunks in parallel (bounded by `read_concurrency`); yields `(index, bytes)`
