@@ -3,7 +3,7 @@
 //! `inner` store unchanged ([`object_store_wrapper!`]), and a multipart upload with hooks
 //! before each part and before completing ([`HookedUpload`]).
 //!
-//! The wrappers: `DirectFs` (`direct.rs`), `MetricsStore` and `FaultyStore` (`wrap.rs`),
+//! The wrappers: `DirectFs` (`direct/`), `MetricsStore` and `FaultyStore` (`wrap.rs`),
 //! `RetryStore` (`retry.rs`), `CountingStore` (`counting.rs`) and `ClockStore` (`testing.rs`).
 
 use async_trait::async_trait;

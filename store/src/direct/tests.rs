@@ -1,0 +1,225 @@
+use super::*;
+use bytes::Bytes;
+use object_store::{ObjectStore, ObjectStoreExt};
+
+#[tokio::test]
+async fn a_read_the_page_cache_holds_is_served_from_it_and_one_it_lacks_from_the_disk() {
+    use std::os::fd::AsRawFd;
+    let dir = tempfile::tempdir().unwrap();
+    let s = DirectFs::new(dir.path()).unwrap();
+    let data: Vec<u8> = (0..(DIRECT_MIN * 3 + 123))
+        .map(|i| (i * 7 % 253) as u8)
+        .collect();
+    let p = Path::from("chunks/ab/obj");
+    s.put(&p, PutPayload::from(data.clone())).await.unwrap();
+    let file = s.fs_path(&p);
+    let evict = || {
+        let f = File::open(&file).unwrap();
+        // SAFETY: a plain advice call on an open descriptor.
+        unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    };
+    // Written with O_DIRECT, or evicted: read from the disk.
+    evict();
+    let got = s.get(&p).await.unwrap().bytes().await.unwrap();
+    assert_eq!(got.as_ref(), &data[..]);
+    assert_eq!(s.read_counts(), (0, 1));
+    // Read buffered by someone else (a copy): now served by the page cache, same bytes,
+    // whole and by range.
+    let _ = std::fs::read(&file).unwrap();
+    let got = s.get(&p).await.unwrap().bytes().await.unwrap();
+    assert_eq!(got.as_ref(), &data[..]);
+    let r = DIRECT_MIN as u64 + 5..2 * DIRECT_MIN as u64 + 77;
+    let part = s.get_range(&p, r.clone()).await.unwrap();
+    assert_eq!(part.as_ref(), &data[r.start as usize..r.end as usize]);
+    assert_eq!(s.read_counts(), (2, 1));
+    // Evicted again: the disk.
+    evict();
+    let got = s.get(&p).await.unwrap().bytes().await.unwrap();
+    assert_eq!(got.as_ref(), &data[..]);
+    assert_eq!(s.read_counts(), (2, 2));
+}
+
+#[tokio::test]
+async fn large_and_small_objects_round_trip() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = DirectFs::new(dir.path()).unwrap();
+    for len in [
+        0usize,
+        10,
+        DIRECT_MIN - 1,
+        DIRECT_MIN,
+        DIRECT_MIN + 4097,
+        9 << 20,
+    ] {
+        let data: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+        let p = Path::from(format!("a/b/obj-{len}"));
+        // Two pieces, so the aligned copy crosses a payload boundary.
+        let split = len / 3;
+        let payload: PutPayload = [
+            Bytes::copy_from_slice(&data[..split]),
+            Bytes::copy_from_slice(&data[split..]),
+        ]
+        .into_iter()
+        .collect();
+        s.put(&p, payload).await.unwrap();
+        let got = s.get(&p).await.unwrap().bytes().await.unwrap();
+        assert_eq!(got.len(), len);
+        assert!(got == data, "len {len}");
+        assert_eq!(
+            std::fs::metadata(dir.path().join(p.as_ref()))
+                .unwrap()
+                .len(),
+            len as u64
+        );
+        if len > 5000 {
+            let r = s.get_range(&p, 4000..len as u64 - 1).await.unwrap();
+            assert_eq!(&r[..], &data[4000..len - 1]);
+        }
+    }
+    // Staging files are never listed.
+    let listed: Vec<_> = s.list(None).map(|m| m.unwrap().location).collect().await;
+    assert_eq!(listed.len(), 6);
+}
+
+/// The directories large objects were renamed into (and the parents of the directories
+/// created for them) are synced once each, as a batch, before a conditional create
+/// publishes its object, and not before: a save pays one fsync per directory, not one per
+/// object.
+#[tokio::test]
+async fn directories_are_synced_once_before_a_conditional_create() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = std::fs::canonicalize(dir.path()).unwrap();
+    let commit = root.join("runs/r/steps/1/COMMIT");
+    let commit2 = root.join("runs/r/steps/2/COMMIT");
+    // (directory, commit record 1 exists, commit record 2 exists) at each sync.
+    let synced: Arc<Mutex<Vec<(PathBuf, bool, bool)>>> = Arc::default();
+    let hook: DirSyncHook = {
+        let synced = synced.clone();
+        let (c1, c2) = (commit.clone(), commit2.clone());
+        Arc::new(move |d: &FsPath| {
+            synced
+                .lock()
+                .push((d.to_path_buf(), c1.exists(), c2.exists()))
+        })
+    };
+    let s = DirectFs::new(&root).unwrap().with_dir_sync_hook(hook);
+    let big = |b: u8| PutPayload::from(Bytes::from(vec![b; DIRECT_MIN + 1]));
+    s.put(&Path::from("chunks/aa/one"), big(1)).await.unwrap();
+    s.put(&Path::from("chunks/aa/two"), big(2)).await.unwrap();
+    s.put(&Path::from("packs/bb/three"), big(3)).await.unwrap();
+    assert!(synced.lock().is_empty(), "synced before any commit");
+
+    // A small commit record (through LocalFileSystem).
+    s.put_opts(
+        &Path::from("runs/r/steps/1/COMMIT"),
+        Bytes::from_static(b"{}").into(),
+        PutMode::Create.into(),
+    )
+    .await
+    .unwrap();
+    let got = std::mem::take(&mut *synced.lock());
+    let mut dirs: Vec<PathBuf> = got.iter().map(|(d, _, _)| d.clone()).collect();
+    dirs.sort();
+    let want: Vec<PathBuf> = ["", "chunks", "chunks/aa", "packs", "packs/bb"]
+        .iter()
+        .map(|d| {
+            if d.is_empty() {
+                root.clone()
+            } else {
+                root.join(d)
+            }
+        })
+        .collect();
+    assert_eq!(dirs, want, "each directory once");
+    assert!(
+        got.iter().all(|s| !s.1),
+        "a sync came after the commit record"
+    );
+    assert!(commit.exists());
+    assert_eq!(s.dir_syncs(), 5);
+
+    // The next step: only the directories that changed (a chunk's, and the parent of the
+    // step's new directory), before a large commit record.
+    s.put(&Path::from("chunks/aa/four"), big(4)).await.unwrap();
+    s.put_opts(
+        &Path::from("runs/r/steps/2/COMMIT"),
+        big(5),
+        PutMode::Create.into(),
+    )
+    .await
+    .unwrap();
+    let mut got = std::mem::take(&mut *synced.lock());
+    got.sort();
+    assert_eq!(
+        got,
+        vec![
+            (root.join("chunks/aa"), true, false),
+            (root.join("runs/r/steps"), true, false)
+        ]
+    );
+    assert!(commit2.exists());
+    // Nothing dirty: a create syncs nothing more.
+    s.put_opts(
+        &Path::from("runs/r/steps/3/COMMIT"),
+        Bytes::from_static(b"{}").into(),
+        PutMode::Create.into(),
+    )
+    .await
+    .unwrap();
+    assert!(synced.lock().is_empty());
+}
+
+#[test]
+fn temp_files_are_found_and_nothing_else() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    std::fs::create_dir_all(root.join("chunks/aa")).unwrap();
+    std::fs::create_dir_all(root.join("runs/r/steps/1")).unwrap();
+    for (name, len) in [
+        ("chunks/aa/abc", 3),
+        ("chunks/aa/abc#1", 5),
+        ("chunks/aa/abc#x", 1),
+        ("runs/r/steps/1/COMMIT#12", 7),
+        ("runs/r/steps/1/rank-000000.manifest", 2),
+    ] {
+        std::fs::write(root.join(name), vec![0u8; len]).unwrap();
+    }
+    // A link named like a temporary file is not followed into, nor reported.
+    std::os::unix::fs::symlink("/etc/passwd", root.join("chunks/aa/x#3")).unwrap();
+    let got: Vec<(String, u64)> = temp_files(root)
+        .unwrap()
+        .into_iter()
+        .map(|t| (t.key, t.bytes))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            ("chunks/aa/abc#1".to_string(), 5),
+            ("runs/r/steps/1/COMMIT#12".to_string(), 7)
+        ]
+    );
+}
+
+#[tokio::test]
+async fn create_mode_refuses_existing() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = DirectFs::new(dir.path()).unwrap();
+    let p = Path::from("x/COMMIT");
+    let big = Bytes::from(vec![1u8; DIRECT_MIN + 10]);
+    s.put_opts(&p, big.clone().into(), PutMode::Create.into())
+        .await
+        .unwrap();
+    let e = s
+        .put_opts(
+            &p,
+            Bytes::from(vec![2u8; DIRECT_MIN + 10]).into(),
+            PutMode::Create.into(),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, object_store::Error::AlreadyExists { .. }),
+        "{e}"
+    );
+    assert_eq!(s.get(&p).await.unwrap().bytes().await.unwrap(), big);
+}
