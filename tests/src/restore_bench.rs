@@ -152,38 +152,19 @@ fn stored_objects(dir: &Path) -> (Vec<PathBuf>, u64) {
 
 /// Seconds to read `paths` with `O_DIRECT`, `qd` files in flight, 8 MiB requests.
 fn odirect_read_files(paths: &[PathBuf], qd: usize) -> f64 {
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let t = Instant::now();
-    std::thread::scope(|s| {
-        for _ in 0..qd {
-            s.spawn(|| {
-                let mut buf = AlignedBuf::zeroed(8 << 20);
-                loop {
-                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    let Some(p) = paths.get(i) else { break };
-                    let f = std::fs::OpenOptions::new()
-                        .read(true)
-                        .custom_flags(libc::O_DIRECT)
-                        .open(p)
-                        .expect("a stored object");
-                    let len = f.metadata().unwrap().len() as usize;
-                    let mut at = 0;
-                    while at < len {
-                        let n = f.read_at(buf.full_mut(), at as u64).expect("read");
-                        if n == 0 {
-                            break;
-                        }
-                        at += n;
-                    }
-                }
-            });
-        }
-    });
-    t.elapsed().as_secs_f64()
+    let whole: Vec<(PathBuf, u64, u64)> = paths
+        .iter()
+        .map(|p| {
+            let len = std::fs::metadata(p).expect("a stored object").len();
+            (p.clone(), 0, len)
+        })
+        .collect();
+    odirect_read_ranges(&whole, qd)
 }
 
-/// Seconds to read the file `path` with `O_DIRECT`, `qd` requests of `bs` bytes in flight.
-fn odirect_read_file(path: &Path, qd: usize, bs: usize) -> f64 {
+/// Seconds to read the file `path` with `O_DIRECT`, `qd` requests of `bs` bytes in flight (its
+/// whole requests: a tail shorter than `bs` is not read).
+pub fn odirect_read_file(path: &Path, qd: usize, bs: usize) -> f64 {
     let f = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_DIRECT)
@@ -303,7 +284,8 @@ fn drop_caches() -> bool {
     std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok()
 }
 
-fn status_kib(field: &str) -> u64 {
+/// A `kB` field of `/proc/self/status` (0 when absent).
+pub fn status_kib(field: &str) -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {

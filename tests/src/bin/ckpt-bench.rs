@@ -32,6 +32,7 @@ use ckpt_store::{
     BlobIn, CodecPolicy, DType, DedupIndex, Layout, NdBox, RankWrite, ShardDesc, ShardIn, Store,
     StoreConfig,
 };
+use ckpt_tests::restore_bench::status_kib;
 use ckpt_trainer::workload::{ModelConfig, RankState, TrainConfig};
 use ckpt_trainer::{CheckpointManager, CheckpointerConfig, HostTensor, ManagerConfig, runtime};
 use serde_json::{Value, json};
@@ -119,15 +120,20 @@ fn blake3_raw(data: &[u8], threads: usize) -> f64 {
     gbps(data.len() as u64, best)
 }
 
-/// O_DIRECT sequential write of `bytes` into one file with `qd` threads of `bs` requests.
-fn odirect_write(path: &Path, bytes: usize, qd: usize, bs: usize) -> f64 {
+/// A new, empty file at `path` (any old one removed) opened for `O_DIRECT` writes.
+fn odirect_create(path: &Path) -> std::fs::File {
     let _ = std::fs::remove_file(path);
-    let f = OpenOptions::new()
+    OpenOptions::new()
         .create(true)
         .write(true)
         .custom_flags(libc::O_DIRECT)
         .open(path)
-        .unwrap();
+        .unwrap()
+}
+
+/// O_DIRECT sequential write of `bytes` into one file with `qd` threads of `bs` requests.
+fn odirect_write(path: &Path, bytes: usize, qd: usize, bs: usize) -> f64 {
+    let f = odirect_create(path);
     f.set_len(bytes as u64).unwrap();
     let mut buf = AlignedBuf::zeroed(bs);
     for (i, b) in buf.full_mut().iter_mut().enumerate() {
@@ -151,42 +157,20 @@ fn odirect_write(path: &Path, bytes: usize, qd: usize, bs: usize) -> f64 {
     gbps((n * bs) as u64, t.elapsed().as_secs_f64())
 }
 
+/// GB/s of an `O_DIRECT` read of the file `path`, `qd` requests of `bs` bytes in flight.
 fn odirect_read(path: &Path, qd: usize, bs: usize) -> f64 {
-    let f = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .unwrap();
-    let bytes = f.metadata().unwrap().len() as usize;
-    let n = bytes / bs;
-    let t = Instant::now();
-    std::thread::scope(|s| {
-        for k in 0..qd {
-            let f = &f;
-            s.spawn(move || {
-                let mut buf = AlignedBuf::zeroed(bs);
-                let mut i = k;
-                while i < n {
-                    f.read_exact_at(buf.full_mut(), (i * bs) as u64).unwrap();
-                    i += qd;
-                }
-            });
-        }
-    });
-    gbps((n * bs) as u64, t.elapsed().as_secs_f64())
+    let read = std::fs::metadata(path).unwrap().len() / bs as u64 * bs as u64;
+    gbps(
+        read,
+        ckpt_tests::restore_bench::odirect_read_file(path, qd, bs),
+    )
 }
 
 /// io_uring O_DIRECT writes, `qd` in flight, one file.
 fn io_uring_write(path: &Path, bytes: usize, qd: usize, bs: usize) -> f64 {
     use io_uring::{IoUring, opcode, types};
     use std::os::fd::AsRawFd;
-    let _ = std::fs::remove_file(path);
-    let f = OpenOptions::new()
-        .create(true)
-        .write(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .unwrap();
+    let f = odirect_create(path);
     let mut ring = IoUring::new(qd as u32 * 2).unwrap();
     let bufs: Vec<AlignedBuf> = (0..qd).map(|_| AlignedBuf::zeroed(bs)).collect();
     let n = bytes / bs;
@@ -444,18 +428,6 @@ fn save4(
     let written: u64 = res.iter().map(|r| r.2.bytes_written).sum();
     let logical: u64 = res.iter().map(|r| r.0.stats.logical_bytes).sum();
     (secs, written, logical)
-}
-
-/// A `kB` field of `/proc/self/status` (0 when absent).
-fn status_kib(field: &str) -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with(field))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-        })
-        .unwrap_or(0)
 }
 
 fn rss_peak_kib() -> u64 {

@@ -326,6 +326,31 @@ impl Png {
         }
     }
 
+    /// Stroke `path` with `pen`.
+    fn stroke(&mut self, path: &tiny_skia::Path, pen: &Pen) {
+        self.pix.stroke_path(
+            path,
+            &Self::paint(pen.color),
+            &Self::stroke_of(pen),
+            Transform::identity(),
+            None,
+        );
+    }
+
+    /// Fill `path` with `fill`, then stroke it with `stroke` if given.
+    fn fill_and_stroke(&mut self, path: &tiny_skia::Path, fill: Color, stroke: Option<&Pen>) {
+        self.pix.fill_path(
+            path,
+            &Self::paint(fill),
+            FillRule::Winding,
+            Transform::identity(),
+            None,
+        );
+        if let Some(p) = stroke {
+            self.stroke(path, p);
+        }
+    }
+
     fn blend(&mut self, x: i32, y: i32, cov: f32, c: Color) {
         let (w, h) = (self.pix.width() as i32, self.pix.height() as i32);
         if x < 0 || y < 0 || x >= w || y >= h || cov <= 0.0 {
@@ -362,13 +387,7 @@ impl Canvas for Png {
             pb.line_to(p.0, p.1);
         }
         if let Some(path) = pb.finish() {
-            self.pix.stroke_path(
-                &path,
-                &Self::paint(pen.color),
-                &Self::stroke_of(pen),
-                Transform::identity(),
-                None,
-            );
+            self.stroke(&path, pen);
         }
     }
     fn rect(&mut self, x: f32, y: f32, w: f32, h: f32, fill: Option<Color>, stroke: Option<&Pen>) {
@@ -380,14 +399,7 @@ impl Canvas for Png {
                 .fill_rect(r, &Self::paint(f), Transform::identity(), None);
         }
         if let Some(p) = stroke {
-            let path = PathBuilder::from_rect(r);
-            self.pix.stroke_path(
-                &path,
-                &Self::paint(p.color),
-                &Self::stroke_of(p),
-                Transform::identity(),
-                None,
-            );
+            self.stroke(&PathBuilder::from_rect(r), p);
         }
     }
     fn polygon(&mut self, pts: &[(f32, f32)], fill: Color, stroke: Option<&Pen>) {
@@ -401,42 +413,12 @@ impl Canvas for Png {
         }
         pb.close();
         if let Some(path) = pb.finish() {
-            self.pix.fill_path(
-                &path,
-                &Self::paint(fill),
-                FillRule::Winding,
-                Transform::identity(),
-                None,
-            );
-            if let Some(p) = stroke {
-                self.pix.stroke_path(
-                    &path,
-                    &Self::paint(p.color),
-                    &Self::stroke_of(p),
-                    Transform::identity(),
-                    None,
-                );
-            }
+            self.fill_and_stroke(&path, fill, stroke);
         }
     }
     fn circle(&mut self, cx: f32, cy: f32, r: f32, fill: Color, stroke: Option<&Pen>) {
         if let Some(path) = PathBuilder::from_circle(cx, cy, r) {
-            self.pix.fill_path(
-                &path,
-                &Self::paint(fill),
-                FillRule::Winding,
-                Transform::identity(),
-                None,
-            );
-            if let Some(p) = stroke {
-                self.pix.stroke_path(
-                    &path,
-                    &Self::paint(p.color),
-                    &Self::stroke_of(p),
-                    Transform::identity(),
-                    None,
-                );
-            }
+            self.fill_and_stroke(&path, fill, stroke);
         }
     }
     fn text(
