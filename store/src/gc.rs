@@ -4,7 +4,8 @@
 //!    every step that is a multiple of `keep_every`, and any step the caller protects (a
 //!    pending save builds on it). Other committed steps are deleted, commit record first, so
 //!    a step vanishes atomically. Incomplete steps whose objects are all older than the grace
-//!    period are abandoned saves and are deleted too.
+//!    period and the lease lapse ([`GcOptions::lease_lapse`]), while no writer lease is live,
+//!    are abandoned saves and are deleted too; younger ones may still be committing.
 //!    Commit records go first, manifests after.
 //! 2. **Sweep lock**: a sweep never overlaps a save in flight (see [`crate::lease`] and
 //!    FORMAT.md, "What GC may delete, and when"); with a writer lease live, the sweep is left
@@ -14,7 +15,13 @@
 //! 4. **Sweep**: delete chunk and pack objects nobody references and older than the grace
 //!    period, in batches, yielding to a save that starts meanwhile. On a local directory the
 //!    sweep also deletes temporary files (`<key>#<n>`) that interrupted writes left, once they
-//!    are older than the grace period (a write in progress keeps its file younger than that).
+//!    are older than the grace period and the lease lapse (a write in progress keeps its file
+//!    younger than that).
+//!
+//! The grace governs unreferenced objects only: a writer lease, an incomplete step and a
+//! temporary file count as a save in flight for the lease lapse whatever the grace, so a
+//! short grace (`ckpt gc --grace 0s --force` beside a running job) costs at most a sweep's
+//! deferral, never a save.
 //!
 //! With neither `keep_last` nor `keep_every`, retention keeps every committed step and GC only
 //! sweeps.
@@ -42,8 +49,15 @@ pub struct GcOptions {
     pub keep_last: Option<usize>,
     /// Keep committed steps whose number is a multiple of K.
     pub keep_every: Option<u64>,
-    /// Never delete objects younger than this.
+    /// Never delete unreferenced objects younger than this.
     pub grace: Duration,
+    /// How long a save counts as in flight after its last write, whatever the grace: a
+    /// writer lease younger than this defers the sweep, and an incomplete step or a
+    /// temporary file younger than this (or than the grace) is kept, because the save that
+    /// wrote it may still be committing. A short grace therefore only ever costs a sweep's
+    /// deferral; shorten this only when no job saves (a killed job's leases then stop
+    /// deferring sweeps sooner).
+    pub lease_lapse: Duration,
     /// Report what would be deleted, delete nothing.
     pub dry_run: bool,
     /// Only these runs (all if empty) for retention; the sweep always considers the whole store.
@@ -60,6 +74,7 @@ impl Default for GcOptions {
             keep_last: None,
             keep_every: None,
             grace: Duration::from_secs(3600),
+            lease_lapse: crate::lease::LOCK_LAPSE,
             dry_run: false,
             runs: Vec::new(),
             protect: Vec::new(),
@@ -75,6 +90,10 @@ pub struct GcReport {
     pub steps_deleted: Vec<(String, u64)>,
     /// Abandoned incomplete steps deleted.
     pub incomplete_deleted: Vec<(String, u64)>,
+    /// Incomplete steps kept because a save of them may be in flight (younger than the
+    /// lease lapse or the grace, or a writer lease was live).
+    #[serde(default)]
+    pub incomplete_in_flight: Vec<(String, u64)>,
     /// Committed steps kept.
     pub steps_kept: Vec<(String, u64)>,
     /// Chunk and pack objects deleted.
@@ -118,6 +137,11 @@ impl Fresh {
     fn age(&self) -> Duration {
         self.0.lock().elapsed()
     }
+}
+
+/// `d` for comparisons with the store's clock.
+fn chrono_of(d: Duration) -> Result<chrono::Duration> {
+    chrono::Duration::from_std(d).map_err(|_| Error::invalid("grace period is too long"))
 }
 
 /// Objects deleted between two checks for saves that started meanwhile.
@@ -167,8 +191,7 @@ impl Store {
             dry_run: opts.dry_run,
             ..GcReport::default()
         };
-        let grace = chrono::Duration::from_std(opts.grace)
-            .map_err(|_| Error::invalid("grace period is too long"))?;
+        let grace = chrono_of(opts.grace)?;
         let runs = self.list_runs().await?;
         // 1. Retention: drop the commit records of the committed steps it does not keep (the
         //    step then vanishes at once).
@@ -206,7 +229,7 @@ impl Store {
         //    sweep lock, and with a live writer lease leave the sweep for a later run.
         let fresh = Fresh(Mutex::new(Instant::now()));
         let lock = if opts.sweep && !opts.dry_run {
-            match self.take_sweep_lock(now, opts.grace).await? {
+            match self.take_sweep_lock(now, opts.lease_lapse).await? {
                 Ok(lock) => Some(lock),
                 Err(writers) => {
                     report.sweep_deferred = Some(format!(
@@ -288,6 +311,11 @@ impl Store {
     /// List the steps again (after the sweep lock, so every manifest written by a save that
     /// ended before it is seen), delete the manifests of dropped and abandoned steps, and
     /// return every other one (run, step, rank).
+    ///
+    /// An incomplete step is abandoned only when its newest object is older than both the
+    /// grace and the lease lapse and no writer lease is live: between a rank's manifest (when
+    /// its lease ends) and the step's commit no lease covers the step, so its age alone must
+    /// say that no save is still committing it.
     async fn drop_manifests(
         &self,
         opts: &GcOptions,
@@ -296,6 +324,9 @@ impl Store {
         dropped: Vec<(String, BTreeSet<u64>, Vec<StepListing>)>,
         report: &mut GcReport,
     ) -> Result<Vec<(String, u64, u32)>> {
+        let in_flight = grace.max(chrono_of(opts.lease_lapse)?);
+        // Listed once, when the first old incomplete step is found.
+        let mut writers_live: Option<bool> = None;
         let mut live_manifests: Vec<(String, u64, u32)> = Vec::new();
         for (run, dropped, listed) in dropped {
             let steps = if opts.dry_run {
@@ -307,14 +338,25 @@ impl Store {
             let protect = protected(opts, &run);
             for s in &steps {
                 let committed = s.committed && !dropped.contains(&s.step);
-                let doomed = !committed
-                    && !protect.contains(&s.step)
-                    && (dropped.contains(&s.step) || (in_scope && now - s.last_modified > grace));
+                let incomplete = !committed && !dropped.contains(&s.step);
+                let mut doomed = dropped.contains(&s.step);
+                if incomplete && in_scope && !protect.contains(&s.step) {
+                    let old = now - s.last_modified > in_flight;
+                    if old && writers_live.is_none() {
+                        let live = self.list_locks(now, opts.lease_lapse).await?.writers;
+                        writers_live = Some(!live.is_empty());
+                    }
+                    if old && writers_live == Some(false) {
+                        doomed = true;
+                    } else {
+                        report.incomplete_in_flight.push((run.clone(), s.step));
+                    }
+                }
                 if !doomed {
                     live_manifests.extend(s.ranks.iter().map(|&r| (run.clone(), s.step, r)));
                     continue;
                 }
-                if !dropped.contains(&s.step) {
+                if incomplete {
                     report.incomplete_deleted.push((run.clone(), s.step));
                 }
                 if !opts.dry_run {
@@ -423,7 +465,7 @@ impl Store {
                 ));
                 break;
             }
-            let writers = self.list_locks(now, opts.grace).await?.writers;
+            let writers = self.list_locks(now, opts.lease_lapse).await?.writers;
             if !writers.is_empty() {
                 report.objects_kept += rest.len() as u64;
                 report.bytes_kept += rest.iter().map(|(_, n)| n).sum::<u64>();
@@ -468,10 +510,11 @@ impl Store {
         now: DateTime<Utc>,
         report: &mut GcReport,
     ) -> Result<()> {
-        let grace = chrono::Duration::from_std(opts.grace)
-            .map_err(|_| Error::invalid("grace period is too long"))?;
+        // A temporary file is a write in progress (a commit record's too, which no lease
+        // covers) until it is older than the grace and the lease lapse.
+        let in_flight = chrono_of(opts.grace)?.max(chrono_of(opts.lease_lapse)?);
         for t in self.temp_files().await? {
-            if now - t.modified <= grace {
+            if now - t.modified <= in_flight {
                 report.temp_files_in_grace += 1;
                 continue;
             }

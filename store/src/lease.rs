@@ -23,8 +23,9 @@
 //! record exists keeps its manifests, so a base found committed after the sweeps it waited for
 //! has all its objects until the save's own manifest protects them.
 //!
-//! Leases and locks count for the grace period from their write; a dead writer's or GC's
-//! lapses then (and GC deletes it).
+//! Leases and locks count for the lease lapse ([`GcOptions::lease_lapse`](crate::GcOptions),
+//! [`LOCK_LAPSE`] by default) from their write, whatever the GC's grace period; a dead
+//! writer's or GC's lapses then (and GC deletes it).
 //!
 //! A sweep lock is *kept fresh*: the GC holding it writes it again every
 //! [`StoreConfig::sweep_lapse`](crate::StoreConfig::sweep_lapse) / 6 while it marks and sweeps,
@@ -64,7 +65,7 @@ use crate::store::{BaseRegions, DedupIndex, Store};
 /// How long a writer waits for a GC sweep to end before its save fails.
 pub const SWEEP_WAIT: Duration = Duration::from_secs(120);
 
-/// The default grace period, after which a lease or lock left behind lapses.
+/// The default lease lapse, after which a lease or lock left behind lapses.
 pub const LOCK_LAPSE: Duration = Duration::from_secs(3600);
 
 /// How long a save waits for the commit record of the previous save (its newest dedup base

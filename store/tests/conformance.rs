@@ -73,6 +73,7 @@ conformance!(
     multipart_large_objects,
     failed_commit_is_never_a_dedup_base,
     gc_never_sweeps_under_a_save_in_flight,
+    a_short_grace_only_defers_the_sweep,
     a_killed_gcs_sweep_lock_holds_saves_back_only_for_its_lapse,
     a_live_sweep_is_never_taken_for_a_killed_one,
     gc_racing_saves_never_breaks_a_commit,
@@ -1144,6 +1145,123 @@ async fn gc_never_sweeps_under_a_save_in_flight(b: Backend) {
         .unwrap()
         .unwrap();
     store.release_lease(l).await.unwrap();
+}
+
+/// GC with no grace at all beside a save in flight (issue 28: two `ckpt gc --grace 0s` loops
+/// beside a job deleted the manifest of the step it was committing): the writer's lease defers
+/// the sweep and the step still committing is kept, whatever the grace; only the lease lapse
+/// (an hour) makes a save's leftovers abandoned.
+async fn a_short_grace_only_defers_the_sweep(b: Backend) {
+    let clock = TestClock::starting_now();
+    let store = &ClockStore::wrap(b.store(), &clock);
+    let run = "short";
+    let layout = Layout::new(2, 1, 1, 0).unwrap();
+    let half = |rank: u32, seed: u64| {
+        vec![shard(
+            "w",
+            DType::F32,
+            &[4096],
+            NdBox::new(vec![u64::from(rank) * 2048], vec![2048]).unwrap(),
+            det_bytes(seed, 8192),
+        )]
+    };
+    let no_grace = GcOptions {
+        keep_last: Some(1),
+        grace: Duration::ZERO,
+        ..Default::default()
+    };
+    // Step 1, committed; then step 2: rank 0's manifest is written (its lease ended), rank 1
+    // holds its lease and has not written its manifest yet.
+    let mut bases = [DedupBase::new(), DedupBase::new()];
+    for rank in 0..2u32 {
+        let b = &mut bases[rank as usize];
+        leased_save(
+            store,
+            run,
+            &w(run, 1, rank, layout),
+            half(rank, u64::from(rank)),
+            b,
+            "a",
+        )
+        .await
+        .unwrap();
+    }
+    store.commit_step(run, 1).await.unwrap();
+    clock.advance(Duration::from_secs(1));
+    let refs0 = leased_save(
+        store,
+        run,
+        &w(run, 2, 0, layout),
+        half(0, 10),
+        &mut bases[0],
+        "a",
+    )
+    .await
+    .unwrap();
+    let lease = store
+        .lease_dedup_base(run, &writer_id(1, 0), &bases[1].candidates())
+        .await
+        .unwrap();
+    clock.advance(Duration::from_secs(1));
+    let g = store.gc(&no_grace, clock.now()).await.unwrap();
+    assert!(
+        g.sweep_deferred.is_some(),
+        "the live lease defers the sweep: {g:?}"
+    );
+    assert_eq!(g.incomplete_deleted, vec![], "{g:?}");
+    assert_eq!(g.incomplete_in_flight, vec![(run.to_string(), 2)], "{g:?}");
+    assert_eq!(g.objects_deleted, 0, "{g:?}");
+    for r in &refs0 {
+        assert!(
+            store.exists(&store.object_of(r)).await.unwrap(),
+            "{}",
+            r.location()
+        );
+    }
+    // Rank 1 writes its manifest and ends its lease; before the commit, no lease covers step
+    // 2: GC sweeps (no writer), but keeps step 2 and what its manifests reference.
+    let index = bases[1].pinned(lease.base());
+    store
+        .write_rank(&w(run, 2, 1, layout), half(1, 11), vec![], &index)
+        .await
+        .unwrap();
+    store.release_lease(lease).await.unwrap();
+    clock.advance(Duration::from_secs(1));
+    let g = store.gc(&no_grace, clock.now()).await.unwrap();
+    assert_eq!(g.sweep_deferred, None, "{g:?}");
+    assert_eq!(g.incomplete_in_flight, vec![(run.to_string(), 2)], "{g:?}");
+    store.commit_step(run, 2).await.unwrap();
+    let r = StepReader::open(store, run, 2).await.unwrap();
+    let want = [det_bytes(10, 8192), det_bytes(11, 8192)].concat();
+    assert_eq!(r.read_tensor("w").await.unwrap(), want);
+    // Retention drops step 1 now, and the sweep deletes what only step 1 referenced.
+    let g = store.gc(&no_grace, clock.now()).await.unwrap();
+    assert_eq!(g.steps_deleted, vec![(run.to_string(), 1)], "{g:?}");
+    assert!(g.objects_deleted >= 2, "{g:?}");
+
+    // A rank of step 3 killed after its manifest: its step is kept for the lease lapse, then
+    // abandoned and deleted, at no grace as at the default.
+    leased_save(
+        store,
+        run,
+        &w(run, 3, 0, layout),
+        half(0, 20),
+        &mut bases[0],
+        "a",
+    )
+    .await
+    .unwrap();
+    clock.advance(Duration::from_secs(30 * 60));
+    let g = store.gc(&no_grace, clock.now()).await.unwrap();
+    assert_eq!(g.incomplete_in_flight, vec![(run.to_string(), 3)], "{g:?}");
+    clock.advance(Duration::from_secs(31 * 60));
+    let g = store.gc(&no_grace, clock.now()).await.unwrap();
+    assert_eq!(g.incomplete_deleted, vec![(run.to_string(), 3)], "{g:?}");
+    assert_eq!(store.committed_steps(run).await.unwrap(), vec![2]);
+    let r = StepReader::open(store, run, 2).await.unwrap();
+    assert_eq!(r.read_tensor("w").await.unwrap(), want);
+    let v = store.verify(&VerifyScope::Store, None).await.unwrap();
+    assert!(v.is_clean(), "{v:?}");
 }
 
 /// `store` with a short sweep-lock lapse, so that the tests below take seconds.

@@ -218,8 +218,10 @@ fn gc_runs_on_a_full_disk_and_the_next_save_succeeds() {
     };
     // No retention: nothing is deleted before the sweep lock is written, so the lock is
     // written on the full disk.
+    // No save runs: a lease lapse of zero lets it delete the planted file at once.
     let opts = GcOptions {
         grace: Duration::ZERO,
+        lease_lapse: Duration::ZERO,
         ..Default::default()
     };
     let later = ckpt_store::clock::system_now() + chrono::Duration::seconds(1);
@@ -247,7 +249,7 @@ fn ckpt_gc_runs_on_a_full_disk() {
     let out = Command::new(bin("ckpt", "ckpt"))
         .arg("--store")
         .arg(&full.root)
-        .args(["gc", "--grace", "0", "--force"])
+        .args(["gc", "--grace", "0", "--lease-lapse", "0", "--force"])
         .env("CKPT_LOG", "warn")
         .output()
         .expect("ckpt runs");

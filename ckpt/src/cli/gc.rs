@@ -2,11 +2,13 @@
 //! steps that retention does not keep, abandoned incomplete steps older than the grace period,
 //! and chunk and pack objects nothing references any more.
 //!
-//! What a save in progress needs survives: its chunks are younger than the grace period (GC
-//! never deletes an unreferenced object younger than that), and so is its incomplete step.
+//! What a save in progress needs survives, whatever the grace: its writer lease defers the
+//! sweep while it is younger than `--lease-lapse` (an hour), and its incomplete step and
+//! temporary files are kept while younger than the lease lapse and the grace (a save may be
+//! committing). So a short grace beside a running job costs a sweep's deferral, never a save.
 //! `--protect RUN@STEP` keeps a step a pending save builds on whatever retention says. On a
 //! local directory, temporary files that interrupted writes left are deleted once older than
-//! the grace period.
+//! both.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -32,9 +34,14 @@ pub struct GcArgs {
     /// Keep committed steps whose number is a multiple of K.
     #[arg(long, value_name = "K")]
     pub keep_every: Option<u64>,
-    /// Never delete objects or incomplete steps younger than this (a save in progress).
+    /// Never delete unreferenced objects younger than this.
     #[arg(long, value_name = "DURATION", default_value = "1h", value_parser = duration)]
     pub grace: Duration,
+    /// Count a save as in flight this long after its last write, whatever the grace: its
+    /// writer lease defers the sweep, its incomplete step and temporary files are kept.
+    /// Shorten only when no job saves (a killed job's leases then stop deferring sweeps).
+    #[arg(long, value_name = "DURATION", default_value = "1h", value_parser = duration)]
+    pub lease_lapse: Duration,
     /// Print what would be deleted; delete nothing.
     #[arg(long)]
     pub dry_run: bool,
@@ -45,7 +52,8 @@ pub struct GcArgs {
     /// Keep this step whatever retention says (a pending save builds on it). Repeatable.
     #[arg(long, value_name = "RUN@STEP", value_parser = ckpt_ref)]
     pub protect: Vec<CkptRef>,
-    /// Accept a grace period under a minute (only when no save is running).
+    /// Accept a grace period or lease lapse under a minute (a short grace defers sweeps
+    /// beside a running job; a short lease lapse is only for a store no job saves to).
     #[arg(long)]
     pub force: bool,
     /// Apply retention only: leave unreferenced chunks for a later gc.
@@ -61,6 +69,7 @@ impl Default for GcArgs {
             keep_last: o.keep_last,
             keep_every: o.keep_every,
             grace: o.grace,
+            lease_lapse: o.lease_lapse,
             dry_run: o.dry_run,
             runs: o.runs,
             protect: Vec::new(),
@@ -78,6 +87,7 @@ impl From<&GcArgs> for GcOptions {
             keep_last: a.keep_last,
             keep_every: a.keep_every,
             grace: a.grace,
+            lease_lapse: a.lease_lapse,
             dry_run: a.dry_run,
             runs: a.runs.clone(),
             protect: Vec::new(),
@@ -95,6 +105,8 @@ pub struct GcOutput {
     pub retention: String,
     /// Grace period in seconds.
     pub grace_s: f64,
+    /// Lease lapse in seconds: how long a save counts as in flight after its last write.
+    pub lease_lapse_s: f64,
     /// The store's report.
     #[serde(flatten)]
     pub report: GcReport,
@@ -107,9 +119,16 @@ pub async fn gc(store: &Store, args: &GcArgs, now: DateTime<Utc>, ui: &Ui) -> Re
     }
     if args.grace < MIN_GRACE && !args.force {
         return Err(CliError::usage(format!(
-            "a grace period of {} can delete the chunks of a save in progress; \
-             pass --force if no save is running",
+            "a grace period of {} deletes unreferenced chunks as soon as no save holds a lease \
+             (saves in flight only defer the sweep); pass --force to confirm",
             fmt::duration(args.grace.as_secs_f64())
+        )));
+    }
+    if args.lease_lapse < MIN_GRACE && !args.force {
+        return Err(CliError::usage(format!(
+            "a lease lapse of {} takes a save in flight for a dead one and can delete what it \
+             writes; pass --force if no job saves to this store",
+            fmt::duration(args.lease_lapse.as_secs_f64())
         )));
     }
     for r in &args.runs {
@@ -154,6 +173,7 @@ pub async fn gc(store: &Store, args: &GcArgs, now: DateTime<Utc>, ui: &Ui) -> Re
         store: store.url().to_string(),
         retention,
         grace_s: args.grace.as_secs_f64(),
+        lease_lapse_s: args.lease_lapse.as_secs_f64(),
         report,
     })
 }
@@ -189,9 +209,10 @@ impl Report for GcOutput {
         )?;
         writeln!(
             w,
-            "  retention  {}; grace {}",
+            "  retention  {}; grace {}; saves in flight for {}",
             self.retention,
-            fmt::duration(self.grace_s)
+            fmt::duration(self.grace_s),
+            fmt::duration(self.lease_lapse_s)
         )?;
         if r.steps_deleted.is_empty() {
             writeln!(w, "  steps      none to delete")?;
@@ -209,6 +230,14 @@ impl Report for GcOutput {
                 "  abandoned  {del} {} incomplete: {}",
                 r.incomplete_deleted.len(),
                 grouped(&r.incomplete_deleted)
+            )?;
+        }
+        if !r.incomplete_in_flight.is_empty() {
+            writeln!(
+                w,
+                "  in flight  kept {} incomplete (a save may still commit them): {}",
+                r.incomplete_in_flight.len(),
+                grouped(&r.incomplete_in_flight)
             )?;
         }
         writeln!(w, "  kept       {} committed step(s)", r.steps_kept.len())?;

@@ -171,7 +171,7 @@ impl Report for VerifyOutput {
                 w,
                 "note: {} temporary file(s) ({}) that interrupted writes left: {}{}; not damage \
                  (nothing references them), `ckpt gc` deletes them once they are older than its \
-                 grace period",
+                 grace period and lease lapse",
                 r.temp_files.len(),
                 fmt::bytes(bytes),
                 shown.join(", "),

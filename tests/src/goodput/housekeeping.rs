@@ -35,6 +35,10 @@ impl Housekeeping {
                 keep.to_string(),
                 "--grace".into(),
                 "60s".into(),
+                // A killed rank's lease stops deferring sweeps after a minute (its saves take
+                // seconds), as the grace did before the two were told apart.
+                "--lease-lapse".into(),
+                "60s".into(),
                 "--no-progress".into(),
             ],
             log: dir.join("gc.log"),

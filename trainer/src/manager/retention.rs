@@ -77,6 +77,7 @@ impl Retention {
             keep_last: self.keep_last,
             keep_every: self.keep_every,
             grace: self.grace,
+            lease_lapse: ckpt_store::lease::LOCK_LAPSE,
             dry_run: false,
             runs: vec![run.to_string()],
             protect,
