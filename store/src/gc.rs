@@ -233,9 +233,11 @@ impl Store {
                 Ok(lock) => Some(lock),
                 Err(writers) => {
                     report.sweep_deferred = Some(format!(
-                        "{} save(s) in flight hold a writer lease ({}); nothing was swept",
+                        "{} save(s) in flight hold a writer lease ({}); nothing was swept (the \
+                         lease of a save that was killed lapses {} s after it was taken)",
                         writers.len(),
-                        writers[0]
+                        writers[0],
+                        opts.lease_lapse.as_secs()
                     ));
                     None
                 }

@@ -260,6 +260,13 @@ impl Report for GcOutput {
         }
         if let Some(why) = &r.sweep_deferred {
             writeln!(w, "  sweep      deferred: {why}")?;
+            if why.contains("writer lease") && self.lease_lapse_s > 0.0 {
+                writeln!(
+                    w,
+                    "  hint       if no job saves to this store (the leases are a killed job's), \
+                     `ckpt gc --lease-lapse 0s --force` sweeps now"
+                )?;
+            }
         }
         if r.temp_files_deleted + r.temp_files_in_grace > 0 {
             writeln!(
