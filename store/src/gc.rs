@@ -37,7 +37,7 @@ use serde::Serialize;
 use tracing::{debug, info, instrument, warn};
 
 use crate::catalog::StepListing;
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::keys::StepObject;
 use crate::model::RankManifest;
 use crate::store::Store;
@@ -300,6 +300,7 @@ impl Store {
         if !opts.sweep || (sweep.is_none() && !opts.dry_run) {
             return Ok(());
         }
+        self.failpoints().hit("before_mark").await?;
         let (live, bases) = self.marked(live_manifests).await?;
         let doomed = self.unreferenced(now, grace, &live, &bases, report).await?;
         if opts.dry_run {
@@ -375,18 +376,29 @@ impl Store {
         &self,
         live_manifests: Vec<(String, u64, u32)>,
     ) -> Result<(HashSet<Path>, HashSet<Path>)> {
-        let manifests: Vec<RankManifest> = stream::iter(live_manifests)
+        let manifests: Vec<Option<RankManifest>> = stream::iter(live_manifests)
             .map(|(run, step, rank)| async move {
-                self.get_rank_manifest(&run, step, rank)
-                    .await
-                    .map(|(m, _, _)| m)
-                    .map_err(|e| {
-                        e.context("gc cannot tell what this manifest references; nothing was swept")
-                    })
+                match self.get_rank_manifest(&run, step, rank).await {
+                    Ok((m, _, _)) => Ok(Some(m)),
+                    // Another GC dropped the step since it was listed (its commit record
+                    // goes first): what it referenced is no longer live. A committed step
+                    // without its manifest is damage: nothing is swept.
+                    Err(e)
+                        if e.kind() == ErrorKind::NotFound
+                            && !self.exists(&self.keys().commit(&run, step)).await? =>
+                    {
+                        debug!(run, step, rank, "manifest gone with its step: not marked");
+                        Ok(None)
+                    }
+                    Err(e) => Err(e.context(
+                        "gc cannot tell what this manifest references; nothing was swept",
+                    )),
+                }
             })
             .buffer_unordered(32)
             .try_collect()
             .await?;
+        let manifests: Vec<RankManifest> = manifests.into_iter().flatten().collect();
         let mut live: HashSet<Path> = HashSet::new();
         let mut bases: HashSet<Path> = HashSet::new();
         for m in &manifests {

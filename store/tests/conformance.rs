@@ -74,6 +74,7 @@ conformance!(
     failed_commit_is_never_a_dedup_base,
     gc_never_sweeps_under_a_save_in_flight,
     a_short_grace_only_defers_the_sweep,
+    a_step_another_gc_drops_mid_mark_is_not_an_error,
     a_killed_gcs_sweep_lock_holds_saves_back_only_for_its_lapse,
     a_live_sweep_is_never_taken_for_a_killed_one,
     gc_racing_saves_never_breaks_a_commit,
@@ -1261,6 +1262,71 @@ async fn a_short_grace_only_defers_the_sweep(b: Backend) {
     assert_eq!(store.committed_steps(run).await.unwrap(), vec![2]);
     let r = StepReader::open(store, run, 2).await.unwrap();
     assert_eq!(r.read_tensor("w").await.unwrap(), want);
+    let v = store.verify(&VerifyScope::Store, None).await.unwrap();
+    assert!(v.is_clean(), "{v:?}");
+}
+
+/// Two GCs at once: while one marks the steps it listed, the other's retention drops some of
+/// them (commit record, then manifests). The first finds those manifests gone with their
+/// commit records: not live any more, not an error, and the kept step stays whole.
+async fn a_step_another_gc_drops_mid_mark_is_not_an_error(b: Backend) {
+    let store = b.store();
+    let run = "twogc";
+    let mut base = DedupBase::new();
+    for step in 1..=3u64 {
+        let data = det_bytes(step, 8192);
+        let s = vec![shard("w", DType::F32, &[2048], NdBox::full(&[2048]), data)];
+        leased_save(
+            store,
+            run,
+            &w(run, step, 0, Layout::SINGLE),
+            s,
+            &mut base,
+            "a",
+        )
+        .await
+        .unwrap();
+        store.commit_step(run, step).await.unwrap();
+    }
+    // The first GC (no retention: every step is live) pauses after listing, before its mark.
+    store.failpoints().set_nth(
+        "before_mark",
+        FailAction::Sleep(Duration::from_millis(800)),
+        Some(1),
+    );
+    let first = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            let opts = GcOptions {
+                grace: Duration::ZERO,
+                ..Default::default()
+            };
+            store.gc(&opts, ckpt_store::clock::system_now()).await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let second = GcOptions {
+        keep_last: Some(1),
+        grace: Duration::ZERO,
+        ..Default::default()
+    };
+    let g = store
+        .gc(&second, ckpt_store::clock::system_now())
+        .await
+        .unwrap();
+    assert_eq!(
+        g.steps_deleted,
+        vec![(run.to_string(), 1), (run.to_string(), 2)],
+        "{g:?}"
+    );
+    let g = first.await.unwrap().unwrap_or_else(|e| {
+        panic!("a GC failed on the steps another GC dropped while it marked: {e}")
+    });
+    assert!(g.steps_deleted.is_empty(), "{g:?}");
+    store.failpoints().clear();
+    assert_eq!(store.committed_steps(run).await.unwrap(), vec![3]);
+    let r = StepReader::open(store, run, 3).await.unwrap();
+    assert_eq!(r.read_tensor("w").await.unwrap(), det_bytes(3, 8192));
     let v = store.verify(&VerifyScope::Store, None).await.unwrap();
     assert!(v.is_clean(), "{v:?}");
 }
