@@ -360,6 +360,20 @@ pub struct RankState {
 impl RankState {
     /// Build and initialize rank `rank`'s state for `layout`.
     pub fn new(model: ModelConfig, train: TrainConfig, layout: Layout, rank: u32) -> Result<Self> {
+        let state = Self::zeroed(model, train, layout, rank)?;
+        state.init();
+        Ok(state)
+    }
+
+    /// Rank `rank`'s state for `layout` with every tensor zeroed, for a rank whose restore
+    /// fills every tensor next: the initial weights are not computed to be overwritten.
+    /// [`RankState::init`] writes them when there is nothing to restore.
+    pub fn zeroed(
+        model: ModelConfig,
+        train: TrainConfig,
+        layout: Layout,
+        rank: u32,
+    ) -> Result<Self> {
         let c = layout.coords(rank);
         let specs = model.specs();
         let placed = place_rank(&layout, rank, &specs)?;
@@ -372,16 +386,6 @@ impl RankState {
             let master_spec = &specs[pi * 4 + 1];
             let held = tp_box(master_spec, c.tp, layout.tp)?;
             let n = held.numel() as usize;
-            let key = tensor_key(&p.name);
-            let mut w = vec![0u8; n * 2];
-            let mut m32 = vec![0u8; n * 4];
-            for_rows(&p.shape, &held, |g, at, len| {
-                for i in 0..len {
-                    let x = init_weight(train.seed, key, g + i as u64);
-                    m32[(at + i) * 4..(at + i) * 4 + 4].copy_from_slice(&x.to_le_bytes());
-                    w[(at + i) * 2..(at + i) * 2 + 2].copy_from_slice(&to_bf16(x).to_le_bytes());
-                }
-            });
             let owned = placed
                 .iter()
                 .filter(|x| x.spec == pi * 4 + 1 && x.replica_of.is_none())
@@ -393,14 +397,14 @@ impl RankState {
                 shape: p.shape.clone(),
                 held,
                 tensors: [
-                    HostTensor::from_vec(w),
-                    HostTensor::from_vec(m32),
+                    HostTensor::zeroed(n * 2),
+                    HostTensor::zeroed(n * 4),
                     HostTensor::zeroed(n * 4),
                     HostTensor::zeroed(n * 4),
                 ],
                 owned,
                 frozen: p.layer.is_some_and(|l| l < frozen_layers),
-                key,
+                key: tensor_key(&p.name),
             });
         }
         Ok(RankState {
@@ -410,6 +414,25 @@ impl RankState {
             rank,
             params,
         })
+    }
+
+    /// Write the initial state: the weights of `train.seed` (master fp32 and its bf16 copy),
+    /// zero moments.
+    pub fn init(&self) {
+        for p in &self.params {
+            let mut w = p.tensors[0].write();
+            let mut m32 = p.tensors[1].write();
+            for_rows(&p.shape, &p.held, |g, at, len| {
+                for i in 0..len {
+                    let x = init_weight(self.train.seed, p.key, g + i as u64);
+                    m32[(at + i) * 4..(at + i) * 4 + 4].copy_from_slice(&x.to_le_bytes());
+                    w[(at + i) * 2..(at + i) * 2 + 2].copy_from_slice(&to_bf16(x).to_le_bytes());
+                }
+            });
+            for k in 2..4 {
+                p.tensors[k].write().fill(0);
+            }
+        }
     }
 
     /// Bytes this rank holds.
