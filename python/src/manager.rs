@@ -71,20 +71,10 @@ impl MemorySink for PySink {
     }
 
     fn write_at(&self, offset: usize, src: &[u8]) -> ckpt_store::Result<()> {
-        let end = offset
-            .checked_add(src.len())
-            .filter(|&e| e <= self.0.len)
-            .ok_or_else(|| Error::internal("restore write past the end of a Python tensor"))?;
-        // SAFETY: the memory is writable (checked when lent), `len` bytes long and kept alive
-        // by the `Lent`; restores write disjoint ranges, and Python waits in `restore_latest`.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                src.as_ptr(),
-                (self.0.ptr as *mut u8).add(offset),
-                end - offset,
-            );
-        }
-        Ok(())
+        self.in_place(offset, src.len(), &mut |dst| {
+            dst.copy_from_slice(src);
+            Ok(())
+        })
     }
 
     fn with_memory(
@@ -93,19 +83,33 @@ impl MemorySink for PySink {
         len: usize,
         fill: &mut dyn FnMut(&mut [u8]) -> ckpt_store::Result<()>,
     ) -> Option<ckpt_store::Result<()>> {
+        Some(self.in_place(offset, len, fill))
+    }
+}
+
+impl PySink {
+    /// `fill` the lent bytes `offset .. offset + len` in place: what both of the sink's writes
+    /// do.
+    fn in_place(
+        &self,
+        offset: usize,
+        len: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> ckpt_store::Result<()>,
+    ) -> ckpt_store::Result<()> {
         if offset.checked_add(len).is_none_or(|e| e > self.0.len) {
-            return Some(Err(Error::internal(
+            return Err(Error::internal(
                 "restore write past the end of a Python tensor",
-            )));
+            ));
         }
         if len == 0 {
-            return Some(fill(&mut []));
+            return fill(&mut []);
         }
-        // SAFETY: as for `write_at`: writable memory of `len` bytes from `offset`, kept alive
-        // by the `Lent`; restores write disjoint ranges while Python waits.
+        // SAFETY: the memory is writable (checked when lent), `len` bytes from `offset` lie
+        // within it (checked above), and it is kept alive by the `Lent`; restores write
+        // disjoint ranges, and Python waits in `restore_latest`.
         let dst =
             unsafe { std::slice::from_raw_parts_mut((self.0.ptr as *mut u8).add(offset), len) };
-        Some(fill(dst))
+        fill(dst)
     }
 }
 

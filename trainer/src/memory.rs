@@ -197,12 +197,10 @@ impl MemorySink for HostTensor {
     }
 
     fn write_at(&self, offset: usize, src: &[u8]) -> Result<()> {
-        let mut g = self.write();
-        let dst = g
-            .get_mut(offset..offset + src.len())
-            .ok_or_else(|| Error::invalid("restore write past the end of a host tensor"))?;
-        dst.copy_from_slice(src);
-        Ok(())
+        self.in_place(offset, src.len(), &mut |dst| {
+            dst.copy_from_slice(src);
+            Ok(())
+        })
     }
 
     fn with_memory(
@@ -211,13 +209,25 @@ impl MemorySink for HostTensor {
         len: usize,
         fill: &mut dyn FnMut(&mut [u8]) -> Result<()>,
     ) -> Option<Result<()>> {
+        Some(self.in_place(offset, len, fill))
+    }
+}
+
+impl HostTensor {
+    /// `fill` the bytes `offset .. offset + len` in place, under the write lock (which bumps
+    /// the version): what both of the sink's writes do.
+    fn in_place(
+        &self,
+        offset: usize,
+        len: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> Result<()>,
+    ) -> Result<()> {
         let mut g = self.write();
-        Some(match g.get_mut(offset..offset + len) {
-            Some(dst) => fill(dst),
-            None => Err(Error::invalid(
-                "restore write past the end of a host tensor",
-            )),
-        })
+        let dst = offset
+            .checked_add(len)
+            .and_then(|end| g.get_mut(offset..end))
+            .ok_or_else(|| Error::invalid("restore write past the end of a host tensor"))?;
+        fill(dst)
     }
 }
 
