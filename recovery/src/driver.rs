@@ -434,6 +434,21 @@ pub fn signal_rank(pid: u32, kill: bool) {
     }
 }
 
+/// Whether process `pid` is stopped (state `T`, or `t` under a tracer: SIGSTOP, a terminal's
+/// stop, a debugger), read from `/proc`; false when that cannot be read (the process is gone).
+/// A stopped rank sends no beats, and before its first beat the coordinator could not tell it
+/// from a slow start without this.
+pub fn process_stopped(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    // The state is the first field after the command name, which is in parentheses and may
+    // itself hold spaces and parentheses.
+    stat.rfind(')')
+        .and_then(|i| stat[i + 1..].split_whitespace().next())
+        .is_some_and(|state| state == "T" || state == "t")
+}
+
 /// A free TCP port on this machine for `MASTER_PORT` (29500 if none can be found).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind(("0.0.0.0", 0))
@@ -630,5 +645,41 @@ fn log_record(rec: &Record) {
         Event::StepUnusable(u) => warn!(step = u.step, rank = ?u.rank, "step unusable: {}", u.why),
         Event::Finished(f) => info!(ok = f.ok, "job finished: {}", f.reason),
         _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::process_stopped;
+    use std::time::{Duration, Instant};
+
+    fn wait_for(pid: u32, want: bool) -> bool {
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(5) {
+            if process_stopped(pid) == want {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        false
+    }
+
+    #[test]
+    fn a_stopped_process_reads_as_stopped_and_a_continued_one_does_not() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        assert!(!process_stopped(pid), "a running process read as stopped");
+        // SAFETY: signals to the child this test started.
+        unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+        assert!(wait_for(pid, true), "SIGSTOP not seen");
+        // SAFETY: as above.
+        unsafe { libc::kill(pid as i32, libc::SIGCONT) };
+        assert!(wait_for(pid, false), "SIGCONT not seen");
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(!process_stopped(pid), "a reaped process read as stopped");
     }
 }

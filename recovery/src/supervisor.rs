@@ -21,7 +21,7 @@
 //! processes and replica agents on this machine, the store's generation numbers from the
 //! first free one, the repair schedule, the end of the job) is its `Local` effects.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 use std::time::Duration;
 
@@ -36,7 +36,7 @@ use tracing::info;
 use crate::coordinator::{Coordinator, Event, Record};
 use crate::driver::{
     JobOptions, Launch, LossBoard, RankExit, RecoveryLog, first_free_generation, free_port,
-    private_dir, remove_private_dir, signal_rank,
+    private_dir, process_stopped, remove_private_dir, signal_rank,
 };
 pub use crate::driver::{RankPlan, choose_step, restore_plan};
 pub use crate::executor::COMMIT_POLL;
@@ -153,6 +153,7 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
         agents,
         exit_tx,
         children: HashMap::new(),
+        stopped: HashSet::new(),
         repairs: BTreeMap::new(),
         outcome: None,
         opts,
@@ -181,6 +182,7 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
             }
             _ = tick.tick() => {
                 let now = ex.now();
+                local.watch_stops(&mut ex, now);
                 ex.push(Event::Tick { now });
                 local.repair_due(&mut ex, now).await;
                 ex.poll_commits().await;
@@ -245,6 +247,8 @@ struct Local {
     exit_tx: mpsc::UnboundedSender<RankExit>,
     /// Rank processes: (coordinator generation, rank) -> pid.
     children: HashMap<(u64, u32), u32>,
+    /// The live ranks of the running generation last seen stopped.
+    stopped: HashSet<(u64, u32)>,
     /// Failed nodes being repaired: when each comes back.
     repairs: BTreeMap<u32, Duration>,
     /// The end of the job, once the coordinator says so.
@@ -326,6 +330,32 @@ impl Local {
                 && let Err(e) = stdin.write_all(line.as_bytes()).await
             {
                 tracing::warn!(node = n, "telling the replica agent its members: {e}");
+            }
+        }
+    }
+
+    /// Tell the coordinator which live ranks' processes stopped or run again since the last
+    /// look (a stopped rank beats no more; before its first beat only this tells).
+    fn watch_stops(&mut self, ex: &mut Executor, now: Duration) {
+        let generation = ex.coord.generation();
+        self.stopped.retain(|(g, _)| *g == generation);
+        for rank in ex.coord.live_ranks() {
+            let Some(&pid) = self.children.get(&(generation, rank)) else {
+                continue;
+            };
+            let stopped = process_stopped(pid);
+            let changed = if stopped {
+                self.stopped.insert((generation, rank))
+            } else {
+                self.stopped.remove(&(generation, rank))
+            };
+            if changed {
+                ex.push(Event::Stopped {
+                    generation,
+                    rank,
+                    stopped,
+                    now,
+                });
             }
         }
     }

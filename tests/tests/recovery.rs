@@ -375,6 +375,71 @@ fn a_rank_stopped_while_it_restores_is_found_by_its_missed_beats() {
 }
 
 #[test]
+fn a_rank_stopped_before_its_first_beat_is_found_within_the_heartbeat_timeout() {
+    // The goodput soak's SIGSTOP once landed between a rank's start and its first beat: with
+    // no beat to miss, the job waited for the start-up timeout. Rank 1 of the first
+    // generation stops itself before it execs `ckpt-train` (a marker directory says it did).
+    let dir = tempfile::tempdir().unwrap();
+    let want = reference_digest(dir.path(), 8, PARAMS);
+    let store = dir.path().join("store");
+    let run = "stopped-early";
+    committed_run(&store, run, 4, 4);
+    let topo = Topology {
+        nodes: 2,
+        ranks_per_node: 1,
+        spares: 1,
+    };
+    let mark = dir.path().join("stopped-once");
+    let mut cmd: Vec<String> = vec![
+        "sh".into(),
+        "-c".into(),
+        format!(
+            "if [ \"$CKPT_RANK\" = 1 ] && mkdir '{}' 2>/dev/null; then kill -STOP $$; fi; exec \"$@\"",
+            mark.display()
+        ),
+        "sh".into(),
+    ];
+    cmd.extend(train_cmd(8, 4, 20));
+    let opts = options(&store, run, topo, "dp=2", cmd, dir.path().join("logs"));
+    let timeout = opts.job.config.heartbeat_timeout;
+    let startup = opts.job.config.startup_timeout;
+    let report = spawn_supervisor(opts).join().unwrap();
+    assert!(report.ok, "{}", report.reason);
+    assert!(mark.exists(), "rank 1 never stopped itself");
+    let started = report
+        .records
+        .iter()
+        .find(|r| r["kind"] == "started")
+        .expect("a started record");
+    let f = report
+        .records
+        .iter()
+        .find(|r| r["kind"] == "failure")
+        .expect("a failure record");
+    assert_eq!(
+        (f["rank"].as_u64(), f["how"].as_str()),
+        (Some(1), Some("heartbeat")),
+        "{f}"
+    );
+    let detail = f["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("stopped") && detail.contains("before its first heartbeat"),
+        "{f}"
+    );
+    // Found within the heartbeat timeout of the start (plus the time to start a process and
+    // slack), far from the start-up timeout.
+    let after =
+        Duration::from_millis(f["at_ms"].as_u64().unwrap() - started["at_ms"].as_u64().unwrap());
+    let limit = timeout + Duration::from_millis(2_500);
+    assert!(
+        after <= limit && limit < startup,
+        "detected {after:?} after the generation started, limit {limit:?}"
+    );
+    // The job resumed step 4 again on the spare and finished bit-identical.
+    assert_eq!(final_digest(&dir.path().join("logs")).unwrap(), want);
+}
+
+#[test]
 fn too_few_survivors_for_tp_x_pp_stop_with_a_reason() {
     let dir = tempfile::tempdir().unwrap();
     let run = "few";

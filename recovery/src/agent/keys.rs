@@ -208,6 +208,9 @@ pub struct BeatsMsg {
     /// Partial loss sums of the steps completed.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub partials: Vec<Partial>,
+    /// The node's ranks whose processes are stopped now (every other rank of the node runs).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stopped: Vec<u32>,
 }
 
 /// `exits/<gen>/<rank>`: how a rank ended.

@@ -316,6 +316,12 @@ impl Leader {
             return Ok(());
         }
         let (internal, world) = (r.internal, r.world);
+        let on_node: Vec<u32> = r
+            .assignments
+            .iter()
+            .filter(|a| a.node == n)
+            .map(|a| a.rank)
+            .collect();
         for p in &b.partials {
             c.losses
                 .add(b.generation, p.step, &p.workload, world)
@@ -333,6 +339,14 @@ impl Leader {
                 generation: internal,
                 rank,
                 step,
+                now,
+            });
+        }
+        for rank in on_node {
+            self.ex.push(Event::Stopped {
+                generation: internal,
+                rank,
+                stopped: b.stopped.contains(&rank),
                 now,
             });
         }

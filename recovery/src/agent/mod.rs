@@ -54,7 +54,8 @@ use tracing::{error, info, warn};
 
 use crate::coordinator::ExitStatus;
 use crate::driver::{
-    JobOptions, Launch, RankExit, free_port, private_dir, remove_private_dir, signal_rank,
+    JobOptions, Launch, RankExit, free_port, private_dir, process_stopped, remove_private_dir,
+    signal_rank,
 };
 use crate::heartbeat::Beat;
 pub use keys::{
@@ -279,6 +280,7 @@ pub async fn run(opts: AgentOptions) -> Result<AgentReport> {
         fresh: BTreeMap::new(),
         starting: BTreeSet::new(),
         partials: Vec::new(),
+        stopped: BTreeSet::new(),
         last_leader: None,
         leader: None,
         campaign: false,
@@ -314,6 +316,8 @@ struct Agent {
     /// Local ranks that beat while starting since the last relay (no step yet).
     starting: BTreeSet<u32>,
     partials: Vec<Partial>,
+    /// Local ranks of the current generation whose processes were stopped at the last relay.
+    stopped: BTreeSet<u32>,
     last_leader: Option<u32>,
     leader: Option<Leader>,
     campaign: bool,
@@ -649,6 +653,7 @@ impl Agent {
         self.fresh.clear();
         self.starting.clear();
         self.partials.clear();
+        self.stopped.clear();
         let layout = p.layout()?;
         let mine: Vec<_> = p
             .assignments
@@ -738,12 +743,24 @@ impl Agent {
     }
 
     /// Relay the beats since the last relay (a rank that sent none is not reported: the
-    /// coordinator sees it fall silent).
+    /// coordinator sees it fall silent), and which ranks' processes are stopped (sent when
+    /// that changed too: before its first beat, only this tells a stopped rank from a slow
+    /// start).
     async fn relay(&mut self) -> Result<()> {
         let Some(p) = &self.current else {
             return Ok(());
         };
-        if self.fresh.is_empty() && self.partials.is_empty() && self.starting.is_empty() {
+        let stopped: BTreeSet<u32> = self
+            .children
+            .iter()
+            .filter(|((g, _), pid)| *g == p.generation && process_stopped(**pid))
+            .map(|((_, r), _)| *r)
+            .collect();
+        if self.fresh.is_empty()
+            && self.partials.is_empty()
+            && self.starting.is_empty()
+            && stopped == self.stopped
+        {
             return Ok(());
         }
         let msg = BeatsMsg {
@@ -751,7 +768,9 @@ impl Agent {
             steps: std::mem::take(&mut self.fresh).into_iter().collect(),
             starting: std::mem::take(&mut self.starting).into_iter().collect(),
             partials: std::mem::take(&mut self.partials),
+            stopped: stopped.iter().copied().collect(),
         };
+        self.stopped = stopped;
         let key = self.key(Key::Beats(self.opts.node));
         // Liveness is the lease's business: a lost relay only delays the beats.
         if let Err(e) = self.sess.put(&key, &msg, true).await {

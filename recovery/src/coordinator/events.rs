@@ -76,6 +76,20 @@ pub enum Event {
         /// Time.
         now: Duration,
     },
+    /// The driver saw a rank's process stopped (SIGSTOP, a terminal's stop, a tracer), or
+    /// running again (`stopped: false`). A stopped process sends no beats: one stopped before
+    /// its first beat is failed within the heartbeat timeout of the stop, not the start-up
+    /// timeout.
+    Stopped {
+        /// Its generation.
+        generation: u64,
+        /// The rank.
+        rank: u32,
+        /// Stopped, or running again.
+        stopped: bool,
+        /// Time.
+        now: Duration,
+    },
     /// A rank process ended.
     Exited {
         /// Its generation.

@@ -86,6 +86,8 @@ struct RankState {
     last_step: Option<u64>,
     last_progress: Duration,
     exited: Option<ExitStatus>,
+    /// Since when the driver has seen the rank's process stopped (`None`: running).
+    stopped_since: Option<Duration>,
 }
 
 impl RankState {
@@ -98,13 +100,15 @@ impl RankState {
             last_step: None,
             last_progress: now,
             exited,
+            stopped_since: None,
         }
     }
 
     /// Why this running rank has failed by `now`, if it has: its beats stopped (a process
-    /// stopped or gone, also while it restores), no step reported within the start-up timeout
-    /// (beating or not), or no step progress within the hang timeout. (How, detail, seconds
-    /// since the last sign.)
+    /// stopped or gone, also while it restores), its process stopped with no beat since for the
+    /// heartbeat timeout (also before its first beat), no step reported within the start-up
+    /// timeout (beating or not), or no step progress within the hang timeout. (How, detail,
+    /// seconds since the last sign.)
     fn overdue(
         &self,
         rank: u32,
@@ -125,6 +129,24 @@ impl RankState {
                 "rank {rank} missed its heartbeats for {s:.1} s{what} (stopped or unreachable)"
             );
             return Some(("heartbeat", detail, s));
+        }
+        if let Some(stopped) = self.stopped_since {
+            // No beat can come from a stopped process: the heartbeat timeout runs from the stop
+            // (or the last beat after it), also for a rank that has not beaten yet.
+            let sign = self.last_beat.map_or(stopped, |b| b.max(stopped));
+            if since(sign) > cfg.heartbeat_timeout {
+                let s = since(stopped).as_secs_f64();
+                let what = if self.last_beat.is_some() {
+                    ""
+                } else {
+                    " before its first heartbeat"
+                };
+                let detail = format!(
+                    "rank {rank}'s process has been stopped for {s:.1} s{what} (SIGSTOP, a \
+                     terminal stop or a tracer)"
+                );
+                return Some(("heartbeat", detail, since(sign).as_secs_f64()));
+            }
         }
         match self.last_step {
             None if since(self.started) > cfg.startup_timeout => {
@@ -448,6 +470,23 @@ impl Coordinator {
                     && let Some(r) = self.ranks.get_mut(&rank)
                 {
                     r.last_beat = Some(now);
+                }
+                vec![]
+            }
+            Event::Stopped {
+                generation,
+                rank,
+                stopped,
+                now,
+            } => {
+                if generation == self.generation
+                    && let Some(r) = self.ranks.get_mut(&rank)
+                {
+                    r.stopped_since = match (stopped, r.stopped_since) {
+                        (true, Some(t)) => Some(t),
+                        (true, None) => Some(now),
+                        (false, _) => None,
+                    };
                 }
                 vec![]
             }

@@ -745,3 +745,65 @@ fn a_data_failure_after_starting_beats_is_the_steps_not_the_nodes() {
     });
     assert_eq!(failures(&out).len(), 1, "{out:?}");
 }
+
+fn stopped(c: &mut Coordinator, rank: u32, is: bool, t: u64) -> Vec<Action> {
+    c.on_event(Event::Stopped {
+        generation: c.generation(),
+        rank,
+        stopped: is,
+        now: ms(t),
+    })
+}
+
+#[test]
+fn a_rank_stopped_before_its_first_beat_is_failed_within_the_heartbeat_timeout() {
+    // Start-up may take five minutes; rank 0 never beats: the driver sees its process stopped
+    // at 500 ms (the soak's SIGSTOP between a rank's exec and its first beat).
+    let mut c = restoring(Duration::from_secs(300));
+    let mut t = 0;
+    while t < 3_000 {
+        t += 100;
+        if t == 500 {
+            assert!(stopped(&mut c, 0, true, t).is_empty());
+        }
+        if t > 500 {
+            // Seen again at every look: the stop counts from the first.
+            stopped(&mut c, 0, true, t);
+        }
+        beat(&mut c, 1, 10, t);
+        let out = c.on_event(Event::Tick { now: ms(t) });
+        let f = failures(&out);
+        if t <= 2_500 {
+            assert!(f.is_empty(), "failed at {t} ms: {out:?}");
+            continue;
+        }
+        assert_eq!(f.len(), 1, "{out:?}");
+        assert_eq!((f[0].rank, f[0].how.as_str()), (0, "heartbeat"));
+        assert!(
+            f[0].detail.contains("stopped") && f[0].detail.contains("before its first heartbeat"),
+            "{}",
+            f[0].detail
+        );
+        return;
+    }
+    panic!("the rank stopped before its first beat was not failed within the heartbeat timeout");
+}
+
+#[test]
+fn a_rank_continued_before_the_heartbeat_timeout_is_not_failed() {
+    // Stopped at 500 ms, running again at 1.5 s, then starting slowly without a beat: only the
+    // start-up timeout (5 minutes) applies to it.
+    let mut c = restoring(Duration::from_secs(300));
+    let mut t = 0;
+    while t < 10_000 {
+        t += 100;
+        match t {
+            500 => assert!(stopped(&mut c, 0, true, t).is_empty()),
+            1_500 => assert!(stopped(&mut c, 0, false, t).is_empty()),
+            _ => {}
+        }
+        beat(&mut c, 1, 10, t);
+        let out = c.on_event(Event::Tick { now: ms(t) });
+        assert!(failures(&out).is_empty(), "failed at {t} ms: {out:?}");
+    }
+}
