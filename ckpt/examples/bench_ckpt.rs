@@ -70,6 +70,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 rank,
                 layout,
                 generation: 0,
+                node: None,
             };
             store
                 .write_rank(&w, shards, vec![], &DedupIndex::new())

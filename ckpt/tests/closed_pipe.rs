@@ -46,6 +46,7 @@ async fn wide_run(env: &Env, run: &str, steps: u64) {
             rank: 0,
             layout: Layout::SINGLE,
             generation: 0,
+            node: None,
         };
         env.store
             .write_rank(&w, shards, vec![], &index)

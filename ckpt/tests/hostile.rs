@@ -292,6 +292,7 @@ async fn hostile_names_never_leave_out_or_reach_the_terminal(env: Env) {
         rank: 0,
         layout: Layout::SINGLE,
         generation: 0,
+        node: None,
     };
     env.store
         .write_rank(&w, shards, vec![], &DedupIndex::new())

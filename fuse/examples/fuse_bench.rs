@@ -83,6 +83,7 @@ async fn save(
             rank: r as u32,
             layout,
             generation: 0,
+            node: None,
         };
         store
             .write_rank(&w, shards, vec![], &DedupIndex::new())

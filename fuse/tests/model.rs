@@ -647,6 +647,7 @@ async fn delta_chunks_read_through_the_mount() {
             rank: 0,
             layout: Layout::SINGLE,
             generation: 0,
+            node: None,
         };
         let (m, _, _) = store
             .write_rank(&w, vec![shard], vec![], &index)

@@ -245,6 +245,7 @@ impl Store {
             rank,
             layout,
             generation,
+            node: None,
         })
         .map_err(err)?;
         let store = self.store.clone();

@@ -746,6 +746,7 @@ mod tests {
             rank,
             layout: FOUR,
             generation: 0,
+            node: None,
         };
         let shard = ShardIn {
             shard: ShardDesc::boxed(

@@ -23,10 +23,11 @@
 //! let put = store.put_chunks(stream::iter(chunks.collect::<Vec<_>>()), &index).await?;
 //! let manifest = RankManifest {
 //!     format: ckpt_store::FORMAT_VERSION, run: "demo".into(), step: 1, rank: 0,
-//!     layout: Layout::SINGLE, generation: 0, created_ms: 0,
+//!     node: None, layout: Layout::SINGLE, generation: 0, created_ms: 0,
 //!     tensors: vec![TensorShard {
 //!         name: "w".into(), dtype: DType::F32, shape: vec![64, 64],
 //!         bbox: NdBox::full(&[64, 64]), chunks: put.refs, replica_of: None, placement: None,
+//!         hashed: vec![],
 //!     }],
 //!     blobs: vec![], stats: Default::default(),
 //! };
@@ -106,9 +107,10 @@ pub use keys::{FENCE_SHARDS, Keys, validate_run};
 pub use lease::{DedupBase, LockListing, WriterLease, writer_id};
 pub use model::{
     BlobEntry, BlobLoc, ChunkRef, CommitRecord, Coords, DELTA_FORMAT_VERSION, DType,
-    FORMAT_VERSION, Layout, NdBox, PartRef, RECORD_FORMAT_VERSION, RankEntry, RankManifest,
-    RecordIndex, RecordPart, SPLIT_RECORD_FORMAT, ShardLoc, TensorEntry, TensorShard,
-    WHOLE_RECORD_FORMAT, WriteStats,
+    FORMAT_VERSION, HashedChunk, Layout, MismatchPolicy, NdBox, PartRef, RECORD_FORMAT_VERSION,
+    RankEntry, RankManifest, RecordIndex, RecordPart, ReplicaMismatch, ReplicaReport, ReplicaSide,
+    SPLIT_RECORD_FORMAT, SdcCheck, ShardLoc, TensorEntry, TensorShard, WHOLE_RECORD_FORMAT,
+    WriteStats, compare_replicas, sampled_chunks,
 };
 pub use node_cache::{NodeCache, NodeCacheStats};
 pub use placement::{Placed, Placement, Stage, TensorSpec, ZeroGroup};

@@ -6,10 +6,11 @@ use tracing::instrument;
 
 use crate::clock::now_ms;
 use crate::error::{Error, Result};
+use crate::id::ChunkId;
 use crate::keys::validate_run;
 use crate::model::{
-    BlobEntry, ChunkRef, DELTA_FORMAT_VERSION, DType, FORMAT_VERSION, Layout, NdBox, RankEntry,
-    RankManifest, TensorShard, TensorSpec, WriteStats, validate_name,
+    BlobEntry, ChunkRef, DELTA_FORMAT_VERSION, DType, FORMAT_VERSION, HashedChunk, Layout, NdBox,
+    RankEntry, RankManifest, TensorShard, TensorSpec, WriteStats, validate_name,
 };
 use crate::store::{BaseChunk, ChunkIn, DedupIndex, PutStats, Store};
 
@@ -73,6 +74,7 @@ impl ShardDesc {
             chunks,
             replica_of: self.replica_of,
             placement: self.placement,
+            hashed: Vec::new(),
         }
     }
 }
@@ -109,6 +111,8 @@ pub struct RankWrite {
     pub layout: Layout,
     /// The job generation.
     pub generation: u64,
+    /// The node the rank runs on, when a driver said (recorded in the manifest).
+    pub node: Option<u32>,
 }
 
 /// A shard as [`Store::write_rank_stream`] needs it up front (its bytes come in the stream).
@@ -121,6 +125,10 @@ pub struct ShardMeta {
     /// caller must hold a writer lease under which a step referencing them was found
     /// committed (FORMAT.md, "What GC may delete"). `None`: the stream brings its chunks.
     pub reuse: Option<Vec<ChunkRef>>,
+    /// For a replica (the sentinel): the chunks of this rank's copy (indices in the writer's
+    /// cut of the box, ascending) that the stream brings to be hashed, not written; the
+    /// manifest lists their ids in [`TensorShard::hashed`]. Empty: nothing comes for it.
+    pub check: Vec<u32>,
 }
 
 impl ShardMeta {
@@ -144,8 +152,9 @@ impl Store {
         let mut metas = Vec::with_capacity(shards.len());
         let mut chunks: Vec<Result<Bytes>> = Vec::new();
         for s in shards {
+            let mut check = Vec::new();
             match (&s.data, s.shard.replica_of) {
-                (Some(d), None) => {
+                (Some(d), replica_of) => {
                     let want = s.shard.bbox.numel() * s.shard.dtype.size() as u64;
                     if d.len() as u64 != want {
                         return Err(Error::invalid(format!(
@@ -157,14 +166,18 @@ impl Store {
                             s.shard.dtype
                         )));
                     }
-                    for r in self.chunk_spans(want) {
+                    for (k, r) in self.chunk_spans(want).enumerate() {
                         chunks.push(Ok(d.slice(r.start as usize..r.end as usize)));
+                        // A replica given its bytes is checked in full (the sentinel).
+                        if replica_of.is_some() {
+                            check.push(k as u32);
+                        }
                     }
                 }
                 (None, Some(_)) => {}
-                _ => {
+                (None, None) => {
                     return Err(Error::invalid(format!(
-                        "tensor {:?}: a shard needs either bytes or replica_of, not both or neither",
+                        "tensor {:?}: a shard needs its bytes or replica_of (the rank that writes them)",
                         s.shard.name
                     )));
                 }
@@ -172,6 +185,7 @@ impl Store {
             metas.push(ShardMeta {
                 shard: s.shard,
                 reuse: None,
+                check,
             });
         }
         self.write_rank_stream(w, metas, blobs, stream::iter(chunks), index)
@@ -202,8 +216,11 @@ impl Store {
         let mut expect: Vec<Expected> = Vec::new();
         // The committed base step's chunks by region: each float chunk's delta base candidate.
         let regions = index.base_regions();
-        // (first chunk index, chunk count) per shard, then per blob.
+        // (first chunk index, chunk count written) per shard, then per blob.
         let mut spans: Vec<(usize, usize)> = Vec::with_capacity(shards.len() + blobs.len());
+        // The stream's chunks that are a replica's, to hash (the sentinel): by their place in
+        // `expect`, the shard and the chunk's index in it.
+        let mut checks: std::collections::BTreeMap<usize, (usize, u32)> = Default::default();
         let mut logical = 0u64;
         // Chunks and raw bytes of shards whose chunks are reused.
         let mut reused = (0u64, 0u64);
@@ -247,6 +264,26 @@ impl Store {
                     });
                     expect.push((i, r.end - r.start, elem, base));
                 }
+            } else if !s.check.is_empty() {
+                let cut: Vec<std::ops::Range<u64>> = self.chunk_spans(s.byte_len()).collect();
+                let mut prev: Option<u32> = None;
+                for &k in &s.check {
+                    let r = cut.get(k as usize).filter(|_| prev.is_none_or(|p| p < k));
+                    let Some(r) = r else {
+                        return Err(Error::invalid(format!(
+                            "tensor {:?} box {}: replica chunk {k} to check is out of order or past the box's {} chunks",
+                            s.shard.name,
+                            s.shard.bbox,
+                            cut.len()
+                        )));
+                    };
+                    prev = Some(k);
+                    checks.insert(expect.len(), (i, k));
+                    expect.push((i, r.end - r.start, 1, None));
+                }
+                // Hashed, not written: no chunk of the put is the shard's.
+                spans.push((start, 0));
+                continue;
             }
             spans.push((start, expect.len() - start));
         }
@@ -266,18 +303,29 @@ impl Store {
             spans.push((start, shard_chunks + blob_chunks.len() - start));
         }
         let names: Vec<String> = shards.iter().map(|s| s.shard.name.clone()).collect();
-        let checked = check_chunks(chunks, expect, names)
-            .chain(stream::iter(blob_chunks.into_iter().map(Ok)));
+        let hashed = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let checked = hash_replicas(
+            check_chunks(chunks, expect, names),
+            checks,
+            hashed.clone(),
+            self.config().cpu_threads * 2,
+        )
+        .chain(stream::iter(blob_chunks.into_iter().map(Ok)));
         let mut put = self.try_put_chunks(checked, index).await?;
+        let mut hashed = std::mem::take(&mut *hashed.lock());
+        hashed.sort_by_key(|(i, h): &(usize, HashedChunk)| (*i, h.index));
         put.stats.chunks += reused.0;
         put.stats.bytes += reused.1;
         put.stats.chunks_skipped += reused.0;
         put.stats.bytes_skipped += reused.1;
-        let tensors: Vec<(TensorShard, usize)> = shards
+        let mut tensors: Vec<(TensorShard, usize)> = shards
             .into_iter()
             .zip(&spans)
             .map(|(s, &(_, n))| (s.shard.into_tensor(s.reuse.unwrap_or_default()), n))
             .collect();
+        for (i, h) in hashed {
+            tensors[i].0.hashed.push(h);
+        }
         let n_shards = tensors.len();
         let blobs: Vec<(String, u64, usize)> = blobs
             .into_iter()
@@ -294,6 +342,40 @@ impl Store {
 /// What the stream of a rank write must yield, per chunk: the shard's index, the chunk's
 /// length, its element size and its delta base candidate.
 type Expected = (usize, u64, u8, Option<BaseChunk>);
+
+/// The checked chunks of a rank write with the replicas' chunks (`checks`: by their place in
+/// the stream, the shard and the chunk's index) taken out: each hashed on the blocking pool
+/// (`ahead` at a time, in order) into `out`, never written. The sentinel's check of a
+/// replica's own copy.
+fn hash_replicas<S>(
+    chunks: S,
+    checks: std::collections::BTreeMap<usize, (usize, u32)>,
+    out: std::sync::Arc<parking_lot::Mutex<Vec<(usize, HashedChunk)>>>,
+    ahead: usize,
+) -> impl Stream<Item = Result<ChunkIn>>
+where
+    S: Stream<Item = Result<ChunkIn>>,
+{
+    chunks
+        .enumerate()
+        .map(move |(k, c)| {
+            let at = checks.get(&k).copied();
+            let out = out.clone();
+            async move {
+                let c = c?;
+                let Some((shard, index)) = at else {
+                    return Ok(Some(c));
+                };
+                let data = c.data;
+                let len = data.len() as u32;
+                let id = tokio::task::spawn_blocking(move || ChunkId::of(&data)).await?;
+                out.lock().push((shard, HashedChunk { index, len, id }));
+                Ok(None)
+            }
+        })
+        .buffered(ahead.max(1))
+        .filter_map(|r: Result<Option<ChunkIn>>| futures::future::ready(r.transpose()))
+}
 
 /// The chunk buffers of a rank write's stream as [`ChunkIn`]s, checked against what its shards
 /// expect: a chunk of the wrong size, a failing stream, one that ends early or runs long ends
@@ -605,6 +687,7 @@ pub fn assemble_manifest(
         run: w.run.clone(),
         step: w.step,
         rank: w.rank,
+        node: w.node,
         layout: w.layout,
         generation: w.generation,
         created_ms: now_ms(),
@@ -644,7 +727,86 @@ mod tests {
                 placement: None,
             },
             reuse,
+            check: Vec::new(),
         }
+    }
+
+    /// A replica's chunks to check come in the stream among the written ones: they are
+    /// hashed into the manifest's `hashed` (ids as a writer of the same bytes gets), never
+    /// written; a check past the box is refused naming the tensor.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_replicas_checked_chunks_are_hashed_not_written() {
+        let store = memory_store(tiny_config());
+        let w = RankWrite {
+            run: "r".into(),
+            step: 1,
+            rank: 1,
+            layout: Layout::new(2, 1, 1, 0).unwrap(),
+            generation: 0,
+            node: Some(7),
+        };
+        let (a, b) = (det_bytes(1, 10_000), det_bytes(2, 10_000));
+        let spans: Vec<std::ops::Range<u64>> = store.chunk_spans(10_000).collect();
+        assert!(spans.len() >= 3, "tiny chunks");
+        let mut replica = meta("b", 10_000, None);
+        replica.shard.replica_of = Some(0);
+        replica.check = vec![0, 2];
+        // The stream: a's chunks, then b's chunks 0 and 2.
+        let mut chunks: Vec<Result<Bytes>> = spans
+            .iter()
+            .map(|r| Ok(Bytes::from(a[r.start as usize..r.end as usize].to_vec())))
+            .collect();
+        for k in [0usize, 2] {
+            let r = &spans[k];
+            chunks.push(Ok(Bytes::from(
+                b[r.start as usize..r.end as usize].to_vec(),
+            )));
+        }
+        let (m, _, stats) = store
+            .write_rank_stream(
+                &w,
+                vec![meta("a", 10_000, None), replica.clone()],
+                vec![],
+                stream::iter(chunks),
+                &DedupIndex::new(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(m.node, Some(7));
+        assert_eq!(m.tensors[0].chunks.len(), spans.len());
+        let r = &m.tensors[1];
+        assert!(r.chunks.is_empty(), "a replica lists no chunks");
+        let want: Vec<HashedChunk> = [0usize, 2]
+            .iter()
+            .map(|&k| {
+                let sp = &spans[k];
+                HashedChunk {
+                    index: k as u32,
+                    len: (sp.end - sp.start) as u32,
+                    id: ChunkId::of(&b[sp.start as usize..sp.end as usize]),
+                }
+            })
+            .collect();
+        assert_eq!(r.hashed, want);
+        assert_eq!(stats.bytes, 10_000, "only a's bytes went to the put");
+        m.validate("test").unwrap();
+        assert_eq!(stats.chunks, spans.len() as u64, "b's chunks were put");
+        // A check past the box.
+        replica.check = vec![spans.len() as u32];
+        let e = store
+            .write_rank_stream(
+                &RankWrite { step: 2, ..w },
+                vec![replica],
+                vec![],
+                stream::iter(Vec::<Result<Bytes>>::new()),
+                &DedupIndex::new(),
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("\"b\"") && e.to_string().contains("past the box"),
+            "{e}"
+        );
     }
 
     /// A reused shard takes the given references, in its place among the streamed shards, and
@@ -658,6 +820,7 @@ mod tests {
             rank: 0,
             layout: Layout::SINGLE,
             generation: 0,
+            node: None,
         };
         let (a, b) = (det_bytes(1, 10_000), det_bytes(2, 5_000));
         let idx = DedupIndex::new();
@@ -729,6 +892,7 @@ mod tests {
             rank: 0,
             layout: Layout::SINGLE,
             generation: 0,
+            node: None,
         };
         let shard = |name: &str, data: &[u8]| ShardIn {
             shard: ShardDesc {

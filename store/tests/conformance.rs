@@ -83,6 +83,7 @@ conformance!(
     replacing_a_manifest_never_breaks_a_racing_commit,
     delta_chains_restore_bit_exact_and_gc_keeps_their_bases,
     a_damaged_delta_base_fails_verify_naming_both_steps,
+    replicas_are_compared_at_commit_and_a_flipped_bit_is_recorded,
 );
 
 fn w(run: &str, step: u64, rank: u32, layout: Layout) -> RankWrite {
@@ -92,6 +93,7 @@ fn w(run: &str, step: u64, rank: u32, layout: Layout) -> RankWrite {
         rank,
         layout,
         generation: 0,
+        node: None,
     }
 }
 
@@ -2166,5 +2168,85 @@ async fn a_damaged_delta_base_fails_verify_naming_both_steps(b: Backend) {
     assert!(
         e.to_string().contains("missing") && e.to_string().contains("step 1"),
         "{e}"
+    );
+}
+
+/// The sentinel (issue 29): ranks 1 and 2 hash their replicas of rank 0's tensor; rank 2's
+/// copy has one bit flipped. The committer compares the chunk ids before it commits: the
+/// record names the chunk, both sides with their nodes, and rank 2 as the suspect (two of
+/// three agree); the stored bytes are the writer's, and the record reads back the same.
+async fn replicas_are_compared_at_commit_and_a_flipped_bit_is_recorded(b: Backend) {
+    let store = b.store();
+    let run = "sdc";
+    let layout = Layout::new(3, 1, 1, 0).unwrap();
+    let len = 20_000u64;
+    let good = det_bytes(9, len as usize);
+    let mut bad = good.clone();
+    let flip = 13_001usize;
+    bad[flip] ^= 0x04;
+    let chunk_of_flip = store
+        .chunk_spans(len)
+        .position(|r| r.contains(&(flip as u64)))
+        .unwrap() as u32;
+    for (rank, data) in [(0u32, &good), (1, &good), (2, &bad)] {
+        let mut s = shard("w", DType::U8, &[len], NdBox::full(&[len]), data.clone());
+        if rank > 0 {
+            s.shard.replica_of = Some(0);
+        }
+        let mut wr = w(run, 1, rank, layout);
+        wr.node = Some(10 + rank);
+        store
+            .write_rank(&wr, vec![s], vec![], &DedupIndex::new())
+            .await
+            .unwrap();
+    }
+    let out = store.commit_step(run, 1).await.unwrap();
+    let rep = out.record().replicas.clone().expect("a replica report");
+    let chunks = store.chunk_spans(len).count() as u64;
+    assert_eq!(rep.chunks_compared, 2 * chunks);
+    assert_eq!(rep.bytes_compared, 2 * len);
+    assert_eq!(rep.mismatched_chunks, 1, "{rep:?}");
+    let m = &rep.mismatches[0];
+    assert_eq!(
+        (m.tensor.as_str(), m.chunk, m.writer),
+        ("w", chunk_of_flip, 0)
+    );
+    assert_eq!(m.suspects, vec![2]);
+    assert_eq!(m.sides[0].ranks, vec![0, 1]);
+    assert_eq!(m.sides[0].nodes, vec![Some(10), Some(11)]);
+    assert_eq!(m.sides[1].nodes, vec![Some(12)]);
+    assert!(!m.stored_suspect());
+    // The record as stored says the same, and the tensor reads as the writer saved it.
+    let (rec, _) = store.read_commit(run, 1).await.unwrap();
+    assert_eq!(rec.replicas.as_ref(), Some(&rep));
+    let reader = StepReader::open(store, run, 1).await.unwrap();
+    assert_eq!(reader.read("w", &NdBox::full(&[len])).await.unwrap(), good);
+    // Replicas that agree: compared, nothing recorded as a mismatch.
+    for rank in 0..3u32 {
+        let mut s = shard("w", DType::U8, &[len], NdBox::full(&[len]), good.clone());
+        if rank > 0 {
+            s.shard.replica_of = Some(0);
+        }
+        store
+            .write_rank(
+                &w(run, 2, rank, layout),
+                vec![s],
+                vec![],
+                &DedupIndex::new(),
+            )
+            .await
+            .unwrap();
+    }
+    let rep = store
+        .commit_step(run, 2)
+        .await
+        .unwrap()
+        .record()
+        .replicas
+        .clone()
+        .unwrap();
+    assert_eq!(
+        (rep.chunks_compared, rep.mismatched_chunks),
+        (2 * chunks, 0)
     );
 }

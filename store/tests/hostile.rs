@@ -155,6 +155,7 @@ async fn two_rank_step(rows: u64, cols: u64, cut: u64) -> (Store, Vec<u8>) {
             rank,
             layout,
             generation: 0,
+            node: None,
         };
         store.write_rank(&w, shards, vec![], &index).await.unwrap();
     }

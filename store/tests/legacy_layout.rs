@@ -47,6 +47,7 @@ async fn save(store: &Store, step: u64, seed: u64) -> Vec<u8> {
             rank,
             layout,
             generation: 0,
+            node: None,
         };
         store
             .write_rank(&rw, shards, blobs, &DedupIndex::new())

@@ -43,6 +43,7 @@ async fn sharded_step_as_one_safetensors_file() {
             rank,
             layout,
             generation: 0,
+            node: None,
         };
         store
             .write_rank(&wr, shards, vec![], &DedupIndex::new())
@@ -93,6 +94,7 @@ async fn readers_sharing_a_cache_fetch_each_chunk_once() {
         rank: 0,
         layout: Layout::SINGLE,
         generation: 0,
+        node: None,
     };
     let shard = ShardIn {
         shard: ShardDesc::boxed("w", DType::F32, vec![64, 64], NdBox::full(&[64, 64])),

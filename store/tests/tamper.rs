@@ -44,6 +44,7 @@ async fn save(store: &Store) -> (Vec<u8>, Vec<u8>) {
             rank,
             layout,
             generation: 0,
+            node: None,
         };
         store.write_rank(&rw, shards, blobs, &index).await.unwrap();
     }
@@ -355,6 +356,7 @@ async fn save_split(
             rank,
             layout,
             generation: 0,
+            node: None,
         };
         store.write_rank(&rw, shards, blobs, &index).await.unwrap();
     }

@@ -318,6 +318,7 @@ pub async fn simulate(
                     rank,
                     layout,
                     generation: 0,
+                    node: None,
                 };
                 let res = store.write_rank(&w, shards, blobs, &index).await;
                 store.release_lease(lease).await?;

@@ -213,6 +213,7 @@ fn saved_step() -> (Store, Vec<u8>, Vec<Bytes>) {
             rank: 0,
             layout: Layout::new(1, 1, 1, 0).unwrap(),
             generation: 1,
+            node: None,
         };
         let shard = ShardIn {
             shard: ShardDesc::boxed(

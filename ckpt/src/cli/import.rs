@@ -484,6 +484,7 @@ pub async fn import(store: &Store, args: &ImportArgs, ui: &Ui) -> Result<ImportR
         rank: 0,
         layout: Layout::SINGLE,
         generation: 0,
+        node: None,
     };
     let blob_len = meta_blob.as_ref().map_or(0, |b| b.len() as u64);
     let manifest = manifest_of(store, &head, &files, &plan, blob_len, logical, &put)?;
@@ -729,6 +730,7 @@ fn manifest_of(
                 chunks: Vec::new(),
                 replica_of: None,
                 placement: None,
+                hashed: Vec::new(),
             };
             (shard, n)
         })

@@ -264,6 +264,7 @@ pub async fn save_rank(
         rank,
         layout: l,
         generation: 0,
+        node: None,
     };
     store.write_rank(&w, shards, blobs, index).await.unwrap();
 }

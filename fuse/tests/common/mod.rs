@@ -203,6 +203,7 @@ pub async fn save(
             rank,
             layout,
             generation: 0,
+            node: None,
         };
         let store = store.clone();
         tasks.push(tokio::spawn(async move {
@@ -291,6 +292,7 @@ pub async fn hostile_run(store: &Store) -> Expected {
         rank: 0,
         layout: Layout::SINGLE,
         generation: 0,
+        node: None,
     };
     store
         .write_rank(&w, shards, blobs, &DedupIndex::new())

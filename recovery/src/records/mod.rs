@@ -17,6 +17,7 @@
 //! | `metrics.rs` | the `metrics` log's records (steps, checkpoints, the store's counters and health, persists), and the failed and skipped saves both logs share |
 //! | `recovery_log.rs` | the `events` log's recovery records, written by the drivers and the coordinator |
 //! | `rank_events.rs` | the `events` log's records of a rank's `CheckpointManager` (restores, spikes and rollbacks, checkpoints resumed, the checkpoint interval and a save's cost, the persist rate) |
+//! | `sentinel.rs` | the sentinel's records: replicas that disagree at a commit, trainable state that stopped changing |
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -25,6 +26,7 @@ mod metrics;
 mod rank_events;
 mod read;
 mod recovery_log;
+mod sentinel;
 #[cfg(test)]
 mod tests;
 
@@ -41,6 +43,7 @@ pub use recovery_log::{
     Failure, Finished, Grow, NodeKeptOut, NodeReturned, RankPlan, Recovery, Resumed, Started,
     StepUnusable, Takeover,
 };
+pub use sentinel::{ReplicaMismatchEvent, StateUnchanged};
 
 /// A record type of one log: its kinds, derived from the enum.
 pub trait LogRecord: Serialize + DeserializeOwned {
@@ -158,5 +161,9 @@ log_records! {
         "save_cost" => SaveCost(SaveCost),
         /// The persist governor changed a rank's persist rate, with the reason.
         "persist_rate" => PersistRate(PersistRate),
+        /// The committer found data-parallel replicas whose bytes differ (the sentinel).
+        "replica_mismatch" => ReplicaMismatch(ReplicaMismatchEvent),
+        /// Trainable tensors kept the same bytes over consecutive checkpoints (the sentinel).
+        "state_unchanged" => StateUnchanged(StateUnchanged),
     }
 }

@@ -230,7 +230,9 @@ impl Event {
             Event::Restore(r) => Some(&mut r.generation),
             Event::RestoreFailed(r) => Some(&mut r.generation),
             Event::Grow(r) => Some(&mut r.generation),
+            Event::ReplicaMismatch(r) => Some(&mut r.generation),
             Event::Finished(_)
+            | Event::StateUnchanged(_)
             | Event::NodeReturned(_)
             | Event::NodeKeptOut(_)
             | Event::Spike(_)

@@ -16,7 +16,7 @@ use crate::id::StepId;
 use crate::keys::{StepObject, validate_run};
 use crate::model::{
     BlobLoc, CommitRecord, RankEntry, RankManifest, WHOLE_RECORD_FORMAT, WriteStats,
-    check_coverage, collect_tensors,
+    check_coverage, collect_tensors, compare_replicas,
 };
 use crate::store::Store;
 
@@ -355,6 +355,8 @@ fn record_of(
         blobs,
         stats,
         index: None,
+        // The sentinel: the replicas the ranks hashed against the writers' chunk ids.
+        replicas: compare_replicas(&ms),
     })
 }
 

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{
     DType, FIRST_CHECKSUMMED_FORMAT, Layout, NdBox, Placement, RECORD_FORMAT_VERSION, RankManifest,
-    SPLIT_RECORD_FORMAT, TensorSpec, WriteStats, check_coverage, numel,
+    ReplicaReport, SPLIT_RECORD_FORMAT, TensorSpec, WriteStats, check_coverage, numel,
 };
 use crate::error::{Error, Result};
 use crate::id::Hash;
@@ -118,6 +118,10 @@ pub struct CommitRecord {
     /// record read whole has them filled from the parts (and keeps the index).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub index: Option<RecordIndex>,
+    /// The sentinel's comparison of the step's replicas (kept in the root of a split record):
+    /// `None` when no rank hashed a replica.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<ReplicaReport>,
 }
 
 /// The parts of a split commit record (format 5), in order: every tensor in exactly one

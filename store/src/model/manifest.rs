@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{DELTA_FORMAT_VERSION, DType, Layout, NdBox, Placement, numel};
+use super::{DELTA_FORMAT_VERSION, DType, HashedChunk, Layout, NdBox, Placement, numel};
 use crate::codec::Codec;
 use crate::error::{Error, Result};
 use crate::id::{ChunkId, PackId};
@@ -150,6 +150,11 @@ pub struct TensorShard {
     /// How the tensor is placed across ranks, so other layouts can be planned.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub placement: Option<Placement>,
+    /// For a replica this rank checked (the sentinel, [`super::replicas`]): the chunks of its
+    /// own copy it hashed, cut as the writer cuts the box, by index (ascending). The
+    /// committer compares them with the writer's chunk ids. Empty otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hashed: Vec<HashedChunk>,
 }
 
 impl TensorShard {
@@ -210,6 +215,10 @@ pub struct RankManifest {
     pub step: u64,
     /// This rank.
     pub rank: u32,
+    /// The node the rank ran on, when a driver said (`ckpt resume`, `ckpt agent`): the
+    /// sentinel names nodes with ranks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<u32>,
     /// The layout at save time.
     pub layout: Layout,
     /// The job generation (bumped by every restart), for fencing.
@@ -285,6 +294,7 @@ impl RankManifest {
                     t.name
                 ));
             }
+            check_hashed(t).or_else(|m| bad(format!("tensor {:?} box {}: {m}", t.name, t.bbox)))?;
         }
         for b in &self.blobs {
             validate_name(&b.name).map_err(|e| e.context(what))?;
@@ -307,6 +317,31 @@ impl RankManifest {
             .iter()
             .find(|t| t.name == name && &t.bbox == bbox && t.replica_of.is_none())
     }
+}
+
+/// A shard's hashed replica chunks: only on a replica, ascending, each within the box.
+fn check_hashed(t: &TensorShard) -> std::result::Result<(), String> {
+    if t.hashed.is_empty() {
+        return Ok(());
+    }
+    if t.replica_of.is_none() {
+        return Err("only a replica lists hashed chunks".into());
+    }
+    let len = t.byte_len();
+    let mut prev: Option<u32> = None;
+    for h in &t.hashed {
+        if prev.is_some_and(|p| p >= h.index) {
+            return Err(format!("hashed chunk {} is out of order", h.index));
+        }
+        prev = Some(h.index);
+        if h.len == 0 || u64::from(h.index) * u64::from(h.len) >= len {
+            return Err(format!(
+                "hashed chunk {} of {} bytes lies outside the box's {len} bytes",
+                h.index, h.len
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn check_chunk_lens(chunks: &[ChunkRef], want: u64) -> std::result::Result<(), String> {

@@ -8,7 +8,9 @@
 //!   [`crate::placement`]);
 //! - `manifest`: what one rank saved for a step (chunk references, shards, blobs, statistics);
 //! - `commit_record`: the commit record of a step, its checksum, and building its tensor list;
-//! - `coverage`: checking that shards cover a tensor exactly once.
+//! - `coverage`: checking that shards cover a tensor exactly once;
+//! - `replicas`: the sentinel: which replica chunks a rank hashes, and comparing them with the
+//!   writer's at commit.
 //!
 //! Nothing here depends on the placement rules: placement builds on these types.
 
@@ -18,6 +20,7 @@ mod dtype;
 mod geometry;
 mod layout;
 mod manifest;
+mod replicas;
 mod spec;
 
 pub use commit_record::{
@@ -31,6 +34,10 @@ pub use layout::{Coords, Layout};
 pub use manifest::{
     BlobEntry, ChunkRef, MAX_DELTA_CHAIN, MAX_NAME_LEN, RankManifest, TensorShard, WriteStats,
     validate_name,
+};
+pub use replicas::{
+    HashedChunk, MAX_MISMATCHES_LISTED, MismatchPolicy, ReplicaMismatch, ReplicaReport,
+    ReplicaSide, SdcCheck, compare_replicas, sampled_chunks,
 };
 pub use spec::{Placement, Stage, TensorSpec, ZeroGroup};
 

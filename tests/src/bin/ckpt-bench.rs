@@ -399,6 +399,7 @@ fn save4(
                 rank,
                 layout,
                 generation: 0,
+                node: None,
             };
             hs.push(tokio::spawn(async move {
                 store

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use ckpt_store::{Error, Result};
+use ckpt_store::{Error, MismatchPolicy, Result};
 
 use crate::governor::GovernorConfig;
 use crate::interval::AutoInterval;
@@ -54,6 +54,17 @@ pub struct ManagerConfig {
     /// again when they are not. The final checkpoint and every wait for a persist run at full
     /// speed. `None`: persists always run at full speed.
     pub persist_governor: Option<GovernorConfig>,
+    /// What the committing rank does when a step's replicas disagree (the sentinel; how much
+    /// of them each rank hashes is [`CheckpointerConfig::sdc_check`]): log a
+    /// `replica_mismatch` event ([`MismatchPolicy::Warn`], the default) or also fail the
+    /// next call ([`MismatchPolicy::Stop`]). [`MismatchPolicy::Rollback`] is a driver's
+    /// (`ckpt resume`); a rank under it warns.
+    pub on_replica_mismatch: MismatchPolicy,
+    /// The sentinel's stale-state check: a trainable tensor
+    /// ([`CheckpointManager::set_trainable`](super::CheckpointManager::set_trainable)) whose
+    /// bytes stay the same over this many consecutive checkpoints is reported
+    /// (`state_unchanged`). 2 by default; 0 or 1: off.
+    pub stale_after: u32,
 }
 
 impl ManagerConfig {
@@ -74,6 +85,8 @@ impl ManagerConfig {
             monitor: MonitorConfig::default(),
             resume_step: None,
             persist_governor: Some(GovernorConfig::default()),
+            on_replica_mismatch: MismatchPolicy::Warn,
+            stale_after: 2,
         }
     }
 }

@@ -44,6 +44,7 @@
 //! | `restore` | the step to resume from and reading a step into the registry ([`shared_restore_cache`]) |
 //! | `rollback` | the spike monitor, its records, and what a rollback restores ([`Rollback`]) |
 //! | `events` | the event kinds the manager writes and the writer of the run's events log |
+//! | `sentinel` | replicas that disagree at a commit, trainable state that stopped changing ([`ManagerConfig::on_replica_mismatch`], [`ManagerConfig::stale_after`]) |
 //! | `sigterm` | the SIGTERM handler ([`on_sigterm`]) and the stop flag |
 
 mod config;
@@ -55,6 +56,7 @@ mod registry;
 mod restore;
 mod retention;
 mod rollback;
+mod sentinel;
 mod sigterm;
 
 use std::sync::Arc;
@@ -83,6 +85,7 @@ use registry::Registry;
 use restore::Restorer;
 use retention::Retention;
 use rollback::Spikes;
+use sentinel::Sentinel;
 use sigterm::StopFlag;
 
 /// The training loop's checkpoint manager (see the module docs).
@@ -99,6 +102,7 @@ pub struct CheckpointManager {
     retention: Retention,
     restorer: Restorer,
     spikes: Spikes,
+    sentinel: Sentinel,
     events: EventLog,
 }
 
@@ -124,6 +128,13 @@ impl CheckpointManager {
             retention: Retention::new(&cfg),
             restorer: Restorer::new(&cfg),
             spikes: Spikes::new(cfg.monitor.clone()),
+            sentinel: Sentinel::new(
+                cfg.on_replica_mismatch,
+                cfg.stale_after,
+                cfg.ckpt.rank,
+                cfg.ckpt.generation,
+                cfg.ckpt.committer,
+            ),
             events: EventLog::new(store, &cfg.ckpt.run, cfg.ckpt.rank),
             cfg,
         })
@@ -165,6 +176,13 @@ impl CheckpointManager {
     ) -> Result<()> {
         self.registry
             .register_held(&self.cfg.ckpt, spec, held, memory, replica_of)
+    }
+
+    /// Mark a registered tensor as one training changes (weights, their optimizer state), or
+    /// not (the default): the sentinel reports a trainable tensor whose bytes stay the same
+    /// over [`ManagerConfig::stale_after`] checkpoints (`state_unchanged`).
+    pub fn set_trainable(&mut self, name: &str, trainable: bool) -> Result<()> {
+        self.registry.set_trainable(name, trainable)
     }
 
     /// Forget every registered tensor: a loop whose tensors were replaced (new memory, other
@@ -232,6 +250,8 @@ impl CheckpointManager {
     ) -> Result<Option<SaveHandle>> {
         self.pacing
             .step_began(step, self.ckpt.persist_rate(), &mut self.events);
+        // What the sentinel found in the saves that ended (a mismatch under `stop` fails).
+        self.sentinel.poll(&self.registry, &mut self.events)?;
         let r = self.decide_and_save(step, prepare);
         self.pacing.step_ended();
         r
@@ -343,6 +363,7 @@ impl CheckpointManager {
         let t0 = Instant::now();
         let state = self.save_state()?;
         let h = self.ckpt.save(step, state)?;
+        self.sentinel.watch(&h);
         self.pacing
             .save_started(&h, self.ckpt.persist_rate(), &mut self.events);
         self.last_saved_step = Some(step);
@@ -413,6 +434,7 @@ impl CheckpointManager {
             self.ckpt.seed_dedup(m);
         }
         self.last_saved_step = Some(step);
+        self.sentinel.restored();
         self.interval.restored(step);
         self.pacing.restored();
         r.finish();
@@ -492,8 +514,9 @@ impl CheckpointManager {
                 .persist_ended(h.step(), self.ckpt.persist_rate(), &mut self.events);
         }
         self.retention.wait();
+        let sentinel = self.sentinel.poll(&self.registry, &mut self.events);
         // Events that waited while the store was down.
         self.events.flush();
-        Ok(())
+        sentinel
     }
 }

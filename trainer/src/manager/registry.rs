@@ -75,16 +75,16 @@ struct Registered {
     held: NdBox,
     memory: Arc<dyn TensorMemory>,
     saves: Saves,
+    /// Training changes it (the sentinel's stale-state check watches it).
+    trainable: bool,
 }
 
 impl Registered {
     /// The held box as registered, written by this rank or by `replica_of`.
     fn held_box(&self, replica_of: Option<u32>) -> Result<SaveTensor> {
         let elem = self.spec.dtype.size();
-        let source = match replica_of {
-            None => Some(self.memory.source(&self.held, &self.held, elem)?),
-            Some(_) => None,
-        };
+        // A replica's memory too: the sentinel hashes it (never written).
+        let source = Some(self.memory.source(&self.held, &self.held, elem)?);
         Ok(SaveTensor {
             name: self.spec.name.clone(),
             dtype: self.spec.dtype,
@@ -105,10 +105,8 @@ impl Registered {
             )));
         }
         let elem = self.spec.dtype.size();
-        let source = match p.replica_of {
-            None => Some(self.memory.source(&self.held, &p.bbox, elem)?),
-            Some(_) => None,
-        };
+        // A replica's memory too: the sentinel hashes it (never written).
+        let source = Some(self.memory.source(&self.held, &p.bbox, elem)?);
         Ok(SaveTensor {
             name: self.spec.name.clone(),
             dtype: self.spec.dtype,
@@ -199,8 +197,29 @@ impl Registry {
             held,
             memory,
             saves,
+            trainable: false,
         });
         Ok(())
+    }
+
+    /// Mark a registered tensor as one training changes (or not).
+    pub(crate) fn set_trainable(&mut self, name: &str, trainable: bool) -> Result<()> {
+        let t = self
+            .tensors
+            .iter_mut()
+            .find(|t| t.spec.name == name)
+            .ok_or_else(|| Error::invalid(format!("tensor {name:?} is not registered")))?;
+        t.trainable = trainable;
+        Ok(())
+    }
+
+    /// The names of the tensors marked trainable.
+    pub(crate) fn trainable_names(&self) -> std::collections::HashSet<String> {
+        self.tensors
+            .iter()
+            .filter(|t| t.trainable)
+            .map(|t| t.spec.name.clone())
+            .collect()
     }
 
     /// Forget every registered tensor.

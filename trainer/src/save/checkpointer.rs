@@ -15,10 +15,9 @@ use super::handle::{SaveFailure, SaveHandle, SaveReport, Shared, Stage};
 use super::persist::{PersistJob, note_fenced};
 use super::rate::PersistRate;
 use super::runtime::runtime;
-use super::snapshot::{slabs_needed, snapshot};
-use super::state::{SavePlan, SaveState};
+use super::snapshot::{Pin, slabs_needed, snapshot};
+use super::state::{ReplicaCheck, SavePlan, SaveState};
 use super::versions::{StepVersions, VersionBook};
-use crate::memory::PinnedSource;
 use crate::staging::{PoolConfig, PoolStats, StagingPool};
 
 /// Saves one rank's state (see the module docs).
@@ -214,7 +213,12 @@ impl Checkpointer {
         }
         let t0 = Instant::now();
         let base = self.reuse_base();
-        let plan = SavePlan::pin(state, base.as_deref())?;
+        let check = ReplicaCheck {
+            check: self.cfg.sdc_check,
+            step,
+            chunk_size: self.store.config().chunk_size,
+        };
+        let plan = SavePlan::pin(state, base.as_deref(), check)?;
         let shared = Shared::new(
             step,
             Stage::Snapshotting,
@@ -222,6 +226,7 @@ impl Checkpointer {
                 step,
                 bytes: plan.bytes + plan.reused,
                 bytes_reused: plan.reused,
+                bytes_checked: plan.checked,
                 ..Default::default()
             },
         );
@@ -368,7 +373,7 @@ impl Checkpointer {
         &self,
         step: u64,
         t0: Instant,
-        pins: Vec<(usize, Box<dyn PinnedSource>, usize)>,
+        pins: Vec<Pin>,
         names: Vec<String>,
         shared: &Arc<Shared>,
         tx: tokio::sync::mpsc::UnboundedSender<Result<Bytes>>,

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ckpt_recovery::peer::PeerLink;
-use ckpt_store::Layout;
+use ckpt_store::{Layout, SdcCheck};
 use serde::Serialize;
 
 use crate::staging::StagingPool;
@@ -59,6 +59,13 @@ pub struct CheckpointerConfig {
     /// default. A rank under `ckpt resume --peer-replicas` gets it from its driver:
     /// `ckpt_recovery::RankEnv::peer_link`.
     pub peer: Option<PeerLink>,
+    /// The sentinel (issue 29): how much of the replicas this rank holds it hashes at each save
+    /// for the committer to compare with the writer's bytes ([`SdcCheck::DEFAULT`]: a rotating
+    /// sample of 5 % of their chunks). Replicas are hashed only when their memory is given.
+    pub sdc_check: SdcCheck,
+    /// The node this rank runs on, when a driver said (recorded in its manifests: the
+    /// sentinel names nodes).
+    pub node: Option<u32>,
 }
 
 impl CheckpointerConfig {
@@ -79,6 +86,8 @@ impl CheckpointerConfig {
             back_pressure: BackPressure::Wait,
             commit_timeout: Duration::from_secs(600),
             peer: None,
+            sdc_check: SdcCheck::DEFAULT,
+            node: None,
         }
     }
 }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ckpt_recovery::records::CheckpointMetrics;
-use ckpt_store::{Error, ErrorKind, Result, Store};
+use ckpt_store::{Error, ErrorKind, Hash, NdBox, ReplicaReport, Result, Store};
 use parking_lot::{Condvar, Mutex};
 use serde::Serialize;
 
@@ -86,6 +86,28 @@ pub struct SaveReport {
     pub bytes_reused: u64,
     /// Staging in use at its peak during this save.
     pub staging_peak: usize,
+    /// Bytes of replicas copied and hashed for the sentinel (not written).
+    pub bytes_checked: u64,
+    /// The committer's comparison of the step's replicas (committer only; `None`: none was
+    /// hashed).
+    pub replicas: Option<ReplicaReport>,
+    /// What each shard this rank wrote held, as the hash of its chunk ids (the sentinel's
+    /// stale-state check compares them from save to save).
+    #[serde(skip)]
+    pub written: Arc<Vec<ShardDigest>>,
+}
+
+/// A shard a save wrote, and the blake3 of its chunk ids in order: equal digests, equal bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardDigest {
+    /// The tensor.
+    pub name: String,
+    /// The box.
+    pub bbox: NdBox,
+    /// The shard's bytes.
+    pub bytes: u64,
+    /// blake3 over the chunk ids.
+    pub digest: Hash,
 }
 
 /// A save's figures as the `checkpoint` record of the metrics log, without what only the loop

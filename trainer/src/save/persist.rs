@@ -8,14 +8,14 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use ckpt_recovery::peer::PeerUpload;
 use ckpt_store::{
-    BlobIn, ChunkRef, DedupBase, DedupIndex, Error, ErrorKind, RankManifest, RankWrite, Result,
-    ShardMeta, Store, WriterLease,
+    BlobIn, ChunkRef, DedupBase, DedupIndex, Error, ErrorKind, Hash, RankManifest, RankWrite,
+    Result, ShardMeta, Store, WriterLease,
 };
 use parking_lot::Mutex;
 use tracing::{debug, info, warn};
 
 use super::config::CheckpointerConfig;
-use super::handle::{SaveFailure, Shared, Stage};
+use super::handle::{SaveFailure, ShardDigest, Shared, Stage};
 use super::rate::{Pacer, PersistRate};
 use super::versions::{ShardKey, StepVersions, VersionBook};
 use crate::memory::SourceVersion;
@@ -118,6 +118,7 @@ impl PersistJob {
             rank: cfg.rank,
             layout: cfg.layout,
             generation: cfg.generation,
+            node: cfg.node,
         };
         let res = store
             .write_rank_stream(&w, self.metas, self.blobs, chunks, &index)
@@ -143,11 +144,13 @@ impl PersistJob {
         self.versions
             .lock()
             .persisted(record_versions(step, &manifest, &self.shard_versions));
+        let written = Arc::new(shard_digests(&manifest));
         self.shared.set(Stage::Persisted, |r| {
             r.persist_s = persisted;
             r.bytes_written = stats.bytes_written;
             r.bytes_skipped = stats.bytes_skipped;
             r.staging_peak = peak;
+            r.written = written;
         });
         if let Some(u) = upload {
             match u.finish(ids).await {
@@ -195,6 +198,27 @@ async fn check_reuse(
              it as the save started); the next save copies every tensor"
         ),
     ))
+}
+
+/// Every shard `manifest` wrote, with the digest of its chunk ids.
+fn shard_digests(manifest: &RankManifest) -> Vec<ShardDigest> {
+    manifest
+        .tensors
+        .iter()
+        .filter(|t| t.replica_of.is_none())
+        .map(|t| {
+            let mut h = blake3::Hasher::new();
+            for c in &t.chunks {
+                h.update(&c.id.0.0);
+            }
+            ShardDigest {
+                name: t.name.clone(),
+                bbox: t.bbox.clone(),
+                bytes: t.byte_len(),
+                digest: Hash(*h.finalize().as_bytes()),
+            }
+        })
+        .collect()
 }
 
 /// The version and chunks of every shard of `manifest` that has a version.
@@ -267,7 +291,11 @@ async fn commit(store: &Store, cfg: &CheckpointerConfig, step: u64, shared: &Sha
         bytes = o.record().logical_bytes(),
         "checkpoint committed"
     );
-    shared.set(Stage::Committed, |r| r.commit_s = c);
+    let replicas = o.record().replicas.clone();
+    shared.set(Stage::Committed, |r| {
+        r.commit_s = c;
+        r.replicas = replicas;
+    });
     Ok(())
 }
 

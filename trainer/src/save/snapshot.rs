@@ -16,7 +16,12 @@ struct Job {
     len: usize,
 }
 
-/// Copy every pinned source into slabs with `threads` threads, sending chunks in order.
+/// A shard's pinned source and the byte spans of it to copy (the whole box, or the sampled
+/// chunks of a replica the sentinel hashes), by its index among the save's shards.
+pub(super) type Pin = (usize, Box<dyn PinnedSource>, Vec<(usize, usize)>);
+
+/// Copy the spans of every pinned source into slabs with `threads` threads, sending chunks in
+/// order (each span cut into slab-sized chunks from its start).
 /// Small shards share slabs (each chunk is a slice of a slab), so a thousand biases do not
 /// take a thousand slabs. Releases each pin as soon as its tensor is copied. On error returns
 /// the tensor index.
@@ -25,15 +30,15 @@ struct Job {
 /// runs before the first wait for staging space and when the copy is done.
 pub(super) fn snapshot(
     pool: &Arc<StagingPool>,
-    pins: Vec<(usize, Box<dyn PinnedSource>, usize)>,
+    pins: Vec<Pin>,
     threads: usize,
     stall: Duration,
     mut start_persist: impl FnMut(),
     tx: &tokio::sync::mpsc::UnboundedSender<Result<Bytes>>,
 ) -> std::result::Result<(), (usize, Error)> {
     let slab = pool.slab_size();
-    let lens: Vec<usize> = pins.iter().map(|(_, _, len)| *len).collect();
-    let jobs = jobs_of(&lens, slab);
+    let spans: Vec<Vec<(usize, usize)>> = pins.iter().map(|(_, _, s)| s.clone()).collect();
+    let jobs = jobs_of(&spans, slab);
     let mut remaining: Vec<usize> = vec![0; pins.len()];
     for j in &jobs {
         remaining[j.tensor] += 1;
@@ -92,19 +97,22 @@ pub(super) fn snapshot(
     Ok(())
 }
 
-/// The copy jobs of tensors of `lens` bytes: slab-sized pieces of each, in order.
-fn jobs_of(lens: &[usize], slab: usize) -> Vec<Job> {
+/// The copy jobs of tensors' byte `spans` (offset, length): slab-sized pieces of each span
+/// from its start, in order.
+fn jobs_of(spans: &[Vec<(usize, usize)>], slab: usize) -> Vec<Job> {
     let mut jobs: Vec<Job> = Vec::new();
-    for (k, len) in lens.iter().enumerate() {
-        let mut off = 0;
-        while off < *len {
-            let l = slab.min(len - off);
-            jobs.push(Job {
-                tensor: k,
-                offset: off,
-                len: l,
-            });
-            off += l;
+    for (k, spans) in spans.iter().enumerate() {
+        for &(start, len) in spans {
+            let mut off = 0;
+            while off < len {
+                let l = slab.min(len - off);
+                jobs.push(Job {
+                    tensor: k,
+                    offset: start + off,
+                    len: l,
+                });
+                off += l;
+            }
         }
     }
     jobs

@@ -3,10 +3,13 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use ckpt_store::{BlobIn, DType, Error, NdBox, Placement, Result, ShardDesc, ShardMeta};
+use ckpt_store::{
+    BlobIn, DType, Error, NdBox, Placement, Result, SdcCheck, ShardDesc, ShardMeta, sampled_chunks,
+};
 
+use super::snapshot::Pin;
 use super::versions::{ShardKey, StepVersions};
-use crate::memory::{MemorySource, PinnedSource, SourceVersion};
+use crate::memory::{MemorySource, SourceVersion};
 
 /// One shard to save.
 #[derive(Clone)]
@@ -21,7 +24,9 @@ pub struct SaveTensor {
     pub bbox: NdBox,
     /// How the tensor is placed (recorded so other layouts can be planned).
     pub placement: Option<Placement>,
-    /// The memory holding exactly the box's row-major bytes; `None` for a replica.
+    /// The memory holding exactly the box's row-major bytes. A replica's (optional) is hashed
+    /// by the sentinel when the check is on ([`super::CheckpointerConfig::sdc_check`]), never
+    /// written.
     pub source: Option<Arc<dyn MemorySource>>,
     /// For a replica: the rank that writes it.
     pub replica_of: Option<u32>,
@@ -66,10 +71,13 @@ pub(super) struct SavePlan {
     pub metas: Vec<ShardMeta>,
     /// Per shard: its version when pinned (or found unchanged), if its source has one.
     pub versions: Vec<Option<SourceVersion>>,
-    /// (index into `metas`, the pinned source, byte length) of each shard this rank copies.
-    pub pins: Vec<(usize, Box<dyn PinnedSource>, usize)>,
-    /// Bytes the snapshot copies.
+    /// (index into `metas`, the pinned source, the byte spans copied) of each shard this rank
+    /// copies: a written shard whole, a checked replica's sampled chunks.
+    pub pins: Vec<Pin>,
+    /// Bytes the snapshot copies to write.
     pub bytes: u64,
+    /// Bytes of replicas the snapshot copies to hash (the sentinel).
+    pub checked: u64,
     /// Bytes of shards taken unchanged from the base.
     pub reused: u64,
     /// The step whose chunks the unchanged shards reference, if any shard is.
@@ -78,17 +86,49 @@ pub(super) struct SavePlan {
     pub blobs: Vec<BlobIn>,
 }
 
+/// How a save hashes its replicas (the sentinel): the setting, the step (the sample rotates
+/// with it) and the store's chunk size (the writer's cut of a box).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct ReplicaCheck {
+    pub check: SdcCheck,
+    pub step: u64,
+    pub chunk_size: usize,
+}
+
+impl ReplicaCheck {
+    /// The chunk spans (offset, length) and indices of a replica of `len` bytes to hash.
+    fn spans(&self, t: &SaveTensor, len: usize) -> (Vec<(usize, usize)>, Vec<u32>) {
+        let cs = self.chunk_size.max(1);
+        let n = len.div_ceil(cs) as u32;
+        let idx = sampled_chunks(self.check, &t.name, &t.bbox, n, self.step);
+        let spans = idx
+            .iter()
+            .map(|&i| {
+                let at = i as usize * cs;
+                (at, cs.min(len - at))
+            })
+            .collect();
+        (spans, idx)
+    }
+}
+
 impl SavePlan {
     /// Check every shard (memory of the box's size, or a replica) and pin its memory: the
     /// checkpoint holds the bytes of this moment. A shard whose version is the one it had in
-    /// `base` (a committed step) is not pinned and references `base`'s chunks.
-    pub fn pin(state: SaveState, base: Option<&StepVersions>) -> Result<SavePlan> {
+    /// `base` (a committed step) is not pinned and references `base`'s chunks. A replica
+    /// given its memory is pinned for the chunks `check` samples (hashed, not written).
+    pub fn pin(
+        state: SaveState,
+        base: Option<&StepVersions>,
+        check: ReplicaCheck,
+    ) -> Result<SavePlan> {
         let n = state.tensors.len();
         let mut plan = SavePlan {
             metas: Vec::with_capacity(n),
             versions: Vec::with_capacity(n),
             pins: Vec::new(),
             bytes: 0,
+            checked: 0,
             reused: 0,
             reuse_from: None,
             blobs: Vec::new(),
@@ -97,16 +137,19 @@ impl SavePlan {
             let len = (t.bbox.numel() * t.dtype.size() as u64) as usize;
             let mut reuse = None;
             let mut version = None;
+            let mut sampled = Vec::new();
+            if let Some(src) = &t.source
+                && src.len() != len
+            {
+                return Err(Error::invalid(format!(
+                    "tensor {:?} box {}: its memory holds {} bytes, the box {len}",
+                    t.name,
+                    t.bbox,
+                    src.len()
+                )));
+            }
             match (&t.source, t.replica_of) {
                 (Some(src), None) => {
-                    if src.len() != len {
-                        return Err(Error::invalid(format!(
-                            "tensor {:?} box {}: its memory holds {} bytes, the box {len}",
-                            t.name,
-                            t.bbox,
-                            src.len()
-                        )));
-                    }
                     let key = ShardKey::new(&t.name, t.dtype, &t.shape, &t.bbox);
                     let now = src.version();
                     let unchanged = match (base, now) {
@@ -119,16 +162,25 @@ impl SavePlan {
                         plan.reused += len as u64;
                         plan.reuse_from = Some(from);
                     } else {
-                        plan.pins.push((plan.metas.len(), src.pin()?, len));
+                        plan.pins
+                            .push((plan.metas.len(), src.pin()?, vec![(0, len)]));
                         // Read while pinned: the version of the bytes the copy gets.
                         version = src.version();
                         plan.bytes += len as u64;
                     }
                 }
-                (None, Some(_)) => {}
-                _ => {
+                (Some(src), Some(_)) if check.check.is_on() && len > 0 => {
+                    let (spans, idx) = check.spans(t, len);
+                    if !spans.is_empty() {
+                        plan.checked += spans.iter().map(|s| s.1 as u64).sum::<u64>();
+                        plan.pins.push((plan.metas.len(), src.pin()?, spans));
+                        sampled = idx;
+                    }
+                }
+                (_, Some(_)) => {}
+                (None, None) => {
                     return Err(Error::invalid(format!(
-                        "tensor {:?}: give either memory or replica_of",
+                        "tensor {:?}: give its memory or replica_of (the rank that writes it)",
                         t.name
                     )));
                 }
@@ -144,6 +196,7 @@ impl SavePlan {
                     placement: t.placement.clone(),
                 },
                 reuse,
+                check: sampled,
             });
         }
         plan.blobs = state
@@ -157,8 +210,11 @@ impl SavePlan {
         Ok(plan)
     }
 
-    /// Byte length of each pinned shard, in order.
+    /// Byte length of each span the snapshot copies, in order.
     pub fn lens(&self) -> Vec<usize> {
-        self.pins.iter().map(|p| p.2).collect()
+        self.pins
+            .iter()
+            .flat_map(|p| p.2.iter().map(|s| s.1))
+            .collect()
     }
 }
