@@ -65,12 +65,29 @@ pub struct Chosen {
 
 /// The newest committed step of `run` whose chunk and pack objects are all present (one HEAD
 /// per distinct object), not counting the steps in `skip`, with the newer steps passed over
-/// and why.
-pub async fn choose_step(store: &Store, run: &str, skip: &[u64]) -> Result<Chosen> {
+/// and why. With `below`, the steps from it on are never candidates: they come back as
+/// damaged (their replicas disagreed, or they came after a step whose replicas did).
+pub async fn choose_step(
+    store: &Store,
+    run: &str,
+    skip: &[u64],
+    below: Option<u64>,
+) -> Result<Chosen> {
     let mut out = Chosen::default();
     let mut steps = store.committed_steps(run).await?;
     steps.reverse();
     for s in steps {
+        if let Some(b) = below
+            && s >= b
+        {
+            out.damaged.push((
+                s,
+                format!(
+                    "at or after step {b}, whose data-parallel replicas disagreed (silent data corruption)"
+                ),
+            ));
+            continue;
+        }
         if skip.contains(&s) {
             out.passed.push((s, "marked unusable".into()));
             continue;
@@ -167,8 +184,13 @@ pub async fn first_free_generation(store: &Store, run: &str) -> Result<u64> {
 }
 
 /// The choose-step answer, with the steps passed over logged.
-pub async fn choose_step_logged(store: &Store, run: &str, skip: &[u64]) -> Result<Chosen> {
-    let chosen = choose_step(store, run, skip).await?;
+pub async fn choose_step_logged(
+    store: &Store,
+    run: &str,
+    skip: &[u64],
+    below: Option<u64>,
+) -> Result<Chosen> {
+    let chosen = choose_step(store, run, skip, below).await?;
     for (s, why) in chosen.damaged.iter().chain(&chosen.passed) {
         warn!("not restoring step {s}: {why}");
     }
@@ -197,6 +219,10 @@ pub struct JobOptions {
     /// How the driver opens the store (its binary reads them from the environment; the ranks
     /// read their own).
     pub open: ckpt_store::OpenOptions,
+    /// How much of their replicas the ranks hash for the sentinel (`CKPT_SDC_CHECK`; `None`:
+    /// their own default). What the job does about a mismatch is the coordinator's
+    /// `on_replica_mismatch`.
+    pub sdc_check: Option<ckpt_store::SdcCheck>,
 }
 
 /// How ranks are launched: the same for every rank of a job.
@@ -228,6 +254,8 @@ pub struct Launch {
     /// Where the nodes' shared restore caches go (`CKPT_NODE_CACHE`: `ROOT/n<node>-g<gen>`,
     /// see [`ckpt_store::NodeCache`]); `None`: each rank reads the store itself.
     pub node_cache_root: Option<PathBuf>,
+    /// How much of their replicas the ranks hash (`CKPT_SDC_CHECK`).
+    pub sdc_check: Option<ckpt_store::SdcCheck>,
 }
 
 /// Make the child die (SIGKILL) when this process dies: `PR_SET_PDEATHSIG`, and a check that
@@ -280,6 +308,7 @@ impl Launch {
             // The ranks of a node restore through one shared cache (removed with the
             // directory).
             node_cache_root: Some(node_cache_root),
+            sdc_check: job.sdc_check,
         }
     }
 
@@ -344,6 +373,7 @@ impl Launch {
                 .node_cache_root
                 .as_ref()
                 .map(|r| r.join(format!("n{}-g{generation}", a.node))),
+            sdc_check: self.sdc_check,
         };
         let mut cmd = tokio::process::Command::new(&self.command[0]);
         cmd.args(&self.command[1..])

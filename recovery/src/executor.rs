@@ -24,6 +24,10 @@ use crate::driver::{RecoveryLog, check_step, choose_step_logged, retire_step};
 /// job back at (one listing of the run's steps a time).
 pub const COMMIT_POLL: Duration = Duration::from_millis(100);
 
+/// How often a driver looks for new commits whose replicas disagree, while the job's policy
+/// acts on them (one listing of the run's steps, and one read of each new commit record).
+pub const REPLICA_POLL: Duration = Duration::from_millis(250);
+
 /// Which queued event the coordinator is told next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Order {
@@ -106,6 +110,9 @@ pub(crate) struct Executor {
     /// While the coordinator waits for a commit to grow the job back at: the generation, when
     /// the store was last asked, and the newest committed step it said.
     commit_watch: Option<(u64, Instant, Option<u64>)>,
+    /// While the coordinator watches the replicas: the generation, when the store was last
+    /// asked, and the newest step looked at.
+    replica_watch: Option<(u64, Instant, Option<u64>)>,
 }
 
 impl Executor {
@@ -126,6 +133,7 @@ impl Executor {
             queue: VecDeque::new(),
             order,
             commit_watch: None,
+            replica_watch: None,
         }
     }
 
@@ -190,8 +198,12 @@ impl Executor {
                     ranks,
                     kill,
                 } => fx.signal(self, generation, ranks, kill).await?,
-                Action::ChooseStep { generation, skip } => {
-                    let c = choose_step_logged(&self.store, &self.run, &skip).await?;
+                Action::ChooseStep {
+                    generation,
+                    skip,
+                    below,
+                } => {
+                    let c = choose_step_logged(&self.store, &self.run, &skip, below).await?;
                     let now = self.now();
                     self.push(Event::StepChosen {
                         generation,
@@ -256,5 +268,61 @@ impl Executor {
             }
             Err(e) => warn!("looking for a new commit to grow at: {e}"),
         }
+    }
+
+    /// While the job's policy acts on replicas that disagree: every [`REPLICA_POLL`], read the
+    /// record of each step the running generation committed since the last look, and tell
+    /// the coordinator of the first whose replicas disagree.
+    pub(crate) async fn poll_replicas(&mut self) {
+        let Some((g, from)) = self.coord.watching_replicas() else {
+            self.replica_watch = None;
+            return;
+        };
+        let last = match self.replica_watch {
+            Some((wg, at, last)) if wg == g => {
+                if at.elapsed() < REPLICA_POLL {
+                    return;
+                }
+                last
+            }
+            _ => from,
+        };
+        let steps = match self.store.committed_steps(&self.run).await {
+            Ok(s) => s,
+            Err(e) => {
+                warn!("looking for commits whose replicas disagree: {e}");
+                return;
+            }
+        };
+        let mut seen = last;
+        for step in steps.into_iter().filter(|s| last.is_none_or(|l| *s > l)) {
+            let root = match self.store.read_commit_root(&self.run, step).await {
+                Ok((r, _, _)) => r,
+                Err(e) => {
+                    warn!("reading the commit record of step {step}: {e}");
+                    break;
+                }
+            };
+            seen = Some(step);
+            let Some(rep) = root.replicas.filter(|r| r.mismatched()) else {
+                continue;
+            };
+            let detail = rep
+                .mismatches
+                .first()
+                .map(|m| m.describe())
+                .unwrap_or_default();
+            warn!(step, "the replicas of step {step} disagree: {detail}");
+            let now = self.now();
+            self.push(Event::ReplicaMismatch {
+                generation: g,
+                step,
+                suspects: rep.suspects(),
+                detail,
+                now,
+            });
+            break;
+        }
+        self.replica_watch = Some((g, Instant::now(), seen));
     }
 }

@@ -12,7 +12,7 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use ckpt_store::{Error, Result};
+use ckpt_store::{Error, Result, SdcCheck};
 
 use crate::peer::{PeerLink, PeerSecret};
 
@@ -56,6 +56,9 @@ pub const PEER_TIMEOUT_MS: &str = "CKPT_PEER_TIMEOUT_MS";
 /// The directory the ranks of this node share while they restore
 /// ([`ckpt_store::NodeCache`]): each chunk is read from the store once per node.
 pub const NODE_CACHE: &str = "CKPT_NODE_CACHE";
+/// How much of its replicas a rank hashes for the sentinel (`full`, `off`, `sample=F`;
+/// absent: the rank's own default).
+pub const SDC_CHECK: &str = "CKPT_SDC_CHECK";
 
 /// torchrun's names for the same facts.
 pub mod torchrun {
@@ -74,7 +77,7 @@ pub mod torchrun {
 }
 
 /// Every variable a driver sets or clears, for drivers that must clear stale ones.
-pub const ALL: [&str; 18] = [
+pub const ALL: [&str; 19] = [
     STORE,
     RUN,
     RANK,
@@ -93,6 +96,7 @@ pub const ALL: [&str; 18] = [
     PEER_SECRET,
     PEERS,
     NODE_CACHE,
+    SDC_CHECK,
 ];
 
 /// Where and how often a rank beats.
@@ -154,6 +158,8 @@ pub struct RankEnv {
     pub master: (String, u16),
     /// The node's shared restore cache, if the driver gives the node one.
     pub node_cache: Option<PathBuf>,
+    /// How much of its replicas the rank hashes for the sentinel, if the driver says.
+    pub sdc_check: Option<SdcCheck>,
 }
 
 impl RankEnv {
@@ -187,6 +193,9 @@ impl RankEnv {
         if let Some(d) = &self.node_cache {
             out.push((NODE_CACHE, d.clone().into_os_string()));
         }
+        if let Some(c) = &self.sdc_check {
+            out.push((SDC_CHECK, s(c)));
+        }
         if let Some(p) = &self.peer {
             out.push((PEER_AGENT, s(&p.agent)));
             out.push((PEER_SECRET, s(&p.secret.to_hex())));
@@ -207,6 +216,9 @@ impl RankEnv {
         }
         if self.node_cache.is_none() {
             out.push(NODE_CACHE);
+        }
+        if self.sdc_check.is_none() {
+            out.push(SDC_CHECK);
         }
         match &self.peer {
             None => out.extend([PEER_AGENT, PEER_SECRET, PEERS, PEER_TIMEOUT_MS]),
@@ -314,6 +326,13 @@ impl RankEnv {
                 num(torchrun::MASTER_PORT, text(torchrun::MASTER_PORT)?)?,
             ),
             node_cache: get(NODE_CACHE).filter(|v| !v.is_empty()).map(PathBuf::from),
+            sdc_check: opt(SDC_CHECK)?
+                .filter(|v| !v.is_empty())
+                .map(|v| {
+                    v.parse::<SdcCheck>()
+                        .map_err(|e| Error::invalid(format!("{SDC_CHECK}: {e}")))
+                })
+                .transpose()?,
         }))
     }
 
@@ -375,6 +394,7 @@ mod tests {
             }),
             master: ("127.0.0.1".into(), 29500),
             node_cache: Some("/dev/shm/ckpt-node-1".into()),
+            sdc_check: Some(SdcCheck::Sample(0.25)),
         }
     }
 
@@ -395,6 +415,7 @@ mod tests {
         e.resume_step = None;
         e.final_on_sigterm = true;
         e.node_cache = None;
+        e.sdc_check = None;
         let m = vars(&e);
         assert!(!m.contains_key(PEER_AGENT) && !m.contains_key(RESUME_STEP));
         assert!(!m.contains_key(NODE_CACHE) && e.unset().contains(&NODE_CACHE));
@@ -414,6 +435,10 @@ mod tests {
         m.remove(RUN);
         let e = RankEnv::from_vars(|k| m.get(k).cloned()).unwrap_err();
         assert!(e.to_string().contains("CKPT_RUN"), "{e}");
+        let mut m = vars(&sample());
+        m.insert(SDC_CHECK.into(), "most".into());
+        let e = RankEnv::from_vars(|k| m.get(k).cloned()).unwrap_err();
+        assert!(e.to_string().contains("CKPT_SDC_CHECK"), "{e}");
     }
 
     #[test]

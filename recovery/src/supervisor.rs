@@ -186,6 +186,7 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
                 ex.push(Event::Tick { now });
                 local.repair_due(&mut ex, now).await;
                 ex.poll_commits().await;
+                ex.poll_replicas().await;
             }
         }
     }

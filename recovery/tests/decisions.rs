@@ -293,12 +293,20 @@ fn show(a: &Action) -> Option<String> {
                 r.join(",")
             )
         }
-        Action::ChooseStep { generation, skip } if skip.is_empty() => {
-            format!("choose g{generation}")
-        }
-        Action::ChooseStep { generation, skip } => {
-            let s: Vec<String> = skip.iter().map(u64::to_string).collect();
-            format!("choose g{generation} skip={}", s.join(","))
+        Action::ChooseStep {
+            generation,
+            skip,
+            below,
+        } => {
+            let mut out = format!("choose g{generation}");
+            if !skip.is_empty() {
+                let s: Vec<String> = skip.iter().map(u64::to_string).collect();
+                out += &format!(" skip={}", s.join(","));
+            }
+            if let Some(b) = below {
+                out += &format!(" below={b}");
+            }
+            out
         }
         Action::CheckStep { generation, step } => format!("check g{generation} s{step}"),
         Action::RetireStep { step } => format!("retire s{step}"),

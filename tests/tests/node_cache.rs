@@ -90,6 +90,7 @@ fn restore_on(nodes: u32) -> (BTreeMap<u32, (u64, u64)>, u64) {
             logs_dir: Some(dir.path().join("logs")),
             heartbeat_interval: Duration::from_millis(100),
             open: Default::default(),
+            sdc_check: None,
         },
         replica_agent: None,
         repair_after: None,

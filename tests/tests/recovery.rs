@@ -75,6 +75,7 @@ fn options(
             logs_dir: Some(logs),
             heartbeat_interval: Duration::from_millis(100),
             open: Default::default(),
+            sdc_check: None,
         },
         replica_agent: None,
         repair_after: None,

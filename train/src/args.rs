@@ -261,6 +261,26 @@ pub struct TrainArgs {
     /// Never read these data batches, e.g. 31-35,60-61 (the run a rollback should equal).
     #[arg(long, value_delimiter = ',', value_name = "A-B", value_parser = parse_batch_range)]
     pub skip_batches: Vec<(u64, u64)>,
+    /// The sentinel: how much of the data-parallel replicas it holds a rank hashes at each
+    /// checkpoint, for the committer to compare with the stored bytes: `full`, `sample=F` (a
+    /// rotating fraction F of their chunks) or `off`. Default: what `ckpt resume --sdc-check`
+    /// says (CKPT_SDC_CHECK), else sample=0.05.
+    #[arg(long, value_name = "full|sample=F|off", value_parser = parse_sdc)]
+    pub sdc_check: Option<ckpt_store::SdcCheck>,
+    /// What the committing rank does when a step's replicas disagree: `warn` (a
+    /// replica_mismatch event) or `stop` (the run fails, naming the mismatch). `rollback` is
+    /// `ckpt resume`'s (`--on-replica-mismatch rollback` there); given here, a rank warns.
+    #[arg(long, default_value = "warn", value_parser = parse_policy)]
+    pub on_replica_mismatch: ckpt_store::MismatchPolicy,
+    /// Report (a state_unchanged event) trainable tensors whose bytes stay the same over this
+    /// many consecutive checkpoints while steps advance (0: off).
+    #[arg(long, default_value_t = 2)]
+    pub stale_after: u32,
+    /// Test flag (silent data corruption): flip one bit of a replicated tensor (the first
+    /// parameter's master weight and its bf16 copy) in the live state of the rank running on
+    /// node NODE, right after step STEP's update. Without a driver NODE names the rank.
+    #[arg(long, value_name = "NODE@STEP", value_parser = parse_node_at)]
+    pub inject_bitflip: Option<(u32, u64)>,
 }
 
 impl TrainArgs {
@@ -345,6 +365,24 @@ pub fn parse_budget(s: &str) -> std::result::Result<Budget, String> {
             "{s:?} is not a slowdown budget: a positive fraction (0.1), a percentage (10%) or `off`"
         )),
     }
+}
+
+fn parse_sdc(s: &str) -> std::result::Result<ckpt_store::SdcCheck, String> {
+    s.parse().map_err(|e: ckpt_store::Error| e.to_string())
+}
+
+fn parse_policy(s: &str) -> std::result::Result<ckpt_store::MismatchPolicy, String> {
+    s.parse().map_err(|e: ckpt_store::Error| e.to_string())
+}
+
+/// `NODE@STEP`.
+pub fn parse_node_at(s: &str) -> std::result::Result<(u32, u64), String> {
+    let bad = || format!("{s:?} is not NODE@STEP (e.g. 1@40)");
+    let (n, st) = s.split_once('@').ok_or_else(bad)?;
+    Ok((
+        n.trim().parse().map_err(|_| bad())?,
+        st.trim().parse().map_err(|_| bad())?,
+    ))
 }
 
 /// `off`, `alert` or `rollback`.

@@ -104,6 +104,18 @@ fn manager_config(sh: &Shared, rank: u32, state: &RankState) -> ManagerConfig {
     mc.final_on_sigterm =
         a.rank.is_some() && sh.launched.as_ref().is_none_or(|e| e.final_on_sigterm);
     mc.resume_step = a.resume_step;
+    // The sentinel: the ranks hash what the driver says (or their own setting); rolling back
+    // is the driver's, so a rank warns under it.
+    mc.ckpt.sdc_check = a
+        .sdc_check
+        .or(sh.launched.as_ref().and_then(|e| e.sdc_check))
+        .unwrap_or_default();
+    mc.ckpt.node = sh.launched.as_ref().map(|e| e.node);
+    mc.on_replica_mismatch = match a.on_replica_mismatch {
+        ckpt_store::MismatchPolicy::Rollback => ckpt_store::MismatchPolicy::Warn,
+        p => p,
+    };
+    mc.stale_after = a.stale_after;
     mc.persist_governor = match a.persist_budget {
         Budget::Off => None,
         Budget::Fraction(budget) => Some(ckpt_trainer::GovernorConfig {
@@ -283,6 +295,7 @@ impl RankLoop<'_> {
         }
         // The optimizer step mutates the state.
         self.state.update(step, batch, scale);
+        self.maybe_flip_bit(step);
         {
             let mut p = self.progress.lock();
             p.step = step;
@@ -296,6 +309,21 @@ impl RankLoop<'_> {
             std::thread::sleep(left);
         }
         Ok((batch, part))
+    }
+
+    /// `--inject-bitflip NODE@STEP`: after `step`'s update on the rank of that node (without a
+    /// driver, of that rank), flip one bit of a replicated tensor (silent data corruption).
+    fn maybe_flip_bit(&self, step: u64) {
+        let Some((node, at)) = self.sh.args.inject_bitflip else {
+            return;
+        };
+        let here = self.sh.launched.as_ref().map_or(self.rank, |e| e.node);
+        if at == step
+            && here == node
+            && let Some(what) = self.state.flip_bit()
+        {
+            warn!(rank = self.rank, node, step, "injected a bit flip: {what}");
+        }
     }
 
     /// Roll back past `spike` (every rank, or all fail); the step to go on with.

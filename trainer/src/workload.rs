@@ -440,19 +440,37 @@ impl RankState {
         self.params.iter().map(|p| p.held.numel() * 14).sum()
     }
 
-    /// Register every state tensor with a checkpoint manager.
+    /// Register every state tensor with a checkpoint manager; the tensors of a parameter that
+    /// is not frozen are trainable (the sentinel watches them for stale state).
     pub fn register(&self, mgr: &mut crate::CheckpointManager) -> Result<()> {
         let specs = self.model.specs();
         for p in &self.params {
             for k in 0..4 {
-                mgr.register(
-                    specs[p.param * 4 + k].clone(),
-                    p.held.clone(),
-                    Arc::new(p.tensors[k].clone()),
-                )?;
+                let spec = specs[p.param * 4 + k].clone();
+                let name = spec.name.clone();
+                mgr.register(spec, p.held.clone(), Arc::new(p.tensors[k].clone()))?;
+                mgr.set_trainable(&name, !p.frozen)?;
             }
         }
         Ok(())
+    }
+
+    /// Silent data corruption, for tests of the sentinel: flip bit 20 (inside bf16's mantissa)
+    /// of the first held element of the first parameter's master weight, and its bf16 copy
+    /// with it, so the difference lives on in this rank's replicas through later updates.
+    /// What was flipped, or `None` when the rank holds no element.
+    pub fn flip_bit(&self) -> Option<String> {
+        let p = self.params.iter().find(|p| p.held.numel() > 0)?;
+        let mut master = p.tensors[1].write();
+        let mut w = p.tensors[0].write();
+        let x = f32::from_le_bytes(master[0..4].try_into().expect("4")).to_bits() ^ (1 << 20);
+        let x = f32::from_bits(x);
+        master[0..4].copy_from_slice(&x.to_le_bytes());
+        w[0..2].copy_from_slice(&to_bf16(x).to_le_bytes());
+        Some(format!(
+            "bit 20 of the first held element of {}.master (and its bf16 copy {})",
+            p.name, p.name
+        ))
     }
 
     /// The loss (before the update) of the elements this rank owns, for `batch`.

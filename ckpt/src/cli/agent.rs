@@ -166,6 +166,7 @@ pub async fn agent(
             logs_dir: args.logs.clone(),
             heartbeat_interval: args.restarts.heartbeat_interval(),
             open: open.clone(),
+            sdc_check: args.restarts.sdc_check,
         },
         lease_ttl: args.lease_ttl,
         join_timeout: args.join_timeout,

@@ -87,6 +87,26 @@ pub struct RestartArgs {
     /// The window of --max-node-failures.
     #[arg(long, default_value = "10m", value_parser = duration)]
     pub node_failure_window: Duration,
+    /// The sentinel: how much of their data-parallel replicas the ranks hash at each
+    /// checkpoint for the committer to compare with the stored bytes: `full`, `sample=F` (a
+    /// rotating fraction F of the chunks) or `off` (passed to the ranks as CKPT_SDC_CHECK;
+    /// default: the ranks' own, a sample of 5 %).
+    #[arg(long, value_name = "full|sample=F|off", value_parser = parse_sdc)]
+    pub sdc_check: Option<ckpt_store::SdcCheck>,
+    /// What the job does when a committed step's replicas disagree (silent data corruption):
+    /// `warn` (the committing rank logs a replica_mismatch event), `stop` (the job ends), or
+    /// `rollback` (the suspect nodes, outside a strict majority, are kept out for good, and
+    /// the job restarts from the newest step whose replicas agreed).
+    #[arg(long, default_value = "warn", value_parser = parse_policy)]
+    pub on_replica_mismatch: ckpt_store::MismatchPolicy,
+}
+
+fn parse_sdc(s: &str) -> std::result::Result<ckpt_store::SdcCheck, String> {
+    s.parse().map_err(|e: ckpt_store::Error| e.to_string())
+}
+
+fn parse_policy(s: &str) -> std::result::Result<ckpt_store::MismatchPolicy, String> {
+    s.parse().map_err(|e: ckpt_store::Error| e.to_string())
 }
 
 /// A bare number of seconds (`1`, `0.5`) or a duration (`500ms`, `2m`).
@@ -120,6 +140,7 @@ impl RestartArgs {
         cfg.backoff = self.backoff;
         cfg.max_node_failures = self.max_node_failures;
         cfg.node_failure_window = self.node_failure_window;
+        cfg.on_replica_mismatch = self.on_replica_mismatch;
         Ok(cfg)
     }
 
@@ -236,6 +257,7 @@ pub async fn resume(
             logs_dir: args.logs.clone(),
             heartbeat_interval: args.restarts.heartbeat_interval(),
             open: open.clone(),
+            sdc_check: args.restarts.sdc_check,
         },
         replica_agent: match args.peer_replicas {
             true => Some(vec![

@@ -390,9 +390,12 @@ impl Leader {
     }
 
     /// While the coordinator waits to grow the job back onto returned nodes, tell it the newest
-    /// committed step, as the local supervisor does ([`Executor::poll_commits`]).
+    /// committed step, as the local supervisor does ([`Executor::poll_commits`]); while it
+    /// watches the replicas, the new commits whose replicas disagree
+    /// ([`Executor::poll_replicas`]).
     pub(super) async fn poll_commits(&mut self) {
         self.ex.poll_commits().await;
+        self.ex.poll_replicas().await;
     }
 
     /// Feed the pending events to the coordinator and carry out its actions.

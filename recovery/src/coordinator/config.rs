@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use ckpt_store::Layout;
+use ckpt_store::{Layout, MismatchPolicy};
 use serde::Serialize;
 
 /// Nodes and ranks.
@@ -45,6 +45,10 @@ pub struct Config {
     pub max_node_failures: u32,
     /// The window of `max_node_failures`.
     pub node_failure_window: Duration,
+    /// What the job does when a committed step's replicas disagree (the sentinel): nothing
+    /// but the ranks' warning ([`MismatchPolicy::Warn`]), end the job, or roll back keeping
+    /// the suspect nodes out.
+    pub on_replica_mismatch: MismatchPolicy,
 }
 
 impl Config {
@@ -62,6 +66,7 @@ impl Config {
             backoff_max: Duration::from_secs(30),
             max_node_failures: 3,
             node_failure_window: Duration::from_secs(600),
+            on_replica_mismatch: MismatchPolicy::Warn,
         }
     }
 }

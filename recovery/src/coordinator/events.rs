@@ -90,6 +90,20 @@ pub enum Event {
         /// Time.
         now: Duration,
     },
+    /// The driver found a committed step whose data-parallel replicas disagree (the
+    /// sentinel; told while [`Coordinator::watching_replicas`] asks).
+    ReplicaMismatch {
+        /// The generation that committed it.
+        generation: u64,
+        /// The step.
+        step: u64,
+        /// The ranks outside a strict majority (empty: none holds one).
+        suspects: Vec<u32>,
+        /// The first mismatch, for the records.
+        detail: String,
+        /// Time.
+        now: Duration,
+    },
     /// A rank process ended.
     Exited {
         /// Its generation.
@@ -191,6 +205,9 @@ pub enum Action {
         generation: u64,
         /// Steps marked unusable: not candidates.
         skip: Vec<u64>,
+        /// Only steps before this one are candidates (the later ones come back as damaged,
+        /// with why): their replicas disagreed, or they came after such a step.
+        below: Option<u64>,
     },
     /// Verify every object of `step` (a rank could not restore it); answer with
     /// [`Event::StepChecked`].

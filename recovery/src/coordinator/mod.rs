@@ -58,12 +58,15 @@
 //! The files: this one holds the state machine (start, heartbeats, exits, ticks, failures,
 //! the layout decision); `config.rs` its settings; `events.rs` what goes in and out
 //! ([`Event`], [`Action`]); `grow.rs` nodes coming back and growing at a commit;
+//! `sentinel.rs` replicas that disagree at a commit (stop, or roll back keeping the suspect
+//! nodes out);
 //! `take_over.rs` carrying on from a lost coordinator; `tests.rs` its own cases (the decision
 //! tables are `recovery/tests/decisions.rs`).
 
 mod config;
 mod events;
 mod grow;
+mod sentinel;
 mod take_over;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -237,6 +240,8 @@ pub struct Coordinator {
     grow_wait: Option<Option<Option<u64>>>,
     /// The stop under way is a grow's.
     growing: bool,
+    /// Steps from this one on are never restored: their replicas disagreed (or came after).
+    unusable_from: Option<u64>,
 }
 
 fn ms(d: Duration) -> u64 {
@@ -270,6 +275,7 @@ impl Coordinator {
             returned: BTreeSet::new(),
             grow_wait: None,
             growing: false,
+            unusable_from: None,
         }
     }
 
@@ -428,6 +434,7 @@ impl Coordinator {
                 vec![Action::ChooseStep {
                     generation: self.generation,
                     skip: vec![],
+                    below: None,
                 }]
             }
             Event::Heartbeat {
@@ -523,6 +530,16 @@ impl Coordinator {
                 self.on_checked(step, damage, now)
             }
             Event::NodeBack { node, now } => self.on_node_back(node, now),
+            Event::ReplicaMismatch {
+                generation,
+                step,
+                suspects,
+                detail,
+                now,
+            } if generation == self.generation => {
+                self.on_replica_mismatch(step, suspects, detail, now)
+            }
+            Event::ReplicaMismatch { .. } => vec![],
             Event::Committed {
                 generation,
                 step,
@@ -646,6 +663,7 @@ impl Coordinator {
         vec![Action::ChooseStep {
             generation: self.generation,
             skip: self.unusable.iter().copied().collect(),
+            below: self.unusable_from,
         }]
     }
 

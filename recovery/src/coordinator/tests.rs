@@ -1,6 +1,7 @@
 //! The coordinator's own cases (the decision tables are in `recovery/tests/decisions.rs`).
 
 use super::*;
+use ckpt_store::MismatchPolicy;
 
 fn cfg(nodes: u32, spares: u32, layout: &str) -> Config {
     let mut c = Config::new(
@@ -80,7 +81,8 @@ fn the_lost_coordinators_node_is_failed_and_the_job_restarts_without_it() {
         out,
         vec![Action::ChooseStep {
             generation: 5,
-            skip: vec![]
+            skip: vec![],
+            below: None
         }]
     );
     let out = c.on_event(Event::StepChosen {
@@ -168,7 +170,8 @@ fn stopping_goes_on_where_the_previous_coordinator_left_it() {
         out,
         vec![Action::ChooseStep {
             generation: 5,
-            skip: vec![]
+            skip: vec![],
+            below: None
         }]
     );
     assert_eq!(c.excluded(), vec![2]);
@@ -203,7 +206,8 @@ fn started(c: &mut Coordinator, step: Option<u64>) -> Vec<Action> {
         c.on_event(Event::Start { now: ms(0) }),
         vec![Action::ChooseStep {
             generation: 0,
-            skip: vec![]
+            skip: vec![],
+            below: None
         }]
     );
     c.on_event(Event::StepChosen {
@@ -394,7 +398,8 @@ fn a_repaired_node_grows_the_job_back_at_the_next_commit_not_before_and_not_mid_
         out,
         vec![Action::ChooseStep {
             generation: 1,
-            skip: vec![]
+            skip: vec![],
+            below: None
         }]
     );
     // The step just committed is chosen, and the job restarts at once on both nodes.
@@ -806,4 +811,113 @@ fn a_rank_continued_before_the_heartbeat_timeout_is_not_failed() {
         let out = c.on_event(Event::Tick { now: ms(t) });
         assert!(failures(&out).is_empty(), "failed at {t} ms: {out:?}");
     }
+}
+
+fn mismatch(c: &mut Coordinator, step: u64, suspects: Vec<u32>, t: u64) -> Vec<Action> {
+    c.on_event(Event::ReplicaMismatch {
+        generation: c.generation(),
+        step,
+        suspects,
+        detail: "tensor \"w\" chunk 3".into(),
+        now: ms(t),
+    })
+}
+
+#[test]
+fn a_replica_mismatch_under_rollback_keeps_the_suspect_node_out_and_restores_an_older_step() {
+    let mut conf = cfg(3, 1, "dp=3");
+    conf.on_replica_mismatch = MismatchPolicy::Rollback;
+    let mut c = Coordinator::new(conf);
+    started(&mut c, Some(10));
+    assert_eq!(c.watching_replicas(), Some((0, Some(10))));
+    let out = mismatch(&mut c, 20, vec![2], 1_000);
+    let f = failures(&out);
+    assert_eq!(f.len(), 1, "{out:?}");
+    assert_eq!(
+        (f[0].rank, f[0].node, f[0].how.as_str()),
+        (2, 2, "replica_mismatch")
+    );
+    assert!(f[0].detail.contains("step 20"), "{}", f[0].detail);
+    assert_eq!(kept_out_records(&out)[0].node, 2);
+    assert!(out.iter().any(|a| matches!(a,
+        Action::Record(Record::StepUnusable(u)) if u.step == 20)));
+    assert!(out.contains(&Action::Signal {
+        generation: 0,
+        ranks: vec![0, 1, 2],
+        kill: false
+    }));
+    assert_eq!(c.watching_replicas(), None, "stopping: no more watching");
+    let mut out = vec![];
+    for r in 0..3 {
+        out = c.on_event(Event::Exited {
+            generation: 0,
+            rank: r,
+            status: ExitStatus::Signal(15),
+            now: ms(1_100),
+        });
+    }
+    // Only steps before 20 are candidates; 20 and the later 30 come back damaged and retire.
+    assert_eq!(
+        out,
+        vec![Action::ChooseStep {
+            generation: 0,
+            skip: vec![20],
+            below: Some(20)
+        }]
+    );
+    let out = c.on_event(Event::StepChosen {
+        generation: 0,
+        step: Some(10),
+        damaged: vec![(20, "replicas".into()), (30, "after 20".into())],
+        now: ms(1_200),
+    });
+    assert!(out.contains(&Action::RetireStep { step: 20 }));
+    assert!(out.contains(&Action::RetireStep { step: 30 }));
+    let mut t = 1_200;
+    let started = loop {
+        t += 100;
+        let out = c.on_event(Event::Tick { now: ms(t) });
+        if let Some(s) = started_on(&out) {
+            break s;
+        }
+        assert!(t < 10_000);
+    };
+    // The spare replaces node 2, which never comes back.
+    assert_eq!(started, ("dp=3".parse().unwrap(), vec![0, 1, 3], Some(10)));
+    assert!(c.is_kept_out(2));
+    assert!(
+        c.on_event(Event::NodeBack {
+            node: 2,
+            now: ms(t)
+        })
+        .iter()
+        .all(|a| matches!(a, Action::Record(Record::NodeReturned(n)) if !n.usable))
+    );
+}
+
+#[test]
+fn a_replica_mismatch_without_a_majority_rolls_back_keeping_every_node_and_stop_ends_the_job() {
+    let mut conf = cfg(2, 0, "dp=2");
+    conf.on_replica_mismatch = MismatchPolicy::Rollback;
+    let mut c = Coordinator::new(conf);
+    started(&mut c, Some(10));
+    let out = mismatch(&mut c, 20, vec![], 1_000);
+    assert!(failures(&out).is_empty(), "no suspect: no failure: {out:?}");
+    assert!(kept_out_records(&out).is_empty());
+    assert!(out.iter().any(|a| matches!(a,
+        Action::Record(Record::StepUnusable(u)) if u.step == 20 && u.why.contains("no majority"))));
+    // Warn: the coordinator does not even ask.
+    let mut c = Coordinator::new(cfg(2, 0, "dp=2"));
+    started(&mut c, Some(10));
+    assert_eq!(c.watching_replicas(), None);
+    assert!(mismatch(&mut c, 20, vec![1], 1_000).is_empty());
+    // Stop: the job ends, naming the step.
+    let mut conf = cfg(2, 0, "dp=2");
+    conf.on_replica_mismatch = MismatchPolicy::Stop;
+    let mut c = Coordinator::new(conf);
+    started(&mut c, Some(10));
+    let out = mismatch(&mut c, 20, vec![], 1_000);
+    assert!(out.iter().any(|a| matches!(a,
+        Action::Done { ok: false, reason } if reason.contains("step 20"))));
+    assert!(c.is_done());
 }

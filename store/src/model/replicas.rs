@@ -57,6 +57,10 @@ impl SdcCheck {
     }
 }
 
+// A sample's fraction is never NaN (parsing and the constructors keep it in (0, 1)), so
+// equality is an equivalence.
+impl Eq for SdcCheck {}
+
 impl Default for SdcCheck {
     fn default() -> Self {
         SdcCheck::DEFAULT

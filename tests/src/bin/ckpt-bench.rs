@@ -957,6 +957,7 @@ fn recovery_bench(dir: &Path, params: &str, how: &str) {
             logs_dir: Some(logs.clone()),
             heartbeat_interval: Duration::from_millis(100),
             open: open_options(),
+            sdc_check: None,
         },
         replica_agent: how
             .ends_with("peers")
