@@ -91,6 +91,17 @@ class CheckpointManager:
     ``staging_bytes`` bounds the staging memory (0: as much as one snapshot needs);
     ``governor``: pace the persist when it slows the steps beside it (the Rust manager's
     persist governor).
+
+    The sentinel: every rank holding a replicated tensor (DDP's parameters, ``Replicate()``
+    DTensor dimensions) hashes ``sdc_check`` of its own copy at each checkpoint (``"full"``,
+    ``"sample=F"``, ``"off"``; default: what ``ckpt resume --sdc-check`` says, else
+    ``"sample=0.05"``), and rank 0 compares the hashes with the stored bytes before it
+    commits: replicas that differ (silent data corruption on one side) are a
+    ``replica_mismatch`` event naming the tensor, chunk, ranks and nodes;
+    ``on_replica_mismatch="stop"`` also makes the next call raise. A trainable tensor (one with
+    ``requires_grad``, one of the tensors in ``trainable`` (a module's or an iterable's
+    parameters, matched by memory), or an optimizer's per-parameter state) whose bytes stay the
+    same over ``stale_after`` checkpoints is a ``state_unchanged`` event (0: off).
     """
 
     def __init__(
@@ -108,6 +119,10 @@ class CheckpointManager:
         generation: Optional[int] = None,
         staging_bytes: int = 0,
         governor: bool = True,
+        sdc_check: Optional[str] = None,
+        on_replica_mismatch: str = "warn",
+        stale_after: int = 2,
+        trainable: Any = None,
     ) -> None:
         distributed = dist.is_available() and dist.is_initialized()
         if rank is None:
@@ -118,10 +133,19 @@ class CheckpointManager:
         self.rank, self.world = int(rank), int(world)
         env = resume_env()
         resume_step = None
+        node = None
         if env is not None and env.run == run:
             if generation is None:
                 generation = env.generation
             resume_step = env.resume_step
+            node = env.node
+            if sdc_check is None:
+                sdc_check = env.sdc_check
+        if isinstance(trainable, torch.nn.Module):
+            trainable = [p for p in trainable.parameters() if p.requires_grad]
+        self._trainable_ptrs = {
+            t.detach().data_ptr() for t in (trainable or []) if isinstance(t, torch.Tensor)
+        }
         self.store = _store(store)
         self._native = Manager(
             self.store,
@@ -137,6 +161,10 @@ class CheckpointManager:
             resume_step=resume_step,
             staging_bytes=int(staging_bytes),
             governor=governor,
+            sdc_check=sdc_check,
+            on_replica_mismatch=on_replica_mismatch,
+            stale_after=int(stale_after),
+            node=node,
         )
         # The ranks agree on a SIGTERM through a gloo group (CPU tensors whatever the default
         # backend is); created by every rank, as `new_group` must be.
@@ -175,6 +203,7 @@ class CheckpointManager:
                     list(target.shape),
                     _bytes_view(target),
                     None,
+                    False,
                 )
             )
         got = self._native.restore_latest(entries)
@@ -261,6 +290,16 @@ class CheckpointManager:
         writer = _writer_coord(fqn, self.world) if self.world > 1 else 0
         return v, shape, [0] * len(shape), (None if writer == self.rank else writer)
 
+    def _trainable(self, fqn: str, v: torch.Tensor, local: torch.Tensor) -> bool:
+        """Whether training should change ``v``: it requires grad, it is one of the tensors
+        named trainable, or it is an optimizer's per-parameter state (a floating tensor under
+        a ``state`` component: an optimizer keeps state only for the parameters it updates)."""
+        if not local.is_floating_point():
+            return False
+        if v.requires_grad or local.data_ptr() in self._trainable_ptrs:
+            return True
+        return "state" in fqn.split(".")[:-1] and local.dim() > 0
+
     def _prepare(self, state_dict: dict, keep: list):
         """The entries and pickled values of ``state_dict`` (called by the native manager
         only when a checkpoint is due). ``keep`` holds copies of non-contiguous tensors."""
@@ -277,6 +316,7 @@ class CheckpointManager:
                     f"tensor {fqn!r} is on {t.device}: ckpt.CheckpointManager saves CPU tensors; "
                     "move the state to host memory, or save through ckpt.dcp.StorageWriter"
                 )
+            trainable = self._trainable(fqn, v, t)
             if not t.is_contiguous():
                 t = t.contiguous()
                 keep.append(t)
@@ -289,6 +329,7 @@ class CheckpointManager:
                     list(t.shape),
                     _bytes_view(t),
                     writer,
+                    trainable,
                 )
             )
         pickled = pickle.dumps(values, protocol=4) if self.rank == 0 else b""

@@ -65,6 +65,13 @@ impl PyRankEnv {
         self.env.node
     }
 
+    /// How much of its replicas the rank hashes for the sentinel (`full`, `sample=F`, `off`),
+    /// if the driver says (`ckpt resume --sdc-check`).
+    #[getter]
+    fn sdc_check(&self) -> Option<String> {
+        self.env.sdc_check.map(|c| c.to_string())
+    }
+
     /// The layout, as `dp=..,tp=..,pp=..`.
     #[getter]
     fn layout(&self) -> String {

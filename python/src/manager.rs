@@ -154,7 +154,8 @@ impl Stateful for Blob {
     }
 }
 
-/// One tensor as Python hands it: `(name, dtype, shape, offsets, sizes, buffer, replica_of)`.
+/// One tensor as Python hands it: `(name, dtype, shape, offsets, sizes, buffer, replica_of,
+/// trainable)`.
 type Entry<'py> = (
     String,
     String,
@@ -163,12 +164,13 @@ type Entry<'py> = (
     Vec<u64>,
     Bound<'py, PyAny>,
     Option<u32>,
+    bool,
 );
 
 /// Register `entries` (replacing what was registered) with memory lent from their buffers.
 fn register(m: &mut CheckpointManager, entries: Vec<Entry<'_>>, writable: bool) -> PyResult<()> {
     m.clear_tensors();
-    for (order, (name, dt, shape, offsets, sizes, buf, replica_of)) in
+    for (order, (name, dt, shape, offsets, sizes, buf, replica_of, trainable)) in
         entries.into_iter().enumerate()
     {
         let what = format!("tensor {name:?}");
@@ -182,8 +184,10 @@ fn register(m: &mut CheckpointManager, entries: Vec<Entry<'_>>, writable: bool) 
                 spec.dtype, lent.len
             )));
         }
+        let name = spec.name.clone();
         m.register_held(spec, held, Arc::new(PyMemory(Arc::new(lent))), replica_of)
             .map_err(err)?;
+        m.set_trainable(&name, trainable).map_err(err)?;
     }
     Ok(())
 }
@@ -204,6 +208,12 @@ fn report_dict<'py>(
     d.set_item("bytes_skipped", r.bytes_skipped)?;
     d.set_item("bytes_reused", r.bytes_reused)?;
     d.set_item("staging_peak", r.staging_peak)?;
+    d.set_item("bytes_checked", r.bytes_checked)?;
+    if let Some(rep) = &r.replicas {
+        d.set_item("replicas_compared", rep.chunks_compared)?;
+        d.set_item("replicas_mismatched", rep.mismatched_chunks)?;
+        d.set_item("replica_suspects", rep.suspects())?;
+    }
     Ok(d)
 }
 
@@ -232,7 +242,8 @@ impl Manager {
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (store, run, rank=0, world=1, generation=0, every_steps=None,
         every_s=None, keep_last=None, keep_every=None, final_on_sigterm=true,
-        resume_step=None, staging_bytes=0, governor=true))]
+        resume_step=None, staging_bytes=0, governor=true, sdc_check=None,
+        on_replica_mismatch="warn", stale_after=2, node=None))]
     fn new(
         py: Python<'_>,
         store: &Store,
@@ -248,11 +259,19 @@ impl Manager {
         resume_step: Option<u64>,
         staging_bytes: usize,
         governor: bool,
+        sdc_check: Option<&str>,
+        on_replica_mismatch: &str,
+        stale_after: u32,
+        node: Option<u32>,
     ) -> PyResult<Self> {
         let layout = Layout::new(world, 1, 1, 0).map_err(err)?;
         let mut ck = CheckpointerConfig::new(run, rank, layout);
         ck.generation = generation;
         ck.staging_bytes = staging_bytes;
+        if let Some(c) = sdc_check {
+            ck.sdc_check = c.parse().map_err(err)?;
+        }
+        ck.node = node;
         let mut cfg = ManagerConfig::new(ck);
         cfg.every_steps = every_steps;
         cfg.every = match every_s {
@@ -267,6 +286,13 @@ impl Manager {
         cfg.keep_every = keep_every;
         cfg.final_on_sigterm = final_on_sigterm;
         cfg.resume_step = resume_step;
+        // Rolling back is a driver's (`ckpt resume --on-replica-mismatch rollback`): a rank
+        // under it warns.
+        cfg.on_replica_mismatch = match on_replica_mismatch.parse().map_err(err)? {
+            ckpt_store::MismatchPolicy::Rollback => ckpt_store::MismatchPolicy::Warn,
+            p => p,
+        };
+        cfg.stale_after = stale_after;
         if !governor {
             cfg.persist_governor = None;
         }

@@ -190,3 +190,41 @@ def manager_sigterm(rank, world, port, store, run, progress):
         mgr.finish()
     finally:
         dist.destroy_process_group()
+
+
+def manager_ddp_bitflip(rank, world, port, store, run, flip_rank, flip_after):
+    """DDP over gloo with the native manager and the sentinel in full: after step
+    `flip_after`'s update, rank `flip_rank` flips one bit of its copy of the first layer's
+    weight (silent data corruption); checkpoints every 2 steps."""
+    import ckpt
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)
+        )
+        ddp = DDP(model)
+        opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+        mgr = ckpt.CheckpointManager(
+            store, run=run, every_steps=2, sdc_check="full", trainable=model
+        )
+        gen = torch.Generator().manual_seed(1000 + rank)
+        for step in range(1, 7):
+            x = torch.randn(16, 64, generator=gen)
+            loss = ddp(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if rank == flip_rank and step == flip_after:
+                with torch.no_grad():
+                    bits = model[0].weight.view(torch.int32)
+                    bits[0, 0] ^= 1 << 20
+            mgr.maybe_save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
+        mgr.finish()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -21,6 +21,7 @@ from _workers import (
     flat,
     full_state,
     manager_roundtrip,
+    manager_ddp_bitflip,
     manager_sigterm,
     placeholder,
 )
@@ -181,3 +182,78 @@ def test_bad_state_gets_an_error_naming_the_tensor(tmp_path):
         ckpt.CheckpointManager(str(tmp_path / "store"), run="bad").restore_latest(
             {"model": {"v": torch.ones(3)}}
         )
+
+
+def _events(store, run, kind):
+    """The records of `kind` in a local store's events log of `run`."""
+    import json
+    from pathlib import Path
+
+    out = []
+    for f in sorted((Path(store) / "runs" / run / "events").glob("*.jsonl")):
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            if r.get("kind") == kind:
+                out.append(r)
+    return out
+
+
+def test_ddp_replicas_compared_by_hash_a_flipped_bit_names_the_rank(tmp_path, ckpt_bin):
+    # The sentinel through DDP: three ranks hold the same parameters; rank 1's copy of the
+    # first layer's weight gets a flipped bit after step 3; the checkpoint of step 4 finds it.
+    store = str(tmp_path / "store")
+    mp.spawn(
+        manager_ddp_bitflip, args=(3, free_port(), store, "ddp", 1, 3), nprocs=3
+    )
+    got = subprocess.run(
+        [str(ckpt_bin), "--json", "inspect", "ddp@2"],
+        env={"CKPT_STORE": store}, capture_output=True, text=True, check=True,
+    )
+    import json
+
+    before = json.loads(got.stdout)["replicas"]
+    assert before["mismatched_chunks"] == 0 and before["chunks_compared"] > 0, before
+    got = subprocess.run(
+        [str(ckpt_bin), "--json", "inspect", "ddp@4"],
+        env={"CKPT_STORE": store}, capture_output=True, text=True, check=True,
+    )
+    rep = json.loads(got.stdout)["replicas"]
+    assert rep["mismatched_chunks"] >= 1, rep
+    m = rep["mismatches"][0]
+    assert m["suspects"] == [1], m
+    assert m["tensor"].startswith("model.0.weight") or m["tensor"].startswith("optim"), m
+    events = _events(store, "ddp", "replica_mismatch")
+    assert events and events[0]["step"] == 4 and events[0]["suspects"] == [1], events
+
+
+def test_a_stale_optimizer_state_handed_over_is_reported_at_the_second_checkpoint(tmp_path):
+    # The test double of NeMo-RL issue 3312: the loop trains, but the state dict it hands
+    # the manager holds a copy of the optimizer state taken once.
+    import copy
+
+    store = str(tmp_path / "store")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    mgr = ckpt.CheckpointManager(store, run="stale", every_steps=5, trainable=model)
+    stale = None
+    for step in range(1, 16):
+        loss = model(torch.randn(8, 256)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if stale is None:
+            stale = copy.deepcopy(opt.state_dict())
+        mgr.maybe_save(step, {"model": model.state_dict(), "optim": stale})
+        mgr.wait()
+        found = _events(store, "stale", "state_unchanged")
+        if step < 11:
+            # The sentinel looks at a save once the next call comes: step 10's at step 11.
+            assert not found, (step, found)
+    mgr.finish()
+    found = _events(store, "stale", "state_unchanged")
+    assert len(found) == 1, found
+    u = found[0]
+    assert u["step"] == 10 and u["steps"] == [5, 10], u
+    assert all(t.startswith("optim.state.") for t in u["tensors"]), u
+    assert "model.weight" not in u["tensors"] and not u["all"], u

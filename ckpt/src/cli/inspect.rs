@@ -110,6 +110,10 @@ pub struct InspectReport {
     /// With `--tensor`: its shards and value statistics.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tensor: Option<TensorDetail>,
+    /// The sentinel's comparison of the data-parallel replicas at the commit (the commit
+    /// record's, with every mismatch listed there), when any replica was hashed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<ckpt_store::ReplicaReport>,
 }
 
 /// One rank's manifest.
@@ -312,6 +316,7 @@ pub async fn inspect(store: &Store, args: &InspectArgs, ui: &Ui) -> Result<Inspe
         tensors,
         blobs,
         tensor,
+        replicas: c.replicas.clone(),
     })
 }
 
@@ -486,6 +491,32 @@ impl Report for InspectReport {
             ws.chunks,
             fmt::bytes(ws.bytes_skipped)
         )?;
+        if let Some(r) = &self.replicas {
+            if r.mismatched() {
+                writeln!(
+                    w,
+                    "  replicas    MISMATCH: {} of {} replica chunks compared differ (silent data corruption on one side)",
+                    r.mismatched_chunks, r.chunks_compared
+                )?;
+                for m in &r.mismatches {
+                    writeln!(w, "    {}", m.describe())?;
+                }
+                if r.mismatched_chunks > r.mismatches.len() as u64 {
+                    writeln!(
+                        w,
+                        "    ... and {} more",
+                        r.mismatched_chunks - r.mismatches.len() as u64
+                    )?;
+                }
+            } else {
+                writeln!(
+                    w,
+                    "  replicas    agree: {} replica chunks ({}) compared with the stored bytes",
+                    r.chunks_compared,
+                    fmt::bytes(r.bytes_compared)
+                )?;
+            }
+        }
         match &self.tensor {
             Some(d) => print_tensor(d, w),
             None => self.print_tables(w),

@@ -104,6 +104,45 @@ pub struct StepRow {
     /// Why some figures are missing (a damaged or unreadable manifest).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub problem: Option<String>,
+    /// The sentinel's comparison of the step's data-parallel replicas, when any was hashed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<ReplicasSummary>,
+}
+
+/// What the committer found comparing a step's replicas (the sentinel).
+#[derive(Debug, Clone, Serialize)]
+pub struct ReplicasSummary {
+    /// Replica chunks compared with the stored ones.
+    pub chunks_compared: u64,
+    /// Chunks whose replicas disagree (0: they agreed).
+    pub mismatched_chunks: u64,
+    /// Ranks outside a strict majority.
+    pub suspects: Vec<u32>,
+}
+
+impl ReplicasSummary {
+    fn of(r: &ckpt_store::ReplicaReport) -> Self {
+        ReplicasSummary {
+            chunks_compared: r.chunks_compared,
+            mismatched_chunks: r.mismatched_chunks,
+            suspects: r.suspects(),
+        }
+    }
+
+    /// `ok 16`, or `MISMATCH 1 (suspect rank 2)`.
+    fn cell(&self) -> String {
+        if self.mismatched_chunks == 0 {
+            return format!("ok {}", self.chunks_compared);
+        }
+        let who = match self.suspects.as_slice() {
+            [] => "no majority".to_string(),
+            s => format!(
+                "suspect rank {}",
+                s.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+            ),
+        };
+        format!("MISMATCH {} ({who})", self.mismatched_chunks)
+    }
 }
 
 /// List runs, or the steps of `args.run`.
@@ -322,6 +361,11 @@ fn step_row(
         time: time.to_rfc3339(),
         age_s: age(now, time),
         problem: info.problem,
+        replicas: info
+            .commit
+            .as_ref()
+            .and_then(|c| c.replicas.as_ref())
+            .map(ReplicasSummary::of),
     }
 }
 
@@ -376,6 +420,7 @@ impl Report for LsReport {
                     ("LOGICAL", Align::Right),
                     ("STORED", Align::Right),
                     ("NEW", Align::Right),
+                    ("REPLICAS", Align::Left),
                     ("AGE", Align::Left),
                 ]);
                 let mut problems = Vec::new();
@@ -396,10 +441,19 @@ impl Report for LsReport {
                         opt_bytes(r.logical_bytes),
                         opt_bytes(r.stored_bytes),
                         opt_bytes(r.new_bytes),
+                        r.replicas
+                            .as_ref()
+                            .map_or_else(|| "-".into(), ReplicasSummary::cell),
                         fmt::age(r.age_s),
                     ]);
                     if let Some(p) = &r.problem {
                         problems.push(format!("step {}: {p}", r.step));
+                    }
+                    if r.replicas.as_ref().is_some_and(|x| x.mismatched_chunks > 0) {
+                        problems.push(format!(
+                            "step {}: its data-parallel replicas disagree (silent data corruption; `ckpt inspect {}@{}` names the tensors, ranks and nodes)",
+                            r.step, s.run, r.step
+                        ));
                     }
                 }
                 write!(w, "{}", t.render())?;

@@ -28,6 +28,7 @@ pub mod plot;
 pub mod replica;
 pub mod resume;
 pub mod shared;
+pub mod stats;
 pub mod verify;
 
 pub use shared::error::{CliError, EXIT_DAMAGE, EXIT_ERROR, EXIT_OK, EXIT_USAGE, Failure, Result};
@@ -79,6 +80,9 @@ pub enum Command {
     Inspect(inspect::InspectArgs),
     /// Compare two checkpoints: tensors added, removed and changed.
     Diff(diff::DiffArgs),
+    /// Per step, how much of the state changed, per tensor group and kind (a stuck layer or
+    /// optimizer shows); replicas that disagreed are marked.
+    Stats(stats::StatsArgs),
     /// Re-hash everything reachable; exit code 3 and a list of what is damaged.
     Verify(verify::VerifyArgs),
     /// Delete steps retention does not keep, then unreferenced chunks.
@@ -215,10 +219,11 @@ pub async fn run(
         Command::Inspect(a) if a.raw => emit(ui, &inspect::raw(&store, &a).await?),
         Command::Inspect(a) => emit(ui, &inspect::inspect(&store, &a, ui).await?),
         Command::Diff(a) => emit(ui, &diff::diff(&store, &a, ui).await?),
+        Command::Stats(a) => emit(ui, &stats::stats(&store, &a, ui).await?),
         Command::Verify(a) => {
             let r = verify::verify(&store, &a, ui).await?;
             emit(ui, &r)?;
-            return Ok(if r.report.is_clean() {
+            return Ok(if r.clean {
                 Outcome::Ok
             } else {
                 Outcome::Damage

@@ -40,6 +40,74 @@ pub struct VerifyOutput {
     pub seconds: f64,
     /// Damaged steps, as `RUN@STEP`, each once.
     pub damaged_steps: Vec<String>,
+    /// Committed steps whose data-parallel replicas disagreed at the commit (the sentinel's
+    /// record): silent data corruption on one side.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub replica_mismatches: Vec<ReplicaFinding>,
+}
+
+/// A committed step whose replicas disagreed.
+#[derive(Debug, Clone, Serialize)]
+pub struct ReplicaFinding {
+    /// `RUN@STEP`.
+    pub step: String,
+    /// Chunks that differ.
+    pub mismatched_chunks: u64,
+    /// Ranks outside a strict majority.
+    pub suspects: Vec<u32>,
+    /// Whether the stored bytes are the suspect side, or no majority tells (then the step
+    /// counts as damaged: its stored bytes may be the corrupt ones).
+    pub stored_suspect: bool,
+    /// The first mismatch, in words.
+    pub first: String,
+}
+
+/// The recorded replica mismatches of the committed steps `scope` covers.
+async fn replica_findings(store: &Store, scope: &VerifyScope) -> Result<Vec<ReplicaFinding>> {
+    let mut steps: Vec<(String, u64)> = Vec::new();
+    match scope {
+        VerifyScope::Step(r, s) => steps.push((r.clone(), *s)),
+        VerifyScope::Run(r) => {
+            for s in store.committed_steps(r).await? {
+                steps.push((r.clone(), s));
+            }
+        }
+        VerifyScope::Store => {
+            for r in store.list_runs().await? {
+                for s in store.committed_steps(&r).await? {
+                    steps.push((r.clone(), s));
+                }
+            }
+        }
+    }
+    let roots: Vec<_> = stream::iter(steps)
+        .map(|(run, step)| async move {
+            let root = store.read_commit_root(&run, step).await;
+            (run, step, root)
+        })
+        .buffered(16)
+        .collect()
+        .await;
+    let mut out = Vec::new();
+    for (run, step, root) in roots {
+        // An unreadable record is the verify's own finding.
+        let Ok((c, _, _)) = root else { continue };
+        let Some(r) = c.replicas.filter(|r| r.mismatched()) else {
+            continue;
+        };
+        out.push(ReplicaFinding {
+            step: format!("{run}@{step}"),
+            mismatched_chunks: r.mismatched_chunks,
+            suspects: r.suspects(),
+            stored_suspect: r.mismatches.iter().any(|m| m.stored_suspect()),
+            first: r
+                .mismatches
+                .first()
+                .map(|m| m.describe())
+                .unwrap_or_default(),
+        });
+    }
+    Ok(out)
 }
 
 /// Which scope a target names.
@@ -116,6 +184,7 @@ pub async fn verify(store: &Store, args: &VerifyArgs, ui: &Ui) -> Result<VerifyO
     };
     let report = store.verify(&scope, Some(progress)).await?;
     pb.finish_and_clear();
+    let replica_mismatches = replica_findings(store, &scope).await?;
     let mut damaged_steps: Vec<(String, u64)> = report
         .damaged
         .iter()
@@ -130,13 +199,14 @@ pub async fn verify(store: &Store, args: &VerifyArgs, ui: &Ui) -> Result<VerifyO
             VerifyScope::Run(r) => format!("run {r}"),
             VerifyScope::Step(r, s) => format!("step {s} of run {r}"),
         },
-        clean: report.is_clean(),
+        clean: report.is_clean() && !replica_mismatches.iter().any(|f| f.stored_suspect),
         seconds: t0.elapsed().as_secs_f64(),
         damaged_steps: damaged_steps
             .into_iter()
             .map(|(r, s)| format!("{r}@{s}"))
             .collect(),
         report,
+        replica_mismatches,
     })
 }
 
@@ -182,8 +252,29 @@ impl Report for VerifyOutput {
                 }
             )?;
         }
+        for f in &self.replica_mismatches {
+            writeln!(
+                w,
+                "{}: {}'s data-parallel replicas disagreed at its commit ({} chunk(s)): {}{}",
+                if f.stored_suspect { "SUSPECT" } else { "note" },
+                f.step,
+                f.mismatched_chunks,
+                f.first,
+                if f.stored_suspect {
+                    "; the stored bytes may be the corrupt ones: restore an older step"
+                } else {
+                    "; the stored bytes are the majority's"
+                }
+            )?;
+        }
         if self.clean {
             return writeln!(w, "OK: nothing is damaged");
+        }
+        if r.is_clean() {
+            return writeln!(
+                w,
+                "DAMAGED: no object is damaged, but the stored bytes of the steps above may hold silent data corruption"
+            );
         }
         writeln!(
             w,

@@ -251,7 +251,7 @@ impl CheckpointManager {
         self.pacing
             .step_began(step, self.ckpt.persist_rate(), &mut self.events);
         // What the sentinel found in the saves that ended (a mismatch under `stop` fails).
-        self.sentinel.poll(&self.registry, &mut self.events)?;
+        self.sentinel.poll(&mut self.events)?;
         let r = self.decide_and_save(step, prepare);
         self.pacing.step_ended();
         r
@@ -363,7 +363,7 @@ impl CheckpointManager {
         let t0 = Instant::now();
         let state = self.save_state()?;
         let h = self.ckpt.save(step, state)?;
-        self.sentinel.watch(&h);
+        self.sentinel.watch(&h, self.registry.trainable_names());
         self.pacing
             .save_started(&h, self.ckpt.persist_rate(), &mut self.events);
         self.last_saved_step = Some(step);
@@ -514,7 +514,7 @@ impl CheckpointManager {
                 .persist_ended(h.step(), self.ckpt.persist_rate(), &mut self.events);
         }
         self.retention.wait();
-        let sentinel = self.sentinel.poll(&self.registry, &mut self.events);
+        let sentinel = self.sentinel.poll(&mut self.events);
         // Events that waited while the store was down.
         self.events.flush();
         sentinel

@@ -15,13 +15,13 @@
 //!   a save path that hands over a stale buffer keeps versions moving.
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::sync::Arc;
 
 use ckpt_recovery::records::{self, Event};
 use ckpt_store::{Error, ErrorKind, Hash, MismatchPolicy, NdBox, ReplicaReport, Result};
 use tracing::{error, warn};
 
 use super::events::EventLog;
-use super::registry::Registry;
 use crate::save::{SaveHandle, SaveReport, Stage};
 
 /// At most this many saves are watched at once (older ones are dropped unlooked-at).
@@ -35,6 +35,8 @@ struct Watch {
     handle: SaveHandle,
     /// Its written shards were compared with the last save's.
     stale_done: bool,
+    /// The tensors registered as trainable when it was taken.
+    trainable: Arc<HashSet<String>>,
 }
 
 /// The bytes of a shard over the last saves: its digest and the steps it held it since.
@@ -80,8 +82,8 @@ impl Sentinel {
         }
     }
 
-    /// Watch a save just started.
-    pub(crate) fn watch(&mut self, h: &SaveHandle) {
+    /// Watch a save just started, of which the tensors in `trainable` should change.
+    pub(crate) fn watch(&mut self, h: &SaveHandle, trainable: HashSet<String>) {
         if h.is_skipped() {
             return;
         }
@@ -91,6 +93,7 @@ impl Sentinel {
         self.watched.push_back(Watch {
             handle: h.clone(),
             stale_done: false,
+            trainable: Arc::new(trainable),
         });
     }
 
@@ -102,22 +105,17 @@ impl Sentinel {
 
     /// Look at the watched saves that ended: stale state of those persisted (oldest first),
     /// mismatches of those committed. Fails while a mismatch under `stop` stands.
-    pub(crate) fn poll(&mut self, registry: &Registry, events: &mut EventLog) -> Result<()> {
-        let mut names: Option<HashSet<String>> = None;
-        let mut trainable = || {
-            names
-                .get_or_insert_with(|| registry.trainable_names())
-                .clone()
-        };
+    pub(crate) fn poll(&mut self, events: &mut EventLog) -> Result<()> {
         while let Some(w) = self.watched.front_mut() {
             let stage = w.handle.stage();
             let report = w.handle.report();
+            let trainable = w.trainable.clone();
             match stage {
                 Stage::Snapshotting | Stage::Snapshotted => break,
                 Stage::Persisted => {
                     if !w.stale_done {
                         w.stale_done = true;
-                        self.check_stale(&report, &trainable(), events);
+                        self.check_stale(&report, &trainable, events);
                     }
                     if !self.committer {
                         self.watched.pop_front();
@@ -128,7 +126,7 @@ impl Sentinel {
                 }
                 Stage::Committed => {
                     if !w.stale_done {
-                        self.check_stale(&report, &trainable(), events);
+                        self.check_stale(&report, &trainable, events);
                     }
                     self.watched.pop_front();
                     if let Some(r) = &report.replicas
