@@ -65,6 +65,42 @@ pub fn spawn_supervisor(
     })
 }
 
+/// The local supervisor's options for the end-to-end recovery tests: `cmd` under `layout` on
+/// `topo`, rank logs in `logs`, and detection settings that fail a rank in seconds (a 2 s
+/// heartbeat timeout, 20 s to hang, 60 s to start, 2 s stop grace, 100 ms backoff, 6
+/// restarts).
+pub fn supervised(
+    store: &std::path::Path,
+    run: &str,
+    topo: ckpt_recovery::Topology,
+    layout: &str,
+    cmd: Vec<String>,
+    logs: PathBuf,
+) -> ckpt_recovery::SupervisorOptions {
+    use std::time::Duration;
+    let mut cfg = ckpt_recovery::Config::new(topo, layout.parse().expect("a layout"));
+    cfg.max_restarts = 6;
+    cfg.heartbeat_timeout = Duration::from_secs(2);
+    cfg.hang_timeout = Duration::from_secs(20);
+    cfg.startup_timeout = Duration::from_secs(60);
+    cfg.stop_grace = Duration::from_secs(2);
+    cfg.backoff = Duration::from_millis(100);
+    ckpt_recovery::SupervisorOptions {
+        job: ckpt_recovery::JobOptions {
+            store_url: store.to_string_lossy().to_string(),
+            run: run.into(),
+            config: cfg,
+            command: cmd,
+            logs_dir: Some(logs),
+            heartbeat_interval: Duration::from_millis(100),
+            open: Default::default(),
+            sdc_check: None,
+        },
+        replica_agent: None,
+        repair_after: None,
+    }
+}
+
 /// The command that starts one node's replica agent: `ckpt replica-agent`.
 pub fn replica_agent_command() -> Vec<String> {
     vec![

@@ -6,10 +6,10 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use ckpt_recovery::{Config, JobOptions, SupervisorOptions, Topology};
+use ckpt_recovery::Topology;
 use ckpt_tests::{
     bin, digest_in, env_of, final_digest, find_processes, reference_digest, replica_agent_command,
-    signal, spawn_supervisor,
+    signal, spawn_supervisor, supervised,
 };
 
 const PARAMS: &str = "40K";
@@ -49,37 +49,6 @@ fn auto_train_cmd(steps: u64, step_ms: u64) -> Vec<String> {
         .map(String::from),
     );
     cmd
-}
-
-fn options(
-    store: &Path,
-    run: &str,
-    topo: Topology,
-    layout: &str,
-    cmd: Vec<String>,
-    logs: PathBuf,
-) -> SupervisorOptions {
-    let mut cfg = Config::new(topo, layout.parse().unwrap());
-    cfg.max_restarts = 6;
-    cfg.heartbeat_timeout = Duration::from_secs(2);
-    cfg.hang_timeout = Duration::from_secs(20);
-    cfg.startup_timeout = Duration::from_secs(60);
-    cfg.stop_grace = Duration::from_secs(2);
-    cfg.backoff = Duration::from_millis(100);
-    SupervisorOptions {
-        job: JobOptions {
-            store_url: store.to_string_lossy().to_string(),
-            run: run.into(),
-            config: cfg,
-            command: cmd,
-            logs_dir: Some(logs),
-            heartbeat_interval: Duration::from_millis(100),
-            open: Default::default(),
-            sdc_check: None,
-        },
-        replica_agent: None,
-        repair_after: None,
-    }
 }
 
 /// Live rank processes of `run`: (pid, rank, generation).
@@ -148,7 +117,7 @@ fn random_sigkills_during_steps_saves_and_restores() {
         spares: 0,
     };
     let cmd = train_cmd(steps, 4, 60);
-    let opts = options(
+    let opts = supervised(
         &store,
         &run,
         topo,
@@ -269,7 +238,7 @@ fn a_hang_is_detected_within_the_timeout_plus_one_heartbeat() {
         spares: 1,
     };
     let cmd = train_cmd(steps, 3, 100);
-    let opts = options(&store, run, topo, "dp=3", cmd, dir.path().join("logs"));
+    let opts = supervised(&store, run, topo, "dp=3", cmd, dir.path().join("logs"));
     let timeout = opts.job.config.heartbeat_timeout;
     let interval = opts.job.heartbeat_interval;
     let sup_start = Instant::now();
@@ -313,23 +282,30 @@ fn a_hang_is_detected_within_the_timeout_plus_one_heartbeat() {
     assert_eq!(final_digest(&dir.path().join("logs")).unwrap(), want);
 }
 
-#[test]
-fn a_rank_stopped_while_it_restores_is_found_by_its_missed_beats() {
-    let dir = tempfile::tempdir().unwrap();
-    let want = reference_digest(dir.path(), 8, PARAMS);
-    let store = dir.path().join("store");
-    let run = "restoring";
+/// A run committed at step 4 (of 8, dp=2) to resume on two nodes and a spare: the digest the
+/// job must end with, the store, the topology.
+fn two_nodes_and_a_spare_resuming(dir: &Path, run: &str) -> (String, PathBuf, Topology) {
+    let want = reference_digest(dir, 8, PARAMS);
+    let store = dir.join("store");
     committed_run(&store, run, 4, 4);
     let topo = Topology {
         nodes: 2,
         ranks_per_node: 1,
         spares: 1,
     };
+    (want, store, topo)
+}
+
+#[test]
+fn a_rank_stopped_while_it_restores_is_found_by_its_missed_beats() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = "restoring";
+    let (want, store, topo) = two_nodes_and_a_spare_resuming(dir.path(), run);
     // Every rank waits 6 s before it reads anything of the step it resumes: long enough to
     // stop one in its restore. The start-up timeout is 60 s.
     let mut cmd = train_cmd(8, 4, 20);
     cmd.extend(["--failpoints".into(), "before_restore=sleep(6000)".into()]);
-    let opts = options(&store, run, topo, "dp=2", cmd, dir.path().join("logs"));
+    let opts = supervised(&store, run, topo, "dp=2", cmd, dir.path().join("logs"));
     let timeout = opts.job.config.heartbeat_timeout;
     let interval = opts.job.heartbeat_interval;
     let sup_start = Instant::now();
@@ -381,15 +357,8 @@ fn a_rank_stopped_before_its_first_beat_is_found_within_the_heartbeat_timeout() 
     // no beat to miss, the job waited for the start-up timeout. Rank 1 of the first
     // generation stops itself before it execs `ckpt-train` (a marker directory says it did).
     let dir = tempfile::tempdir().unwrap();
-    let want = reference_digest(dir.path(), 8, PARAMS);
-    let store = dir.path().join("store");
     let run = "stopped-early";
-    committed_run(&store, run, 4, 4);
-    let topo = Topology {
-        nodes: 2,
-        ranks_per_node: 1,
-        spares: 1,
-    };
+    let (want, store, topo) = two_nodes_and_a_spare_resuming(dir.path(), run);
     let mark = dir.path().join("stopped-once");
     let mut cmd: Vec<String> = vec![
         "sh".into(),
@@ -401,7 +370,7 @@ fn a_rank_stopped_before_its_first_beat_is_found_within_the_heartbeat_timeout() 
         "sh".into(),
     ];
     cmd.extend(train_cmd(8, 4, 20));
-    let opts = options(&store, run, topo, "dp=2", cmd, dir.path().join("logs"));
+    let opts = supervised(&store, run, topo, "dp=2", cmd, dir.path().join("logs"));
     let timeout = opts.job.config.heartbeat_timeout;
     let startup = opts.job.config.startup_timeout;
     let report = spawn_supervisor(opts).join().unwrap();
@@ -450,7 +419,7 @@ fn too_few_survivors_for_tp_x_pp_stop_with_a_reason() {
         spares: 0,
     };
     let cmd = train_cmd(200, 5, 50);
-    let opts = options(
+    let opts = supervised(
         &dir.path().join("store"),
         run,
         topo,
@@ -562,7 +531,7 @@ fn a_lost_node_is_restored_from_peer_replicas() {
         ranks_per_node: 2,
         spares: 0,
     };
-    let mut opts = options(
+    let mut opts = supervised(
         &store,
         run,
         topo,
@@ -724,7 +693,7 @@ fn resume_damaged(dir: &Path, run: &str, max_restarts: u32, damage: impl FnOnce(
         ranks_per_node: 1,
         spares: 1,
     };
-    let mut opts = options(
+    let mut opts = supervised(
         &store,
         run,
         topo,
@@ -1141,7 +1110,7 @@ fn the_supervisors_loss_curve_equals_the_one_process_run_bit_for_bit() {
         ranks_per_node: 1,
         spares: 0,
     };
-    let opts = options(
+    let opts = supervised(
         &store,
         "supervised",
         topo,
@@ -1199,7 +1168,7 @@ fn the_automatic_interval_counts_the_failures_the_supervisor_logs() {
         spares: 0,
     };
     let cmd = auto_train_cmd(steps, 30);
-    let opts = options(&store, run, topo, "dp=1", cmd, dir.path().join("logs"));
+    let opts = supervised(&store, run, topo, "dp=1", cmd, dir.path().join("logs"));
     let sup = spawn_supervisor(opts);
     let t0 = Instant::now();
     let mut kills = Vec::new();
@@ -1273,7 +1242,7 @@ fn rank_processes_agree_on_an_automatic_interval_per_generation_that_shrinks_aft
         ranks_per_node: 1,
         spares: 2,
     };
-    let first = spawn_supervisor(options(
+    let first = spawn_supervisor(supervised(
         &store,
         run,
         topo,
@@ -1287,7 +1256,7 @@ fn rank_processes_agree_on_an_automatic_interval_per_generation_that_shrinks_aft
     assert_eq!(first.restarts, 0);
 
     let logs = dir.path().join("logs-2");
-    let sup = spawn_supervisor(options(
+    let sup = spawn_supervisor(supervised(
         &store,
         run,
         topo,

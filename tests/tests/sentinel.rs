@@ -10,9 +10,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use ckpt_recovery::records::{Event, read_records};
-use ckpt_recovery::{Config, JobOptions, SupervisorOptions, Topology};
+use ckpt_recovery::{SupervisorOptions, Topology};
 use ckpt_store::{MismatchPolicy, SdcCheck};
-use ckpt_tests::{bin, final_digest, reference_digest, spawn_supervisor};
+use ckpt_tests::{bin, final_digest, reference_digest, spawn_supervisor, supervised};
 
 const PARAMS: &str = "40K";
 
@@ -30,28 +30,12 @@ fn options(
         ranks_per_node: 1,
         spares: 0,
     };
-    let mut cfg = Config::new(topo, layout.parse().unwrap());
-    cfg.max_restarts = 3;
-    cfg.heartbeat_timeout = Duration::from_secs(5);
-    cfg.hang_timeout = Duration::from_secs(30);
-    cfg.startup_timeout = Duration::from_secs(60);
-    cfg.stop_grace = Duration::from_secs(2);
-    cfg.backoff = Duration::from_millis(100);
-    cfg.on_replica_mismatch = policy;
-    SupervisorOptions {
-        job: JobOptions {
-            store_url: store.to_string_lossy().to_string(),
-            run: run.into(),
-            config: cfg,
-            command: cmd,
-            logs_dir: Some(logs),
-            heartbeat_interval: Duration::from_millis(100),
-            open: Default::default(),
-            sdc_check: Some(SdcCheck::Full),
-        },
-        replica_agent: None,
-        repair_after: None,
-    }
+    let mut o = supervised(store, run, topo, layout, cmd, logs);
+    o.job.config.max_restarts = 3;
+    o.job.config.heartbeat_timeout = Duration::from_secs(5);
+    o.job.config.on_replica_mismatch = policy;
+    o.job.sdc_check = Some(SdcCheck::Full);
+    o
 }
 
 /// `ckpt-train` for `steps` steps, a checkpoint every `every`, with a bit flipped on node

@@ -17,6 +17,8 @@
 //! ckpt-bench delta  --dir DIR --params 20M     delta chunks: stored size per kind, save/restore time
 //!                   [--intervals 1,10,100] [--saves 3] [--sinks local,slow] [--slow-mbps 200] [--restores 3]
 //!                   [--modes raw,planes,delta,delta-readback,adaptive+delta]
+//! ckpt-bench sentinel --dir DIR --params 20M [--rounds 3]
+//!                                              the sentinel's cost (off, sample, full) and detection
 //! ```
 
 use std::fs::OpenOptions;
@@ -62,6 +64,9 @@ mod delta_bench;
 
 #[path = "../delta_physics.rs"]
 mod delta_physics;
+
+#[path = "../sentinel_bench.rs"]
+mod sentinel_bench;
 
 fn emit(v: Value) {
     println!("{v}");
@@ -1535,13 +1540,18 @@ fn main() {
             arg(&args, "--every", "6").parse().unwrap(),
             arg(&args, "--saves", "3").parse().unwrap(),
         ),
+        Some("sentinel") => sentinel_bench::sentinel_bench(
+            &dir,
+            ckpt_train::parse_count(&arg(&args, "--params", "20M")).unwrap(),
+            arg(&args, "--rounds", "5").parse().unwrap(),
+        ),
         Some("versions") => versions::versions_bench(
             &dir,
             ckpt_train::parse_count(&arg(&args, "--params", "150M")).unwrap(),
         ),
         _ => {
             eprintln!(
-                "usage: ckpt-bench limits|store|train|startup|recovery|peers|faults|goodput|scale|versions|governor|delta|restore --dir DIR [--gib N] [--params N] [--mib N] [--steps N] [--no-background-prefault] [--budgets 0.05,0.1,off] [--every N] [--saves N]\n       \
+                "usage: ckpt-bench limits|store|train|startup|recovery|peers|faults|goodput|scale|versions|governor|delta|restore|sentinel --dir DIR [--gib N] [--params N] [--mib N] [--steps N] [--no-background-prefault] [--budgets 0.05,0.1,off] [--every N] [--saves N]\n       \
                  ckpt-bench goodput --dir DIR [--minutes M | --steps N] [--mtbf S] [--seed X] [--step-ms MS] [--params P] [--repair S] [--every K] [--keep-last N|all] [--gc-every S|off] [--policies a,b,c]"
             );
             std::process::exit(2);
