@@ -106,9 +106,11 @@ impl PersistJob {
             .map(|l| Arc::new(PeerUpload::start(l, cfg.generation, cfg.rank, step, 8)));
         let shared = self.shared.clone();
         let pacer = Pacer::new(self.rate.clone(), Box::new(move || shared.snapshotting()));
+        let hashed_only = replica_checks(store, &self.metas);
         let chunks = chunk_stream(
             self.rx,
             upload.clone(),
+            hashed_only,
             store.config().pack_threshold,
             pacer,
         );
@@ -249,26 +251,53 @@ fn record_versions(
 fn chunk_stream(
     rx: tokio::sync::mpsc::UnboundedReceiver<Result<Bytes>>,
     upload: Option<Arc<PeerUpload>>,
+    hashed_only: std::collections::BTreeSet<usize>,
     small: usize,
     pacer: Pacer,
 ) -> impl futures::Stream<Item = Result<Bytes>> + Send {
     futures::stream::unfold(
-        (rx, upload, pacer),
-        move |(mut rx, up, mut pacer)| async move {
-            let x = rx.recv().await?;
-            if let Ok(b) = &x {
-                pacer.admit(b.len()).await;
+        (rx, upload, pacer, 0usize),
+        move |(mut rx, up, mut pacer, k)| {
+            let written = !hashed_only.contains(&k);
+            async move {
+                let x = rx.recv().await?;
+                if let Ok(b) = &x {
+                    pacer.admit(b.len()).await;
+                }
+                let x = match x {
+                    Ok(b) if b.len() < small => Ok(Bytes::copy_from_slice(&b)),
+                    x => x,
+                };
+                // A replica's chunk hashed for the sentinel is not the rank's to keep.
+                if let (Some(u), Ok(b), true) = (&up, &x, written) {
+                    u.chunk(b.clone()).await;
+                }
+                Some((x, (rx, up, pacer, k + 1)))
             }
-            let x = match x {
-                Ok(b) if b.len() < small => Ok(Bytes::copy_from_slice(&b)),
-                x => x,
-            };
-            if let (Some(u), Ok(b)) = (&up, &x) {
-                u.chunk(b.clone()).await;
-            }
-            Some((x, (rx, up, pacer)))
         },
     )
+}
+
+/// The places in a save's chunk stream of the replica chunks it brings to be hashed (the
+/// sentinel), not written: every shard's chunks come in order, a replica's checked ones at its
+/// place.
+fn replica_checks(store: &Store, metas: &[ShardMeta]) -> std::collections::BTreeSet<usize> {
+    let mut out = std::collections::BTreeSet::new();
+    let mut k = 0usize;
+    for m in metas {
+        if m.reuse.is_some() {
+            continue;
+        }
+        if m.shard.replica_of.is_none() {
+            k += store.chunk_spans(m.byte_len()).count();
+        } else {
+            for _ in &m.check {
+                out.insert(k);
+                k += 1;
+            }
+        }
+    }
+    out
 }
 
 /// Wait for every rank's manifest of `step` and create the commit record; the stage becomes
