@@ -63,20 +63,27 @@ pub struct Chosen {
     pub passed: Vec<(u64, String)>,
 }
 
-/// The newest committed step of `run` whose chunk and pack objects are all present (one HEAD
-/// per distinct object), not counting the steps in `skip`, with the newer steps passed over
-/// and why. With `below`, the steps from it on are never candidates: they come back as
-/// damaged (their replicas disagreed, or they came after a step whose replicas did).
+/// The newest step of `run` committed in one of `tiers` (a local tier first, then the store)
+/// whose chunk and pack objects are all present there (one HEAD per distinct object), not
+/// counting the steps in `skip`, with the newer steps passed over and why. With `below`, the
+/// steps from it on are never candidates: they come back as damaged (their replicas
+/// disagreed, or they came after a step whose replicas did).
 pub async fn choose_step(
-    store: &Store,
+    tiers: &[&Store],
     run: &str,
     skip: &[u64],
     below: Option<u64>,
 ) -> Result<Chosen> {
     let mut out = Chosen::default();
-    let mut steps = store.committed_steps(run).await?;
+    let mut committed: Vec<(u64, usize)> = Vec::new();
+    for (i, t) in tiers.iter().enumerate() {
+        committed.extend(t.committed_steps(run).await?.into_iter().map(|s| (s, i)));
+    }
+    let mut steps: Vec<u64> = committed.iter().map(|c| c.0).collect();
+    steps.sort_unstable();
+    steps.dedup();
     steps.reverse();
-    for s in steps {
+    'steps: for s in steps {
         if let Some(b) = below
             && s >= b
         {
@@ -92,18 +99,36 @@ pub async fn choose_step(
             out.passed.push((s, "marked unusable".into()));
             continue;
         }
-        match step_objects_missing(store, run, s).await {
-            Ok(missing) if missing.is_empty() => {
-                out.step = Some(s);
-                return Ok(out);
+        // Every tier that committed it, in order: the first intact copy is restored.
+        let mut why = Vec::new();
+        let mut data = true;
+        for &(_, i) in committed.iter().filter(|c| c.0 == s) {
+            let store = tiers[i];
+            match step_objects_missing(store, run, s).await {
+                Ok(missing) if missing.is_empty() => {
+                    out.step = Some(s);
+                    return Ok(out);
+                }
+                Ok(missing) => why.push(format!(
+                    "{} objects missing in {} (first: {})",
+                    missing.len(),
+                    store.url(),
+                    missing[0]
+                )),
+                Err(e) if is_data_error(&e) => why.push(e.to_string()),
+                Err(e) => {
+                    data = false;
+                    why.push(e.to_string());
+                }
             }
-            Ok(missing) => out.damaged.push((
-                s,
-                format!("{} objects missing (first: {})", missing.len(), missing[0]),
-            )),
-            Err(e) if is_data_error(&e) => out.damaged.push((s, e.to_string())),
-            Err(e) => out.passed.push((s, e.to_string())),
         }
+        let why = why.join("; ");
+        if data {
+            out.damaged.push((s, why));
+        } else {
+            out.passed.push((s, why));
+        }
+        continue 'steps;
     }
     Ok(out)
 }
@@ -185,12 +210,12 @@ pub async fn first_free_generation(store: &Store, run: &str) -> Result<u64> {
 
 /// The choose-step answer, with the steps passed over logged.
 pub async fn choose_step_logged(
-    store: &Store,
+    tiers: &[&Store],
     run: &str,
     skip: &[u64],
     below: Option<u64>,
 ) -> Result<Chosen> {
-    let chosen = choose_step(store, run, skip, below).await?;
+    let chosen = choose_step(tiers, run, skip, below).await?;
     for (s, why) in chosen.damaged.iter().chain(&chosen.passed) {
         warn!("not restoring step {s}: {why}");
     }
@@ -223,6 +248,10 @@ pub struct JobOptions {
     /// their own default). What the job does about a mismatch is the coordinator's
     /// `on_replica_mismatch`.
     pub sdc_check: Option<ckpt_store::SdcCheck>,
+    /// The job's local tier (`CKPT_LOCAL_TIER`): the ranks commit there first and drain to
+    /// `store_url`; the driver chooses steps from both (issue 28). Every rank of the job
+    /// shares it (one machine).
+    pub local_tier: Option<String>,
 }
 
 /// How ranks are launched: the same for every rank of a job.
@@ -256,6 +285,8 @@ pub struct Launch {
     pub node_cache_root: Option<PathBuf>,
     /// How much of their replicas the ranks hash (`CKPT_SDC_CHECK`).
     pub sdc_check: Option<ckpt_store::SdcCheck>,
+    /// The job's local tier (`CKPT_LOCAL_TIER`).
+    pub local_tier: Option<String>,
 }
 
 /// Make the child die (SIGKILL) when this process dies: `PR_SET_PDEATHSIG`, and a check that
@@ -309,6 +340,7 @@ impl Launch {
             // directory).
             node_cache_root: Some(node_cache_root),
             sdc_check: job.sdc_check,
+            local_tier: job.local_tier.clone(),
         }
     }
 
@@ -374,6 +406,7 @@ impl Launch {
                 .as_ref()
                 .map(|r| r.join(format!("n{}-g{generation}", a.node))),
             sdc_check: self.sdc_check,
+            local_tier: self.local_tier.clone(),
         };
         let mut cmd = tokio::process::Command::new(&self.command[0]);
         cmd.args(&self.command[1..])

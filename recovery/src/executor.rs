@@ -99,6 +99,8 @@ pub(crate) struct Executor {
     pub(crate) coord: Coordinator,
     /// The store of the run.
     pub(crate) store: Store,
+    /// The job's local tier, if any: its steps count as much as the store's (issue 28).
+    pub(crate) local: Option<Store>,
     /// The run.
     pub(crate) run: String,
     /// The recovery log this driver writes.
@@ -127,6 +129,7 @@ impl Executor {
         Executor {
             coord,
             store,
+            local: None,
             run: run.to_string(),
             log,
             t0: Instant::now(),
@@ -135,6 +138,39 @@ impl Executor {
             commit_watch: None,
             replica_watch: None,
         }
+    }
+
+    /// The job's local tier (its steps are chosen from, checked and retired as the store's).
+    pub(crate) fn with_local(mut self, local: Option<Store>) -> Self {
+        self.local = local;
+        self
+    }
+
+    /// The tiers a step may be committed in: the local tier first, then the store.
+    pub(crate) fn tiers(&self) -> Vec<&Store> {
+        self.local
+            .iter()
+            .chain(std::iter::once(&self.store))
+            .collect()
+    }
+
+    /// The tier whose copy of committed `step` counts: the local tier's when it committed it.
+    async fn home_of(&self, step: u64) -> Result<&Store> {
+        if let Some(l) = &self.local
+            && l.exists(&l.keys().commit(&self.run, step)).await?
+        {
+            return Ok(l);
+        }
+        Ok(&self.store)
+    }
+
+    /// The steps committed in either tier, ascending.
+    async fn committed_steps(&self) -> Result<Vec<u64>> {
+        let mut all = std::collections::BTreeSet::new();
+        for t in self.tiers() {
+            all.extend(t.committed_steps(&self.run).await?);
+        }
+        Ok(all.into_iter().collect())
     }
 
     /// When the clock started.
@@ -203,7 +239,7 @@ impl Executor {
                     skip,
                     below,
                 } => {
-                    let c = choose_step_logged(&self.store, &self.run, &skip, below).await?;
+                    let c = choose_step_logged(&self.tiers(), &self.run, &skip, below).await?;
                     let now = self.now();
                     self.push(Event::StepChosen {
                         generation,
@@ -213,7 +249,8 @@ impl Executor {
                     });
                 }
                 Action::CheckStep { generation, step } => {
-                    let damage = check_step(&self.store, &self.run, step).await?;
+                    let home = self.home_of(step).await?;
+                    let damage = check_step(home, &self.run, step).await?;
                     let now = self.now();
                     self.push(Event::StepChecked {
                         generation,
@@ -222,7 +259,11 @@ impl Executor {
                         now,
                     });
                 }
-                Action::RetireStep { step } => retire_step(&self.store, &self.run, step).await?,
+                Action::RetireStep { step } => {
+                    for t in self.tiers() {
+                        retire_step(t, &self.run, step).await?;
+                    }
+                }
                 Action::Record(rec) => self.record(fx, rec).await?,
                 Action::Done { ok, reason } => fx.done(self, ok, reason).await?,
             }
@@ -254,7 +295,7 @@ impl Executor {
         if !fresh && !due {
             return;
         }
-        match self.store.latest_committed(&self.run).await {
+        match self.committed_steps().await.map(|s| s.last().copied()) {
             Ok(step) => {
                 if fresh || self.commit_watch.is_some_and(|(_, _, last)| last != step) {
                     let now = self.now();
@@ -287,7 +328,7 @@ impl Executor {
             }
             _ => from,
         };
-        let steps = match self.store.committed_steps(&self.run).await {
+        let steps = match self.committed_steps().await {
             Ok(s) => s,
             Err(e) => {
                 warn!("looking for commits whose replicas disagree: {e}");
@@ -296,7 +337,14 @@ impl Executor {
         };
         let mut seen = last;
         for step in steps.into_iter().filter(|s| last.is_none_or(|l| *s > l)) {
-            let root = match self.store.read_commit_root(&self.run, step).await {
+            let home = match self.home_of(step).await {
+                Ok(h) => h,
+                Err(e) => {
+                    warn!("finding the commit record of step {step}: {e}");
+                    break;
+                }
+            };
+            let root = match home.read_commit_root(&self.run, step).await {
                 Ok((r, _, _)) => r,
                 Err(e) => {
                     warn!("reading the commit record of step {step}: {e}");

@@ -59,6 +59,9 @@ pub const NODE_CACHE: &str = "CKPT_NODE_CACHE";
 /// How much of its replicas a rank hashes for the sentinel (`full`, `off`, `sample=F`;
 /// absent: the rank's own default).
 pub const SDC_CHECK: &str = "CKPT_SDC_CHECK";
+/// The node's local tier (a directory or URL): saves commit there first and drain to
+/// `CKPT_STORE` behind the training (issue 28).
+pub const LOCAL_TIER: &str = "CKPT_LOCAL_TIER";
 
 /// torchrun's names for the same facts.
 pub mod torchrun {
@@ -77,7 +80,7 @@ pub mod torchrun {
 }
 
 /// Every variable a driver sets or clears, for drivers that must clear stale ones.
-pub const ALL: [&str; 19] = [
+pub const ALL: [&str; 20] = [
     STORE,
     RUN,
     RANK,
@@ -97,6 +100,7 @@ pub const ALL: [&str; 19] = [
     PEERS,
     NODE_CACHE,
     SDC_CHECK,
+    LOCAL_TIER,
 ];
 
 /// Where and how often a rank beats.
@@ -160,6 +164,8 @@ pub struct RankEnv {
     pub node_cache: Option<PathBuf>,
     /// How much of its replicas the rank hashes for the sentinel, if the driver says.
     pub sdc_check: Option<SdcCheck>,
+    /// The node's local tier, if the job has one.
+    pub local_tier: Option<String>,
 }
 
 impl RankEnv {
@@ -196,6 +202,9 @@ impl RankEnv {
         if let Some(c) = &self.sdc_check {
             out.push((SDC_CHECK, s(c)));
         }
+        if let Some(t) = &self.local_tier {
+            out.push((LOCAL_TIER, s(t)));
+        }
         if let Some(p) = &self.peer {
             out.push((PEER_AGENT, s(&p.agent)));
             out.push((PEER_SECRET, s(&p.secret.to_hex())));
@@ -219,6 +228,9 @@ impl RankEnv {
         }
         if self.sdc_check.is_none() {
             out.push(SDC_CHECK);
+        }
+        if self.local_tier.is_none() {
+            out.push(LOCAL_TIER);
         }
         match &self.peer {
             None => out.extend([PEER_AGENT, PEER_SECRET, PEERS, PEER_TIMEOUT_MS]),
@@ -333,6 +345,7 @@ impl RankEnv {
                         .map_err(|e| Error::invalid(format!("{SDC_CHECK}: {e}")))
                 })
                 .transpose()?,
+            local_tier: opt(LOCAL_TIER)?.filter(|v| !v.is_empty()),
         }))
     }
 
@@ -395,6 +408,7 @@ mod tests {
             master: ("127.0.0.1".into(), 29500),
             node_cache: Some("/dev/shm/ckpt-node-1".into()),
             sdc_check: Some(SdcCheck::Sample(0.25)),
+            local_tier: Some("/nvme/ckpt".into()),
         }
     }
 
@@ -416,6 +430,7 @@ mod tests {
         e.final_on_sigterm = true;
         e.node_cache = None;
         e.sdc_check = None;
+        e.local_tier = None;
         let m = vars(&e);
         assert!(!m.contains_key(PEER_AGENT) && !m.contains_key(RESUME_STEP));
         assert!(!m.contains_key(NODE_CACHE) && e.unset().contains(&NODE_CACHE));

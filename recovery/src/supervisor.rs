@@ -129,8 +129,16 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
     }
     let store = ckpt_store::open_with(&job.store_url, &job.open)?;
     ckpt_store::validate_run(&job.run)?;
-    // Generations continue from any earlier supervision of this run.
-    let base = first_free_generation(&store, &job.run).await?;
+    let local = job
+        .local_tier
+        .as_deref()
+        .map(ckpt_store::open)
+        .transpose()?;
+    // Generations continue from any earlier supervision of this run (in either tier).
+    let mut base = first_free_generation(&store, &job.run).await?;
+    if let Some(l) = &local {
+        base = base.max(first_free_generation(l, &job.run).await?);
+    }
     let sock_dir = private_dir("supervisor")?;
     let sock_path = sock_dir.join("heartbeat.sock");
     let sock = UnixDatagram::bind(&sock_path)
@@ -145,7 +153,7 @@ pub async fn run(opts: SupervisorOptions) -> Result<Report> {
     let log = RecoveryLog::new(&store, &job.run, "supervisor")?;
     let mut losses = LossBoard::new(&store, &job.run, "supervisor")?;
     let coord = Coordinator::new(job.config.clone());
-    let mut ex = Executor::new(coord, store, &job.run, log, Order::NewestFirst);
+    let mut ex = Executor::new(coord, store, &job.run, log, Order::NewestFirst).with_local(local);
     ex.push(Event::Start { now: ex.now() });
     let mut local = Local {
         base,
@@ -264,6 +272,13 @@ impl Effects for Local {
     async fn start(&mut self, ex: &mut Executor, s: Start) -> Result<()> {
         let g = self.base + s.generation;
         ex.store.start_generation(&ex.run, g).await?;
+        // The local tier fences older writers of the run too.
+        if let Some(l) = &ex.local {
+            match l.start_generation(&ex.run, g).await {
+                Err(e) if e.kind() != ckpt_store::ErrorKind::Conflict => return Err(e),
+                _ => {}
+            }
+        }
         self.tell_agents(&ex.coord.excluded(), g).await;
         self.launch.prune_node_caches(g);
         let port = free_port();

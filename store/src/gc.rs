@@ -24,7 +24,8 @@
 //! deferral, never a save.
 //!
 //! With neither `keep_last` nor `keep_every`, retention keeps every committed step and GC only
-//! sweeps.
+//! sweeps. In a local tier ([`crate::tier`]) a step with a drain marker (local-durable, still
+//! draining to the remote store) is kept whatever the rules say.
 
 use std::collections::{BTreeSet, HashSet};
 use std::time::{Duration, Instant};
@@ -204,7 +205,9 @@ impl Store {
                 .map(|s| s.step)
                 .collect();
             let in_scope = opts.runs.is_empty() || opts.runs.contains(run);
-            let protect = protected(opts, run);
+            let mut protect = protected(opts, run);
+            // A local tier keeps what is still draining to its remote store (issue 28).
+            protect.extend(self.pending_drains(run).await?.iter().map(|d| d.step));
             let keep = if in_scope {
                 retained(&committed, opts.keep_last, opts.keep_every, &protect)
             } else {

@@ -187,6 +187,25 @@ impl Keys {
         self.join(["runs", run, "generations"])
     }
 
+    /// The drain markers of `run` in a local tier (see [`crate::tier`]).
+    pub fn drain_dir(&self, run: &str) -> Path {
+        self.join(["runs", run, "drain"])
+    }
+
+    /// `step`'s drain marker in a local tier: `runs/<run>/drain/<step:020>.json`.
+    pub fn drain_marker(&self, run: &str, step: u64) -> Path {
+        self.drain_dir(run).join(format!("{step:020}.json"))
+    }
+
+    /// The step of a drain marker's key, if `path` is one.
+    pub fn parse_drain_marker(&self, path: &Path) -> Option<u64> {
+        let rest = self.strip(path)?;
+        match rest.as_slice() {
+            ["runs", _, "drain", name] => parse_step_segment(name.strip_suffix(".json")?),
+            _ => None,
+        }
+    }
+
     /// The marker a supervisor creates when it starts `generation` of `run`.
     pub fn generation_marker(&self, run: &str, generation: u64) -> Path {
         self.generations_dir(run).join(format!("{generation:020}"))

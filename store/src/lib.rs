@@ -59,9 +59,10 @@ pub mod placement;
 pub mod codec;
 pub mod pack;
 
-// Saving a step: rank writes, writer leases, the commit protocol.
+// Saving a step: rank writes, writer leases, the commit protocol, draining a local tier.
 pub mod commit;
 pub mod lease;
+pub mod tier;
 pub mod writer;
 
 // Reading a step: the read engine, its caches, listings, the safetensors view, files out.
@@ -120,6 +121,7 @@ pub use st_view::SafetensorsView;
 pub use store::{
     BaseChunk, BaseRegions, ChunkIn, DedupIndex, PutReport, PutStats, Store, StoreConfig,
 };
+pub use tier::{DrainMarker, DrainOptions, DrainPace, DrainReport, drain_step};
 pub use url::{OpenOptions, StoreUrl, open, open_with};
 pub use verify::{Damage, VerifyReport, VerifyScope};
 pub use wrap::{

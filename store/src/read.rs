@@ -17,7 +17,7 @@ use parking_lot::Mutex;
 use serde::Serialize;
 use tracing::{instrument, warn};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::id::{ChunkId, StepId};
 use crate::model::{ChunkRef, CommitRecord, DType, NdBox, RankManifest, copy_runs};
 use crate::store::Store;
@@ -96,6 +96,12 @@ pub struct ReadStats {
     pub node_bytes: u64,
     /// Bytes written to the destination.
     pub bytes_copied: u64,
+    /// Stored bytes read from the fallback store ([`StepReader::with_fallback`]: a local
+    /// tier's remote store), for chunks the reader's own store could not serve.
+    pub fallback_bytes: u64,
+    /// Chunks the reader's own store could not serve (missing, or damaged: read again from the
+    /// fallback store).
+    pub fallback_chunks: u64,
 }
 
 impl ReadStats {
@@ -107,6 +113,8 @@ impl ReadStats {
         self.source_bytes += o.source_bytes;
         self.node_bytes += o.node_bytes;
         self.bytes_copied += o.bytes_copied;
+        self.fallback_bytes += o.fallback_bytes;
+        self.fallback_chunks += o.fallback_chunks;
     }
 }
 
@@ -120,6 +128,18 @@ pub struct StepReader {
     source: Option<Arc<dyn ChunkSource>>,
     node: Option<Arc<crate::NodeCache>>,
     cache: Option<Arc<crate::cache::ChunkCache>>,
+    fallback: Option<Store>,
+}
+
+/// Where a chunk the store served came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Origin {
+    /// This process read the reader's store.
+    Store,
+    /// Another process of the node read it (the node cache).
+    Node,
+    /// The reader's store could not serve it: the fallback store did.
+    Fallback,
 }
 
 impl std::fmt::Debug for StepReader {
@@ -144,6 +164,7 @@ impl StepReader {
             source: None,
             node: None,
             cache: None,
+            fallback: None,
         }
     }
 
@@ -174,6 +195,15 @@ impl StepReader {
     /// node rather than once per rank.
     pub fn with_node_cache(mut self, node: Arc<crate::NodeCache>) -> Self {
         self.node = Some(node);
+        self
+    }
+
+    /// Read a chunk that the store cannot serve (missing, or damaged: its bytes do not hash to
+    /// its id) from `fallback` instead, which holds the same objects (a local tier's remote
+    /// store): counted in [`ReadStats::fallback_chunks`] and logged, never an error unless the
+    /// fallback fails too.
+    pub fn with_fallback(mut self, fallback: Store) -> Self {
+        self.fallback = Some(fallback);
         self
     }
 
@@ -339,38 +369,82 @@ impl StepReader {
             }
             warn!(chunk = %r.id, "a chunk source returned damaged bytes; reading the store");
         }
-        // Whether this process read the chunk from the store (else the node cache had it).
-        let mut from_store = None;
+        // Where the chunk came from (`None`: the chunk cache had it).
+        let mut origin = None;
         let b = match &self.cache {
             Some(c) => {
                 c.get_or_fetch(r.id, || async {
-                    let (b, fetched) = self.fetch_stored(r).await?;
-                    from_store = Some(fetched);
+                    let (b, o) = self.fetch_stored(r).await?;
+                    origin = Some(o);
                     Ok(b)
                 })
                 .await?
             }
             None => {
-                let (b, fetched) = self.fetch_stored(r).await?;
-                from_store = Some(fetched);
+                let (b, o) = self.fetch_stored(r).await?;
+                origin = Some(o);
                 b
             }
         };
-        match from_store {
-            Some(true) => stats.stored_bytes += r.stored as u64,
-            Some(false) => stats.node_bytes += r.len as u64,
+        match origin {
+            Some(Origin::Store) => stats.stored_bytes += r.stored as u64,
+            Some(Origin::Node) => stats.node_bytes += r.len as u64,
+            Some(Origin::Fallback) => {
+                stats.fallback_bytes += r.stored as u64;
+                stats.fallback_chunks += 1;
+            }
             None => {}
         }
         Ok(b)
     }
 
-    /// A chunk from the store, through the node cache when there is one; `true` when this
-    /// process read the store.
-    async fn fetch_stored(&self, r: &ChunkRef) -> Result<(Bytes, bool)> {
-        match &self.node {
-            Some(n) => n.get_or_fetch(r, || self.store.get_chunk(r)).await,
-            None => Ok((self.store.get_chunk(r).await?, true)),
+    /// A chunk from the store, through the node cache when there is one; from the fallback
+    /// store when the store cannot serve it.
+    async fn fetch_stored(&self, r: &ChunkRef) -> Result<(Bytes, Origin)> {
+        let got = match &self.node {
+            Some(n) => n
+                .get_or_fetch(r, || self.store.get_chunk(r))
+                .await
+                .map(|(b, mine)| (b, if mine { Origin::Store } else { Origin::Node })),
+            None => self.store.get_chunk(r).await.map(|b| (b, Origin::Store)),
+        };
+        match (got, &self.fallback) {
+            (Err(e), Some(fb)) if matches!(e.kind(), ErrorKind::NotFound | ErrorKind::Corrupt) => {
+                warn!(chunk = %r.id, "{}: {e}; reading it from {}", self.what(), fb.url());
+                let b = fb
+                    .get_chunk(r)
+                    .await
+                    .map_err(|e2| e2.context(format!("{e}; and from {} too", fb.url())))?;
+                Ok((b, Origin::Fallback))
+            }
+            (got, _) => got,
         }
+    }
+
+    /// The checked bytes of a planned chunk from the fallback store, for a caller whose copy
+    /// from the store failed its hash ([`StepReader::check_fetched`]); `None` without a
+    /// fallback.
+    pub async fn fetch_fallback(
+        &self,
+        pc: &PlannedChunk,
+        tensor: &str,
+    ) -> Result<Option<(Bytes, ReadStats)>> {
+        let Some(fb) = &self.fallback else {
+            return Ok(None);
+        };
+        warn!(chunk = %pc.chunk.id, "{}: damaged in {}; reading it from {}", self.what(), self.store.url(), fb.url());
+        let b = fb
+            .get_chunk(&pc.chunk)
+            .await
+            .map_err(|e| e.context(self.chunk_context(pc, tensor)))?;
+        let st = ReadStats {
+            chunks: 1,
+            raw_bytes: b.len() as u64,
+            fallback_bytes: pc.chunk.stored as u64,
+            fallback_chunks: 1,
+            ..ReadStats::default()
+        };
+        Ok(Some((b, st)))
     }
 
     /// The plain, hash-checked bytes of a planned chunk of `tensor` (from the chunk source, the

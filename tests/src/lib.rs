@@ -95,6 +95,7 @@ pub fn supervised(
             heartbeat_interval: Duration::from_millis(100),
             open: Default::default(),
             sdc_check: None,
+            local_tier: None,
         },
         replica_agent: None,
         repair_after: None,

@@ -191,6 +191,10 @@ pub fn sentinel_bench(dir: &Path, params: u64, rounds: usize) {
     }
     drop(mgrs);
     drop(stores);
+    // Each mode's store holds every save of the run: gigabytes.
+    for (name, _) in modes {
+        let _ = std::fs::remove_dir_all(dir.join(format!("sentinel-{name}")));
+    }
     for check in [SdcCheck::DEFAULT, SdcCheck::Sample(0.2), SdcCheck::Full] {
         emit(detection(check, 400, 10, 512));
     }

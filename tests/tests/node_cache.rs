@@ -91,6 +91,7 @@ fn restore_on(nodes: u32) -> (BTreeMap<u32, (u64, u64)>, u64) {
             heartbeat_interval: Duration::from_millis(100),
             open: Default::default(),
             sdc_check: None,
+            local_tier: None,
         },
         replica_agent: None,
         repair_after: None,

@@ -197,9 +197,18 @@ pub struct TrainArgs {
     /// next forward pass.
     #[arg(long)]
     pub no_overlap: bool,
-    /// Keep the newest N committed checkpoints (retention).
+    /// Keep the newest N committed checkpoints (retention; of the store, under a local tier).
     #[arg(long)]
     pub keep_last: Option<usize>,
+    /// A local tier (a directory on this machine's disk, or a URL): saves persist and commit
+    /// there at its speed, and rank 0 drains each step to --store behind the training (only
+    /// new chunks; issue 28). `ckpt resume --local-tier` passes it as CKPT_LOCAL_TIER.
+    #[arg(long, env = rank_env::LOCAL_TIER, value_name = "DIR")]
+    pub local_tier: Option<String>,
+    /// With --local-tier: keep the newest N committed steps in it (a step still draining is
+    /// kept too).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..))]
+    pub keep_local: u64,
     /// Keep checkpoints at steps that are multiples of K.
     #[arg(long)]
     pub keep_every: Option<u64>,

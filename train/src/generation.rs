@@ -11,16 +11,27 @@ use crate::TrainArgs;
 /// supervisor: the ranks cannot agree on a fresh number without talking, so each takes the
 /// larger of what the saved steps call for and the newest started generation (the one a
 /// sibling rank of this job may have just marked); pass `--generation` to be explicit.
-pub(crate) async fn choose_generation(store: &Store, args: &TrainArgs) -> Result<u64> {
+/// With a local tier, the generations that saved there count too (its steps may not have
+/// reached the store yet).
+pub(crate) async fn choose_generation(
+    store: &Store,
+    local: Option<&Store>,
+    args: &TrainArgs,
+) -> Result<u64> {
     if let Some(g) = args.generation {
         return Ok(g);
     }
     let resume = args.resume || args.resume_step.is_some();
-    let floor = if resume {
+    let mut floor = if resume {
         next_generation(store, &args.run).await?
     } else {
         0
     };
+    if let (true, Some(l)) = (resume, local) {
+        floor = floor
+            .max(next_generation(l, &args.run).await?)
+            .max(l.newest_generation(&args.run).await?.map_or(0, |g| g + 1));
+    }
     if args.rank.is_none() {
         return store.claim_generation(&args.run, floor).await;
     }

@@ -94,16 +94,24 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
     setup::check_launched(launched.as_ref(), &layout)?;
     let heartbeat = setup::heartbeat(launched.as_ref())?;
     let store = setup::open_store(&args)?;
+    let local_tier = setup::open_local_tier(&args, &store)?;
     let model = setup::model(&args, &layout)?;
     setup::check_monitor(&args, &layout)?;
     let auto_interval = setup::auto_interval(&args, &layout)?;
     setup::check_rank(&args, &layout)?;
-    let generation = runtime().block_on(generation::choose_generation(&store, &args))?;
+    let generation = runtime().block_on(generation::choose_generation(
+        &store,
+        local_tier.as_ref(),
+        &args,
+    ))?;
     if args.rank.is_none() {
         // All ranks here: the process joins the generation once, before any rank thread
         // starts, so that the threads cannot disagree about it (a thread leaving alone would
-        // leave the others waiting at the barrier).
+        // leave the others waiting at the barrier); in the local tier too.
         runtime().block_on(store.join_generation(&args.run, generation))?;
+        if let Some(l) = &local_tier {
+            runtime().block_on(l.join_generation(&args.run, generation))?;
+        }
     }
     let ranks: Vec<u32> = match args.rank {
         Some(r) => vec![r],
@@ -131,6 +139,7 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
         auto_interval,
         args: args.clone(),
         store,
+        local_tier,
         layout,
         model,
         world_threads: threads,

@@ -14,7 +14,7 @@ use tracing::{info, warn};
 
 use ckpt_trainer::manager::{CheckpointManager, ManagerConfig, Scope};
 use ckpt_trainer::monitor::{Decision, Spike};
-use ckpt_trainer::save::{BackPressure, CheckpointerConfig, SaveHandle, runtime};
+use ckpt_trainer::save::{BackPressure, CheckpointerConfig, SaveHandle};
 use ckpt_trainer::workload::{Partial, Progress, RankState, TrainConfig};
 
 use crate::report::{emit_finished, emit_persists};
@@ -116,6 +116,10 @@ fn manager_config(sh: &Shared, rank: u32, state: &RankState) -> ManagerConfig {
         p => p,
     };
     mc.stale_after = a.stale_after;
+    mc.local_tier = sh.local_tier.clone().map(|store| ckpt_trainer::LocalTier {
+        store,
+        keep_last: a.keep_local as usize,
+    });
     mc.persist_governor = match a.persist_budget {
         Budget::Off => None,
         Budget::Fraction(budget) => Some(ckpt_trainer::GovernorConfig {
@@ -144,11 +148,8 @@ fn resume(
         mgr.checkpointer().assume_joined();
     }
     let resume = a.resume || a.resume_step.is_some();
-    let target = if resume {
-        mgr.resume_target()
-    } else {
-        runtime().block_on(sh.store.latest_committed(&a.run))
-    };
+    // Either way, both tiers: a step only in the local tier counts.
+    let target = mgr.resume_target();
     let target = target.inspect_err(|e| note_resume_failure(resume, e))?;
     match (resume, target) {
         (true, Some(s)) => {

@@ -17,6 +17,9 @@ pub(crate) fn emit_persists(sh: &Shared, mgr: &mut CheckpointManager) {
     for f in mgr.take_persist_figures() {
         sh.emit(&Metric::Persist(f));
     }
+    for f in mgr.take_drain_figures() {
+        sh.emit(&Metric::Drain(f));
+    }
 }
 
 pub(crate) fn emit_finished(

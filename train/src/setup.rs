@@ -83,6 +83,16 @@ pub(crate) fn open_store(args: &TrainArgs) -> Result<Store> {
     Ok(store)
 }
 
+/// The local tier of `--local-tier`, if any (no request layers: the faults and retries of
+/// `--store-faults` and `--store-retry` are the remote store's).
+pub(crate) fn open_local_tier(args: &TrainArgs, store: &Store) -> Result<Option<Store>> {
+    let Some(url) = &args.local_tier else {
+        return Ok(None);
+    };
+    let local = ckpt_store::open(url)?.with_config(store.config().clone())?;
+    Ok(Some(local))
+}
+
 /// The model: from `--params`, or `--d-model` (a multiple of tp).
 pub(crate) fn model(args: &TrainArgs, layout: &Layout) -> Result<ModelConfig> {
     match args.d_model {

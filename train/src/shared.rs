@@ -29,6 +29,8 @@ pub(crate) struct Shared {
     pub(crate) auto_interval: Option<ckpt_trainer::AutoInterval>,
     pub(crate) args: TrainArgs,
     pub(crate) store: Store,
+    /// `--local-tier`: saves commit there and drain to `store`.
+    pub(crate) local_tier: Option<Store>,
     pub(crate) layout: Layout,
     pub(crate) model: ModelConfig,
     pub(crate) world_threads: u32,

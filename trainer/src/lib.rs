@@ -35,7 +35,8 @@ pub mod workload;
 pub use governor::GovernorConfig;
 pub use interval::AutoInterval;
 pub use manager::{
-    CheckpointManager, ManagerConfig, Rollback, Scope, Stateful, StoreHealth, TensorMemory, events,
+    CheckpointManager, LocalTier, ManagerConfig, Rollback, Scope, Stateful, StoreHealth,
+    TensorMemory, events,
 };
 pub use memory::{HostTensor, HostView, MemorySink, MemorySource, PinnedSource, SourceVersion};
 pub use monitor::{Decision, Monitor, MonitorConfig, Observation, Spike, SpikeAction};

@@ -75,6 +75,12 @@ pub struct AgentArgs {
     /// Write this node's rank stdout and stderr into this directory.
     #[arg(long)]
     pub logs: Option<PathBuf>,
+    /// A local tier (a directory on this machine's disk): saves commit there and drain to the
+    /// store behind the training. Every rank of the job must share it: a job of one machine
+    /// (`--nodes 1`); across machines each would hold part of every step, which this release
+    /// does not commit (use the store alone, or `ckpt resume` on one machine).
+    #[arg(long, env = ckpt_recovery::rank_env::LOCAL_TIER, value_name = "DIR")]
+    pub local_tier: Option<String>,
     /// The command each rank runs, after `--`.
     #[arg(last = true, required = true)]
     pub command: Vec<String>,
@@ -154,6 +160,14 @@ pub async fn agent(
         spares: args.spares,
     };
     let cfg = args.restarts.config(topology, args.layout.as_deref())?;
+    if args.local_tier.is_some() && args.nodes + args.spares > 1 {
+        return Err(CliError::usage(format!(
+            "--local-tier needs every rank of the job on one machine, but the job has {} nodes: \
+             each machine's tier would hold part of every step, and no one tier could commit it",
+            args.nodes + args.spares
+        ))
+        .hint("run without --local-tier (the store alone), or on one machine with `ckpt resume --local-tier`"));
+    }
     let opts = AgentOptions {
         etcd: args.etcd.clone(),
         prefix: args.prefix.clone(),
@@ -167,6 +181,7 @@ pub async fn agent(
             heartbeat_interval: args.restarts.heartbeat_interval(),
             open: open.clone(),
             sdc_check: args.restarts.sdc_check,
+            local_tier: args.local_tier.clone(),
         },
         lease_ttl: args.lease_ttl,
         join_timeout: args.join_timeout,

@@ -53,6 +53,12 @@ pub struct ResumeArgs {
     /// --node-failure-window is kept out for good. Default: failed nodes never come back.
     #[arg(long, value_name = "SECS", value_parser = secs_or_duration)]
     pub repair_after: Option<Duration>,
+    /// A local tier (a directory on this machine's disk): the ranks save and commit there at
+    /// its speed, the committing rank drains each step to the store behind the training, and
+    /// a restart restores from it what is there (passed to the ranks as CKPT_LOCAL_TIER; its
+    /// steps count when the supervisor chooses the step to restore).
+    #[arg(long, env = ckpt_recovery::rank_env::LOCAL_TIER, value_name = "DIR")]
+    pub local_tier: Option<String>,
     /// The command each rank runs, after `--`.
     #[arg(last = true, required = true)]
     pub command: Vec<String>,
@@ -258,6 +264,7 @@ pub async fn resume(
             heartbeat_interval: args.restarts.heartbeat_interval(),
             open: open.clone(),
             sdc_check: args.restarts.sdc_check,
+            local_tier: args.local_tier.clone(),
         },
         replica_agent: match args.peer_replicas {
             true => Some(vec![

@@ -131,9 +131,17 @@ impl Leader {
         let writer = format!("leader-{}", opts.node);
         let log = RecoveryLog::new(&store, &job.run, &writer)?;
         let losses = LossBoard::new(&store, &job.run, &writer)?;
-        let floor = first_free_generation(&store, &job.run).await?;
+        let local = job
+            .local_tier
+            .as_deref()
+            .map(ckpt_store::open)
+            .transpose()?;
+        let mut floor = first_free_generation(&store, &job.run).await?;
+        if let Some(l) = &local {
+            floor = floor.max(first_free_generation(l, &job.run).await?);
+        }
         let coord = Coordinator::new(job.config.clone());
-        let ex = Executor::new(coord, store, &job.run, log, Order::OldestFirst);
+        let ex = Executor::new(coord, store, &job.run, log, Order::OldestFirst).with_local(local);
         // The previous coordinator's secret, so the agents and ranks keep theirs; a new
         // job's first coordinator makes one.
         let peer_secret = match view.plan.as_ref().and_then(|p| p.peer_secret.clone()) {

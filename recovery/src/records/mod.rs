@@ -18,6 +18,7 @@
 //! | `recovery_log.rs` | the `events` log's recovery records, written by the drivers and the coordinator |
 //! | `rank_events.rs` | the `events` log's records of a rank's `CheckpointManager` (restores, spikes and rollbacks, checkpoints resumed, the checkpoint interval and a save's cost, the persist rate) |
 //! | `sentinel.rs` | the sentinel's records: replicas that disagree at a commit, trainable state that stopped changing |
+//! | `tiers.rs` | tiered checkpoints: steps drained to the remote store, skipped, failed drains, damaged local chunks |
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -29,6 +30,7 @@ mod recovery_log;
 mod sentinel;
 #[cfg(test)]
 mod tests;
+mod tiers;
 
 pub use metrics::{
     CheckpointFailed, CheckpointMetrics, CheckpointSkipped, Curve, Final, PersistMetrics,
@@ -44,6 +46,7 @@ pub use recovery_log::{
     StepUnusable, Takeover,
 };
 pub use sentinel::{ReplicaMismatchEvent, StateUnchanged};
+pub use tiers::{DrainFailed, DrainMetrics, DrainSkipped, LocalTierDamaged};
 
 /// A record type of one log: its kinds, derived from the enum.
 pub trait LogRecord: Serialize + DeserializeOwned {
@@ -111,6 +114,8 @@ log_records! {
         /// One rank's persist as the persist governor saw it: the slowdown of the steps
         /// beside it, the time to durable, the rate it settled at.
         "persist" => Persist(PersistMetrics),
+        /// A step drained from the local tier to the remote store, and how far behind it is.
+        "drain" => Drain(DrainMetrics),
     }
 }
 
@@ -165,5 +170,11 @@ log_records! {
         "replica_mismatch" => ReplicaMismatch(ReplicaMismatchEvent),
         /// Trainable tensors kept the same bytes over consecutive checkpoints (the sentinel).
         "state_unchanged" => StateUnchanged(StateUnchanged),
+        /// The drain to the remote store skipped a step to keep up.
+        "drain_skipped" => DrainSkipped(DrainSkipped),
+        /// A drain to the remote store failed; it is tried again.
+        "drain_failed" => DrainFailed(DrainFailed),
+        /// A restore read local chunks that were missing or damaged from the remote store.
+        "local_tier_damaged" => LocalTierDamaged(LocalTierDamaged),
     }
 }

@@ -32,6 +32,12 @@ pub struct Restore {
     /// Raw bytes another rank of the node read from the store for this one (the node's
     /// shared cache).
     pub bytes_from_node: u64,
+    /// With a local tier: stored bytes read from it.
+    pub bytes_from_local: u64,
+    /// With a local tier: the tier whose commit record the step was read by (`local`, or
+    /// `remote` when the step was no longer, or not yet, in the local tier).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub tier: String,
     /// Seconds the restore took.
     pub seconds: f64,
 }

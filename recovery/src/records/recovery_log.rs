@@ -233,6 +233,9 @@ impl Event {
             Event::ReplicaMismatch(r) => Some(&mut r.generation),
             Event::Finished(_)
             | Event::StateUnchanged(_)
+            | Event::DrainSkipped(_)
+            | Event::DrainFailed(_)
+            | Event::LocalTierDamaged(_)
             | Event::NodeReturned(_)
             | Event::NodeKeptOut(_)
             | Event::Spike(_)

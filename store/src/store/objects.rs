@@ -112,6 +112,15 @@ impl Store {
         Ok(b)
     }
 
+    /// An object's size, or `None` when it does not exist.
+    pub async fn object_size(&self, path: &Path) -> Result<Option<u64>> {
+        match self.inner.head(path).await {
+            Ok(m) => Ok(Some(m.size)),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(Error::backend("checking", path, e)),
+        }
+    }
+
     /// Whether an object exists.
     pub async fn exists(&self, path: &Path) -> Result<bool> {
         match self.inner.head(path).await {

@@ -963,6 +963,7 @@ fn recovery_bench(dir: &Path, params: &str, how: &str) {
             heartbeat_interval: Duration::from_millis(100),
             open: open_options(),
             sdc_check: None,
+            local_tier: None,
         },
         replica_agent: how
             .ends_with("peers")

@@ -65,6 +65,11 @@ pub struct ManagerConfig {
     /// bytes stay the same over this many consecutive checkpoints is reported
     /// (`state_unchanged`). 2 by default; 0 or 1: off.
     pub stale_after: u32,
+    /// A local tier (issue 28): saves persist and commit there at the node disk's speed, and
+    /// the committing rank drains each step to the manager's store (the remote one) behind
+    /// the training. `keep_last` and `keep_every` then apply to the remote store, the tier's
+    /// own `keep_last` to the tier. `None` (the default): saves go to the store.
+    pub local_tier: Option<super::LocalTier>,
 }
 
 impl ManagerConfig {
@@ -87,6 +92,7 @@ impl ManagerConfig {
             persist_governor: Some(GovernorConfig::default()),
             on_replica_mismatch: MismatchPolicy::Warn,
             stale_after: 2,
+            local_tier: None,
         }
     }
 }

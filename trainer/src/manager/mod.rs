@@ -45,6 +45,7 @@
 //! | `rollback` | the spike monitor, its records, and what a rollback restores ([`Rollback`]) |
 //! | `events` | the event kinds the manager writes and the writer of the run's events log |
 //! | `sentinel` | replicas that disagree at a commit, trainable state that stopped changing ([`ManagerConfig::on_replica_mismatch`], [`ManagerConfig::stale_after`]) |
+//! | `tier` | a local tier under the remote store: saves commit locally, the drain copies them to the remote store ([`LocalTier`]) |
 //! | `sigterm` | the SIGTERM handler ([`on_sigterm`]) and the stop flag |
 
 mod config;
@@ -58,6 +59,7 @@ mod retention;
 mod rollback;
 mod sentinel;
 mod sigterm;
+mod tier;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -76,6 +78,7 @@ pub use registry::{MONITOR_BLOB, Scope, Stateful, TensorMemory};
 pub use restore::shared_restore_cache;
 pub use rollback::Rollback;
 pub use sigterm::on_sigterm;
+pub use tier::LocalTier;
 
 use events::EventLog;
 use health::{Health, store_failure};
@@ -87,10 +90,18 @@ use retention::Retention;
 use rollback::Spikes;
 use sentinel::Sentinel;
 use sigterm::StopFlag;
+use tier::{Drainer, DrainerConfig};
 
 /// The training loop's checkpoint manager (see the module docs).
 pub struct CheckpointManager {
     ckpt: Checkpointer,
+    /// The run's store: the remote one under a local tier (logs, agreements, what recovery
+    /// reads), else the one saves go to.
+    main: Store,
+    /// With a local tier, on the committing rank: the drain to the remote store.
+    drainer: Option<Drainer>,
+    /// The figures of the drains that ended, not yet taken.
+    drains: Vec<records::DrainMetrics>,
     cfg: ManagerConfig,
     registry: Registry,
     /// The step saved or restored last.
@@ -113,12 +124,33 @@ impl std::fmt::Debug for CheckpointManager {
 }
 
 impl CheckpointManager {
-    /// A manager for one rank.
+    /// A manager for one rank of a run in `store`. With [`ManagerConfig::local_tier`], saves
+    /// persist and commit there and `store` is the remote store they drain to (see `tier`).
     pub fn new(store: Store, cfg: ManagerConfig) -> Result<Self> {
         cfg.validate()?;
-        let ckpt = Checkpointer::new(store.clone(), cfg.ckpt.clone())?;
+        let save_store = match &cfg.local_tier {
+            Some(t) => t.store.clone(),
+            None => store.clone(),
+        };
+        let ckpt = Checkpointer::new(save_store, cfg.ckpt.clone())?;
+        let drainer = match &cfg.local_tier {
+            Some(tier) if cfg.ckpt.committer => Some(Drainer::start(DrainerConfig {
+                tier,
+                remote: &store,
+                run: &cfg.ckpt.run,
+                rank: cfg.ckpt.rank,
+                keep_last: cfg.keep_last,
+                keep_every: cfg.keep_every,
+                grace: cfg.retention_grace,
+                rate: ckpt.persist_rate().clone(),
+            })?),
+            _ => None,
+        };
         Ok(CheckpointManager {
             ckpt,
+            main: store.clone(),
+            drainer,
+            drains: Vec::new(),
             registry: Registry::default(),
             last_saved_step: None,
             stop: StopFlag::new(cfg.final_on_sigterm)?,
@@ -145,9 +177,33 @@ impl CheckpointManager {
         &self.ckpt
     }
 
-    /// The store.
+    /// The run's store: under a local tier the remote one (where steps become durable and
+    /// the logs live), else the one saves go to.
     pub fn store(&self) -> &Store {
-        self.ckpt.store()
+        &self.main
+    }
+
+    /// The local tier saves commit to first, if any.
+    pub fn local_tier(&self) -> Option<&Store> {
+        self.cfg.local_tier.as_ref().map(|t| &t.store)
+    }
+
+    /// The figures of the drains to the remote store that ended since the last call (the
+    /// `drain` records of the metrics log), oldest first.
+    pub fn take_drain_figures(&mut self) -> Vec<records::DrainMetrics> {
+        self.poll_drain();
+        std::mem::take(&mut self.drains)
+    }
+
+    /// The drainer's news: events logged, figures kept for the caller.
+    fn poll_drain(&mut self) {
+        if let Some(d) = self.drainer.as_mut() {
+            let (events, figures) = d.poll();
+            for e in events {
+                self.events.log(e);
+            }
+            self.drains.extend(figures);
+        }
     }
 
     /// Register a tensor: its spec (with its placement), the box this rank holds in memory,
@@ -248,8 +304,10 @@ impl CheckpointManager {
         step: u64,
         prepare: impl FnOnce(&mut Self) -> Result<()>,
     ) -> Result<Option<SaveHandle>> {
+        self.poll_drain();
+        let draining = self.drainer.as_ref().is_some_and(Drainer::busy);
         self.pacing
-            .step_began(step, self.ckpt.persist_rate(), &mut self.events);
+            .step_began(step, self.ckpt.persist_rate(), draining, &mut self.events);
         // What the sentinel found in the saves that ended (a mismatch under `stop` fails).
         self.sentinel.poll(&mut self.events)?;
         let r = self.decide_and_save(step, prepare);
@@ -271,7 +329,7 @@ impl CheckpointManager {
         let due = self.interval.due(
             step,
             self.last_saved_step,
-            self.ckpt.store(),
+            &self.main,
             &self.cfg.ckpt,
             &mut self.events,
         );
@@ -359,22 +417,22 @@ impl CheckpointManager {
                 format!("not saving step {step}: {}", f.message),
             ));
         }
-        self.retention.apply(&self.ckpt);
+        // Under a local tier the drainer applies retention on both tiers after each drain.
+        if self.cfg.local_tier.is_none() {
+            self.retention.apply(&self.ckpt);
+        }
         let t0 = Instant::now();
         let state = self.save_state()?;
         let h = self.ckpt.save(step, state)?;
         self.sentinel.watch(&h, self.registry.trainable_names());
+        if let Some(d) = self.drainer.as_mut() {
+            d.watch(&h);
+        }
         self.pacing
             .save_started(&h, self.ckpt.persist_rate(), &mut self.events);
         self.last_saved_step = Some(step);
-        self.interval.saved(
-            step,
-            &h,
-            t0,
-            self.ckpt.store(),
-            &self.cfg.ckpt,
-            &mut self.events,
-        );
+        self.interval
+            .saved(step, &h, t0, &self.main, &self.cfg.ckpt, &mut self.events);
         Ok(h)
     }
 
@@ -382,7 +440,7 @@ impl CheckpointManager {
     /// committed), else the newest committed step, if any.
     pub fn resume_target(&self) -> Result<Option<u64>> {
         self.restorer
-            .resume_target(self.ckpt.store(), &self.cfg.ckpt.run)
+            .resume_target(&self.tiers(), &self.cfg.ckpt.run)
     }
 
     /// Restore the step to resume from ([`CheckpointManager::resume_target`]: the configured
@@ -423,8 +481,13 @@ impl CheckpointManager {
     /// Read `step`, then re-base the parts on it: the dedup base, the interval's count, the
     /// governor's step timing.
     fn restore_inner(&mut self, step: u64) -> Result<()> {
+        let (main, local) = (self.main.clone(), self.local_tier().cloned());
+        let tiers = restore::Tiers {
+            main: &main,
+            local: local.as_ref(),
+        };
         let mut r = self.restorer.restore(
-            self.ckpt.store(),
+            &tiers,
             &self.cfg.ckpt,
             step,
             &self.registry,
@@ -438,6 +501,9 @@ impl CheckpointManager {
         self.interval.restored(step);
         self.pacing.restored();
         r.finish();
+        if let Some(d) = r.local_damaged.take() {
+            self.events.log(Event::LocalTierDamaged(d));
+        }
         self.events.log(Event::Restore(r.record.clone()));
         r.trace();
         Ok(())
@@ -470,11 +536,13 @@ impl CheckpointManager {
     ) -> Result<Rollback> {
         let run = self.cfg.ckpt.run.clone();
         if let Some(h) = self.ckpt.last() {
-            rollback::settle(&h, self.store(), &run, self.cfg.ckpt.commit_timeout);
+            rollback::settle(&h, self.ckpt.store(), &run, self.cfg.ckpt.commit_timeout);
         }
-        let steps = runtime().block_on(self.store().list_steps(&run))?;
-        let target =
-            rollback::rollback_target(steps.iter().map(|s| (s.step, s.committed)), spike.step);
+        let steps = match self.local_tier() {
+            Some(local) => tier::committed_in_either(local, &self.main, &run)?,
+            None => runtime().block_on(self.main.committed_steps(&run))?,
+        };
+        let target = rollback::rollback_target(steps.iter().map(|&s| (s, true)), spike.step);
         let logs = self.spikes.decided(spike);
         let Some(to) = target else {
             return Err(self.spikes.no_checkpoint(spike, &run, &mut self.events));
@@ -514,9 +582,24 @@ impl CheckpointManager {
                 .persist_ended(h.step(), self.ckpt.persist_rate(), &mut self.events);
         }
         self.retention.wait();
+        // Under a local tier the job ends remote-durable: its newest step drained.
+        let within = self.final_wait();
+        let drained = match self.drainer.as_mut() {
+            Some(d) => d.wait_drained(within),
+            None => Ok(()),
+        };
+        self.poll_drain();
         let sentinel = self.sentinel.poll(&mut self.events);
         // Events that waited while the store was down.
         self.events.flush();
-        sentinel
+        drained.and(sentinel)
+    }
+
+    /// The stores a restore reads: the run's store and the local tier.
+    fn tiers(&self) -> restore::Tiers<'_> {
+        restore::Tiers {
+            main: &self.main,
+            local: self.local_tier(),
+        }
     }
 }

@@ -77,8 +77,16 @@ impl Pacing {
 
     /// At the start of `maybe_save(step)`: measure the step interval that ended (from the last
     /// `maybe_save`'s return to now), feed it to the governor, apply and log a change of the
-    /// rate, and sum up the governed persist once it ended.
-    pub(crate) fn step_began(&mut self, step: u64, rate: &PersistRate, events: &mut EventLog) {
+    /// rate, and sum up the governed persist once it ended. `draining`: a drain to the remote
+    /// store runs (under a local tier): the persist counts as going on until it ends, so the
+    /// governor paces the drain by the steps beside it as it paces a persist.
+    pub(crate) fn step_began(
+        &mut self,
+        step: u64,
+        rate: &PersistRate,
+        draining: bool,
+        events: &mut EventLog,
+    ) {
         let now = Instant::now();
         let Some(g) = self.governed.as_mut() else {
             return;
@@ -92,12 +100,14 @@ impl Pacing {
         };
         let stage = t.handle.stage();
         let r = t.handle.report();
-        let done = stage.persist_ended();
+        let done = stage.persist_ended() && !draining;
         let snap_end = match stage {
             Stage::Snapshotting => now,
             _ => t.at + Duration::from_secs_f64(r.snapshot_s),
         };
-        let persist_end = if done && r.persist_s > 0.0 {
+        let persist_end = if draining {
+            now
+        } else if done && r.persist_s > 0.0 {
             t.at + Duration::from_secs_f64(r.persist_s)
         } else {
             now
@@ -260,7 +270,7 @@ mod tests {
         for cfg in [None, Some(GovernorConfig::default())] {
             let mut p = Pacing::new(cfg, 0);
             for step in 1..20 {
-                p.step_began(step, &rate, &mut events);
+                p.step_began(step, &rate, false, &mut events);
                 p.step_ended();
             }
             p.restored();

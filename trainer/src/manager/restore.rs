@@ -10,12 +10,15 @@ use std::time::Instant;
 
 use ckpt_recovery::peer::PeerSource;
 use ckpt_recovery::records;
-use ckpt_store::{ChunkCache, Error, RankManifest, ReadStats, Result, StepReader, Store};
+use ckpt_store::{
+    ChunkCache, ChunkSource, Error, RankManifest, ReadStats, Result, StepReader, Store,
+};
 use parking_lot::Mutex;
 use tracing::{info, warn};
 
 use super::ManagerConfig;
 use super::registry::{MONITOR_BLOB, Registry};
+use super::tier::TieredSource;
 use crate::monitor::{Monitor, MonitorState};
 use crate::restore::restore_targets;
 use crate::save::{CheckpointerConfig, runtime};
@@ -43,6 +46,25 @@ pub fn shared_restore_cache(cap: usize) -> Arc<ChunkCache> {
 /// Managers alive in this process: more than one means ranks run as threads of it.
 static LIVE_RESTORERS: AtomicUsize = AtomicUsize::new(0);
 
+/// The stores a restore reads: the run's store (the remote one under a local tier), and the
+/// local tier, if any.
+pub(crate) struct Tiers<'a> {
+    pub(crate) main: &'a Store,
+    pub(crate) local: Option<&'a Store>,
+}
+
+impl Tiers<'_> {
+    /// Whether `step` of `run` is committed in the local tier (`None`: no tier).
+    fn in_local(&self, run: &str, step: u64) -> Result<Option<bool>> {
+        match self.local {
+            Some(l) => runtime()
+                .block_on(l.exists(&l.keys().commit(run, step)))
+                .map(Some),
+            None => Ok(None),
+        }
+    }
+}
+
 /// The restore settings of a manager.
 pub(crate) struct Restorer {
     /// Bytes in flight; also the size of the chunk cache shared by ranks that run as threads of
@@ -58,6 +80,8 @@ pub(crate) struct Restorer {
 /// same (the next save's dedup base).
 pub(crate) struct Restored {
     pub(crate) record: records::Restore,
+    /// Local-tier chunks the restore read from the remote store instead (missing or damaged).
+    pub(crate) local_damaged: Option<records::LocalTierDamaged>,
     pub(crate) manifest: Option<Arc<RankManifest>>,
     stats: ReadStats,
     cache: Arc<ChunkCache>,
@@ -108,19 +132,28 @@ impl Restorer {
         }
     }
 
-    /// The step a resume restores: the resume step when set (it must be committed), else the
-    /// newest committed step of `run`, if any.
-    pub(crate) fn resume_target(&self, store: &Store, run: &str) -> Result<Option<u64>> {
+    /// The step a resume restores: the resume step when set (it must be committed, in either
+    /// tier), else the newest step of `run` committed in either tier, if any.
+    pub(crate) fn resume_target(&self, tiers: &Tiers<'_>, run: &str) -> Result<Option<u64>> {
+        let store = tiers.main;
         match self.resume_step {
             Some(step) => {
-                if !runtime().block_on(store.exists(&store.keys().commit(run, step)))? {
+                let remote = runtime().block_on(store.exists(&store.keys().commit(run, step)))?;
+                if !remote && tiers.in_local(run, step)? != Some(true) {
                     return Err(Error::not_found(format!(
                         "the resume step {step} of run {run} is not committed (CKPT_RESUME_STEP or ManagerConfig::resume_step)"
                     )));
                 }
                 Ok(Some(step))
             }
-            None => runtime().block_on(store.latest_committed(run)),
+            None => {
+                let remote = runtime().block_on(store.latest_committed(run))?;
+                let local = match tiers.local {
+                    Some(l) => runtime().block_on(l.latest_committed(run))?,
+                    None => None,
+                };
+                Ok(remote.max(local))
+            }
         }
     }
 
@@ -128,14 +161,14 @@ impl Restorer {
     /// layout saved it.
     pub(crate) fn restore(
         &self,
-        store: &Store,
+        tiers: &Tiers<'_>,
         cfg: &CheckpointerConfig,
         step: u64,
         registry: &Registry,
         monitor: &mut Monitor,
     ) -> Result<Restored> {
         let t0 = Instant::now();
-        runtime().block_on(store.failpoints().hit("before_restore"))?;
+        runtime().block_on(tiers.main.failpoints().hit("before_restore"))?;
         // Ranks as threads of this process restore together and share the cache; a process of
         // one rank reads each chunk once (a cache would only hold its read buffers away from
         // their pool, so each read would fill fresh memory), so its cache merges concurrent
@@ -145,7 +178,7 @@ impl Restorer {
         } else {
             ChunkCache::new(0)
         };
-        let reader = self.open(store, cfg, step, registry, &cache)?;
+        let (reader, source, from_local) = self.open(tiers, cfg, step, registry, &cache)?;
         let targets = registry.restore_targets()?;
         let stats = runtime().block_on(restore_targets(&reader, &targets, self.budget))?;
         let same_layout = reader.commit().layout == cfg.layout;
@@ -158,20 +191,50 @@ impl Restorer {
         } else {
             None
         };
-        let record = records::Restore {
+        let local_bytes = source.local_bytes.load(Ordering::Relaxed);
+        let local_raw = source.local_raw.load(Ordering::Relaxed);
+        let mut record = records::Restore {
             step,
             rank: cfg.rank,
             generation: cfg.generation,
             from_layout: reader.commit().layout.to_string(),
             to_layout: cfg.layout.to_string(),
             bytes: stats.bytes_copied,
-            bytes_from_peers: stats.source_bytes,
+            bytes_from_peers: stats.source_bytes.saturating_sub(local_raw),
             bytes_from_store: stats.stored_bytes,
             bytes_from_node: stats.node_bytes,
+            bytes_from_local: local_bytes,
+            tier: String::new(),
             seconds: 0.0,
         };
+        // Chunks the local tier could not serve (missing or damaged) came from the remote.
+        let mut local_misses = source.local_damaged.load(Ordering::Relaxed);
+        let mut local_damaged = None;
+        if let Some(local) = tiers.local {
+            record.tier = if from_local { "local" } else { "remote" }.into();
+            if from_local {
+                // The reader read the local tier; what it could not serve came from the remote.
+                record.bytes_from_local = stats.stored_bytes;
+                record.bytes_from_store = stats.fallback_bytes;
+                local_misses = stats.fallback_chunks;
+            }
+            if local_misses > 0 {
+                warn!(
+                    step,
+                    chunks = local_misses,
+                    "local chunks were missing or damaged: read from the remote store"
+                );
+                local_damaged = Some(records::LocalTierDamaged {
+                    step,
+                    rank: cfg.rank,
+                    chunks: local_misses,
+                    local: local.url().to_string(),
+                });
+            }
+        }
         Ok(Restored {
             record,
+            local_damaged,
             manifest,
             stats,
             cache,
@@ -180,15 +243,23 @@ impl Restorer {
     }
 
     /// A reader of `step` for the registered tensors, with the shared cache, the node's cache
-    /// and the peer replicas in front of the store.
+    /// and the peer replicas in front of the store. Under a local tier: of the tier when the
+    /// step is committed there (the remote store behind it for a chunk it cannot serve), else
+    /// of the remote store with the tier's chunks in front. The reader, its chunk source, and
+    /// whether it reads the local tier.
     fn open(
         &self,
-        store: &Store,
+        tiers: &Tiers<'_>,
         cfg: &CheckpointerConfig,
         step: u64,
         registry: &Registry,
         cache: &Arc<ChunkCache>,
-    ) -> Result<StepReader> {
+    ) -> Result<(StepReader, Arc<TieredSource>, bool)> {
+        let from_local = tiers.in_local(&cfg.run, step)? == Some(true);
+        let store = match (from_local, tiers.local) {
+            (true, Some(l)) => l,
+            _ => tiers.main,
+        };
         let mut reader = runtime()
             // Only the record's parts that hold this rank's tensors (format 5): the metadata a
             // rank reads does not grow with the world.
@@ -205,11 +276,22 @@ impl Restorer {
                 Err(e) => warn!("restoring without the node's shared cache: {e}"),
             }
         }
-        // Replica agents first (memory of the surviving nodes), the store for the rest.
-        if let Some(link) = cfg.peer.as_ref().filter(|l| !l.peers.is_empty()) {
-            reader = reader.with_source(PeerSource::new(&link.peers, &link.secret));
+        // The local tier (when the reader is the remote's), then replica agents (memory of the
+        // surviving nodes), the store for the rest.
+        let peers = cfg
+            .peer
+            .as_ref()
+            .filter(|l| !l.peers.is_empty())
+            .map(|link| PeerSource::new(&link.peers, &link.secret) as Arc<dyn ChunkSource>);
+        let local = tiers.local.filter(|_| !from_local).cloned();
+        let source = Arc::new(TieredSource::new(local, peers));
+        if source.has_any() {
+            reader = reader.with_source(source.clone());
         }
-        Ok(reader)
+        if from_local {
+            reader = reader.with_fallback(tiers.main.clone());
+        }
+        Ok((reader, source, from_local))
     }
 }
 
@@ -249,6 +331,13 @@ mod tests {
     use super::*;
     use crate::monitor::MonitorConfig;
 
+    fn one(store: &Store) -> Tiers<'_> {
+        Tiers {
+            main: store,
+            local: None,
+        }
+    }
+
     #[test]
     fn restores_at_the_same_time_share_one_cache() {
         let a = shared_restore_cache(1 << 20);
@@ -266,11 +355,15 @@ mod tests {
             "dp=1,tp=1,pp=1".parse().unwrap(),
         ));
         assert_eq!(
-            Restorer::new(&cfg).resume_target(&store, "r").unwrap(),
+            Restorer::new(&cfg)
+                .resume_target(&one(&store), "r")
+                .unwrap(),
             None
         );
         cfg.resume_step = Some(7);
-        let e = Restorer::new(&cfg).resume_target(&store, "r").unwrap_err();
+        let e = Restorer::new(&cfg)
+            .resume_target(&one(&store), "r")
+            .unwrap_err();
         assert_eq!(e.kind(), ckpt_store::ErrorKind::NotFound);
         assert!(e.to_string().contains("resume step 7"), "{e}");
     }
@@ -281,7 +374,7 @@ mod tests {
         let cfg = CheckpointerConfig::new("r", 0, "dp=1,tp=1,pp=1".parse().unwrap());
         let mut monitor = Monitor::new(MonitorConfig::default());
         let r = Restorer::new(&ManagerConfig::new(cfg.clone()));
-        let e = r.restore(&store, &cfg, 3, &Registry::default(), &mut monitor);
+        let e = r.restore(&one(&store), &cfg, 3, &Registry::default(), &mut monitor);
         assert!(e.is_err(), "step 3 was never saved");
     }
 }

@@ -35,6 +35,7 @@ mod versions;
 pub use checkpointer::Checkpointer;
 pub use config::{BackPressure, CheckpointerConfig};
 pub use handle::{SaveFailure, SaveHandle, SaveReport, Stage};
+pub(crate) use rate::Pacer;
 pub use rate::{FullSpeed, PersistRate};
 pub use runtime::{runtime, set_io_nice};
 pub use state::{SaveState, SaveTensor};

@@ -81,7 +81,7 @@ impl Drop for FullSpeed {
 /// Paces one persist's chunks by a [`PersistRate`]: a chunk may go once the one before it,
 /// of `n` bytes, is `n / rate` seconds old, by the rate in force while it waits (a changed rate
 /// applies at once); no credit builds up while idle.
-pub(super) struct Pacer {
+pub(crate) struct Pacer {
     rate: Arc<PersistRate>,
     /// Whether pacing is off for now (the snapshot is still copying).
     hold_off: Box<dyn Fn() -> bool + Send + Sync>,
@@ -90,7 +90,8 @@ pub(super) struct Pacer {
 }
 
 impl Pacer {
-    pub(super) fn new(
+    /// Pacing by `rate`, off while `hold_off` says so.
+    pub(crate) fn new(
         rate: Arc<PersistRate>,
         hold_off: Box<dyn Fn() -> bool + Send + Sync>,
     ) -> Self {
@@ -103,7 +104,7 @@ impl Pacer {
 
     /// Wait until `len` more bytes may go, by the limit in force (looked at again at least
     /// every [`RECHECK`]), then count them.
-    pub(super) async fn admit(&mut self, len: usize) {
+    pub(crate) async fn admit(&mut self, len: usize) {
         loop {
             let now = tokio::time::Instant::now();
             let limit = self.rate.limit().filter(|_| !(self.hold_off)());

@@ -1,0 +1,406 @@
+//! Tiers (issue 28): a **local tier** (the node's disk) that saves commit to at its speed, and
+//! the **remote** store (an object store on a cluster) that a drain copies committed steps to
+//! behind the training. Both are ordinary stores in the same content-addressed format: a
+//! drain copies the objects a step references that the remote does not hold yet (content
+//! addressing makes every drain incremental: only new chunks move), then the step's rank
+//! manifests, then commits the step there with the same protocol, fencing and leases as a
+//! save ([`Store::commit_step_as`]).
+//!
+//! While a step drains, the local tier holds a **drain marker** for it
+//! (`runs/<run>/drain/<step>.json`, [`DrainMarker`]): what is being copied where and how far
+//! it got. It says "local-durable, not yet remote" to `ckpt ls` and keeps the step from the
+//! local tier's retention and `ckpt gc` ([`Store::pending_drains`]); the drain deletes it once
+//! the remote commit exists. A marker without a running drain (the process died) is finished
+//! by the next drain of the run.
+//!
+//! [`drain_step`] is the one function that moves a step between tiers; who calls it when is
+//! the trainer's business (`ckpt_trainer::manager`).
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use futures::future::BoxFuture;
+use futures::{StreamExt, TryStreamExt, stream};
+use object_store::PutMode;
+use object_store::path::Path;
+use serde::{Deserialize, Serialize};
+use tracing::{debug, info, instrument};
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::keys::validate_run;
+use crate::model::RankManifest;
+use crate::store::Store;
+
+/// A step being drained from a local tier to a remote store (its marker in the local tier).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct DrainMarker {
+    /// Run.
+    pub run: String,
+    /// Step.
+    pub step: u64,
+    /// The generation that committed it locally (and commits it remotely).
+    pub generation: u64,
+    /// The remote store's URL.
+    pub remote: String,
+    /// Stored bytes of the objects the step references (what a drain from nothing sends).
+    pub bytes_total: u64,
+    /// Of them, copied or found on the remote already.
+    pub bytes_done: u64,
+    /// When the drain started (Unix milliseconds).
+    pub started_ms: i64,
+    /// When this marker was written last.
+    pub updated_ms: i64,
+}
+
+impl DrainMarker {
+    /// The share done, 0 to 1.
+    pub fn progress(&self) -> f64 {
+        if self.bytes_total == 0 {
+            return 0.0;
+        }
+        (self.bytes_done as f64 / self.bytes_total as f64).min(1.0)
+    }
+}
+
+/// Paces a drain: awaited with the stored bytes of each object before it is sent (the persist
+/// governor's rate, a test's throttle).
+pub type DrainPace = Arc<dyn Fn(u64) -> BoxFuture<'static, ()> + Send + Sync>;
+
+/// How a drain runs.
+#[derive(Clone)]
+pub struct DrainOptions {
+    /// Objects copied at once.
+    pub concurrency: usize,
+    /// Awaited before each object is sent, with its stored size.
+    pub pace: Option<DrainPace>,
+    /// The writer name its remote lease is taken under (one per drainer).
+    pub writer: String,
+    /// Update the marker's progress every this many bytes.
+    pub marker_every: u64,
+}
+
+impl Default for DrainOptions {
+    fn default() -> Self {
+        DrainOptions {
+            concurrency: 8,
+            pace: None,
+            writer: "drain".into(),
+            marker_every: 64 << 20,
+        }
+    }
+}
+
+impl std::fmt::Debug for DrainOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DrainOptions")
+            .field("concurrency", &self.concurrency)
+            .field("writer", &self.writer)
+            .finish()
+    }
+}
+
+/// What a drain did.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct DrainReport {
+    /// Run.
+    pub run: String,
+    /// Step.
+    pub step: u64,
+    /// Objects sent to the remote store.
+    pub objects_sent: u64,
+    /// Their stored bytes.
+    pub bytes_sent: u64,
+    /// Objects the remote store held already (not sent).
+    pub objects_present: u64,
+    /// Their stored bytes.
+    pub bytes_present: u64,
+    /// Rank manifests written remotely.
+    pub manifests: u64,
+    /// Seconds from start to the remote commit.
+    pub seconds: f64,
+    /// The step was committed remotely before this drain (nothing to do).
+    pub already_remote: bool,
+}
+
+impl Store {
+    /// The key of `step`'s drain marker (see the module docs).
+    fn drain_marker_key(&self, run: &str, step: u64) -> Path {
+        self.keys().drain_marker(run, step)
+    }
+
+    /// Write (or update) a drain marker in this (local) tier.
+    pub async fn put_drain_marker(&self, m: &DrainMarker) -> Result<()> {
+        validate_run(&m.run)?;
+        let path = self.drain_marker_key(&m.run, m.step);
+        self.put_json(&path, m, PutMode::Overwrite)
+            .await
+            .map(|_| ())
+    }
+
+    /// Delete `step`'s drain marker (the step is remote-durable, or gone).
+    pub async fn delete_drain_marker(&self, run: &str, step: u64) -> Result<()> {
+        validate_run(run)?;
+        self.delete_all(vec![self.drain_marker_key(run, step)])
+            .await
+    }
+
+    /// The drain markers of `run` in this (local) tier: steps local-durable whose drain has
+    /// not finished, by step.
+    pub async fn pending_drains(&self, run: &str) -> Result<Vec<DrainMarker>> {
+        validate_run(run)?;
+        let dir = self.keys().drain_dir(run);
+        let metas = self.list_all(&dir).await?;
+        let mut out = Vec::new();
+        for m in metas {
+            if self.keys().parse_drain_marker(&m.location).is_none() {
+                continue;
+            }
+            match self.get_json::<DrainMarker>(&m.location).await {
+                Ok((d, _, _)) => out.push(d),
+                // Deleted since the listing: that drain finished.
+                Err(e) if e.kind() == ErrorKind::NotFound => {}
+                Err(e) => return Err(e.context("reading a drain marker")),
+            }
+        }
+        out.sort_by_key(|d| d.step);
+        Ok(out)
+    }
+}
+
+/// Check an object's bytes against its key before they leave the local tier: a pack against
+/// its hash, a chunk decoded against its id, a delta's structure (its base is another object).
+fn check_object(store: &Store, path: &Path, bytes: &[u8]) -> Result<()> {
+    let keys = store.keys();
+    if let Some(p) = keys.parse_pack(path) {
+        let got = crate::id::PackId::of(bytes);
+        if got != p {
+            return Err(Error::corrupt(format!(
+                "{path}: its bytes hash to {}, not {} (damaged)",
+                got.short(),
+                p.short()
+            )));
+        }
+        return Ok(());
+    }
+    if keys.parse_delta_chunk(path).is_some() {
+        return crate::codec::check_delta_structure(bytes, path).map(|_| ());
+    }
+    if let Some(id) = keys.parse_chunk(path) {
+        return crate::codec::decode_verify(bytes, &id, path).map(|_| ());
+    }
+    Err(Error::internal(format!(
+        "{path} is neither a chunk nor a pack object"
+    )))
+}
+
+/// The objects (chunks, packs, delta chains) the manifests reference, each once, in order: the
+/// key in `local` and in `remote` (the stores may have other prefixes).
+fn referenced_objects(
+    local: &Store,
+    remote: &Store,
+    manifests: &[RankManifest],
+) -> Vec<(Path, Path)> {
+    let mut seen: BTreeSet<String> = BTreeSet::new();
+    let mut out = Vec::new();
+    for m in manifests {
+        for c in m.chunk_refs() {
+            for (l, r) in local
+                .chain_objects(c)
+                .into_iter()
+                .zip(remote.chain_objects(c))
+            {
+                if seen.insert(l.to_string()) {
+                    out.push((l, r));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Copy committed step `step` of `run` from `local` to `remote` and commit it there (see the
+/// module docs): the objects the remote lacks, then the rank manifests, then the commit, under
+/// a writer lease on the remote (no remote GC sweep runs meanwhile) and the step's generation
+/// (a newer generation on the remote fences the drain: [`ErrorKind::Fenced`]). The drain
+/// marker in `local` tracks it and is deleted once the remote commit exists. A step already
+/// committed on the remote returns at once. Every local object is checked against its id on
+/// the way (a damaged local chunk is an error naming it, never sent).
+#[instrument(skip_all, fields(run, step))]
+pub async fn drain_step(
+    local: &Store,
+    remote: &Store,
+    run: &str,
+    step: u64,
+    opts: &DrainOptions,
+) -> Result<DrainReport> {
+    let t0 = Instant::now();
+    let mut report = DrainReport {
+        run: run.to_string(),
+        step,
+        ..DrainReport::default()
+    };
+    let (record, _) = local.read_commit(run, step).await.map_err(|e| {
+        e.context(format!(
+            "draining step {step} of run {run} from the local tier"
+        ))
+    })?;
+    if remote.exists(&remote.keys().commit(run, step)).await? {
+        report.already_remote = true;
+        local.delete_drain_marker(run, step).await?;
+        return Ok(report);
+    }
+    let generation = record.generation;
+    // The remote joins the step's generation (a newer one there fences this drain).
+    remote
+        .join_generation(run, generation)
+        .await
+        .map_err(|e| e.context(format!("draining step {step} of run {run}")))?;
+    let manifests: Vec<RankManifest> = stream::iter(record.ranks.clone())
+        .map(|e| async move { local.read_rank_manifest(run, step, e.rank, Some(&e)).await })
+        .buffered(16)
+        .try_collect()
+        .await?;
+    let objects = referenced_objects(local, remote, &manifests);
+    let mut marker = DrainMarker {
+        run: run.to_string(),
+        step,
+        generation,
+        remote: remote.url().to_string(),
+        bytes_total: 0,
+        bytes_done: 0,
+        started_ms: local.now().timestamp_millis(),
+        updated_ms: local.now().timestamp_millis(),
+    };
+    // Sizes for the progress (one listing-free HEAD per object would cost as much as the
+    // copy's own; the manifests' stored sizes count a packed chunk's share of its pack).
+    marker.bytes_total = manifests
+        .iter()
+        .flat_map(|m| m.chunk_refs())
+        .map(|c| u64::from(c.stored))
+        .sum();
+    local.put_drain_marker(&marker).await?;
+    let lease = remote
+        .lease_dedup_base(run, &opts.writer, &[])
+        .await
+        .map_err(|e| e.context(format!("draining step {step} of run {run}")))?;
+    let res = copy_and_commit(
+        local,
+        remote,
+        &manifests,
+        objects,
+        opts,
+        &mut marker,
+        &mut report,
+    )
+    .await;
+    if let Err(e) = remote.release_lease(lease).await {
+        debug!(step, "drain lease not released (GC lets it lapse): {e}");
+    }
+    res?;
+    local.delete_drain_marker(run, step).await?;
+    report.seconds = t0.elapsed().as_secs_f64();
+    info!(
+        run,
+        step,
+        sent = report.bytes_sent,
+        present = report.bytes_present,
+        seconds = report.seconds,
+        "step drained to the remote store"
+    );
+    Ok(report)
+}
+
+/// The drain's copy: objects, then manifests, then the commit.
+async fn copy_and_commit(
+    local: &Store,
+    remote: &Store,
+    manifests: &[RankManifest],
+    objects: Vec<(Path, Path)>,
+    opts: &DrainOptions,
+    marker: &mut DrainMarker,
+    report: &mut DrainReport,
+) -> Result<()> {
+    let (run, step, generation) = (marker.run.clone(), marker.step, marker.generation);
+    let done = AtomicU64::new(0);
+    let last_mark = AtomicU64::new(0);
+    let results: Vec<(bool, u64)> = stream::iter(objects)
+        .map(|(path, there)| {
+            let (done, run) = (&done, &run);
+            async move {
+                if let Some(size) = remote.object_size(&there).await? {
+                    done.fetch_add(size, Ordering::Relaxed);
+                    return Ok::<_, Error>((false, size));
+                }
+                let bytes = local.get_object(&path).await.map_err(|e| {
+                    e.context(format!(
+                        "draining step {step} of run {run}: reading {path} from the local tier"
+                    ))
+                })?;
+                check_object(local, &path, &bytes).map_err(|e| {
+                    e.context(format!(
+                        "draining step {step} of run {run}: the local tier's copy is damaged (not sent)"
+                    ))
+                })?;
+                let size = bytes.len() as u64;
+                if let Some(p) = &opts.pace {
+                    p(size).await;
+                }
+                remote
+                    .put_object(&there, vec![bytes], PutMode::Overwrite)
+                    .await
+                    .map_err(|e| e.context(format!("draining step {step} of run {run}")))?;
+                done.fetch_add(size, Ordering::Relaxed);
+                Ok((true, size))
+            }
+        })
+        .buffer_unordered(opts.concurrency.max(1))
+        .and_then(|r| {
+            let last_mark = &last_mark;
+            // Progress into the marker now and then (a failed update only costs a stale bar).
+            let d = done.load(Ordering::Relaxed);
+            let due = d.saturating_sub(last_mark.load(Ordering::Relaxed)) >= opts.marker_every;
+            let mut m = marker.clone();
+            async move {
+                if due {
+                    last_mark.store(d, Ordering::Relaxed);
+                    m.bytes_done = d.min(m.bytes_total);
+                    m.updated_ms = local.now().timestamp_millis();
+                    let _ = local.put_drain_marker(&m).await;
+                }
+                Ok(r)
+            }
+        })
+        .try_collect()
+        .await?;
+    for (sent, size) in results {
+        if sent {
+            report.objects_sent += 1;
+            report.bytes_sent += size;
+        } else {
+            report.objects_present += 1;
+            report.bytes_present += size;
+        }
+    }
+    marker.bytes_done = marker.bytes_total;
+    marker.updated_ms = local.now().timestamp_millis();
+    let _ = local.put_drain_marker(marker).await;
+    for m in manifests {
+        remote
+            .write_rank_manifest(m)
+            .await
+            .map_err(|e| e.context(format!("draining step {step} of run {run}")))?;
+        report.manifests += 1;
+    }
+    remote
+        .commit_step_as(&run, step, Some(generation))
+        .await
+        .map_err(|e| {
+            e.context(format!(
+                "draining step {step} of run {run}: the remote commit"
+            ))
+        })?;
+    Ok(())
+}

@@ -1,0 +1,208 @@
+//! Draining a local tier to a remote store (issue 28), on a local directory under the memory
+//! store, the real S3-compatible server and another directory: only what the remote lacks is
+//! sent, the remote commit restores bit-exact, a damaged local chunk is never sent, a newer
+//! generation on the remote fences the drain, and the drain marker keeps the step from the
+//! local tier's GC until the drain is done.
+
+use bytes::Bytes;
+use ckpt_store::testing::{S3Server, det_bytes, local_store, memory_store, tiny_config};
+use ckpt_store::writer::{RankWrite, ShardDesc, ShardIn};
+use ckpt_store::{
+    DType, DedupIndex, DrainOptions, ErrorKind, GcOptions, Layout, NdBox, StepReader, Store,
+    drain_step,
+};
+
+enum Remote {
+    Memory(Store),
+    Dir(Store, #[allow(dead_code)] tempfile::TempDir),
+    S3(Store, #[allow(dead_code)] S3Server),
+}
+
+impl Remote {
+    fn store(&self) -> &Store {
+        match self {
+            Remote::Memory(s) | Remote::Dir(s, _) | Remote::S3(s, _) => s,
+        }
+    }
+}
+
+macro_rules! on_remotes {
+    ($($case:ident),* $(,)?) => {
+        mod to_memory { $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $case() { super::$case(super::Remote::Memory(ckpt_store::testing::memory_store(ckpt_store::testing::tiny_config()))).await } )* }
+        mod to_dir { $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $case() { let (s, d) = ckpt_store::testing::local_store(ckpt_store::testing::tiny_config()); super::$case(super::Remote::Dir(s, d)).await } )* }
+        mod to_s3 { $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $case() { ckpt_store::require!(ckpt_store::testing::Need::S3Server, concat!(stringify!($case), " to S3")); let srv = ckpt_store::testing::S3Server::start(); let s = srv.store("tier", ckpt_store::testing::tiny_config()); super::$case(super::Remote::S3(s, srv)).await } )* }
+    };
+}
+
+on_remotes!(
+    a_drain_sends_only_what_the_remote_lacks_and_the_remote_restores_bit_exact,
+    a_damaged_local_chunk_is_never_sent,
+    a_newer_generation_on_the_remote_fences_the_drain,
+    a_step_still_draining_is_kept_by_the_local_tiers_gc,
+);
+
+const RUN: &str = "t";
+
+/// Save `step` of two ranks into `local` (`w` changes with the step, `b` does not) and
+/// commit it as `generation`; the bytes of `w`.
+async fn save(local: &Store, step: u64, generation: u64) -> Vec<u8> {
+    let layout = Layout::new(2, 1, 1, 0).unwrap();
+    let w = det_bytes(step, 40_000);
+    let b = det_bytes(999, 40_000);
+    local.join_generation(RUN, generation).await.unwrap();
+    for rank in 0..2u32 {
+        let half = NdBox::new(vec![u64::from(rank) * 20_000], vec![20_000]).unwrap();
+        let shard = |name: &str, data: &[u8]| ShardIn {
+            shard: ShardDesc::boxed(name, DType::U8, vec![40_000], half.clone()),
+            data: Some(Bytes::copy_from_slice(
+                &data[rank as usize * 20_000..(rank as usize + 1) * 20_000],
+            )),
+        };
+        let wr = RankWrite {
+            run: RUN.into(),
+            step,
+            rank,
+            layout,
+            generation,
+            node: None,
+        };
+        local
+            .write_rank(
+                &wr,
+                vec![shard("w", &w), shard("b", &b)],
+                vec![],
+                &DedupIndex::new(),
+            )
+            .await
+            .unwrap();
+    }
+    local
+        .commit_step_as(RUN, step, Some(generation))
+        .await
+        .unwrap();
+    w
+}
+
+async fn a_drain_sends_only_what_the_remote_lacks_and_the_remote_restores_bit_exact(r: Remote) {
+    let remote = r.store();
+    let (local, _d) = local_store(tiny_config());
+    let w1 = save(&local, 1, 0).await;
+    let rep = drain_step(&local, remote, RUN, 1, &DrainOptions::default())
+        .await
+        .unwrap();
+    assert!(!rep.already_remote);
+    assert_eq!(rep.manifests, 2);
+    assert!(rep.objects_sent > 0 && rep.objects_present == 0, "{rep:?}");
+    let first_sent = rep.bytes_sent;
+    assert!(
+        local.pending_drains(RUN).await.unwrap().is_empty(),
+        "marker left"
+    );
+    let reader = StepReader::open(remote, RUN, 1).await.unwrap();
+    assert_eq!(reader.read("w", &NdBox::full(&[40_000])).await.unwrap(), w1);
+    // Step 2 changed `w` only: `b`'s chunks are on the remote already.
+    let w2 = save(&local, 2, 0).await;
+    let rep = drain_step(&local, remote, RUN, 2, &DrainOptions::default())
+        .await
+        .unwrap();
+    assert!(rep.objects_present > 0, "{rep:?}");
+    assert!(
+        rep.bytes_sent < first_sent * 3 / 4,
+        "sent {} of a first drain's {first_sent}",
+        rep.bytes_sent
+    );
+    let reader = StepReader::open(remote, RUN, 2).await.unwrap();
+    assert_eq!(reader.read("w", &NdBox::full(&[40_000])).await.unwrap(), w2);
+    // The remote commit is the same record as the local one (same manifests, same bytes).
+    let (lr, _) = local.read_commit(RUN, 2).await.unwrap();
+    let (rr, _) = remote.read_commit(RUN, 2).await.unwrap();
+    assert_eq!(lr.ranks, rr.ranks);
+    // Again: nothing to do.
+    let again = drain_step(&local, remote, RUN, 2, &DrainOptions::default())
+        .await
+        .unwrap();
+    assert!(again.already_remote && again.bytes_sent == 0);
+    // Verify is clean on both tiers.
+    for s in [&local, remote] {
+        let v = s
+            .verify(&ckpt_store::VerifyScope::Run(RUN.into()), None)
+            .await
+            .unwrap();
+        assert!(v.is_clean(), "{v:?}");
+    }
+}
+
+async fn a_damaged_local_chunk_is_never_sent(r: Remote) {
+    let remote = r.store();
+    let (local, dir) = local_store(tiny_config());
+    save(&local, 1, 0).await;
+    // Damage one chunk object of the local tier (a byte of its payload).
+    let refs = local.step_chunk_refs(RUN, 1).await.unwrap();
+    let c = refs
+        .iter()
+        .find(|c| local.object_of(c).as_ref().starts_with("chunks/"))
+        .expect("a chunk object");
+    let obj = remote.object_of(c);
+    let file = dir.path().join(local.object_of(c).as_ref());
+    let mut bytes = std::fs::read(&file).unwrap();
+    let n = bytes.len();
+    bytes[n - 10] ^= 0xff;
+    std::fs::write(&file, bytes).unwrap();
+    let e = drain_step(&local, remote, RUN, 1, &DrainOptions::default())
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+    assert!(e.to_string().contains("not sent"), "{e}");
+    assert!(!remote.exists(&remote.keys().commit(RUN, 1)).await.unwrap());
+    assert!(
+        !remote.exists(&obj).await.unwrap(),
+        "the damaged object was sent"
+    );
+    // The marker stays: the step is still to drain (from a repaired copy).
+    assert_eq!(local.pending_drains(RUN).await.unwrap()[0].step, 1);
+}
+
+async fn a_newer_generation_on_the_remote_fences_the_drain(r: Remote) {
+    let remote = r.store();
+    let local = memory_store(tiny_config());
+    save(&local, 1, 3).await;
+    // Another job took the run over on the remote.
+    remote.start_generation(RUN, 5).await.unwrap();
+    let e = drain_step(&local, remote, RUN, 1, &DrainOptions::default())
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Fenced, "{e}");
+    assert!(!remote.exists(&remote.keys().commit(RUN, 1)).await.unwrap());
+}
+
+async fn a_step_still_draining_is_kept_by_the_local_tiers_gc(r: Remote) {
+    let remote = r.store();
+    let local = memory_store(tiny_config());
+    for s in 1..=3 {
+        save(&local, s, 0).await;
+    }
+    // Step 1 is draining (its marker), 2 and 3 not yet: keep-last 1 keeps 3, and 1 for its
+    // drain.
+    let marker = ckpt_store::DrainMarker {
+        run: RUN.into(),
+        step: 1,
+        remote: remote.url().into(),
+        ..Default::default()
+    };
+    local.put_drain_marker(&marker).await.unwrap();
+    let opts = GcOptions {
+        keep_last: Some(1),
+        grace: std::time::Duration::ZERO,
+        lease_lapse: std::time::Duration::ZERO,
+        ..GcOptions::default()
+    };
+    let rep = local.gc(&opts, local.now()).await.unwrap();
+    assert_eq!(rep.steps_deleted, vec![(RUN.to_string(), 2)], "{rep:?}");
+    drain_step(&local, remote, RUN, 1, &DrainOptions::default())
+        .await
+        .unwrap();
+    let rep = local.gc(&opts, local.now()).await.unwrap();
+    assert_eq!(rep.steps_deleted, vec![(RUN.to_string(), 1)], "{rep:?}");
+    // Drained: it restores from the remote.
+    StepReader::open(remote, RUN, 1).await.unwrap();
+}

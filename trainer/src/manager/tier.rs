@@ -1,0 +1,477 @@
+//! A local tier under the remote store (issue 28): saves persist and commit to the node's disk
+//! at its speed ([`LocalTier`]); on the committing rank a [`Drainer`] copies each step
+//! committed there to the remote store behind the training ([`ckpt_store::drain_step`]: new
+//! chunks only, the same commit protocol, fencing and leases), paced by the persist governor's
+//! rate. The drainer runs on its own thread: a step committed while it drains waits, newest
+//! first (older waiting steps are skipped, with a `drain_skipped` event, rather than fall
+//! further behind); a failed drain (the remote down or failing) is tried again with a backoff;
+//! a job restarted after a crash finds the local steps not yet remote and drains the newest.
+//! After each drain it applies the retention rules: the remote's (`keep_last`,
+//! `keep_every`), and the local tier's (keep the newest [`LocalTier::keep_last`], never a step
+//! still draining).
+//!
+//! Restores read each chunk from the fastest place that holds it ([`TieredSource`]): the
+//! local tier (hash-checked; a damaged or missing chunk is read from the remote store and a
+//! `local_tier_damaged` event says so), then peer replicas, then the remote store.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use ckpt_recovery::records::{self, DrainMetrics, Event};
+use ckpt_store::{ChunkRef, ChunkSource, DrainOptions, ErrorKind, GcOptions, Store, drain_step};
+use parking_lot::{Condvar, Mutex};
+use tracing::{info, warn};
+
+use crate::save::{Pacer, PersistRate, SaveHandle, Stage, runtime};
+
+/// A node's local tier: where saves persist and commit first.
+#[derive(Debug, Clone)]
+pub struct LocalTier {
+    /// The tier (a directory on the node's disk, in the store format).
+    pub store: Store,
+    /// Keep the newest N committed steps locally (at least 1; 2 by default); a step still
+    /// draining is kept whatever N says.
+    pub keep_last: usize,
+}
+
+impl LocalTier {
+    /// A tier at `store`, keeping the newest 2 steps.
+    pub fn new(store: Store) -> Self {
+        LocalTier {
+            store,
+            keep_last: 2,
+        }
+    }
+}
+
+/// The longest pause between tries of a failing drain.
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+
+/// What the drainer thread and the manager share.
+struct Shared {
+    local: Store,
+    remote: Store,
+    run: String,
+    rank: u32,
+    keep_local: usize,
+    keep_last: Option<usize>,
+    keep_every: Option<u64>,
+    grace: Duration,
+    state: Mutex<State>,
+    wake: Condvar,
+    rate: Arc<PersistRate>,
+}
+
+#[derive(Default)]
+struct State {
+    /// The newest locally committed step waiting for its drain, and when it committed.
+    pending: Option<(u64, Instant)>,
+    /// The step being drained.
+    draining: Option<u64>,
+    /// The newest step drained (or found remote).
+    drained: Option<u64>,
+    /// Steps skipped since the last drain ended.
+    skipped: Vec<u64>,
+    /// Records for the manager to log.
+    events: Vec<Event>,
+    metrics: Vec<DrainMetrics>,
+    stop: bool,
+}
+
+/// The drainer of a committing rank (see the module docs).
+pub(crate) struct Drainer {
+    shared: Arc<Shared>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    /// The save whose local commit is awaited, to queue it.
+    watched: Option<SaveHandle>,
+}
+
+/// The settings a drainer takes from the manager.
+pub(crate) struct DrainerConfig<'a> {
+    pub tier: &'a LocalTier,
+    pub remote: &'a Store,
+    pub run: &'a str,
+    pub rank: u32,
+    pub keep_last: Option<usize>,
+    pub keep_every: Option<u64>,
+    pub grace: Duration,
+    pub rate: Arc<PersistRate>,
+}
+
+impl Drainer {
+    /// Start the drainer thread; it first looks for local steps not yet remote (a restarted
+    /// job finishes their drain).
+    pub(crate) fn start(c: DrainerConfig<'_>) -> ckpt_store::Result<Drainer> {
+        let shared = Arc::new(Shared {
+            local: c.tier.store.clone(),
+            remote: c.remote.clone(),
+            run: c.run.to_string(),
+            rank: c.rank,
+            keep_local: c.tier.keep_last.max(1),
+            keep_last: c.keep_last,
+            keep_every: c.keep_every,
+            grace: c.grace,
+            state: Mutex::new(State::default()),
+            wake: Condvar::new(),
+            rate: c.rate,
+        });
+        let s = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("ckpt-drain-{}", c.rank))
+            .spawn(move || {
+                s.recover();
+                s.run_loop();
+            })
+            .map_err(|e| ckpt_store::Error::internal(format!("starting the drain thread: {e}")))?;
+        Ok(Drainer {
+            shared,
+            thread: Some(thread),
+            watched: None,
+        })
+    }
+
+    /// A save started: its step is queued for the drain once it commits locally.
+    pub(crate) fn watch(&mut self, h: &SaveHandle) {
+        if !h.is_skipped() {
+            self.watched = Some(h.clone());
+        }
+    }
+
+    /// Queue the watched save once committed; take what the drainer has to log.
+    pub(crate) fn poll(&mut self) -> (Vec<Event>, Vec<DrainMetrics>) {
+        if let Some(h) = &self.watched {
+            match h.stage() {
+                Stage::Committed => {
+                    self.shared.enqueue(h.step());
+                    self.watched = None;
+                }
+                Stage::Failed(_) | Stage::Skipped(_) => self.watched = None,
+                _ => {}
+            }
+        }
+        let mut st = self.shared.state.lock();
+        (
+            std::mem::take(&mut st.events),
+            std::mem::take(&mut st.metrics),
+        )
+    }
+
+    /// Whether a drain is running or waiting (the persist governor counts it as a persist).
+    pub(crate) fn busy(&self) -> bool {
+        let st = self.shared.state.lock();
+        st.draining.is_some() || st.pending.is_some()
+    }
+
+    /// Wait until the newest step queued (and `last`, the last save, once it commits) is
+    /// drained, or `within` passes; `Err` says what is still local only.
+    pub(crate) fn wait_drained(&mut self, within: Duration) -> ckpt_store::Result<()> {
+        let deadline = Instant::now() + within;
+        if let Some(h) = self.watched.clone()
+            && h.wait_committed(within).is_ok()
+        {
+            self.poll();
+        }
+        let mut st = self.shared.state.lock();
+        loop {
+            if st.pending.is_none() && st.draining.is_none() {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let step = st.draining.or(st.pending.map(|p| p.0));
+                return Err(ckpt_store::Error::new(
+                    ErrorKind::Incomplete,
+                    format!(
+                        "step {} of run {} is committed in the local tier {} but not yet drained to {} after {:.0} s; a job resumed on this node finishes the drain",
+                        step.map_or("?".into(), |s| s.to_string()),
+                        self.shared.run,
+                        self.shared.local.url(),
+                        self.shared.remote.url(),
+                        within.as_secs_f64()
+                    ),
+                ));
+            }
+            self.shared.wake.wait_for(&mut st, deadline - now);
+        }
+    }
+}
+
+impl Drop for Drainer {
+    fn drop(&mut self) {
+        self.shared.state.lock().stop = true;
+        self.shared.wake.notify_all();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Shared {
+    /// A step committed locally: it waits for the drain, replacing (skipping) an older one
+    /// that waits.
+    fn enqueue(&self, step: u64) {
+        let mut st = self.state.lock();
+        if st.drained.is_some_and(|d| d >= step) || st.draining == Some(step) {
+            return;
+        }
+        if let Some((old, _)) = st.pending
+            && old < step
+        {
+            warn!(
+                skipped = old,
+                newer = step,
+                "the drain to the remote store is behind: step {old} is skipped for step {step}"
+            );
+            st.skipped.push(old);
+            st.events.push(Event::DrainSkipped(records::DrainSkipped {
+                step: old,
+                newer: step,
+                rank: self.rank,
+            }));
+        }
+        if st.pending.is_none_or(|(old, _)| old < step) {
+            st.pending = Some((step, Instant::now()));
+        }
+        drop(st);
+        self.wake.notify_all();
+    }
+
+    /// At start: the newest local step that is not committed remotely waits for its drain
+    /// (what a killed job left local only).
+    fn recover(&self) {
+        let found = runtime().block_on(async {
+            let local = self.local.committed_steps(&self.run).await?;
+            let remote_newest = self.remote.latest_committed(&self.run).await?;
+            Ok::<_, ckpt_store::Error>((local, remote_newest))
+        });
+        match found {
+            Ok((local, remote_newest)) => {
+                self.state.lock().drained = remote_newest;
+                if let Some(&newest) = local.last()
+                    && remote_newest.is_none_or(|r| newest > r)
+                {
+                    info!(
+                        step = newest,
+                        "a local step is not on the remote store yet: draining it"
+                    );
+                    self.enqueue(newest);
+                }
+            }
+            Err(e) => warn!("looking for local steps to drain: {e}"),
+        }
+    }
+
+    fn run_loop(&self) {
+        let mut backoff = Duration::from_secs(1);
+        loop {
+            let (step, committed_at) = {
+                let mut st = self.state.lock();
+                loop {
+                    if st.stop {
+                        return;
+                    }
+                    if let Some(p) = st.pending.take() {
+                        st.draining = Some(p.0);
+                        break p;
+                    }
+                    self.wake.wait(&mut st);
+                }
+            };
+            match self.drain(step, committed_at) {
+                Ok(()) => backoff = Duration::from_secs(1),
+                Err(e) => {
+                    warn!(
+                        step,
+                        "drain to the remote store failed (tried again in {backoff:?}): {e}"
+                    );
+                    let mut st = self.state.lock();
+                    st.events.push(Event::DrainFailed(records::DrainFailed {
+                        step,
+                        rank: self.rank,
+                        error: e.to_string(),
+                        error_kind: e.kind().as_str().to_string(),
+                        retry_in_s: backoff.as_secs_f64(),
+                    }));
+                    st.draining = None;
+                    // A fenced drain stops: a newer job owns the run on the remote store.
+                    if e.kind() == ErrorKind::Fenced {
+                        st.pending = None;
+                        self.wake.notify_all();
+                        return;
+                    }
+                    if st.pending.is_none_or(|(p, _)| p < step) {
+                        st.pending = Some((step, committed_at));
+                    }
+                    self.wake.notify_all();
+                    let _ = self.wake.wait_for(&mut st, backoff);
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                }
+            }
+        }
+    }
+
+    /// Drain `step`, then apply retention on both tiers.
+    fn drain(&self, step: u64, committed_at: Instant) -> ckpt_store::Result<()> {
+        let pacer = Arc::new(tokio::sync::Mutex::new(Pacer::new(
+            self.rate.clone(),
+            Box::new(|| false),
+        )));
+        let opts = DrainOptions {
+            pace: Some(Arc::new(move |n| {
+                let pacer = pacer.clone();
+                Box::pin(async move { pacer.lock().await.admit(n as usize).await })
+            })),
+            writer: format!("drain-{}-{}", self.run, self.rank),
+            ..DrainOptions::default()
+        };
+        let r = runtime().block_on(drain_step(
+            &self.local,
+            &self.remote,
+            &self.run,
+            step,
+            &opts,
+        ))?;
+        let lag_steps = runtime()
+            .block_on(self.local.committed_steps(&self.run))
+            .map(|s| s.iter().filter(|&&x| x > step).count() as u64)
+            .unwrap_or(0);
+        // Retention before the step counts as drained: `finish` waits for both.
+        self.retention(step);
+        {
+            let mut st = self.state.lock();
+            st.draining = None;
+            st.drained = Some(st.drained.map_or(step, |d| d.max(step)));
+            let skipped = std::mem::take(&mut st.skipped);
+            st.metrics.push(DrainMetrics {
+                step,
+                rank: self.rank,
+                objects_sent: r.objects_sent,
+                bytes_sent: r.bytes_sent,
+                bytes_present: r.bytes_present,
+                seconds: r.seconds,
+                lag_s: committed_at.elapsed().as_secs_f64(),
+                lag_steps,
+                skipped,
+            });
+        }
+        self.wake.notify_all();
+        Ok(())
+    }
+
+    /// Retention after `step` drained: the remote's rules on the remote store, and the newest
+    /// `keep_local` on the local tier (what still drains is kept by its marker).
+    fn retention(&self, step: u64) {
+        let run = self.run.clone();
+        let protect = vec![(run.clone(), step)];
+        let remote = GcOptions {
+            keep_last: self.keep_last,
+            keep_every: self.keep_every,
+            grace: self.grace,
+            runs: vec![run.clone()],
+            protect: protect.clone(),
+            ..GcOptions::default()
+        };
+        let local = GcOptions {
+            keep_last: Some(self.keep_local),
+            grace: self.grace,
+            runs: vec![run],
+            protect,
+            ..GcOptions::default()
+        };
+        for (store, opts, which) in [
+            (&self.remote, remote, "remote"),
+            (&self.local, local, "local"),
+        ] {
+            if opts.keep_last.is_none() && opts.keep_every.is_none() {
+                continue;
+            }
+            match runtime().block_on(store.gc(&opts, store.now())) {
+                Ok(r) if !r.steps_deleted.is_empty() => info!(
+                    tier = which,
+                    deleted = ?r.steps_deleted,
+                    "retention deleted old checkpoints"
+                ),
+                Ok(_) => {}
+                Err(e) => warn!(tier = which, "retention failed: {e}"),
+            }
+        }
+    }
+}
+
+/// A restore's chunk source with a local tier: the local tier first (hash-checked by the
+/// reader), then peer replicas; what neither has comes from the remote store.
+pub(crate) struct TieredSource {
+    local: Option<Store>,
+    peers: Option<Arc<dyn ChunkSource>>,
+    /// Stored bytes the local tier served.
+    pub(crate) local_bytes: AtomicU64,
+    /// Raw bytes the local tier served.
+    pub(crate) local_raw: AtomicU64,
+    /// Local chunks missing or damaged (read elsewhere).
+    pub(crate) local_misses: AtomicU64,
+    /// Local chunks damaged (a subset of the misses).
+    pub(crate) local_damaged: AtomicU64,
+}
+
+impl TieredSource {
+    pub(crate) fn new(local: Option<Store>, peers: Option<Arc<dyn ChunkSource>>) -> Self {
+        TieredSource {
+            local,
+            peers,
+            local_bytes: AtomicU64::new(0),
+            local_raw: AtomicU64::new(0),
+            local_misses: AtomicU64::new(0),
+            local_damaged: AtomicU64::new(0),
+        }
+    }
+
+    /// Whether it has anything to serve.
+    pub(crate) fn has_any(&self) -> bool {
+        self.local.is_some() || self.peers.is_some()
+    }
+}
+
+#[async_trait]
+impl ChunkSource for TieredSource {
+    async fn fetch(&self, r: &ChunkRef) -> Option<Bytes> {
+        if let Some(l) = &self.local {
+            match l.get_chunk(r).await {
+                Ok(b) => {
+                    self.local_bytes
+                        .fetch_add(u64::from(r.stored), Ordering::Relaxed);
+                    self.local_raw
+                        .fetch_add(u64::from(r.len), Ordering::Relaxed);
+                    return Some(b);
+                }
+                Err(e) => {
+                    self.local_misses.fetch_add(1, Ordering::Relaxed);
+                    if e.kind() == ErrorKind::Corrupt {
+                        self.local_damaged.fetch_add(1, Ordering::Relaxed);
+                        warn!(chunk = %r.id, "damaged in the local tier: reading it elsewhere: {e}");
+                    }
+                }
+            }
+        }
+        match &self.peers {
+            Some(p) => p.fetch(r).await,
+            None => None,
+        }
+    }
+}
+
+/// The steps of `run` committed in either tier, newest last.
+pub(crate) fn committed_in_either(
+    local: &Store,
+    remote: &Store,
+    run: &str,
+) -> ckpt_store::Result<Vec<u64>> {
+    runtime().block_on(async {
+        let mut all: BTreeSet<u64> = local.committed_steps(run).await?.into_iter().collect();
+        all.extend(remote.committed_steps(run).await?);
+        Ok(all.into_iter().collect())
+    })
+}

@@ -1,0 +1,297 @@
+//! A local tier under a remote store (issue 28), through `CheckpointManager`: saves commit to
+//! the local tier and drain to the remote behind the training (only new chunks), `finish`
+//! waits for the newest step to be remote-durable, retention runs per tier, a remote outage
+//! leaves saves going on locally and the drain catches up, a manager started after a crash
+//! finishes the drain, a restore reads the local tier first and a damaged local chunk from the
+//! remote (with an event), and a drain that falls behind skips older steps for the newest.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ckpt_recovery::records::{Event, read_records};
+use ckpt_store::placement::TensorSpec;
+use ckpt_store::testing::{det_bytes, faulty_store, local_store, tiny_config};
+use ckpt_store::{DType, Layout, NdBox, RetryConfig, Store, StoreConfig};
+use ckpt_trainer::save::runtime;
+use ckpt_trainer::{CheckpointManager, CheckpointerConfig, HostTensor, LocalTier, ManagerConfig};
+
+const N: u64 = 64 << 10;
+
+fn events(store: &Store, run: &str) -> Vec<Event> {
+    runtime()
+        .block_on(read_records::<Event>(store, run))
+        .unwrap()
+        .into_iter()
+        .map(|l| l.record)
+        .collect()
+}
+
+fn cfg(run: &str, local: &Store, keep_local: usize) -> ManagerConfig {
+    let mut c = ManagerConfig::new(CheckpointerConfig::new(run, 0, Layout::SINGLE));
+    c.every_steps = Some(1);
+    c.final_on_sigterm = false;
+    c.persist_governor = None;
+    c.ckpt.commit_timeout = Duration::from_secs(120);
+    c.local_tier = Some(LocalTier {
+        store: local.clone(),
+        keep_last: keep_local,
+    });
+    c
+}
+
+/// A manager with one tensor `w` of `N` bytes (a quarter changes each step: `touch`).
+fn manager(remote: &Store, c: ManagerConfig) -> (CheckpointManager, HostTensor) {
+    let mut m = CheckpointManager::new(remote.clone(), c).unwrap();
+    let w = HostTensor::from_vec(det_bytes(1, N as usize));
+    m.register(
+        TensorSpec::first_stage("w", DType::U8, &[N]),
+        NdBox::full(&[N]),
+        Arc::new(w.clone()),
+    )
+    .unwrap();
+    (m, w)
+}
+
+fn touch(w: &HostTensor, step: u64) {
+    let mut g = w.write();
+    let q = g.len() / 4;
+    g[..q].copy_from_slice(&det_bytes(1000 + step, q));
+}
+
+fn committed(s: &Store, run: &str) -> Vec<u64> {
+    runtime().block_on(s.committed_steps(run)).unwrap()
+}
+
+fn read_w(s: &Store, run: &str, step: u64) -> Vec<u8> {
+    runtime()
+        .block_on(async {
+            ckpt_store::StepReader::open(s, run, step)
+                .await?
+                .read_tensor("w")
+                .await
+        })
+        .unwrap()
+}
+
+#[test]
+fn saves_commit_locally_drain_only_new_chunks_and_retention_runs_per_tier() {
+    let (local, _l) = local_store(tiny_config());
+    let (remote, _r) = local_store(tiny_config());
+    let run = "tier";
+    let mut c = cfg(run, &local, 2);
+    c.keep_last = Some(3);
+    let (mut m, w) = manager(&remote, c);
+    let mut saved = Vec::new();
+    for step in 1..=6u64 {
+        touch(&w, step);
+        let h = m.maybe_save(step).unwrap().expect("due");
+        // Committed in the local tier: local-durable.
+        h.wait_committed(Duration::from_secs(60)).unwrap();
+        assert!(committed(&local, run).contains(&step));
+        saved.push(w.read().clone());
+    }
+    m.finish().unwrap();
+    // The newest step is remote-durable once `finish` returns.
+    assert_eq!(read_w(&remote, run, 6), saved[5]);
+    // Retention: 3 on the remote (of the steps drained: one that waited while another
+    // drained may have been skipped for a newer one), 2 locally.
+    let rem = committed(&remote, run);
+    assert_eq!((rem.len(), rem.last()), (3, Some(&6)), "{rem:?}");
+    assert_eq!(committed(&local, run), vec![5, 6]);
+    // Only new chunks moved: the unchanged three quarters of `w` were sent once.
+    let figs = m.take_drain_figures();
+    let first = figs.iter().find(|f| f.step == 1).map(|f| f.bytes_sent);
+    let later: Vec<&ckpt_recovery::records::DrainMetrics> =
+        figs.iter().filter(|f| f.step > 1).collect();
+    assert!(!later.is_empty(), "{figs:?}");
+    if let Some(first) = first {
+        for f in &later {
+            assert!(
+                f.bytes_sent * 2 < first && f.bytes_present > 0,
+                "step {}: sent {} of {first}: {figs:?}",
+                f.step,
+                f.bytes_sent
+            );
+        }
+    }
+    // A fresh manager restores from the local tier.
+    let (mut m2, w2) = manager(&remote, cfg(run, &local, 2));
+    assert_eq!(m2.restore_latest().unwrap(), Some(6));
+    assert_eq!(*w2.read(), saved[5]);
+    let r = events(&remote, run)
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::Restore(r) => Some(r),
+            _ => None,
+        })
+        .next_back()
+        .unwrap();
+    assert_eq!(r.tier, "local");
+    assert!(r.bytes_from_local > 0 && r.bytes_from_store == 0, "{r:?}");
+}
+
+#[test]
+fn a_remote_outage_leaves_saves_going_on_locally_and_the_drain_catches_up() {
+    let (local, _l) = local_store(tiny_config());
+    let retry = RetryConfig {
+        attempts: 2,
+        min_backoff: Duration::from_millis(10),
+        max_backoff: Duration::from_millis(20),
+        request_timeout: Duration::from_millis(300),
+    };
+    let (remote, faults) = faulty_store(
+        ckpt_store::object_store::memory::InMemory::new(),
+        "",
+        "memory://remote",
+        tiny_config(),
+        retry,
+    );
+    let run = "outage";
+    let (mut m, w) = manager(&remote, cfg(run, &local, 50));
+    for step in 1..=30u64 {
+        touch(&w, step);
+        if step == 5 {
+            faults.set_outage(true);
+        }
+        if step == 20 {
+            faults.set_outage(false);
+        }
+        let h = m.maybe_save(step).unwrap().expect("due");
+        // Local saves never wait for the remote.
+        h.wait_committed(Duration::from_secs(30)).unwrap();
+        std::thread::sleep(Duration::from_millis(30));
+    }
+    m.finish().unwrap();
+    assert_eq!(
+        committed(&local, run).len(),
+        30,
+        "every save committed locally"
+    );
+    assert!(
+        committed(&remote, run).contains(&30),
+        "caught up: {:?}",
+        committed(&remote, run)
+    );
+    let ev = events(&remote, run);
+    assert!(
+        ev.iter().any(|e| matches!(e, Event::DrainFailed(_))),
+        "no drain_failed event"
+    );
+    assert!(faults.random_stats().outage > 0);
+    assert!(
+        runtime()
+            .block_on(local.pending_drains(run))
+            .unwrap()
+            .is_empty()
+    );
+}
+
+#[test]
+fn a_manager_started_after_a_crash_finishes_the_drain() {
+    let (local, _l) = local_store(tiny_config());
+    let (remote, faults) = faulty_store(
+        ckpt_store::object_store::memory::InMemory::new(),
+        "",
+        "memory://remote",
+        tiny_config(),
+        RetryConfig {
+            attempts: 1,
+            min_backoff: Duration::from_millis(5),
+            max_backoff: Duration::from_millis(5),
+            request_timeout: Duration::from_millis(200),
+        },
+    );
+    let run = "crash";
+    faults.set_outage(true);
+    {
+        let (mut m, w) = manager(&remote, cfg(run, &local, 2));
+        touch(&w, 1);
+        let h = m.maybe_save(1).unwrap().unwrap();
+        h.wait_committed(Duration::from_secs(30)).unwrap();
+        // No finish: the process "dies" with step 1 local only.
+    }
+    faults.set_outage(false);
+    assert!(committed(&remote, run).is_empty());
+    // The next job on this node: its drainer finds step 1 local only and drains it.
+    let (mut m, _w) = manager(&remote, cfg(run, &local, 2));
+    let t0 = Instant::now();
+    while !committed(&remote, run).contains(&1) {
+        assert!(t0.elapsed() < Duration::from_secs(60), "not drained");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    m.finish().unwrap();
+}
+
+#[test]
+fn a_damaged_local_chunk_is_read_from_the_remote_and_an_event_says_so() {
+    let (local, ldir) = local_store(tiny_config());
+    let (remote, _r) = local_store(tiny_config());
+    let run = "damaged";
+    let (mut m, w) = manager(&remote, cfg(run, &local, 2));
+    touch(&w, 1);
+    m.maybe_save(1).unwrap().unwrap();
+    m.finish().unwrap();
+    let want = w.read().clone();
+    // Damage one chunk object of the local tier.
+    let refs = runtime().block_on(local.step_chunk_refs(run, 1)).unwrap();
+    let file = ldir.path().join(local.object_of(&refs[0]).as_ref());
+    let mut b = std::fs::read(&file).unwrap();
+    let n = b.len();
+    b[n - 3] ^= 0x55;
+    std::fs::write(&file, b).unwrap();
+    let (mut m2, w2) = manager(&remote, cfg(run, &local, 2));
+    assert_eq!(m2.restore_latest().unwrap(), Some(1));
+    assert_eq!(*w2.read(), want, "restored bit-exact from the remote");
+    let d: Vec<_> = events(&remote, run)
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::LocalTierDamaged(d) => Some(d),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(d.len(), 1, "{d:?}");
+    assert_eq!((d[0].step, d[0].chunks), (1, 1));
+}
+
+#[test]
+fn a_drain_that_falls_behind_skips_older_steps_for_the_newest() {
+    let (local, _l) = local_store(tiny_config());
+    // A slow remote: every chunk put delayed.
+    let fs = ckpt_store::FaultyStore::new(ckpt_store::object_store::memory::InMemory::new());
+    fs.handle().add(ckpt_store::Fault {
+        op: ckpt_store::FaultOp::Put,
+        key_contains: Some("chunks/".into()),
+        nth: 0,
+        action: ckpt_store::FaultAction::Delay(Duration::from_millis(250)),
+    });
+    let remote = Store::new(Arc::new(fs), Default::default(), "slow://")
+        .with_config(StoreConfig {
+            pack_threshold: 0,
+            ..tiny_config()
+        })
+        .unwrap();
+    let run = "behind";
+    let (mut m, w) = manager(&remote, cfg(run, &local, 100));
+    for step in 1..=12u64 {
+        touch(&w, step);
+        let h = m.maybe_save(step).unwrap().unwrap();
+        h.wait_committed(Duration::from_secs(30)).unwrap();
+    }
+    m.finish().unwrap();
+    let rem = committed(&remote, run);
+    assert!(rem.contains(&12), "the newest step drained: {rem:?}");
+    assert!(rem.len() < 12, "nothing was skipped: {rem:?}");
+    let skipped: Vec<u64> = events(&remote, run)
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::DrainSkipped(s) => Some(s.step),
+            _ => None,
+        })
+        .collect();
+    assert!(!skipped.is_empty());
+    for s in &skipped {
+        assert!(!rem.contains(s), "skipped step {s} is on the remote");
+    }
+    let figs = m.take_drain_figures();
+    assert!(figs.iter().any(|f| !f.skipped.is_empty()), "{figs:?}");
+}
