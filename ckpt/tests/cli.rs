@@ -64,6 +64,7 @@ async fn ls_lists_runs_and_steps(env: Env) {
     let args = LsArgs {
         run: Some("train".into()),
         quick: false,
+        local_tier: None,
     };
     let LsReport::Steps(st) = ls(&env.store, &args, now(), &q()).await.unwrap() else {
         panic!("steps listing expected");

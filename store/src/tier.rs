@@ -80,6 +80,10 @@ pub struct DrainOptions {
     pub writer: String,
     /// Update the marker's progress every this many bytes.
     pub marker_every: u64,
+    /// The drainer's own generation (the job that runs now), if newer than the step's: a
+    /// restarted job drains what an earlier generation left local only, fenced by its own
+    /// generation, not the step's.
+    pub generation: Option<u64>,
 }
 
 impl Default for DrainOptions {
@@ -89,6 +93,7 @@ impl Default for DrainOptions {
             pace: None,
             writer: "drain".into(),
             marker_every: 64 << 20,
+            generation: None,
         }
     }
 }
@@ -249,13 +254,14 @@ pub async fn drain_step(
     })?;
     if remote.exists(&remote.keys().commit(run, step)).await? {
         report.already_remote = true;
-        local.delete_drain_marker(run, step).await?;
+        superseded(local, run, step).await?;
         return Ok(report);
     }
     let generation = record.generation;
-    // The remote joins the step's generation (a newer one there fences this drain).
+    let fence = opts.generation.unwrap_or(generation).max(generation);
+    // The remote joins the drainer's generation (a newer one there fences this drain).
     remote
-        .join_generation(run, generation)
+        .join_generation(run, fence)
         .await
         .map_err(|e| e.context(format!("draining step {step} of run {run}")))?;
     let manifests: Vec<RankManifest> = stream::iter(record.ranks.clone())
@@ -291,7 +297,7 @@ pub async fn drain_step(
         remote,
         &manifests,
         objects,
-        opts,
+        (opts, fence),
         &mut marker,
         &mut report,
     )
@@ -300,7 +306,7 @@ pub async fn drain_step(
         debug!(step, "drain lease not released (GC lets it lapse): {e}");
     }
     res?;
-    local.delete_drain_marker(run, step).await?;
+    superseded(local, run, step).await?;
     report.seconds = t0.elapsed().as_secs_f64();
     info!(
         run,
@@ -313,13 +319,25 @@ pub async fn drain_step(
     Ok(report)
 }
 
+/// `step` is remote-durable: its drain marker goes, and those of older steps whose drains
+/// failed or were skipped (a newer remote step supersedes them; their markers would keep
+/// them from the local tier's retention for good).
+async fn superseded(local: &Store, run: &str, step: u64) -> Result<()> {
+    for d in local.pending_drains(run).await? {
+        if d.step <= step {
+            local.delete_drain_marker(run, d.step).await?;
+        }
+    }
+    Ok(())
+}
+
 /// The drain's copy: objects, then manifests, then the commit.
 async fn copy_and_commit(
     local: &Store,
     remote: &Store,
     manifests: &[RankManifest],
     objects: Vec<(Path, Path)>,
-    opts: &DrainOptions,
+    (opts, fence): (&DrainOptions, u64),
     marker: &mut DrainMarker,
     report: &mut DrainReport,
 ) -> Result<()> {
@@ -389,13 +407,13 @@ async fn copy_and_commit(
     let _ = local.put_drain_marker(marker).await;
     for m in manifests {
         remote
-            .write_rank_manifest(m)
+            .write_rank_manifest_fenced(m, fence)
             .await
             .map_err(|e| e.context(format!("draining step {step} of run {run}")))?;
         report.manifests += 1;
     }
     remote
-        .commit_step_as(&run, step, Some(generation))
+        .commit_step_fenced(&run, step, Some(generation), Some(fence))
         .await
         .map_err(|e| {
             e.context(format!(

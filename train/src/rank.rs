@@ -404,6 +404,11 @@ impl RankLoop<'_> {
             out.last_step = self.last;
             out.rollbacks = self.mgr.monitor().history().to_vec();
         }
+        // Beating on until the process ends: what follows (the final digest, the logs)
+        // reads and writes the store, which may be slow.
+        if let Some(hb) = self.heartbeat.take() {
+            *sh.heartbeat.lock() = Some(hb);
+        }
         Ok(())
     }
 }

@@ -19,6 +19,11 @@ pub struct LsArgs {
     /// Do not read rank manifests: no stored or new sizes, but one request per step.
     #[arg(long)]
     pub quick: bool,
+    /// A local tier under the store (issue 28): each step of RUN shows where it is durable,
+    /// `local` (committed in the tier only), `draining` (with its progress) and `remote`
+    /// (committed in the store); the steps only in the tier are listed too.
+    #[arg(long, env = ckpt_recovery::rank_env::LOCAL_TIER, value_name = "DIR")]
+    pub local_tier: Option<String>,
 }
 
 /// What `ckpt ls` lists.
@@ -107,6 +112,33 @@ pub struct StepRow {
     /// The sentinel's comparison of the step's data-parallel replicas, when any was hashed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub replicas: Option<ReplicasSummary>,
+    /// With a local tier: where the step is durable.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tier: Option<TierState>,
+}
+
+/// Where a step is durable, with a local tier under the store.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct TierState {
+    /// Committed in the local tier.
+    pub local: bool,
+    /// Committed in the store (remote-durable).
+    pub remote: bool,
+    /// Being drained to the store: the share done (0 to 1).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub draining: Option<f64>,
+}
+
+impl TierState {
+    fn cell(&self) -> String {
+        match (self.local, self.remote, self.draining) {
+            (_, true, _) if self.local => "local+remote".into(),
+            (_, true, _) => "remote".into(),
+            (true, false, Some(p)) => format!("draining {:.0}%", p * 100.0),
+            (true, false, None) => "local".into(),
+            (false, false, _) => "-".into(),
+        }
+    }
 }
 
 /// What the committer found comparing a step's replicas (the sentinel).
@@ -147,12 +179,70 @@ impl ReplicasSummary {
 
 /// List runs, or the steps of `args.run`.
 pub async fn ls(store: &Store, args: &LsArgs, now: DateTime<Utc>, ui: &Ui) -> Result<LsReport> {
-    match &args.run {
-        None => list_runs(store, now, ui).await.map(LsReport::Runs),
-        Some(run) => list_steps(store, run, args.quick, now, ui)
+    match (&args.run, &args.local_tier) {
+        (None, _) => list_runs(store, now, ui).await.map(LsReport::Runs),
+        (Some(run), None) => list_steps(store, run, args.quick, now, ui)
             .await
             .map(LsReport::Steps),
+        (Some(run), Some(tier)) => {
+            let local = ckpt_store::open(tier).map_err(CliError::from)?;
+            list_tiers(store, &local, run, args.quick, now, ui)
+                .await
+                .map(LsReport::Steps)
+        }
     }
+}
+
+/// The steps of `run` in the store and in the local tier `local`, each with where it is
+/// durable (a step in both shows the store's figures).
+async fn list_tiers(
+    store: &Store,
+    local: &Store,
+    run: &str,
+    quick: bool,
+    now: DateTime<Utc>,
+    ui: &Ui,
+) -> Result<StepsListing> {
+    validate_run(run).map_err(|e| CliError::usage(e.to_string()))?;
+    let mut lists = Vec::new();
+    for s in [store, local] {
+        lists.push(match s.list_steps(run).await?.is_empty() {
+            true => Vec::new(),
+            false => list_steps(s, run, quick, now, ui).await?.steps,
+        });
+    }
+    let here = lists.pop().unwrap_or_default();
+    let remote = lists.pop().unwrap_or_default();
+    if remote.is_empty() && here.is_empty() {
+        return Err(super::shared::no_such_run(store, run).await);
+    }
+    let drains = local.pending_drains(run).await?;
+    let mut rows: std::collections::BTreeMap<u64, StepRow> = std::collections::BTreeMap::new();
+    for mut r in here {
+        r.tier = Some(TierState {
+            local: r.committed,
+            remote: false,
+            draining: drains
+                .iter()
+                .find(|d| d.step == r.step)
+                .map(|d| d.progress()),
+        });
+        rows.insert(r.step, r);
+    }
+    for mut r in remote {
+        let local_state = rows.remove(&r.step).and_then(|l| l.tier);
+        r.tier = Some(TierState {
+            local: local_state.as_ref().is_some_and(|t| t.local),
+            remote: r.committed,
+            draining: None,
+        });
+        rows.insert(r.step, r);
+    }
+    Ok(StepsListing {
+        store: format!("{} (local tier {})", store.url(), local.url()),
+        run: run.to_string(),
+        steps: rows.into_values().collect(),
+    })
 }
 
 fn ms_time(ms: i64) -> DateTime<Utc> {
@@ -361,6 +451,7 @@ fn step_row(
         time: time.to_rfc3339(),
         age_s: age(now, time),
         problem: info.problem,
+        tier: None,
         replicas: info
             .commit
             .as_ref()
@@ -431,10 +522,10 @@ impl Report for LsReport {
                     };
                     t.row(vec![
                         r.step.to_string(),
-                        if r.committed {
-                            "committed".into()
-                        } else {
-                            "incomplete".into()
+                        match (&r.tier, r.committed) {
+                            (Some(t), _) if t.local || t.remote => t.cell(),
+                            (_, true) => "committed".into(),
+                            _ => "incomplete".into(),
                         },
                         ranks,
                         r.layout.clone().unwrap_or_else(|| "-".into()),

@@ -72,6 +72,17 @@ impl Store {
     /// no-op (a retried save); different bytes for the same rank and step are a conflict.
     #[instrument(skip_all, fields(run = %m.run, step = m.step, rank = m.rank))]
     pub async fn write_rank_manifest(&self, m: &RankManifest) -> Result<RankEntry> {
+        self.write_rank_manifest_fenced(m, m.generation).await
+    }
+
+    /// [`Store::write_rank_manifest`] by a writer of generation `fence` (at least the
+    /// manifest's): a drain of a local tier copying a step an earlier generation of the job
+    /// saved (see [`Store::commit_step_fenced`]).
+    pub async fn write_rank_manifest_fenced(
+        &self,
+        m: &RankManifest,
+        fence: u64,
+    ) -> Result<RankEntry> {
         validate_run(&m.run)?;
         let what = format!(
             "manifest of rank {} for step {} of run {}",
@@ -84,7 +95,7 @@ impl Store {
         let hash = crate::id::Hash::of(&bytes);
         let size = bytes.len() as u64;
         // A writer of a generation older than a started one must not add to the run.
-        self.check_writer_fence(&m.run, m.generation, m.rank, "this writer")
+        self.check_writer_fence(&m.run, fence.max(m.generation), m.rank, "this writer")
             .await
             .map_err(|e| e.context(what.clone()))?;
         match self

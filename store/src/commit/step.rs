@@ -42,6 +42,21 @@ impl Store {
         step: u64,
         generation: Option<u64>,
     ) -> Result<CommitOutcome> {
+        self.commit_step_fenced(run, step, generation, None).await
+    }
+
+    /// [`Store::commit_step_as`] of `generation`'s manifests by a committer of generation
+    /// `fence` (at least `generation`): a newer generation than `fence` fences it. A drain of
+    /// a local tier commits a step an earlier generation of the job saved on behalf of the
+    /// job that runs now ([`crate::tier`]): the step is older than anything the running
+    /// generation saves, so committing it cannot race a writer of that generation.
+    pub async fn commit_step_fenced(
+        &self,
+        run: &str,
+        step: u64,
+        generation: Option<u64>,
+        fence: Option<u64>,
+    ) -> Result<CommitOutcome> {
         validate_run(run)?;
         let Some(ranks) = self.listed_manifests(run, step).await? else {
             let (c, id) = self.read_commit(run, step).await?;
@@ -74,7 +89,8 @@ impl Store {
         // Epoch fencing: once a newer generation has started (a supervisor, an agent or a job
         // resumed by hand marked it), this one's committer is stale.
         let who = "this committer";
-        self.check_generation(run, generation, who)
+        let fence = fence.unwrap_or(generation).max(generation);
+        self.check_generation(run, fence, who)
             .await
             .map_err(|e| e.context(format!("step {step} of run {run}")))?;
         let path = self.keys().commit(run, step);
@@ -91,7 +107,7 @@ impl Store {
                 // window) did not stop this commit, but it does stop this writer; and a writer
                 // of it may have replaced a manifest this record pins (it found no record yet):
                 // then no one could ever restore the record, so it is withdrawn.
-                if let Err(e) = self.check_generation(run, generation, who).await {
+                if let Err(e) = self.check_generation(run, fence, who).await {
                     if e.kind() == ErrorKind::Fenced && !self.pins_hold(&record).await? {
                         self.delete_all(vec![path.clone()]).await?;
                         return Err(e.context(format!(

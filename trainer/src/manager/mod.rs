@@ -139,6 +139,7 @@ impl CheckpointManager {
                 remote: &store,
                 run: &cfg.ckpt.run,
                 rank: cfg.ckpt.rank,
+                generation: cfg.ckpt.generation,
                 keep_last: cfg.keep_last,
                 keep_every: cfg.keep_every,
                 grace: cfg.retention_grace,

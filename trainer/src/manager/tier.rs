@@ -24,7 +24,7 @@ use bytes::Bytes;
 use ckpt_recovery::records::{self, DrainMetrics, Event};
 use ckpt_store::{ChunkRef, ChunkSource, DrainOptions, ErrorKind, GcOptions, Store, drain_step};
 use parking_lot::{Condvar, Mutex};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::save::{Pacer, PersistRate, SaveHandle, Stage, runtime};
 
@@ -57,6 +57,9 @@ struct Shared {
     remote: Store,
     run: String,
     rank: u32,
+    /// The job's generation: it drains what earlier generations left local only, fenced by
+    /// its own.
+    generation: u64,
     keep_local: usize,
     keep_last: Option<usize>,
     keep_every: Option<u64>,
@@ -80,6 +83,8 @@ struct State {
     events: Vec<Event>,
     metrics: Vec<DrainMetrics>,
     stop: bool,
+    /// A newer job owns the run on the remote store: the drainer stopped, with why.
+    fenced: Option<String>,
 }
 
 /// The drainer of a committing rank (see the module docs).
@@ -96,6 +101,7 @@ pub(crate) struct DrainerConfig<'a> {
     pub remote: &'a Store,
     pub run: &'a str,
     pub rank: u32,
+    pub generation: u64,
     pub keep_last: Option<usize>,
     pub keep_every: Option<u64>,
     pub grace: Duration,
@@ -111,6 +117,7 @@ impl Drainer {
             remote: c.remote.clone(),
             run: c.run.to_string(),
             rank: c.rank,
+            generation: c.generation,
             keep_local: c.tier.keep_last.max(1),
             keep_last: c.keep_last,
             keep_every: c.keep_every,
@@ -177,6 +184,9 @@ impl Drainer {
         }
         let mut st = self.shared.state.lock();
         loop {
+            if let Some(why) = &st.fenced {
+                return Err(ckpt_store::Error::new(ErrorKind::Fenced, why.clone()));
+            }
             if st.pending.is_none() && st.draining.is_none() {
                 return Ok(());
             }
@@ -300,6 +310,7 @@ impl Shared {
                     // A fenced drain stops: a newer job owns the run on the remote store.
                     if e.kind() == ErrorKind::Fenced {
                         st.pending = None;
+                        st.fenced = Some(e.to_string());
                         self.wake.notify_all();
                         return;
                     }
@@ -326,6 +337,7 @@ impl Shared {
                 Box::pin(async move { pacer.lock().await.admit(n as usize).await })
             })),
             writer: format!("drain-{}-{}", self.run, self.rank),
+            generation: Some(self.generation),
             ..DrainOptions::default()
         };
         let r = runtime().block_on(drain_step(
@@ -452,6 +464,8 @@ impl ChunkSource for TieredSource {
                     if e.kind() == ErrorKind::Corrupt {
                         self.local_damaged.fetch_add(1, Ordering::Relaxed);
                         warn!(chunk = %r.id, "damaged in the local tier: reading it elsewhere: {e}");
+                    } else {
+                        debug!(chunk = %r.id, "not in the local tier: reading it elsewhere: {e}");
                     }
                 }
             }
