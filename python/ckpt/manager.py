@@ -102,6 +102,16 @@ class CheckpointManager:
     ``requires_grad``, one of the tensors in ``trainable`` (a module's or an iterable's
     parameters, matched by memory), or an optimizer's per-parameter state) whose bytes stay the
     same over ``stale_after`` checkpoints is a ``state_unchanged`` event (0: off).
+
+    The local tier: with ``local_tier`` (a directory on the node's disk, or a store URL;
+    default: what ``ckpt resume --local-tier`` says) saves persist and commit there, at the
+    local disk's speed, and rank 0 drains each committed step to ``store`` behind the loop
+    (only the objects the store lacks, hash-checked on the way, newest first when behind, retried
+    after a failure, finished by the next job after a crash). The tier keeps the newest
+    ``keep_local`` steps; ``keep_last`` applies to ``store``. ``restore_latest`` reads the
+    local tier first and whatever is missing or damaged there from ``store``. ``finish``
+    waits until the newest step is in ``store``; ``drains()`` lists the drains' figures. Every
+    rank of the job must see the same tier (one machine, or a shared file system).
     """
 
     def __init__(
@@ -123,6 +133,8 @@ class CheckpointManager:
         on_replica_mismatch: str = "warn",
         stale_after: int = 2,
         trainable: Any = None,
+        local_tier: Union[str, Store, None] = None,
+        keep_local: int = 2,
     ) -> None:
         distributed = dist.is_available() and dist.is_initialized()
         if rank is None:
@@ -141,6 +153,8 @@ class CheckpointManager:
             node = env.node
             if sdc_check is None:
                 sdc_check = env.sdc_check
+            if local_tier is None:
+                local_tier = env.local_tier
         if isinstance(trainable, torch.nn.Module):
             trainable = [p for p in trainable.parameters() if p.requires_grad]
         self._trainable_ptrs = {
@@ -165,6 +179,8 @@ class CheckpointManager:
             on_replica_mismatch=on_replica_mismatch,
             stale_after=int(stale_after),
             node=node,
+            local_tier=None if local_tier is None else _store(local_tier),
+            keep_local=int(keep_local),
         )
         # The ranks agree on a SIGTERM through a gloo group (CPU tensors whatever the default
         # backend is); created by every rank, as `new_group` must be.
@@ -260,8 +276,15 @@ class CheckpointManager:
         return self._native.last_report()
 
     def finish(self) -> None:
-        """Wait for the checkpoint in flight to commit and for retention."""
+        """Wait for the checkpoint in flight to commit and for retention; with a local tier,
+        until the newest step is drained to the store."""
         self._native.finish()
+
+    def drains(self) -> List[Dict[str, Any]]:
+        """With a local tier, on rank 0: the drains to the store that ended since the last
+        call, oldest first (``step``, ``objects_sent``, ``bytes_sent``, ``bytes_present``,
+        ``seconds``, ``lag_s``, ``lag_steps``, ``skipped``)."""
+        return self._native.drains()
 
     # -- the state --------------------------------------------------------------------------
 

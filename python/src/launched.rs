@@ -72,6 +72,13 @@ impl PyRankEnv {
         self.env.sdc_check.map(|c| c.to_string())
     }
 
+    /// The local tier under the store `ckpt resume --local-tier` gave (a directory or store
+    /// URL), or `None`.
+    #[getter]
+    fn local_tier(&self) -> Option<String> {
+        self.env.local_tier.clone()
+    }
+
     /// The layout, as `dp=..,tp=..,pp=..`.
     #[getter]
     fn layout(&self) -> String {

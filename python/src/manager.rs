@@ -18,8 +18,8 @@ use std::time::Duration;
 use ckpt_store::placement::TensorSpec;
 use ckpt_store::{Error, Layout, NdBox};
 use ckpt_trainer::{
-    CheckpointManager, CheckpointerConfig, ManagerConfig, MemorySink, MemorySource, PinnedSource,
-    SaveHandle, SaveReport, Scope, Stage, Stateful, TensorMemory,
+    CheckpointManager, CheckpointerConfig, LocalTier, ManagerConfig, MemorySink, MemorySource,
+    PinnedSource, SaveHandle, SaveReport, Scope, Stage, Stateful, TensorMemory,
 };
 use parking_lot::Mutex;
 use pyo3::prelude::*;
@@ -243,7 +243,7 @@ impl Manager {
     #[pyo3(signature = (store, run, rank=0, world=1, generation=0, every_steps=None,
         every_s=None, keep_last=None, keep_every=None, final_on_sigterm=true,
         resume_step=None, staging_bytes=0, governor=true, sdc_check=None,
-        on_replica_mismatch="warn", stale_after=2, node=None))]
+        on_replica_mismatch="warn", stale_after=2, node=None, local_tier=None, keep_local=2))]
     fn new(
         py: Python<'_>,
         store: &Store,
@@ -263,6 +263,8 @@ impl Manager {
         on_replica_mismatch: &str,
         stale_after: u32,
         node: Option<u32>,
+        local_tier: Option<&Store>,
+        keep_local: usize,
     ) -> PyResult<Self> {
         let layout = Layout::new(world, 1, 1, 0).map_err(err)?;
         let mut ck = CheckpointerConfig::new(run, rank, layout);
@@ -295,6 +297,16 @@ impl Manager {
         cfg.stale_after = stale_after;
         if !governor {
             cfg.persist_governor = None;
+        }
+        if let Some(t) = local_tier {
+            if keep_local == 0 {
+                return Err(CkptError::new_err(
+                    "keep_local must keep at least 1 step in the local tier",
+                ));
+            }
+            let mut tier = LocalTier::new(t.store.clone());
+            tier.keep_last = keep_local;
+            cfg.local_tier = Some(tier);
         }
         let s = store.store.clone();
         let mut m = py
@@ -410,6 +422,28 @@ impl Manager {
             Some(h) => report_dict(py, &h.report(), &h.stage()).map(Some),
             None => Ok(None),
         }
+    }
+
+    /// With a local tier, on the committing rank: the drains to the remote store that ended
+    /// since the last call, oldest first, one dict each (`step`, `objects_sent`,
+    /// `bytes_sent`, `bytes_present`, `seconds`, `lag_s`, `lag_steps`, `skipped`).
+    fn drains<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let figures = self.inner.lock().take_drain_figures();
+        figures
+            .into_iter()
+            .map(|f| {
+                let d = PyDict::new(py);
+                d.set_item("step", f.step)?;
+                d.set_item("objects_sent", f.objects_sent)?;
+                d.set_item("bytes_sent", f.bytes_sent)?;
+                d.set_item("bytes_present", f.bytes_present)?;
+                d.set_item("seconds", f.seconds)?;
+                d.set_item("lag_s", f.lag_s)?;
+                d.set_item("lag_steps", f.lag_steps)?;
+                d.set_item("skipped", f.skipped)?;
+                Ok(d)
+            })
+            .collect()
     }
 
     /// Whether SIGTERM (or `request_stop`) asked for a stop and the final checkpoint was taken.

@@ -131,9 +131,10 @@ def roundtrip(rank, world, port, store, fsdir, run):
         dist.destroy_process_group()
 
 
-def manager_roundtrip(rank, world, port, store, run):
+def manager_roundtrip(rank, world, port, store, run, local_tier=None):
     """The native manager: save Shard(0) (every rank what it holds), restore Shard(1) and
-    Replicate() in fresh managers, each equal to the saved state (non-tensor items too)."""
+    Replicate() in fresh managers, each equal to the saved state (non-tensor items too).
+    `local_tier`: every manager saves to and restores from that tier under `store`."""
     import ckpt
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -143,14 +144,14 @@ def manager_roundtrip(rank, world, port, store, run):
         mesh = dist.device_mesh.init_device_mesh("cpu", (world,))
         full = full_state()
         state = distribute(full, mesh, lambda t: Shard(0))
-        mgr = ckpt.CheckpointManager(store, run=run, every_steps=1)
+        mgr = ckpt.CheckpointManager(store, run=run, every_steps=1, local_tier=local_tier)
         assert mgr.restore_latest(distribute(placeholder(full), mesh, lambda t: Shard(0))) is None
         assert mgr.maybe_save(1, state)
         mgr.finish()
         dist.barrier()
         for name, placement in (("Shard(1)", shard1), ("Replicate()", lambda t: Replicate())):
             mine = distribute(placeholder(full), mesh, placement)
-            got = ckpt.CheckpointManager(store, run=run).restore_latest(mine)
+            got = ckpt.CheckpointManager(store, run=run, local_tier=local_tier).restore_latest(mine)
             assert got == 1, got
             w = mine["model"]["0.weight"]
             assert w.placements == (placement(w),), f"{name}: placed {w.placements}"

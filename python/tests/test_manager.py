@@ -257,3 +257,53 @@ def test_a_stale_optimizer_state_handed_over_is_reported_at_the_second_checkpoin
     assert u["step"] == 10 and u["steps"] == [5, 10], u
     assert all(t.startswith("optim.state.") for t in u["tensors"]), u
     assert "model.weight" not in u["tensors"] and not u["all"], u
+
+
+def test_a_local_tier_commits_locally_drains_to_the_store_and_either_tier_restores(tmp_path):
+    # Two ranks save Shard(0) into a local tier under the store; rank 0 drains the step; each
+    # tier on its own then restores it bit for bit.
+    store, local = str(tmp_path / "remote"), str(tmp_path / "local")
+    mp.spawn(manager_roundtrip, args=(2, free_port(), store, "t", local), nprocs=2)
+    full = full_state()
+    assert ckpt.Store(store).committed_steps("t") == [1]
+    assert ckpt.Store(local).committed_steps("t") == [1]
+    # The store alone (the machine and its tier lost).
+    mine = placeholder(full)
+    assert ckpt.CheckpointManager(store, run="t").restore_latest(mine) == 1
+    assert_same(mine, full, "the drained step read from the store alone")
+
+
+def test_a_local_tier_keeps_its_newest_steps_and_a_lost_tier_restores_from_the_store(tmp_path):
+    import shutil
+
+    store, local = str(tmp_path / "remote"), str(tmp_path / "local")
+    w = torch.zeros(512, 512)
+    mgr = ckpt.CheckpointManager(
+        store, run="lt", every_steps=1, local_tier=local, keep_local=2
+    )
+    for step in range(1, 6):
+        w.fill_(step)
+        assert mgr.maybe_save(step, {"w": w, "step": step})
+        mgr.wait()
+    mgr.finish()  # returns once the newest step is in the store
+    remote = ckpt.Store(store).committed_steps("lt")
+    assert remote[-1] == 5, remote
+    local_steps = ckpt.Store(local).committed_steps("lt")
+    assert local_steps == [4, 5], local_steps
+    drains = mgr.drains()
+    assert drains and drains[-1]["step"] == 5, drains
+    assert sum(d["bytes_sent"] for d in drains) > 0, drains
+    assert {d["step"] for d in drains} | {s for d in drains for s in d["skipped"]} >= {5}
+    # The local tier first: the newest step, bit for bit.
+    got = {"w": torch.zeros(512, 512), "step": 0}
+    again = ckpt.CheckpointManager(store, run="lt", local_tier=local)
+    assert again.restore_latest(got) == 5
+    assert torch.equal(got["w"], torch.full((512, 512), 5.0)) and got["step"] == 5
+    # The tier lost with its machine: a new (empty) tier at the same place restores the
+    # store's newest step.
+    shutil.rmtree(local)
+    got = {"w": torch.zeros(512, 512), "step": 0}
+    assert ckpt.CheckpointManager(store, run="lt", local_tier=local).restore_latest(got) == 5
+    assert torch.equal(got["w"], torch.full((512, 512), 5.0)) and got["step"] == 5
+    with pytest.raises(ckpt.CkptError, match="keep_local"):
+        ckpt.CheckpointManager(store, run="lt", local_tier=local, keep_local=0)

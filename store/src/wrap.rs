@@ -410,6 +410,11 @@ struct RandomState {
     rng: u64,
     outage: bool,
     stats: RandomFaultStats,
+    /// A sink of this many bytes a second for put payloads (a slow link to an object store):
+    /// each put waits until the link has carried the payloads before it.
+    put_rate: Option<u64>,
+    /// When the link is free again.
+    link_free: Option<std::time::Instant>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -509,6 +514,13 @@ impl FaultHandle {
         r.rng = faults.as_ref().map_or(0, |f| f.seed);
         r.cfg = faults.map(|f| (f, std::time::Instant::now()));
     }
+    /// Carry put payloads at `bytes_per_s` at most, one link for every put (`None`: as fast as
+    /// the inner store): an object store behind a slow network, for measurements.
+    pub fn set_put_rate(&self, bytes_per_s: Option<u64>) {
+        let mut r = self.random.lock();
+        r.put_rate = bytes_per_s.filter(|&b| b > 0);
+        r.link_free = None;
+    }
     /// Turn the outage on (every request fails at once) or off.
     pub fn set_outage(&self, on: bool) {
         self.random.lock().outage = on;
@@ -583,6 +595,22 @@ impl<S: ObjectStore> FaultyStore<S> {
         }
     }
 
+    /// Wait for the slow link to carry `bytes` (see [`FaultHandle::set_put_rate`]).
+    async fn carry(&self, bytes: usize) {
+        let until = {
+            let mut r = self.random.lock();
+            let Some(rate) = r.put_rate else {
+                return;
+            };
+            let now = std::time::Instant::now();
+            let start = r.link_free.map_or(now, |f| f.max(now));
+            let end = start + Duration::from_secs_f64(bytes as f64 / rate as f64);
+            r.link_free = Some(end);
+            end
+        };
+        tokio::time::sleep_until(until.into()).await;
+    }
+
     /// After a write that drew a timeout: hang (the answer is lost), then answer.
     async fn after<T>(c: Chance, r: OsResult<T>) -> OsResult<T> {
         if let Chance::Timeout(d) = c {
@@ -633,6 +661,7 @@ impl<S: ObjectStore> ObjectStore for FaultyStore<S> {
     ) -> OsResult<PutResult> {
         self.pre(FaultOp::Put, location).await?;
         let c = self.chance("put", location, true).await?;
+        self.carry(payload.content_length()).await;
         let r = self.inner.put_opts(location, payload, opts).await;
         Self::after(c, r).await
     }

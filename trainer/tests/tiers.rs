@@ -3,7 +3,8 @@
 //! waits for the newest step to be remote-durable, retention runs per tier, a remote outage
 //! leaves saves going on locally and the drain catches up, a manager started after a crash
 //! finishes the drain, a restore reads the local tier first and a damaged local chunk from the
-//! remote (with an event), and a drain that falls behind skips older steps for the newest.
+//! remote (with an event), a drain that falls behind skips older steps for the newest, and a
+//! full tier fails one save (with an event), makes room and commits the next.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -294,4 +295,85 @@ fn a_drain_that_falls_behind_skips_older_steps_for_the_newest() {
     }
     let figs = m.take_drain_figures();
     assert!(figs.iter().any(|f| !f.skipped.is_empty()), "{figs:?}");
+}
+
+/// The local tier on a real, small file system (a 6 MiB tmpfs, room for about two steps) that fills up: the save that
+/// does not fit fails with an event naming the full file system, training goes on, the tier
+/// makes room (it keeps only its newest step; the remote holds the others) and the next save
+/// commits and drains.
+#[test]
+fn a_full_local_tier_fails_one_save_makes_room_and_the_next_save_commits_and_drains() {
+    const TEST: &str =
+        "tiers::a_full_local_tier_fails_one_save_makes_room_and_the_next_save_commits_and_drains";
+    if !ckpt_store::testing::available(ckpt_store::testing::Need::TmpfsMount, TEST) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let fs = ckpt_store::testing::Tmpfs::mount(dir.path(), 6 << 20).expect("mount a tmpfs");
+    let tier_dir = fs.path().join("tier");
+    let local = ckpt_store::open(tier_dir.to_str().unwrap())
+        .unwrap()
+        .with_config(tiny_config())
+        .unwrap();
+    let (remote, _r) = local_store(tiny_config());
+    let run = "full";
+    let mut m = CheckpointManager::new(remote.clone(), cfg(run, &local, 3)).unwrap();
+    const MIB: u64 = 1 << 20;
+    let w = HostTensor::from_vec(det_bytes(1, MIB as usize));
+    m.register(
+        TensorSpec::first_stage("w", DType::U8, &[MIB]),
+        NdBox::full(&[MIB]),
+        Arc::new(w.clone()),
+    )
+    .unwrap();
+    let (mut failed, mut after) = (Vec::new(), None);
+    for step in 1..=12u64 {
+        // Every byte changes: each step needs 1 MiB more in the tier.
+        w.write()
+            .copy_from_slice(&det_bytes(100 + step, MIB as usize));
+        let Some(h) = m.maybe_save(step).unwrap() else {
+            continue;
+        };
+        match h.wait_committed(Duration::from_secs(60)) {
+            Ok(_) if !failed.is_empty() => {
+                after = Some((step, w.read().clone()));
+                break;
+            }
+            Ok(_) => {}
+            Err(e) => {
+                assert_eq!(e.kind(), ckpt_store::ErrorKind::NoSpace, "step {step}: {e}");
+                failed.push(step);
+            }
+        }
+    }
+    assert!(!failed.is_empty(), "the tier never filled up");
+    let (last, want) = after.expect("no save committed after the tier filled up");
+    m.finish().unwrap();
+    // The step after the failure is local- and remote-durable, bit for bit.
+    assert_eq!(read_w(&remote, run, last), want);
+    assert_eq!(read_w(&local, run, last), want);
+    let failures: Vec<_> = events(&remote, run)
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::CheckpointFailed(f) => Some(f),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        failures.iter().map(|f| f.step).collect::<Vec<_>>(),
+        failed,
+        "{failures:?}"
+    );
+    let real = std::fs::canonicalize(&tier_dir).unwrap();
+    assert!(
+        failures[0].error.contains("no space left")
+            && failures[0].error.contains(&real.display().to_string()),
+        "the event must name the full file system: {}",
+        failures[0].error
+    );
+    assert_eq!(m.store_health().failed, failed.len() as u64);
+    assert!(
+        !m.store_health().down,
+        "a full disk is not a store that is down"
+    );
 }

@@ -19,6 +19,8 @@
 //!                   [--modes raw,planes,delta,delta-readback,adaptive+delta]
 //! ckpt-bench sentinel --dir DIR --params 20M [--rounds 3]
 //!                                              the sentinel's cost (off, sample, full) and detection
+//! ckpt-bench tiers --dir DIR --params 100M [--sink-mbps 100]
+//!                                              a local tier under a slow store vs saving to it directly
 //! ```
 
 use std::fs::OpenOptions;
@@ -67,6 +69,8 @@ mod delta_physics;
 
 #[path = "../sentinel_bench.rs"]
 mod sentinel_bench;
+#[path = "../tiers_bench.rs"]
+mod tiers_bench;
 
 fn emit(v: Value) {
     println!("{v}");
@@ -1546,13 +1550,18 @@ fn main() {
             ckpt_train::parse_count(&arg(&args, "--params", "20M")).unwrap(),
             arg(&args, "--rounds", "5").parse().unwrap(),
         ),
+        Some("tiers") => tiers_bench::tiers_bench(
+            &dir,
+            ckpt_train::parse_count(&arg(&args, "--params", "100M")).unwrap(),
+            arg(&args, "--sink-mbps", "100").parse().unwrap(),
+        ),
         Some("versions") => versions::versions_bench(
             &dir,
             ckpt_train::parse_count(&arg(&args, "--params", "150M")).unwrap(),
         ),
         _ => {
             eprintln!(
-                "usage: ckpt-bench limits|store|train|startup|recovery|peers|faults|goodput|scale|versions|governor|delta|restore|sentinel --dir DIR [--gib N] [--params N] [--mib N] [--steps N] [--no-background-prefault] [--budgets 0.05,0.1,off] [--every N] [--saves N]\n       \
+                "usage: ckpt-bench limits|store|train|startup|recovery|peers|faults|goodput|scale|versions|governor|delta|restore|sentinel|tiers --dir DIR [--gib N] [--params N] [--mib N] [--steps N] [--no-background-prefault] [--budgets 0.05,0.1,off] [--every N] [--saves N]\n       \
                  ckpt-bench goodput --dir DIR [--minutes M | --steps N] [--mtbf S] [--seed X] [--step-ms MS] [--params P] [--repair S] [--every K] [--keep-last N|all] [--gc-every S|off] [--policies a,b,c]"
             );
             std::process::exit(2);

@@ -40,6 +40,13 @@ pub(crate) fn store_failure(kind: ErrorKind) -> bool {
     matches!(kind, ErrorKind::Backend | ErrorKind::Io)
 }
 
+/// A full file system under the store: the checkpoint fails (reported, with where), training
+/// goes on, the store is not taken as down (it answers), and the next due checkpoint tries
+/// again; under a local tier the manager first makes room there.
+pub(crate) fn no_space(kind: ErrorKind) -> bool {
+    kind == ErrorKind::NoSpace
+}
+
 /// The store is down: since which step, and the probe that checks whether it is back.
 struct Down {
     since_step: u64,
@@ -56,6 +63,8 @@ pub(crate) struct Health {
     /// The store's give-ups when the last save was due.
     give_ups_seen: u64,
     counts: StoreHealth,
+    /// A save failed on a full file system since the last [`Health::take_full`].
+    full: bool,
 }
 
 impl Health {
@@ -98,16 +107,32 @@ impl Health {
     /// `checkpoint_failed` event each) and take the store as down.
     pub(crate) fn report_failed(&mut self, now: u64, events: &mut EventLog) {
         let mut failed = Vec::new();
+        let mut full = Vec::new();
         self.watch.retain(|h| match h.stage() {
             Stage::Failed(f) => {
                 if store_failure(f.kind) {
                     failed.push((h.step(), f.message));
+                } else if no_space(f.kind) {
+                    full.push((h.step(), f.message));
                 }
                 false
             }
             Stage::Committed | Stage::Skipped(_) => false,
             _ => true,
         });
+        for (step, message) in full {
+            self.counts.failed += 1;
+            self.full = true;
+            warn!(
+                step,
+                "checkpoint failed, the store's file system is full; training goes on and the next checkpoint tries again: {message}"
+            );
+            events.log(Event::CheckpointFailed(records::CheckpointFailed {
+                step,
+                error: message,
+                ..Default::default()
+            }));
+        }
         for (step, message) in failed {
             self.counts.failed += 1;
             warn!(
@@ -121,6 +146,26 @@ impl Health {
                 ..Default::default()
             }));
         }
+    }
+
+    /// Whether a save failed on a full file system since the last call.
+    pub(crate) fn take_full(&mut self) -> bool {
+        std::mem::take(&mut self.full)
+    }
+
+    /// A save failed at once on a full file system: reported like one that failed later.
+    pub(crate) fn failed_full(&mut self, step: u64, message: &str, events: &mut EventLog) {
+        self.counts.failed += 1;
+        self.full = true;
+        warn!(
+            step,
+            "checkpoint failed, the store's file system is full; training goes on and the next checkpoint tries again: {message}"
+        );
+        events.log(Event::CheckpointFailed(records::CheckpointFailed {
+            step,
+            error: message.to_string(),
+            ..Default::default()
+        }));
     }
 
     /// Take the store as down from `step` on (records wait in the events log meanwhile).
@@ -197,6 +242,7 @@ mod tests {
 
     #[test]
     fn only_backend_and_io_failures_skip_checkpoints() {
+        assert!(no_space(ErrorKind::NoSpace) && !store_failure(ErrorKind::NoSpace));
         assert!(store_failure(ErrorKind::Backend));
         assert!(store_failure(ErrorKind::Io));
         for k in [

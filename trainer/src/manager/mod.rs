@@ -81,7 +81,7 @@ pub use sigterm::on_sigterm;
 pub use tier::LocalTier;
 
 use events::EventLog;
-use health::{Health, store_failure};
+use health::{Health, no_space, store_failure};
 use interval::Interval;
 use pacing::Pacing;
 use registry::Registry;
@@ -342,6 +342,7 @@ impl CheckpointManager {
         let skip = self
             .health
             .skip_reason(step, self.ckpt.store(), run, &mut self.events);
+        self.make_room();
         if let Some(why) = skip {
             self.health.skip(step, &why, &mut self.events);
             return Ok(None);
@@ -381,7 +382,23 @@ impl CheckpointManager {
                 self.health.skip(step, &e.to_string(), &mut self.events);
                 Ok(None)
             }
+            Err(e) if no_space(e.kind()) => {
+                self.health
+                    .failed_full(step, &e.to_string(), &mut self.events);
+                self.make_room();
+                Ok(None)
+            }
             Err(e) => Err(e),
+        }
+    }
+
+    /// After a save failed on a full file system: under a local tier, the tier keeps only its
+    /// newest step and what still drains (the store holds the rest), so the next save fits.
+    fn make_room(&mut self) {
+        if self.health.take_full()
+            && let Some(d) = self.drainer.as_ref()
+        {
+            d.make_room();
         }
     }
 

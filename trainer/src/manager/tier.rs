@@ -167,6 +167,30 @@ impl Drainer {
         )
     }
 
+    /// The local tier is full (a save failed there): drop every local step but the newest and
+    /// what still drains (the remote store holds them), freeing their chunks.
+    pub(crate) fn make_room(&self) {
+        let s = &self.shared;
+        // No grace: a save in flight defers the sweep by its writer lease, whatever the grace.
+        let opts = GcOptions {
+            keep_last: Some(1),
+            grace: Duration::ZERO,
+            runs: vec![s.run.clone()],
+            ..GcOptions::default()
+        };
+        match runtime().block_on(s.local.gc(&opts, s.local.now())) {
+            Ok(r) => warn!(
+                tier = %s.local.url(),
+                deleted = ?r.steps_deleted,
+                freed = r.bytes_freed,
+                "the local tier is full: it keeps only its newest step (and what still drains) until the next save fits"
+            ),
+            Err(e) => {
+                warn!(tier = %s.local.url(), "making room in the full local tier failed: {e}")
+            }
+        }
+    }
+
     /// Whether a drain is running or waiting (the persist governor counts it as a persist).
     pub(crate) fn busy(&self) -> bool {
         let st = self.shared.state.lock();

@@ -1,0 +1,210 @@
+//! `ckpt-bench tiers` (issue 28): a local tier under a slow remote store, against saving to
+//! that store directly, with the machine's limits measured in the same run. Part of the
+//! `ckpt-bench` binary (`#[path]` module): it uses the binary's helpers.
+//!
+//! The remote store is a directory behind a link of `--sink-mbps` MB/s for every put
+//! (`FaultHandle::set_put_rate`: an object store behind a slow network); the local tier is a
+//! local store (`O_DIRECT`) in `--dir`. The reference workload (2 ranks as threads, dp=2 with
+//! ZeRO 1, `--params` parameters, 14 bytes each) saves:
+//!
+//! 1. **direct**: one checkpoint straight to the slow store: its time to durable;
+//! 2. **tiered**: the same state to the local tier: time to local-durable (against the
+//!    disk's `O_DIRECT` write of the stored bytes), the drain of the full step to the slow
+//!    store (its throughput against the sink), then a training step and a second checkpoint
+//!    while steps run: the drain of what changed (bytes sent over the stored bytes the local
+//!    save wrote new) and the steps' slowdown while it drains (over steps with nothing
+//!    running);
+//! 3. **restore**: fresh ranks restore the newest step through the tiers (from the local
+//!    tier), against the `O_DIRECT` read of the stored bytes.
+//!
+//! The interval ratio is the direct time to durable over the tiered time to local-durable:
+//! how much more often the job can checkpoint (local-durable) at the same stall.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use ckpt_store::{Layout, RetryConfig, Store, StoreConfig};
+use ckpt_trainer::workload::RankState;
+use ckpt_trainer::{CheckpointManager, CheckpointerConfig, LocalTier, ManagerConfig, SaveReport};
+use serde_json::json;
+
+use super::{bench_job, emit, gbps, median, odirect_read, odirect_write, step_time, touched_ranks};
+
+const RUN: &str = "tiers";
+
+/// The slow remote store: a directory behind a link of `bytes_per_s` for every put.
+fn slow_store(dir: &Path, bytes_per_s: u64) -> Store {
+    std::fs::create_dir_all(dir).unwrap();
+    let fs = ckpt_store::object_store::local::LocalFileSystem::new_with_prefix(dir).unwrap();
+    let url = format!("file://{}", dir.display());
+    let (store, faults) = ckpt_store::testing::faulty_store(
+        fs,
+        "",
+        &url,
+        StoreConfig::default(),
+        RetryConfig::default(),
+    );
+    faults.set_put_rate(Some(bytes_per_s));
+    store
+}
+
+fn managers(
+    store: &Store,
+    local: Option<&Store>,
+    layout: Layout,
+    ranks: &[RankState],
+) -> Vec<CheckpointManager> {
+    ranks
+        .iter()
+        .map(|r| {
+            let mut c = CheckpointerConfig::new(RUN, r.rank, layout);
+            c.copy_threads = 1;
+            c.commit_timeout = Duration::from_secs(1800);
+            let mut mc = ManagerConfig::new(c);
+            mc.final_on_sigterm = false;
+            mc.local_tier = local.map(|l| LocalTier::new(l.clone()));
+            let mut m = CheckpointManager::new(store.clone(), mc).unwrap();
+            r.register(&mut m).unwrap();
+            let st = m.save_state().unwrap();
+            m.checkpointer().prepare_staging(&st, true);
+            m
+        })
+        .collect()
+}
+
+/// One checkpoint of every rank: (stall, time to committed in the store saves go to, stored
+/// bytes written new by all ranks).
+fn save(mgrs: &mut [CheckpointManager], step: u64) -> (f64, f64, u64) {
+    let t = Instant::now();
+    let hs: Vec<_> = mgrs.iter_mut().map(|m| m.save_now(step).unwrap()).collect();
+    for h in &hs {
+        h.wait_snapshot().unwrap();
+    }
+    let stall = t.elapsed().as_secs_f64();
+    let reports: Vec<SaveReport> = hs.iter().map(|h| h.wait_persisted().unwrap()).collect();
+    hs[0].wait_committed(Duration::from_secs(1800)).unwrap();
+    let written = reports.iter().map(|r| r.bytes_written).sum();
+    (stall, t.elapsed().as_secs_f64(), written)
+}
+
+/// Wait until rank 0's drainer reported the drain of `step`; its figures.
+fn drained(m: &mut CheckpointManager, step: u64) -> ckpt_recovery::records::DrainMetrics {
+    let t = Instant::now();
+    loop {
+        if let Some(f) = m.take_drain_figures().into_iter().find(|f| f.step == step) {
+            return f;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(3600),
+            "step {step} never drained"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `ckpt-bench tiers --dir DIR --params P --sink-mbps M`.
+pub fn tiers_bench(dir: &Path, params: u64, sink_mbps: f64) {
+    let layout = Layout::new(2, 1, 1, 1).unwrap();
+    let rate = (sink_mbps * 1e6) as u64;
+    // The disk's limits, in the same run.
+    let limit = dir.join("tiers-limit.bin");
+    let write_gbps = odirect_write(&limit, 1 << 30, 8, 4 << 20);
+    let read_gbps = odirect_read(&limit, 8, 4 << 20);
+    let _ = std::fs::remove_file(&limit);
+
+    // 1. Direct to the slow store.
+    let (model, train, ranks, state, _) = bench_job(dir, "tiers-scratch", params, layout, 7);
+    let direct = slow_store(&dir.join("tiers-direct"), rate);
+    let mut mgrs = managers(&direct, None, layout, &ranks);
+    step_time(&ranks, 1);
+    let (direct_stall, direct_durable, direct_written) = save(&mut mgrs, 1);
+    drop(mgrs);
+    emit(
+        json!({"bench": "tiers_direct", "state_bytes": state, "stall_s": direct_stall,
+        "durable_s": direct_durable, "stored_bytes": direct_written,
+        "sink_gbps": sink_mbps / 1e3, "of_sink": gbps(direct_written, direct_durable) / (sink_mbps / 1e3)}),
+    );
+
+    // 2. Tiered: the local tier under another slow store of the same speed.
+    let remote = slow_store(&dir.join("tiers-remote"), rate);
+    let local_dir = dir.join("tiers-local");
+    let _ = std::fs::remove_dir_all(&local_dir);
+    let local = ckpt_store::open_with(local_dir.to_str().unwrap(), &super::open_options()).unwrap();
+    let mut mgrs = managers(&remote, Some(&local), layout, &ranks);
+    let (stall, local_durable, written) = save(&mut mgrs, 1);
+    let first = drained(&mut mgrs[0], 1);
+    let local_limit_s = written as f64 / (write_gbps * 1e9);
+    emit(
+        json!({"bench": "tiers_first", "stall_s": stall, "local_durable_s": local_durable,
+        "stored_bytes": written, "disk_odirect_write_gbps": write_gbps,
+        "local_durable_x_write_limit": local_durable / local_limit_s,
+        "drain_s": first.seconds, "drain_bytes_sent": first.bytes_sent,
+        "drain_gbps": gbps(first.bytes_sent, first.seconds),
+        "drain_of_sink": gbps(first.bytes_sent, first.seconds) / (sink_mbps / 1e3),
+        "remote_durable_s": local_durable + first.lag_s,
+        "interval_ratio": direct_durable / local_durable}),
+    );
+
+    // A training step, then the next checkpoint while steps run: what drains, and what the
+    // steps pay while it does.
+    let quiet: Vec<f64> = (0..3).map(|i| step_time(&ranks, 10 + i)).collect();
+    let (stall2, local_durable2, written2) = save(&mut mgrs, 2);
+    let t = Instant::now();
+    let mut busy = Vec::new();
+    let mut s = 20;
+    let second = loop {
+        busy.push(step_time(&ranks, s));
+        s += 1;
+        if let Some(f) = mgrs[0]
+            .take_drain_figures()
+            .into_iter()
+            .find(|f| f.step == 2)
+        {
+            break f;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(3600),
+            "step 2 never drained"
+        );
+    };
+    let after: Vec<f64> = (0..3).map(|i| step_time(&ranks, 100 + i)).collect();
+    for m in &mut mgrs {
+        m.finish().unwrap();
+    }
+    let quiet_s = median(quiet.into_iter().chain(after).collect());
+    emit(json!({"bench": "tiers_incremental", "stall_s": stall2,
+        "local_durable_s": local_durable2, "stored_bytes_new": written2,
+        "drain_s": second.seconds, "drain_bytes_sent": second.bytes_sent,
+        "drain_bytes_present": second.bytes_present,
+        "sent_over_changed": second.bytes_sent as f64 / written2.max(1) as f64,
+        "steps_while_draining": busy.len(), "step_s_quiet": quiet_s,
+        "step_s_draining": median(busy.clone()),
+        "slowdown": median(busy) / quiet_s}));
+    drop(mgrs);
+
+    // 3. A restart after a process crash: fresh ranks restore through the tiers.
+    let fresh = touched_ranks(model, train, layout);
+    let mut mgrs = managers(&remote, Some(&local), layout, &fresh);
+    let t = Instant::now();
+    std::thread::scope(|sc| {
+        for m in mgrs.iter_mut() {
+            sc.spawn(move || assert_eq!(m.restore_latest().unwrap(), Some(2)));
+        }
+    });
+    let restore_s = t.elapsed().as_secs_f64();
+    let read_limit_s = written as f64 / (read_gbps * 1e9);
+    emit(
+        json!({"bench": "tiers_restore", "restore_s": restore_s, "stored_bytes": written,
+        "disk_odirect_read_gbps": read_gbps, "restore_x_read_limit": restore_s / read_limit_s,
+        "page_cache": "hot (the step was just written)"}),
+    );
+    drop(mgrs);
+    for d in [
+        "tiers-scratch",
+        "tiers-direct",
+        "tiers-remote",
+        "tiers-local",
+    ] {
+        let _ = std::fs::remove_dir_all(dir.join(d));
+    }
+}
