@@ -14,6 +14,15 @@ non-tensor values DCP pickles) become blobs of the rank that wrote them. Each ra
 manifest; the coordinator adds DCP's ``Metadata`` (pickled, as the blob ``dcp.metadata``) and
 commits in ``finish``, so a step is visible only when complete, and ``ckpt ls``, ``inspect``,
 ``verify``, ``export`` work on it.
+
+A local tier under the store (``local_tier=``, a directory on the node's disk, or
+``CKPT_LOCAL_TIER`` from ``ckpt resume --local-tier``): ``StorageWriter`` writes and commits
+the step there, at the local disk's speed, then the coordinator drains it to the store in a
+background thread (only the chunks the store lacks, hash-checked; ``wait_drained()`` waits
+for it, and the process does not exit before it ends); the tier keeps its newest
+``keep_local`` steps. ``StorageReader`` loads the newest step of either, reading the local
+tier first and a chunk missing or damaged there from the store. Every rank must see the same
+tier (one machine, or a shared file system).
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import dataclasses
 import io
 import os
 import pickle
+import threading
 from typing import Any, List, Optional, Union
 
 import numpy
@@ -103,6 +113,16 @@ def _store(store: Union[str, Store]) -> Store:
     return store if isinstance(store, Store) else Store(str(store))
 
 
+def _local_tier(local_tier: Union[str, Store, None], run: str) -> Optional[Store]:
+    """The local tier given, else the one ``ckpt resume --local-tier`` launched this process
+    with (for ``run``), else None."""
+    if local_tier is None:
+        env = resume_env()
+        if env is not None and env.run == run:
+            local_tier = env.local_tier
+    return None if local_tier is None else _store(local_tier)
+
+
 def _dist_rank_world(kwargs: dict) -> "tuple[int, int]":
     if dist.is_available() and dist.is_initialized():
         return int(kwargs.get("rank", dist.get_rank())), dist.get_world_size()
@@ -115,7 +135,12 @@ class StorageWriter(_DcpStorageWriter):
 
     The step is written under ``generation``: by default the one ``ckpt resume`` launched
     this process in (``ckpt.resume_env()``), so a rank of a generation the supervisor has
-    replaced is fenced; without a driver, the newest started generation of the run."""
+    replaced is fenced; without a driver, the newest started generation of the run.
+
+    ``local_tier``: write and commit the step in this local tier (a directory or a
+    ``ckpt.Store``), then drain it to ``store`` behind the training (see the module docs);
+    ``drain="wait"`` drains within ``finish`` instead; the tier keeps its newest
+    ``keep_local`` steps."""
 
     def __init__(
         self,
@@ -123,8 +148,22 @@ class StorageWriter(_DcpStorageWriter):
         run: str,
         step: int,
         generation: Optional[int] = None,
+        local_tier: Union[str, Store, None] = None,
+        keep_local: int = 2,
+        drain: str = "background",
     ) -> None:
         super().__init__()
+        if drain not in ("background", "wait"):
+            raise CkptError(f"drain must be 'background' or 'wait', not {drain!r}")
+        if int(keep_local) < 1:
+            raise CkptError("keep_local must keep at least 1 step in the local tier")
+        self._local_arg = local_tier
+        self._local: Optional[Store] = None
+        self._keep_local = int(keep_local)
+        self._drain_mode = drain
+        self._drain_thread: Optional[threading.Thread] = None
+        self._drained: Optional[dict] = None
+        self._drain_error: Optional[BaseException] = None
         self._store_arg = store
         self.run = run
         self.step = int(step)
@@ -162,6 +201,8 @@ class StorageWriter(_DcpStorageWriter):
         self.rank, self.world = _dist_rank_world(kwargs)
         if self._store is None:
             self._store = _store(self._store_arg)
+        if self._local is None:
+            self._local = _local_tier(self._local_arg, self.run)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -184,7 +225,10 @@ class StorageWriter(_DcpStorageWriter):
         if isinstance(plan.storage_data, dict) and "world" in plan.storage_data:
             self.world = plan.storage_data["world"]
             self.generation = plan.storage_data["generation"]
-        writer = self._store.rank_writer(
+        if self._local is None:
+            self._local = _local_tier(self._local_arg, self.run)
+        target = self._local if self._local is not None else self._store
+        writer = target.rank_writer(
             self.run, self.step, self.rank, self.world, self.generation
         )
         tensors, blobs, keep, results = [], [], [], []
@@ -246,7 +290,50 @@ class StorageWriter(_DcpStorageWriter):
         self._writer = None
         writer.put([], [(METADATA_BLOB, blob)])
         self.report = writer.finish()
-        self._store.commit(self.run, self.step, self.generation)
+        if self._local is None:
+            self._store.commit(self.run, self.step, self.generation)
+            return
+        # Local-durable; then remote-durable once the drain commits it on the store.
+        self._local.commit(self.run, self.step, self.generation)
+        self._drained, self._drain_error = None, None
+        if self._drain_mode == "wait":
+            self._drain()
+            self.wait_drained()
+            return
+        # Not a daemon: the interpreter waits for the drain before it exits.
+        self._drain_thread = threading.Thread(
+            target=self._drain, name=f"ckpt-drain-{self.run}-{self.step}"
+        )
+        self._drain_thread.start()
+
+    def _drain(self) -> None:
+        try:
+            self._drained = self._local.drain_to(
+                self._store,
+                self.run,
+                self.step,
+                generation=self.generation,
+                keep_local=self._keep_local,
+            )
+        except BaseException as e:  # reported by wait_drained
+            self._drain_error = e
+
+    def wait_drained(self, timeout: Optional[float] = None) -> Optional[dict]:
+        """With a local tier, on the coordinator: wait until the step is committed on the
+        store (remote-durable); the drain's figures (``objects_sent``, ``bytes_sent``,
+        ``bytes_present``, ``seconds``). Raises the drain's error, or ``CkptError`` when
+        ``timeout`` seconds pass first. None without a local tier or on other ranks."""
+        t = self._drain_thread
+        if t is not None:
+            t.join(timeout)
+            if t.is_alive():
+                raise CkptError(
+                    f"run {self.run!r} step {self.step}: still draining to "
+                    f"{_url(self._store_arg)} after {timeout} s (it is local-durable)"
+                )
+        if self._drain_error is not None:
+            raise self._drain_error
+        return self._drained
 
     def _checkpoint_id(self) -> str:
         return f"{_url(self._store_arg)}::{self.run}@{self.step}"
@@ -260,12 +347,21 @@ class StorageReader(_DcpStorageReader):
     """Load step ``step`` of run ``run`` from the ckpt store ``store``; without ``step``, the
     newest committed step (all ranks agree on it: rank 0 of the default process group chooses
     and broadcasts it, so pass ``step`` when loading with ``no_dist`` or a subgroup). An
-    uncommitted step is never read: opening one fails with ``CkptError`` (kind ``not found``)."""
+    uncommitted step is never read: opening one fails with ``CkptError`` (kind ``not found``).
+
+    ``local_tier``: the newest step of the tier and the store; a step committed in the tier
+    is read there, each chunk missing or damaged there from the store."""
 
     def __init__(
-        self, store: Union[str, Store], run: str, step: Optional[int] = None
+        self,
+        store: Union[str, Store],
+        run: str,
+        step: Optional[int] = None,
+        local_tier: Union[str, Store, None] = None,
     ) -> None:
         super().__init__()
+        self._local_arg = local_tier
+        self._local: Optional[Store] = None
         self._store_arg = store
         self.run = run
         self.step = None if step is None else int(step)
@@ -292,6 +388,8 @@ class StorageReader(_DcpStorageReader):
             return self._reader
         if self._store is None:
             self._store = _store(self._store_arg)
+        if self._local is None:
+            self._local = _local_tier(self._local_arg, self.run)
         step = self.step
         if step is None:
             collective = (
@@ -301,6 +399,10 @@ class StorageReader(_DcpStorageReader):
             if not collective or dist.get_rank() == 0:
                 try:
                     found = self._store.latest_committed(self.run)
+                    if self._local is not None:
+                        here = self._local.latest_committed(self.run)
+                        if here is not None and (found is None or here > found):
+                            found = here
                 except CkptError as e:
                     error = str(e)
             if collective:
@@ -314,7 +416,10 @@ class StorageReader(_DcpStorageReader):
             if found is None:
                 raise CkptError(f"run {self.run!r} has no committed step")
             step = found
-        self._reader = self._store.open_step(self.run, step)
+        if self._local is not None and step in self._local.committed_steps(self.run):
+            self._reader = self._local.open_step(self.run, step, fallback=self._store)
+        else:
+            self._reader = self._store.open_step(self.run, step)
         self._dtypes = {name: dt for name, dt, _ in self._reader.tensors()}
         return self._reader
 

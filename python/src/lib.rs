@@ -305,8 +305,16 @@ impl Store {
     }
 
     /// Open committed `step` of `run` for reading (the newest committed step when None).
-    #[pyo3(signature = (run, step=None))]
-    fn open_step(&self, py: Python<'_>, run: &str, step: Option<u64>) -> PyResult<StepReader> {
+    /// `fallback`: a store that holds the same step (the remote store under a local tier):
+    /// a chunk missing or damaged here is read from it.
+    #[pyo3(signature = (run, step=None, fallback=None))]
+    fn open_step(
+        &self,
+        py: Python<'_>,
+        run: &str,
+        step: Option<u64>,
+        fallback: Option<&Store>,
+    ) -> PyResult<StepReader> {
         let store = self.store.clone();
         let run = run.to_string();
         let reader = block(py, async move {
@@ -315,9 +323,65 @@ impl Store {
                 None => ckpt_store::StepReader::open_latest(&store, &run).await,
             }
         })?;
+        let reader = match fallback {
+            Some(f) => reader.with_fallback(f.store.clone()),
+            None => reader,
+        };
         Ok(StepReader {
             reader: Arc::new(reader),
         })
+    }
+
+    /// This store as a local tier: copy committed `step` of `run` to `remote` (only the
+    /// objects it lacks, hash-checked) and commit it there, fenced by `generation` (the
+    /// writer's; a newer generation on `remote` refuses it); then keep the newest
+    /// `keep_local` committed steps here. Returns the drain's figures (`objects_sent`,
+    /// `bytes_sent`, `objects_present`, `bytes_present`, `seconds`).
+    #[pyo3(signature = (remote, run, step, generation=None, keep_local=None))]
+    fn drain_to<'py>(
+        &self,
+        py: Python<'py>,
+        remote: &Store,
+        run: &str,
+        step: u64,
+        generation: Option<u64>,
+        keep_local: Option<usize>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let (local, remote) = (self.store.clone(), remote.store.clone());
+        let run_s = run.to_string();
+        let r = block(py, async move {
+            let opts = ckpt_store::DrainOptions {
+                writer: format!("dcp-drain-{run_s}"),
+                generation,
+                ..Default::default()
+            };
+            let r = ckpt_store::drain_step(&local, &remote, &run_s, step, &opts).await?;
+            if let Some(k) = keep_local {
+                let gc = ckpt_store::GcOptions {
+                    keep_last: Some(k.max(1)),
+                    runs: vec![run_s.clone()],
+                    protect: vec![(run_s.clone(), step)],
+                    ..Default::default()
+                };
+                local.gc(&gc, local.now()).await?;
+            }
+            Ok::<_, Error>(r)
+        })?;
+        let d = PyDict::new(py);
+        d.set_item("step", r.step)?;
+        d.set_item("objects_sent", r.objects_sent)?;
+        d.set_item("bytes_sent", r.bytes_sent)?;
+        d.set_item("objects_present", r.objects_present)?;
+        d.set_item("bytes_present", r.bytes_present)?;
+        d.set_item("seconds", r.seconds)?;
+        Ok(d)
+    }
+
+    /// The steps of `run` this store (a local tier) holds drain markers for: committed here,
+    /// not yet (known to be) committed on the remote store.
+    fn pending_drains(&self, py: Python<'_>, run: &str) -> PyResult<Vec<u64>> {
+        let m = block(py, self.store.pending_drains(run))?;
+        Ok(m.into_iter().map(|m| m.step).collect())
     }
 }
 

@@ -191,3 +191,55 @@ def test_the_reader_loads_a_step_written_by_ckpt_import(tmp_path, ckpt_bin):
     dcp.load(got, storage_reader=reader)
     assert reader.checkpoint_step == 3
     assert_same(got, {"model": full["model"], "emb": full["emb"]}, "imported step")
+
+
+def test_a_local_tier_commits_there_drains_to_the_store_and_loads_from_either(tmp_path):
+    remote, local = tmp_path / "remote", tmp_path / "local"
+    state = small_state()
+    w = StorageWriter(str(remote), run="t", step=1, local_tier=str(local))
+    dcp.save(state, storage_writer=w)
+    # Local-durable at once; remote-durable once the drain (a background thread) ends.
+    assert ckpt.Store(str(local)).committed_steps("t") == [1]
+    figures = w.wait_drained(timeout=120)
+    assert figures["bytes_sent"] > 0 and figures["objects_sent"] > 0, figures
+    assert ckpt.Store(str(remote)).committed_steps("t") == [1]
+    assert ckpt.Store(str(local)).pending_drains("t") == []
+    # The store alone (the machine and its tier lost) loads it.
+    got = placeholder(small_state())
+    dcp.load(got, storage_reader=StorageReader(str(remote), run="t"))
+    assert_same(got, state, "the drained step read from the store alone")
+    # A second step drains only what changed; the tier keeps its newest keep_local steps.
+    state["model"]["w"] += 1
+    for step in (2, 3):
+        w = StorageWriter(str(remote), run="t", step=step, local_tier=str(local), keep_local=2)
+        dcp.save(state, storage_writer=w)
+        f = w.wait_drained(timeout=120)
+        assert f["bytes_present"] > 0, f  # "model.b" was on the store already
+    assert ckpt.Store(str(remote)).committed_steps("t") == [1, 2, 3]
+    assert ckpt.Store(str(local)).committed_steps("t") == [2, 3]
+    # A damaged local chunk is read from the store: the load is still exact.
+    _flip_in(local, "t", 3, "model.w")
+    got = placeholder(small_state())
+    dcp.load(got, storage_reader=StorageReader(str(remote), run="t", local_tier=str(local)))
+    assert_same(got, state, "step 3 through the tier with a damaged local chunk")
+
+
+def test_a_step_only_in_the_local_tier_loads_and_drain_wait_finishes_in_finish(tmp_path):
+    remote, local = tmp_path / "remote", tmp_path / "local"
+    state = small_state(1)
+    # Committed locally by hand, as a job killed before its drain left it.
+    w = StorageWriter(str(local), run="k", step=4)
+    dcp.save(state, storage_writer=w)
+    assert ckpt.Store(str(remote)).committed_steps("k") == []
+    got = placeholder(small_state(1))
+    r = StorageReader(str(remote), run="k", local_tier=str(local))
+    dcp.load(got, storage_reader=r)
+    assert r.checkpoint_step == 4
+    assert_same(got, state, "the local-only step")
+    # drain="wait": remote-durable when dcp.save returns.
+    state["step"] = 9
+    w = StorageWriter(str(remote), run="k", step=5, local_tier=str(local), drain="wait")
+    dcp.save(state, storage_writer=w)
+    assert ckpt.Store(str(remote)).committed_steps("k") == [5]
+    with pytest.raises(ckpt.CkptError, match="drain must be"):
+        StorageWriter(str(remote), run="k", step=6, local_tier=str(local), drain="later")

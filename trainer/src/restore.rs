@@ -157,10 +157,23 @@ async fn restore_direct(
                 (write_chunk(&*sink, &pc, &bytes, checked), pc)
             })
             .await?;
-            if let Some(got) = got {
-                reader.check_fetched(&pc, &t.name, got)?;
+            let mut copied = copied?;
+            if let Some(got) = got
+                && let Err(e) = reader.check_fetched(&pc, &t.name, got)
+            {
+                // Damaged here: the reader's fallback store (a local tier's remote) holds the
+                // same chunk; its checked bytes overwrite what the sink got.
+                let Some((b, fst)) = reader.fetch_fallback(&pc, &t.name).await? else {
+                    return Err(e);
+                };
+                let sink = t.sink.clone();
+                let (again, _) =
+                    tokio::task::spawn_blocking(move || write_chunk(&*sink, &pc, &b, true)).await?;
+                copied = again?;
+                st.fallback_bytes += fst.fallback_bytes;
+                st.fallback_chunks += fst.fallback_chunks;
             }
-            st.bytes_copied += copied?;
+            st.bytes_copied += copied;
             Ok::<_, Error>(st)
         })
         .buffer_unordered(inflight)
