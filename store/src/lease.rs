@@ -34,7 +34,11 @@
 //! modification time and e-tag in its listings) for the lapse, by its own monotonic clock (so
 //! clock skew with the store does not matter), or sees one older than four lapses by its
 //! clock, takes it for a killed GC's, deletes it and goes on:
-//! a `ckpt gc` killed mid-sweep holds saves back for seconds, not for [`LOCK_LAPSE`].
+//! a `ckpt gc` killed mid-sweep holds saves back for seconds, not for [`LOCK_LAPSE`]. A sweep
+//! lock's name says where its GC runs (`h<boot id><pid namespace>-...-p<pid>-...`,
+//! [`host_tag`]): a writer on the same machine whose listing shows a lock of a process that is
+//! gone (a rank killed during its retention) deletes it at once ([`sweep_lock_orphaned`]), so
+//! a job restarted again and again on one machine does not wait a lapse at every start.
 //!
 //! "Unchanged for the lapse" is counted only over what the writer watched: from the *end* of
 //! the listing that first returned a write to the *start* of the latest one (a listing shows
@@ -104,6 +108,73 @@ pub fn writer_id(rank: u32, generation: u64) -> String {
 
 /// Fresh key names: a lease or lock key is never written twice, so deleting a lapsed one never
 /// deletes a live one.
+/// This machine and pid namespace, as a sweep lock names the one its GC runs in: the kernel's
+/// boot id and the pid namespace's inode (a pid names the same process only within both).
+/// `None` where `/proc` does not tell.
+pub fn host_tag() -> Option<&'static str> {
+    static TAG: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    TAG.get_or_init(|| {
+        let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+        let boot: String = boot
+            .chars()
+            .filter(char::is_ascii_hexdigit)
+            .take(12)
+            .collect();
+        let ns = std::fs::read_link("/proc/self/ns/pid").ok()?;
+        let ns: String = ns
+            .to_string_lossy()
+            .chars()
+            .filter(char::is_ascii_digit)
+            .collect();
+        (boot.len() == 12 && !ns.is_empty()).then(|| format!("{boot}{ns}"))
+    })
+    .as_deref()
+}
+
+/// The name of a new sweep lock of this process: `h<host tag>-` (see [`host_tag`]) before
+/// its writer id (which holds `p<pid>`), so that a writer on the same machine can tell a GC
+/// that is gone at once.
+fn sweep_lock_name() -> String {
+    match host_tag() {
+        Some(h) => fresh(&format!("h{h}-{}", writer_id(0, 0))),
+        None => fresh(&writer_id(0, 0)),
+    }
+}
+
+/// Whether the sweep lock at `path` was taken by a process of this machine (and pid
+/// namespace) that is gone: its GC was killed, and nobody will refresh or delete the lock.
+pub fn sweep_lock_orphaned(path: &Path) -> bool {
+    let Some(name) = path.filename().and_then(|n| n.strip_prefix("sweep-")) else {
+        return false;
+    };
+    let mut parts = name.split('-');
+    let Some(host) = parts.next().and_then(|h| h.strip_prefix('h')) else {
+        return false;
+    };
+    if Some(host) != host_tag() {
+        return false;
+    }
+    let Some(pid) = parts.find_map(|p| p.strip_prefix('p').and_then(|n| n.parse::<i32>().ok()))
+    else {
+        return false;
+    };
+    if pid <= 0 || pid == std::process::id() as i32 {
+        return false;
+    }
+    // SAFETY: signal 0 only checks that the process exists; nothing is sent.
+    let gone = unsafe { libc::kill(pid, 0) } != 0
+        && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+    // A killed process its parent has not reaped yet is a zombie: gone as well.
+    let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.rsplit_once(')')
+                .map(|(_, r)| r.trim_start().starts_with('Z'))
+        })
+        .unwrap_or(false);
+    gone || zombie
+}
+
 fn fresh(name: &str) -> String {
     static SEQ: AtomicU64 = AtomicU64::new(0);
     format!("{name}-{}", SEQ.fetch_add(1, Ordering::Relaxed))
@@ -307,7 +378,13 @@ impl Store {
                 };
                 let unchanged = start.saturating_duration_since(first);
                 let age = (now - m.last_modified).to_std().unwrap_or_default();
-                if unchanged >= lapse || age >= 4 * lapse {
+                if sweep_lock_orphaned(&m.location) {
+                    warn!(
+                        lock = %m.location,
+                        "the GC that holds this sweep lock ran on this machine and is gone (killed)"
+                    );
+                    dead.push(m.location);
+                } else if unchanged >= lapse || age >= 4 * lapse {
                     dead.push(m.location);
                 } else {
                     live.get_or_insert(m.location);
@@ -357,7 +434,7 @@ impl Store {
         now: DateTime<Utc>,
         lapse: Duration,
     ) -> Result<std::result::Result<Path, Vec<Path>>> {
-        let path = self.keys().sweep_lock(&fresh(&writer_id(0, 0)));
+        let path = self.keys().sweep_lock(&sweep_lock_name());
         self.put_lock(&path, "gc sweep").await?;
         let locks = self.list_locks(now, lapse).await?;
         if !locks.lapsed.is_empty() {

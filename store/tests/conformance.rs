@@ -76,6 +76,7 @@ conformance!(
     a_short_grace_only_defers_the_sweep,
     a_step_another_gc_drops_mid_mark_is_not_an_error,
     a_killed_gcs_sweep_lock_holds_saves_back_only_for_its_lapse,
+    a_sweep_lock_of_a_gone_process_of_this_machine_holds_nothing_back,
     a_live_sweep_is_never_taken_for_a_killed_one,
     gc_racing_saves_never_breaks_a_commit,
     a_started_generation_fences_older_writers,
@@ -1388,6 +1389,76 @@ async fn a_killed_gcs_sweep_lock_holds_saves_back_only_for_its_lapse(b: Backend)
         "the next save waited {:?}",
         t1.elapsed()
     );
+}
+
+/// A rank killed mid-retention on this machine leaves its sweep lock: a save on the same
+/// machine sees that the process named in it is gone and goes on at once (a job restarted
+/// again and again must not wait a lapse each time); a lock of a process that is alive is
+/// waited for as before.
+async fn a_sweep_lock_of_a_gone_process_of_this_machine_holds_nothing_back(b: Backend) {
+    let Some(host) = ckpt_store::lease::host_tag() else {
+        eprintln!("no /proc here: the machine check is off");
+        return;
+    };
+    let lapse = Duration::from_secs(3);
+    let store = &short_lapse(b.store(), lapse);
+    let put = |name: String| async move {
+        let lock = store.keys().sweep_lock(&name);
+        store
+            .put_object(
+                &lock,
+                vec![Bytes::from_static(b"{}")],
+                ckpt_store::object_store::PutMode::Create,
+            )
+            .await
+            .unwrap();
+        lock
+    };
+    // A process that ended (reaped): its pid names nobody now.
+    let mut gone = std::process::Command::new("true").spawn().unwrap();
+    let pid = gone.id();
+    gone.wait().unwrap();
+    let lock = put(format!("h{host}-rank-000000-g0-p{pid}-1-0-0")).await;
+    let t0 = std::time::Instant::now();
+    let l = store
+        .lease_dedup_base("gone", &writer_id(0, 0), &[])
+        .await
+        .unwrap();
+    store.release_lease(l).await.unwrap();
+    assert!(
+        t0.elapsed() < lapse,
+        "a save waited {:?} for the lock of a process that is gone",
+        t0.elapsed()
+    );
+    assert!(
+        !store.exists(&lock).await.unwrap(),
+        "the orphaned lock is deleted"
+    );
+    // A live process of this machine (a child sleeping), or one of another machine: waited for
+    // the lapse.
+    let mut alive = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    for name in [
+        format!("h{host}-rank-000000-g0-p{}-1-0-0", alive.id()),
+        format!("h000000000000{}-rank-000000-g0-p{pid}-1-0-0", 1),
+    ] {
+        let lock = put(name).await;
+        let t0 = std::time::Instant::now();
+        let l = store
+            .lease_dedup_base("gone", &writer_id(0, 0), &[])
+            .await
+            .unwrap();
+        store.release_lease(l).await.unwrap();
+        assert!(
+            t0.elapsed() >= lapse,
+            "{lock}: waited only {:?}",
+            t0.elapsed()
+        );
+    }
+    let _ = alive.kill();
+    let _ = alive.wait();
 }
 
 /// A GC that sweeps for several lapses (here held at its first delete batch by a failpoint)

@@ -45,6 +45,10 @@ fn every_injected_failure_is_detected_and_recovered_and_the_state_is_bit_identic
             r.policy.name(),
             r.dir.display()
         );
+        if !(r.ok && r.digest_equal && r.injections.iter().all(|i| i.detected && i.recovered)) {
+            // The temporary folder goes with the test: what CI shows is what is printed.
+            print_logs(&r.dir);
+        }
         assert!(r.ok, "{what}: the job did not complete: {}", r.reason);
         assert!(
             r.digest_equal,
@@ -81,5 +85,39 @@ fn every_injected_failure_is_detected_and_recovered_and_the_state_is_bit_identic
                 );
             }
         }
+    }
+}
+
+/// The last lines of a failed policy's logs: the supervisor's, and the newest generations'
+/// ranks' and every agent's.
+fn print_logs(dir: &std::path::Path) {
+    fn tail(path: &std::path::Path, n: usize) {
+        let Ok(text) = std::fs::read_to_string(path) else {
+            return;
+        };
+        let lines: Vec<&str> = text.lines().collect();
+        eprintln!(
+            "----- {} (last {n} of {} lines)",
+            path.display(),
+            lines.len()
+        );
+        for l in &lines[lines.len().saturating_sub(n)..] {
+            eprintln!("{l}");
+        }
+    }
+    tail(&dir.join("resume.err"), 80);
+    let mut logs: Vec<_> = std::fs::read_dir(dir.join("logs"))
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    logs.sort_by_key(|p| std::fs::metadata(p).and_then(|m| m.modified()).ok());
+    let (agents, ranks): (Vec<_>, Vec<_>) = logs.into_iter().partition(|p| {
+        p.file_name()
+            .is_some_and(|n| n.to_string_lossy().starts_with("agent"))
+    });
+    for p in ranks.iter().rev().take(6) {
+        tail(p, 25);
+    }
+    for p in &agents {
+        tail(p, 15);
     }
 }

@@ -169,6 +169,33 @@ fn a_job_killed_while_it_drains_is_finished_by_the_next_and_nothing_dangles() {
         l.last() > r.last(),
         "the newest local step is not remote yet: local {l:?}, remote {r:?}"
     );
+    // `ckpt ls --local-tier` says where each step is durable.
+    let tier = t.local().display().to_string();
+    let out = t.ckpt(&t.url, &["--json", "ls", "--local-tier", &tier, run]);
+    ok(&out);
+    let ls = String::from_utf8_lossy(&out.stdout).to_string();
+    let v: serde_json::Value = serde_json::from_str(&ls).unwrap_or_else(|e| panic!("{e}: {ls}"));
+    let rows = v["steps"].as_array().expect("steps");
+    let row = |step: u64| {
+        rows.iter()
+            .find(|x| x["step"] == step)
+            .unwrap_or_else(|| panic!("step {step} not listed: {ls}"))
+    };
+    let newest = row(*l.last().unwrap());
+    assert_eq!(
+        (&newest["tier"]["local"], &newest["tier"]["remote"]),
+        (&serde_json::json!(true), &serde_json::json!(false)),
+        "{ls}"
+    );
+    for s in &r {
+        assert_eq!(row(*s)["tier"]["remote"], serde_json::json!(true), "{ls}");
+    }
+    let text = ok(&t.ckpt(&t.url, &["ls", "--local-tier", &tier, run]));
+    assert!(
+        (r.is_empty() || text.contains("remote"))
+            && (text.contains(" local") || text.contains("draining")),
+        "{text}"
+    );
     // The next job resumes (from the local tier, the newest step) and drains what was left.
     let out = t.train(run, 40, 5, &["--resume"]).output().unwrap();
     let text = ok(&out);
