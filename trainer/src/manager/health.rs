@@ -121,17 +121,7 @@ impl Health {
             _ => true,
         });
         for (step, message) in full {
-            self.counts.failed += 1;
-            self.full = true;
-            warn!(
-                step,
-                "checkpoint failed, the store's file system is full; training goes on and the next checkpoint tries again: {message}"
-            );
-            events.log(Event::CheckpointFailed(records::CheckpointFailed {
-                step,
-                error: message,
-                ..Default::default()
-            }));
+            self.failed_full(step, &message, events);
         }
         for (step, message) in failed {
             self.counts.failed += 1;
@@ -153,7 +143,8 @@ impl Health {
         std::mem::take(&mut self.full)
     }
 
-    /// A save failed at once on a full file system: reported like one that failed later.
+    /// A save failed on a full file system (at once, or later as [`Health::report_failed`] finds):
+    /// a warning and a `checkpoint_failed` event; the store is not taken as down.
     pub(crate) fn failed_full(&mut self, step: u64, message: &str, events: &mut EventLog) {
         self.counts.failed += 1;
         self.full = true;
