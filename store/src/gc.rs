@@ -259,8 +259,8 @@ impl Store {
         let res = match &lock {
             // Keep the lock fresh while marking and sweeping, so that saves can tell a live
             // sweep from a killed one's lock (crate::lease).
-            Some(path) => {
-                let keep = self.keep_sweep_lock_fresh(path, &fresh);
+            Some(lock) => {
+                let keep = self.keep_sweep_lock_fresh(&lock.path, &fresh);
                 futures::pin_mut!(work, keep);
                 match futures::future::select(work, keep).await {
                     futures::future::Either::Left((r, _)) => r,
@@ -270,8 +270,19 @@ impl Store {
             None => work.await,
         };
         if let Some(lock) = lock {
-            // Best effort: a lock left behind lapses after the grace period.
-            let _ = self.delete_all(vec![lock]).await;
+            // Best effort: a lock left behind lapses after the grace period (at once for the
+            // writers of this process, which see it is no longer held when `lock` drops).
+            // A lock left behind holds every save of other processes back for the lapse: try
+            // a few times more than the store's own retries before leaving it.
+            for pause_ms in [100, 400, 1600, 0] {
+                match self.delete_all(vec![lock.path.clone()]).await {
+                    Ok(()) => break,
+                    Err(e) if pause_ms == 0 => {
+                        warn!(lock = %lock.path, error = %e, "could not delete the sweep lock");
+                    }
+                    Err(_) => tokio::time::sleep(Duration::from_millis(pause_ms)).await,
+                }
+            }
         }
         res?;
         if opts.sweep {

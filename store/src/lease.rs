@@ -38,7 +38,9 @@
 //! lock's name says where its GC runs (`h<boot id><pid namespace>-...-p<pid>-...`,
 //! [`host_tag`]): a writer on the same machine whose listing shows a lock of a process that is
 //! gone (a rank killed during its retention) deletes it at once ([`sweep_lock_orphaned`]), so
-//! a job restarted again and again on one machine does not wait a lapse at every start.
+//! a job restarted again and again on one machine does not wait a lapse at every start. A
+//! lock of this very process that none of its GCs holds any more (its delete failed on a
+//! flaky store) is deleted at once as well.
 //!
 //! "Unchanged for the lapse" is counted only over what the writer watched: from the *end* of
 //! the listing that first returned a write to the *start* of the latest one (a listing shows
@@ -158,8 +160,13 @@ pub fn sweep_lock_orphaned(path: &Path) -> bool {
     else {
         return false;
     };
-    if pid <= 0 || pid == std::process::id() as i32 {
+    if pid <= 0 {
         return false;
+    }
+    if pid == std::process::id() as i32 {
+        // This process's own lock: gone when no GC of this process holds it any more (its
+        // release failed: the store refused the delete, or the GC was cancelled).
+        return !held_sweep_locks().contains(path.as_ref());
     }
     // SAFETY: signal 0 only checks that the process exists; nothing is sent.
     let gone = unsafe { libc::kill(pid, 0) } != 0
@@ -173,6 +180,34 @@ pub fn sweep_lock_orphaned(path: &Path) -> bool {
         })
         .unwrap_or(false);
     gone || zombie
+}
+
+/// The sweep locks the GCs of this process hold now, by path.
+fn held_sweep_locks() -> parking_lot::MutexGuard<'static, std::collections::HashSet<String>> {
+    static HELD: std::sync::OnceLock<parking_lot::Mutex<std::collections::HashSet<String>>> =
+        std::sync::OnceLock::new();
+    HELD.get_or_init(Default::default).lock()
+}
+
+/// A sweep lock a GC of this process holds: listed as held from before its object is written
+/// until this is dropped, so that a writer of this process deletes at once a lock whose
+/// release failed (a store that refused the delete) instead of waiting the lapse.
+#[derive(Debug)]
+pub(crate) struct SweepLock {
+    pub(crate) path: Path,
+}
+
+impl SweepLock {
+    fn new(path: Path) -> Self {
+        held_sweep_locks().insert(path.to_string());
+        Self { path }
+    }
+}
+
+impl Drop for SweepLock {
+    fn drop(&mut self) {
+        held_sweep_locks().remove(self.path.as_ref());
+    }
 }
 
 fn fresh(name: &str) -> String {
@@ -433,8 +468,9 @@ impl Store {
         &self,
         now: DateTime<Utc>,
         lapse: Duration,
-    ) -> Result<std::result::Result<Path, Vec<Path>>> {
+    ) -> Result<std::result::Result<SweepLock, Vec<Path>>> {
         let path = self.keys().sweep_lock(&sweep_lock_name());
+        let lock = SweepLock::new(path.clone());
         self.put_lock(&path, "gc sweep").await?;
         let locks = self.list_locks(now, lapse).await?;
         if !locks.lapsed.is_empty() {
@@ -442,7 +478,7 @@ impl Store {
             self.delete_all(locks.lapsed).await?;
         }
         if locks.writers.is_empty() {
-            Ok(Ok(path))
+            Ok(Ok(lock))
         } else {
             self.delete_all(vec![path]).await?;
             Ok(Err(locks.writers))

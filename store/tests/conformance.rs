@@ -1394,7 +1394,7 @@ async fn a_killed_gcs_sweep_lock_holds_saves_back_only_for_its_lapse(b: Backend)
 /// A rank killed mid-retention on this machine leaves its sweep lock: a save on the same
 /// machine sees that the process named in it is gone and goes on at once (a job restarted
 /// again and again must not wait a lapse each time); a lock of a process that is alive is
-/// waited for as before.
+/// waited for as before (a live GC of this process: `a_live_sweep_is_never_taken_for_a_killed_one`).
 async fn a_sweep_lock_of_a_gone_process_of_this_machine_holds_nothing_back(b: Backend) {
     let Some(host) = ckpt_store::lease::host_tag() else {
         eprintln!("no /proc here: the machine check is off");
@@ -1434,6 +1434,25 @@ async fn a_sweep_lock_of_a_gone_process_of_this_machine_holds_nothing_back(b: Ba
         !store.exists(&lock).await.unwrap(),
         "the orphaned lock is deleted"
     );
+    // A lock of this very process that none of its GCs holds: a GC whose delete of its lock
+    // failed on a flaky store (the writers of the same process must not wait the lapse).
+    let lock = put(format!(
+        "h{host}-rank-000000-g0-p{}-1-0-0",
+        std::process::id()
+    ))
+    .await;
+    let t0 = std::time::Instant::now();
+    let l = store
+        .lease_dedup_base("gone", &writer_id(0, 0), &[])
+        .await
+        .unwrap();
+    store.release_lease(l).await.unwrap();
+    assert!(
+        t0.elapsed() < lapse,
+        "a save waited {:?} for a lock this process no longer holds",
+        t0.elapsed()
+    );
+    assert!(!store.exists(&lock).await.unwrap());
     // A live process of this machine (a child sleeping), or one of another machine: waited for
     // the lapse.
     let mut alive = std::process::Command::new("sleep")
