@@ -150,6 +150,17 @@ impl Drainer {
 
     /// Queue the watched save once committed; take what the drainer has to log.
     pub(crate) fn poll(&mut self) -> (Vec<Event>, Vec<DrainMetrics>) {
+        self.queue_committed();
+        let mut st = self.shared.state.lock();
+        (
+            std::mem::take(&mut st.events),
+            std::mem::take(&mut st.metrics),
+        )
+    }
+
+    /// Queue the watched save for the drain once it committed locally (its events and
+    /// figures stay for [`Drainer::poll`]).
+    fn queue_committed(&mut self) {
         if let Some(h) = &self.watched {
             match h.stage() {
                 Stage::Committed => {
@@ -160,11 +171,6 @@ impl Drainer {
                 _ => {}
             }
         }
-        let mut st = self.shared.state.lock();
-        (
-            std::mem::take(&mut st.events),
-            std::mem::take(&mut st.metrics),
-        )
     }
 
     /// The local tier is full (a save failed there): drop every local step but the newest and
@@ -204,7 +210,7 @@ impl Drainer {
         if let Some(h) = self.watched.clone()
             && h.wait_committed(within).is_ok()
         {
-            self.poll();
+            self.queue_committed();
         }
         let mut st = self.shared.state.lock();
         loop {
