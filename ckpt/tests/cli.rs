@@ -702,6 +702,10 @@ async fn a_closed_pipe_ends_quietly(env: Env) {
         &["ls", "train"],
         &["inspect", "train@10", "--json"],
         &["inspect", "train@10"],
+        &["inspect", "train@latest", "--raw"],
+        &["stats", "train"],
+        &["verify", "train@10"],
+        &["diff", "train@10", "train@10"],
     ] {
         let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ckpt"))
             .args(args)

@@ -148,6 +148,9 @@ fn chrono_of(d: Duration) -> Result<chrono::Duration> {
 /// Objects deleted between two checks for saves that started meanwhile.
 const SWEEP_BATCH: usize = 1000;
 
+/// Per run: the steps as listed and those retention dropped.
+type Dropped = Vec<(String, BTreeSet<u64>, Vec<StepListing>)>;
+
 /// The steps of `run` the caller protects.
 fn protected(opts: &GcOptions, run: &str) -> Vec<u64> {
     opts.protect
@@ -193,10 +196,26 @@ impl Store {
             ..GcReport::default()
         };
         let grace = chrono_of(opts.grace)?;
+        let dropped = self.retire_steps(opts, &mut report).await?;
+        self.manifests_and_sweep_under_lock(opts, now, grace, dropped, &mut report)
+            .await?;
+        if opts.sweep {
+            self.sweep_temp_files(opts, now, &mut report).await?;
+        }
+        info!(
+            steps_deleted = report.steps_deleted.len(),
+            objects_deleted = report.objects_deleted,
+            bytes_freed = report.bytes_freed,
+            "gc done"
+        );
+        Ok(report)
+    }
+
+    /// 1. Retention: drop the commit records of the committed steps it does not keep (the
+    ///    step then vanishes at once); each run's steps as listed, with those dropped.
+    async fn retire_steps(&self, opts: &GcOptions, report: &mut GcReport) -> Result<Dropped> {
         let runs = self.list_runs().await?;
-        // 1. Retention: drop the commit records of the committed steps it does not keep (the
-        //    step then vanishes at once).
-        let mut dropped: Vec<(String, BTreeSet<u64>, Vec<StepListing>)> = Vec::new();
+        let mut dropped: Dropped = Vec::new();
         for run in &runs {
             let steps = self.list_steps(run).await?;
             let committed: Vec<u64> = steps
@@ -228,8 +247,20 @@ impl Store {
             }
             dropped.push((run.clone(), doomed, steps));
         }
-        // 2. A sweep excludes saves in flight (FORMAT.md, "What GC may delete"): take the
-        //    sweep lock, and with a live writer lease leave the sweep for a later run.
+        Ok(dropped)
+    }
+
+    /// 2. The manifests of dropped and abandoned steps, then mark and sweep, under the sweep
+    ///    lock: a sweep excludes saves in flight (FORMAT.md, "What GC may delete"), and with
+    ///    a live writer lease it is left for a later run.
+    async fn manifests_and_sweep_under_lock(
+        &self,
+        opts: &GcOptions,
+        now: DateTime<Utc>,
+        grace: chrono::Duration,
+        dropped: Dropped,
+        report: &mut GcReport,
+    ) -> Result<()> {
         let fresh = Fresh(Mutex::new(Instant::now()));
         let lock = if opts.sweep && !opts.dry_run {
             match self.take_sweep_lock(now, opts.lease_lapse).await? {
@@ -254,7 +285,7 @@ impl Store {
             grace,
             dropped,
             lock.as_ref().map(|_| &fresh),
-            &mut report,
+            report,
         );
         let res = match &lock {
             // Keep the lock fresh while marking and sweeping, so that saves can tell a live
@@ -270,31 +301,24 @@ impl Store {
             None => work.await,
         };
         if let Some(lock) = lock {
-            // Best effort: a lock left behind lapses after the grace period (at once for the
-            // writers of this process, which see it is no longer held when `lock` drops).
-            // A lock left behind holds every save of other processes back for the lapse: try
-            // a few times more than the store's own retries before leaving it.
-            for pause_ms in [100, 400, 1600, 0] {
-                match self.delete_all(vec![lock.path.clone()]).await {
-                    Ok(()) => break,
-                    Err(e) if pause_ms == 0 => {
-                        warn!(lock = %lock.path, error = %e, "could not delete the sweep lock");
-                    }
-                    Err(_) => tokio::time::sleep(Duration::from_millis(pause_ms)).await,
+            self.release_sweep_lock(lock).await;
+        }
+        res
+    }
+
+    /// Delete the sweep lock, best effort. A lock left behind holds the saves of other
+    /// processes back for the lapse (this process's own writers see at once that no GC holds
+    /// it once `lock` drops): try a few times more than the store's own retries first.
+    async fn release_sweep_lock(&self, lock: crate::lease::SweepLock) {
+        for pause_ms in [100, 400, 1600, 0] {
+            match self.delete_all(vec![lock.path.clone()]).await {
+                Ok(()) => return,
+                Err(e) if pause_ms == 0 => {
+                    warn!(lock = %lock.path, error = %e, "could not delete the sweep lock");
                 }
+                Err(_) => tokio::time::sleep(Duration::from_millis(pause_ms)).await,
             }
         }
-        res?;
-        if opts.sweep {
-            self.sweep_temp_files(opts, now, &mut report).await?;
-        }
-        info!(
-            steps_deleted = report.steps_deleted.len(),
-            objects_deleted = report.objects_deleted,
-            bytes_freed = report.bytes_freed,
-            "gc done"
-        );
-        Ok(report)
     }
 
     /// GC after retention: delete the manifests of dropped and abandoned steps, then (when
@@ -304,7 +328,7 @@ impl Store {
         opts: &GcOptions,
         now: DateTime<Utc>,
         grace: chrono::Duration,
-        dropped: Vec<(String, BTreeSet<u64>, Vec<StepListing>)>,
+        dropped: Dropped,
         sweep: Option<&Fresh>,
         report: &mut GcReport,
     ) -> Result<()> {
@@ -338,7 +362,7 @@ impl Store {
         opts: &GcOptions,
         now: DateTime<Utc>,
         grace: chrono::Duration,
-        dropped: Vec<(String, BTreeSet<u64>, Vec<StepListing>)>,
+        dropped: Dropped,
         report: &mut GcReport,
     ) -> Result<Vec<(String, u64, u32)>> {
         let in_flight = grace.max(chrono_of(opts.lease_lapse)?);

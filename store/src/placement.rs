@@ -220,49 +220,64 @@ pub fn place_rank(layout: &Layout, rank: u32, specs: &[TensorSpec]) -> Result<Ve
         });
     }
     for ((_, gname), members) in groups {
-        let total: u64 = members.iter().map(|(_, b)| b.numel()).sum();
-        let part = total.div_ceil(layout.dp as u64);
-        let lo = (part * c.dp as u64).min(total);
-        let hi = (part * (c.dp as u64 + 1)).min(total);
-        // Tensors replicated across tp keep one writer per data-parallel partition.
-        let mut at = 0u64;
-        for (i, local) in members {
-            let n = local.numel();
-            let (a, b) = (lo.max(at), hi.min(at + n));
-            if a < b {
-                let s = &specs[i];
-                let replica_of = if s.placement.tp_dim.is_none() && layout.tp > 1 {
-                    let wtp = spread(gname, layout.tp);
-                    let writer = layout.rank(crate::model::Coords {
-                        dp: c.dp,
-                        tp: wtp,
-                        pp: c.pp,
-                    });
-                    (writer != rank).then_some(writer)
-                } else {
-                    None
-                };
-                for bx in flat_range_boxes(&local.lengths, a - at, b - at) {
-                    let offsets = bx
-                        .offsets
-                        .iter()
-                        .zip(&local.offsets)
-                        .map(|(o, l)| o + l)
-                        .collect();
-                    out.push(Placed {
-                        spec: i,
-                        bbox: NdBox {
-                            offsets,
-                            lengths: bx.lengths,
-                        },
-                        replica_of,
-                    });
-                }
-            }
-            at += n;
-        }
+        place_zero_group(layout, rank, specs, gname, members, &mut out);
     }
     Ok(out)
+}
+
+/// This rank's part of the ZeRO group `gname` (`members`: each tensor's spec index and its
+/// box on this rank's tp coordinate, in order): the group's elements as one flat range split
+/// evenly over dp, cut back into boxes of each tensor.
+fn place_zero_group(
+    layout: &Layout,
+    rank: u32,
+    specs: &[TensorSpec],
+    gname: &str,
+    members: Vec<(usize, NdBox)>,
+    out: &mut Vec<Placed>,
+) {
+    let c = layout.coords(rank);
+    let total: u64 = members.iter().map(|(_, b)| b.numel()).sum();
+    let part = total.div_ceil(layout.dp as u64);
+    let lo = (part * c.dp as u64).min(total);
+    let hi = (part * (c.dp as u64 + 1)).min(total);
+    // Tensors replicated across tp keep one writer per data-parallel partition.
+    let mut at = 0u64;
+    for (i, local) in members {
+        let n = local.numel();
+        let (a, b) = (lo.max(at), hi.min(at + n));
+        if a < b {
+            let s = &specs[i];
+            let replica_of = if s.placement.tp_dim.is_none() && layout.tp > 1 {
+                let wtp = spread(gname, layout.tp);
+                let writer = layout.rank(crate::model::Coords {
+                    dp: c.dp,
+                    tp: wtp,
+                    pp: c.pp,
+                });
+                (writer != rank).then_some(writer)
+            } else {
+                None
+            };
+            for bx in flat_range_boxes(&local.lengths, a - at, b - at) {
+                let offsets = bx
+                    .offsets
+                    .iter()
+                    .zip(&local.offsets)
+                    .map(|(o, l)| o + l)
+                    .collect();
+                out.push(Placed {
+                    spec: i,
+                    bbox: NdBox {
+                        offsets,
+                        lengths: bx.lengths,
+                    },
+                    replica_of,
+                });
+            }
+        }
+        at += n;
+    }
 }
 
 /// Placements of every rank; also checks that the specs can be placed at all.

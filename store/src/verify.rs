@@ -426,6 +426,35 @@ impl Store {
     }
 }
 
+/// What checking one object found: raw bytes and chunks hashed, and the damage.
+struct Tally<'a> {
+    key: &'a str,
+    bytes: u64,
+    n: u64,
+    damaged: Vec<Damage>,
+}
+
+impl Tally<'_> {
+    /// Check one chunk's stored bytes `slice`; damage affects `aff`.
+    fn check(&mut self, slice: &[u8], c: &ChunkRef, known_len: bool, aff: Vec<Affected>) {
+        match check_chunk(slice, c, known_len, self.key) {
+            Ok(len) => {
+                self.bytes += len;
+                self.n += 1;
+            }
+            Err(problem) => self.damage(problem, aff),
+        }
+    }
+
+    fn damage(&mut self, problem: String, affects: Vec<Affected>) {
+        self.damaged.push(Damage {
+            object: self.key.to_string(),
+            problem,
+            affects,
+        });
+    }
+}
+
 /// Check the bytes `obj` of a chunk object or pack (`pack_id`) against the chunks that
 /// reference it, and a pack's other entries and hash. (Raw bytes hashed, chunks hashed,
 /// damage.)
@@ -435,101 +464,88 @@ fn check_object(
     pack_id: Option<PackId>,
     store_key: &str,
 ) -> (u64, u64, Vec<Damage>) {
-    let mut bytes = 0u64;
-    let mut n = 0u64;
-    let mut damaged = Vec::new();
-    let mut check = |slice: &[u8],
-                     c: &ChunkRef,
-                     known_len: bool,
-                     aff: Vec<Affected>,
-                     damaged: &mut Vec<Damage>| {
-        match check_chunk(slice, c, known_len, store_key) {
-            Ok(len) => {
-                bytes += len;
-                n += 1;
-            }
-            Err(problem) => damaged.push(Damage {
-                object: store_key.to_string(),
-                problem,
-                affects: aff,
-            }),
-        }
+    let mut t = Tally {
+        key: store_key,
+        bytes: 0,
+        n: 0,
+        damaged: Vec::new(),
     };
     let is_pack = pack_id.is_some() || chunks.iter().any(|(c, _)| c.pack.is_some());
     if is_pack {
-        // Check the chunks manifests reference, then any other entry of the index.
-        let entries = pack::parse_pack(obj, &store_key);
-        let mut seen = BTreeSet::new();
-        for (c, aff) in chunks {
-            seen.insert(c.id);
-            let end = c.offset.saturating_add(c.stored as u64);
-            match obj.get(c.offset as usize..end as usize) {
-                Some(s) => check(s, c, true, aff.iter().cloned().collect(), &mut damaged),
-                None => damaged.push(Damage {
-                    object: store_key.to_string(),
-                    problem: format!(
-                        "chunk {} at {}..{} lies past the end ({} bytes; truncated)",
-                        c.id.short(),
-                        c.offset,
-                        end,
-                        obj.len()
-                    ),
-                    affects: aff.iter().cloned().collect(),
-                }),
-            }
-        }
-        match entries {
-            Ok(es) => {
-                for e in es.iter().filter(|e| !seen.contains(&e.id)) {
-                    let c = ChunkRef {
-                        id: e.id,
-                        len: e.raw,
-                        stored: e.stored,
-                        codec: codec::Codec::Raw,
-                        pack: pack_id,
-                        offset: e.offset,
-                        bases: Vec::new(),
-                        base_step: None,
-                    };
-                    let s = &obj[e.offset as usize..(e.offset + e.stored as u64) as usize];
-                    check(s, &c, true, Vec::new(), &mut damaged);
-                }
-            }
-            Err(e) if pack_id.is_some() && chunks.is_empty() => damaged.push(Damage {
-                object: store_key.to_string(),
-                problem: strip_prefix(&e.to_string(), store_key),
-                affects: Vec::new(),
-            }),
-            Err(_) => {}
-        }
+        check_pack(&mut t, obj, chunks, pack_id);
     } else {
         for (c, aff) in chunks {
-            check(
-                obj,
-                c,
-                !aff.is_empty(),
-                aff.iter().cloned().collect(),
-                &mut damaged,
-            );
+            t.check(obj, c, !aff.is_empty(), aff.iter().cloned().collect());
         }
     }
     // Damage outside every chunk (the pack's header or index) breaks no tensor, but
     // the object is not what it claims to be.
     if let Some(pid) = pack_id {
         let actual = PackId::of(obj);
-        if actual != pid && damaged.is_empty() {
-            damaged.push(Damage {
-                object: store_key.to_string(),
-                problem: format!(
+        if actual != pid && t.damaged.is_empty() {
+            t.damage(
+                format!(
                     "pack hash is {} but should be {} (header or index damaged; its chunks are intact)",
                     actual.short(),
                     pid.short()
                 ),
-                affects: Vec::new(),
-            });
+                Vec::new(),
+            );
         }
     }
-    (bytes, n, damaged)
+    (t.bytes, t.n, t.damaged)
+}
+
+/// Check the chunks of pack `obj` that manifests reference, then any other entry of its
+/// index.
+fn check_pack(
+    t: &mut Tally,
+    obj: &[u8],
+    chunks: &[(ChunkRef, BTreeSet<Affected>)],
+    pack_id: Option<PackId>,
+) {
+    let entries = pack::parse_pack(obj, &t.key);
+    let mut seen = BTreeSet::new();
+    for (c, aff) in chunks {
+        seen.insert(c.id);
+        let end = c.offset.saturating_add(c.stored as u64);
+        match obj.get(c.offset as usize..end as usize) {
+            Some(s) => t.check(s, c, true, aff.iter().cloned().collect()),
+            None => t.damage(
+                format!(
+                    "chunk {} at {}..{} lies past the end ({} bytes; truncated)",
+                    c.id.short(),
+                    c.offset,
+                    end,
+                    obj.len()
+                ),
+                aff.iter().cloned().collect(),
+            ),
+        }
+    }
+    match entries {
+        Ok(es) => {
+            for e in es.iter().filter(|e| !seen.contains(&e.id)) {
+                let c = ChunkRef {
+                    id: e.id,
+                    len: e.raw,
+                    stored: e.stored,
+                    codec: codec::Codec::Raw,
+                    pack: pack_id,
+                    offset: e.offset,
+                    bases: Vec::new(),
+                    base_step: None,
+                };
+                let s = &obj[e.offset as usize..(e.offset + e.stored as u64) as usize];
+                t.check(s, &c, true, Vec::new());
+            }
+        }
+        Err(e) if pack_id.is_some() && chunks.is_empty() => {
+            let problem = strip_prefix(&e.to_string(), t.key);
+            t.damage(problem, Vec::new());
+        }
+        Err(_) => {}
+    }
 }
 
 fn check_chunk(

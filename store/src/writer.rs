@@ -212,12 +212,73 @@ impl Store {
     {
         validate_run(&w.run)?;
         w.layout.validate()?;
-        // What the stream must yield: (shard index, chunk length, element size, delta base).
+        let WritePlan {
+            expect,
+            mut spans,
+            checks,
+            mut logical,
+            reused,
+        } = self.plan_rank_write(&shards, index)?;
+        let shard_chunks = expect.len();
+        let mut blob_chunks: Vec<ChunkIn> = Vec::new();
+        for b in &blobs {
+            validate_name(&b.name)?;
+            let start = shard_chunks + blob_chunks.len();
+            logical += b.data.len() as u64;
+            for r in self.chunk_spans(b.data.len() as u64) {
+                blob_chunks.push(ChunkIn {
+                    data: b.data.slice(r.start as usize..r.end as usize),
+                    elem: 1,
+                    base: None,
+                });
+            }
+            spans.push((start, shard_chunks + blob_chunks.len() - start));
+        }
+        let names: Vec<String> = shards.iter().map(|s| s.shard.name.clone()).collect();
+        let hashed = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let checked = hash_replicas(
+            check_chunks(chunks, expect, names),
+            checks,
+            hashed.clone(),
+            self.config().cpu_threads * 2,
+        )
+        .chain(stream::iter(blob_chunks.into_iter().map(Ok)));
+        let mut put = self.try_put_chunks(checked, index).await?;
+        let mut hashed = std::mem::take(&mut *hashed.lock());
+        hashed.sort_by_key(|(i, h): &(usize, HashedChunk)| (*i, h.index));
+        put.stats.chunks += reused.0;
+        put.stats.bytes += reused.1;
+        put.stats.chunks_skipped += reused.0;
+        put.stats.bytes_skipped += reused.1;
+        let mut tensors: Vec<(TensorShard, usize)> = shards
+            .into_iter()
+            .zip(&spans)
+            .map(|(s, &(_, n))| (s.shard.into_tensor(s.reuse.unwrap_or_default()), n))
+            .collect();
+        for (i, h) in hashed {
+            tensors[i].0.hashed.push(h);
+        }
+        let n_shards = tensors.len();
+        let blobs: Vec<(String, u64, usize)> = blobs
+            .into_iter()
+            .zip(&spans[n_shards..])
+            .map(|(b, &(_, n))| (b.name, b.data.len() as u64, n))
+            .collect();
+        let manifest = assemble_manifest(w, tensors, blobs, &put.refs, logical, &put.stats)?;
+        self.failpoints().hit("after_chunks").await?;
+        let entry = self.write_rank_manifest(&manifest).await?;
+        Ok((manifest, entry, put.stats))
+    }
+
+    /// What a rank write's stream must yield, checked before any byte is taken: each shard
+    /// validated, its chunks cut (with their delta base candidates), reused shards counted,
+    /// and the replica chunks the sentinel hashes placed.
+    fn plan_rank_write(&self, shards: &[ShardMeta], index: &DedupIndex) -> Result<WritePlan> {
         let mut expect: Vec<Expected> = Vec::new();
         // The committed base step's chunks by region: each float chunk's delta base candidate.
         let regions = index.base_regions();
         // (first chunk index, chunk count written) per shard, then per blob.
-        let mut spans: Vec<(usize, usize)> = Vec::with_capacity(shards.len() + blobs.len());
+        let mut spans: Vec<(usize, usize)> = Vec::with_capacity(shards.len());
         // The stream's chunks that are a replica's, to hash (the sentinel): by their place in
         // `expect`, the shard and the chunk's index in it.
         let mut checks: std::collections::BTreeMap<usize, (usize, u32)> = Default::default();
@@ -287,61 +348,34 @@ impl Store {
             }
             spans.push((start, expect.len() - start));
         }
-        let shard_chunks = expect.len();
-        let mut blob_chunks: Vec<ChunkIn> = Vec::new();
-        for b in &blobs {
-            validate_name(&b.name)?;
-            let start = shard_chunks + blob_chunks.len();
-            logical += b.data.len() as u64;
-            for r in self.chunk_spans(b.data.len() as u64) {
-                blob_chunks.push(ChunkIn {
-                    data: b.data.slice(r.start as usize..r.end as usize),
-                    elem: 1,
-                    base: None,
-                });
-            }
-            spans.push((start, shard_chunks + blob_chunks.len() - start));
-        }
-        let names: Vec<String> = shards.iter().map(|s| s.shard.name.clone()).collect();
-        let hashed = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
-        let checked = hash_replicas(
-            check_chunks(chunks, expect, names),
+        Ok(WritePlan {
+            expect,
+            spans,
             checks,
-            hashed.clone(),
-            self.config().cpu_threads * 2,
-        )
-        .chain(stream::iter(blob_chunks.into_iter().map(Ok)));
-        let mut put = self.try_put_chunks(checked, index).await?;
-        let mut hashed = std::mem::take(&mut *hashed.lock());
-        hashed.sort_by_key(|(i, h): &(usize, HashedChunk)| (*i, h.index));
-        put.stats.chunks += reused.0;
-        put.stats.bytes += reused.1;
-        put.stats.chunks_skipped += reused.0;
-        put.stats.bytes_skipped += reused.1;
-        let mut tensors: Vec<(TensorShard, usize)> = shards
-            .into_iter()
-            .zip(&spans)
-            .map(|(s, &(_, n))| (s.shard.into_tensor(s.reuse.unwrap_or_default()), n))
-            .collect();
-        for (i, h) in hashed {
-            tensors[i].0.hashed.push(h);
-        }
-        let n_shards = tensors.len();
-        let blobs: Vec<(String, u64, usize)> = blobs
-            .into_iter()
-            .zip(&spans[n_shards..])
-            .map(|(b, &(_, n))| (b.name, b.data.len() as u64, n))
-            .collect();
-        let manifest = assemble_manifest(w, tensors, blobs, &put.refs, logical, &put.stats)?;
-        self.failpoints().hit("after_chunks").await?;
-        let entry = self.write_rank_manifest(&manifest).await?;
-        Ok((manifest, entry, put.stats))
+            logical,
+            reused,
+        })
     }
 }
 
 /// What the stream of a rank write must yield, per chunk: the shard's index, the chunk's
 /// length, its element size and its delta base candidate.
 type Expected = (usize, u64, u8, Option<BaseChunk>);
+
+/// A rank write planned ([`Store::plan_rank_write`]).
+struct WritePlan {
+    /// What the stream must yield, chunk by chunk.
+    expect: Vec<Expected>,
+    /// (first chunk index, chunk count written) per shard (the blobs' follow).
+    spans: Vec<(usize, usize)>,
+    /// The stream's chunks that are a replica's, to hash (the sentinel): by their place in
+    /// `expect`, the shard and the chunk's index in it.
+    checks: std::collections::BTreeMap<usize, (usize, u32)>,
+    /// The logical bytes of the shards.
+    logical: u64,
+    /// Chunks and raw bytes of shards whose chunks are reused.
+    reused: (u64, u64),
+}
 
 /// The checked chunks of a rank write with the replicas' chunks (`checks`: by their place in
 /// the stream, the shard and the chunk's index) taken out: each hashed on the blocking pool

@@ -7,7 +7,7 @@ use std::io::Write;
 use std::sync::Arc;
 use std::time::Instant;
 
-use ckpt_store::verify::Affected;
+use ckpt_store::verify::{Affected, Damage};
 use ckpt_store::{ChunkId, Store, VerifyReport, VerifyScope};
 use futures::{StreamExt, stream};
 use serde::Serialize;
@@ -287,23 +287,7 @@ impl Report for VerifyOutput {
                 self.damaged_steps.join(", ")
             }
         )?;
-        for d in &r.damaged {
-            writeln!(w)?;
-            writeln!(w, "  object  {}", d.object)?;
-            writeln!(w, "  problem {}", d.problem)?;
-            if d.affects.is_empty() {
-                writeln!(w, "  affects nothing any committed step references")?;
-                continue;
-            }
-            let mut by_step: BTreeMap<(String, u64), Vec<&Affected>> = BTreeMap::new();
-            for a in &d.affects {
-                by_step.entry((a.run.clone(), a.step)).or_default().push(a);
-            }
-            for ((run, step), items) in by_step {
-                let names: Vec<String> = items.iter().map(|a| fmt::name(&a.item)).collect();
-                writeln!(w, "  breaks  {run}@{step}: {}", names.join(", "))?;
-            }
-        }
+        print_damaged(w, &r.damaged)?;
         writeln!(w)?;
         writeln!(
             w,
@@ -312,4 +296,26 @@ impl Report for VerifyOutput {
              resume from an intact step (`ckpt ls RUN`)"
         )
     }
+}
+
+/// Each damaged object: what is wrong with it and what it breaks, by step.
+fn print_damaged(w: &mut dyn Write, damaged: &[Damage]) -> std::io::Result<()> {
+    for d in damaged {
+        writeln!(w)?;
+        writeln!(w, "  object  {}", d.object)?;
+        writeln!(w, "  problem {}", d.problem)?;
+        if d.affects.is_empty() {
+            writeln!(w, "  affects nothing any committed step references")?;
+            continue;
+        }
+        let mut by_step: BTreeMap<(String, u64), Vec<&Affected>> = BTreeMap::new();
+        for a in &d.affects {
+            by_step.entry((a.run.clone(), a.step)).or_default().push(a);
+        }
+        for ((run, step), items) in by_step {
+            let names: Vec<String> = items.iter().map(|a| fmt::name(&a.item)).collect();
+            writeln!(w, "  breaks  {run}@{step}: {}", names.join(", "))?;
+        }
+    }
+    Ok(())
 }

@@ -276,44 +276,7 @@ impl PeerExchange {
             }
             // Exchange, in plan order on both sides of every pair, in one group.
             if !packs.is_empty() || !unpacks.is_empty() {
-                let comm = self.comm.ok_or_else(|| {
-                    Error::invalid(
-                        "the plan sends between ranks but this exchange has no NCCL \
-                         communicator (PeerExchange::local)",
-                    )
-                })?;
-                let sends = packs.iter().map(|(t, _, b)| (*t, b.ptr, true));
-                let recvs = unpacks.iter().map(|(t, _, b)| (*t, b.ptr, false));
-                // Within a group NCCL matches the sends from one rank to another with that
-                // rank's receives in the order issued: both follow the plan's order.
-                let ops: Vec<(&Transfer, u64, bool)> = sends.chain(recvs).collect();
-                cu("binding the context", || ctx.bind_to_thread())?;
-                nc("starting a group", nccl::group_start)?;
-                let mut res = Ok(());
-                for (t, ptr, is_send) in ops {
-                    let n = t.bytes as usize;
-                    let dt = nsys::ncclDataType_t::ncclUint8;
-                    let st = s as nsys::cudaStream_t;
-                    res = if is_send {
-                        stats.bytes_sent += t.bytes;
-                        // SAFETY: the buffer holds the packed region until the stream ran.
-                        nc("sending", || unsafe {
-                            nccl::send(ptr as *const c_void, n, dt, t.to as i32, comm, st)
-                        })
-                    } else {
-                        stats.bytes_received += t.bytes;
-                        // SAFETY: the buffer has room for the region.
-                        nc("receiving", || unsafe {
-                            nccl::recv(ptr as *mut c_void, n, dt, t.from as i32, comm, st)
-                        })
-                    }
-                    .map(|_| ());
-                    if res.is_err() {
-                        break;
-                    }
-                }
-                let end = nc("ending a group", nccl::group_end).map(|_| ());
-                res.and(end)?;
+                self.exchange(&packs, &unpacks, &mut stats)?;
             }
             for (t, dst, buf) in &unpacks {
                 copy_region(ctx, dst, &t.region, buf.ptr, false, s)?;
@@ -322,6 +285,56 @@ impl PeerExchange {
         }
         stats.seconds = t0.elapsed().as_secs_f64();
         Ok(stats)
+    }
+
+    /// Send what `packs` hold and receive into `unpacks`' buffers, as one NCCL group.
+    fn exchange(
+        &self,
+        packs: &[(&Transfer, &PeerTensor, DevBuf)],
+        unpacks: &[(&Transfer, &PeerTensor, DevBuf)],
+        stats: &mut PeerStats,
+    ) -> Result<()> {
+        let ctx = &self.gpu.ctx;
+        let s = self.stream.cu_stream();
+        let comm = self.comm.ok_or_else(|| {
+            Error::invalid(
+                "the plan sends between ranks but this exchange has no NCCL \
+                 communicator (PeerExchange::local)",
+            )
+        })?;
+        let sends = packs.iter().map(|(t, _, b)| (*t, b.ptr, true));
+        let recvs = unpacks.iter().map(|(t, _, b)| (*t, b.ptr, false));
+        // Within a group NCCL matches the sends from one rank to another with that
+        // rank's receives in the order issued: both follow the plan's order.
+        let ops: Vec<(&Transfer, u64, bool)> = sends.chain(recvs).collect();
+        cu("binding the context", || ctx.bind_to_thread())?;
+        nc("starting a group", nccl::group_start)?;
+        let mut res = Ok(());
+        for (t, ptr, is_send) in ops {
+            let n = t.bytes as usize;
+            let dt = nsys::ncclDataType_t::ncclUint8;
+            let st = s as nsys::cudaStream_t;
+            res = if is_send {
+                stats.bytes_sent += t.bytes;
+                // SAFETY: the buffer holds the packed region until the stream ran.
+                nc("sending", || unsafe {
+                    nccl::send(ptr as *const c_void, n, dt, t.to as i32, comm, st)
+                })
+            } else {
+                stats.bytes_received += t.bytes;
+                // SAFETY: the buffer has room for the region.
+                nc("receiving", || unsafe {
+                    nccl::recv(ptr as *mut c_void, n, dt, t.from as i32, comm, st)
+                })
+            }
+            .map(|_| ());
+            if res.is_err() {
+                break;
+            }
+        }
+        let end = nc("ending a group", nccl::group_end).map(|_| ());
+        res.and(end)?;
+        Ok(())
     }
 }
 
