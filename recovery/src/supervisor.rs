@@ -92,6 +92,8 @@ pub struct RestoreSummary {
     pub bytes_from_peers: u64,
     /// Stored bytes read from the store.
     pub bytes_from_store: u64,
+    /// Stored bytes read from the job's local tier.
+    pub bytes_from_local: u64,
     /// Seconds of the slowest rank.
     pub slowest_s: f64,
 }
@@ -116,6 +118,7 @@ pub fn restore_summaries(events: &[Logged<LogEvent>], base: u64) -> Vec<RestoreS
         s.bytes += e.bytes;
         s.bytes_from_peers += e.bytes_from_peers;
         s.bytes_from_store += e.bytes_from_store;
+        s.bytes_from_local += e.bytes_from_local;
         s.slowest_s = s.slowest_s.max(e.seconds);
     }
     by.into_values().collect()
@@ -511,7 +514,7 @@ mod tests {
         let ev = vec![
             json!({"kind": "restore", "generation": 3, "step": 4, "bytes": 9, "bytes_from_peers": 9, "bytes_from_store": 0, "seconds": 0.5}),
             json!({"kind": "restore", "generation": 4, "step": 8, "bytes": 10, "bytes_from_peers": 6, "bytes_from_store": 5, "seconds": 0.25}),
-            json!({"kind": "restore", "generation": 4, "step": 8, "bytes": 10, "bytes_from_peers": 0, "bytes_from_store": 11, "seconds": 1.5}),
+            json!({"kind": "restore", "generation": 4, "step": 8, "bytes": 10, "bytes_from_peers": 0, "bytes_from_store": 11, "bytes_from_local": 7, "seconds": 1.5}),
             json!({"kind": "spike", "generation": 4}),
             json!({"kind": "restore", "generation": 5, "step": 12, "bytes": 1}),
         ];
@@ -526,6 +529,7 @@ mod tests {
                 bytes: 20,
                 bytes_from_peers: 6,
                 bytes_from_store: 16,
+                bytes_from_local: 7,
                 slowest_s: 1.5,
             }
         );

@@ -14,8 +14,8 @@ use ckpt_recovery::{JobOptions, Topology};
 use ckpt_store::ErrorKind;
 use serde::Serialize;
 
-use super::resume::{RestartArgs, ResumeOutput};
 use super::shared::parse::duration;
+use super::shared::supervision::{RestartArgs, ResumeOutput};
 use super::{CliError, Report, Result, Ui};
 
 /// Arguments of `ckpt agent`.

@@ -11,7 +11,8 @@
 //! - `fmt.rs`: sizes, times, names and tables as text;
 //! - `progress.rs`: [`Ui`](progress::Ui), progress bars on stderr;
 //! - `output.rs`: [`Report`](output::Report), the one way to stdout (a closed pipe ends a
-//!   command quietly).
+//!   command quietly);
+//! - `supervision.rs`: the restart flags and the report of `ckpt resume` and `ckpt agent`.
 
 pub mod error;
 pub mod fmt;
@@ -19,6 +20,7 @@ pub mod output;
 pub mod parse;
 pub mod progress;
 pub mod store;
+pub mod supervision;
 pub mod values;
 
 pub use store::{all_manifests, no_such_run, open_store, readable_manifests, resolve};
