@@ -1562,7 +1562,7 @@ fn main() {
         _ => {
             eprintln!(
                 "usage: ckpt-bench limits|store|train|startup|recovery|peers|faults|goodput|scale|versions|governor|delta|restore|sentinel|tiers --dir DIR [--gib N] [--params N] [--mib N] [--steps N] [--no-background-prefault] [--budgets 0.05,0.1,off] [--every N] [--saves N]\n       \
-                 ckpt-bench goodput --dir DIR [--minutes M | --steps N] [--mtbf S] [--seed X] [--step-ms MS] [--params P] [--repair S] [--every K] [--keep-last N|all] [--gc-every S|off] [--policies a,b,c]"
+                 ckpt-bench goodput --dir DIR [--minutes M | --steps N] [--mtbf S] [--seed X] [--step-ms MS] [--params P] [--repair S] [--every K] [--keep-last N|all] [--gc-every S|off] [--policies a,b,c,d]"
             );
             std::process::exit(2);
         }

@@ -6,7 +6,10 @@
 //! - `baseline`: no failures, everything on (peer replicas, automatic interval);
 //! - `all_on` (a): peer replicas and `--ckpt-every auto`;
 //! - `store_fixed` (b): no peer replicas (every restore reads the store), a fixed interval;
-//! - `peers_fixed` (c): peer replicas with a fixed interval.
+//! - `peers_fixed` (c): peer replicas with a fixed interval;
+//! - `tiered` (d): a local tier (`--local-tier`, issue 28) and the automatic interval, no peer
+//!   replicas: saves commit on the machine's disk and drain to the store behind, restores read
+//!   the tier first; a damaged disk is the local tier's.
 //!
 //! Failures ([`FailureKind`]) come at exponentially distributed intervals of mean `mtbf`,
 //! kinds in a random order that uses each kind once per four failures (so a short run sees
@@ -60,15 +63,18 @@ pub enum Policy {
     StoreFixed,
     /// (c) Peer replicas, a fixed interval.
     PeersFixed,
+    /// (d) A local tier drained to the store, the automatic interval, no peer replicas.
+    Tiered,
 }
 
 impl Policy {
     /// Every policy, the baseline first.
-    pub const ALL: [Policy; 4] = [
+    pub const ALL: [Policy; 5] = [
         Policy::Baseline,
         Policy::AllOn,
         Policy::StoreFixed,
         Policy::PeersFixed,
+        Policy::Tiered,
     ];
 
     /// Its name in the JSON lines.
@@ -78,6 +84,7 @@ impl Policy {
             Policy::AllOn => "all_on",
             Policy::StoreFixed => "store_fixed",
             Policy::PeersFixed => "peers_fixed",
+            Policy::Tiered => "tiered",
         }
     }
 
@@ -88,18 +95,25 @@ impl Policy {
             "all_on" | "a" => Ok(Policy::AllOn),
             "store_fixed" | "b" => Ok(Policy::StoreFixed),
             "peers_fixed" | "c" => Ok(Policy::PeersFixed),
+            "tiered" | "d" => Ok(Policy::Tiered),
             _ => Err(format!(
-                "unknown policy {s:?}: baseline, all_on (a), store_fixed (b) or peers_fixed (c)"
+                "unknown policy {s:?}: baseline, all_on (a), store_fixed (b), peers_fixed (c) \
+                 or tiered (d)"
             )),
         }
     }
 
     pub(crate) fn peers(self) -> bool {
-        self != Policy::StoreFixed
+        !matches!(self, Policy::StoreFixed | Policy::Tiered)
     }
 
     pub(crate) fn auto_interval(self) -> bool {
-        matches!(self, Policy::Baseline | Policy::AllOn)
+        matches!(self, Policy::Baseline | Policy::AllOn | Policy::Tiered)
+    }
+
+    /// Whether the job has a local tier (`<policy dir>/tier`).
+    pub(crate) fn local_tier(self) -> bool {
+        self == Policy::Tiered
     }
 
     pub(crate) fn failures(self) -> bool {
@@ -315,6 +329,8 @@ pub struct PolicyResult {
     pub bytes_from_peers: u64,
     /// Restored bytes read from the store.
     pub bytes_from_store: u64,
+    /// Bytes the restores read from the local tier (the `tiered` policy).
+    pub bytes_from_local: u64,
     /// Steps seen committed during the run that are no longer committed at the end and were
     /// not retired as damaged by an injected failure: must be empty.
     pub committed_lost: Vec<u64>,
@@ -368,6 +384,7 @@ impl PolicyResult {
             "mean_failure_to_step_s": self.mean_failure_to_step_s,
             "bytes_from_peers": self.bytes_from_peers,
             "bytes_from_store": self.bytes_from_store,
+            "bytes_from_local": self.bytes_from_local,
             "final_digest_equal": self.digest_equal,
             "ok": self.ok,
             "reason": self.reason,

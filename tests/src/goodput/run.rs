@@ -33,6 +33,13 @@ pub(super) fn run_policy(
         .build()
         .map_err(|e| format!("a runtime: {e}"))?;
     let st = ckpt_store::open(&store.display().to_string()).map_err(|e| e.to_string())?;
+    // The disk a damaged-disk failure damages: the local tier where the job has one.
+    let disk = match policy.local_tier() {
+        true => {
+            ckpt_store::open(&dir.join("tier").display().to_string()).map_err(|e| e.to_string())?
+        }
+        false => st.clone(),
+    };
     let t0 = Instant::now();
     let mut child: Child = cmd
         .spawn()
@@ -51,7 +58,7 @@ pub(super) fn run_policy(
             timed_out = true;
             break;
         }
-        watch.poll(&rt, &st);
+        watch.poll(&rt, &st, &disk);
         std::thread::sleep(Duration::from_millis(50));
     }
     let wall_s = t0.elapsed().as_secs_f64();
@@ -65,7 +72,11 @@ pub(super) fn run_policy(
         leftover,
         gc_runs,
     };
-    outcome(opts, want, &rt, &st, watch, ran)
+    let tiers: Vec<&ckpt_store::Store> = match policy.local_tier() {
+        true => vec![&st, &disk],
+        false => vec![&st],
+    };
+    outcome(opts, want, &rt, &tiers, watch, ran)
 }
 
 /// `ckpt resume` of the policy's job, its report to `resume.json`, its errors to `resume.err`.
@@ -97,6 +108,9 @@ fn resume_command(
         .args(["--repair-after", &ms(opts.repair)]);
     if policy.peers() {
         cmd.arg("--peer-replicas");
+    }
+    if policy.local_tier() {
+        cmd.arg("--local-tier").arg(dir.join("tier"));
     }
     cmd.arg("--logs")
         .arg(dir.join("logs"))
@@ -158,8 +172,14 @@ impl Watch {
         }
     }
 
-    /// One look: the committed steps (every 500 ms), memory (every second), a failure when due.
-    fn poll(&mut self, rt: &tokio::runtime::Runtime, st: &ckpt_store::Store) {
+    /// One look: the committed steps (every 500 ms; the store's: remote-durable under a local
+    /// tier), memory (every second), a failure when due (a damaged disk is `disk`).
+    fn poll(
+        &mut self,
+        rt: &tokio::runtime::Runtime,
+        st: &ckpt_store::Store,
+        disk: &ckpt_store::Store,
+    ) {
         if self.last_poll.elapsed() >= Duration::from_millis(500) {
             self.last_poll = Instant::now();
             if let Ok(s) = rt.block_on(st.committed_steps(RUN)) {
@@ -179,7 +199,7 @@ impl Watch {
                 self.first_rank = Some(Instant::now());
             }
             if due {
-                self.inject_due(rt, st, live);
+                self.inject_due(rt, disk, live);
             }
         }
     }
@@ -204,11 +224,12 @@ impl Watch {
         }
     }
 
-    /// Inject the scheduled failure into the newest generation, one per generation.
+    /// Inject the scheduled failure into the newest generation, one per generation (a
+    /// damaged disk damages `disk`).
     fn inject_due(
         &mut self,
         rt: &tokio::runtime::Runtime,
-        st: &ckpt_store::Store,
+        disk: &ckpt_store::Store,
         live: Vec<RankProc>,
     ) {
         let newest = live.iter().map(|r| r.generation).max();
@@ -221,7 +242,7 @@ impl Watch {
         let at_s = self.t0.elapsed().as_secs_f64();
         let inj = inject(
             rt,
-            st,
+            disk,
             &self.tag,
             kind,
             &gen_live,
@@ -270,14 +291,16 @@ struct Ran {
 }
 
 /// The report, the recovery log and the store after the run, made into the policy's result.
+/// `tiers`: the store, then the local tier if the job has one (both must verify clean).
 fn outcome(
     opts: &Options,
     want: &str,
     rt: &tokio::runtime::Runtime,
-    st: &ckpt_store::Store,
+    tiers: &[&ckpt_store::Store],
     watch: Watch,
     ran: Ran,
 ) -> Result<PolicyResult, String> {
+    let st = tiers[0];
     let Watch {
         mut injections,
         seen,
@@ -328,9 +351,10 @@ fn outcome(
         .filter_map(|r| r["step"].as_u64())
         .collect();
     let committed_lost = committed_lost(opts, rt, st, &seen, &injections, &unusable)?;
-    let verify_clean = rt
-        .block_on(st.verify(&VerifyScope::Run(RUN.into()), None))
-        .is_ok_and(|v| v.is_clean());
+    let verify_clean = tiers.iter().all(|t| {
+        rt.block_on(t.verify(&VerifyScope::Run(RUN.into()), None))
+            .is_ok_and(|v| v.is_clean())
+    });
     let plot = plot(opts, &ran.dir);
     Ok(PolicyResult {
         policy: ran.policy,
@@ -348,6 +372,7 @@ fn outcome(
         mean_failure_to_step_s,
         bytes_from_peers: sum("bytes_from_peers"),
         bytes_from_store: sum("bytes_from_store"),
+        bytes_from_local: sum("bytes_from_local"),
         committed_lost,
         unusable,
         verify_clean,
