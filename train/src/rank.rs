@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use ckpt_recovery::records::Metric;
+use ckpt_recovery::records::{self, Metric};
 use ckpt_recovery::{HeartbeatClient, RankEnv};
 use ckpt_store::{Error, ErrorKind, Result};
 use parking_lot::Mutex;
@@ -397,7 +397,10 @@ impl RankLoop<'_> {
         emit_persists(sh, &mut self.mgr);
         let health = self.mgr.store_health();
         if health != Default::default() {
-            sh.emit(&Metric::StoreHealth(health.record(rank)));
+            sh.emit(&Metric::StoreHealth(records::StoreHealth {
+                rank,
+                counts: health,
+            }));
         }
         if rank == 0 || sh.world_threads == 1 {
             let mut out = sh.outcome.lock();

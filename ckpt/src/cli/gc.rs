@@ -25,7 +25,9 @@ use super::{CliError, Report, Result, Ui};
 /// Shortest grace period accepted without `--force`.
 pub const MIN_GRACE: Duration = Duration::from_secs(60);
 
-/// Arguments of `ckpt gc`.
+/// Arguments of `ckpt gc`: what a person types (durations as text, `--protect RUN@STEP`
+/// resolved against the store, `--force`, `--no-sweep`), turned into the store's
+/// [`GcOptions`] with `From`; the defaults are read from those options, not written twice.
 #[derive(Debug, Clone, clap::Args)]
 pub struct GcArgs {
     /// Keep the newest N committed steps of each run (the newest is always kept).

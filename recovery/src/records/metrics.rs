@@ -143,13 +143,23 @@ fn counters_only<'de, D: Deserializer<'de>>(
 pub struct StoreHealth {
     /// The rank.
     pub rank: u32,
+    /// What its checkpoints met.
+    #[serde(flatten)]
+    pub counts: StoreHealthCounts,
+}
+
+/// How checkpointing fared against a failing store (a manager's `store_health()`, and the
+/// figures of the `store_health` record).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct StoreHealthCounts {
     /// Saves that failed in the store.
     pub failed: u64,
-    /// Due checkpoints skipped while it was down.
+    /// Due checkpoints skipped while the store was down.
     pub skipped: u64,
-    /// Times checkpoints resumed after it came back.
+    /// Times checkpointing resumed after the store came back.
     pub resumed: u64,
-    /// Whether it was down at the end.
+    /// Whether the store is down (now; in the record, at the end).
     pub down: bool,
 }
 

@@ -34,7 +34,7 @@ mod tiers;
 
 pub use metrics::{
     CheckpointFailed, CheckpointMetrics, CheckpointSkipped, Curve, Final, PersistMetrics,
-    StepMetrics, StoreCounters, StoreHealth,
+    StepMetrics, StoreCounters, StoreHealth, StoreHealthCounts,
 };
 pub use rank_events::{
     CheckpointInterval, CheckpointsResumed, PersistRate, Restore, RestoreFailed, Rollback,

@@ -9,31 +9,9 @@ use tracing::{info, warn};
 use super::events::EventLog;
 use crate::save::{SaveHandle, Stage, runtime};
 
-/// How checkpointing fared against a failing store ([`super::CheckpointManager::store_health`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
-pub struct StoreHealth {
-    /// Saves that failed in the store.
-    pub failed: u64,
-    /// Due checkpoints skipped while the store was down.
-    pub skipped: u64,
-    /// Times checkpointing resumed after the store came back.
-    pub resumed: u64,
-    /// Whether the store is down now (the last save failed and no probe answered since).
-    pub down: bool,
-}
-
-impl StoreHealth {
-    /// Rank `rank`'s `store_health` record of the metrics log.
-    pub fn record(&self, rank: u32) -> records::StoreHealth {
-        records::StoreHealth {
-            rank,
-            failed: self.failed,
-            skipped: self.skipped,
-            resumed: self.resumed,
-            down: self.down,
-        }
-    }
-}
+/// How checkpointing fared against a failing store ([`super::CheckpointManager::store_health`]);
+/// the figures of the `store_health` record.
+pub type StoreHealth = records::StoreHealthCounts;
 
 /// Errors of a store that may come back: worth skipping a checkpoint for, not stopping.
 pub(crate) fn store_failure(kind: ErrorKind) -> bool {
@@ -267,8 +245,12 @@ mod tests {
         }
         let s = h.snapshot();
         assert_eq!((s.skipped, s.resumed, s.down), (1, 1, false));
-        let r = s.record(4);
-        assert_eq!((r.rank, r.skipped, r.resumed, r.down), (4, 1, 1, false));
+        // The record is flat, as it always was: the rank beside the counts.
+        let r = serde_json::to_value(records::StoreHealth { rank: 4, counts: s }).unwrap();
+        assert_eq!(
+            r,
+            serde_json::json!({"rank": 4, "failed": s.failed, "skipped": 1, "resumed": 1, "down": false})
+        );
         let logged: Vec<_> = runtime()
             .block_on(records::read_records::<Event>(&store, "r"))
             .unwrap()

@@ -64,7 +64,11 @@ impl std::fmt::Display for SaveFailure {
     }
 }
 
-/// Figures of one save.
+/// Figures of one save, as the saving process sees them. Its log record is
+/// [`CheckpointMetrics`] (converted with `From`): two types because the record is a stable
+/// file format read by other versions and tools (`ckpt plot`, the supervisor), while this
+/// report also carries what only the process has (the replica comparison, the shards'
+/// digests, the bytes checked) and may grow with the API.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct SaveReport {
     /// Step.
