@@ -1414,21 +1414,25 @@ async fn a_sweep_lock_of_a_gone_process_of_this_machine_holds_nothing_back(b: Ba
             .unwrap();
         lock
     };
+    // A save's wait for the sweep locks.
+    let save = || async move {
+        let t0 = std::time::Instant::now();
+        let l = store
+            .lease_dedup_base("gone", &writer_id(0, 0), &[])
+            .await
+            .unwrap();
+        store.release_lease(l).await.unwrap();
+        t0.elapsed()
+    };
     // A process that ended (reaped): its pid names nobody now.
     let mut gone = std::process::Command::new("true").spawn().unwrap();
     let pid = gone.id();
     gone.wait().unwrap();
     let lock = put(format!("h{host}-rank-000000-g0-p{pid}-1-0-0")).await;
-    let t0 = std::time::Instant::now();
-    let l = store
-        .lease_dedup_base("gone", &writer_id(0, 0), &[])
-        .await
-        .unwrap();
-    store.release_lease(l).await.unwrap();
+    let waited = save().await;
     assert!(
-        t0.elapsed() < lapse,
-        "a save waited {:?} for the lock of a process that is gone",
-        t0.elapsed()
+        waited < lapse,
+        "a save waited {waited:?} for the lock of a process that is gone"
     );
     assert!(
         !store.exists(&lock).await.unwrap(),
@@ -1441,16 +1445,10 @@ async fn a_sweep_lock_of_a_gone_process_of_this_machine_holds_nothing_back(b: Ba
         std::process::id()
     ))
     .await;
-    let t0 = std::time::Instant::now();
-    let l = store
-        .lease_dedup_base("gone", &writer_id(0, 0), &[])
-        .await
-        .unwrap();
-    store.release_lease(l).await.unwrap();
+    let waited = save().await;
     assert!(
-        t0.elapsed() < lapse,
-        "a save waited {:?} for a lock this process no longer holds",
-        t0.elapsed()
+        waited < lapse,
+        "a save waited {waited:?} for a lock this process no longer holds"
     );
     assert!(!store.exists(&lock).await.unwrap());
     // A live process of this machine (a child sleeping), or one of another machine: waited for
@@ -1464,17 +1462,8 @@ async fn a_sweep_lock_of_a_gone_process_of_this_machine_holds_nothing_back(b: Ba
         format!("h000000000000{}-rank-000000-g0-p{pid}-1-0-0", 1),
     ] {
         let lock = put(name).await;
-        let t0 = std::time::Instant::now();
-        let l = store
-            .lease_dedup_base("gone", &writer_id(0, 0), &[])
-            .await
-            .unwrap();
-        store.release_lease(l).await.unwrap();
-        assert!(
-            t0.elapsed() >= lapse,
-            "{lock}: waited only {:?}",
-            t0.elapsed()
-        );
+        let waited = save().await;
+        assert!(waited >= lapse, "{lock}: waited only {waited:?}");
     }
     let _ = alive.kill();
     let _ = alive.wait();
