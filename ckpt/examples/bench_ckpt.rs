@@ -76,7 +76,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .write_rank(&w, shards, vec![], &DedupIndex::new())
                 .await?;
         }
-        store.commit_step(run, step).await?;
+        store.log().commit_step(run, step).await?;
         eprintln!(
             "wrote {run}@{step}: {} tensors, {:.2} GiB over {ranks} ranks in {:.1} s",
             n,

@@ -415,7 +415,7 @@ async fn verify_finds_a_flipped_byte_and_names_the_tensor(env: Env) {
     let shard = m.written_shard(&t.name, &t.shards[0].bbox).unwrap();
     let c = &shard.chunks[0];
     assert!(c.pack.is_none(), "a 4 KiB shard is its own chunk object");
-    let key = env.store.object_of(c).to_string();
+    let key = env.store.keys().object_of(c).to_string();
     let file = env.object_file(&key);
     let mut bytes = std::fs::read(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
     *bytes.last_mut().unwrap() ^= 0x40;
@@ -488,6 +488,7 @@ async fn gc_keeps_what_retention_keeps_and_what_a_pending_save_needs(env: Env) {
         .collect();
     let put = env
         .store
+        .chunks()
         .put_chunks(futures::stream::iter(pending), &DedupIndex::new())
         .await
         .unwrap();
@@ -503,7 +504,7 @@ async fn gc_keeps_what_retention_keeps_and_what_a_pending_save_needs(env: Env) {
         serde_json::json!([["train", 10], ["train", 20]])
     );
     assert_eq!(
-        env.store.committed_steps("train").await.unwrap(),
+        env.store.log().committed_steps("train").await.unwrap(),
         [10, 20, 30, 40]
     );
     // A grace under a minute needs --force.
@@ -521,7 +522,7 @@ async fn gc_keeps_what_retention_keeps_and_what_a_pending_save_needs(env: Env) {
     let out = gc(&env.store, &args, now(), &q()).await.unwrap();
     assert_eq!(out.report.steps_deleted, [("train".to_string(), 20)]);
     assert_eq!(
-        env.store.committed_steps("train").await.unwrap(),
+        env.store.log().committed_steps("train").await.unwrap(),
         [10, 30, 40]
     );
     // Everything is young: nothing swept; the pending save keeps its step and its chunks.
@@ -533,6 +534,7 @@ async fn gc_keeps_what_retention_keeps_and_what_a_pending_save_needs(env: Env) {
     assert_eq!(out.report.incomplete_deleted, []);
     assert!(
         env.store
+            .log()
             .list_steps("train")
             .await
             .unwrap()
@@ -541,7 +543,7 @@ async fn gc_keeps_what_retention_keeps_and_what_a_pending_save_needs(env: Env) {
     );
     for r in &put.refs {
         assert!(
-            env.store.get_chunk(r).await.is_ok(),
+            env.store.chunks().get_chunk(r).await.is_ok(),
             "a pending chunk survived gc"
         );
     }
@@ -549,7 +551,7 @@ async fn gc_keeps_what_retention_keeps_and_what_a_pending_save_needs(env: Env) {
     for rank in 1..4 {
         save_rank(&env.store, "train", 50, rank, true, &index).await;
     }
-    env.store.commit_step("train", 50).await.unwrap();
+    env.store.log().commit_step("train", 50).await.unwrap();
 
     // Two hours later (grace 1 h): retention drops 10 and 30, the sweep frees their chunks,
     // step 20's and the loose ones.
@@ -572,7 +574,7 @@ async fn gc_keeps_what_retention_keeps_and_what_a_pending_save_needs(env: Env) {
     assert!(out.report.objects_deleted > 0 && out.report.bytes_freed > 0);
     for r in &put.refs {
         assert!(
-            env.store.get_chunk(r).await.is_err(),
+            env.store.chunks().get_chunk(r).await.is_err(),
             "an unreferenced old chunk was swept"
         );
     }

@@ -52,7 +52,7 @@ async fn wide_run(env: &Env, run: &str, steps: u64) {
             .write_rank(&w, shards, vec![], &index)
             .await
             .unwrap();
-        env.store.commit_step(run, step).await.unwrap();
+        env.store.log().commit_step(run, step).await.unwrap();
     }
 }
 

@@ -531,10 +531,10 @@ proptest! {
             .expect("a log part")
             .unwrap()
             .location;
-        let orig = rt.block_on(store.get_object(&key)).unwrap().to_vec();
+        let orig = rt.block_on(store.objects().get_object(&key)).unwrap().to_vec();
         let mut part = if use_raw { raw } else { orig.clone() };
         apply(&mut part, &muts);
-        rt.block_on(store.put_object(&key, vec![part.clone().into()], ckpt_store::object_store::PutMode::Overwrite)).unwrap();
+        rt.block_on(store.objects().put_object(&key, vec![part.clone().into()], ckpt_store::object_store::PutMode::Overwrite)).unwrap();
         let (got, biggest) = biggest_alloc(|| rt.block_on(ckpt_store::logs::read_log(&store, "r", ckpt_store::logs::EVENTS)));
         prop_assert!(biggest <= justified(part.len()));
         let got = got.unwrap();

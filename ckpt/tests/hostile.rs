@@ -298,7 +298,7 @@ async fn hostile_names_never_leave_out_or_reach_the_terminal(env: Env) {
         .write_rank(&w, shards, vec![], &DedupIndex::new())
         .await
         .unwrap();
-    env.store.commit_step("evil", 1).await.unwrap();
+    env.store.log().commit_step("evil", 1).await.unwrap();
 
     let parent = tmp();
     let out = parent.path().join("out");
@@ -386,7 +386,7 @@ async fn hostile_names_never_leave_out_or_reach_the_terminal(env: Env) {
         .write_rank(&w, vec![shard], vec![], &DedupIndex::new())
         .await
         .unwrap();
-    env.store.commit_step("evil", 2).await.unwrap();
+    env.store.log().commit_step("evil", 2).await.unwrap();
     let meta_out = parent.path().join("meta");
     let r = env
         .ckpt(&["export", "evil@2", "--out", meta_out.to_str().unwrap()])

@@ -62,10 +62,10 @@ fn train_with_failing_saves(store: &ckpt_store::Store, run: &str) {
 fn a_run_whose_saves_failed_says_why_it_has_no_step() {
     let env = local();
     train_with_failing_saves(&env.store, "q");
-    let steps = runtime().block_on(env.store.list_steps("q")).unwrap();
+    let steps = runtime().block_on(env.store.log().list_steps("q")).unwrap();
     assert!(steps.is_empty(), "no step object: {steps:?}");
     assert_eq!(
-        runtime().block_on(env.store.list_runs()).unwrap(),
+        runtime().block_on(env.store.log().list_runs()).unwrap(),
         ["q"],
         "the run is there, by its logs"
     );

@@ -89,7 +89,7 @@ async fn save(
             .write_rank(&w, shards, vec![], &DedupIndex::new())
             .await?;
     }
-    store.commit_step(run, step).await?;
+    store.log().commit_step(run, step).await?;
     Ok(())
 }
 

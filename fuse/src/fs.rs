@@ -296,7 +296,7 @@ impl CkptFs {
         {
             return Ok(t.v.clone());
         }
-        let runs = Arc::new(self.store.list_runs().await?);
+        let runs = Arc::new(self.store.log().list_runs().await?);
         *self.runs.lock() = Some(Timed {
             at: Instant::now(),
             v: runs.clone(),
@@ -310,7 +310,7 @@ impl CkptFs {
         {
             return Ok(t.v.clone());
         }
-        let steps = self.store.list_steps(run).await?;
+        let steps = self.store.log().list_steps(run).await?;
         let committed: Vec<_> = steps.iter().filter(|s| s.committed).collect();
         let mtime = committed
             .iter()

@@ -285,7 +285,7 @@ pub fn spawn_mount(store: Store, opts: &MountOptions) -> Result<MountHandle> {
     // A store that cannot be listed would only show up as EIO on `ls`: say so now. (On a
     // thread of its own, so that a caller inside an async runtime may mount too.)
     std::thread::scope(|s| {
-        s.spawn(|| runtime.block_on(store.list_runs()))
+        s.spawn(|| runtime.block_on(store.log().list_runs()))
             .join()
             .unwrap_or_else(|_| Err(Error::internal("listing the store panicked")))
     })

@@ -456,7 +456,7 @@ impl StepState {
 
     fn damaged(&self, store: &Store, f: &Fetch, e: Error) -> Error {
         let c = self.commit();
-        let object = store.object_of(&f.chunk);
+        let object = store.keys().object_of(&f.chunk);
         let item = match f.what {
             What::Tensor(t) => format!("tensor {:?} (shard of rank {})", c.tensors[t].name, f.rank),
             What::Blob(b) => format!("blob {:?} of rank {}", c.blobs[b].name, f.rank),

@@ -653,7 +653,7 @@ async fn delta_chunks_read_through_the_mount() {
             .write_rank(&w, vec![shard], vec![], &index)
             .await
             .unwrap();
-        store.commit_step("d", step).await.unwrap();
+        store.log().commit_step("d", step).await.unwrap();
         base.seed_manifest(&m);
         if step > 1 {
             assert!(

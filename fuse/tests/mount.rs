@@ -821,7 +821,7 @@ fn damaged_commit_record_or_manifest_is_eio_never_wrong_bytes() {
     let commit = ts.store.keys().commit("train", 2);
     let manifest = ts.store.keys().rank_manifest("train", 2, 1);
     for key in [commit, manifest] {
-        let orig = rt.block_on(ts.store.get_object(&key)).unwrap();
+        let orig = rt.block_on(ts.store.objects().get_object(&key)).unwrap();
         // The first shape's digits, the middle and the end of the object.
         let shape = orig
             .windows(8)

@@ -212,17 +212,17 @@ impl Store {
 
     /// The committed steps of `run`, oldest first.
     fn committed_steps(&self, py: Python<'_>, run: &str) -> PyResult<Vec<u64>> {
-        block(py, self.store.committed_steps(run))
+        block(py, self.store.log().committed_steps(run))
     }
 
     /// The newest committed step of `run`, or None.
     fn latest_committed(&self, py: Python<'_>, run: &str) -> PyResult<Option<u64>> {
-        block(py, self.store.latest_committed(run))
+        block(py, self.store.log().latest_committed(run))
     }
 
     /// The newest generation started for `run` (0 when none was).
     fn generation(&self, py: Python<'_>, run: &str) -> PyResult<u64> {
-        Ok(block(py, self.store.newest_generation(run))?.unwrap_or(0))
+        Ok(block(py, self.store.log().newest_generation(run))?.unwrap_or(0))
     }
 
     /// Start `rank`'s part of `step` of `run` in a world of `world` ranks. Takes a writer
@@ -252,12 +252,14 @@ impl Store {
         let run = run.to_string();
         let (lease, index) = block(py, async move {
             let base = store
+                .log()
                 .committed_steps(&run)
                 .await?
                 .into_iter()
                 .rfind(|&s| s < step);
             let candidates: Vec<u64> = base.into_iter().collect();
             let lease = store
+                .gc()
                 .lease_dedup_base(&run, &writer_id(rank, generation), &candidates)
                 .await?;
             let index = DedupIndex::new();
@@ -273,7 +275,7 @@ impl Store {
                 }
                 .await;
                 if let Err(e) = seeded {
-                    let _ = store.release_lease(lease).await;
+                    let _ = store.gc().release_lease(lease).await;
                     return Err(e);
                 }
             }
@@ -297,7 +299,7 @@ impl Store {
         step: u64,
         generation: Option<u64>,
     ) -> PyResult<String> {
-        let outcome = block(py, self.store.commit_step_as(run, step, generation))?;
+        let outcome = block(py, self.store.log().commit_step_as(run, step, generation))?;
         Ok(match outcome {
             ckpt_store::CommitOutcome::Committed(_, id) => id.to_string(),
             ckpt_store::CommitOutcome::AlreadyCommitted(_, id) => id.to_string(),
@@ -363,7 +365,7 @@ impl Store {
                     protect: vec![(run_s.clone(), step)],
                     ..Default::default()
                 };
-                local.gc(&gc, local.now()).await?;
+                local.gc().run(&gc, local.now()).await?;
             }
             Ok::<_, Error>(r)
         })?;
@@ -380,7 +382,7 @@ impl Store {
     /// The steps of `run` this store (a local tier) holds drain markers for: committed here,
     /// not yet (known to be) committed on the remote store.
     fn pending_drains(&self, py: Python<'_>, run: &str) -> PyResult<Vec<u64>> {
-        let m = block(py, self.store.pending_drains(run))?;
+        let m = block(py, self.store.log().pending_drains(run))?;
         Ok(m.into_iter().map(|m| m.step).collect())
     }
 }
@@ -481,7 +483,7 @@ impl RankWriter {
         let stats = block(py, async move {
             let res = store.write_rank_parts(parts).await;
             if let Some(l) = lease {
-                store.release_lease(l).await?;
+                store.gc().release_lease(l).await?;
             }
             res.map(|(_, _, s)| s)
         })?;
@@ -496,7 +498,7 @@ impl Drop for RankWriter {
         if let Some(l) = self.lease.lock().take() {
             let store = self.store.clone();
             runtime().spawn(async move {
-                let _ = store.release_lease(l).await;
+                let _ = store.gc().release_lease(l).await;
             });
         }
     }

@@ -77,7 +77,13 @@ pub async fn choose_step(
     let mut out = Chosen::default();
     let mut committed: Vec<(u64, usize)> = Vec::new();
     for (i, t) in tiers.iter().enumerate() {
-        committed.extend(t.committed_steps(run).await?.into_iter().map(|s| (s, i)));
+        committed.extend(
+            t.log()
+                .committed_steps(run)
+                .await?
+                .into_iter()
+                .map(|s| (s, i)),
+        );
     }
     let mut steps: Vec<u64> = committed.iter().map(|c| c.0).collect();
     steps.sort_unstable();
@@ -168,6 +174,7 @@ pub async fn check_step(store: &Store, run: &str, step: u64) -> Result<Option<St
 /// job can save that step again. Its manifests stay (gc sweeps them after its grace period).
 pub async fn retire_step(store: &Store, run: &str, step: u64) -> Result<()> {
     store
+        .objects()
         .delete_all(vec![store.keys().commit(run, step)])
         .await?;
     warn!(
@@ -181,13 +188,14 @@ pub async fn retire_step(store: &Store, run: &str, step: u64) -> Result<()> {
 /// are not in the store.
 async fn step_objects_missing(store: &Store, run: &str, step: u64) -> Result<Vec<String>> {
     let objects: HashSet<_> = store
+        .log()
         .step_chunk_refs(run, step)
         .await?
         .iter()
-        .flat_map(|c| store.chain_objects(c))
+        .flat_map(|c| store.keys().chain_objects(c))
         .collect();
     let mut missing = Vec::new();
-    let checks = futures::future::join_all(objects.iter().map(|p| store.exists(p))).await;
+    let checks = futures::future::join_all(objects.iter().map(|p| store.objects().exists(p))).await;
     for (p, ok) in objects.iter().zip(checks) {
         if !ok? {
             missing.push(p.to_string());
@@ -200,9 +208,13 @@ async fn step_objects_missing(store: &Store, run: &str, step: u64) -> Result<Vec
 /// The first generation number no earlier supervision of `run` used: one past the newest
 /// generation marker and the newest generation that committed a step.
 pub async fn first_free_generation(store: &Store, run: &str) -> Result<u64> {
-    let marked = store.newest_generation(run).await?.map_or(0, |g| g + 1);
-    let committed = match store.latest_committed(run).await? {
-        Some(s) => store.read_commit_root(run, s).await?.0.generation + 1,
+    let marked = store
+        .log()
+        .newest_generation(run)
+        .await?
+        .map_or(0, |g| g + 1);
+    let committed = match store.log().latest_committed(run).await? {
+        Some(s) => store.log().read_commit_root(run, s).await?.0.generation + 1,
         None => 0,
     };
     Ok(marked.max(committed))

@@ -157,7 +157,9 @@ impl Executor {
     /// The tier whose copy of committed `step` counts: the local tier's when it committed it.
     async fn home_of(&self, step: u64) -> Result<&Store> {
         if let Some(l) = &self.local
-            && l.exists(&l.keys().commit(&self.run, step)).await?
+            && l.objects()
+                .exists(&l.keys().commit(&self.run, step))
+                .await?
         {
             return Ok(l);
         }
@@ -168,7 +170,7 @@ impl Executor {
     async fn committed_steps(&self) -> Result<Vec<u64>> {
         let mut all = std::collections::BTreeSet::new();
         for t in self.tiers() {
-            all.extend(t.committed_steps(&self.run).await?);
+            all.extend(t.log().committed_steps(&self.run).await?);
         }
         Ok(all.into_iter().collect())
     }
@@ -344,7 +346,7 @@ impl Executor {
                     break;
                 }
             };
-            let root = match home.read_commit_root(&self.run, step).await {
+            let root = match home.log().read_commit_root(&self.run, step).await {
                 Ok((r, _, _)) => r,
                 Err(e) => {
                     warn!("reading the commit record of step {step}: {e}");

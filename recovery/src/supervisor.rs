@@ -274,10 +274,10 @@ impl Effects for Local {
 
     async fn start(&mut self, ex: &mut Executor, s: Start) -> Result<()> {
         let g = self.base + s.generation;
-        ex.store.start_generation(&ex.run, g).await?;
+        ex.store.log().start_generation(&ex.run, g).await?;
         // The local tier fences older writers of the run too.
         if let Some(l) = &ex.local {
-            match l.start_generation(&ex.run, g).await {
+            match l.log().start_generation(&ex.run, g).await {
                 Err(e) if e.kind() != ckpt_store::ErrorKind::Conflict => return Err(e),
                 _ => {}
             }

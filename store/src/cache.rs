@@ -136,7 +136,8 @@ impl ChunkCache {
     /// The decoded bytes of `r`: from memory, from a fetch in flight, or fetched (and
     /// verified) from `store` now.
     pub async fn get(&self, store: &Store, r: &ChunkRef) -> Result<Bytes> {
-        self.get_or_fetch(r.id, || store.get_chunk(r)).await
+        self.get_or_fetch(r.id, || store.chunks().get_chunk(r))
+            .await
     }
 
     /// The chunk `id`, from the cache or from `fetch` (which must return verified bytes);

@@ -775,7 +775,11 @@ mod tests {
         // Three of four manifests: each poll lists, reads one manifest and checks the fence.
         for _ in 0..3 {
             let m = c.mark();
-            let e = store.commit_step_as("r", 1, Some(0)).await.unwrap_err();
+            let e = store
+                .log()
+                .commit_step_as("r", 1, Some(0))
+                .await
+                .unwrap_err();
             assert_eq!(e.kind(), crate::ErrorKind::Incomplete, "{e}");
             assert!(e.to_string().contains("1 of 4 rank manifests"), "{e}");
             assert!(e.to_string().contains("(ranks 3)"), "{e}");
@@ -785,7 +789,7 @@ mod tests {
         }
         write(3).await;
         let m = c.mark();
-        store.commit_step_as("r", 1, Some(0)).await.unwrap();
+        store.log().commit_step_as("r", 1, Some(0)).await.unwrap();
         // Once all are there: each manifest once (plus the sample), the fence checks, COMMIT.
         let t = c.since(m);
         assert_eq!(t.count(ReqKind::Get), 5, "{t:?}");
@@ -802,11 +806,11 @@ mod tests {
                 save_tiny(&store, "long", step, rank).await;
             }
             if step < 1000 {
-                store.commit_step("long", step).await.unwrap();
+                store.log().commit_step("long", step).await.unwrap();
             }
         }
         let m = c.mark();
-        let steps = store.list_steps_with_records("long").await.unwrap();
+        let steps = store.log().list_steps_with_records("long").await.unwrap();
         let t = c.since(m);
         assert_eq!(steps.len(), 1000);
         assert!(steps[..999].iter().all(|(s, r)| s.committed
@@ -823,7 +827,7 @@ mod tests {
         assert_eq!(t.count(ReqKind::Get), 1000, "{t:?}");
         // The whole listing, for comparison: a page per thousand objects.
         let m = c.mark();
-        assert_eq!(store.list_steps("long").await.unwrap().len(), 1000);
+        assert_eq!(store.log().list_steps("long").await.unwrap().len(), 1000);
         assert_eq!(c.since(m).count(ReqKind::ListPage), 5);
     }
 
@@ -837,7 +841,7 @@ mod tests {
         let mut leases = Vec::new();
         for rank in 0..2500 {
             let w = crate::lease::writer_id(rank, 1);
-            leases.push(store.lease_dedup_base("r", &w, &[]).await.unwrap());
+            leases.push(store.gc().lease_dedup_base("r", &w, &[]).await.unwrap());
         }
         let t = c.since(m);
         // The lease puts spread over 256 prefixes (S3 limits writes per prefix).
@@ -847,21 +851,24 @@ mod tests {
         // GC still sees every lease, and sweeps nothing while they are held.
         let now = store.now();
         let listing = store
+            .gc()
             .list_locks(now, std::time::Duration::from_secs(3600))
             .await
             .unwrap();
         assert_eq!(listing.writers.len(), 2500);
         assert!(
             store
+                .gc()
                 .take_sweep_lock(now, std::time::Duration::from_secs(3600))
                 .await
                 .unwrap()
                 .is_err()
         );
         for l in leases {
-            store.release_lease(l).await.unwrap();
+            store.gc().release_lease(l).await.unwrap();
         }
         let listing = store
+            .gc()
             .list_locks(now, std::time::Duration::from_secs(3600))
             .await
             .unwrap();

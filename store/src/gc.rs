@@ -37,11 +37,12 @@ use parking_lot::Mutex;
 use serde::Serialize;
 use tracing::{debug, info, instrument, warn};
 
-use crate::catalog::StepListing;
+use crate::commit::CommitLog;
+use crate::commit::catalog::StepListing;
 use crate::error::{Error, ErrorKind, Result};
 use crate::keys::StepObject;
 use crate::model::RankManifest;
-use crate::store::Store;
+use crate::store::Objects;
 
 /// What GC should keep and how careful to be.
 #[derive(Debug, Clone)]
@@ -187,10 +188,23 @@ pub fn retained(
     keep
 }
 
-impl Store {
+/// Leases and garbage collection of a store (see the module docs): writers' leases and the
+/// sweep lock (`lease.rs`), retention and the sweep (here). A part of the
+/// [`Store`](crate::Store) handle (`store.gc()`); cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Gc {
+    pub(crate) objects: Objects,
+    pub(crate) log: CommitLog,
+}
+
+impl Gc {
+    pub(crate) fn new(objects: Objects, log: CommitLog) -> Self {
+        Gc { objects, log }
+    }
+
     /// Run retention and sweep (see the module docs). `now` is injectable for tests.
     #[instrument(skip_all, fields(dry_run = opts.dry_run))]
-    pub async fn gc(&self, opts: &GcOptions, now: DateTime<Utc>) -> Result<GcReport> {
+    pub async fn run(&self, opts: &GcOptions, now: DateTime<Utc>) -> Result<GcReport> {
         let mut report = GcReport {
             dry_run: opts.dry_run,
             ..GcReport::default()
@@ -214,10 +228,10 @@ impl Store {
     /// 1. Retention: drop the commit records of the committed steps it does not keep (the
     ///    step then vanishes at once); each run's steps as listed, with those dropped.
     async fn retire_steps(&self, opts: &GcOptions, report: &mut GcReport) -> Result<Dropped> {
-        let runs = self.list_runs().await?;
+        let runs = self.log.list_runs().await?;
         let mut dropped: Dropped = Vec::new();
         for run in &runs {
-            let steps = self.list_steps(run).await?;
+            let steps = self.log.list_steps(run).await?;
             let committed: Vec<u64> = steps
                 .iter()
                 .filter(|s| s.committed)
@@ -226,7 +240,7 @@ impl Store {
             let in_scope = opts.runs.is_empty() || opts.runs.contains(run);
             let mut protect = protected(opts, run);
             // A local tier keeps what is still draining to its remote store (issue 28).
-            protect.extend(self.pending_drains(run).await?.iter().map(|d| d.step));
+            protect.extend(self.log.pending_drains(run).await?.iter().map(|d| d.step));
             let keep = if in_scope {
                 retained(&committed, opts.keep_last, opts.keep_every, &protect)
             } else {
@@ -242,8 +256,11 @@ impl Store {
                 }
             }
             if !opts.dry_run && !doomed.is_empty() {
-                let commits = doomed.iter().map(|&s| self.keys().commit(run, s)).collect();
-                self.delete_all(commits).await?;
+                let commits = doomed
+                    .iter()
+                    .map(|&s| self.objects.keys().commit(run, s))
+                    .collect();
+                self.objects.delete_all(commits).await?;
             }
             dropped.push((run.clone(), doomed, steps));
         }
@@ -311,7 +328,7 @@ impl Store {
     /// it once `lock` drops): try a few times more than the store's own retries first.
     async fn release_sweep_lock(&self, lock: crate::lease::SweepLock) {
         for pause_ms in [100, 400, 1600, 0] {
-            match self.delete_all(vec![lock.path.clone()]).await {
+            match self.objects.delete_all(vec![lock.path.clone()]).await {
                 Ok(()) => return,
                 Err(e) if pause_ms == 0 => {
                     warn!(lock = %lock.path, error = %e, "could not delete the sweep lock");
@@ -338,7 +355,7 @@ impl Store {
         if !opts.sweep || (sweep.is_none() && !opts.dry_run) {
             return Ok(());
         }
-        self.failpoints().hit("before_mark").await?;
+        self.objects.failpoints().hit("before_mark").await?;
         let (live, bases) = self.marked(live_manifests).await?;
         let doomed = self.unreferenced(now, grace, &live, &bases, report).await?;
         if opts.dry_run {
@@ -373,7 +390,7 @@ impl Store {
             let steps = if opts.dry_run {
                 listed
             } else {
-                self.list_steps(&run).await?
+                self.log.list_steps(&run).await?
             };
             let in_scope = opts.runs.is_empty() || opts.runs.contains(&run);
             let protect = protected(opts, &run);
@@ -416,14 +433,17 @@ impl Store {
     ) -> Result<(HashSet<Path>, HashSet<Path>)> {
         let manifests: Vec<Option<RankManifest>> = stream::iter(live_manifests)
             .map(|(run, step, rank)| async move {
-                match self.get_rank_manifest(&run, step, rank).await {
+                match self.log.get_rank_manifest(&run, step, rank).await {
                     Ok((m, _, _)) => Ok(Some(m)),
                     // Another GC dropped the step since it was listed (its commit record
                     // goes first): what it referenced is no longer live. A committed step
                     // without its manifest is damage: nothing is swept.
                     Err(e)
                         if e.kind() == ErrorKind::NotFound
-                            && !self.exists(&self.keys().commit(&run, step)).await? =>
+                            && !self
+                                .objects
+                                .exists(&self.objects.keys().commit(&run, step))
+                                .await? =>
                     {
                         debug!(run, step, rank, "manifest gone with its step: not marked");
                         Ok(None)
@@ -441,7 +461,7 @@ impl Store {
         let mut bases: HashSet<Path> = HashSet::new();
         for m in &manifests {
             for c in m.chunk_refs() {
-                let mut chain = self.chain_objects(c).into_iter();
+                let mut chain = self.objects.keys.chain_objects(c).into_iter();
                 live.extend(chain.next());
                 bases.extend(chain);
             }
@@ -461,12 +481,15 @@ impl Store {
         report: &mut GcReport,
     ) -> Result<Vec<(Path, u64)>> {
         let mut doomed: Vec<(Path, u64)> = Vec::new();
-        for dir in [self.keys().chunks_dir(), self.keys().packs_dir()] {
-            let metas = self.list_all(&dir).await?;
+        for dir in [
+            self.objects.keys().chunks_dir(),
+            self.objects.keys().packs_dir(),
+        ] {
+            let metas = self.objects.list_all(&dir).await?;
             for m in metas {
-                let ours = self.keys().parse_chunk(&m.location).is_some()
-                    || self.keys().parse_delta_chunk(&m.location).is_some()
-                    || self.keys().parse_pack(&m.location).is_some();
+                let ours = self.objects.keys().parse_chunk(&m.location).is_some()
+                    || self.objects.keys().parse_delta_chunk(&m.location).is_some()
+                    || self.objects.keys().parse_pack(&m.location).is_some();
                 if bases.contains(&m.location) {
                     report.objects_kept += 1;
                     report.bytes_kept += m.size;
@@ -500,11 +523,11 @@ impl Store {
     ) -> Result<()> {
         let mut rest = doomed;
         while !rest.is_empty() {
-            self.failpoints().hit("before_sweep_delete").await?;
+            self.objects.failpoints().hit("before_sweep_delete").await?;
             // A GC that could not refresh its lock for half the lapse (paused, or the store
             // refused the writes) may have been taken for dead by a save: stop.
             let stale = sweep.map_or(Duration::ZERO, |f| f.age());
-            if stale >= self.config().sweep_lapse / 2 {
+            if stale >= self.objects.config().sweep_lapse / 2 {
                 report.objects_kept += rest.len() as u64;
                 report.bytes_kept += rest.iter().map(|(_, n)| n).sum::<u64>();
                 report.sweep_deferred = Some(format!(
@@ -512,7 +535,7 @@ impl Store {
                      than {:.1} s for a killed GC's); {} unreferenced object(s) are left for a \
                      later sweep",
                     stale.as_secs_f64(),
-                    self.config().sweep_lapse.as_secs_f64(),
+                    self.objects.config().sweep_lapse.as_secs_f64(),
                     rest.len()
                 ));
                 break;
@@ -529,7 +552,8 @@ impl Store {
                 break;
             }
             let (batch, tail) = rest.split_at(rest.len().min(SWEEP_BATCH));
-            self.delete_all(batch.iter().map(|(p, _)| p.clone()).collect())
+            self.objects
+                .delete_all(batch.iter().map(|(p, _)| p.clone()).collect())
                 .await?;
             report.objects_deleted += batch.len() as u64;
             report.bytes_freed += batch.iter().map(|(_, n)| n).sum::<u64>();
@@ -541,7 +565,7 @@ impl Store {
     /// Write the sweep lock at `path` again every sixth of the lapse, forever (the caller
     /// drops this future when the sweep ends), recording each success in `fresh`.
     async fn keep_sweep_lock_fresh(&self, path: &Path, fresh: &Fresh) -> std::convert::Infallible {
-        let every = self.config().sweep_lapse / 6;
+        let every = self.objects.config().sweep_lapse / 6;
         loop {
             tokio::time::sleep(every).await;
             let t = Instant::now();
@@ -565,7 +589,7 @@ impl Store {
         // A temporary file is a write in progress (a commit record's too, which no lease
         // covers) until it is older than the grace and the lease lapse.
         let in_flight = chrono_of(opts.grace)?.max(chrono_of(opts.lease_lapse)?);
-        for t in self.temp_files().await? {
+        for t in self.objects.temp_files().await? {
             if now - t.modified <= in_flight {
                 report.temp_files_in_grace += 1;
                 continue;
@@ -593,16 +617,16 @@ impl Store {
     /// and record parts.
     pub async fn delete_step(&self, run: &str, step: u64, committed: bool) -> Result<()> {
         if committed {
-            let c = self.keys().commit(run, step);
-            self.delete_all(vec![c]).await?;
+            let c = self.objects.keys().commit(run, step);
+            self.objects.delete_all(vec![c]).await?;
         }
-        let dir = self.keys().step_dir(run, step);
-        let rest: Vec<Path> = (self.list_all(&dir).await?.into_iter())
+        let dir = self.objects.keys().step_dir(run, step);
+        let rest: Vec<Path> = (self.objects.list_all(&dir).await?.into_iter())
             .map(|m| m.location)
             .filter(|p| {
                 // Its manifests and the parts of its split record (format 5).
                 matches!(
-                    self.keys().parse_step_object(p),
+                    self.objects.keys().parse_step_object(p),
                     Some((
                         _,
                         _,
@@ -611,20 +635,7 @@ impl Store {
                 )
             })
             .collect();
-        self.delete_all(rest).await
-    }
-
-    /// Delete objects (missing ones are fine).
-    pub async fn delete_all(&self, paths: Vec<Path>) -> Result<()> {
-        let input = stream::iter(paths.into_iter().map(Ok)).boxed();
-        let mut s = self.object_store().delete_stream(input);
-        while let Some(r) = s.next().await {
-            match r {
-                Ok(_) | Err(object_store::Error::NotFound { .. }) => {}
-                Err(e) => return Err(Error::backend("deleting", &"objects", e)),
-            }
-        }
-        Ok(())
+        self.objects.delete_all(rest).await
     }
 }
 

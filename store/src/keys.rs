@@ -19,6 +19,7 @@ use object_store::path::Path;
 
 use crate::error::{Error, Result};
 use crate::id::{ChunkId, Hash, PackId};
+use crate::model::ChunkRef;
 
 /// The longest run name accepted.
 pub const MAX_RUN_NAME: usize = 128;
@@ -376,6 +377,28 @@ impl Keys {
             }
         }
         Some(parts.collect())
+    }
+
+    /// The object key a chunk reference points at (its chunk object or its pack).
+    pub fn object_of(&self, r: &ChunkRef) -> Path {
+        match (&r.pack, r.bases.first()) {
+            (Some(p), _) => self.pack(p),
+            (None, Some(b)) => self.delta_chunk(&r.id, b),
+            (None, None) => self.chunk(&r.id),
+        }
+    }
+
+    /// Every object reading `r` needs: its own, then its delta bases' (nearest first; the
+    /// last is stored whole). One object for a chunk that is not a delta.
+    pub fn chain_objects(&self, r: &ChunkRef) -> Vec<Path> {
+        let mut out = vec![self.object_of(r)];
+        for (i, b) in r.bases.iter().enumerate() {
+            out.push(match r.bases.get(i + 1) {
+                Some(next) => self.delta_chunk(b, next),
+                None => self.chunk(b),
+            });
+        }
+        out
     }
 }
 

@@ -66,7 +66,7 @@ use tracing::{debug, info, warn};
 use crate::error::{Error, ErrorKind, Result};
 use crate::keys::validate_run;
 use crate::model::{ChunkRef, RankManifest};
-use crate::store::{BaseRegions, DedupIndex, Store};
+use crate::store::{BaseRegions, DedupIndex};
 
 /// How long a writer waits for a GC sweep to end before its save fails.
 pub const SWEEP_WAIT: Duration = Duration::from_secs(120);
@@ -79,7 +79,7 @@ pub const LOCK_LAPSE: Duration = Duration::from_secs(3600);
 /// would otherwise find the previous commit not yet written and deduplicate nothing.
 pub const PENDING_BASE_WAIT: Duration = Duration::from_secs(1);
 
-/// A save in flight: while it exists, no GC sweeps. Release it with [`Store::release_lease`]
+/// A save in flight: while it exists, no GC sweeps. Release it with [`Gc::release_lease`](crate::Gc::release_lease)
 /// once the save's rank manifest is written (or the save failed).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WriterLease {
@@ -226,13 +226,13 @@ pub struct LockListing {
     pub lapsed: Vec<Path>,
 }
 
-impl Store {
+impl crate::gc::Gc {
     /// List `locks/`: what is live at `now` (younger than `lapse`) and what lapsed.
     pub async fn list_locks(&self, now: DateTime<Utc>, lapse: Duration) -> Result<LockListing> {
         let lapse = chrono::Duration::from_std(lapse)
             .map_err(|_| Error::invalid("grace period is too long"))?;
-        let dir = self.keys().locks_dir();
-        let metas = self.list_all(&dir).await?;
+        let dir = self.objects.keys().locks_dir();
+        let metas = self.objects.list_all(&dir).await?;
         Ok(self.sort_locks(metas, now, lapse))
     }
 
@@ -245,8 +245,8 @@ impl Store {
     pub async fn list_sweep_locks(&self, now: DateTime<Utc>) -> Result<LockListing> {
         let lapse = chrono::Duration::from_std(LOCK_LAPSE)
             .map_err(|_| Error::invalid("grace period is too long"))?;
-        let dir = self.keys().locks_dir();
-        let listed = self.list_level(&dir).await?;
+        let dir = self.objects.keys().locks_dir();
+        let listed = self.objects.list_level(&dir).await?;
         Ok(self.sort_locks(listed.objects, now, lapse))
     }
 
@@ -258,7 +258,7 @@ impl Store {
     ) -> LockListing {
         let mut out = LockListing::default();
         for m in metas {
-            let Some(writer) = self.keys().parse_lock(&m.location) else {
+            let Some(writer) = self.objects.keys().parse_lock(&m.location) else {
                 continue;
             };
             if now - m.last_modified > lapse {
@@ -278,7 +278,7 @@ impl Store {
         static WRITES: AtomicU64 = AtomicU64::new(0);
         let mut body = serde_json::to_vec(&serde_json::json!({
             "what": what,
-            "t_ms": self.now().timestamp_millis(),
+            "t_ms": self.objects.now().timestamp_millis(),
             "n": WRITES.fetch_add(1, Ordering::Relaxed),
         }))
         .map_err(|e| Error::internal(e.to_string()))?;
@@ -290,6 +290,7 @@ impl Store {
         let t0 = Instant::now();
         loop {
             match self
+                .objects
                 .put_object(path, vec![body.clone().into()], PutMode::Overwrite)
                 .await
             {
@@ -324,7 +325,7 @@ impl Store {
         candidates: &[u64],
     ) -> Result<WriterLease> {
         validate_run(run)?;
-        let path = self.keys().writer_lock(&fresh(writer));
+        let path = self.objects.keys().writer_lock(&fresh(writer));
         self.put_lock(&path, &format!("save of run {run}"))
             .await
             .map_err(|e| e.context("taking a writer lease"))?;
@@ -344,7 +345,11 @@ impl Store {
                 };
             let mut pause = Duration::from_millis(10);
             loop {
-                match self.exists(&self.keys().commit(run, step)).await {
+                match self
+                    .objects
+                    .exists(&self.objects.keys().commit(run, step))
+                    .await
+                {
                     Ok(true) => {
                         return Ok(WriterLease {
                             base: Some(step),
@@ -372,7 +377,7 @@ impl Store {
     /// Wait while a live GC sweep holds a sweep lock (at most [`SWEEP_WAIT`]); delete a lock
     /// its GC stopped refreshing (see the module docs) and go on.
     async fn wait_for_sweeps(&self, run: &str) -> Result<()> {
-        let lapse = self.config().sweep_lapse;
+        let lapse = self.objects.config().sweep_lapse;
         // A pause of this writer, or a listing, longer than this restarts the watch.
         let watch = lapse / 3;
         let t0 = Instant::now();
@@ -384,7 +389,7 @@ impl Store {
         // When this listing was due: the last one's end plus the pause slept since.
         let mut due: Option<Instant> = None;
         loop {
-            let now = self.now();
+            let now = self.objects.now();
             let start = Instant::now();
             let locks = self.list_sweep_locks(now).await?;
             let end = Instant::now();
@@ -433,7 +438,7 @@ impl Store {
                     "a GC sweep lock was not refreshed within its lapse: its GC is gone; \
                      deleting the lock"
                 );
-                self.delete_all(dead).await?;
+                self.objects.delete_all(dead).await?;
             }
             let Some(sweep) = live else {
                 return Ok(());
@@ -459,7 +464,7 @@ impl Store {
 
     /// End a save's lease (its manifest is written, or it failed).
     pub async fn release_lease(&self, lease: WriterLease) -> Result<()> {
-        self.delete_all(vec![lease.path]).await
+        self.objects.delete_all(vec![lease.path]).await
     }
 
     /// Take a sweep lock for a GC at `now`: `Ok(Some(lock))` when no writer holds a live lease
@@ -469,18 +474,18 @@ impl Store {
         now: DateTime<Utc>,
         lapse: Duration,
     ) -> Result<std::result::Result<SweepLock, Vec<Path>>> {
-        let path = self.keys().sweep_lock(&sweep_lock_name());
+        let path = self.objects.keys().sweep_lock(&sweep_lock_name());
         let lock = SweepLock::new(path.clone());
         self.put_lock(&path, "gc sweep").await?;
         let locks = self.list_locks(now, lapse).await?;
         if !locks.lapsed.is_empty() {
             info!(n = locks.lapsed.len(), "deleting lapsed leases and locks");
-            self.delete_all(locks.lapsed).await?;
+            self.objects.delete_all(locks.lapsed).await?;
         }
         if locks.writers.is_empty() {
             Ok(Ok(lock))
         } else {
-            self.delete_all(vec![path]).await?;
+            self.objects.delete_all(vec![path]).await?;
             Ok(Err(locks.writers))
         }
     }
@@ -490,7 +495,7 @@ impl Store {
 /// restored. The chunks of a save whose commit is not yet known stay *pending* until a lease
 /// finds that step committed; a step whose commit failed never becomes the base.
 ///
-/// Use: [`DedupBase::candidates`], then [`Store::lease_dedup_base`], then
+/// Use: [`DedupBase::candidates`], then [`Gc::lease_dedup_base`](crate::Gc::lease_dedup_base), then
 /// [`DedupBase::pinned`] for the index; release the lease when the save's manifest is written.
 #[derive(Debug, Default, Clone)]
 pub struct DedupBase {

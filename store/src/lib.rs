@@ -20,7 +20,7 @@
 //!     elem: 4,
 //!     base: None,
 //! });
-//! let put = store.put_chunks(stream::iter(chunks.collect::<Vec<_>>()), &index).await?;
+//! let put = store.chunks().put_chunks(stream::iter(chunks.collect::<Vec<_>>()), &index).await?;
 //! let manifest = RankManifest {
 //!     format: ckpt_store::FORMAT_VERSION, run: "demo".into(), step: 1, rank: 0,
 //!     node: None, layout: Layout::SINGLE, generation: 0, created_ms: 0,
@@ -31,8 +31,8 @@
 //!     }],
 //!     blobs: vec![], stats: Default::default(),
 //! };
-//! store.write_rank_manifest(&manifest).await?;
-//! store.commit_step("demo", 1).await?;
+//! store.log().write_rank_manifest(&manifest).await?;
+//! store.log().commit_step("demo", 1).await?;
 //!
 //! let reader = StepReader::open_latest(&store, "demo").await?;
 //! let rows = reader.read("w", &NdBox::new(vec![10, 0], vec![2, 64])?).await?;
@@ -67,7 +67,6 @@ pub mod writer;
 
 // Reading a step: the read engine, its caches, listings, the safetensors view, files out.
 pub mod cache;
-pub mod catalog;
 pub mod node_cache;
 pub mod outfile;
 pub mod read;
@@ -95,14 +94,14 @@ pub use object_store;
 pub use object_store::{ObjectStore, ObjectStoreExt};
 
 pub use cache::{CacheStats, ChunkCache};
-pub use catalog::StepListing;
 pub use clock::{Clock, ManualClock, SystemClock, now_ms};
 pub use codec::{Codec, CodecPolicy};
-pub use commit::{Agreement, CommitOutcome};
+pub use commit::catalog::StepListing;
+pub use commit::{Agreement, CommitLog, CommitOutcome};
 pub use direct::DirectFs;
 pub use error::{Error, ErrorKind, Result};
 pub use failpoint::{FailAction, Failpoints};
-pub use gc::{GcOptions, GcReport};
+pub use gc::{Gc, GcOptions, GcReport};
 pub use id::{ChunkId, Hash, PackId, StepId};
 pub use keys::{FENCE_SHARDS, Keys, validate_run};
 pub use lease::{DedupBase, LockListing, WriterLease, writer_id};
@@ -119,7 +118,8 @@ pub use read::{ChunkSource, CopyOp, PlannedChunk, ReadPlan, ReadStats, StepReade
 pub use retry::{RetryConfig, RetryStore};
 pub use st_view::SafetensorsView;
 pub use store::{
-    BaseChunk, BaseRegions, ChunkIn, DedupIndex, PutReport, PutStats, Store, StoreConfig,
+    BaseChunk, BaseRegions, ChunkIn, Chunks, DedupIndex, Objects, PutReport, PutStats, Store,
+    StoreConfig,
 };
 pub use tier::{DrainMarker, DrainOptions, DrainPace, DrainReport, drain_step};
 pub use url::{OpenOptions, StoreUrl, open, open_with};

@@ -81,6 +81,7 @@ impl LogWriter {
         let body = Bytes::from(std::mem::take(&mut self.pending));
         let r = self
             .store
+            .objects()
             .put_object(&path, vec![body.clone()], PutMode::Create)
             .await;
         // A failed write keeps its records for the next flush, under the next part name (the
@@ -102,13 +103,13 @@ impl LogWriter {
 pub async fn read_log(store: &Store, run: &str, log: &str) -> Result<Vec<Value>> {
     validate_run(run)?;
     let dir = store.keys().log_dir(run, log);
-    let mut parts: Vec<_> = (store.list_all(&dir).await?.into_iter())
+    let mut parts: Vec<_> = (store.objects().list_all(&dir).await?.into_iter())
         .map(|m| m.location)
         .collect();
     parts.sort();
     let mut out = Vec::new();
     for p in parts {
-        let b = store.get_object(&p).await?;
+        let b = store.objects().get_object(&p).await?;
         for (i, line) in b.split(|&c| c == b'\n').enumerate() {
             if line.iter().all(u8::is_ascii_whitespace) {
                 continue;

@@ -151,7 +151,7 @@ impl std::fmt::Debug for StepReader {
 impl StepReader {
     /// Open a committed step.
     pub async fn open(store: &Store, run: &str, step: u64) -> Result<Self> {
-        let (commit, id) = store.read_commit(run, step).await?;
+        let (commit, id) = store.log().read_commit(run, step).await?;
         Ok(Self::of_record(store, commit, id))
     }
 
@@ -181,13 +181,13 @@ impl StepReader {
         names: impl IntoIterator<Item = impl Into<String>>,
     ) -> Result<Self> {
         let names: std::collections::BTreeSet<String> = names.into_iter().map(Into::into).collect();
-        let (commit, id) = store.read_commit_for(run, step, &names).await?;
+        let (commit, id) = store.log().read_commit_for(run, step, &names).await?;
         Ok(Self::of_record(store, commit, id))
     }
 
     /// Open the newest committed step of `run`.
     pub async fn open_latest(store: &Store, run: &str) -> Result<Self> {
-        let step = store.require_latest(run).await?;
+        let step = store.log().require_latest(run).await?;
         Self::open(store, run, step).await
     }
 
@@ -250,7 +250,7 @@ impl StepReader {
         let entry = match listed {
             Some(e) => Some(e),
             None if rank < self.commit.layout.world() => {
-                self.store.read_rank_entry(&self.commit, rank).await?
+                self.store.log().read_rank_entry(&self.commit, rank).await?
             }
             None => None,
         };
@@ -259,6 +259,7 @@ impl StepReader {
         })?;
         let m = Arc::new(
             self.store
+                .log()
                 .read_rank_manifest(&self.commit.run, self.commit.step, rank, Some(&entry))
                 .await?,
         );
@@ -403,15 +404,21 @@ impl StepReader {
     async fn fetch_stored(&self, r: &ChunkRef) -> Result<(Bytes, Origin)> {
         let got = match &self.node {
             Some(n) => n
-                .get_or_fetch(r, || self.store.get_chunk(r))
+                .get_or_fetch(r, || self.store.chunks().get_chunk(r))
                 .await
                 .map(|(b, mine)| (b, if mine { Origin::Store } else { Origin::Node })),
-            None => self.store.get_chunk(r).await.map(|b| (b, Origin::Store)),
+            None => self
+                .store
+                .chunks()
+                .get_chunk(r)
+                .await
+                .map(|b| (b, Origin::Store)),
         };
         match (got, &self.fallback) {
             (Err(e), Some(fb)) if matches!(e.kind(), ErrorKind::NotFound | ErrorKind::Corrupt) => {
                 warn!(chunk = %r.id, "{}: {e}; reading it from {}", self.what(), fb.url());
                 let b = fb
+                    .chunks()
                     .get_chunk(r)
                     .await
                     .map_err(|e2| e2.context(format!("{e}; and from {} too", fb.url())))?;
@@ -434,6 +441,7 @@ impl StepReader {
         };
         warn!(chunk = %pc.chunk.id, "{}: damaged in {}; reading it from {}", self.what(), self.store.url(), fb.url());
         let b = fb
+            .chunks()
             .get_chunk(&pc.chunk)
             .await
             .map_err(|e| e.context(self.chunk_context(pc, tensor)))?;
@@ -483,6 +491,7 @@ impl StepReader {
         }
         let got = self
             .store
+            .chunks()
             .get_raw_unchecked(&pc.chunk)
             .await
             .map_err(|e| e.context(self.chunk_context(pc, tensor)))?;
@@ -581,7 +590,7 @@ impl StepReader {
             at.push(acc);
             acc += c.len as usize;
         }
-        let mut s = self.store.get_chunks(b.chunks.clone());
+        let mut s = self.store.chunks().get_chunks(b.chunks.clone());
         while let Some(r) = s.next().await {
             let (i, bytes) =
                 r.map_err(|e| e.context(format!("{}: blob {name:?} of rank {rank}", self.what())))?;

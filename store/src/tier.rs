@@ -4,12 +4,12 @@
 //! drain copies the objects a step references that the remote does not hold yet (content
 //! addressing makes every drain incremental: only new chunks move), then the step's rank
 //! manifests, then commits the step there with the same protocol, fencing and leases as a
-//! save ([`Store::commit_step_as`]).
+//! save ([`CommitLog::commit_step_as`](crate::CommitLog::commit_step_as)).
 //!
 //! While a step drains, the local tier holds a **drain marker** for it
 //! (`runs/<run>/drain/<step>.json`, [`DrainMarker`]): what is being copied where and how far
 //! it got. It says "local-durable, not yet remote" to `ckpt ls` and keeps the step from the
-//! local tier's retention and `ckpt gc` ([`Store::pending_drains`]); the drain deletes it once
+//! local tier's retention and `ckpt gc` ([`CommitLog::pending_drains`](crate::CommitLog::pending_drains)); the drain deletes it once
 //! the remote commit exists. A marker without a running drain (the process died) is finished
 //! by the next drain of the run.
 //!
@@ -28,8 +28,7 @@ use object_store::path::Path;
 use serde::{Deserialize, Serialize};
 use tracing::{debug, info, instrument};
 
-use crate::error::{Error, ErrorKind, Result};
-use crate::keys::validate_run;
+use crate::error::{Error, Result};
 use crate::model::RankManifest;
 use crate::store::Store;
 
@@ -130,51 +129,6 @@ pub struct DrainReport {
     pub already_remote: bool,
 }
 
-impl Store {
-    /// The key of `step`'s drain marker (see the module docs).
-    fn drain_marker_key(&self, run: &str, step: u64) -> Path {
-        self.keys().drain_marker(run, step)
-    }
-
-    /// Write (or update) a drain marker in this (local) tier.
-    pub async fn put_drain_marker(&self, m: &DrainMarker) -> Result<()> {
-        validate_run(&m.run)?;
-        let path = self.drain_marker_key(&m.run, m.step);
-        self.put_json(&path, m, PutMode::Overwrite)
-            .await
-            .map(|_| ())
-    }
-
-    /// Delete `step`'s drain marker (the step is remote-durable, or gone).
-    pub async fn delete_drain_marker(&self, run: &str, step: u64) -> Result<()> {
-        validate_run(run)?;
-        self.delete_all(vec![self.drain_marker_key(run, step)])
-            .await
-    }
-
-    /// The drain markers of `run` in this (local) tier: steps local-durable whose drain has
-    /// not finished, by step.
-    pub async fn pending_drains(&self, run: &str) -> Result<Vec<DrainMarker>> {
-        validate_run(run)?;
-        let dir = self.keys().drain_dir(run);
-        let metas = self.list_all(&dir).await?;
-        let mut out = Vec::new();
-        for m in metas {
-            if self.keys().parse_drain_marker(&m.location).is_none() {
-                continue;
-            }
-            match self.get_json::<DrainMarker>(&m.location).await {
-                Ok((d, _, _)) => out.push(d),
-                // Deleted since the listing: that drain finished.
-                Err(e) if e.kind() == ErrorKind::NotFound => {}
-                Err(e) => return Err(e.context("reading a drain marker")),
-            }
-        }
-        out.sort_by_key(|d| d.step);
-        Ok(out)
-    }
-}
-
 /// Check an object's bytes against its key before they leave the local tier: a pack against
 /// its hash, a chunk decoded against its id, a delta's structure (its base is another object).
 fn check_object(store: &Store, path: &Path, bytes: &[u8]) -> Result<()> {
@@ -213,9 +167,10 @@ fn referenced_objects(
     for m in manifests {
         for c in m.chunk_refs() {
             for (l, r) in local
+                .keys()
                 .chain_objects(c)
                 .into_iter()
-                .zip(remote.chain_objects(c))
+                .zip(remote.keys().chain_objects(c))
             {
                 if seen.insert(l.to_string()) {
                     out.push((l, r));
@@ -229,7 +184,7 @@ fn referenced_objects(
 /// Copy committed step `step` of `run` from `local` to `remote` and commit it there (see the
 /// module docs): the objects the remote lacks, then the rank manifests, then the commit, under
 /// a writer lease on the remote (no remote GC sweep runs meanwhile) and the step's generation
-/// (a newer generation on the remote fences the drain: [`ErrorKind::Fenced`]). The drain
+/// (a newer generation on the remote fences the drain: [`ErrorKind::Fenced`](crate::ErrorKind::Fenced)). The drain
 /// marker in `local` tracks it and is deleted once the remote commit exists. A step already
 /// committed on the remote returns at once. Every local object is checked against its id on
 /// the way (a damaged local chunk is an error naming it, never sent).
@@ -247,12 +202,16 @@ pub async fn drain_step(
         step,
         ..DrainReport::default()
     };
-    let (record, _) = local.read_commit(run, step).await.map_err(|e| {
+    let (record, _) = local.log().read_commit(run, step).await.map_err(|e| {
         e.context(format!(
             "draining step {step} of run {run} from the local tier"
         ))
     })?;
-    if remote.exists(&remote.keys().commit(run, step)).await? {
+    if remote
+        .objects()
+        .exists(&remote.keys().commit(run, step))
+        .await?
+    {
         report.already_remote = true;
         superseded(local, run, step).await?;
         return Ok(report);
@@ -261,11 +220,17 @@ pub async fn drain_step(
     let fence = opts.generation.unwrap_or(generation).max(generation);
     // The remote joins the drainer's generation (a newer one there fences this drain).
     remote
+        .log()
         .join_generation(run, fence)
         .await
         .map_err(|e| e.context(format!("draining step {step} of run {run}")))?;
     let manifests: Vec<RankManifest> = stream::iter(record.ranks.clone())
-        .map(|e| async move { local.read_rank_manifest(run, step, e.rank, Some(&e)).await })
+        .map(|e| async move {
+            local
+                .log()
+                .read_rank_manifest(run, step, e.rank, Some(&e))
+                .await
+        })
         .buffered(16)
         .try_collect()
         .await?;
@@ -287,8 +252,9 @@ pub async fn drain_step(
         .flat_map(|m| m.chunk_refs())
         .map(|c| u64::from(c.stored))
         .sum();
-    local.put_drain_marker(&marker).await?;
+    local.log().put_drain_marker(&marker).await?;
     let lease = remote
+        .gc()
         .lease_dedup_base(run, &opts.writer, &[])
         .await
         .map_err(|e| e.context(format!("draining step {step} of run {run}")))?;
@@ -302,7 +268,7 @@ pub async fn drain_step(
         &mut report,
     )
     .await;
-    if let Err(e) = remote.release_lease(lease).await {
+    if let Err(e) = remote.gc().release_lease(lease).await {
         debug!(step, "drain lease not released (GC lets it lapse): {e}");
     }
     res?;
@@ -323,9 +289,9 @@ pub async fn drain_step(
 /// failed or were skipped (a newer remote step supersedes them; their markers would keep
 /// them from the local tier's retention for good).
 async fn superseded(local: &Store, run: &str, step: u64) -> Result<()> {
-    for d in local.pending_drains(run).await? {
+    for d in local.log().pending_drains(run).await? {
         if d.step <= step {
-            local.delete_drain_marker(run, d.step).await?;
+            local.log().delete_drain_marker(run, d.step).await?;
         }
     }
     Ok(())
@@ -348,11 +314,11 @@ async fn copy_and_commit(
         .map(|(path, there)| {
             let (done, run) = (&done, &run);
             async move {
-                if let Some(size) = remote.object_size(&there).await? {
+                if let Some(size) = remote.objects().object_size(&there).await? {
                     done.fetch_add(size, Ordering::Relaxed);
                     return Ok::<_, Error>((false, size));
                 }
-                let bytes = local.get_object(&path).await.map_err(|e| {
+                let bytes = local.objects().get_object(&path).await.map_err(|e| {
                     e.context(format!(
                         "draining step {step} of run {run}: reading {path} from the local tier"
                     ))
@@ -367,7 +333,7 @@ async fn copy_and_commit(
                     p(size).await;
                 }
                 remote
-                    .put_object(&there, vec![bytes], PutMode::Overwrite)
+                    .objects().put_object(&there, vec![bytes], PutMode::Overwrite)
                     .await
                     .map_err(|e| e.context(format!("draining step {step} of run {run}")))?;
                 done.fetch_add(size, Ordering::Relaxed);
@@ -386,7 +352,7 @@ async fn copy_and_commit(
                     last_mark.store(d, Ordering::Relaxed);
                     m.bytes_done = d.min(m.bytes_total);
                     m.updated_ms = local.now().timestamp_millis();
-                    let _ = local.put_drain_marker(&m).await;
+                    let _ = local.log().put_drain_marker(&m).await;
                 }
                 Ok(r)
             }
@@ -404,15 +370,17 @@ async fn copy_and_commit(
     }
     marker.bytes_done = marker.bytes_total;
     marker.updated_ms = local.now().timestamp_millis();
-    let _ = local.put_drain_marker(marker).await;
+    let _ = local.log().put_drain_marker(marker).await;
     for m in manifests {
         remote
+            .log()
             .write_rank_manifest_fenced(m, fence)
             .await
             .map_err(|e| e.context(format!("draining step {step} of run {run}")))?;
         report.manifests += 1;
     }
     remote
+        .log()
         .commit_step_fenced(&run, step, Some(generation), Some(fence))
         .await
         .map_err(|e| {

@@ -309,8 +309,11 @@ mod tests {
             .enable_all()
             .build()
             .unwrap();
-        assert!(rt.block_on(store.list_runs()).is_err());
-        assert!(rt.block_on(open("memory://").unwrap().list_runs()).is_ok());
+        assert!(rt.block_on(store.log().list_runs()).is_err());
+        assert!(
+            rt.block_on(open("memory://").unwrap().log().list_runs())
+                .is_ok()
+        );
     }
 
     #[test]

@@ -108,7 +108,7 @@ impl Store {
     pub async fn verify_size_hint(&self, scope: &VerifyScope) -> Result<u64> {
         let mut total = 0;
         for (run, step) in self.scope_steps(scope).await? {
-            if let Ok((c, _)) = self.read_commit(&run, step).await {
+            if let Ok((c, _)) = self.log().read_commit(&run, step).await {
                 total += c.logical_bytes();
             }
         }
@@ -119,6 +119,7 @@ impl Store {
         Ok(match scope {
             VerifyScope::Step(r, s) => vec![(r.clone(), *s)],
             VerifyScope::Run(r) => self
+                .log()
                 .committed_steps(r)
                 .await?
                 .into_iter()
@@ -126,8 +127,8 @@ impl Store {
                 .collect(),
             VerifyScope::Store => {
                 let mut v = Vec::new();
-                for r in self.list_runs().await? {
-                    for s in self.committed_steps(&r).await? {
+                for r in self.log().list_runs().await? {
+                    for s in self.log().committed_steps(&r).await? {
                         v.push((r.clone(), s));
                     }
                 }
@@ -148,7 +149,10 @@ impl Store {
         let mut refs = Refs::default();
         let steps = self.scope_steps(scope).await?;
         if let VerifyScope::Step(run, step) = scope
-            && !self.exists(&self.keys().commit(run, *step)).await?
+            && !self
+                .objects()
+                .exists(&self.keys().commit(run, *step))
+                .await?
         {
             return Err(crate::Error::not_found(format!(
                 "step {step} of run {run} is not committed"
@@ -174,7 +178,7 @@ impl Store {
     async fn verify_step(&self, run: &str, step: u64, report: &mut VerifyReport, refs: &mut Refs) {
         report.steps += 1;
         let commit_key = self.keys().commit(run, step);
-        let commit = match self.read_commit(run, step).await {
+        let commit = match self.log().read_commit(run, step).await {
             Ok((c, _)) => c,
             Err(e) => {
                 damage(report, &commit_key, &e, run, step, "commit record");
@@ -185,6 +189,7 @@ impl Store {
         for entry in &commit.ranks {
             let key = self.keys().rank_manifest(run, step, entry.rank);
             let m = match self
+                .log()
                 .read_rank_manifest(run, step, entry.rank, Some(entry))
                 .await
             {
@@ -248,6 +253,7 @@ impl Store {
     /// references (their structure is checked too).
     async fn unreferenced_objects(&self, report: &mut VerifyReport, refs: &mut Refs) -> Result<()> {
         report.temp_files = self
+            .objects()
             .temp_files()
             .await?
             .into_iter()
@@ -258,7 +264,7 @@ impl Store {
             })
             .collect();
         for dir in [self.keys().chunks_dir(), self.keys().packs_dir()] {
-            let metas = self.list_all(&dir).await?;
+            let metas = self.objects().list_all(&dir).await?;
             for m in metas {
                 let key = m.location.to_string();
                 if let Some(p) = self.keys().parse_pack(&m.location) {
@@ -351,7 +357,7 @@ impl Store {
             }
             s.into_iter().collect()
         };
-        let obj = match self.get_object(&path).await {
+        let obj = match self.objects().get_object(&path).await {
             Ok(b) => b,
             Err(e) => {
                 let problem = if e.kind() == ErrorKind::NotFound {
@@ -406,7 +412,7 @@ impl Store {
         // the base chunk (and its step) at fault.
         let (mut bytes, mut n) = (0, 0);
         for (c, aff) in chunks {
-            match self.get_chunk(c).await {
+            match self.chunks().get_chunk(c).await {
                 Ok(b) => {
                     bytes += b.len() as u64;
                     n += 1;
@@ -622,7 +628,7 @@ impl Refs {
     }
 
     fn add_one(&mut self, store: &Store, c: &ChunkRef, a: Affected) {
-        let key = store.object_of(c).to_string();
+        let key = store.keys().object_of(c).to_string();
         let o = self.by_object.entry(key).or_default();
         if let Some(p) = c.pack {
             o.pack = Some(p);

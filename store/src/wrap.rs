@@ -37,7 +37,7 @@ pub mod names {
     pub const LISTS: &str = "store.lists";
     /// Deleted objects.
     pub const DELETES: &str = "store.deletes";
-    /// Requests the retry layer ([`super::RetryStore`]) tried again after a transient error.
+    /// Requests the retry layer ([`crate::RetryStore`]) tried again after a transient error.
     pub const RETRIES: &str = "store.retries";
     /// Requests the retry layer gave up on (attempts or time exhausted).
     pub const GIVE_UPS: &str = "store.give_ups";

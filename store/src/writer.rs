@@ -139,8 +139,8 @@ impl ShardMeta {
 }
 
 impl Store {
-    /// Write a rank's chunks and then its manifest (see [`Store::put_chunks`] and
-    /// [`Store::write_rank_manifest`]). Returns the manifest, its entry for the commit
+    /// Write a rank's chunks and then its manifest (see [`Chunks::put_chunks`](crate::Chunks::put_chunks) and
+    /// [`CommitLog::write_rank_manifest`](crate::CommitLog::write_rank_manifest)). Returns the manifest, its entry for the commit
     /// record, and what the chunk writes cost.
     pub async fn write_rank(
         &self,
@@ -243,7 +243,7 @@ impl Store {
             self.config().cpu_threads * 2,
         )
         .chain(stream::iter(blob_chunks.into_iter().map(Ok)));
-        let mut put = self.try_put_chunks(checked, index).await?;
+        let mut put = self.chunks().try_put_chunks(checked, index).await?;
         let mut hashed = std::mem::take(&mut *hashed.lock());
         hashed.sort_by_key(|(i, h): &(usize, HashedChunk)| (*i, h.index));
         put.stats.chunks += reused.0;
@@ -266,7 +266,7 @@ impl Store {
             .collect();
         let manifest = assemble_manifest(w, tensors, blobs, &put.refs, logical, &put.stats)?;
         self.failpoints().hit("after_chunks").await?;
-        let entry = self.write_rank_manifest(&manifest).await?;
+        let entry = self.log().write_rank_manifest(&manifest).await?;
         Ok((manifest, entry, put.stats))
     }
 
@@ -522,7 +522,7 @@ fn add_stats(to: &mut PutStats, o: &PutStats) {
 }
 
 impl Store {
-    /// Write the chunks of a batch of `part`'s shards and blobs (one [`Store::put_chunks`], so
+    /// Write the chunks of a batch of `part`'s shards and blobs (one [`Chunks::put_chunks`](crate::Chunks::put_chunks), so
     /// small chunks of the batch share packs) and remember their references for the manifest.
     /// A shard whose bytes do not fill its box, whose box does not fit its shape, or whose name
     /// is not allowed is refused, naming it, before anything is written. Returns what this
@@ -595,7 +595,10 @@ impl Store {
                 });
             }
         }
-        let put = self.put_chunks(stream::iter(chunks), index).await?;
+        let put = self
+            .chunks()
+            .put_chunks(stream::iter(chunks), index)
+            .await?;
         let mut at = 0usize;
         for (s, n) in shards.into_iter().zip(counts) {
             part.tensors
@@ -630,7 +633,7 @@ impl Store {
             &part.stats,
         )?;
         self.failpoints().hit("after_chunks").await?;
-        let entry = self.write_rank_manifest(&manifest).await?;
+        let entry = self.log().write_rank_manifest(&manifest).await?;
         Ok((manifest, entry, part.stats))
     }
 }
@@ -966,7 +969,7 @@ mod tests {
             .await
             .unwrap();
         store.write_rank_parts(part).await.unwrap();
-        store.commit_step("r", 1).await.unwrap();
+        store.log().commit_step("r", 1).await.unwrap();
         let reader = crate::read::StepReader::open(&store, "r", 1).await.unwrap();
         assert_eq!(reader.read_tensor("a").await.unwrap(), a);
         assert_eq!(reader.read_tensor("b").await.unwrap(), b);

@@ -18,6 +18,7 @@ async fn put(store: &Store, n: usize) -> Vec<ChunkRef> {
         })
         .collect();
     store
+        .chunks()
         .put_chunks(stream::iter(chunks), &DedupIndex::new())
         .await
         .unwrap()
@@ -57,8 +58,8 @@ async fn bounded_lru_and_coalesced() {
 async fn failures_are_not_cached() {
     let store = memory_store(tiny_config());
     let refs = put(&store, 1).await;
-    let key = store.object_of(&refs[0]);
-    let good = store.get_object(&key).await.unwrap();
+    let key = store.keys().object_of(&refs[0]);
+    let good = store.objects().get_object(&key).await.unwrap();
     let mut bad = good.to_vec();
     let last = bad.len() - 1;
     bad[last] ^= 0xff;

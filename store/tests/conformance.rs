@@ -131,7 +131,7 @@ async fn save_single(
         .write_rank(&w(run, step, 0, Layout::SINGLE), shards, blobs, index)
         .await
         .unwrap();
-    store.commit_step(run, step).await.unwrap();
+    store.log().commit_step(run, step).await.unwrap();
     stats
 }
 
@@ -290,7 +290,7 @@ async fn sharded_reads_fetch_only_what_they_need(b: Backend) {
     let whole = det_bytes(7, 16 * 24 * 4);
     let bias = det_bytes(8, 48);
     save_sharded(store, "tp", 1, &whole, &bias).await;
-    let out = store.commit_step("tp", 1).await.unwrap();
+    let out = store.log().commit_step("tp", 1).await.unwrap();
     assert!(matches!(out, CommitOutcome::Committed(..)));
     let r = StepReader::open(store, "tp", 1).await.unwrap();
     assert_eq!(r.commit().tensor("w").unwrap().shards.len(), 4);
@@ -353,7 +353,7 @@ async fn concurrent_committers_one_wins(b: Backend) {
     for _ in 0..6 {
         let s = store.clone();
         hs.push(tokio::spawn(async move {
-            s.commit_step("race", 3).await.unwrap()
+            s.log().commit_step("race", 3).await.unwrap()
         }));
     }
     let mut won = 0;
@@ -371,7 +371,7 @@ async fn concurrent_committers_one_wins(b: Backend) {
         assert!(won >= 1, "someone commits");
     }
     assert_eq!(ids.len(), 1, "every committer sees the same record");
-    let (_, id) = store.read_commit("race", 3).await.unwrap();
+    let (_, id) = store.log().read_commit("race", 3).await.unwrap();
     assert!(ids.contains(&id));
 }
 
@@ -397,23 +397,24 @@ async fn missing_rank_is_never_committed(b: Backend) {
             .await
             .unwrap();
     }
-    let e = store.commit_step("miss", 5).await.unwrap_err();
+    let e = store.log().commit_step("miss", 5).await.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Incomplete);
     assert!(
         e.to_string().contains("ranks 3") && e.to_string().contains("step 5 of run miss"),
         "{e}"
     );
-    let steps = store.list_steps("miss").await.unwrap();
+    let steps = store.log().list_steps("miss").await.unwrap();
     assert_eq!(steps.len(), 1);
     assert!(!steps[0].committed);
     assert_eq!(steps[0].ranks, vec![0, 1, 2]);
-    assert_eq!(store.latest_committed("miss").await.unwrap(), None);
+    assert_eq!(store.log().latest_committed("miss").await.unwrap(), None);
     assert_eq!(
         StepReader::open(store, "miss", 5).await.unwrap_err().kind(),
         ErrorKind::NotFound
     );
     // A waiting committer gives up at its timeout with the same error.
     let e = store
+        .log()
         .wait_and_commit(
             "miss",
             5,
@@ -426,13 +427,14 @@ async fn missing_rank_is_never_committed(b: Backend) {
     // The last rank arrives while a committer waits: it commits.
     let s2 = store.clone();
     let waiter = tokio::spawn(async move {
-        s2.wait_and_commit(
-            "miss",
-            5,
-            Duration::from_millis(20),
-            Duration::from_secs(30),
-        )
-        .await
+        s2.log()
+            .wait_and_commit(
+                "miss",
+                5,
+                Duration::from_millis(20),
+                Duration::from_secs(30),
+            )
+            .await
     });
     tokio::time::sleep(Duration::from_millis(100)).await;
     let bx = NdBox::new(vec![6], vec![2]).unwrap();
@@ -446,7 +448,7 @@ async fn missing_rank_is_never_committed(b: Backend) {
         .await
         .unwrap();
     waiter.await.unwrap().unwrap();
-    assert_eq!(store.latest_committed("miss").await.unwrap(), Some(5));
+    assert_eq!(store.log().latest_committed("miss").await.unwrap(), Some(5));
 }
 
 async fn coverage_errors_name_tensor_and_region(b: Backend) {
@@ -465,14 +467,20 @@ async fn coverage_errors_name_tensor_and_region(b: Backend) {
             .await
             .unwrap();
     }
-    let e = store.commit_step("cov", 1).await.unwrap_err();
+    let e = store.log().commit_step("cov", 1).await.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidInput);
     let m = e.to_string();
     assert!(
         m.contains("\"emb\"") && m.contains("saved twice") && m.contains("[1..3, 0..2]"),
         "{m}"
     );
-    assert!(!store.exists(&store.keys().commit("cov", 1)).await.unwrap());
+    assert!(
+        !store
+            .objects()
+            .exists(&store.keys().commit("cov", 1))
+            .await
+            .unwrap()
+    );
 }
 
 async fn damage_is_named_and_isolated(b: Backend) {
@@ -492,8 +500,8 @@ async fn damage_is_named_and_isolated(b: Backend) {
     let os = store.object_store();
 
     // Flipped byte.
-    let key = store.object_of(&a.chunks[1]);
-    let orig = store.get_object(&key).await.unwrap();
+    let key = store.keys().object_of(&a.chunks[1]);
+    let orig = store.objects().get_object(&key).await.unwrap();
     let mut bad = orig.to_vec();
     bad[100] ^= 0x01;
     os.put(&key, Bytes::from(bad).into()).await.unwrap();
@@ -557,7 +565,7 @@ async fn damage_is_named_and_isolated(b: Backend) {
     );
     // Truncated commit record.
     let ckey = store.keys().commit("dmg", 2);
-    let c = store.get_object(&ckey).await.unwrap();
+    let c = store.objects().get_object(&ckey).await.unwrap();
     os.put(&ckey, c.slice(..c.len() / 3).into()).await.unwrap();
     let e = StepReader::open(store, "dmg", 2).await.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Corrupt);
@@ -590,8 +598,8 @@ async fn verify_reports_damaged_tensors(b: Backend) {
         .find(|t| t.name == "shared")
         .unwrap()
         .chunks[0];
-    let key = store.object_of(chunk);
-    let mut bad = store.get_object(&key).await.unwrap().to_vec();
+    let key = store.keys().object_of(chunk);
+    let mut bad = store.objects().get_object(&key).await.unwrap().to_vec();
     let last = bad.len() - 1;
     bad[last] ^= 0x80;
     store
@@ -601,8 +609,8 @@ async fn verify_reports_damaged_tensors(b: Backend) {
         .unwrap();
     // Damage inside a pack: the tiny tensor's chunk.
     let tiny = &m.tensors.iter().find(|t| t.name == "tiny").unwrap().chunks[0];
-    let pkey = store.object_of(tiny);
-    let mut p = store.get_object(&pkey).await.unwrap().to_vec();
+    let pkey = store.keys().object_of(tiny);
+    let mut p = store.objects().get_object(&pkey).await.unwrap().to_vec();
     p[tiny.offset as usize + 20] ^= 0x01;
     store
         .object_store()
@@ -679,13 +687,14 @@ async fn gc_keeps_retained_and_in_flight(b: Backend) {
         base: None,
     };
     let put = store
+        .chunks()
         .put_chunks(
             futures::stream::iter(vec![orphan_young]),
             &DedupIndex::new(),
         )
         .await
         .unwrap();
-    let young_key = store.object_of(&put.refs[0]);
+    let young_key = store.keys().object_of(&put.refs[0]);
 
     // Dry run with grace: nothing is deleted.
     let now = ckpt_store::clock::system_now();
@@ -696,20 +705,21 @@ async fn gc_keeps_retained_and_in_flight(b: Backend) {
         dry_run: true,
         ..Default::default()
     };
-    let dry = store.gc(&opts, now).await.unwrap();
+    let dry = store.gc().run(&opts, now).await.unwrap();
     assert_eq!(
         dry.steps_deleted,
         vec![("gc".to_string(), 1), ("gc".to_string(), 3)]
     );
     assert_eq!(
-        store.committed_steps("gc").await.unwrap(),
+        store.log().committed_steps("gc").await.unwrap(),
         vec![1, 2, 3, 4, 5]
     );
 
     // Real run, with "now" two hours ahead: every unreferenced object is past the grace.
     let later = now + chrono::Duration::hours(2);
     let real = store
-        .gc(
+        .gc()
+        .run(
             &GcOptions {
                 dry_run: false,
                 ..opts.clone()
@@ -719,10 +729,13 @@ async fn gc_keeps_retained_and_in_flight(b: Backend) {
         .await
         .unwrap();
     assert_eq!(real.steps_deleted, dry.steps_deleted);
-    assert_eq!(store.committed_steps("gc").await.unwrap(), vec![2, 4, 5]);
+    assert_eq!(
+        store.log().committed_steps("gc").await.unwrap(),
+        vec![2, 4, 5]
+    );
     assert!(real.objects_deleted >= 2, "{real:?}");
     assert!(
-        !store.exists(&young_key).await.unwrap(),
+        !store.objects().exists(&young_key).await.unwrap(),
         "the old orphan is swept"
     );
     // The in-flight rank's manifest is younger than... no: it is two "hours" old too, so the
@@ -756,6 +769,7 @@ async fn gc_keeps_retained_and_in_flight(b: Backend) {
         .unwrap();
     let rest = det_bytes(201, 4096);
     let pre = store
+        .chunks()
         .put_chunks(
             futures::stream::iter(vec![ckpt_store::ChunkIn {
                 data: Bytes::from(rest.clone()),
@@ -767,7 +781,8 @@ async fn gc_keeps_retained_and_in_flight(b: Backend) {
         .await
         .unwrap();
     let g = store
-        .gc(
+        .gc()
+        .run(
             &GcOptions {
                 keep_last: Some(1),
                 grace: Duration::from_secs(3600),
@@ -778,7 +793,13 @@ async fn gc_keeps_retained_and_in_flight(b: Backend) {
         .await
         .unwrap();
     assert!(g.objects_in_grace >= 1, "{g:?}");
-    assert!(store.exists(&store.object_of(&pre.refs[0])).await.unwrap());
+    assert!(
+        store
+            .objects()
+            .exists(&store.keys().object_of(&pre.refs[0]))
+            .await
+            .unwrap()
+    );
     store
         .write_rank(
             &w("gc", 7, 1, layout),
@@ -794,7 +815,7 @@ async fn gc_keeps_retained_and_in_flight(b: Backend) {
         )
         .await
         .unwrap();
-    store.commit_step("gc", 7).await.unwrap();
+    store.log().commit_step("gc", 7).await.unwrap();
     let r = StepReader::open(store, "gc", 7).await.unwrap();
     assert_eq!(r.read_tensor("w").await.unwrap(), [inflight, rest].concat());
     assert!(
@@ -808,19 +829,22 @@ async fn gc_keeps_retained_and_in_flight(b: Backend) {
 
 async fn listing_runs_and_steps(b: Backend) {
     let store = b.store();
-    assert!(store.list_runs().await.unwrap().is_empty());
-    let e = store.require_latest("ghost").await.unwrap_err();
+    assert!(store.log().list_runs().await.unwrap().is_empty());
+    let e = store.log().require_latest("ghost").await.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NotFound);
     for (run, step) in [("b", 10u64), ("a", 3), ("a", 12), ("a", 7)] {
         let t = vec![("t", DType::U8, vec![4u64], vec![1, 2, 3, step as u8])];
         save_single(store, run, step, &t, &DedupIndex::new()).await;
     }
-    assert_eq!(store.list_runs().await.unwrap(), vec!["a", "b"]);
-    assert_eq!(store.committed_steps("a").await.unwrap(), vec![3, 7, 12]);
-    assert_eq!(store.latest_committed("a").await.unwrap(), Some(12));
-    let e = store.require_latest("zzz").await.unwrap_err();
+    assert_eq!(store.log().list_runs().await.unwrap(), vec!["a", "b"]);
+    assert_eq!(
+        store.log().committed_steps("a").await.unwrap(),
+        vec![3, 7, 12]
+    );
+    assert_eq!(store.log().latest_committed("a").await.unwrap(), Some(12));
+    let e = store.log().require_latest("zzz").await.unwrap_err();
     assert!(e.to_string().contains("known runs: a, b"), "{e}");
-    assert!(store.list_steps("../etc").await.is_err());
+    assert!(store.log().list_steps("../etc").await.is_err());
 }
 
 async fn multipart_large_objects(b: Backend) {
@@ -862,11 +886,12 @@ async fn leased_save(
     writer: &str,
 ) -> ckpt_store::Result<Vec<ChunkRef>> {
     let lease = store
+        .gc()
         .lease_dedup_base(run, writer, &base.candidates())
         .await?;
     let index = base.pinned(lease.base());
     let res = store.write_rank(wr, shards, vec![], &index).await;
-    store.release_lease(lease).await?;
+    store.gc().release_lease(lease).await?;
     let (m, _, _) = res?;
     let refs: Vec<ChunkRef> = m.tensors.iter().flat_map(|t| t.chunks.clone()).collect();
     base.persisted(wr.step, refs.clone());
@@ -910,7 +935,7 @@ async fn failed_commit_is_never_a_dedup_base(b: Backend) {
     )
     .await
     .unwrap();
-    store.commit_step(run, 1).await.unwrap();
+    store.log().commit_step(run, 1).await.unwrap();
 
     // Step 2: chunks and manifest written, the commit fails (a transient error, a timeout).
     leased_save(
@@ -924,14 +949,15 @@ async fn failed_commit_is_never_a_dedup_base(b: Backend) {
     .await
     .unwrap();
     store.failpoints().set("before_commit", FailAction::Error);
-    let e = store.commit_step(run, 2).await.unwrap_err();
+    let e = store.log().commit_step(run, 2).await.unwrap_err();
     assert!(e.to_string().contains("before_commit"), "{e}");
     store.failpoints().clear();
 
     // Two hours later GC sweeps the abandoned step 2 and the chunks only it referenced.
     clock.advance(hours(2));
     let g = store
-        .gc(
+        .gc()
+        .run(
             &GcOptions {
                 grace: hours(1),
                 ..Default::default()
@@ -957,7 +983,11 @@ async fn failed_commit_is_never_a_dedup_base(b: Backend) {
     .unwrap();
     for r in &refs {
         assert!(
-            store.exists(&store.object_of(r)).await.unwrap(),
+            store
+                .objects()
+                .exists(&store.keys().object_of(r))
+                .await
+                .unwrap(),
             "step 3 references {} which is not in the store",
             r.location()
         );
@@ -967,7 +997,7 @@ async fn failed_commit_is_never_a_dedup_base(b: Backend) {
         Some(1),
         "the failed step 2 is never the base"
     );
-    store.commit_step(run, 3).await.unwrap();
+    store.log().commit_step(run, 3).await.unwrap();
     let v = store.verify(&VerifyScope::Store, None).await.unwrap();
     assert!(v.is_clean(), "{v:?}");
     let r3 = StepReader::open(store, run, 3).await.unwrap();
@@ -1007,7 +1037,7 @@ async fn gc_never_sweeps_under_a_save_in_flight(b: Backend) {
     )
     .await
     .unwrap();
-    store.commit_step(run, 1).await.unwrap();
+    store.log().commit_step(run, 1).await.unwrap();
     leased_save(
         store,
         run,
@@ -1018,13 +1048,14 @@ async fn gc_never_sweeps_under_a_save_in_flight(b: Backend) {
     )
     .await
     .unwrap();
-    store.commit_step(run, 2).await.unwrap();
+    store.log().commit_step(run, 2).await.unwrap();
     clock.advance(hours(2));
 
     // A writer restored step 1 (its base) and saves x again as step 3: it takes its lease ...
     let mut base = DedupBase::new();
     base.seed(1, refs1.clone());
     let lease = store
+        .gc()
         .lease_dedup_base(run, &writer_id(0, 1), &base.candidates())
         .await
         .unwrap();
@@ -1036,14 +1067,18 @@ async fn gc_never_sweeps_under_a_save_in_flight(b: Backend) {
         grace: hours(1),
         ..Default::default()
     };
-    let g = store.gc(&opts, clock.now()).await.unwrap();
+    let g = store.gc().run(&opts, clock.now()).await.unwrap();
     assert_eq!(g.steps_deleted, vec![(run.to_string(), 1)], "{g:?}");
     assert!(g.sweep_deferred.is_some(), "{g:?}");
     assert_eq!(g.objects_deleted, 0, "{g:?}");
-    assert_eq!(store.committed_steps(run).await.unwrap(), vec![2]);
+    assert_eq!(store.log().committed_steps(run).await.unwrap(), vec![2]);
     for r in &refs1 {
         assert!(
-            store.exists(&store.object_of(r)).await.unwrap(),
+            store
+                .objects()
+                .exists(&store.keys().object_of(r))
+                .await
+                .unwrap(),
             "GC swept {} under a save in flight",
             r.location()
         );
@@ -1056,15 +1091,16 @@ async fn gc_never_sweeps_under_a_save_in_flight(b: Backend) {
         st.objects_written, 0,
         "the save skips step 1's chunks: {st:?}"
     );
-    store.release_lease(lease).await.unwrap();
-    store.commit_step(run, 3).await.unwrap();
+    store.gc().release_lease(lease).await.unwrap();
+    store.log().commit_step(run, 3).await.unwrap();
 
     // The next GC sweeps; step 3 (which references x) still verifies.
     clock.advance(hours(2));
-    let g = store.gc(&opts, clock.now()).await.unwrap();
+    let g = store.gc().run(&opts, clock.now()).await.unwrap();
     assert_eq!(g.sweep_deferred, None, "{g:?}");
     assert!(g.objects_deleted >= 1, "y is swept: {g:?}");
     let left: Vec<u64> = store
+        .log()
         .list_steps(run)
         .await
         .unwrap()
@@ -1081,16 +1117,18 @@ async fn gc_never_sweeps_under_a_save_in_flight(b: Backend) {
     let mut stale = DedupBase::new();
     stale.seed(2, vec![]);
     let l = store
+        .gc()
         .lease_dedup_base(run, &writer_id(0, 2), &stale.candidates())
         .await
         .unwrap();
     assert_eq!(l.base(), None);
     assert!(stale.pinned(l.base()).is_empty());
-    store.release_lease(l).await.unwrap();
+    store.gc().release_lease(l).await.unwrap();
 
     // A save waits while a sweep holds its lock.
     let sweep = store.keys().sweep_lock("test");
     store
+        .objects()
         .put_object(
             &sweep,
             vec![Bytes::from_static(b"{}")],
@@ -1100,11 +1138,11 @@ async fn gc_never_sweeps_under_a_save_in_flight(b: Backend) {
         .unwrap();
     let waiting = {
         let store = store.clone();
-        tokio::spawn(async move { store.lease_dedup_base("leased", "waiter", &[3]).await })
+        tokio::spawn(async move { store.gc().lease_dedup_base("leased", "waiter", &[3]).await })
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!waiting.is_finished(), "a save went on during a sweep");
-    store.delete_all(vec![sweep]).await.unwrap();
+    store.objects().delete_all(vec![sweep]).await.unwrap();
     let l = tokio::time::timeout(Duration::from_secs(10), waiting)
         .await
         .expect("the save goes on once the sweep ends")
@@ -1114,9 +1152,9 @@ async fn gc_never_sweeps_under_a_save_in_flight(b: Backend) {
 
     // That lease is never released (the writer died): it lapses after the grace period.
     clock.advance(hours(2));
-    let g = store.gc(&opts, clock.now()).await.unwrap();
+    let g = store.gc().run(&opts, clock.now()).await.unwrap();
     assert_eq!(g.sweep_deferred, None, "{g:?}");
-    let locks = store.list_locks(clock.now(), hours(1)).await.unwrap();
+    let locks = store.gc().list_locks(clock.now(), hours(1)).await.unwrap();
     assert!(
         locks.writers.is_empty() && locks.lapsed.is_empty(),
         "{locks:?}"
@@ -1126,6 +1164,7 @@ async fn gc_never_sweeps_under_a_save_in_flight(b: Backend) {
     // store's clock (the same clock that stamps the objects), not by the wall clock.
     let crashed = store.keys().sweep_lock("crashed");
     store
+        .objects()
         .put_object(
             &crashed,
             vec![Bytes::from_static(b"{}")],
@@ -1135,7 +1174,12 @@ async fn gc_never_sweeps_under_a_save_in_flight(b: Backend) {
         .unwrap();
     let waiting = {
         let store = store.clone();
-        tokio::spawn(async move { store.lease_dedup_base("leased", "after-crash", &[]).await })
+        tokio::spawn(async move {
+            store
+                .gc()
+                .lease_dedup_base("leased", "after-crash", &[])
+                .await
+        })
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(
@@ -1148,7 +1192,7 @@ async fn gc_never_sweeps_under_a_save_in_flight(b: Backend) {
         .expect("the save goes on once the crashed sweep's lock lapsed by the store's clock")
         .unwrap()
         .unwrap();
-    store.release_lease(l).await.unwrap();
+    store.gc().release_lease(l).await.unwrap();
 }
 
 /// GC with no grace at all beside a save in flight (issue 28: two `ckpt gc --grace 0s` loops
@@ -1190,7 +1234,7 @@ async fn a_short_grace_only_defers_the_sweep(b: Backend) {
         .await
         .unwrap();
     }
-    store.commit_step(run, 1).await.unwrap();
+    store.log().commit_step(run, 1).await.unwrap();
     clock.advance(Duration::from_secs(1));
     let refs0 = leased_save(
         store,
@@ -1203,11 +1247,12 @@ async fn a_short_grace_only_defers_the_sweep(b: Backend) {
     .await
     .unwrap();
     let lease = store
+        .gc()
         .lease_dedup_base(run, &writer_id(1, 0), &bases[1].candidates())
         .await
         .unwrap();
     clock.advance(Duration::from_secs(1));
-    let g = store.gc(&no_grace, clock.now()).await.unwrap();
+    let g = store.gc().run(&no_grace, clock.now()).await.unwrap();
     let why = g.sweep_deferred.as_deref().unwrap_or_default();
     assert!(
         why.contains("lapses 3600 s"),
@@ -1218,7 +1263,11 @@ async fn a_short_grace_only_defers_the_sweep(b: Backend) {
     assert_eq!(g.objects_deleted, 0, "{g:?}");
     for r in &refs0 {
         assert!(
-            store.exists(&store.object_of(r)).await.unwrap(),
+            store
+                .objects()
+                .exists(&store.keys().object_of(r))
+                .await
+                .unwrap(),
             "{}",
             r.location()
         );
@@ -1230,17 +1279,17 @@ async fn a_short_grace_only_defers_the_sweep(b: Backend) {
         .write_rank(&w(run, 2, 1, layout), half(1, 11), vec![], &index)
         .await
         .unwrap();
-    store.release_lease(lease).await.unwrap();
+    store.gc().release_lease(lease).await.unwrap();
     clock.advance(Duration::from_secs(1));
-    let g = store.gc(&no_grace, clock.now()).await.unwrap();
+    let g = store.gc().run(&no_grace, clock.now()).await.unwrap();
     assert_eq!(g.sweep_deferred, None, "{g:?}");
     assert_eq!(g.incomplete_in_flight, vec![(run.to_string(), 2)], "{g:?}");
-    store.commit_step(run, 2).await.unwrap();
+    store.log().commit_step(run, 2).await.unwrap();
     let r = StepReader::open(store, run, 2).await.unwrap();
     let want = [det_bytes(10, 8192), det_bytes(11, 8192)].concat();
     assert_eq!(r.read_tensor("w").await.unwrap(), want);
     // Retention drops step 1 now, and the sweep deletes what only step 1 referenced.
-    let g = store.gc(&no_grace, clock.now()).await.unwrap();
+    let g = store.gc().run(&no_grace, clock.now()).await.unwrap();
     assert_eq!(g.steps_deleted, vec![(run.to_string(), 1)], "{g:?}");
     assert!(g.objects_deleted >= 2, "{g:?}");
 
@@ -1257,12 +1306,12 @@ async fn a_short_grace_only_defers_the_sweep(b: Backend) {
     .await
     .unwrap();
     clock.advance(Duration::from_secs(30 * 60));
-    let g = store.gc(&no_grace, clock.now()).await.unwrap();
+    let g = store.gc().run(&no_grace, clock.now()).await.unwrap();
     assert_eq!(g.incomplete_in_flight, vec![(run.to_string(), 3)], "{g:?}");
     clock.advance(Duration::from_secs(31 * 60));
-    let g = store.gc(&no_grace, clock.now()).await.unwrap();
+    let g = store.gc().run(&no_grace, clock.now()).await.unwrap();
     assert_eq!(g.incomplete_deleted, vec![(run.to_string(), 3)], "{g:?}");
-    assert_eq!(store.committed_steps(run).await.unwrap(), vec![2]);
+    assert_eq!(store.log().committed_steps(run).await.unwrap(), vec![2]);
     let r = StepReader::open(store, run, 2).await.unwrap();
     assert_eq!(r.read_tensor("w").await.unwrap(), want);
     let v = store.verify(&VerifyScope::Store, None).await.unwrap();
@@ -1289,7 +1338,7 @@ async fn a_step_another_gc_drops_mid_mark_is_not_an_error(b: Backend) {
         )
         .await
         .unwrap();
-        store.commit_step(run, step).await.unwrap();
+        store.log().commit_step(run, step).await.unwrap();
     }
     // The first GC (no retention: every step is live) pauses after listing, before its mark.
     store.failpoints().set_nth(
@@ -1304,7 +1353,7 @@ async fn a_step_another_gc_drops_mid_mark_is_not_an_error(b: Backend) {
                 grace: Duration::ZERO,
                 ..Default::default()
             };
-            store.gc(&opts, ckpt_store::clock::system_now()).await
+            store.gc().run(&opts, ckpt_store::clock::system_now()).await
         })
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -1314,7 +1363,8 @@ async fn a_step_another_gc_drops_mid_mark_is_not_an_error(b: Backend) {
         ..Default::default()
     };
     let g = store
-        .gc(&second, ckpt_store::clock::system_now())
+        .gc()
+        .run(&second, ckpt_store::clock::system_now())
         .await
         .unwrap();
     assert_eq!(
@@ -1327,7 +1377,7 @@ async fn a_step_another_gc_drops_mid_mark_is_not_an_error(b: Backend) {
     });
     assert!(g.steps_deleted.is_empty(), "{g:?}");
     store.failpoints().clear();
-    assert_eq!(store.committed_steps(run).await.unwrap(), vec![3]);
+    assert_eq!(store.log().committed_steps(run).await.unwrap(), vec![3]);
     let r = StepReader::open(store, run, 3).await.unwrap();
     assert_eq!(r.read_tensor("w").await.unwrap(), det_bytes(3, 8192));
     let v = store.verify(&VerifyScope::Store, None).await.unwrap();
@@ -1353,6 +1403,7 @@ async fn a_killed_gcs_sweep_lock_holds_saves_back_only_for_its_lapse(b: Backend)
     let store = &short_lapse(b.store(), lapse);
     let lock = store.keys().sweep_lock("killed-gc");
     store
+        .objects()
         .put_object(
             &lock,
             vec![Bytes::from_static(b"{}")],
@@ -1363,7 +1414,7 @@ async fn a_killed_gcs_sweep_lock_holds_saves_back_only_for_its_lapse(b: Backend)
     let t0 = std::time::Instant::now();
     let l = tokio::time::timeout(
         Duration::from_secs(20),
-        store.lease_dedup_base("killed", &writer_id(0, 0), &[]),
+        store.gc().lease_dedup_base("killed", &writer_id(0, 0), &[]),
     )
     .await
     .expect("a dead GC's lock holds a save back for its lapse, not longer")
@@ -1373,17 +1424,18 @@ async fn a_killed_gcs_sweep_lock_holds_saves_back_only_for_its_lapse(b: Backend)
         waited >= lapse,
         "the save took a fresh sweep lock for dead after {waited:?}"
     );
-    store.release_lease(l).await.unwrap();
+    store.gc().release_lease(l).await.unwrap();
     assert!(
-        !store.exists(&lock).await.unwrap(),
+        !store.objects().exists(&lock).await.unwrap(),
         "the dead GC's lock is deleted"
     );
     let t1 = std::time::Instant::now();
     let l = store
+        .gc()
         .lease_dedup_base("killed", &writer_id(0, 0), &[])
         .await
         .unwrap();
-    store.release_lease(l).await.unwrap();
+    store.gc().release_lease(l).await.unwrap();
     assert!(
         t1.elapsed() < lapse,
         "the next save waited {:?}",
@@ -1405,6 +1457,7 @@ async fn a_sweep_lock_of_a_gone_process_of_this_machine_holds_nothing_back(b: Ba
     let put = |name: String| async move {
         let lock = store.keys().sweep_lock(&name);
         store
+            .objects()
             .put_object(
                 &lock,
                 vec![Bytes::from_static(b"{}")],
@@ -1418,10 +1471,11 @@ async fn a_sweep_lock_of_a_gone_process_of_this_machine_holds_nothing_back(b: Ba
     let save = || async move {
         let t0 = std::time::Instant::now();
         let l = store
+            .gc()
             .lease_dedup_base("gone", &writer_id(0, 0), &[])
             .await
             .unwrap();
-        store.release_lease(l).await.unwrap();
+        store.gc().release_lease(l).await.unwrap();
         t0.elapsed()
     };
     // A process that ended (reaped): its pid names nobody now.
@@ -1435,7 +1489,7 @@ async fn a_sweep_lock_of_a_gone_process_of_this_machine_holds_nothing_back(b: Ba
         "a save waited {waited:?} for the lock of a process that is gone"
     );
     assert!(
-        !store.exists(&lock).await.unwrap(),
+        !store.objects().exists(&lock).await.unwrap(),
         "the orphaned lock is deleted"
     );
     // A lock of this very process that none of its GCs holds: a GC whose delete of its lock
@@ -1450,7 +1504,7 @@ async fn a_sweep_lock_of_a_gone_process_of_this_machine_holds_nothing_back(b: Ba
         waited < lapse,
         "a save waited {waited:?} for a lock this process no longer holds"
     );
-    assert!(!store.exists(&lock).await.unwrap());
+    assert!(!store.objects().exists(&lock).await.unwrap());
     // A live process of this machine (a child sleeping), or one of another machine: waited for
     // the lapse.
     let mut alive = std::process::Command::new("sleep")
@@ -1514,7 +1568,8 @@ async fn a_live_sweep_is_never_taken_for_a_killed_one(b: Backend) {
         let now = clock.now();
         tokio::spawn(async move {
             store
-                .gc(
+                .gc()
+                .run(
                     &GcOptions {
                         grace: hours(1),
                         ..Default::default()
@@ -1537,6 +1592,7 @@ async fn a_live_sweep_is_never_taken_for_a_killed_one(b: Backend) {
     }
     assert!(
         !store
+            .gc()
             .list_locks(clock.now(), hours(1))
             .await
             .unwrap()
@@ -1545,12 +1601,13 @@ async fn a_live_sweep_is_never_taken_for_a_killed_one(b: Backend) {
         "the sweep holds its lock"
     );
     let l = store
+        .gc()
         .lease_dedup_base(run, &writer_id(0, 0), &[])
         .await
         .unwrap();
     let waited = t0.elapsed();
     let g = gc.await.unwrap().unwrap();
-    store.release_lease(l).await.unwrap();
+    store.gc().release_lease(l).await.unwrap();
     // The sweep holds its lock for `hold` after t0; a save that took it for dead would have
     // gone on after about one lapse.
     assert!(
@@ -1605,7 +1662,7 @@ async fn gc_racing_saves_never_breaks_a_commit(b: Backend) {
             };
             let mut swept = 0u64;
             while !stop.load(std::sync::atomic::Ordering::SeqCst) {
-                let g = store.gc(&opts, clock.now()).await.expect("gc");
+                let g = store.gc().run(&opts, clock.now()).await.expect("gc");
                 swept += g.objects_deleted;
                 passes.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             }
@@ -1689,7 +1746,7 @@ async fn gc_racing_saves_never_breaks_a_commit(b: Backend) {
             let store = store.clone();
             commit = Some((
                 k,
-                tokio::spawn(async move { store.commit_step(run, k).await }),
+                tokio::spawn(async move { store.log().commit_step(run, k).await }),
             ));
         }
     }
@@ -1704,7 +1761,8 @@ async fn gc_racing_saves_never_breaks_a_commit(b: Backend) {
     assert!(swept > 0, "GC swept nothing: the race was not exercised");
     clock.advance(grace * 2);
     store
-        .gc(
+        .gc()
+        .run(
             &GcOptions {
                 keep_last: Some(1),
                 grace,
@@ -1716,7 +1774,7 @@ async fn gc_racing_saves_never_breaks_a_commit(b: Backend) {
         .unwrap();
     let v = store.verify(&VerifyScope::Store, None).await.unwrap();
     assert!(v.is_clean(), "{v:?}");
-    assert_eq!(store.committed_steps(run).await.unwrap(), vec![50]);
+    assert_eq!(store.log().committed_steps(run).await.unwrap(), vec![50]);
     check(store.clone(), 50).await;
 }
 
@@ -1727,36 +1785,47 @@ async fn a_started_generation_fences_older_writers(b: Backend) {
     let store = b.store();
     let run = "fence";
     save_as(store, run, 1, 0).await.unwrap();
-    store.commit_step_as(run, 1, Some(0)).await.unwrap();
-    let first = store.claim_generation(run, 1).await.unwrap();
-    let second = store.claim_generation(run, 1).await.unwrap();
+    store.log().commit_step_as(run, 1, Some(0)).await.unwrap();
+    let first = store.log().claim_generation(run, 1).await.unwrap();
+    let second = store.log().claim_generation(run, 1).await.unwrap();
     assert_eq!((first, second), (1, 2), "two claims, two generations");
-    assert_eq!(store.newest_generation(run).await.unwrap(), Some(2));
+    assert_eq!(store.log().newest_generation(run).await.unwrap(), Some(2));
     for old in [0, 1] {
         let e = save_as(store, run, 2, old).await.unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Fenced, "{e}");
         assert!(e.to_string().contains("fenced by generation 2"), "{e}");
-        let e = store.join_generation(run, old).await.unwrap_err();
+        let e = store.log().join_generation(run, old).await.unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Fenced, "{e}");
     }
     // The newest generation joins (its marker exists) and writes; an older committer of the
     // same step is refused, the newest commits.
-    store.join_generation(run, 2).await.unwrap();
+    store.log().join_generation(run, 2).await.unwrap();
     save_as(store, run, 2, 2).await.unwrap();
-    let e = store.commit_step_as(run, 2, Some(1)).await.unwrap_err();
+    let e = store
+        .log()
+        .commit_step_as(run, 2, Some(1))
+        .await
+        .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Fenced, "{e}");
-    let o = store.commit_step_as(run, 2, Some(2)).await.unwrap();
+    let o = store.log().commit_step_as(run, 2, Some(2)).await.unwrap();
     assert!(matches!(o, CommitOutcome::Committed(..)));
-    assert_eq!(store.committed_steps(run).await.unwrap(), vec![1, 2]);
+    assert_eq!(store.log().committed_steps(run).await.unwrap(), vec![1, 2]);
     // A committer of an older generation whose manifests are complete (saved before the newer
     // job started) is refused at the commit: it must not commit any step after that.
     save_as(store, "fence2", 1, 4).await.unwrap();
-    store.start_generation("fence2", 5).await.unwrap();
-    let e = store.commit_step_as("fence2", 1, Some(4)).await;
+    store.log().start_generation("fence2", 5).await.unwrap();
+    let e = store.log().commit_step_as("fence2", 1, Some(4)).await;
     let e = e.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Fenced, "{e}");
     assert!(e.to_string().contains("fenced by generation 5"), "{e}");
-    assert!(store.committed_steps("fence2").await.unwrap().is_empty());
+    assert!(
+        store
+            .log()
+            .committed_steps("fence2")
+            .await
+            .unwrap()
+            .is_empty()
+    );
     assert!(
         store
             .verify(&VerifyScope::Store, None)
@@ -1772,10 +1841,13 @@ async fn a_generations_interval_is_agreed_once(b: Backend) {
     // generation (a zombie of an older one, or the next) has an object of its own.
     let store = b.store();
     let run = "agree";
-    store.start_generation(run, 3).await.unwrap();
-    let t = store.generation_started_ms(run, 3).await.unwrap();
+    store.log().start_generation(run, 3).await.unwrap();
+    let t = store.log().generation_started_ms(run, 3).await.unwrap();
     assert!(t.is_some_and(|t| t > 0), "{t:?}");
-    assert_eq!(store.generation_started_ms(run, 4).await.unwrap(), None);
+    assert_eq!(
+        store.log().generation_started_ms(run, 4).await.unwrap(),
+        None
+    );
     let proposal = |g: u64, steps: u64| Interval {
         to_steps: steps,
         reason: "young_daly".into(),
@@ -1787,12 +1859,12 @@ async fn a_generations_interval_is_agreed_once(b: Backend) {
     // succeed there): on the S3 test server the second proposal comes after the first.
     let (ra, rb) = if b.atomic_create() {
         tokio::join!(
-            store.agree_generation_interval(run, 3, &a),
-            store.agree_generation_interval(run, 3, &b1)
+            store.log().agree_generation_interval(run, 3, &a),
+            store.log().agree_generation_interval(run, 3, &b1)
         )
     } else {
-        let ra = store.agree_generation_interval(run, 3, &a).await;
-        (ra, store.agree_generation_interval(run, 3, &b1).await)
+        let ra = store.log().agree_generation_interval(run, 3, &a).await;
+        (ra, store.log().agree_generation_interval(run, 3, &b1).await)
     };
     let (ra, rb) = (ra.unwrap(), rb.unwrap());
     assert_eq!(ra.0, rb.0, "two ranks of one generation disagree");
@@ -1804,27 +1876,32 @@ async fn a_generations_interval_is_agreed_once(b: Backend) {
     assert!(agreed == 7 || agreed == 9);
     // A late proposal gets the stored one.
     let (late, created) = store
+        .log()
         .agree_generation_interval(run, 3, &proposal(3, 40))
         .await
         .unwrap();
     assert_eq!((late.to_steps, created), (agreed, false));
     // An older generation's writer cannot reach generation 3's interval.
     let (old, created) = store
+        .log()
         .agree_generation_interval(run, 2, &proposal(2, 40))
         .await
         .unwrap();
     assert_eq!((old.to_steps, created), (40, true));
     let (again, _) = store
+        .log()
         .agree_generation_interval(run, 3, &proposal(3, 11))
         .await
         .unwrap();
     assert_eq!(again.to_steps, agreed);
     // A stored value its type refuses is damaged data, named by its object.
     store
+        .log()
         .agree_generation_interval(run, 5, &proposal(5, 0))
         .await
         .unwrap();
     let e = store
+        .log()
         .agree_generation_interval(run, 5, &proposal(5, 8))
         .await
         .unwrap_err();
@@ -1881,22 +1958,26 @@ async fn replacing_a_manifest_never_breaks_a_racing_commit(b: Backend) {
     //    the manifest was replaced: it withdraws the record, and the newer generation commits.
     save_as(store, "race1", 1, 0).await.unwrap();
     let slow = with_fp(store, "before_commit_create=sleep(1000)");
-    let c = tokio::spawn(async move { slow.commit_step_as("race1", 1, Some(0)).await });
+    let c = tokio::spawn(async move { slow.log().commit_step_as("race1", 1, Some(0)).await });
     tokio::time::sleep(ms(300)).await;
     save_as(store, "race1", 1, 1).await.unwrap();
     let e = c.await.unwrap().unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Fenced, "{e}");
     assert!(e.to_string().contains("withdrawn"), "{e}");
-    let e = store.read_commit("race1", 1).await.unwrap_err();
+    let e = store.log().read_commit("race1", 1).await.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NotFound, "{e}");
-    let o = store.commit_step_as("race1", 1, Some(1)).await.unwrap();
+    let o = store
+        .log()
+        .commit_step_as("race1", 1, Some(1))
+        .await
+        .unwrap();
     assert_eq!(o.record().generation, 1);
 
     // 2. The committer creates its record between the writer's "not committed" check and its
     //    overwrite: the writer puts the committed manifest back and is refused.
     save_as(store, "race2", 1, 0).await.unwrap();
     let slow_c = with_fp(store, "before_commit_create=sleep(800)");
-    let c = tokio::spawn(async move { slow_c.commit_step_as("race2", 1, Some(0)).await });
+    let c = tokio::spawn(async move { slow_c.log().commit_step_as("race2", 1, Some(0)).await });
     tokio::time::sleep(ms(200)).await;
     let slow_w = with_fp(store, "before_manifest_replace=sleep(1600)");
     let wr = tokio::spawn(async move { save_as(&slow_w, "race2", 1, 1).await });
@@ -1909,9 +1990,10 @@ async fn replacing_a_manifest_never_breaks_a_racing_commit(b: Backend) {
     let we = wr.await.unwrap().unwrap_err();
     assert_eq!(we.kind(), ErrorKind::Conflict, "{we}");
     assert!(we.to_string().contains("already committed"), "{we}");
-    let (rec, _) = store.read_commit("race2", 1).await.unwrap();
+    let (rec, _) = store.log().read_commit("race2", 1).await.unwrap();
     assert_eq!(rec.generation, 0);
     let m = store
+        .log()
         .read_rank_manifest("race2", 1, 0, Some(&rec.ranks[0]))
         .await
         .unwrap();
@@ -1964,6 +2046,7 @@ async fn delta_save(
     base: &mut DedupBase,
 ) -> ckpt_store::RankManifest {
     let lease = store
+        .gc()
         .lease_dedup_base(run, "delta-writer", &base.candidates())
         .await
         .unwrap();
@@ -1975,10 +2058,10 @@ async fn delta_save(
     let res = store
         .write_rank(&w(run, step, 0, Layout::SINGLE), shards, vec![], &index)
         .await;
-    store.release_lease(lease).await.unwrap();
+    store.gc().release_lease(lease).await.unwrap();
     let (m, _, _) = res.unwrap();
     base.persisted_manifest(&m);
-    store.commit_step(run, step).await.unwrap();
+    store.log().commit_step(run, step).await.unwrap();
     m
 }
 
@@ -2110,7 +2193,7 @@ async fn delta_chains_restore_bit_exact_and_gc_keeps_their_bases(b: Backend) {
     for m in &manifests {
         for c in &m.tensors[0].chunks {
             let before = gets(&store);
-            store.get_chunk(c).await.unwrap();
+            store.chunks().get_chunk(c).await.unwrap();
             let n = gets(&store) - before;
             assert_eq!(
                 n,
@@ -2130,7 +2213,7 @@ async fn delta_chains_restore_bit_exact_and_gc_keeps_their_bases(b: Backend) {
         grace: Duration::ZERO,
         ..Default::default()
     };
-    let g = store.gc(&opts, now).await.unwrap();
+    let g = store.gc().run(&opts, now).await.unwrap();
     assert_eq!(g.steps_kept, vec![(run.to_string(), 7)]);
     let newest = &manifests[6].tensors[0].chunks;
     let depth = newest.iter().map(|c| c.bases.len()).max().unwrap();
@@ -2144,9 +2227,9 @@ async fn delta_chains_restore_bit_exact_and_gc_keeps_their_bases(b: Backend) {
         "older whole chunks no chain needs are swept: {g:?}"
     );
     for c in newest {
-        for p in store.chain_objects(c) {
+        for p in store.keys().chain_objects(c) {
             assert!(
-                store.exists(&p).await.unwrap(),
+                store.objects().exists(&p).await.unwrap(),
                 "{p} (chain of {}) kept",
                 c.location()
             );
@@ -2182,7 +2265,12 @@ async fn a_damaged_delta_base_fails_verify_naming_both_steps(b: Backend) {
         .expect("step 2 holds a delta")
         .clone();
     let base_key = store.keys().chunk(&delta.bases[0]);
-    let mut obj = store.get_object(&base_key).await.unwrap().to_vec();
+    let mut obj = store
+        .objects()
+        .get_object(&base_key)
+        .await
+        .unwrap()
+        .to_vec();
     let last = obj.len() - 1;
     obj[last] ^= 0x5a;
     store
@@ -2200,7 +2288,7 @@ async fn a_damaged_delta_base_fails_verify_naming_both_steps(b: Backend) {
     let d = v
         .damaged
         .iter()
-        .find(|d| d.object == store.object_of(&delta).to_string())
+        .find(|d| d.object == store.keys().object_of(&delta).to_string())
         .unwrap_or_else(|| panic!("the delta object is reported: {:?}", v.damaged));
     assert!(
         d.problem.contains(&delta.bases[0].to_string()),
@@ -2243,7 +2331,7 @@ async fn a_damaged_delta_base_fails_verify_naming_both_steps(b: Backend) {
 
     // A missing base is named the same way.
     store.object_store().delete(&base_key).await.unwrap();
-    let e = store.get_chunk(&delta).await.unwrap_err();
+    let e = store.chunks().get_chunk(&delta).await.unwrap_err();
     assert!(
         e.to_string().contains("missing") && e.to_string().contains("step 1"),
         "{e}"
@@ -2279,7 +2367,7 @@ async fn replicas_are_compared_at_commit_and_a_flipped_bit_is_recorded(b: Backen
             .await
             .unwrap();
     }
-    let out = store.commit_step(run, 1).await.unwrap();
+    let out = store.log().commit_step(run, 1).await.unwrap();
     let rep = out.record().replicas.clone().expect("a replica report");
     let chunks = store.chunk_spans(len).count() as u64;
     assert_eq!(rep.chunks_compared, 2 * chunks);
@@ -2296,7 +2384,7 @@ async fn replicas_are_compared_at_commit_and_a_flipped_bit_is_recorded(b: Backen
     assert_eq!(m.sides[1].nodes, vec![Some(12)]);
     assert!(!m.stored_suspect());
     // The record as stored says the same, and the tensor reads as the writer saved it.
-    let (rec, _) = store.read_commit(run, 1).await.unwrap();
+    let (rec, _) = store.log().read_commit(run, 1).await.unwrap();
     assert_eq!(rec.replicas.as_ref(), Some(&rep));
     let reader = StepReader::open(store, run, 1).await.unwrap();
     assert_eq!(reader.read("w", &NdBox::full(&[len])).await.unwrap(), good);
@@ -2317,6 +2405,7 @@ async fn replicas_are_compared_at_commit_and_a_flipped_bit_is_recorded(b: Backen
             .unwrap();
     }
     let rep = store
+        .log()
         .commit_step(run, 2)
         .await
         .unwrap()

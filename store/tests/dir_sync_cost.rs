@@ -43,6 +43,7 @@ async fn directory_fsyncs_cost_per_save() {
             .collect();
         let n_chunks = chunks.len();
         let put = store
+            .chunks()
             .put_chunks(stream::iter(chunks), &DedupIndex::new())
             .await
             .unwrap();
@@ -75,8 +76,8 @@ async fn directory_fsyncs_cost_per_save() {
             blobs: vec![],
             stats: Default::default(),
         };
-        store.write_rank_manifest(&m).await.unwrap();
-        store.commit_step("b", round).await.unwrap();
+        store.log().write_rank_manifest(&m).await.unwrap();
+        store.log().commit_step("b", round).await.unwrap();
         let t_commit = t2.elapsed().as_secs_f64();
         let before = t_put + t_commit;
         let after = before + t_sync;

@@ -159,7 +159,7 @@ async fn two_rank_step(rows: u64, cols: u64, cut: u64) -> (Store, Vec<u8>) {
         };
         store.write_rank(&w, shards, vec![], &index).await.unwrap();
     }
-    store.commit_step("h", 1).await.unwrap();
+    store.log().commit_step("h", 1).await.unwrap();
     (store, whole)
 }
 
@@ -194,7 +194,7 @@ proptest! {
         let rt = runtime();
         let (store, _) = rt.block_on(two_rank_step(6, 3, 2));
         let key = store.keys().commit("h", 1);
-        let orig = rt.block_on(store.get_object(&key)).unwrap().to_vec();
+        let orig = rt.block_on(store.objects().get_object(&key)).unwrap().to_vec();
         let good = CommitRecord::from_bytes(&orig, "good").unwrap();
         let mut obj = if use_raw { raw } else { orig.clone() };
         apply(&mut obj, &muts);
@@ -229,7 +229,7 @@ proptest! {
         let rt = runtime();
         let (store, whole) = rt.block_on(two_rank_step(rows, cols, cut));
         let key = store.keys().commit("h", 1);
-        let orig = rt.block_on(store.get_object(&key)).unwrap().to_vec();
+        let orig = rt.block_on(store.objects().get_object(&key)).unwrap().to_vec();
         let mut c = CommitRecord::from_bytes(&orig, "good").unwrap();
         let t = &mut c.tensors[0];
         match target {
@@ -242,7 +242,7 @@ proptest! {
             6 => {
                 // A manifest with hostile chunk fields, pinned by its real hash.
                 let mkey = store.keys().rank_manifest("h", 1, 1);
-                let mb = rt.block_on(store.get_object(&mkey)).unwrap();
+                let mb = rt.block_on(store.objects().get_object(&mkey)).unwrap();
                 let mut m: RankManifest = serde_json::from_slice(&mb).unwrap();
                 let ch = &mut m.tensors[0].chunks;
                 if let Some(first) = ch.first_mut() {
@@ -256,12 +256,12 @@ proptest! {
                 let nb = serde_json::to_vec_pretty(&m).unwrap();
                 c.ranks[1].hash = ckpt_store::Hash::of(&nb);
                 c.ranks[1].size = nb.len() as u64;
-                rt.block_on(store.put_object(&mkey, vec![nb.into()], PutMode::Overwrite)).unwrap();
+                rt.block_on(store.objects().put_object(&mkey, vec![nb.into()], PutMode::Overwrite)).unwrap();
             }
             _ => c.layout.tp = rank,
         }
         let forged = c.seal().unwrap();
-        rt.block_on(store.put_object(&key, vec![forged.clone().into()], PutMode::Overwrite)).unwrap();
+        rt.block_on(store.objects().put_object(&key, vec![forged.clone().into()], PutMode::Overwrite)).unwrap();
         if let Ok(c) = CommitRecord::from_bytes(&forged, "forged") {
             let _ = c.logical_bytes();
             let _ = SafetensorsView::new(&c, None);
@@ -299,7 +299,7 @@ proptest! {
         let rt = runtime();
         let (store, _) = rt.block_on(two_rank_step(6, 3, 2));
         let key = store.keys().rank_manifest("h", 1, 0);
-        let orig = rt.block_on(store.get_object(&key)).unwrap().to_vec();
+        let orig = rt.block_on(store.objects().get_object(&key)).unwrap().to_vec();
         let good: RankManifest = serde_json::from_slice(&orig).unwrap();
         let mut obj = if use_raw { raw } else { orig.clone() };
         apply(&mut obj, &muts);
@@ -315,9 +315,9 @@ proptest! {
                 prop_assert_eq!(at, t.byte_len());
             }
         }
-        rt.block_on(store.put_object(&key, vec![obj.clone().into()], PutMode::Overwrite)).unwrap();
-        let (c, _) = rt.block_on(store.read_commit("h", 1)).unwrap();
-        match rt.block_on(store.read_rank_manifest("h", 1, 0, Some(&c.ranks[0]))) {
+        rt.block_on(store.objects().put_object(&key, vec![obj.clone().into()], PutMode::Overwrite)).unwrap();
+        let (c, _) = rt.block_on(store.log().read_commit("h", 1)).unwrap();
+        match rt.block_on(store.log().read_rank_manifest("h", 1, 0, Some(&c.ranks[0]))) {
             Ok(m) => prop_assert_eq!(m, good),
             Err(e) => prop_assert_eq!(e.kind(), ckpt_store::ErrorKind::Corrupt, "{}", e),
         }

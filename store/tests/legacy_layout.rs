@@ -62,8 +62,9 @@ async fn move_manifests_to_the_old_place(store: &Store, step: u64) {
     let k = store.keys();
     for rank in 0..2 {
         let new = k.rank_manifest(RUN, step, rank);
-        let bytes = store.get_object(&new).await.unwrap();
+        let bytes = store.objects().get_object(&new).await.unwrap();
         store
+            .objects()
             .put_object(
                 &k.legacy_rank_manifest(RUN, step, rank),
                 vec![bytes],
@@ -71,7 +72,7 @@ async fn move_manifests_to_the_old_place(store: &Store, step: u64) {
             )
             .await
             .unwrap();
-        store.delete_all(vec![new]).await.unwrap();
+        store.objects().delete_all(vec![new]).await.unwrap();
     }
 }
 
@@ -79,12 +80,13 @@ async fn move_manifests_to_the_old_place(store: &Store, step: u64) {
 async fn make_old(store: &Store, step: u64) {
     move_manifests_to_the_old_place(store, step).await;
     let key = store.keys().commit(RUN, step);
-    let bytes = store.get_object(&key).await.unwrap();
+    let bytes = store.objects().get_object(&key).await.unwrap();
     let mut rec = CommitRecord::from_bytes(&bytes, "test").unwrap();
     assert_eq!(rec.format, ckpt_store::WHOLE_RECORD_FORMAT);
     rec.format = 2;
     let old = rec.seal().unwrap();
     store
+        .objects()
         .put_object(&key, vec![old.into()], PutMode::Overwrite)
         .await
         .unwrap();
@@ -92,21 +94,35 @@ async fn make_old(store: &Store, step: u64) {
 
 async fn old_steps_still_read_commit_and_collect(store: &Store) {
     let w1 = save(store, 1, 1).await;
-    store.commit_step(RUN, 1).await.unwrap();
+    store.log().commit_step(RUN, 1).await.unwrap();
     make_old(store, 1).await;
     let w2 = save(store, 2, 2).await;
-    store.commit_step(RUN, 2).await.unwrap();
+    store.log().commit_step(RUN, 2).await.unwrap();
     let k = store.keys();
     assert!(
         store
+            .objects()
             .exists(&k.legacy_rank_manifest(RUN, 1, 1))
             .await
             .unwrap()
     );
-    assert!(!store.exists(&k.rank_manifest(RUN, 1, 1)).await.unwrap());
-    assert!(store.exists(&k.rank_manifest(RUN, 2, 1)).await.unwrap());
     assert!(
         !store
+            .objects()
+            .exists(&k.rank_manifest(RUN, 1, 1))
+            .await
+            .unwrap()
+    );
+    assert!(
+        store
+            .objects()
+            .exists(&k.rank_manifest(RUN, 2, 1))
+            .await
+            .unwrap()
+    );
+    assert!(
+        !store
+            .objects()
             .exists(&k.legacy_rank_manifest(RUN, 2, 1))
             .await
             .unwrap()
@@ -128,7 +144,7 @@ async fn old_steps_still_read_commit_and_collect(store: &Store) {
     }
 
     // Listing: both steps, committed, with their ranks, in either listing.
-    let steps = store.list_steps(RUN).await.unwrap();
+    let steps = store.log().list_steps(RUN).await.unwrap();
     assert_eq!(
         steps
             .iter()
@@ -136,20 +152,21 @@ async fn old_steps_still_read_commit_and_collect(store: &Store) {
             .collect::<Vec<_>>(),
         vec![(1, true, vec![0, 1]), (2, true, vec![0, 1])]
     );
-    let quick = store.list_steps_with_records(RUN).await.unwrap();
+    let quick = store.log().list_steps_with_records(RUN).await.unwrap();
     assert_eq!(quick.len(), 2);
     assert!(quick.iter().all(|(_, r)| matches!(r, Some(Ok(_)))));
-    assert_eq!(store.latest_committed(RUN).await.unwrap(), Some(2));
+    assert_eq!(store.log().latest_committed(RUN).await.unwrap(), Some(2));
 
     // Verify: clean, and the damage of an old step's manifest is still found.
     let v = store.verify(&VerifyScope::Store, None).await.unwrap();
     assert!(v.is_clean(), "{v:?}");
     let old_key = k.legacy_rank_manifest(RUN, 1, 0);
-    let good = store.get_object(&old_key).await.unwrap();
+    let good = store.objects().get_object(&old_key).await.unwrap();
     let mut bad = good.to_vec();
     let at = bad.len() / 2;
     bad[at] ^= 0x01;
     store
+        .objects()
         .put_object(&old_key, vec![bad.into()], PutMode::Overwrite)
         .await
         .unwrap();
@@ -166,6 +183,7 @@ async fn old_steps_still_read_commit_and_collect(store: &Store) {
         .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
     store
+        .objects()
         .put_object(&old_key, vec![good], PutMode::Overwrite)
         .await
         .unwrap();
@@ -174,7 +192,7 @@ async fn old_steps_still_read_commit_and_collect(store: &Store) {
     // old place); readers find them.
     let w3 = save(store, 3, 3).await;
     move_manifests_to_the_old_place(store, 3).await;
-    let o = store.commit_step(RUN, 3).await.unwrap();
+    let o = store.log().commit_step(RUN, 3).await.unwrap();
     assert_eq!(o.record().ranks.len(), 2);
     let r = StepReader::open(store, RUN, 3).await.unwrap();
     assert_eq!(r.read_tensor("w").await.unwrap(), w3);
@@ -183,6 +201,7 @@ async fn old_steps_still_read_commit_and_collect(store: &Store) {
     save(store, 4, 4).await;
     move_manifests_to_the_old_place(store, 4).await;
     store
+        .objects()
         .delete_all(vec![k.legacy_rank_manifest(RUN, 4, 1)])
         .await
         .unwrap();
@@ -190,7 +209,8 @@ async fn old_steps_still_read_commit_and_collect(store: &Store) {
     // GC keeps the newest step only: the old step's record and manifests go, with the
     // objects only it referenced; so does the uncommitted old step after its grace.
     let report = store
-        .gc(
+        .gc()
+        .run(
             &GcOptions {
                 keep_last: Some(1),
                 ..GcOptions::default()
@@ -202,11 +222,12 @@ async fn old_steps_still_read_commit_and_collect(store: &Store) {
     assert_eq!(report.steps_deleted.len(), 2, "{report:?}");
     assert_eq!(report.incomplete_deleted, vec![(RUN.to_string(), 4)]);
     assert!(report.objects_deleted > 0, "{report:?}");
-    assert_eq!(store.committed_steps(RUN).await.unwrap(), vec![3]);
+    assert_eq!(store.log().committed_steps(RUN).await.unwrap(), vec![3]);
     for step in [1, 2, 4] {
         for rank in 0..2 {
             assert!(
                 !store
+                    .objects()
                     .exists(&k.legacy_rank_manifest(RUN, step, rank))
                     .await
                     .unwrap(),
@@ -214,6 +235,7 @@ async fn old_steps_still_read_commit_and_collect(store: &Store) {
             );
             assert!(
                 !store
+                    .objects()
                     .exists(&k.rank_manifest(RUN, step, rank))
                     .await
                     .unwrap(),
@@ -223,6 +245,7 @@ async fn old_steps_still_read_commit_and_collect(store: &Store) {
     }
     assert!(
         store
+            .log()
             .list_steps(RUN)
             .await
             .unwrap()

@@ -50,7 +50,7 @@ async fn sharded_step_as_one_safetensors_file() {
             .await
             .unwrap();
     }
-    store.commit_step("st", 1).await.unwrap();
+    store.log().commit_step("st", 1).await.unwrap();
     let reader = StepReader::open(&store, "st", 1).await.unwrap();
     let view = SafetensorsView::new(reader.commit(), None).unwrap();
     let mut file = vec![0u8; view.len() as usize];
@@ -104,7 +104,7 @@ async fn readers_sharing_a_cache_fetch_each_chunk_once() {
         .write_rank(&wr, vec![shard], vec![], &DedupIndex::new())
         .await
         .unwrap();
-    store.commit_step("c", 1).await.unwrap();
+    store.log().commit_step("c", 1).await.unwrap();
     let cache = ckpt_store::ChunkCache::new(1 << 20);
     // Two "ranks" reading column halves: both need every chunk of the rows.
     let left = NdBox::new(vec![0, 0], vec![64, 32]).unwrap();

@@ -48,12 +48,13 @@ async fn save(store: &Store) -> (Vec<u8>, Vec<u8>) {
         };
         store.write_rank(&rw, shards, blobs, &index).await.unwrap();
     }
-    store.commit_step(RUN, 1).await.unwrap();
+    store.log().commit_step(RUN, 1).await.unwrap();
     (w, b)
 }
 
 async fn put(store: &Store, path: &Path, bytes: Vec<u8>) {
     store
+        .objects()
         .put_object(path, vec![Bytes::from(bytes)], PutMode::Overwrite)
         .await
         .unwrap();
@@ -117,7 +118,7 @@ async fn a_bit_flip_in_a_commit_record_is_refused_everywhere() {
     let (store, _dir) = local_store(tiny_config());
     let (w, b) = save(&store).await;
     let key = store.keys().commit(RUN, 1);
-    let orig = store.get_object(&key).await.unwrap().to_vec();
+    let orig = store.objects().get_object(&key).await.unwrap().to_vec();
     // The shape, the format, the checksum and the layout, besides offsets everywhere.
     let at = offsets(
         &orig,
@@ -153,7 +154,7 @@ async fn a_bit_flip_in_a_rank_manifest_is_refused_everywhere() {
     let (w, _) = save(&store).await;
     for rank in 0..2 {
         let key = store.keys().rank_manifest(RUN, 1, rank);
-        let orig = store.get_object(&key).await.unwrap().to_vec();
+        let orig = store.objects().get_object(&key).await.unwrap().to_vec();
         let at = offsets(&orig, &["\"lengths\":[", "\"len\":"]);
         for (i, &o) in at.iter().enumerate() {
             let mut bad = orig.clone();
@@ -179,7 +180,7 @@ async fn verify_rebuilds_the_record_from_the_manifests() {
     let (store, _dir) = local_store(tiny_config());
     save(&store).await;
     let key = store.keys().commit(RUN, 1);
-    let orig = store.get_object(&key).await.unwrap().to_vec();
+    let orig = store.objects().get_object(&key).await.unwrap().to_vec();
     let what = "test";
     let good = CommitRecord::from_bytes(&orig, what).unwrap();
     assert_eq!(good.format, ckpt_store::WHOLE_RECORD_FORMAT);
@@ -275,7 +276,7 @@ async fn a_step_written_pretty_by_an_earlier_build_still_reads() {
     let (store, _dir) = local_store(tiny_config());
     let (w, b) = save(&store).await;
     let key = store.keys().commit(RUN, 1);
-    let orig = store.get_object(&key).await.unwrap().to_vec();
+    let orig = store.objects().get_object(&key).await.unwrap().to_vec();
     assert!(
         !orig.contains(&b'\n') && !orig.windows(2).any(|p| p == b": "),
         "the record is written compact"
@@ -284,7 +285,7 @@ async fn a_step_written_pretty_by_an_earlier_build_still_reads() {
     for rank in 0..2u32 {
         let mkey = store.keys().rank_manifest(RUN, 1, rank);
         let m: serde_json::Value =
-            serde_json::from_slice(&store.get_object(&mkey).await.unwrap()).unwrap();
+            serde_json::from_slice(&store.objects().get_object(&mkey).await.unwrap()).unwrap();
         let pretty = serde_json::to_vec_pretty(&m).unwrap();
         let entry = &mut record["ranks"][rank as usize];
         entry["hash"] = blake3::hash(&pretty).to_hex().to_string().into();
@@ -387,9 +388,9 @@ async fn part_keys(store: &Store, step: u64) -> Vec<Path> {
 async fn a_split_commit_record_reads_whole_and_a_rank_reads_only_its_parts() {
     let (store, _dir) = local_store(split_config());
     let want = save_split(&store, 1, 4, 12).await;
-    let outcome = store.commit_step("split", 1).await.unwrap();
+    let outcome = store.log().commit_step("split", 1).await.unwrap();
     // The root is small and pins its parts; the record reads back whole, as committed.
-    let (root, id, root_len) = store.read_commit_root("split", 1).await.unwrap();
+    let (root, id, root_len) = store.log().read_commit_root("split", 1).await.unwrap();
     assert_eq!(root.format, ckpt_store::SPLIT_RECORD_FORMAT);
     assert!(root.tensors.is_empty() && root.ranks.is_empty() && root.blobs.is_empty());
     let index = root.index.clone().expect("split");
@@ -402,7 +403,7 @@ async fn a_split_commit_record_reads_whole_and_a_rank_reads_only_its_parts() {
     assert_eq!(part_keys(&store, 1).await.len(), index.parts.len());
     let whole_len = serde_json::to_vec(outcome.record()).unwrap().len() as u64;
     assert!(root_len < whole_len / 2, "root {root_len} of {whole_len}");
-    let (whole, id2) = store.read_commit("split", 1).await.unwrap();
+    let (whole, id2) = store.log().read_commit("split", 1).await.unwrap();
     assert_eq!(id, id2);
     assert_eq!(&whole, outcome.record());
     assert_eq!(
@@ -414,7 +415,7 @@ async fn a_split_commit_record_reads_whole_and_a_rank_reads_only_its_parts() {
         assert_eq!(&r.read_tensor(name).await.unwrap(), bytes, "{name}");
     }
     // A second committer gets the same record.
-    let again = store.commit_step("split", 1).await.unwrap();
+    let again = store.log().commit_step("split", 1).await.unwrap();
     assert_eq!(again.id(), outcome.id());
     assert_eq!(again.record(), outcome.record());
     assert!(
@@ -439,6 +440,7 @@ async fn a_split_commit_record_reads_whole_and_a_rank_reads_only_its_parts() {
     assert!(!keep.is_empty() && keep.len() < tensor_parts.len());
     for p in &drop {
         store
+            .objects()
             .delete_all(vec![store.keys().record_part("split", 1, &p.hash())])
             .await
             .unwrap();
@@ -476,11 +478,11 @@ async fn a_split_commit_record_reads_whole_and_a_rank_reads_only_its_parts() {
 async fn a_damaged_record_part_is_refused_and_gc_deletes_the_parts() {
     let (store, _dir) = local_store(split_config());
     let want = save_split(&store, 1, 2, 10).await;
-    store.commit_step("split", 1).await.unwrap();
-    let (root, _, _) = store.read_commit_root("split", 1).await.unwrap();
+    store.log().commit_step("split", 1).await.unwrap();
+    let (root, _, _) = store.log().read_commit_root("split", 1).await.unwrap();
     let first = root.index.unwrap().parts[0].clone();
     let key = store.keys().record_part("split", 1, &first.hash());
-    let orig = store.get_object(&key).await.unwrap().to_vec();
+    let orig = store.objects().get_object(&key).await.unwrap().to_vec();
     // A flipped bit anywhere in a part: refused as damage naming the part, by every reader.
     for o in offsets(&orig, &["\"t0_0"]) {
         let mut bad = orig.clone();
@@ -513,28 +515,31 @@ async fn a_damaged_record_part_is_refused_and_gc_deletes_the_parts() {
         "after_record_parts",
         ckpt_store::failpoint::FailAction::Error,
     );
-    assert!(store.commit_step("split", 2).await.is_err());
+    assert!(store.log().commit_step("split", 2).await.is_err());
     store.failpoints().clear();
     assert!(!part_keys(&store, 2).await.is_empty());
-    assert_eq!(store.committed_steps("split").await.unwrap(), vec![1]);
+    assert_eq!(store.log().committed_steps("split").await.unwrap(), vec![1]);
     save_split(&store, 3, 2, 10).await;
     store.failpoints().set(
         "after_record_parts",
         ckpt_store::failpoint::FailAction::Error,
     );
-    assert!(store.commit_step("split", 3).await.is_err());
+    assert!(store.log().commit_step("split", 3).await.is_err());
     store.failpoints().clear();
-    store.commit_step("split", 3).await.unwrap();
-    assert_eq!(store.committed_steps("split").await.unwrap(), vec![1, 3]);
+    store.log().commit_step("split", 3).await.unwrap();
+    assert_eq!(
+        store.log().committed_steps("split").await.unwrap(),
+        vec![1, 3]
+    );
     let later = ckpt_store::clock::system_now() + chrono::Duration::hours(2);
     let opts = ckpt_store::GcOptions {
         keep_last: Some(1),
         grace: std::time::Duration::from_secs(60),
         ..Default::default()
     };
-    let report = store.gc(&opts, later).await.unwrap();
+    let report = store.gc().run(&opts, later).await.unwrap();
     assert_eq!(report.incomplete_deleted, vec![("split".to_string(), 2)]);
-    assert_eq!(store.committed_steps("split").await.unwrap(), vec![3]);
+    assert_eq!(store.log().committed_steps("split").await.unwrap(), vec![3]);
     assert!(
         part_keys(&store, 1).await.is_empty(),
         "dropped step 1's parts"

@@ -23,6 +23,7 @@ async fn save_one_step(store: &ckpt_store::Store) -> Vec<u8> {
         })
         .collect();
     let put = store
+        .chunks()
         .put_chunks(stream::iter(chunks), &index)
         .await
         .unwrap();
@@ -48,8 +49,8 @@ async fn save_one_step(store: &ckpt_store::Store) -> Vec<u8> {
         blobs: vec![],
         stats: Default::default(),
     };
-    store.write_rank_manifest(&m).await.unwrap();
-    store.commit_step("r", 1).await.unwrap();
+    store.log().write_rank_manifest(&m).await.unwrap();
+    store.log().commit_step("r", 1).await.unwrap();
     data
 }
 
@@ -101,10 +102,10 @@ async fn temp_files_are_reported_by_verify_and_collected_by_gc_after_the_grace_p
         dry_run: true,
         ..GcOptions::default()
     };
-    let r = store.gc(&dry, now).await.unwrap();
+    let r = store.gc().run(&dry, now).await.unwrap();
     assert_eq!((r.temp_files_deleted, r.temp_files_in_grace), (2, 1));
     assert!(old_chunk.exists() && old_commit.exists());
-    let r = store.gc(&GcOptions::default(), now).await.unwrap();
+    let r = store.gc().run(&GcOptions::default(), now).await.unwrap();
     assert_eq!(r.temp_files_deleted, 2);
     assert_eq!(r.temp_bytes_freed, 5300);
     assert_eq!(r.temp_files_in_grace, 1);

@@ -49,7 +49,7 @@ async fn save(local: &Store, step: u64, generation: u64) -> Vec<u8> {
     let layout = Layout::new(2, 1, 1, 0).unwrap();
     let w = det_bytes(step, 40_000);
     let b = det_bytes(999, 40_000);
-    local.join_generation(RUN, generation).await.unwrap();
+    local.log().join_generation(RUN, generation).await.unwrap();
     for rank in 0..2u32 {
         let half = NdBox::new(vec![u64::from(rank) * 20_000], vec![20_000]).unwrap();
         let shard = |name: &str, data: &[u8]| ShardIn {
@@ -77,6 +77,7 @@ async fn save(local: &Store, step: u64, generation: u64) -> Vec<u8> {
             .unwrap();
     }
     local
+        .log()
         .commit_step_as(RUN, step, Some(generation))
         .await
         .unwrap();
@@ -95,7 +96,7 @@ async fn a_drain_sends_only_what_the_remote_lacks_and_the_remote_restores_bit_ex
     assert!(rep.objects_sent > 0 && rep.objects_present == 0, "{rep:?}");
     let first_sent = rep.bytes_sent;
     assert!(
-        local.pending_drains(RUN).await.unwrap().is_empty(),
+        local.log().pending_drains(RUN).await.unwrap().is_empty(),
         "marker left"
     );
     let reader = StepReader::open(remote, RUN, 1).await.unwrap();
@@ -114,8 +115,8 @@ async fn a_drain_sends_only_what_the_remote_lacks_and_the_remote_restores_bit_ex
     let reader = StepReader::open(remote, RUN, 2).await.unwrap();
     assert_eq!(reader.read("w", &NdBox::full(&[40_000])).await.unwrap(), w2);
     // The remote commit is the same record as the local one (same manifests, same bytes).
-    let (lr, _) = local.read_commit(RUN, 2).await.unwrap();
-    let (rr, _) = remote.read_commit(RUN, 2).await.unwrap();
+    let (lr, _) = local.log().read_commit(RUN, 2).await.unwrap();
+    let (rr, _) = remote.log().read_commit(RUN, 2).await.unwrap();
     assert_eq!(lr.ranks, rr.ranks);
     // Again: nothing to do.
     let again = drain_step(&local, remote, RUN, 2, &DrainOptions::default())
@@ -137,13 +138,13 @@ async fn a_damaged_local_chunk_is_never_sent(r: Remote) {
     let (local, dir) = local_store(tiny_config());
     save(&local, 1, 0).await;
     // Damage one chunk object of the local tier (a byte of its payload).
-    let refs = local.step_chunk_refs(RUN, 1).await.unwrap();
+    let refs = local.log().step_chunk_refs(RUN, 1).await.unwrap();
     let c = refs
         .iter()
-        .find(|c| local.object_of(c).as_ref().starts_with("chunks/"))
+        .find(|c| local.keys().object_of(c).as_ref().starts_with("chunks/"))
         .expect("a chunk object");
-    let obj = remote.object_of(c);
-    let file = dir.path().join(local.object_of(c).as_ref());
+    let obj = remote.keys().object_of(c);
+    let file = dir.path().join(local.keys().object_of(c).as_ref());
     let mut bytes = std::fs::read(&file).unwrap();
     let n = bytes.len();
     bytes[n - 10] ^= 0xff;
@@ -153,13 +154,19 @@ async fn a_damaged_local_chunk_is_never_sent(r: Remote) {
         .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
     assert!(e.to_string().contains("not sent"), "{e}");
-    assert!(!remote.exists(&remote.keys().commit(RUN, 1)).await.unwrap());
     assert!(
-        !remote.exists(&obj).await.unwrap(),
+        !remote
+            .objects()
+            .exists(&remote.keys().commit(RUN, 1))
+            .await
+            .unwrap()
+    );
+    assert!(
+        !remote.objects().exists(&obj).await.unwrap(),
         "the damaged object was sent"
     );
     // The marker stays: the step is still to drain (from a repaired copy).
-    assert_eq!(local.pending_drains(RUN).await.unwrap()[0].step, 1);
+    assert_eq!(local.log().pending_drains(RUN).await.unwrap()[0].step, 1);
 }
 
 async fn a_newer_generation_on_the_remote_fences_the_drain(r: Remote) {
@@ -167,12 +174,18 @@ async fn a_newer_generation_on_the_remote_fences_the_drain(r: Remote) {
     let local = memory_store(tiny_config());
     save(&local, 1, 3).await;
     // Another job took the run over on the remote.
-    remote.start_generation(RUN, 5).await.unwrap();
+    remote.log().start_generation(RUN, 5).await.unwrap();
     let e = drain_step(&local, remote, RUN, 1, &DrainOptions::default())
         .await
         .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Fenced, "{e}");
-    assert!(!remote.exists(&remote.keys().commit(RUN, 1)).await.unwrap());
+    assert!(
+        !remote
+            .objects()
+            .exists(&remote.keys().commit(RUN, 1))
+            .await
+            .unwrap()
+    );
 }
 
 async fn a_step_still_draining_is_kept_by_the_local_tiers_gc(r: Remote) {
@@ -189,19 +202,19 @@ async fn a_step_still_draining_is_kept_by_the_local_tiers_gc(r: Remote) {
         remote: remote.url().into(),
         ..Default::default()
     };
-    local.put_drain_marker(&marker).await.unwrap();
+    local.log().put_drain_marker(&marker).await.unwrap();
     let opts = GcOptions {
         keep_last: Some(1),
         grace: std::time::Duration::ZERO,
         lease_lapse: std::time::Duration::ZERO,
         ..GcOptions::default()
     };
-    let rep = local.gc(&opts, local.now()).await.unwrap();
+    let rep = local.gc().run(&opts, local.now()).await.unwrap();
     assert_eq!(rep.steps_deleted, vec![(RUN.to_string(), 2)], "{rep:?}");
     drain_step(&local, remote, RUN, 1, &DrainOptions::default())
         .await
         .unwrap();
-    let rep = local.gc(&opts, local.now()).await.unwrap();
+    let rep = local.gc().run(&opts, local.now()).await.unwrap();
     assert_eq!(rep.steps_deleted, vec![(RUN.to_string(), 1)], "{rep:?}");
     // Drained: it restores from the remote.
     StepReader::open(remote, RUN, 1).await.unwrap();

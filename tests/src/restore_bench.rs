@@ -139,7 +139,7 @@ fn stored_objects(dir: &Path) -> (Vec<PathBuf>, u64) {
         let m = r.manifest(0).await.expect("rank 0's manifest");
         let mut seen = std::collections::BTreeSet::new();
         for c in m.chunk_refs() {
-            seen.insert(store.object_of(c).to_string());
+            seen.insert(store.keys().object_of(c).to_string());
         }
         let paths: Vec<PathBuf> = seen.into_iter().map(|k| root.join(k)).collect();
         let bytes = paths

@@ -287,7 +287,7 @@ pub async fn simulate(
 
     // The launcher (the supervisor, or the etcd coordinator) starts the generation before it
     // starts the ranks.
-    store.start_generation(run, 0).await?;
+    store.log().start_generation(run, 0).await?;
     for step in [1u64, 2] {
         let m0 = counting.mark();
         let t0 = counting.elapsed();
@@ -303,11 +303,14 @@ pub async fn simulate(
                 // A rank joins its generation once, before its first save (as the trainer's
                 // checkpointer does).
                 if step == 1 {
-                    store.join_generation_as(run, 0, rank).await?;
+                    store.log().join_generation_as(run, 0, rank).await?;
                 }
                 let writer = ckpt_store::writer_id(rank, 0);
                 let candidates = bases[rank as usize].lock().expect("base").candidates();
-                let lease = store.lease_dedup_base(run, &writer, &candidates).await?;
+                let lease = store
+                    .gc()
+                    .lease_dedup_base(run, &writer, &candidates)
+                    .await?;
                 let index = bases[rank as usize]
                     .lock()
                     .expect("base")
@@ -321,7 +324,7 @@ pub async fn simulate(
                     node: None,
                 };
                 let res = store.write_rank(&w, shards, blobs, &index).await;
-                store.release_lease(lease).await?;
+                store.gc().release_lease(lease).await?;
                 let (manifest, entry, stats) = res?;
                 {
                     let mut t = manifest_done.lock().expect("time");
@@ -341,6 +344,7 @@ pub async fn simulate(
                     .persisted(step, refs);
                 if rank == 0 {
                     let o = store
+                        .log()
                         .wait_and_commit_as(
                             run,
                             step,
@@ -441,7 +445,7 @@ pub async fn simulate(
 
     // The newest committed step.
     let m = counting.mark();
-    let latest = store.latest_committed(run).await?;
+    let latest = store.log().latest_committed(run).await?;
     let t = counting.since(m);
     emit(
         json!({"phase": "latest", "found": latest, "tally": t}),
@@ -450,7 +454,7 @@ pub async fn simulate(
 
     // `ckpt ls RUN --quick`: the step listing with each committed step's record.
     let m = counting.mark();
-    let steps = store.list_steps_with_records(run).await?;
+    let steps = store.log().list_steps_with_records(run).await?;
     let t = counting.since(m);
     let pages = t.count(ReqKind::ListPage);
     emit(
@@ -547,7 +551,7 @@ pub async fn simulate(
         ..GcOptions::default()
     };
     let later = ckpt_store::clock::system_now() + chrono::Duration::hours(2);
-    let report = store.gc(&opts, later).await?;
+    let report = store.gc().run(&opts, later).await?;
     let t = counting.since(m);
     emit(
         json!({"phase": "gc", "steps_deleted": report.steps_deleted.len(),

@@ -134,12 +134,12 @@ fn full_store(test: &str) -> Option<Full> {
     );
     assert!(e.to_string().contains(&want), "{e}\nshould say: {want}");
     // The failed save removed its own partial files.
-    let temps = runtime().block_on(store.temp_files()).unwrap();
+    let temps = runtime().block_on(store.objects().temp_files()).unwrap();
     let temps: Vec<_> = temps.into_iter().map(|t| t.path).collect();
     assert_eq!(temps, vec![planted], "the failed save left partial files");
     assert!(
         !runtime()
-            .block_on(store.exists(&store.keys().commit(RUN, 3)))
+            .block_on(store.objects().exists(&store.keys().commit(RUN, 3)))
             .unwrap(),
         "step 3 must not be committed"
     );
@@ -208,7 +208,7 @@ impl Full {
     }
 }
 
-/// The library: `Store::gc` on the full disk takes its sweep lock, deletes the chunks the
+/// The library: `Gc::run` on the full disk takes its sweep lock, deletes the chunks the
 /// failed step 3 wrote and the planted partial file; then a save succeeds.
 #[test]
 fn gc_runs_on_a_full_disk_and_the_next_save_succeeds() {
@@ -226,7 +226,7 @@ fn gc_runs_on_a_full_disk_and_the_next_save_succeeds() {
     };
     let later = ckpt_store::clock::system_now() + chrono::Duration::seconds(1);
     let g = runtime()
-        .block_on(full.store.gc(&opts, later))
+        .block_on(full.store.gc().run(&opts, later))
         .unwrap_or_else(|e| panic!("gc on a full disk: {e}"));
     assert_eq!(g.sweep_deferred, None, "{g:?}");
     assert!(g.steps_deleted.is_empty(), "{g:?}");

@@ -195,7 +195,7 @@ impl Job {
 
     fn committed(&self) -> Vec<u64> {
         let store = ckpt_store::open(self.dir.path().join("store").to_str().unwrap()).unwrap();
-        rt().block_on(store.committed_steps(&self.run))
+        rt().block_on(store.log().committed_steps(&self.run))
             .unwrap_or_default()
     }
 
@@ -442,7 +442,7 @@ fn a_killed_node_is_replaced_by_a_smaller_layout_and_the_job_finishes() {
     assert_eq!(restores.len(), 2, "{log:#?}");
     let store = ckpt_store::open(job.dir.path().join("store").to_str().unwrap()).unwrap();
     let (commit, _) = rt()
-        .block_on(store.read_commit(&job.run, from.unwrap()))
+        .block_on(store.log().read_commit(&job.run, from.unwrap()))
         .unwrap();
     let lost: u64 = commit
         .tensors

@@ -137,3 +137,81 @@ fn no_library_source_file_is_over_a_thousand_lines() {
         "the CheckpointManager handle is {manager_lines} lines"
     );
 }
+
+/// The `impl` blocks of `ty` in the store crate's sources: (file, methods).
+fn impls_of(root: &Path, ty: &str) -> Vec<(String, usize)> {
+    let mut files = Vec::new();
+    library_sources(&root.join("store/src"), &mut files);
+    let heads = [format!("impl {ty} {{"), format!("impl crate::gc::{ty} {{")];
+    let mut out = Vec::new();
+    for file in files {
+        let text = std::fs::read_to_string(&file).expect("source");
+        let mut inside = false;
+        let mut methods = 0;
+        let mut found = false;
+        for line in text.lines() {
+            if heads.iter().any(|h| line == h) {
+                inside = true;
+                found = true;
+            } else if inside && line == "}" {
+                inside = false;
+            } else if inside {
+                let l = line.trim_start_matches("    ");
+                if !line.starts_with("        ")
+                    && (l.starts_with("pub ")
+                        || l.starts_with("pub(")
+                        || l.starts_with("fn ")
+                        || l.starts_with("async fn "))
+                    && l.contains("fn ")
+                {
+                    methods += 1;
+                }
+            }
+        }
+        if found {
+            let rel = file.strip_prefix(root).expect("under the root");
+            out.push((rel.display().to_string(), methods));
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn the_store_is_a_handle_over_its_parts() {
+    let root = root();
+    // The handle itself: construction and accessors, plus the two operations that use several
+    // parts (writing a rank, verifying).
+    let store = impls_of(&root, "Store");
+    let files: Vec<&str> = store.iter().map(|(f, _)| f.as_str()).collect();
+    assert_eq!(
+        files,
+        [
+            "store/src/store/mod.rs",
+            "store/src/verify.rs",
+            "store/src/writer.rs"
+        ],
+        "impl Store blocks: {store:?}"
+    );
+    let methods: usize = store.iter().map(|(_, n)| n).sum();
+    assert!(
+        methods <= 40,
+        "Store has {methods} methods again: {store:?}"
+    );
+    // Each part has its own impl, in its own module folder.
+    for (ty, under) in [
+        ("Objects", "store/src/store/objects.rs"),
+        ("Chunks", "store/src/store/"),
+        ("CommitLog", "store/src/commit/"),
+        ("Gc", "store/src/"),
+    ] {
+        let blocks = impls_of(&root, ty);
+        assert!(!blocks.is_empty(), "{ty} has no impl");
+        assert!(
+            blocks.iter().all(|(f, _)| f.starts_with(under)),
+            "{ty} is implemented outside {under}: {blocks:?}"
+        );
+    }
+    let gc: Vec<String> = impls_of(&root, "Gc").into_iter().map(|(f, _)| f).collect();
+    assert_eq!(gc, ["store/src/gc.rs", "store/src/lease.rs"]);
+}

@@ -228,12 +228,12 @@ fn saved_step() -> (Store, Vec<u8>, Vec<Bytes>) {
             .write_rank(&w, vec![shard], vec![], &DedupIndex::new())
             .await
             .unwrap();
-        store.commit_step("p", 1).await.unwrap();
+        store.log().commit_step("p", 1).await.unwrap();
         let reader = StepReader::open(&store, "p", 1).await.unwrap();
         let m = reader.manifest(0).await.unwrap();
         let mut chunks = Vec::new();
         for c in &m.tensors[0].chunks {
-            chunks.push(store.get_chunk(c).await.unwrap());
+            chunks.push(store.chunks().get_chunk(c).await.unwrap());
         }
         assert!(chunks.len() > 4, "{} chunks", chunks.len());
         (store, whole, chunks)

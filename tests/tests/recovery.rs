@@ -457,7 +457,8 @@ fn a_stale_generation_cannot_commit() {
     let store_path = dir.path().join("store");
     let store = ckpt_store::open(store_path.to_str().unwrap()).unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(store.start_generation("stale", 1)).unwrap();
+    rt.block_on(store.log().start_generation("stale", 1))
+        .unwrap();
     // A save of step 2 as a rank of `generation`.
     let save_as = |generation: &str| {
         std::process::Command::new(bin("ckpt-train", "ckpt-train"))
@@ -477,7 +478,7 @@ fn a_stale_generation_cannot_commit() {
         "{err}"
     );
     assert!(
-        rt.block_on(store.committed_steps("stale"))
+        rt.block_on(store.log().committed_steps("stale"))
             .unwrap()
             .is_empty()
     );
@@ -489,7 +490,7 @@ fn a_stale_generation_cannot_commit() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert_eq!(
-        rt.block_on(store.committed_steps("stale")).unwrap(),
+        rt.block_on(store.log().committed_steps("stale")).unwrap(),
         vec![2]
     );
 }
@@ -546,7 +547,7 @@ fn a_lost_node_is_restored_from_peer_replicas() {
     let t0 = Instant::now();
     // The first commit (step 8); the next save is 8 steps of 150 ms away.
     let step = loop {
-        if let Some(s) = rt.block_on(st.latest_committed(run)).unwrap() {
+        if let Some(s) = rt.block_on(st.log().latest_committed(run)).unwrap() {
             break s;
         }
         assert!(t0.elapsed() < Duration::from_secs(120), "no checkpoint");
@@ -572,7 +573,7 @@ fn a_lost_node_is_restored_from_peer_replicas() {
     );
 
     // Node 1's ranks (2 and 3) wrote shards of the restored step.
-    let (commit, _) = rt.block_on(st.read_commit(run, step)).unwrap();
+    let (commit, _) = rt.block_on(st.log().read_commit(run, step)).unwrap();
     let by_node1: usize = commit
         .tensors
         .iter()
@@ -657,10 +658,10 @@ fn object_only_in(store: &Path, run: &str, step: u64, older: u64) -> PathBuf {
     let st = ckpt_store::open(store.to_str().unwrap()).unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let objects = |s: u64| {
-        rt.block_on(st.step_chunk_refs(run, s))
+        rt.block_on(st.log().step_chunk_refs(run, s))
             .unwrap()
             .iter()
-            .map(|c| st.object_of(c).to_string())
+            .map(|c| st.keys().object_of(c).to_string())
             .collect::<std::collections::BTreeSet<_>>()
     };
     let old = objects(older);
@@ -725,7 +726,7 @@ fn resume_damaged(dir: &Path, run: &str, max_restarts: u32, damage: impl FnOnce(
         .unwrap();
     // Whatever happened, every committed step restores: the damaged one was re-saved.
     assert_eq!(
-        rt.block_on(st.committed_steps(run)).unwrap(),
+        rt.block_on(st.log().committed_steps(run)).unwrap(),
         vec![4, 8, 12]
     );
     let v = rt
@@ -945,7 +946,7 @@ fn a_job_resumed_by_hand_fences_the_job_still_running() {
     let mut a = job(false, "a");
     let t0 = Instant::now();
     while rt
-        .block_on(st.latest_committed(run))
+        .block_on(st.log().latest_committed(run))
         .unwrap()
         .is_none_or(|s| s < 6)
     {
@@ -956,7 +957,10 @@ fn a_job_resumed_by_hand_fences_the_job_still_running() {
         );
         std::thread::sleep(Duration::from_millis(10));
     }
-    let gen_a = rt.block_on(st.newest_generation(run)).unwrap().unwrap();
+    let gen_a = rt
+        .block_on(st.log().newest_generation(run))
+        .unwrap()
+        .unwrap();
     let mut b = job(true, "b");
     let b_status = b.wait().unwrap();
     let read = |f: &str| std::fs::read_to_string(dir.path().join(f)).unwrap();
@@ -975,7 +979,10 @@ fn a_job_resumed_by_hand_fences_the_job_still_running() {
     };
     assert!(!a_status.success(), "job A ran to its end");
     let a_err = read("a.err");
-    let gen_b = rt.block_on(st.newest_generation(run)).unwrap().unwrap();
+    let gen_b = rt
+        .block_on(st.log().newest_generation(run))
+        .unwrap()
+        .unwrap();
     assert!(gen_b > gen_a, "job B started no newer generation");
     assert!(
         a_err.contains(&format!("fenced by generation {gen_b}")),
@@ -995,9 +1002,13 @@ fn a_job_resumed_by_hand_fences_the_job_still_running() {
         .find(|e| e["kind"] == "restore" && e["generation"] == gen_b)
         .and_then(|e| e["step"].as_u64())
         .expect("job B restored a step");
-    let committed = rt.block_on(st.committed_steps(run)).unwrap();
+    let committed = rt.block_on(st.log().committed_steps(run)).unwrap();
     for s in &committed {
-        let g = rt.block_on(st.read_commit(run, *s)).unwrap().0.generation;
+        let g = rt
+            .block_on(st.log().read_commit(run, *s))
+            .unwrap()
+            .0
+            .generation;
         if *s > from {
             assert_eq!(
                 g, gen_b,
@@ -1059,7 +1070,11 @@ fn ranks_and_agents_die_with_a_killed_ckpt_resume() {
     let st = ckpt_store::open(store.to_str().unwrap()).unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let t0 = Instant::now();
-    while rt.block_on(st.latest_committed(&run)).unwrap().is_none() {
+    while rt
+        .block_on(st.log().latest_committed(&run))
+        .unwrap()
+        .is_none()
+    {
         assert!(sup.try_wait().unwrap().is_none(), "ckpt resume ended early");
         assert!(t0.elapsed() < Duration::from_secs(120), "no checkpoint");
         std::thread::sleep(Duration::from_millis(20));
@@ -1268,10 +1283,11 @@ fn rank_processes_agree_on_an_automatic_interval_per_generation_that_shrinks_aft
     let rt = tokio::runtime::Runtime::new().unwrap();
     let committed_by = |g: u64| {
         rt.block_on(async {
-            let Some(s) = st.latest_committed(run).await.ok().flatten() else {
+            let Some(s) = st.log().latest_committed(run).await.ok().flatten() else {
                 return false;
             };
-            st.read_commit(run, s)
+            st.log()
+                .read_commit(run, s)
                 .await
                 .is_ok_and(|(c, _)| c.generation == g)
         })
@@ -1338,9 +1354,9 @@ fn rank_processes_agree_on_an_automatic_interval_per_generation_that_shrinks_aft
         "the interval did not shrink after failures: {decisions:#?}"
     );
     // Every commit on its generation's steps (S + k x N), or a job's last step.
-    let steps_committed = rt.block_on(st.committed_steps(run)).unwrap();
+    let steps_committed = rt.block_on(st.log().committed_steps(run)).unwrap();
     for s in &steps_committed {
-        let c = rt.block_on(st.read_commit(run, *s)).unwrap().0;
+        let c = rt.block_on(st.log().read_commit(run, *s)).unwrap().0;
         assert_eq!(c.ranks.len(), 2, "step {s} was not saved by both ranks");
         let d = decisions
             .iter()
@@ -1356,10 +1372,13 @@ fn rank_processes_agree_on_an_automatic_interval_per_generation_that_shrinks_aft
     }
     for (g, _) in &kills {
         assert!(
-            steps_committed
-                .iter()
-                .any(|s| *s != 30
-                    && rt.block_on(st.read_commit(run, *s)).unwrap().0.generation == *g),
+            steps_committed.iter().any(|s| *s != 30
+                && rt
+                    .block_on(st.log().read_commit(run, *s))
+                    .unwrap()
+                    .0
+                    .generation
+                    == *g),
             "generation {g} committed nothing before its last step: {steps_committed:?}"
         );
     }
@@ -1400,7 +1419,11 @@ fn a_repaired_node_comes_back_and_the_job_grows_back_to_its_layout() {
     let st = ckpt_store::open(store.to_str().unwrap()).unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let t0 = Instant::now();
-    while rt.block_on(st.latest_committed(run)).unwrap().is_none() {
+    while rt
+        .block_on(st.log().latest_committed(run))
+        .unwrap()
+        .is_none()
+    {
         assert!(sup.try_wait().unwrap().is_none(), "ckpt resume ended early");
         assert!(t0.elapsed() < Duration::from_secs(120), "no checkpoint");
         std::thread::sleep(Duration::from_millis(5));
@@ -1456,7 +1479,7 @@ fn a_repaired_node_comes_back_and_the_job_grows_back_to_its_layout() {
     );
     assert!(g["at_ms"].as_u64() > back[0]["at_ms"].as_u64(), "{g}");
     assert!(
-        rt.block_on(st.committed_steps(run))
+        rt.block_on(st.log().committed_steps(run))
             .unwrap()
             .contains(&grow_step)
     );

@@ -151,8 +151,8 @@ fn a_bit_flipped_on_one_of_three_replicas_rolls_back_keeps_the_node_out_and_ends
     // What is committed now verifies, and no step's replicas disagree.
     let st = ckpt_store::open(store.to_str().unwrap()).unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
-    for s in rt.block_on(st.committed_steps(run)).unwrap() {
-        let (r, _) = rt.block_on(st.read_commit(run, s)).unwrap();
+    for s in rt.block_on(st.log().committed_steps(run)).unwrap() {
+        let (r, _) = rt.block_on(st.log().read_commit(run, s)).unwrap();
         assert!(
             r.replicas.as_ref().is_none_or(|r| !r.mismatched()),
             "step {s} still committed with a mismatch"

@@ -88,7 +88,7 @@ impl Tiers {
     }
 
     fn committed(&self, store: &ckpt_store::Store, run: &str) -> Vec<u64> {
-        rt().block_on(store.committed_steps(run)).unwrap()
+        rt().block_on(store.log().committed_steps(run)).unwrap()
     }
 
     fn local_store(&self) -> ckpt_store::Store {
@@ -107,7 +107,7 @@ impl Tiers {
             );
         }
         let pending = rt()
-            .block_on(self.local_store().pending_drains(run))
+            .block_on(self.local_store().log().pending_drains(run))
             .unwrap();
         assert!(pending.is_empty(), "drain markers left: {pending:?}");
     }
@@ -283,9 +283,9 @@ fn a_chunk_damaged_on_the_local_tier_is_read_from_the_remote_with_an_event() {
     let local = t.local_store();
     assert_eq!(t.committed(&local, run).last(), Some(&10));
     // Flip a byte of a chunk step 10 holds (in its own object, or its part of a pack).
-    let refs = rt().block_on(local.step_chunk_refs(run, 10)).unwrap();
+    let refs = rt().block_on(local.log().step_chunk_refs(run, 10)).unwrap();
     let c = refs.iter().max_by_key(|c| c.len).expect("a chunk");
-    let file = t.local().join(local.object_of(c).as_ref());
+    let file = t.local().join(local.keys().object_of(c).as_ref());
     let mut b = std::fs::read(&file).unwrap();
     let at = (c.offset + u64::from(c.stored)) as usize - 7;
     b[at] ^= 0x21;
@@ -353,10 +353,10 @@ fn the_machine_lost_with_its_tier_restarts_from_the_newest_remote_step_bit_exact
         Duration::from_secs(90),
         || {
             let l = rt()
-                .block_on(local.committed_steps(run))
+                .block_on(local.log().committed_steps(run))
                 .unwrap_or_default();
             let r = rt()
-                .block_on(remote.committed_steps(run))
+                .block_on(remote.log().committed_steps(run))
                 .unwrap_or_default();
             !r.is_empty() && l.last() > r.last()
         },
@@ -422,7 +422,7 @@ fn a_second_job_on_the_run_fences_the_first_on_both_tiers() {
         "the first job's checkpoints",
         Duration::from_secs(60),
         || {
-            rt().block_on(local.committed_steps(run))
+            rt().block_on(local.log().committed_steps(run))
                 .is_ok_and(|s| s.len() >= 2)
         },
     );

@@ -28,33 +28,36 @@ pub(crate) async fn choose_generation(
         0
     };
     if let (true, Some(l)) = (resume, local) {
-        floor = floor
-            .max(next_generation(l, &args.run).await?)
-            .max(l.newest_generation(&args.run).await?.map_or(0, |g| g + 1));
+        floor = floor.max(next_generation(l, &args.run).await?).max(
+            l.log()
+                .newest_generation(&args.run)
+                .await?
+                .map_or(0, |g| g + 1),
+        );
     }
     if args.rank.is_none() {
-        return store.claim_generation(&args.run, floor).await;
+        return store.log().claim_generation(&args.run, floor).await;
     }
     if !resume {
         return Ok(floor);
     }
-    Ok(floor.max(store.newest_generation(&args.run).await?.unwrap_or(0)))
+    Ok(floor.max(store.log().newest_generation(&args.run).await?.unwrap_or(0)))
 }
 
 /// One more than any generation that saved in `run`: the newest commit's, and those of
 /// manifests left by attempts that died before committing.
 async fn next_generation(store: &Store, run: &str) -> Result<u64> {
     let mut g = 0;
-    let latest = store.latest_committed(run).await?;
+    let latest = store.log().latest_committed(run).await?;
     if let Some(s) = latest {
-        g = store.read_commit_root(run, s).await?.0.generation + 1;
+        g = store.log().read_commit_root(run, s).await?.0.generation + 1;
     }
-    for st in store.list_steps(run).await? {
+    for st in store.log().list_steps(run).await? {
         if st.committed || latest.is_some_and(|l| st.step < l) {
             continue;
         }
         for r in st.ranks {
-            if let Ok((m, _, _)) = store.get_rank_manifest(run, st.step, r).await {
+            if let Ok((m, _, _)) = store.log().get_rank_manifest(run, st.step, r).await {
                 g = g.max(m.generation + 1);
             }
         }

@@ -108,9 +108,9 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
         // All ranks here: the process joins the generation once, before any rank thread
         // starts, so that the threads cannot disagree about it (a thread leaving alone would
         // leave the others waiting at the barrier); in the local tier too.
-        runtime().block_on(store.join_generation(&args.run, generation))?;
+        runtime().block_on(store.log().join_generation(&args.run, generation))?;
         if let Some(l) = &local_tier {
-            runtime().block_on(l.join_generation(&args.run, generation))?;
+            runtime().block_on(l.log().join_generation(&args.run, generation))?;
         }
     }
     let ranks: Vec<u32> = match args.rank {
@@ -220,7 +220,7 @@ fn finish_run(shared: &Shared, first_err: Option<Error>, committer_here: bool) -
         let run = &shared.args.run;
         // The local tier's copy when it has the step (the same bytes, read faster).
         let home = match &shared.local_tier {
-            Some(l) if runtime().block_on(l.exists(&l.keys().commit(run, step)))? => l,
+            Some(l) if runtime().block_on(l.objects().exists(&l.keys().commit(run, step)))? => l,
             _ => &shared.store,
         };
         let reader = runtime().block_on(StepReader::open(home, run, step))?;

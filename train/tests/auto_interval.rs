@@ -64,7 +64,7 @@ fn write_failures(store: &Path, run: &str, failures: u64, span_s: u64) {
 /// rank threads agreed on every step they saved).
 fn committed(store: &Path, run: &str) -> Vec<u64> {
     let s = ckpt_store::open(store.to_str().unwrap()).unwrap();
-    let steps = runtime().block_on(s.list_steps(run)).unwrap();
+    let steps = runtime().block_on(s.log().list_steps(run)).unwrap();
     for st in &steps {
         assert!(
             st.committed,

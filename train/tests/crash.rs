@@ -55,8 +55,8 @@ fn rank_killed_mid_save_leaves_previous_checkpoint_newest() {
 
     let store = ckpt_store::open(store_path.to_str().unwrap()).unwrap();
     runtime().block_on(async {
-        assert_eq!(store.committed_steps("crash").await.unwrap(), vec![2]);
-        let steps = store.list_steps("crash").await.unwrap();
+        assert_eq!(store.log().committed_steps("crash").await.unwrap(), vec![2]);
+        let steps = store.log().list_steps("crash").await.unwrap();
         let s4 = steps
             .iter()
             .find(|s| s.step == 4)
@@ -66,7 +66,7 @@ fn rank_killed_mid_save_leaves_previous_checkpoint_newest() {
         let e = StepReader::open(&store, "crash", 4).await.unwrap_err();
         assert_eq!(e.kind(), ErrorKind::NotFound);
         // Committing it now is refused: rank 1 is missing.
-        let e = store.commit_step("crash", 4).await.unwrap_err();
+        let e = store.log().commit_step("crash", 4).await.unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Incomplete);
         // What is committed is intact.
         assert!(
@@ -112,8 +112,8 @@ fn committer_killed_before_commit() {
     assert!(!out.status.success());
     let store = ckpt_store::open(dir.path().to_str().unwrap()).unwrap();
     runtime().block_on(async {
-        assert!(store.committed_steps("kc").await.unwrap().is_empty());
-        store.commit_step("kc", 2).await.unwrap();
-        assert_eq!(store.latest_committed("kc").await.unwrap(), Some(2));
+        assert!(store.log().committed_steps("kc").await.unwrap().is_empty());
+        store.log().commit_step("kc", 2).await.unwrap();
+        assert_eq!(store.log().latest_committed("kc").await.unwrap(), Some(2));
     });
 }

@@ -71,7 +71,7 @@ fn kinds<'a>(ev: &'a [Value], kind: &str) -> Vec<&'a Value> {
 fn latest_committed(store: &Path, run: &str) -> Option<u64> {
     let s = ckpt_store::open(store.to_str().unwrap()).unwrap();
     ckpt_trainer::runtime()
-        .block_on(s.latest_committed(run))
+        .block_on(s.log().latest_committed(run))
         .unwrap()
 }
 

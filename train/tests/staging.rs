@@ -125,7 +125,7 @@ fn any_staging_bound_commits_and_restores_bit_identical() {
                 assert!(peak <= bound * ranks, "{tag}: staging peak {peak}");
             }
             let s = ckpt_store::open(store.to_str().unwrap()).unwrap();
-            let committed = runtime().block_on(s.committed_steps("r")).unwrap();
+            let committed = runtime().block_on(s.log().committed_steps("r")).unwrap();
             assert_eq!(committed, vec![2, 4], "{tag}");
         }
     }

@@ -23,7 +23,7 @@
 //!   stood when the generation started (its marker's time): the failures of earlier
 //!   generations over the run's time up to that start, and the newest `save_cost` record
 //!   rank 0 of an earlier generation logged. Every rank proposes its result and all use the
-//!   first one stored for the generation (`Store::agree_generation_interval`), so a log record
+//!   first one stored for the generation (`CommitLog::agree_generation_interval`), so a log record
 //!   that lands while they read cannot split them.
 
 use std::collections::VecDeque;

@@ -408,7 +408,10 @@ fn resharded_restores_onto_other_layouts_on_the_device() {
         h.wait_persisted().unwrap();
     }
     hs[0].wait_committed(Duration::from_secs(60)).unwrap();
-    let commit = runtime().block_on(store.read_commit("b", 5)).unwrap().0;
+    let commit = runtime()
+        .block_on(store.log().read_commit("b", 5))
+        .unwrap()
+        .0;
     assert!(
         commit.tensor(&specs[0].name).unwrap().shards.len() >= 2,
         "the first tensor is cut across ranks"

@@ -98,7 +98,7 @@ fn saves_store_deltas_on_their_committed_base_and_restore_bit_exact() {
     }
     // Retention keeps step 5 only; its bases (steps 3 and 4) stay.
     let g = runtime()
-        .block_on(store.gc(
+        .block_on(store.gc().run(
             &GcOptions {
                 keep_last: Some(1),
                 grace: Duration::ZERO,

@@ -106,7 +106,7 @@ fn survive_five_percent(store: Store, faults: FaultHandle) {
 
     // GC under faults: keep the newest 2, sweep what nothing references.
     let gc = runtime()
-        .block_on(store.gc(
+        .block_on(store.gc().run(
             &GcOptions {
                 keep_last: Some(2),
                 grace: Duration::ZERO,
@@ -116,7 +116,9 @@ fn survive_five_percent(store: Store, faults: FaultHandle) {
         ))
         .unwrap();
     assert!(!gc.steps_deleted.is_empty(), "{gc:?}");
-    let kept = runtime().block_on(store.committed_steps(run)).unwrap();
+    let kept = runtime()
+        .block_on(store.log().committed_steps(run))
+        .unwrap();
     assert_eq!(kept, vec![7, 8]);
     // Restores and verify under faults.
     for step in &kept {
@@ -284,7 +286,9 @@ fn outage_skips_checkpoints_and_resumes() {
         "{health:?}"
     );
     assert!(faults.random_stats().outage > 0);
-    let committed = runtime().block_on(store.committed_steps(run)).unwrap();
+    let committed = runtime()
+        .block_on(store.log().committed_steps(run))
+        .unwrap();
     let after: Vec<u64> = committed.iter().copied().filter(|s| *s > 20).collect();
     assert!(
         after.len() >= 3,

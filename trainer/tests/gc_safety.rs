@@ -56,7 +56,7 @@ fn a_failed_commit_is_never_the_next_saves_dedup_base() {
         grace: Duration::from_secs(3600),
         ..Default::default()
     };
-    let g = runtime().block_on(store.gc(&opts, later)).unwrap();
+    let g = runtime().block_on(store.gc().run(&opts, later)).unwrap();
     assert_eq!(g.incomplete_deleted, vec![(run.to_string(), 2)], "{g:?}");
     assert!(g.objects_deleted >= 1, "{g:?}");
 
@@ -116,7 +116,7 @@ fn gc_racing_checkpointers_never_breaks_a_commit() {
             let mut swept = 0;
             while !stop.load(SeqCst) {
                 swept += runtime()
-                    .block_on(store.gc(&opts, clock.now()))
+                    .block_on(store.gc().run(&opts, clock.now()))
                     .expect("gc")
                     .objects_deleted;
                 passes.fetch_add(1, SeqCst);
@@ -225,13 +225,17 @@ fn gc_racing_checkpointers_never_breaks_a_commit() {
     assert_eq!(committed, 40);
     assert!(swept > 0, "GC swept nothing: the race was not exercised");
     clock.advance(grace * 2);
-    runtime().block_on(store.gc(&opts, clock.now())).unwrap();
+    runtime()
+        .block_on(store.gc().run(&opts, clock.now()))
+        .unwrap();
     let v = runtime()
         .block_on(store.verify(&VerifyScope::Store, None))
         .unwrap();
     assert!(v.is_clean(), "{v:?}");
     assert_eq!(
-        runtime().block_on(store.committed_steps(run)).unwrap(),
+        runtime()
+            .block_on(store.log().committed_steps(run))
+            .unwrap(),
         vec![50]
     );
     check(50);

@@ -176,7 +176,9 @@ fn a_rank_restores_from_the_parts_of_a_split_record_that_hold_its_tensors() {
         }
     });
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let (root, _, _) = rt.block_on(store.read_commit_root("held", 2)).unwrap();
+    let (root, _, _) = rt
+        .block_on(store.log().read_commit_root("held", 2))
+        .unwrap();
     let index = root.index.expect("the record is split");
     // Rank 3 of the same layout restores layers 12..16: delete every tensors part that holds
     // none of them.
@@ -187,7 +189,7 @@ fn a_rank_restores_from_the_parts_of_a_split_record_that_hold_its_tensors() {
             && !mine.iter().any(|n| first <= n && n <= last)
         {
             let key = store.keys().record_part("held", 2, &p.hash());
-            rt.block_on(store.delete_all(vec![key])).unwrap();
+            rt.block_on(store.objects().delete_all(vec![key])).unwrap();
             deleted += 1;
         }
     }

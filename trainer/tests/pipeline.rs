@@ -88,7 +88,9 @@ fn stages_are_reported_in_order_with_figures() {
     assert_eq!(h.stage(), Stage::Committed);
     assert!(c.commit_s > 0.0, "{c:?}");
     assert_eq!(
-        runtime().block_on(store.latest_committed("st")).unwrap(),
+        runtime()
+            .block_on(store.log().latest_committed("st"))
+            .unwrap(),
         Some(7)
     );
 }
@@ -318,7 +320,10 @@ fn replicas_cost_nothing_and_commit_costs_o_ranks_requests() {
         .wait_committed(Duration::from_secs(60))
         .unwrap();
     let used = metrics(&store) - before;
-    let c = runtime().block_on(store.read_commit("wide", 1)).unwrap().0;
+    let c = runtime()
+        .block_on(store.log().read_commit("wide", 1))
+        .unwrap()
+        .0;
     assert_eq!(
         c.tensor("rep").unwrap().shards.len(),
         1,
@@ -528,7 +533,7 @@ fn ranks_of_one_process_share_chunks_while_they_reshard() {
     }
     saved[0].0.wait_committed(Duration::from_secs(60)).unwrap();
     let stored = runtime()
-        .block_on(store.read_commit("share", 1))
+        .block_on(store.log().read_commit("share", 1))
         .unwrap()
         .0
         .stats

@@ -108,7 +108,7 @@ fn a_flipped_bit_in_one_of_three_replicas_is_named_and_stop_fails_the_next_call(
     );
     assert_eq!(m.mismatches[0].tensor, "w");
     // The step is committed with the mismatch in its record.
-    let (rec, _) = runtime().block_on(store.read_commit(run, 1)).unwrap();
+    let (rec, _) = runtime().block_on(store.log().read_commit(run, 1)).unwrap();
     assert!(rec.replicas.unwrap().mismatched());
 }
 
@@ -140,7 +140,7 @@ fn replicas_that_agree_raise_nothing_and_off_hashes_nothing() {
                 });
             }
         });
-        let (rec, _) = runtime().block_on(store.read_commit(run, 2)).unwrap();
+        let (rec, _) = runtime().block_on(store.log().read_commit(run, 2)).unwrap();
         match check {
             SdcCheck::Off => assert_eq!(rec.replicas, None),
             _ => {

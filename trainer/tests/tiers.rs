@@ -60,7 +60,7 @@ fn touch(w: &HostTensor, step: u64) {
 }
 
 fn committed(s: &Store, run: &str) -> Vec<u64> {
-    runtime().block_on(s.committed_steps(run)).unwrap()
+    runtime().block_on(s.log().committed_steps(run)).unwrap()
 }
 
 fn read_w(s: &Store, run: &str, step: u64) -> Vec<u8> {
@@ -181,7 +181,7 @@ fn a_remote_outage_leaves_saves_going_on_locally_and_the_drain_catches_up() {
     assert!(faults.random_stats().outage > 0);
     assert!(
         runtime()
-            .block_on(local.pending_drains(run))
+            .block_on(local.log().pending_drains(run))
             .unwrap()
             .is_empty()
     );
@@ -234,8 +234,10 @@ fn a_damaged_local_chunk_is_read_from_the_remote_and_an_event_says_so() {
     m.finish().unwrap();
     let want = w.read().clone();
     // Damage one chunk object of the local tier.
-    let refs = runtime().block_on(local.step_chunk_refs(run, 1)).unwrap();
-    let file = ldir.path().join(local.object_of(&refs[0]).as_ref());
+    let refs = runtime()
+        .block_on(local.log().step_chunk_refs(run, 1))
+        .unwrap();
+    let file = ldir.path().join(local.keys().object_of(&refs[0]).as_ref());
     let mut b = std::fs::read(&file).unwrap();
     let n = b.len();
     b[n - 3] ^= 0x55;

@@ -174,7 +174,7 @@ fn a_failed_or_uncommitted_save_is_never_reused() {
     store.failpoints().clear();
     let later = ckpt_store::clock::system_now() + chrono::Duration::hours(2);
     let g = runtime()
-        .block_on(store.gc(&GcOptions::default(), later))
+        .block_on(store.gc().run(&GcOptions::default(), later))
         .unwrap();
     assert_eq!(g.incomplete_deleted, vec![(run.to_string(), 2)], "{g:?}");
     // `w` has the version step 2 saved, but step 2 is not committed: copied again.
@@ -280,7 +280,7 @@ fn gc_of_the_step_reused_from_keeps_what_later_steps_reference() {
             keep_last: Some(keep),
             ..Default::default()
         };
-        runtime().block_on(store.gc(&opts, later)).unwrap()
+        runtime().block_on(store.gc().run(&opts, later)).unwrap()
     };
     save(&ck, 1, state(&[("w", &w), ("frozen", &frozen)]));
     w.write().fill(1);
@@ -301,7 +301,9 @@ fn gc_of_the_step_reused_from_keeps_what_later_steps_reference() {
 
     // Step 3 is deleted before the next save (its commit record and, swept, its chunks): the
     // save finds it gone and copies everything.
-    runtime().block_on(store.delete_step(run, 3, true)).unwrap();
+    runtime()
+        .block_on(store.gc().delete_step(run, 3, true))
+        .unwrap();
     gc(1);
     let r = save(&ck, 4, state(&[("w", &w), ("frozen", &frozen)]));
     assert_eq!(

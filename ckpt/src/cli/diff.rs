@@ -462,7 +462,8 @@ async fn compare_pairs(
 ) -> Result<Delta> {
     let deltas: Vec<Delta> = stream::iter(pairs)
         .map(|(off, x, y)| async move {
-            let (bx, by) = futures::try_join!(store.get_chunk(x), store.get_chunk(y))?;
+            let (bx, by) =
+                futures::try_join!(store.chunks().get_chunk(x), store.chunks().get_chunk(y))?;
             pb.inc((x.len + y.len) as u64);
             let off = *off;
             Ok::<_, super::CliError>(

@@ -135,7 +135,7 @@ pub async fn gc(store: &Store, args: &GcArgs, now: DateTime<Utc>, ui: &Ui) -> Re
     }
     for r in &args.runs {
         validate_run(r).map_err(|e| CliError::usage(e.to_string()))?;
-        if store.list_steps(r).await?.is_empty() {
+        if store.log().list_steps(r).await?.is_empty() {
             return Err(super::shared::no_such_run(store, r).await);
         }
     }
@@ -149,7 +149,7 @@ pub async fn gc(store: &Store, args: &GcArgs, now: DateTime<Utc>, ui: &Ui) -> Re
     } else {
         "collecting garbage"
     });
-    let report = store.gc(&opts, now).await?;
+    let report = store.gc().run(&opts, now).await?;
     pb.finish_and_clear();
     let mut rules = Vec::new();
     if let Some(n) = args.keep_last {

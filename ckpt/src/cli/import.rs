@@ -416,10 +416,10 @@ pub struct ImportReport {
 /// Chunks of the newest committed step of every run. Call it holding a writer lease (so no GC
 /// sweep runs until the new manifest references them; FORMAT.md, "What GC may delete").
 async fn seed_index(store: &Store, index: &DedupIndex) -> Result<()> {
-    let runs = store.list_runs().await?;
+    let runs = store.log().list_runs().await?;
     let manifests: Vec<RankManifest> = stream::iter(runs)
         .map(|run| async move {
-            let Ok(Some(step)) = store.latest_committed(&run).await else {
+            let Ok(Some(step)) = store.log().latest_committed(&run).await else {
                 return Vec::new();
             };
             super::shared::readable_manifests(store, &run, step).await
@@ -442,6 +442,7 @@ pub async fn import(store: &Store, args: &ImportArgs, ui: &Ui) -> Result<ImportR
     check_step_free(store, args).await?;
 
     let lease = store
+        .gc()
         .lease_dedup_base(&args.run, &ckpt_store::writer_id(0, 0), &[])
         .await?;
     let index = DedupIndex::new();
@@ -470,7 +471,7 @@ pub async fn import(store: &Store, args: &ImportArgs, ui: &Ui) -> Result<ImportR
     let failure: Arc<Mutex<Option<CliError>>> = Arc::default();
     let reader = spawn_reader(store, &files, meta_blob.clone(), &pb, &failure, tx);
     let chunks = stream::poll_fn(move |cx| rx.poll_recv(cx));
-    let put = store.put_chunks(chunks, &index).await;
+    let put = store.chunks().put_chunks(chunks, &index).await;
     let _ = reader.join();
     pb.finish_and_clear();
     if let Some(e) = failure.lock().take() {
@@ -488,11 +489,11 @@ pub async fn import(store: &Store, args: &ImportArgs, ui: &Ui) -> Result<ImportR
     };
     let blob_len = meta_blob.as_ref().map_or(0, |b| b.len() as u64);
     let manifest = manifest_of(store, &head, &files, &plan, blob_len, logical, &put)?;
-    store.write_rank_manifest(&manifest).await?;
+    store.log().write_rank_manifest(&manifest).await?;
     // The manifest now protects what it references; the lease may go (or lapse, on an error
     // above).
-    let _ = store.release_lease(lease).await;
-    store.commit_step(&args.run, args.step).await?;
+    let _ = store.gc().release_lease(lease).await;
+    store.log().commit_step(&args.run, args.step).await?;
     Ok(ImportReport {
         run: args.run.clone(),
         step: args.step,
@@ -579,7 +580,7 @@ fn read_inputs(given: &[PathBuf]) -> Result<Vec<StFile>> {
 
 /// An error when `--step` of `--run` exists already (committed or not).
 async fn check_step_free(store: &Store, args: &ImportArgs) -> Result<()> {
-    let existing = store.list_steps(&args.run).await?;
+    let existing = store.log().list_steps(&args.run).await?;
     if let Some(s) = existing.iter().find(|s| s.step == args.step) {
         return Err(CliError::error(format!(
             "step {} of run {} already exists ({})",

@@ -62,7 +62,7 @@ impl Report for RawDocument {
 pub async fn raw(store: &Store, args: &InspectArgs) -> Result<RawDocument> {
     let step = super::shared::resolve(store, &args.ckpt).await?;
     let v = match args.rank {
-        None => serde_json::to_value(store.read_commit(&args.ckpt.run, step).await?.0),
+        None => serde_json::to_value(store.log().read_commit(&args.ckpt.run, step).await?.0),
         Some(r) => {
             let reader = StepReader::open(store, &args.ckpt.run, step).await?;
             serde_json::to_value(&*reader.manifest(r).await?)

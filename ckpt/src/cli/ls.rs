@@ -206,7 +206,7 @@ async fn list_tiers(
     validate_run(run).map_err(|e| CliError::usage(e.to_string()))?;
     let mut lists = Vec::new();
     for s in [store, local] {
-        lists.push(match s.list_steps(run).await?.is_empty() {
+        lists.push(match s.log().list_steps(run).await?.is_empty() {
             true => Vec::new(),
             false => list_steps(s, run, quick, now, ui).await?.steps,
         });
@@ -216,7 +216,7 @@ async fn list_tiers(
     if remote.is_empty() && here.is_empty() {
         return Err(super::shared::no_such_run(store, run).await);
     }
-    let drains = local.pending_drains(run).await?;
+    let drains = local.log().pending_drains(run).await?;
     let mut rows: std::collections::BTreeMap<u64, StepRow> = std::collections::BTreeMap::new();
     for mut r in here {
         r.tier = Some(TierState {
@@ -254,13 +254,13 @@ fn age(now: DateTime<Utc>, t: DateTime<Utc>) -> f64 {
 }
 
 async fn list_runs(store: &Store, now: DateTime<Utc>, ui: &Ui) -> Result<RunsListing> {
-    let runs = store.list_runs().await?;
+    let runs = store.log().list_runs().await?;
     let pb = ui.items(runs.len() as u64, "listing runs");
     let rows: Vec<RunRow> = stream::iter(runs)
         .map(|run| {
             let pb = pb.clone();
             async move {
-                let steps = store.list_steps(&run).await?;
+                let steps = store.log().list_steps(&run).await?;
                 let committed: Vec<u64> = steps
                     .iter()
                     .filter(|s| s.committed)
@@ -268,7 +268,7 @@ async fn list_runs(store: &Store, now: DateTime<Utc>, ui: &Ui) -> Result<RunsLis
                     .collect();
                 let latest = committed.last().copied();
                 let commit = match latest {
-                    Some(s) => store.read_commit(&run, s).await.ok().map(|(c, _)| c),
+                    Some(s) => store.log().read_commit(&run, s).await.ok().map(|(c, _)| c),
                     None => None,
                 };
                 pb.inc(1);
@@ -313,6 +313,7 @@ async fn list_steps(
     // One listing page per thousand steps and each step's record (not a listing of every
     // manifest of every step: thousands of pages for a long run of thousands of ranks).
     let (steps, records): (Vec<_>, Vec<_>) = store
+        .log()
         .list_steps_with_records(run)
         .await?
         .into_iter()
@@ -375,7 +376,12 @@ async fn step_info(
         None => s.ranks.iter().map(|&r| (r, None)).collect(),
     };
     let got: Vec<_> = stream::iter(wanted)
-        .map(|(r, e)| async move { store.read_rank_manifest(run, s.step, r, e.as_ref()).await })
+        .map(|(r, e)| async move {
+            store
+                .log()
+                .read_rank_manifest(run, s.step, r, e.as_ref())
+                .await
+        })
         .buffer_unordered(16)
         .collect()
         .await;

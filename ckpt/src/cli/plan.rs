@@ -248,7 +248,7 @@ async fn plan_rank(
         needed += plan.bytes_needed();
         let mut cr = Vec::with_capacity(plan.chunks.len());
         for pc in &plan.chunks {
-            let object = store.object_of(&pc.chunk).to_string();
+            let object = store.keys().object_of(&pc.chunk).to_string();
             chunks.insert(pc.chunk.id, (pc.chunk.len as u64, pc.chunk.stored as u64));
             all.chunks.insert(pc.chunk.id, pc.chunk.stored as u64);
             objects.insert(object.clone());

@@ -126,7 +126,7 @@ fn chunks_of(manifests: &[RankManifest]) -> Chunks {
 /// Per-step change figures of `args.run`.
 pub async fn stats(store: &Store, args: &StatsArgs, ui: &Ui) -> Result<StatsReport> {
     validate_run(&args.run).map_err(|e| CliError::usage(e.to_string()))?;
-    let steps = store.committed_steps(&args.run).await?;
+    let steps = store.log().committed_steps(&args.run).await?;
     if steps.is_empty() {
         return Err(super::shared::no_such_run(store, &args.run).await);
     }
@@ -136,15 +136,17 @@ pub async fn stats(store: &Store, args: &StatsArgs, ui: &Ui) -> Result<StatsRepo
         .map(|step| {
             let pb = pb.clone();
             async move {
-                let (c, _) = store.read_commit(run, step).await?;
-                let ms: Vec<RankManifest> =
-                    stream::iter(c.ranks.clone())
-                        .map(|e| async move {
-                            store.read_rank_manifest(run, step, e.rank, Some(&e)).await
-                        })
-                        .buffer_unordered(16)
-                        .try_collect()
-                        .await?;
+                let (c, _) = store.log().read_commit(run, step).await?;
+                let ms: Vec<RankManifest> = stream::iter(c.ranks.clone())
+                    .map(|e| async move {
+                        store
+                            .log()
+                            .read_rank_manifest(run, step, e.rank, Some(&e))
+                            .await
+                    })
+                    .buffer_unordered(16)
+                    .try_collect()
+                    .await?;
                 pb.inc(1);
                 Ok::<_, CliError>((step, c, ms))
             }

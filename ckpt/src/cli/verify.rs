@@ -68,13 +68,13 @@ async fn replica_findings(store: &Store, scope: &VerifyScope) -> Result<Vec<Repl
     match scope {
         VerifyScope::Step(r, s) => steps.push((r.clone(), *s)),
         VerifyScope::Run(r) => {
-            for s in store.committed_steps(r).await? {
+            for s in store.log().committed_steps(r).await? {
                 steps.push((r.clone(), s));
             }
         }
         VerifyScope::Store => {
-            for r in store.list_runs().await? {
-                for s in store.committed_steps(&r).await? {
+            for r in store.log().list_runs().await? {
+                for s in store.log().committed_steps(&r).await? {
                     steps.push((r.clone(), s));
                 }
             }
@@ -82,7 +82,7 @@ async fn replica_findings(store: &Store, scope: &VerifyScope) -> Result<Vec<Repl
     }
     let roots: Vec<_> = stream::iter(steps)
         .map(|(run, step)| async move {
-            let root = store.read_commit_root(&run, step).await;
+            let root = store.log().read_commit_root(&run, step).await;
             (run, step, root)
         })
         .buffered(16)
@@ -119,7 +119,7 @@ pub async fn scope_of(store: &Store, target: Option<&str>) -> Result<VerifyScope
     Ok(match (t.contains('@'), r.step) {
         (false, _) => {
             // A run: every committed step; say so when it has none.
-            let steps = store.list_steps(&r.run).await?;
+            let steps = store.log().list_steps(&r.run).await?;
             if steps.is_empty() {
                 return Err(super::shared::no_such_run(store, &r.run).await);
             }
@@ -139,10 +139,13 @@ async fn distinct_bytes(store: &Store, scope: &VerifyScope) -> u64 {
     let (mut steps, runs): (Vec<(String, u64)>, Vec<String>) = match scope {
         VerifyScope::Step(r, s) => (vec![(r.clone(), *s)], Vec::new()),
         VerifyScope::Run(r) => (Vec::new(), vec![r.clone()]),
-        VerifyScope::Store => (Vec::new(), store.list_runs().await.unwrap_or_default()),
+        VerifyScope::Store => (
+            Vec::new(),
+            store.log().list_runs().await.unwrap_or_default(),
+        ),
     };
     for r in runs {
-        for s in store.committed_steps(&r).await.unwrap_or_default() {
+        for s in store.log().committed_steps(&r).await.unwrap_or_default() {
             steps.push((r.clone(), s));
         }
     }

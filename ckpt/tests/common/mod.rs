@@ -274,7 +274,7 @@ pub async fn save_step(store: &Store, run: &str, step: u64, extra: bool, index: 
     for r in 0..layout().world() {
         save_rank(store, run, step, r, extra, index).await;
     }
-    store.commit_step(run, step).await.unwrap();
+    store.log().commit_step(run, step).await.unwrap();
 }
 
 /// Steps 10 and 20 of run `train` committed (20 adds a tensor and changes qkv), step 30

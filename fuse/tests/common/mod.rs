@@ -217,7 +217,7 @@ pub async fn save(
         t.await.unwrap();
     }
     if commit {
-        store.commit_step(run, step).await.unwrap();
+        store.log().commit_step(run, step).await.unwrap();
     }
     exp
 }
@@ -298,7 +298,7 @@ pub async fn hostile_run(store: &Store) -> Expected {
         .write_rank(&w, shards, blobs, &DedupIndex::new())
         .await
         .unwrap();
-    store.commit_step("evil", 1).await.unwrap();
+    store.log().commit_step("evil", 1).await.unwrap();
     exp
 }
 
@@ -346,8 +346,8 @@ pub async fn damage_chunk(store: &Store, run: &str, step: u64, tensor: &str, k: 
     let view = SafetensorsView::new(reader.commit(), None).unwrap();
     let e = view.entries().iter().find(|e| e.name == tensor).unwrap();
     let model_range = e.start + tensor_range.start..e.start + tensor_range.end;
-    let key = store.object_of(&chunk);
-    let mut obj = store.get_object(&key).await.unwrap().to_vec();
+    let key = store.keys().object_of(&chunk);
+    let mut obj = store.objects().get_object(&key).await.unwrap().to_vec();
     let last = obj.len() - 1;
     obj[last] ^= 0x5a;
     store

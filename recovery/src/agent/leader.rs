@@ -41,7 +41,7 @@ impl Generations {
     async fn allocate(&mut self, internal: u64, store: &Store, run: &str) -> Result<u64> {
         let mut g = self.global(internal).max(self.floor);
         for _ in 0..64 {
-            match store.start_generation(run, g).await {
+            match store.log().start_generation(run, g).await {
                 Ok(()) => {
                     self.internal = internal;
                     self.global = g;

@@ -89,7 +89,7 @@ fn planes_size(data: &[u8], elem: usize, level: i32) -> usize {
         .sum()
 }
 
-/// Estimate, from [`ESTIMATE_WINDOWS`] windows spread over the chunk (64 KiB in all, 1.6 % of a
+/// Estimate, from `ESTIMATE_WINDOWS` windows spread over the chunk (64 KiB in all, 1.6 % of a
 /// 4 MiB chunk), what `data` stores as a delta against `base` and what it stores plain, so a
 /// writer encodes only the smaller instead of both (issue 16: trying deltas must not slow a
 /// save). Same arguments as [`encode_delta`].

@@ -4,20 +4,21 @@
 use object_store::PutMode;
 
 use super::Agreement;
+use super::CommitLog;
 use crate::error::{Error, ErrorKind, Result};
 use crate::keys::{FENCE_SHARDS, validate_run};
-use crate::store::Store;
 
-impl Store {
+impl CommitLog {
     /// Mark `generation` of `run` as started (fences committers of older generations).
     pub async fn start_generation(&self, run: &str, generation: u64) -> Result<()> {
         validate_run(run)?;
-        let path = self.keys().generation_marker(run, generation);
+        let path = self.objects.keys().generation_marker(run, generation);
         let body = serde_json::to_vec(
-            &serde_json::json!({"generation": generation, "t_ms": self.now().timestamp_millis()}),
+            &serde_json::json!({"generation": generation, "t_ms": self.objects.now().timestamp_millis()}),
         )
         .map_err(|e| Error::internal(e.to_string()))?;
         match self
+            .objects
             .put_object(&path, vec![body.clone().into()], PutMode::Create)
             .await
         {
@@ -25,10 +26,10 @@ impl Store {
                 // The writers' copies, one per fence shard (after the marker: a copy never
                 // names a generation whose marker does not exist).
                 let copies: Vec<_> = (0..FENCE_SHARDS)
-                    .map(|shard| self.keys().fence(run, shard, generation))
+                    .map(|shard| self.objects.keys().fence(run, shard, generation))
                     .collect();
                 futures::future::try_join_all(copies.iter().map(|path| {
-                    self.put_object(path, vec![body.clone().into()], PutMode::Overwrite)
+                    self.objects.put_object(path, vec![body.clone().into()], PutMode::Overwrite)
                 }))
                 .await
                 .map_err(|e| {
@@ -73,7 +74,7 @@ impl Store {
         self.check_generation(run, generation, "this writer").await
     }
 
-    /// [`Store::join_generation`] by the writer of `rank`, through its fence shard
+    /// [`CommitLog::join_generation`] by the writer of `rank`, through its fence shard
     /// ([`crate::Keys::fence`]): one listing of a prefix that a sixteenth of the ranks read,
     /// instead of `generations/` that every rank would. A shard showing a newer generation
     /// fences the writer; one showing this generation is enough to join (its marker exists:
@@ -92,32 +93,33 @@ impl Store {
         }
         self.join_generation(run, generation).await?;
         let body = serde_json::to_vec(
-            &serde_json::json!({"generation": generation, "t_ms": self.now().timestamp_millis()}),
+            &serde_json::json!({"generation": generation, "t_ms": self.objects.now().timestamp_millis()}),
         )
         .map_err(|e| Error::internal(e.to_string()))?;
-        self.put_object(
-            &self.keys().fence(run, rank, generation),
-            vec![body.into()],
-            PutMode::Overwrite,
-        )
-        .await
+        self.objects
+            .put_object(
+                &self.objects.keys().fence(run, rank, generation),
+                vec![body.into()],
+                PutMode::Overwrite,
+            )
+            .await
     }
 
     /// The generations in the fence shard of `rank` (one listing).
     async fn fence_shard(&self, run: &str, rank: u32) -> Result<Vec<u64>> {
         validate_run(run)?;
-        let dir = self.keys().fence_dir(run, rank);
-        let metas = self.list_all(&dir).await?;
+        let dir = self.objects.keys().fence_dir(run, rank);
+        let metas = self.objects.list_all(&dir).await?;
         Ok(metas
             .iter()
-            .filter_map(|m| self.keys().parse_fence(&m.location))
+            .filter_map(|m| self.objects.keys().parse_fence(&m.location))
             .collect())
     }
 
     /// The fence check of the writer of `rank` before it creates its manifest:
     /// [`ErrorKind::Fenced`] if its fence shard shows a generation newer than `generation`. One
     /// listing of the shard; when the shard does not show `generation` itself (a writer that did
-    /// not join through it), the markers are listed too ([`Store::check_generation`]).
+    /// not join through it), the markers are listed too ([`CommitLog::check_generation`]).
     ///
     /// The commit record is fenced by the markers themselves (the committer lists them before
     /// and after its create): a copy not yet written (its starter is writing them, or died
@@ -168,11 +170,11 @@ impl Store {
     /// The newest started generation of `run`, if any supervisor marked one.
     pub async fn newest_generation(&self, run: &str) -> Result<Option<u64>> {
         validate_run(run)?;
-        let dir = self.keys().generations_dir(run);
-        let metas = self.list_all(&dir).await?;
+        let dir = self.objects.keys().generations_dir(run);
+        let metas = self.objects.list_all(&dir).await?;
         Ok(metas
             .iter()
-            .filter_map(|m| self.keys().parse_generation_marker(&m.location))
+            .filter_map(|m| self.objects.keys().parse_generation_marker(&m.location))
             .max())
     }
 
@@ -180,8 +182,8 @@ impl Store {
     /// whoever created it), or `None` when it has no marker (or an old one without a time).
     pub async fn generation_started_ms(&self, run: &str, generation: u64) -> Result<Option<i64>> {
         validate_run(run)?;
-        let path = self.keys().generation_marker(run, generation);
-        match self.get_json::<serde_json::Value>(&path).await {
+        let path = self.objects.keys().generation_marker(run, generation);
+        match self.objects.get_json::<serde_json::Value>(&path).await {
             Ok((v, _, _)) => Ok(v.get("t_ms").and_then(serde_json::Value::as_i64)),
             Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
             Err(e) => Err(e),
@@ -203,13 +205,17 @@ impl Store {
         proposal: &T,
     ) -> Result<(T, bool)> {
         validate_run(run)?;
-        let path = self.keys().generation_interval(run, generation);
-        match self.put_json(&path, proposal, PutMode::Create).await {
+        let path = self.objects.keys().generation_interval(run, generation);
+        match self
+            .objects
+            .put_json(&path, proposal, PutMode::Create)
+            .await
+        {
             Ok(_) => return Ok((proposal.clone(), true)),
             Err(e) if e.kind() == ErrorKind::Conflict => {}
             Err(e) => return Err(e),
         }
-        let (agreed, _, _) = self.get_json::<T>(&path).await?;
+        let (agreed, _, _) = self.objects.get_json::<T>(&path).await?;
         if let Err(why) = agreed.check(run, generation) {
             return Err(Error::corrupt(format!("{path}: {why}")));
         }

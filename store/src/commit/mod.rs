@@ -18,7 +18,14 @@
 //! | `mod.rs` | rank manifests (written, replaced, read) and commit records read back |
 //! | `generation.rs` | generation markers, joining, the writers' fence, [`Agreement`]s |
 //! | `step.rs` | committing a step, phase by phase, and waiting to commit |
+//! | `catalog.rs` | listing runs and steps, committed or not |
+//! | `drains.rs` | drain markers: a local tier's steps not yet drained |
+//!
+//! All of it is one type, [`CommitLog`], a part of the [`Store`](crate::Store) handle
+//! (`store.log()`).
 
+pub mod catalog;
+mod drains;
 mod generation;
 mod step;
 
@@ -32,9 +39,9 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::id::StepId;
 use crate::keys::validate_run;
 use crate::model::{CommitRecord, PartRef, RankEntry, RankManifest, RecordPart};
-use crate::store::Store;
+use crate::store::Objects;
 
-/// A value the ranks of a generation agree on once ([`Store::agree_generation_interval`]):
+/// A value the ranks of a generation agree on once ([`CommitLog::agree_generation_interval`]):
 /// stored as JSON, its type defined by its writers (the checkpoint interval is
 /// `ckpt_recovery::records::CheckpointInterval`), which say whether a stored one can be used.
 pub trait Agreement: Serialize + DeserializeOwned + Clone {
@@ -67,7 +74,23 @@ impl CommitOutcome {
     }
 }
 
-impl Store {
+/// The commit log of a store: rank manifests, commit records, generations and the writers'
+/// fence, listings of runs and steps, drain markers. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct CommitLog {
+    objects: Objects,
+}
+
+impl CommitLog {
+    pub(crate) fn new(objects: Objects) -> Self {
+        CommitLog { objects }
+    }
+
+    /// The plain objects below.
+    pub fn objects(&self) -> &Objects {
+        &self.objects
+    }
+
     /// Write a rank's manifest with a conditional create. Writing the same bytes again is a
     /// no-op (a retried save); different bytes for the same rank and step are a conflict.
     #[instrument(skip_all, fields(run = %m.run, step = m.step, rank = m.rank))]
@@ -75,9 +98,9 @@ impl Store {
         self.write_rank_manifest_fenced(m, m.generation).await
     }
 
-    /// [`Store::write_rank_manifest`] by a writer of generation `fence` (at least the
+    /// [`CommitLog::write_rank_manifest`] by a writer of generation `fence` (at least the
     /// manifest's): a drain of a local tier copying a step an earlier generation of the job
-    /// saved (see [`Store::commit_step_fenced`]).
+    /// saved (see [`CommitLog::commit_step_fenced`]).
     pub async fn write_rank_manifest_fenced(
         &self,
         m: &RankManifest,
@@ -89,7 +112,7 @@ impl Store {
             m.rank, m.step, m.run
         );
         m.validate(&what)?;
-        let path = self.keys().rank_manifest(&m.run, m.step, m.rank);
+        let path = self.objects.keys().rank_manifest(&m.run, m.step, m.rank);
         let bytes = serde_json::to_vec(m)
             .map_err(|e| Error::internal(format!("serializing {what}: {e}")))?;
         let hash = crate::id::Hash::of(&bytes);
@@ -99,12 +122,13 @@ impl Store {
             .await
             .map_err(|e| e.context(what.clone()))?;
         match self
+            .objects
             .put_object(&path, vec![bytes.clone().into()], PutMode::Create)
             .await
         {
             Ok(()) => {}
             Err(e) if e.kind() == ErrorKind::Conflict => {
-                let existing = self.get_object(&path).await?;
+                let existing = self.objects.get_object(&path).await?;
                 if crate::id::Hash::of(&existing) != hash {
                     let old_gen = serde_json::from_slice::<RankManifest>(&existing)
                         .map(|o| o.generation)
@@ -156,7 +180,7 @@ impl Store {
     /// replaces. Two rules keep any record from pinning bytes that are gone:
     /// - this writer's generation is started (its marker exists) before the check, so such a
     ///   committer finds it when it checks again after its create, and withdraws its record if
-    ///   a manifest it pinned changed (see [`Store::commit_step_as`]);
+    ///   a manifest it pinned changed (see [`CommitLog::commit_step_as`]);
     /// - after the overwrite this writer looks for the record again: one pinned to the
     ///   replaced bytes gets them back, and the write is refused ("already committed").
     async fn replace_older_manifest(
@@ -167,8 +191,8 @@ impl Store {
         old: u64,
         bytes: Vec<u8>,
     ) -> Result<()> {
-        let path = self.keys().rank_manifest(&m.run, m.step, m.rank);
-        let commit = self.keys().commit(&m.run, m.step);
+        let path = self.objects.keys().rank_manifest(&m.run, m.step, m.rank);
+        let commit = self.objects.keys().commit(&m.run, m.step);
         self.join_generation_as(&m.run, m.generation, m.rank)
             .await
             .map_err(|e| e.context(what))?;
@@ -178,19 +202,23 @@ impl Store {
                 format!("{what}: step {} is already committed", m.step),
             )
         };
-        if self.exists(&commit).await? {
+        if self.objects.exists(&commit).await? {
             return Err(committed());
         }
-        self.failpoints().hit("before_manifest_replace").await?;
+        self.objects
+            .failpoints()
+            .hit("before_manifest_replace")
+            .await?;
         tracing::warn!(
             %path,
             old,
             new = m.generation,
             "replacing a manifest left by an older generation"
         );
-        self.put_object(&path, vec![bytes.into()], PutMode::Overwrite)
+        self.objects
+            .put_object(&path, vec![bytes.into()], PutMode::Overwrite)
             .await?;
-        if self.exists(&commit).await? {
+        if self.objects.exists(&commit).await? {
             let (c, _) = self.read_commit(&m.run, m.step).await?;
             let old_hash = crate::id::Hash::of(existing);
             if c.ranks
@@ -198,7 +226,8 @@ impl Store {
                 .any(|e| e.rank == m.rank && e.hash == old_hash)
             {
                 tracing::warn!(%path, "a committer of generation {old} committed meanwhile; putting its manifest back");
-                self.put_object(&path, vec![existing.clone()], PutMode::Overwrite)
+                self.objects
+                    .put_object(&path, vec![existing.clone()], PutMode::Overwrite)
                     .await?;
                 return Err(committed().context(format!(
                     "generation {old} committed it while generation {} replaced this manifest",
@@ -235,12 +264,12 @@ impl Store {
         step: u64,
         rank: u32,
     ) -> Result<(bytes::Bytes, object_store::path::Path)> {
-        let path = self.keys().rank_manifest(run, step, rank);
-        match self.get_object(&path).await {
+        let path = self.objects.keys().rank_manifest(run, step, rank);
+        match self.objects.get_object(&path).await {
             Ok(b) => Ok((b, path)),
             Err(e) if e.kind() == ErrorKind::NotFound => {
-                let legacy = self.keys().legacy_rank_manifest(run, step, rank);
-                match self.get_object(&legacy).await {
+                let legacy = self.objects.keys().legacy_rank_manifest(run, step, rank);
+                match self.objects.get_object(&legacy).await {
                     Ok(b) => Ok((b, legacy)),
                     Err(e) if e.kind() == ErrorKind::NotFound => Err(Error::not_found(format!(
                         "the manifest of rank {rank} for step {step} of run {run} is missing ({path}, or {legacy} as written before format 4)"
@@ -253,7 +282,7 @@ impl Store {
     }
 
     /// One rank's manifest parsed (not checked), its hash and size, wherever it is (see
-    /// [`Store::get_manifest_bytes`]).
+    /// [`CommitLog::get_manifest_bytes`]).
     pub async fn get_rank_manifest(
         &self,
         run: &str,
@@ -322,7 +351,7 @@ impl Store {
             .map(|(c, id, _)| (c, id))
     }
 
-    /// [`Store::read_commit`], and the record's size in bytes (a split record's root and
+    /// [`CommitLog::read_commit`], and the record's size in bytes (a split record's root and
     /// parts together).
     pub(crate) async fn read_commit_sized(
         &self,
@@ -409,8 +438,8 @@ impl Store {
         let (run, step) = (c.run.as_str(), c.step);
         stream::iter(refs.cloned())
             .map(|r| async move {
-                let path = self.keys().record_part(run, step, &r.hash());
-                let bytes = self.get_object(&path).await.map_err(|e| match e.kind() {
+                let path = self.objects.keys().record_part(run, step, &r.hash());
+                let bytes = self.objects.get_object(&path).await.map_err(|e| match e.kind() {
                     ErrorKind::NotFound => Error::not_found(format!(
                         "step {step} of run {run}: part {path} of its commit record is missing"
                     )),
@@ -442,13 +471,17 @@ impl Store {
         step: u64,
     ) -> Result<(CommitRecord, StepId, u64)> {
         validate_run(run)?;
-        let path = self.keys().commit(run, step);
-        let bytes = self.get_object(&path).await.map_err(|e| match e.kind() {
-            ErrorKind::NotFound => Error::not_found(format!(
-                "step {step} of run {run} is not committed (no {path})"
-            )),
-            _ => e,
-        })?;
+        let path = self.objects.keys().commit(run, step);
+        let bytes = self
+            .objects
+            .get_object(&path)
+            .await
+            .map_err(|e| match e.kind() {
+                ErrorKind::NotFound => Error::not_found(format!(
+                    "step {step} of run {run} is not committed (no {path})"
+                )),
+                _ => e,
+            })?;
         let hash = crate::id::Hash::of(&bytes);
         let what = format!("step {step} of run {run}: commit record {path}");
         let c = CommitRecord::from_bytes(&bytes, &what)?;

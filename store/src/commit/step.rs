@@ -10,6 +10,7 @@ use object_store::PutMode;
 use object_store::path::Path;
 use tracing::{info, instrument};
 
+use super::CommitLog;
 use super::CommitOutcome;
 use crate::error::{Error, ErrorKind, Result};
 use crate::id::StepId;
@@ -18,12 +19,11 @@ use crate::model::{
     BlobLoc, CommitRecord, RankEntry, RankManifest, WHOLE_RECORD_FORMAT, WriteStats,
     check_coverage, collect_tensors, compare_replicas,
 };
-use crate::store::Store;
 
 /// A rank manifest read, with its entry in the record.
 type Present = (RankManifest, RankEntry);
 
-impl Store {
+impl CommitLog {
     /// Commit a step if every rank's manifest is present and coverage holds (see the module
     /// docs). A step with missing rank manifests gets [`ErrorKind::Incomplete`] naming them (wait
     /// and retry); shards that do not cover a tensor exactly once, or ranks that disagree on
@@ -32,7 +32,7 @@ impl Store {
         self.commit_step_as(run, step, None).await
     }
 
-    /// [`Store::commit_step`] by a committer of `generation`: manifests of older generations
+    /// [`CommitLog::commit_step`] by a committer of `generation`: manifests of older generations
     /// (left by a dead attempt) count as missing, and manifests of a newer one mean this
     /// committer is stale ([`ErrorKind::Fenced`]).
     #[instrument(skip_all, fields(run, step, generation))]
@@ -45,7 +45,7 @@ impl Store {
         self.commit_step_fenced(run, step, generation, None).await
     }
 
-    /// [`Store::commit_step_as`] of `generation`'s manifests by a committer of generation
+    /// [`CommitLog::commit_step_as`] of `generation`'s manifests by a committer of generation
     /// `fence` (at least `generation`): a newer generation than `fence` fences it. A drain of
     /// a local tier commits a step an earlier generation of the job saved on behalf of the
     /// job that runs now ([`crate::tier`]): the step is older than anything the running
@@ -69,7 +69,7 @@ impl Store {
         // manifests of an older generation and another layout next to the current ones.
         let present: Vec<Present> = stream::iter(ranks)
             .map(|(r, path)| async move {
-                let (m, hash, size) = self.get_json::<RankManifest>(&path).await?;
+                let (m, hash, size) = self.objects.get_json::<RankManifest>(&path).await?;
                 m.validate(path.as_ref())?;
                 Ok::<_, Error>((
                     m,
@@ -85,7 +85,7 @@ impl Store {
             .await?;
         let (generation, manifests) = of_generation(run, step, generation, present)?;
         let mut record = record_of(run, step, generation, manifests)?;
-        self.failpoints().hit("before_commit").await?;
+        self.objects.failpoints().hit("before_commit").await?;
         // Epoch fencing: once a newer generation has started (a supervisor, an agent or a job
         // resumed by hand marked it), this one's committer is stale.
         let who = "this committer";
@@ -93,11 +93,15 @@ impl Store {
         self.check_generation(run, fence, who)
             .await
             .map_err(|e| e.context(format!("step {step} of run {run}")))?;
-        let path = self.keys().commit(run, step);
-        self.failpoints().hit("before_commit_create").await?;
+        let path = self.objects.keys().commit(run, step);
+        self.objects
+            .failpoints()
+            .hit("before_commit_create")
+            .await?;
         let bytes = self.sealed_record(run, step, &mut record).await?;
         let hash = crate::id::Hash::of(&bytes);
         match self
+            .objects
             .put_object(&path, vec![bytes.into()], PutMode::Create)
             .await
         {
@@ -109,7 +113,7 @@ impl Store {
                 // then no one could ever restore the record, so it is withdrawn.
                 if let Err(e) = self.check_generation(run, fence, who).await {
                     if e.kind() == ErrorKind::Fenced && !self.pins_hold(&record).await? {
-                        self.delete_all(vec![path.clone()]).await?;
+                        self.objects.delete_all(vec![path.clone()]).await?;
                         return Err(e.context(format!(
                             "step {step} of run {run}: the commit record was withdrawn (a newer generation replaced a manifest it pinned)"
                         )));
@@ -131,14 +135,14 @@ impl Store {
     /// The rank manifests listed in `step`, each at the key it was found at (this build's
     /// place, else the one of a build before format 4); `None` when the step is committed.
     async fn listed_manifests(&self, run: &str, step: u64) -> Result<Option<BTreeMap<u32, Path>>> {
-        let dir = self.keys().step_dir(run, step);
-        let metas = self.list_all(&dir).await?;
+        let dir = self.objects.keys().step_dir(run, step);
+        let metas = self.objects.list_all(&dir).await?;
         let mut ranks: BTreeMap<u32, Path> = BTreeMap::new();
         for m in &metas {
-            match self.keys().parse_step_object(&m.location) {
+            match self.objects.keys().parse_step_object(&m.location) {
                 Some((_, _, StepObject::RankManifest(r)))
                     if !ranks.contains_key(&r)
-                        || m.location == self.keys().rank_manifest(run, step, r) =>
+                        || m.location == self.objects.keys().rank_manifest(run, step, r) =>
                 {
                     ranks.insert(r, m.location.clone());
                 }
@@ -168,7 +172,7 @@ impl Store {
         let Some(path) = ranks.values().next() else {
             return Ok(());
         };
-        let (m, _, _) = self.get_json::<RankManifest>(path).await?;
+        let (m, _, _) = self.objects.get_json::<RankManifest>(path).await?;
         let world = m.layout.world();
         let unlisted: Vec<u32> = (0..world).filter(|r| !ranks.contains_key(r)).collect();
         if m.generation != generation || unlisted.is_empty() {
@@ -191,7 +195,7 @@ impl Store {
         record: &mut CommitRecord,
     ) -> Result<Vec<u8>> {
         let bytes = record.seal()?;
-        let part_bytes = self.config().record_part_bytes;
+        let part_bytes = self.objects.config().record_part_bytes;
         if bytes.len() <= part_bytes {
             return Ok(bytes);
         }
@@ -199,9 +203,10 @@ impl Store {
         let n = parts.len();
         stream::iter(parts)
             .map(|(hash, b)| {
-                let path = self.keys().record_part(run, step, &hash);
+                let path = self.objects.keys().record_part(run, step, &hash);
                 async move {
-                    self.put_object(&path, vec![b.into()], PutMode::Overwrite)
+                    self.objects
+                        .put_object(&path, vec![b.into()], PutMode::Overwrite)
                         .await
                 }
             })
@@ -209,7 +214,7 @@ impl Store {
             .buffer_unordered(64)
             .try_collect::<Vec<()>>()
             .await?;
-        self.failpoints().hit("after_record_parts").await?;
+        self.objects.failpoints().hit("after_record_parts").await?;
         let bytes = root.seal()?;
         info!(
             run,
@@ -237,8 +242,8 @@ impl Store {
             .await
     }
 
-    /// [`Store::wait_and_commit`] by a committer of `generation` (see
-    /// [`Store::commit_step_as`]).
+    /// [`CommitLog::wait_and_commit`] by a committer of `generation` (see
+    /// [`CommitLog::commit_step_as`]).
     pub async fn wait_and_commit_as(
         &self,
         run: &str,

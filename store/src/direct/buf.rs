@@ -10,7 +10,7 @@ pub(super) const ALIGN: usize = 4096;
 
 /// A heap buffer aligned for `O_DIRECT`.
 ///
-/// A buffer of [`HUGE_PAGE`] bytes or more is its own anonymous mapping, aligned to 2 MiB and
+/// A buffer of `HUGE_PAGE` bytes or more is its own anonymous mapping, aligned to 2 MiB and
 /// advised `MADV_HUGEPAGE` before anything touches it: where the kernel gives transparent
 /// huge pages for the asking (`madvise` mode, the default of most distributions), its first
 /// touch faults 2 MiB at a time, not 4 KiB. Memory touched for the first time is what made a

@@ -1,4 +1,4 @@
-//! `DirectFs`: the local-directory backend, an [`ObjectStore`] over `object_store`'s
+//! `DirectFs`: the local-directory backend, an [`ObjectStore`](object_store::ObjectStore) over `object_store`'s
 //! [`LocalFileSystem`] that writes and reads large objects with `O_DIRECT`.
 //!
 //! On the machines ckpt was measured on, buffered writes reach 0.5-0.7 GB/s (the page cache

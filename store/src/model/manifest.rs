@@ -150,7 +150,7 @@ pub struct TensorShard {
     /// How the tensor is placed across ranks, so other layouts can be planned.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub placement: Option<Placement>,
-    /// For a replica this rank checked (the sentinel, [`super::replicas`]): the chunks of its
+    /// For a replica this rank checked (the sentinel, `model/replicas.rs`): the chunks of its
     /// own copy it hashed, cut as the writer cuts the box, by index (ascending). The
     /// committer compares them with the writer's chunk ids. Empty otherwise.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -207,7 +207,7 @@ impl WriteStats {
 /// Everything one rank saved for a step.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RankManifest {
-    /// [`FORMAT_VERSION`] of the writer.
+    /// [`FORMAT_VERSION`](crate::FORMAT_VERSION) of the writer.
     pub format: u32,
     /// Run name.
     pub run: String,

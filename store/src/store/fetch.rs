@@ -3,37 +3,14 @@
 
 use bytes::Bytes;
 use futures::stream::{self, Stream, StreamExt};
-use object_store::path::Path;
 
-use super::Store;
+use super::Chunks;
 use crate::codec::{self, Codec};
 use crate::error::{Error, ErrorKind, Result};
 use crate::id::ChunkId;
 use crate::model::ChunkRef;
 
-impl Store {
-    /// The object key a chunk reference points at (its chunk object or its pack).
-    pub fn object_of(&self, r: &ChunkRef) -> Path {
-        match (&r.pack, r.bases.first()) {
-            (Some(p), _) => self.keys.pack(p),
-            (None, Some(b)) => self.keys.delta_chunk(&r.id, b),
-            (None, None) => self.keys.chunk(&r.id),
-        }
-    }
-
-    /// Every object reading `r` needs: its own, then its delta bases' (nearest first; the
-    /// last is stored whole). One object for a chunk that is not a delta.
-    pub fn chain_objects(&self, r: &ChunkRef) -> Vec<Path> {
-        let mut out = vec![self.object_of(r)];
-        for (i, b) in r.bases.iter().enumerate() {
-            out.push(match r.bases.get(i + 1) {
-                Some(next) => self.keys.delta_chunk(b, next),
-                None => self.keys.chunk(b),
-            });
-        }
-        out
-    }
-
+impl Chunks {
     /// The plain bytes of a delta base for a write: from the writer's cache of what it wrote
     /// last (`delta_cache_bytes`), else read back (and verified) through its chain.
     pub(super) async fn delta_base_plain(&self, r: &ChunkRef) -> Result<Bytes> {
@@ -50,7 +27,7 @@ impl Store {
         let chain: Vec<ChunkId> = std::iter::once(r.id)
             .chain(r.bases.iter().copied())
             .collect();
-        let paths = self.chain_objects(r);
+        let paths = self.objects.keys.chain_objects(r);
         let top = r.location();
         let name = |i: usize| -> String {
             if i == 0 {
@@ -73,7 +50,7 @@ impl Store {
         let objs = futures::future::try_join_all(paths.iter().enumerate().map(|(i, p)| {
             let name = name(i);
             async move {
-                self.get_object(p).await.map_err(|e| {
+                self.objects.get_object(p).await.map_err(|e| {
                     if e.kind() == ErrorKind::NotFound {
                         Error::corrupt(format!("{name} is missing from the store ({p})"))
                     } else {
@@ -95,7 +72,7 @@ impl Store {
 
     /// Fetch the stored bytes of a chunk object (not decoded).
     pub async fn get_chunk_object(&self, r: &ChunkRef) -> Result<Bytes> {
-        let path = self.object_of(r);
+        let path = self.objects.keys.object_of(r);
         let b = match &r.pack {
             Some(_) => {
                 let end = r.offset.checked_add(r.stored as u64).ok_or_else(|| {
@@ -106,9 +83,9 @@ impl Store {
                         r.stored
                     ))
                 })?;
-                self.get_range(&path, r.offset..end).await?
+                self.objects.get_range(&path, r.offset..end).await?
             }
-            None => self.get_object(&path).await?,
+            None => self.objects.get_object(&path).await?,
         };
         Ok(b)
     }
@@ -142,7 +119,7 @@ impl Store {
 
     /// The payload of a chunk stored raw, its header checked but **not its hash** (the caller
     /// hashes it as it copies it out, and refuses it with [`codec::check_id_of`]); `None` for
-    /// a chunk stored any other way (read it with [`Store::get_chunk`]). A chunk whose
+    /// a chunk stored any other way (read it with [`Chunks::get_chunk`]). A chunk whose
     /// reference says raw but whose object is encoded is read and checked whole, here.
     pub async fn get_raw_unchecked(&self, r: &ChunkRef) -> Result<Option<Bytes>> {
         if r.is_delta() || r.codec != Codec::Raw {
@@ -160,7 +137,7 @@ impl Store {
         refs: Vec<ChunkRef>,
     ) -> impl Stream<Item = Result<(usize, Bytes)>> + Send + use<> {
         let store = self.clone();
-        let n = self.cfg.read_concurrency;
+        let n = self.objects.cfg.read_concurrency;
         stream::iter(refs.into_iter().enumerate())
             .map(move |(i, r)| {
                 let store = store.clone();
@@ -172,6 +149,6 @@ impl Store {
     /// Whether the store holds the chunk object of `id` (one HEAD request). Packed chunks are
     /// found through manifests, not this.
     pub async fn has_chunk_object(&self, id: &ChunkId) -> Result<bool> {
-        self.exists(&self.keys.chunk(id)).await
+        self.objects.exists(&self.objects.keys.chunk(id)).await
     }
 }

@@ -1,32 +1,35 @@
-//! [`Store`]: chunks in, chunks out, over any [`ObjectStore`].
+//! [`Store`]: the handle over a content-addressed checkpoint store, and the parts it owns.
 //!
-//! The handle holds the object store, the key layout and the settings; each concern of it
-//! lives in a file of its own:
+//! `Store` holds the settings and four parts, each a type with its own `impl` in its own
+//! module; a caller reaches a part through the handle (`store.log().commit_step(..)`):
 //!
-//! | file | owns |
-//! |---|---|
-//! | `config.rs` | [`StoreConfig`]: the settings and their checks |
-//! | `objects.rs` | plain objects: writes (multipart), reads, JSON documents, listings |
-//! | `put.rs` | the write path, [`Store::put_chunks`] in named steps; [`ChunkIn`], [`PutReport`] |
-//! | `dedup.rs` | [`DedupIndex`]: chunks the store is known to hold; [`BaseRegions`] |
-//! | `governor.rs` | whether compressing pays, from what the current write measured |
-//! | `verdicts.rs` | which regions rest from delta tries after a delta that did not pay |
-//! | `fetch.rs` | reading chunks back: object keys of a reference, fetch, decode, verify |
+//! | part | module | owns |
+//! |---|---|---|
+//! | [`Objects`] | `store/objects.rs` | the object store, key layout, settings, clock; plain objects: writes (multipart), reads, JSON documents, listings, deletes |
+//! | [`Chunks`] | `store/chunks.rs` (`put.rs`, `fetch.rs`) | chunks and packs: the write path ([`Chunks::put_chunks`]), fetch, decode and verify, the delta cache and verdicts |
+//! | [`CommitLog`] | `commit/` | rank manifests, commit records, generations and fences, listings of runs and steps, drain markers |
+//! | [`Gc`] | `gc.rs`, `lease.rs` | writer leases, sweep locks, retention and the sweep |
 //!
-//! The write path ([`Store::put_chunks`]) hashes chunks on several threads, skips chunks the
-//! [`DedupIndex`] already knows, encodes the rest (codec chosen by measuring), packs the small
-//! ones, and writes with bounded concurrency and a bounded number of bytes in flight. The read
-//! path ([`Store::get_chunk`]) fetches chunk objects (whole, or a range of a pack), decodes
-//! them and checks their hash.
+//! The read engine is [`crate::read::StepReader`]; writing a rank (chunks, then its manifest,
+//! `writer.rs`) and verifying a store (`verify.rs`) are the two operations of the handle itself,
+//! because each uses several parts.
+//!
+//! Also here: `config.rs` ([`StoreConfig`]: the settings and their checks), `dedup.rs`
+//! ([`DedupIndex`]: chunks the store is known to hold; [`BaseRegions`]), `governor.rs` (whether
+//! compressing pays, from what the current write measured), `verdicts.rs` (which regions rest
+//! from delta tries after a delta that did not pay).
 
 use std::sync::Arc;
 
 use object_store::ObjectStore;
 use object_store::path::Path;
 
-use crate::error::{Error, Result};
+use crate::commit::CommitLog;
+use crate::error::Result;
+use crate::gc::Gc;
 use crate::keys::Keys;
 
+mod chunks;
 mod config;
 mod dedup;
 mod fetch;
@@ -35,79 +38,97 @@ mod objects;
 mod put;
 mod verdicts;
 
+pub use chunks::Chunks;
 pub use config::StoreConfig;
 pub use dedup::{BaseRegions, DedupIndex};
+pub use objects::Objects;
 pub use put::{BaseChunk, ChunkIn, PutReport, PutStats};
-use verdicts::DeltaVerdicts;
 
-/// A content-addressed checkpoint store over an [`ObjectStore`].
+/// A content-addressed checkpoint store over an [`ObjectStore`]: a handle over its parts.
 #[derive(Debug, Clone)]
 pub struct Store {
-    inner: Arc<dyn ObjectStore>,
-    keys: Keys,
-    cfg: Arc<StoreConfig>,
-    url: Arc<str>,
-    failpoints: crate::failpoint::Failpoints,
-    metrics: Option<Arc<crate::wrap::StoreMetrics>>,
-    local_root: Option<Arc<std::path::Path>>,
-    clock: Arc<dyn crate::clock::Clock>,
-    delta_cache: Arc<crate::cache::ChunkCache>,
-    delta_verdicts: Arc<DeltaVerdicts>,
+    objects: Objects,
+    chunks: Chunks,
+    log: CommitLog,
+    gc: Gc,
 }
 
 impl Store {
     /// A store over `inner`, with keys below `prefix`. `url` names it in messages.
     pub fn new(inner: Arc<dyn ObjectStore>, prefix: Path, url: impl Into<String>) -> Self {
+        let objects = Objects::new(inner, Keys::new(prefix), url.into());
+        let chunks = Chunks::new(objects.clone(), crate::cache::ChunkCache::new(0));
+        let log = CommitLog::new(objects.clone());
+        let gc = Gc::new(objects.clone(), log.clone());
         Store {
-            inner,
-            keys: Keys::new(prefix),
-            cfg: Arc::new(StoreConfig::default()),
-            url: url.into().into(),
-            failpoints: Default::default(),
-            metrics: None,
-            local_root: None,
-            clock: Arc::new(crate::clock::SystemClock),
-            delta_cache: crate::cache::ChunkCache::new(0),
-            delta_verdicts: Default::default(),
+            objects,
+            chunks,
+            log,
+            gc,
         }
+    }
+
+    /// The parts again after the objects' settings changed (construction only).
+    fn with_objects(self, objects: Objects) -> Self {
+        let chunks = self.chunks.with_objects(objects.clone());
+        let log = CommitLog::new(objects.clone());
+        let gc = Gc::new(objects.clone(), log.clone());
+        Store {
+            objects,
+            chunks,
+            log,
+            gc,
+        }
+    }
+
+    /// Plain objects: reads, writes, listings, deletes.
+    pub fn objects(&self) -> &Objects {
+        &self.objects
+    }
+
+    /// Chunks and packs: write, fetch, verify.
+    pub fn chunks(&self) -> &Chunks {
+        &self.chunks
+    }
+
+    /// Rank manifests, commit records, generations, listings of runs and steps.
+    pub fn log(&self) -> &CommitLog {
+        &self.log
+    }
+
+    /// Writer leases, sweep locks, retention and the sweep.
+    pub fn gc(&self) -> &Gc {
+        &self.gc
     }
 
     /// Use `clock` for every wall-clock decision (lock lapses, record timestamps); the
     /// system's clock by default.
-    pub fn with_clock(mut self, clock: Arc<dyn crate::clock::Clock>) -> Self {
-        self.clock = clock;
-        self
+    pub fn with_clock(self, clock: Arc<dyn crate::clock::Clock>) -> Self {
+        let objects = Objects {
+            clock,
+            ..self.objects.clone()
+        };
+        self.with_objects(objects)
     }
 
     /// Now, by this store's clock.
     pub fn now(&self) -> chrono::DateTime<chrono::Utc> {
-        self.clock.now()
+        self.objects.now()
     }
 
     /// Say that the store is a local directory (a [`crate::DirectFs`] at `root`, no prefix),
     /// so that GC and verify also look for temporary files interrupted writes left there.
-    pub fn with_local_root(mut self, root: impl Into<std::path::PathBuf>) -> Self {
-        self.local_root = Some(Arc::from(root.into()));
-        self
+    pub fn with_local_root(self, root: impl Into<std::path::PathBuf>) -> Self {
+        let objects = Objects {
+            local_root: Some(Arc::from(root.into())),
+            ..self.objects.clone()
+        };
+        self.with_objects(objects)
     }
 
     /// The directory of a local store opened with [`Store::with_local_root`].
     pub fn local_root(&self) -> Option<&std::path::Path> {
-        self.local_root.as_deref()
-    }
-
-    /// Temporary files that interrupted writes left in a local store (none elsewhere: object
-    /// stores publish an object whole or not at all).
-    pub async fn temp_files(&self) -> Result<Vec<crate::direct::TempFile>> {
-        let Some(root) = self.local_root.clone() else {
-            return Ok(Vec::new());
-        };
-        tokio::task::spawn_blocking(move || {
-            crate::direct::temp_files(&root)
-                .map_err(|e| Error::io("looking for temporary files in", &root.display(), e))
-        })
-        .await
-        .map_err(|e| Error::internal(format!("listing temporary files: {e}")))?
+        self.objects.local_root.as_deref()
     }
 
     /// An in-memory store (unit tests).
@@ -120,57 +141,68 @@ impl Store {
     }
 
     /// Replace the settings.
-    pub fn with_config(mut self, cfg: StoreConfig) -> Result<Self> {
+    pub fn with_config(self, cfg: StoreConfig) -> Result<Self> {
         cfg.validate()?;
-        self.delta_cache = crate::cache::ChunkCache::new(cfg.delta_cache_bytes);
-        self.cfg = Arc::new(cfg);
-        Ok(self)
+        let cache = crate::cache::ChunkCache::new(cfg.delta_cache_bytes);
+        let objects = Objects {
+            cfg: Arc::new(cfg),
+            ..self.objects.clone()
+        };
+        let mut store = self.with_objects(objects);
+        store.chunks = store.chunks.with_delta_cache(cache);
+        Ok(store)
     }
 
     /// Arm failpoints on this store (and its clones).
-    pub fn with_failpoints(mut self, fp: crate::failpoint::Failpoints) -> Self {
-        self.failpoints = fp;
-        self
+    pub fn with_failpoints(self, fp: crate::failpoint::Failpoints) -> Self {
+        let objects = Objects {
+            failpoints: fp,
+            ..self.objects.clone()
+        };
+        self.with_objects(objects)
     }
 
     /// Attach the counters of the [`crate::wrap::MetricsStore`] this store runs over.
-    pub fn with_metrics(mut self, m: Arc<crate::wrap::StoreMetrics>) -> Self {
-        self.metrics = Some(m);
-        self
+    pub fn with_metrics(self, m: Arc<crate::wrap::StoreMetrics>) -> Self {
+        let objects = Objects {
+            metrics: Some(m),
+            ..self.objects.clone()
+        };
+        self.with_objects(objects)
     }
 
     /// Request and byte counters, if the store was opened with them ([`crate::open`] does).
     pub fn metrics(&self) -> Option<&Arc<crate::wrap::StoreMetrics>> {
-        self.metrics.as_ref()
+        self.objects.metrics.as_ref()
     }
 
     /// The failpoints of this store.
     pub fn failpoints(&self) -> &crate::failpoint::Failpoints {
-        &self.failpoints
+        &self.objects.failpoints
     }
 
     /// The settings.
     pub fn config(&self) -> &StoreConfig {
-        &self.cfg
+        &self.objects.cfg
     }
 
     /// The key layout.
     pub fn keys(&self) -> &Keys {
-        &self.keys
+        &self.objects.keys
     }
 
     /// The underlying object store.
     pub fn object_store(&self) -> &Arc<dyn ObjectStore> {
-        &self.inner
+        &self.objects.inner
     }
 
     /// The URL the store was opened from.
     pub fn url(&self) -> &str {
-        &self.url
+        &self.objects.url
     }
 
     /// Byte ranges of the chunks of a buffer of `len` bytes ([`StoreConfig::chunk_spans`]).
     pub fn chunk_spans(&self, len: u64) -> impl Iterator<Item = std::ops::Range<u64>> + use<> {
-        self.cfg.chunk_spans(len)
+        self.objects.cfg.chunk_spans(len)
     }
 }

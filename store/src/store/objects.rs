@@ -1,5 +1,7 @@
-//! Plain objects: writes (multipart above the threshold), whole and ranged reads, existence,
-//! JSON documents and listings, each error naming the object and the operation.
+//! [`Objects`]: the part of a [`Store`](super::Store) every other part stands on: the object
+//! store, the key layout, the settings, the clock, and plain objects (writes, multipart above
+//! the threshold; whole and ranged reads; existence; JSON documents; listings; deletes), each
+//! error naming the object and the operation.
 
 use bytes::Bytes;
 use futures::stream::{self, StreamExt, TryStreamExt};
@@ -9,11 +11,101 @@ use object_store::{
 };
 use serde::{Deserialize, Serialize};
 
-use super::Store;
-use crate::error::{Error, Result};
-use crate::id::Hash;
+use std::sync::Arc;
 
-impl Store {
+use super::StoreConfig;
+use crate::clock::Clock;
+use crate::error::{Error, Result};
+use crate::failpoint::Failpoints;
+use crate::id::Hash;
+use crate::keys::Keys;
+use crate::wrap::StoreMetrics;
+
+/// The object store under a [`Store`](super::Store) with its key layout and settings, and the
+/// plain-object operations the other parts build on. Cheap to clone (shared pointers).
+#[derive(Debug, Clone)]
+pub struct Objects {
+    pub(crate) inner: Arc<dyn ObjectStore>,
+    pub(crate) keys: Keys,
+    pub(crate) cfg: Arc<StoreConfig>,
+    pub(crate) url: Arc<str>,
+    pub(crate) failpoints: Failpoints,
+    pub(crate) metrics: Option<Arc<StoreMetrics>>,
+    pub(crate) local_root: Option<Arc<std::path::Path>>,
+    pub(crate) clock: Arc<dyn Clock>,
+}
+
+impl Objects {
+    pub(super) fn new(inner: Arc<dyn ObjectStore>, keys: Keys, url: String) -> Self {
+        Objects {
+            inner,
+            keys,
+            cfg: Arc::new(StoreConfig::default()),
+            url: url.into(),
+            failpoints: Default::default(),
+            metrics: None,
+            local_root: None,
+            clock: Arc::new(crate::clock::SystemClock),
+        }
+    }
+
+    /// The key layout.
+    pub fn keys(&self) -> &Keys {
+        &self.keys
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &StoreConfig {
+        &self.cfg
+    }
+
+    /// The URL the store was opened from.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The failpoints of the store.
+    pub fn failpoints(&self) -> &Failpoints {
+        &self.failpoints
+    }
+
+    /// The underlying object store.
+    pub fn object_store(&self) -> &Arc<dyn ObjectStore> {
+        &self.inner
+    }
+
+    /// Now, by the store's clock.
+    pub fn now(&self) -> chrono::DateTime<chrono::Utc> {
+        self.clock.now()
+    }
+
+    /// Temporary files that interrupted writes left in a local store (none elsewhere: object
+    /// stores publish an object whole or not at all).
+    pub async fn temp_files(&self) -> Result<Vec<crate::direct::TempFile>> {
+        let Some(root) = self.local_root.clone() else {
+            return Ok(Vec::new());
+        };
+        tokio::task::spawn_blocking(move || {
+            crate::direct::temp_files(&root)
+                .map_err(|e| Error::io("looking for temporary files in", &root.display(), e))
+        })
+        .await
+        .map_err(|e| Error::internal(format!("listing temporary files: {e}")))?
+    }
+
+    /// Delete objects (missing ones are fine).
+    pub async fn delete_all(&self, paths: Vec<Path>) -> Result<()> {
+        let input = stream::iter(paths.into_iter().map(Ok)).boxed();
+        let mut s = self.inner.delete_stream(input);
+        while let Some(r) = s.next().await {
+            match r {
+                Ok(_) | Err(object_store::Error::NotFound { .. }) => {}
+                Err(e) => return Err(Error::backend("deleting", &"objects", e)),
+            }
+        }
+        Ok(())
+    }
+
     /// Write an object from pieces; multipart when it is larger than the threshold.
     pub async fn put_object(&self, path: &Path, parts: Vec<Bytes>, mode: PutMode) -> Result<()> {
         let len: usize = parts.iter().map(Bytes::len).sum();

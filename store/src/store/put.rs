@@ -1,4 +1,4 @@
-//! The write path, [`Store::put_chunks`]: hash chunks on several threads, skip chunks the
+//! The write path, [`Chunks::put_chunks`]: hash chunks on several threads, skip chunks the
 //! [`DedupIndex`] knows (and repeats within the stream), encode the rest (the codec chosen by
 //! the [`Governor`], a delta on a base where it pays), pack the small ones, and write with
 //! bounded concurrency and a bounded number of bytes in flight. One call is a [`PutRun`]: each
@@ -19,7 +19,7 @@ use tracing::{debug, instrument};
 
 use super::governor::Governor;
 use super::verdicts::DeltaVerdicts;
-use super::{DedupIndex, Store, StoreConfig};
+use super::{Chunks, DedupIndex, StoreConfig};
 use crate::codec::{self, CodecPolicy, Encoded, MAX_CHUNK_LEN};
 use crate::error::{Error, Result};
 use crate::id::ChunkId;
@@ -59,7 +59,7 @@ pub struct BaseChunk {
     pub chunk: ChunkRef,
 }
 
-/// What [`Store::put_chunks`] did.
+/// What [`Chunks::put_chunks`] did.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct PutStats {
     /// Chunks given.
@@ -88,7 +88,7 @@ pub struct PutStats {
     pub seconds: f64,
 }
 
-/// The result of [`Store::put_chunks`]: a reference for every chunk given, in order.
+/// The result of [`Chunks::put_chunks`]: a reference for every chunk given, in order.
 #[derive(Debug, Clone)]
 pub struct PutReport {
     /// One per input chunk, in input order.
@@ -97,13 +97,13 @@ pub struct PutReport {
     pub stats: PutStats,
 }
 
-impl Store {
+impl Chunks {
     /// Write a stream of chunks; returns a reference for each, in order (see the module docs).
     ///
     /// Chunks the index knows, and chunks repeated within the stream, are not written again.
     /// Memory stays within `inflight_bytes` plus one pack, whatever the stream's length; the
     /// stream is pulled only as fast as the store takes the bytes.
-    #[instrument(skip_all, fields(store = %self.url))]
+    #[instrument(skip_all, fields(store = %self.objects.url))]
     pub async fn put_chunks<S>(&self, input: S, index: &DedupIndex) -> Result<PutReport>
     where
         S: Stream<Item = ChunkIn> + Send,
@@ -111,7 +111,7 @@ impl Store {
         self.try_put_chunks(input.map(Ok), index).await
     }
 
-    /// [`Store::put_chunks`] over a stream that may fail (a snapshot that breaks off); the
+    /// [`Chunks::put_chunks`] over a stream that may fail (a snapshot that breaks off); the
     /// first error ends the write.
     pub async fn try_put_chunks<S>(&self, input: S, index: &DedupIndex) -> Result<PutReport>
     where
@@ -157,9 +157,9 @@ impl OpenPack {
     }
 }
 
-/// One call of [`Store::try_put_chunks`]: the state its steps share.
+/// One call of [`Chunks::try_put_chunks`]: the state its steps share.
 struct PutRun<'a> {
-    store: &'a Store,
+    store: &'a Chunks,
     index: &'a DedupIndex,
     cfg: Arc<StoreConfig>,
     t0: Instant,
@@ -179,9 +179,9 @@ struct PutRun<'a> {
 }
 
 impl<'a> PutRun<'a> {
-    fn new(store: &'a Store, index: &'a DedupIndex) -> Self {
+    fn new(store: &'a Chunks, index: &'a DedupIndex) -> Self {
         let t0 = Instant::now();
-        let cfg = store.cfg.clone();
+        let cfg = store.objects.cfg.clone();
         PutRun {
             store,
             index,
@@ -327,9 +327,12 @@ impl<'a> PutRun<'a> {
         let writers = self.writers.clone();
         let cancel = self.cancel.clone();
         self.tasks.spawn(async move {
-            let path = store.keys.pack(&id);
+            let path = store.objects.keys.pack(&id);
             let _w = acquire_writer(&writers, &cancel).await?;
-            store.put_object(&path, parts, PutMode::Overwrite).await?;
+            store
+                .objects
+                .put_object(&path, parts, PutMode::Overwrite)
+                .await?;
             drop(permits);
             Ok(slots
                 .into_iter()
@@ -477,7 +480,7 @@ async fn acquire_writer<'s>(
 /// The write of one chunk too large for a pack, on its own task: read its delta base (if it
 /// has a candidate), encode, keep the plain bytes as the next save's base, write.
 struct ChunkWrite {
-    store: Store,
+    store: Chunks,
     writers: Arc<Semaphore>,
     governor: Arc<Governor>,
     cancel: Arc<AtomicBool>,
@@ -541,14 +544,15 @@ impl ChunkWrite {
                     .chain(b.chunk.bases.iter().copied())
                     .collect();
                 r.base_step = Some(b.step);
-                store.keys.delta_chunk(&id, &b.chunk.id)
+                store.objects.keys.delta_chunk(&id, &b.chunk.id)
             }
-            None => store.keys.chunk(&id),
+            None => store.objects.keys.chunk(&id),
         };
         let _w = acquire_writer(&writers, &cancel).await?;
         let stored = enc.len();
         governor.write_started();
         store
+            .objects
             .put_object(&path, enc.parts, PutMode::Overwrite)
             .await?;
         governor.record_write(stored);

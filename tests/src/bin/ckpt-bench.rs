@@ -430,7 +430,7 @@ fn save4(
             out.push(h.await.unwrap());
         }
         if commit {
-            store.commit_step(run, step).await.unwrap();
+            store.log().commit_step(run, step).await.unwrap();
         }
         out
     });
@@ -980,7 +980,7 @@ fn recovery_bench(dir: &Path, params: &str, how: &str) {
     // After the second committed checkpoint, hit rank 1.
     let victim = loop {
         let committed = runtime()
-            .block_on(st.committed_steps(&run))
+            .block_on(st.log().committed_steps(&run))
             .unwrap_or_default();
         let live = ckpt_tests::find_processes(&[("CKPT_RUN", run.as_str()), ("CKPT_RANK", "1")]);
         if committed.len() >= 2 && !live.is_empty() {
@@ -1340,7 +1340,9 @@ fn faults_bench(dir: &Path, mib: usize) {
         .filter(|(h, at)| *at >= end && h.stage() == ckpt_trainer::Stage::Committed)
         .map(|(_, at)| (*at - end).as_secs_f64())
         .fold(f64::INFINITY, f64::min);
-    let committed = runtime().block_on(store.committed_steps("outage")).unwrap();
+    let committed = runtime()
+        .block_on(store.log().committed_steps("outage"))
+        .unwrap();
     let h = m.store_health();
     let mt = store.metrics().unwrap().snapshot();
     emit(json!({

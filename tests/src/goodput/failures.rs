@@ -86,11 +86,12 @@ pub(super) async fn step_objects(
     step: u64,
 ) -> ckpt_store::Result<BTreeMap<String, ObjectPath>> {
     Ok(st
+        .log()
         .step_chunk_refs(RUN, step)
         .await?
         .iter()
         .map(|c| {
-            let p = st.object_of(c);
+            let p = st.keys().object_of(c);
             (p.to_string(), p)
         })
         .collect())
@@ -102,7 +103,11 @@ pub(super) async fn step_objects(
 /// the older ones to recover from; one that destroyed every committed step would leave the
 /// job nothing to resume (recovery then stops, by design, rather than start over silently).
 pub(super) async fn damage_newest(st: &Store) -> Result<Option<(u64, String)>, String> {
-    let steps = st.committed_steps(RUN).await.map_err(|e| e.to_string())?;
+    let steps = st
+        .log()
+        .committed_steps(RUN)
+        .await
+        .map_err(|e| e.to_string())?;
     let [.., older_step, newest] = steps[..] else {
         return Ok(None);
     };
@@ -117,7 +122,8 @@ pub(super) async fn damage_newest(st: &Store) -> Result<Option<(u64, String)>, S
     else {
         return Ok(None);
     };
-    st.delete_all(vec![path])
+    st.objects()
+        .delete_all(vec![path])
         .await
         .map_err(|e| format!("deleting {key}: {e}"))?;
     Ok(Some((newest, key)))

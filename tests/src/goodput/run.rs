@@ -182,7 +182,7 @@ impl Watch {
     ) {
         if self.last_poll.elapsed() >= Duration::from_millis(500) {
             self.last_poll = Instant::now();
-            if let Ok(s) = rt.block_on(st.committed_steps(RUN)) {
+            if let Ok(s) = rt.block_on(st.log().committed_steps(RUN)) {
                 self.seen.extend(s);
             }
         }
@@ -395,7 +395,7 @@ fn committed_lost(
 ) -> Result<Vec<u64>, String> {
     let damaged: BTreeSet<u64> = injections.iter().filter_map(|i| i.damaged_step).collect();
     let now: BTreeSet<u64> = rt
-        .block_on(st.committed_steps(RUN))
+        .block_on(st.log().committed_steps(RUN))
         .map_err(|e| format!("listing the committed steps: {e}"))?
         .into_iter()
         .collect();

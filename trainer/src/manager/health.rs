@@ -188,7 +188,8 @@ impl Health {
         }
         let store = store.clone();
         let key = store.keys().commit(run, 0);
-        down.probe = Some(runtime().spawn(async move { store.exists(&key).await.is_ok() }));
+        down.probe =
+            Some(runtime().spawn(async move { store.objects().exists(&key).await.is_ok() }));
         Some(why)
     }
 

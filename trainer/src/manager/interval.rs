@@ -214,7 +214,7 @@ impl Interval {
         let generation = cfg.generation;
         let anchor = *self.st.anchor.get_or_insert(last_saved.unwrap_or(0));
         let r = runtime().block_on(async {
-            let start_ms = match store.generation_started_ms(run, generation).await? {
+            let start_ms = match store.log().generation_started_ms(run, generation).await? {
                 Some(t) => t,
                 None => store.now().timestamp_millis(),
             };
@@ -222,6 +222,7 @@ impl Interval {
             let mut proposal = generation_choice(&events, generation, start_ms, auto);
             proposal.step = anchor;
             store
+                .log()
                 .agree_generation_interval(run, generation, &proposal)
                 .await
         });

@@ -558,7 +558,7 @@ impl CheckpointManager {
         }
         let steps = match self.local_tier() {
             Some(local) => tier::committed_in_either(local, &self.main, &run)?,
-            None => runtime().block_on(self.main.committed_steps(&run))?,
+            None => runtime().block_on(self.main.log().committed_steps(&run))?,
         };
         let target = rollback::rollback_target(steps.iter().map(|&s| (s, true)), spike.step);
         let logs = self.spikes.decided(spike);

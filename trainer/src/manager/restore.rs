@@ -58,7 +58,7 @@ impl Tiers<'_> {
     fn in_local(&self, run: &str, step: u64) -> Result<Option<bool>> {
         match self.local {
             Some(l) => runtime()
-                .block_on(l.exists(&l.keys().commit(run, step)))
+                .block_on(l.objects().exists(&l.keys().commit(run, step)))
                 .map(Some),
             None => Ok(None),
         }
@@ -138,7 +138,8 @@ impl Restorer {
         let store = tiers.main;
         match self.resume_step {
             Some(step) => {
-                let remote = runtime().block_on(store.exists(&store.keys().commit(run, step)))?;
+                let remote =
+                    runtime().block_on(store.objects().exists(&store.keys().commit(run, step)))?;
                 if !remote && tiers.in_local(run, step)? != Some(true) {
                     return Err(Error::not_found(format!(
                         "the resume step {step} of run {run} is not committed (CKPT_RESUME_STEP or ManagerConfig::resume_step)"
@@ -147,9 +148,9 @@ impl Restorer {
                 Ok(Some(step))
             }
             None => {
-                let remote = runtime().block_on(store.latest_committed(run))?;
+                let remote = runtime().block_on(store.log().latest_committed(run))?;
                 let local = match tiers.local {
-                    Some(l) => runtime().block_on(l.latest_committed(run))?,
+                    Some(l) => runtime().block_on(l.log().latest_committed(run))?,
                     None => None,
                 };
                 Ok(remote.max(local))

@@ -55,7 +55,7 @@ impl Retention {
         let opts = self.options(&ckpt.config().run, last.step(), ckpt.dedup_base());
         let store = ckpt.store().clone();
         self.task = Some(runtime().spawn(async move {
-            match store.gc(&opts, store.now()).await {
+            match store.gc().run(&opts, store.now()).await {
                 Ok(r) if !r.steps_deleted.is_empty() => info!(
                     deleted = ?r.steps_deleted,
                     freed = r.bytes_freed,

@@ -201,7 +201,7 @@ pub(crate) fn settle(h: &SaveHandle, store: &Store, run: &str, commit_timeout: D
                 Ok(_) => continue,
                 Err(e) => e.to_string(),
             },
-            Stage::Persisted => match runtime().block_on(store.exists(&key)) {
+            Stage::Persisted => match runtime().block_on(store.objects().exists(&key)) {
                 Ok(true) => return,
                 Ok(false) if t0.elapsed() < commit_timeout => {
                     std::thread::sleep(pause);

@@ -184,7 +184,7 @@ impl Drainer {
             runs: vec![s.run.clone()],
             ..GcOptions::default()
         };
-        match runtime().block_on(s.local.gc(&opts, s.local.now())) {
+        match runtime().block_on(s.local.gc().run(&opts, s.local.now())) {
             Ok(r) => warn!(
                 tier = %s.local.url(),
                 deleted = ?r.steps_deleted,
@@ -284,8 +284,8 @@ impl Shared {
     /// (what a killed job left local only).
     fn recover(&self) {
         let found = runtime().block_on(async {
-            let local = self.local.committed_steps(&self.run).await?;
-            let remote_newest = self.remote.latest_committed(&self.run).await?;
+            let local = self.local.log().committed_steps(&self.run).await?;
+            let remote_newest = self.remote.log().latest_committed(&self.run).await?;
             Ok::<_, ckpt_store::Error>((local, remote_newest))
         });
         match found {
@@ -378,7 +378,7 @@ impl Shared {
             &opts,
         ))?;
         let lag_steps = runtime()
-            .block_on(self.local.committed_steps(&self.run))
+            .block_on(self.local.log().committed_steps(&self.run))
             .map(|s| s.iter().filter(|&&x| x > step).count() as u64)
             .unwrap_or(0);
         // Retention before the step counts as drained: `finish` waits for both.
@@ -431,7 +431,7 @@ impl Shared {
             if opts.keep_last.is_none() && opts.keep_every.is_none() {
                 continue;
             }
-            match runtime().block_on(store.gc(&opts, store.now())) {
+            match runtime().block_on(store.gc().run(&opts, store.now())) {
                 Ok(r) if !r.steps_deleted.is_empty() => info!(
                     tier = which,
                     deleted = ?r.steps_deleted,
@@ -481,7 +481,7 @@ impl TieredSource {
 impl ChunkSource for TieredSource {
     async fn fetch(&self, r: &ChunkRef) -> Option<Bytes> {
         if let Some(l) = &self.local {
-            match l.get_chunk(r).await {
+            match l.chunks().get_chunk(r).await {
                 Ok(b) => {
                     self.local_bytes
                         .fetch_add(u64::from(r.stored), Ordering::Relaxed);
@@ -514,8 +514,13 @@ pub(crate) fn committed_in_either(
     run: &str,
 ) -> ckpt_store::Result<Vec<u64>> {
     runtime().block_on(async {
-        let mut all: BTreeSet<u64> = local.committed_steps(run).await?.into_iter().collect();
-        all.extend(remote.committed_steps(run).await?);
+        let mut all: BTreeSet<u64> = local
+            .log()
+            .committed_steps(run)
+            .await?
+            .into_iter()
+            .collect();
+        all.extend(remote.log().committed_steps(run).await?);
         Ok(all.into_iter().collect())
     })
 }

@@ -105,7 +105,7 @@ impl Checkpointer {
         if self.joined.load(Ordering::SeqCst) {
             return Ok(());
         }
-        let r = runtime().block_on(self.store.join_generation_as(
+        let r = runtime().block_on(self.store.log().join_generation_as(
             &self.cfg.run,
             self.cfg.generation,
             self.cfg.rank,
@@ -295,7 +295,9 @@ impl Checkpointer {
         // may have dropped it since (one head request per save).
         let is_committed = |step: u64| {
             let key = self.store.keys().commit(&self.cfg.run, step);
-            runtime().block_on(self.store.exists(&key)).unwrap_or(false)
+            runtime()
+                .block_on(self.store.objects().exists(&key))
+                .unwrap_or(false)
         };
         let mut book = self.versions.lock();
         match (pending, committed) {

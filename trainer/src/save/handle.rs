@@ -322,7 +322,7 @@ impl SaveHandle {
                 }
                 _ => {}
             }
-            if runtime().block_on(self.store.exists(&key))? {
+            if runtime().block_on(self.store.objects().exists(&key))? {
                 self.shared.set(Stage::Committed, |_| {});
                 return Ok(self.report());
             }

@@ -94,7 +94,7 @@ impl PersistJob {
         )
         .await
         {
-            let _ = store.release_lease(lease).await;
+            let _ = store.gc().release_lease(lease).await;
             // Start afresh: the next save copies every shard.
             self.versions.lock().clear();
             return Err(e);
@@ -127,7 +127,7 @@ impl PersistJob {
             .await;
         // Written (the manifest now protects what it references) or failed: no lease
         // needed any more.
-        if let Err(e) = store.release_lease(lease).await {
+        if let Err(e) = store.gc().release_lease(lease).await {
             debug!(step, "dedup lease not released (GC lets it lapse): {e}");
         }
         let (manifest, _entry, stats) = res?;
@@ -189,7 +189,12 @@ async fn check_reuse(
     let (Some(name), Some(from)) = (missing, from) else {
         return Ok(());
     };
-    if lease.base() != Some(from) && store.exists(&store.keys().commit(run, from)).await? {
+    if lease.base() != Some(from)
+        && store
+            .objects()
+            .exists(&store.keys().commit(run, from))
+            .await?
+    {
         return Ok(());
     }
     Err(Error::new(
@@ -305,6 +310,7 @@ fn replica_checks(store: &Store, metas: &[ShardMeta]) -> std::collections::BTree
 async fn commit(store: &Store, cfg: &CheckpointerConfig, step: u64, shared: &Shared) -> Result<()> {
     let t1 = Instant::now();
     let o = store
+        .log()
         .wait_and_commit_as(
             &cfg.run,
             step,
@@ -347,7 +353,10 @@ async fn prepare_index(
     dedup: &Mutex<DedupBase>,
 ) -> Result<(DedupIndex, WriterLease)> {
     let candidates = dedup.lock().candidates();
-    let lease = store.lease_dedup_base(run, writer, &candidates).await?;
+    let lease = store
+        .gc()
+        .lease_dedup_base(run, writer, &candidates)
+        .await?;
     let index = dedup.lock().pinned(lease.base());
     Ok((index, lease))
 }

@@ -138,7 +138,12 @@ pub async fn plot(store: &Store, args: &PlotArgs, ui: &Ui) -> Result<PlotReport>
     pb.finish_and_clear();
     let s = series(&metrics, &events);
     if s.loss.is_empty() && s.grad_norm.is_empty() {
-        let has_run = store.list_runs().await?.iter().any(|r| r == &args.run);
+        let has_run = store
+            .log()
+            .list_runs()
+            .await?
+            .iter()
+            .any(|r| r == &args.run);
         let why = if !has_run {
             return Err(crate::cli::shared::no_such_run(store, &args.run).await);
         } else if metrics.is_empty() {

@@ -27,7 +27,7 @@ pub fn open_store(url: Option<&str>, open: &OpenOptions) -> Result<Store> {
 /// The committed step `ckpt` names, or an error that lists what exists.
 pub async fn resolve(store: &Store, ckpt: &CkptRef) -> Result<u64> {
     match ckpt.step {
-        StepSel::Latest => store.require_latest(&ckpt.run).await.map_err(|e| {
+        StepSel::Latest => store.log().require_latest(&ckpt.run).await.map_err(|e| {
             if e.kind() == ErrorKind::NotFound {
                 CliError::from(e).hint(format!(
                     "`ckpt ls` lists the runs of {}, `ckpt ls {}` the steps of this one",
@@ -39,7 +39,11 @@ pub async fn resolve(store: &Store, ckpt: &CkptRef) -> Result<u64> {
             }
         }),
         StepSel::Step(s) => {
-            if store.exists(&store.keys().commit(&ckpt.run, s)).await? {
+            if store
+                .objects()
+                .exists(&store.keys().commit(&ckpt.run, s))
+                .await?
+            {
                 return Ok(s);
             }
             Err(not_committed(store, &ckpt.run, s).await)
@@ -50,7 +54,7 @@ pub async fn resolve(store: &Store, ckpt: &CkptRef) -> Result<u64> {
 /// The error for a run with no step in the store: one it does not hold at all (naming the
 /// runs it does hold), or one that has logs and no step yet (saying why, when its logs do).
 pub async fn no_such_run(store: &Store, run: &str) -> CliError {
-    let runs = store.list_runs().await.unwrap_or_default();
+    let runs = store.log().list_runs().await.unwrap_or_default();
     if runs.iter().any(|r| r == run) {
         return no_step_yet(store, run).await;
     }
@@ -101,7 +105,7 @@ async fn no_step_yet(store: &Store, run: &str) -> CliError {
 
 /// The error for a step that is not committed, naming what the run does have.
 async fn not_committed(store: &Store, run: &str, step: u64) -> CliError {
-    let steps = match store.list_steps(run).await {
+    let steps = match store.log().list_steps(run).await {
         Ok(s) => s,
         Err(e) => return e.into(),
     };
@@ -144,12 +148,16 @@ pub async fn all_manifests(reader: &StepReader) -> Result<Vec<Arc<RankManifest>>
 /// The rank manifests of committed `step` of `run` that read (none when its commit record
 /// does not): for figures that are best effort (a progress bar's length, a dedup index).
 pub async fn readable_manifests(store: &Store, run: &str, step: u64) -> Vec<RankManifest> {
-    let Ok((c, _)) = store.read_commit(run, step).await else {
+    let Ok((c, _)) = store.log().read_commit(run, step).await else {
         return Vec::new();
     };
     let mut out = Vec::new();
     for e in &c.ranks {
-        if let Ok(m) = store.read_rank_manifest(run, step, e.rank, Some(e)).await {
+        if let Ok(m) = store
+            .log()
+            .read_rank_manifest(run, step, e.rank, Some(e))
+            .await
+        {
             out.push(m);
         }
     }

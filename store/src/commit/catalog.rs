@@ -1,4 +1,4 @@
-//! Listing runs and steps.
+//! Listing runs and steps: the [`CommitLog`] read as a catalog.
 
 use std::collections::BTreeMap;
 
@@ -6,11 +6,10 @@ use chrono::{DateTime, Utc};
 use futures::{StreamExt, TryStreamExt, stream};
 use serde::Serialize;
 
+use super::CommitLog;
 use crate::error::{Error, ErrorKind, Result};
 use crate::keys::{StepObject, validate_run};
 use crate::model::{ChunkRef, CommitRecord};
-use crate::read::StepReader;
-use crate::store::Store;
 
 /// One step of a run as the store lists it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -27,15 +26,15 @@ pub struct StepListing {
     pub meta_bytes: u64,
 }
 
-impl Store {
+impl CommitLog {
     /// The runs in the store, sorted.
     pub async fn list_runs(&self) -> Result<Vec<String>> {
-        let dir = self.keys().runs_dir();
-        let res = self.list_level(&dir).await?;
+        let dir = self.objects.keys().runs_dir();
+        let res = self.objects.list_level(&dir).await?;
         let mut runs: Vec<String> = res
             .common_prefixes
             .iter()
-            .filter_map(|p| self.keys().parse_run_dir(p))
+            .filter_map(|p| self.objects.keys().parse_run_dir(p))
             .collect();
         runs.sort();
         Ok(runs)
@@ -44,16 +43,16 @@ impl Store {
     /// Every step of `run` with any object, committed or not, sorted by step.
     pub async fn list_steps(&self, run: &str) -> Result<Vec<StepListing>> {
         validate_run(run)?;
-        let dir = self.keys().steps_dir(run);
+        let dir = self.objects.keys().steps_dir(run);
         self.list_step_objects(&dir).await
     }
 
     /// The steps with objects below `dir` (a run's steps, or one step), listed object by object.
     async fn list_step_objects(&self, dir: &object_store::path::Path) -> Result<Vec<StepListing>> {
-        let metas = self.list_all(dir).await?;
+        let metas = self.objects.list_all(dir).await?;
         let mut steps: BTreeMap<u64, StepListing> = BTreeMap::new();
         for m in metas {
-            let Some((_, step, what)) = self.keys().parse_step_object(&m.location) else {
+            let Some((_, step, what)) = self.objects.keys().parse_step_object(&m.location) else {
                 continue;
             };
             let e = steps.entry(step).or_insert_with(|| StepListing {
@@ -81,7 +80,7 @@ impl Store {
     /// The steps of `run` as `ckpt ls RUN` shows them, each committed one with its record: one
     /// listing page per thousand steps and one get per step, whatever the world size. Only a
     /// step whose record is missing or unreadable is listed object by object (its ranks, and
-    /// whether `COMMIT` exists; the record's error comes back with it). [`Store::list_steps`]
+    /// whether `COMMIT` exists; the record's error comes back with it). [`CommitLog::list_steps`]
     /// lists every object of every step instead: thousands of pages for a long run of thousands
     /// of ranks. For a committed step, `last_modified` is the record's `committed_ms`.
     pub async fn list_steps_with_records(
@@ -104,7 +103,7 @@ impl Store {
                         Some(Ok(c)),
                     ))),
                     Err(e) => {
-                        let dir = self.keys().step_dir(run, step);
+                        let dir = self.objects.keys().step_dir(run, step);
                         let listed = self.list_step_objects(&dir).await?;
                         Ok::<_, Error>(listed.into_iter().next().map(|l| {
                             let record = l.committed.then_some(Err(e));
@@ -123,12 +122,12 @@ impl Store {
     /// thousand steps, whatever the number of ranks.
     async fn step_numbers(&self, run: &str) -> Result<Vec<u64>> {
         validate_run(run)?;
-        let dir = self.keys().steps_dir(run);
-        let res = self.list_level(&dir).await?;
+        let dir = self.objects.keys().steps_dir(run);
+        let res = self.objects.list_level(&dir).await?;
         let mut steps: Vec<u64> = res
             .common_prefixes
             .iter()
-            .filter_map(|p| self.keys().parse_step_dir(p))
+            .filter_map(|p| self.objects.keys().parse_step_dir(p))
             .collect();
         steps.sort_unstable();
         Ok(steps)
@@ -150,7 +149,11 @@ impl Store {
     /// however many ranks a step has.
     pub async fn latest_committed(&self, run: &str) -> Result<Option<u64>> {
         for s in self.step_numbers(run).await?.into_iter().rev() {
-            if self.exists(&self.keys().commit(run, s)).await? {
+            if self
+                .objects
+                .exists(&self.objects.keys().commit(run, s))
+                .await?
+            {
                 return Ok(Some(s));
             }
         }
@@ -166,7 +169,7 @@ impl Store {
                 let hint = if runs.iter().any(|r| r == run) {
                     "it has no committed step yet".to_string()
                 } else if runs.is_empty() {
-                    format!("the store {} holds no runs", self.url())
+                    format!("the store {} holds no runs", self.objects.url())
                 } else {
                     format!("known runs: {}", runs.join(", "))
                 };
@@ -181,12 +184,13 @@ impl Store {
     /// Every chunk reference of committed `step` of `run`: each rank's in the commit record's
     /// order ([`RankManifest::chunk_refs`](crate::RankManifest::chunk_refs); a chunk that
     /// several ranks or shards share is listed each time). The objects they name are what the
-    /// step needs ([`Store::object_of`], [`Store::chain_objects`]).
+    /// step needs ([`Keys::object_of`](crate::Keys::object_of), [`Keys::chain_objects`](crate::Keys::chain_objects)).
     pub async fn step_chunk_refs(&self, run: &str, step: u64) -> Result<Vec<ChunkRef>> {
-        let reader = StepReader::open(self, run, step).await?;
+        let (commit, _) = self.read_commit(run, step).await?;
         let mut out = Vec::new();
-        for e in &reader.commit().ranks {
-            out.extend(reader.manifest(e.rank).await?.chunk_refs().cloned());
+        for e in &commit.ranks {
+            let m = self.read_rank_manifest(run, step, e.rank, Some(e)).await?;
+            out.extend(m.chunk_refs().cloned());
         }
         Ok(out)
     }
