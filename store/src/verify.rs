@@ -206,30 +206,23 @@ impl Store {
                     continue;
                 }
             };
-            for t in &m.tensors {
-                for c in &t.chunks {
-                    refs.add(
-                        self,
-                        c,
-                        Affected {
-                            run: run.to_string(),
-                            step,
-                            item: format!("tensor {}", t.name),
-                        },
-                    );
-                }
-            }
-            for b in &m.blobs {
-                for c in &b.chunks {
-                    refs.add(
-                        self,
-                        c,
-                        Affected {
-                            run: run.to_string(),
-                            step,
-                            item: format!("blob {} of rank {}", b.name, m.rank),
-                        },
-                    );
+            let items = (m
+                .tensors
+                .iter()
+                .map(|t| (format!("tensor {}", t.name), &t.chunks)))
+            .chain(
+                m.blobs
+                    .iter()
+                    .map(|b| (format!("blob {} of rank {}", b.name, m.rank), &b.chunks)),
+            );
+            for (item, chunks) in items {
+                for c in chunks {
+                    let affected = Affected {
+                        run: run.to_string(),
+                        step,
+                        item: item.clone(),
+                    };
+                    refs.add(self, c, affected);
                 }
             }
             manifests.push(m);

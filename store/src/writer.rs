@@ -64,6 +64,21 @@ impl ShardDesc {
         self.bbox.numel() * self.dtype.size() as u64
     }
 
+    /// The box's bytes, or an error naming the tensor when `given` bytes are not that.
+    pub fn check_len(&self, given: usize) -> Result<u64> {
+        let want = self.byte_len();
+        if given as u64 != want {
+            return Err(Error::invalid(format!(
+                "tensor {:?} box {}: {given} bytes given, {want} expected ({} x {})",
+                self.name,
+                self.bbox,
+                self.bbox.numel(),
+                self.dtype
+            )));
+        }
+        Ok(want)
+    }
+
     /// The shard's entry in a rank manifest, with its chunks.
     pub fn into_tensor(self, chunks: Vec<ChunkRef>) -> TensorShard {
         TensorShard {
@@ -155,17 +170,7 @@ impl Store {
             let mut check = Vec::new();
             match (&s.data, s.shard.replica_of) {
                 (Some(d), replica_of) => {
-                    let want = s.shard.bbox.numel() * s.shard.dtype.size() as u64;
-                    if d.len() as u64 != want {
-                        return Err(Error::invalid(format!(
-                            "tensor {:?} box {}: {} bytes given, {want} expected ({} x {})",
-                            s.shard.name,
-                            s.shard.bbox,
-                            d.len(),
-                            s.shard.bbox.numel(),
-                            s.shard.dtype
-                        )));
-                    }
+                    let want = s.shard.check_len(d.len())?;
                     for (k, r) in self.chunk_spans(want).enumerate() {
                         chunks.push(Ok(d.slice(r.start as usize..r.end as usize)));
                         // A replica given its bytes is checked in full (the sentinel).
@@ -548,17 +553,7 @@ impl Store {
             let start = chunks.len();
             match (&s.data, s.shard.replica_of) {
                 (Some(d), None) => {
-                    let want = s.shard.bbox.numel() * s.shard.dtype.size() as u64;
-                    if d.len() as u64 != want {
-                        return Err(Error::invalid(format!(
-                            "tensor {:?} box {}: {} bytes given, {want} expected ({} x {})",
-                            s.shard.name,
-                            s.shard.bbox,
-                            d.len(),
-                            s.shard.bbox.numel(),
-                            s.shard.dtype
-                        )));
-                    }
+                    let want = s.shard.check_len(d.len())?;
                     logical += want;
                     let elem = if s.shard.dtype.is_float() {
                         s.shard.dtype.size() as u8

@@ -8,9 +8,9 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use ckpt_recovery::JobOptions;
 use ckpt_recovery::agent::{AgentOptions, AgentReport};
 use ckpt_recovery::records::{Event as LogEvent, parse_records};
-use ckpt_recovery::{JobOptions, Topology};
 use ckpt_store::ErrorKind;
 use serde::Serialize;
 
@@ -154,12 +154,12 @@ pub async fn agent(
     args: &AgentArgs,
     _ui: &Ui,
 ) -> Result<AgentOutput> {
-    let topology = Topology {
-        nodes: args.nodes,
-        ranks_per_node: args.ranks_per_node.max(1),
-        spares: args.spares,
-    };
-    let cfg = args.restarts.config(topology, args.layout.as_deref())?;
+    let cfg = args.restarts.config(
+        args.nodes,
+        args.ranks_per_node,
+        args.spares,
+        args.layout.as_deref(),
+    )?;
     if args.local_tier.is_some() && args.nodes + args.spares > 1 {
         return Err(CliError::usage(format!(
             "--local-tier needs every rank of the job on one machine, but the job has {} nodes: \

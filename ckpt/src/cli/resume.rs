@@ -8,7 +8,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use ckpt_recovery::{JobOptions, SupervisorOptions, Topology};
+use ckpt_recovery::{JobOptions, SupervisorOptions};
 
 use super::shared::parse::duration;
 use super::shared::supervision::{RestartArgs, ResumeOutput};
@@ -78,12 +78,12 @@ pub async fn resume(
     args: &ResumeArgs,
     _ui: &Ui,
 ) -> Result<ResumeOutput> {
-    let topology = Topology {
-        nodes: args.nodes,
-        ranks_per_node: args.ranks_per_node.max(1),
-        spares: args.spares,
-    };
-    let cfg = args.restarts.config(topology, args.layout.as_deref())?;
+    let cfg = args.restarts.config(
+        args.nodes,
+        args.ranks_per_node,
+        args.spares,
+        args.layout.as_deref(),
+    )?;
     let opts = SupervisorOptions {
         job: JobOptions {
             store_url: url.to_string(),

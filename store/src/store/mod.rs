@@ -58,6 +58,11 @@ impl Store {
     pub fn new(inner: Arc<dyn ObjectStore>, prefix: Path, url: impl Into<String>) -> Self {
         let objects = Objects::new(inner, Keys::new(prefix), url.into());
         let chunks = Chunks::new(objects.clone(), crate::cache::ChunkCache::new(0));
+        Self::assemble(objects, chunks)
+    }
+
+    /// The handle over `objects` and `chunks`, with the parts that hold no state of their own.
+    fn assemble(objects: Objects, chunks: Chunks) -> Self {
         let log = CommitLog::new(objects.clone());
         let gc = Gc::new(objects.clone(), log.clone());
         Store {
@@ -68,17 +73,11 @@ impl Store {
         }
     }
 
-    /// The parts again after the objects' settings changed (construction only).
+    /// The parts again after the objects' settings changed (construction only); the chunks
+    /// keep their state.
     fn with_objects(self, objects: Objects) -> Self {
         let chunks = self.chunks.with_objects(objects.clone());
-        let log = CommitLog::new(objects.clone());
-        let gc = Gc::new(objects.clone(), log.clone());
-        Store {
-            objects,
-            chunks,
-            log,
-            gc,
-        }
+        Self::assemble(objects, chunks)
     }
 
     /// Plain objects: reads, writes, listings, deletes.

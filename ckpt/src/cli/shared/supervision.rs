@@ -64,9 +64,21 @@ fn parse_policy(s: &str) -> std::result::Result<ckpt_store::MismatchPolicy, Stri
 }
 
 impl RestartArgs {
-    /// The coordinator's settings for `topology`, starting with `layout` (default: dp over
+    /// The coordinator's settings for `nodes` of `ranks_per_node` ranks and `spares`, starting
+    /// with `layout` (default: dp over
     /// every rank).
-    pub fn config(&self, topology: Topology, layout: Option<&str>) -> Result<Config> {
+    pub fn config(
+        &self,
+        nodes: u32,
+        ranks_per_node: u32,
+        spares: u32,
+        layout: Option<&str>,
+    ) -> Result<Config> {
+        let topology = Topology {
+            nodes,
+            ranks_per_node: ranks_per_node.max(1),
+            spares,
+        };
         let layout = match layout {
             Some(l) => l
                 .parse()
