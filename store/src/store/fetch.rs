@@ -1,5 +1,6 @@
-//! Reading chunks back: the object keys of a chunk reference, and fetching, decoding and
-//! verifying chunks (deltas through their chain of bases).
+//! Reading chunks back ([`Chunks`]' read half): fetching, decoding and verifying chunks
+//! (deltas through their chain of bases; the objects of a reference are
+//! [`Keys::chain_objects`](crate::Keys::chain_objects)).
 
 use bytes::Bytes;
 use futures::stream::{self, Stream, StreamExt};
