@@ -42,7 +42,8 @@
 
 #![warn(missing_docs)]
 
-// The handle and how it is opened: `Store` and its settings, URLs, time, errors, failpoints.
+// The handle and how it is opened: `Store` (over its parts: `Objects`, `Chunks`, `CommitLog`,
+// `Gc`) and its settings, URLs, time, errors, failpoints.
 pub mod clock;
 pub mod error;
 pub mod failpoint;
@@ -55,13 +56,14 @@ pub mod keys;
 pub mod model;
 pub mod placement;
 
-// Chunk objects and packs.
+// Chunk objects and packs: the store's `Chunks` part, the codecs, packing.
+mod chunks;
 pub mod codec;
 pub mod pack;
 
-// Saving a step: rank writes, writer leases, the commit protocol, draining a local tier.
+// Saving a step: rank writes, the commit protocol (the store's `CommitLog` part), draining a
+// local tier.
 pub mod commit;
-pub mod lease;
 pub mod tier;
 pub mod writer;
 
@@ -72,8 +74,9 @@ pub mod outfile;
 pub mod read;
 pub mod st_view;
 
-// Housekeeping.
+// Housekeeping: leases and GC (the store's `Gc` part; `lease` is `gc::lease`), verify.
 pub mod gc;
+pub use gc::lease;
 pub mod verify;
 
 // The logs of a run (their records are `ckpt_recovery::records`).

@@ -1,23 +1,20 @@
 //! [`Store`]: the handle over a content-addressed checkpoint store, and the parts it owns.
 //!
-//! `Store` holds the settings and four parts, each a type with its own `impl` in its own
-//! module; a caller reaches a part through the handle (`store.log().commit_step(..)`):
+//! `Store` holds four parts, each a type with its own `impl` in its own module; a caller
+//! reaches a part through the handle (`store.log().commit_step(..)`):
 //!
 //! | part | module | owns |
 //! |---|---|---|
-//! | [`Objects`] | `store/objects.rs` | the object store, key layout, settings, clock; plain objects: writes (multipart), reads, JSON documents, listings, deletes |
-//! | [`Chunks`] | `store/chunks.rs` (`put.rs`, `fetch.rs`) | chunks and packs: the write path ([`Chunks::put_chunks`]), fetch, decode and verify, the delta cache and verdicts |
+//! | [`Objects`] | `store/objects.rs` (here) | the object store, key layout, settings, clock; plain objects: writes (multipart), reads, JSON documents, listings, deletes |
+//! | [`Chunks`] | `chunks/` (`put.rs`, `fetch.rs`, `dedup.rs`, `governor.rs`, `verdicts.rs`) | chunks and packs: the write path ([`Chunks::put_chunks`]), fetch, decode and verify, the dedup index, the codec governor, the delta cache and verdicts |
 //! | [`CommitLog`] | `commit/` | rank manifests, commit records, generations and fences, listings of runs and steps, drain markers |
-//! | [`Gc`] | `gc.rs`, `lease.rs` | writer leases, sweep locks, retention and the sweep |
+//! | [`Gc`] | `gc/` (`mod.rs`, `lease.rs`) | writer leases, sweep locks, retention and the sweep |
 //!
 //! The read engine is [`crate::read::StepReader`]; writing a rank (chunks, then its manifest,
 //! `writer.rs`) and verifying a store (`verify.rs`) are the two operations of the handle itself,
 //! because each uses several parts.
 //!
-//! Also here: `config.rs` ([`StoreConfig`]: the settings and their checks), `dedup.rs`
-//! ([`DedupIndex`]: chunks the store is known to hold; [`BaseRegions`]), `governor.rs` (whether
-//! compressing pays, from what the current write measured), `verdicts.rs` (which regions rest
-//! from delta tries after a delta that did not pay).
+//! Also here: `config.rs` ([`StoreConfig`]: the settings and their checks).
 
 use std::sync::Arc;
 
@@ -29,20 +26,12 @@ use crate::error::Result;
 use crate::gc::Gc;
 use crate::keys::Keys;
 
-mod chunks;
 mod config;
-mod dedup;
-mod fetch;
-mod governor;
 mod objects;
-mod put;
-mod verdicts;
 
-pub use chunks::Chunks;
+pub use crate::chunks::{BaseChunk, BaseRegions, ChunkIn, Chunks, DedupIndex, PutReport, PutStats};
 pub use config::StoreConfig;
-pub use dedup::{BaseRegions, DedupIndex};
 pub use objects::Objects;
-pub use put::{BaseChunk, ChunkIn, PutReport, PutStats};
 
 /// A content-addressed checkpoint store over an [`ObjectStore`]: a handle over its parts.
 #[derive(Debug, Clone)]

@@ -19,12 +19,13 @@ use tracing::{debug, instrument};
 
 use super::governor::Governor;
 use super::verdicts::DeltaVerdicts;
-use super::{Chunks, DedupIndex, StoreConfig};
+use super::{Chunks, DedupIndex};
 use crate::codec::{self, CodecPolicy, Encoded, MAX_CHUNK_LEN};
 use crate::error::{Error, Result};
 use crate::id::ChunkId;
 use crate::model::ChunkRef;
 use crate::pack::PackBuilder;
+use crate::store::StoreConfig;
 
 /// One chunk to write: its raw bytes and the element size for byte planes (1 for anything
 /// that is not floating point).

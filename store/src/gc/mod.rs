@@ -44,6 +44,8 @@ use crate::keys::StepObject;
 use crate::model::RankManifest;
 use crate::store::Objects;
 
+pub mod lease;
+
 /// What GC should keep and how careful to be.
 #[derive(Debug, Clone)]
 pub struct GcOptions {

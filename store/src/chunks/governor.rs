@@ -4,8 +4,8 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
-use super::StoreConfig;
 use crate::codec::CodecPolicy;
+use crate::store::StoreConfig;
 
 /// Decides, chunk by chunk, whether compressing pays, from what the current write measured.
 ///

@@ -63,10 +63,10 @@ use object_store::path::Path;
 use object_store::{ObjectMeta, PutMode};
 use tracing::{debug, info, warn};
 
+use crate::chunks::{BaseRegions, DedupIndex};
 use crate::error::{Error, ErrorKind, Result};
 use crate::keys::validate_run;
 use crate::model::{ChunkRef, RankManifest};
-use crate::store::{BaseRegions, DedupIndex};
 
 /// How long a writer waits for a GC sweep to end before its save fails.
 pub const SWEEP_WAIT: Duration = Duration::from_secs(120);
