@@ -15,7 +15,10 @@
 //!    the drain of what changed (bytes sent over the stored bytes the local save wrote new)
 //!    and the steps' slowdown while it drains (over steps with nothing running);
 //! 3. **restore**: fresh ranks restore the newest step through the tiers (from the local
-//!    tier), against the `O_DIRECT` read of the stored bytes.
+//!    tier): as threads of one process together (they share a chunk cache, so each chunk is
+//!    read once, and hashed apart from its copy), against the `O_DIRECT` read of the stored
+//!    bytes; then each rank alone, as a job's rank processes restore (the copy with the hash
+//!    fused), against the read of the stored bytes each read.
 //!
 //! The interval ratio is the direct time to durable over the tiered time to local-durable:
 //! how much more often the job can checkpoint (local-durable) at the same stall.
@@ -219,11 +222,53 @@ pub fn tiers_bench(dir: &Path, params: u64, sink_mbps: f64) {
     let restore_s = t.elapsed().as_secs_f64();
     let read_limit_s = written as f64 / (read_gbps * 1e9);
     emit(
-        json!({"bench": "tiers_restore", "restore_s": restore_s, "stored_bytes": written,
+        json!({"bench": "tiers_restore", "ranks": "threads of one process, together",
+        "restore_s": restore_s, "stored_bytes": written,
         "disk_odirect_read_gbps": read_gbps, "restore_x_read_limit": restore_s / read_limit_s,
         "page_cache": "none of it: the tier writes with O_DIRECT"}),
     );
     drop(mgrs);
+
+    // 3b. As a job runs its ranks (`ckpt resume`, torchrun: a process each), each rank
+    // restores alone, one after the other, against the read of the stored bytes it read
+    // (its restore record's `bytes_from_local`; the replicated weights are read by both).
+    let logged = |kind: &str| -> Vec<serde_json::Value> {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(ckpt_store::logs::read_log(
+            &remote,
+            RUN,
+            ckpt_store::logs::EVENTS,
+        ))
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|r| r["kind"] == kind)
+        .collect()
+    };
+    let before = logged("restore").len();
+    let mut alone = Vec::new();
+    for r in 0..ranks.len() {
+        let fresh = touched_ranks(model, train, layout);
+        let mut m = managers(&remote, Some(&local), layout, &fresh[r..=r]);
+        let t = Instant::now();
+        assert_eq!(m[0].restore_latest().unwrap(), Some(2));
+        alone.push(t.elapsed().as_secs_f64());
+        drop(m);
+    }
+    let records = logged("restore");
+    let read: Vec<u64> = records[before..]
+        .iter()
+        .map(|r| r["bytes_from_local"].as_u64().unwrap_or(0))
+        .collect();
+    let from_local = records[before..].iter().all(|r| r["tier"] == "local");
+    let alone_s: f64 = alone.iter().sum();
+    let read_bytes: u64 = read.iter().sum();
+    let alone_limit_s = read_bytes as f64 / (read_gbps * 1e9);
+    emit(
+        json!({"bench": "tiers_restore", "ranks": "a rank per process, one after the other",
+        "restore_s": alone, "restore_total_s": alone_s, "stored_bytes_read": read,
+        "all_from_local": from_local, "disk_odirect_read_gbps": read_gbps,
+        "restore_x_read_limit": alone_s / alone_limit_s}),
+    );
     for d in [
         "tiers-scratch",
         "tiers-direct",
