@@ -79,11 +79,13 @@ pub fn check_targets(reader: &StepReader, targets: &[RestoreTarget]) -> Result<(
 /// Restore every target, at most about `budget` bytes in flight.
 ///
 /// A target whose chunks each land in one contiguous range of its memory (a restore onto the
-/// saved layout, a split along the first dimension, a ZeRO partition: nearly every restore) is
-/// planned whole and each chunk, once fetched and hash-checked, is written straight into the
-/// sink: one copy of each byte. A target whose chunks scatter into many runs (a split along
-/// another dimension, so a chunk holds part of every row) is read in pieces gathered in a
-/// buffer first, so a sink is written in few large writes (a device sink pays per write).
+/// saved layout, a split along the first dimension, a ZeRO partition: nearly every restore), or
+/// in a few long ranges (a chunk stored once for several places that hold the same bytes: the
+/// zeros of a frozen layer's optimizer moments), is planned whole and each chunk, once fetched
+/// and hash-checked, is written straight into the sink: one copy of each byte. A target whose
+/// chunks scatter into many short runs (a split along another dimension, so a chunk holds part
+/// of every row) is read in pieces gathered in a buffer first, so a sink is written in few
+/// large writes (a device sink pays per write).
 pub async fn restore_targets(
     reader: &StepReader,
     targets: &[RestoreTarget],
@@ -94,7 +96,7 @@ pub async fn restore_targets(
     let mut gathered: Vec<usize> = Vec::new();
     for (i, t) in targets.iter().enumerate() {
         let plan = reader.plan(&t.name, &t.bbox).await?;
-        if plan.chunks.iter().all(|c| contiguous(&c.copies)) {
+        if plan.chunks.iter().all(|c| written_direct(&c.copies)) {
             direct.extend(plan.chunks.into_iter().map(|c| (i, c)));
         } else {
             gathered.push(i);
@@ -117,13 +119,28 @@ pub async fn restore_targets(
     Ok(total)
 }
 
-/// Whether `copies` are one contiguous run of the chunk into one contiguous range of the
-/// destination, in order (a box cut from a wider shard has contiguous destination runs but
-/// strided source ones).
-fn contiguous(copies: &[CopyOp]) -> bool {
-    copies
-        .windows(2)
-        .all(|w| w[0].dst + w[0].len == w[1].dst && w[0].src + w[0].len == w[1].src)
+/// `copies` merged into runs each contiguous in the chunk and in the destination, in order.
+fn runs(copies: &[CopyOp]) -> Vec<CopyOp> {
+    let mut out: Vec<CopyOp> = Vec::new();
+    for c in copies {
+        match out.last_mut() {
+            Some(r) if r.src + r.len == c.src && r.dst + r.len == c.dst => r.len += c.len,
+            _ => out.push(*c),
+        }
+    }
+    out
+}
+
+/// A run this long or longer is worth a write into the sink of its own.
+const DIRECT_RUN: u64 = 1 << 20;
+
+/// Whether a chunk with `copies` is written straight into its sink: it lands in one run of
+/// the destination, or in runs each at least [`DIRECT_RUN`] long (a chunk that several places
+/// share). A chunk cut into many short runs (a box cut from a wider shard: a piece of every
+/// row) is gathered first, so the sink gets few large writes.
+fn written_direct(copies: &[CopyOp]) -> bool {
+    let r = runs(copies);
+    r.len() == 1 || r.iter().all(|r| r.len >= DIRECT_RUN)
 }
 
 /// The chunks of targets planned whole, each written straight into its sink as it arrives:
@@ -188,36 +205,43 @@ async fn restore_direct(
 /// copy left it in the core's cache.
 const HASH_BLOCK: usize = 256 << 10;
 
-/// Write the contiguous run `pc` plans out of `bytes` (the whole chunk) into `sink`; when the
-/// bytes are not `checked` yet, hash the whole chunk on the way (fused with the copy where the
-/// sink is host memory) and return the hash for the caller to check. (Bytes written, the
-/// hash.) The sink holds the bytes before they are checked: a refused chunk fails the
-/// restore, whose caller then uses nothing of it.
+/// Write the runs `pc` plans out of `bytes` (the whole chunk) into `sink`; when the bytes are
+/// not `checked` yet, hash the whole chunk on the way (fused with the copy of the first run
+/// where the sink is host memory) and return the hash for the caller to check. (Bytes
+/// written, the hash.) The sink holds the bytes before they are checked: a refused chunk
+/// fails the restore, whose caller then uses nothing of it.
 fn write_chunk(
     sink: &dyn MemorySink,
     pc: &PlannedChunk,
     bytes: &[u8],
     checked: bool,
 ) -> (Result<u64>, Option<ChunkId>) {
-    let (first, last) = (&pc.copies[0], &pc.copies[pc.copies.len() - 1]);
-    let (src, len) = (
-        first.src as usize,
-        (last.src + last.len - first.src) as usize,
-    );
-    let dst = first.dst as usize;
-    if bytes.len() < src + len {
+    let runs = runs(&pc.copies);
+    if runs.iter().any(|r| bytes.len() < (r.src + r.len) as usize) {
         let e = Error::internal(format!(
             "a planned run past the end of chunk {}",
             pc.chunk.id
         ));
         return (Err(e), None);
     }
+    let (first, rest) = runs.split_first().expect("a planned chunk has a copy");
+    let written: u64 = runs.iter().map(|r| r.len).sum();
+    // The runs after the first: plain writes of bytes already in memory.
+    let write_rest = || -> Result<()> {
+        for r in rest {
+            sink.write_at(
+                r.dst as usize,
+                &bytes[r.src as usize..(r.src + r.len) as usize],
+            )?;
+        }
+        Ok(())
+    };
+    let (src, len, dst) = (first.src as usize, first.len as usize, first.dst as usize);
     if checked {
-        return (
-            sink.write_at(dst, &bytes[src..src + len])
-                .map(|()| len as u64),
-            None,
-        );
+        let wrote = sink
+            .write_at(dst, &bytes[src..src + len])
+            .and_then(|()| write_rest());
+        return (wrote.map(|()| written), None);
     }
     let mut hasher = blake3::Hasher::new();
     let fused = sink.with_memory(dst, len, &mut |out| {
@@ -242,7 +266,10 @@ fn write_chunk(
         }
     };
     let got = ChunkId(ckpt_store::Hash(*hasher.finalize().as_bytes()));
-    (wrote.map(|()| len as u64), Some(got))
+    (
+        wrote.and_then(|()| write_rest()).map(|()| written),
+        Some(got),
+    )
 }
 
 /// Restore `targets` in pieces of bounded size, each gathered in a reused buffer and written
