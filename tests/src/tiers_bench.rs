@@ -38,6 +38,14 @@ use super::{
 
 const RUN: &str = "tiers";
 
+/// The folders of `--dir` the bench writes (and deletes at its start and end).
+const DIRS: [&str; 4] = [
+    "tiers-scratch",
+    "tiers-direct",
+    "tiers-remote",
+    "tiers-local",
+];
+
 /// The slow remote store: a directory behind a link of `bytes_per_s` for every put.
 fn slow_store(dir: &Path, bytes_per_s: u64) -> Store {
     std::fs::create_dir_all(dir).unwrap();
@@ -128,6 +136,11 @@ pub fn tiers_bench(dir: &Path, params: u64, sink_mbps: f64) {
     let write_gbps = odirect_write(&limit, 1 << 30, 8, 4 << 20);
     let read_gbps = odirect_read(&limit, 8, 4 << 20);
     let _ = std::fs::remove_file(&limit);
+
+    // What an interrupted run left.
+    for d in DIRS {
+        let _ = std::fs::remove_dir_all(dir.join(d));
+    }
 
     // 1. Direct to the slow store.
     // Half the layers frozen (as in fine-tuning): the second checkpoint changes half the state.
@@ -269,12 +282,7 @@ pub fn tiers_bench(dir: &Path, params: u64, sink_mbps: f64) {
         "all_from_local": from_local, "disk_odirect_read_gbps": read_gbps,
         "restore_x_read_limit": alone_s / alone_limit_s}),
     );
-    for d in [
-        "tiers-scratch",
-        "tiers-direct",
-        "tiers-remote",
-        "tiers-local",
-    ] {
+    for d in DIRS {
         let _ = std::fs::remove_dir_all(dir.join(d));
     }
 }
