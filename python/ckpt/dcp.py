@@ -20,9 +20,15 @@ A local tier under the store (``local_tier=``, a directory on the node's disk, o
 the step there, at the local disk's speed, then the coordinator drains it to the store in a
 background thread (only the chunks the store lacks, hash-checked; ``wait_drained()`` waits
 for it, and the process does not exit before it ends); the tier keeps its newest
-``keep_local`` steps. ``StorageReader`` loads the newest step of either, reading the local
-tier first and a chunk missing or damaged there from the store. Every rank must see the same
-tier (one machine, or a shared file system).
+``keep_local`` steps. One drain runs at a time per tier, store and run: a step saved while an
+older one drains waits, and when the drain falls behind it takes the newest step and skips
+the older waiting ones (a ``RuntimeWarning`` says so) rather than fall further behind. The
+first save of a process to the tier supersedes in the same way a newest step that a killed
+process left there undrained (a warning names it). DCP tells a writer nothing of the training
+steps, so no governor paces this drain: ``drain_rate=`` caps it in stored bytes a second.
+``StorageReader`` loads the newest step of either, reading the local tier first and a chunk
+missing or damaged there from the store. Every rank must see the same tier (one machine, or a
+shared file system).
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ import io
 import os
 import pickle
 import threading
-from typing import Any, List, Optional, Union
+import warnings
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy
 import torch
@@ -140,7 +147,7 @@ class StorageWriter(_DcpStorageWriter):
     ``local_tier``: write and commit the step in this local tier (a directory or a
     ``ckpt.Store``), then drain it to ``store`` behind the training (see the module docs);
     ``drain="wait"`` drains within ``finish`` instead; the tier keeps its newest
-    ``keep_local`` steps."""
+    ``keep_local`` steps; ``drain_rate`` (stored bytes a second) caps the drain's speed."""
 
     def __init__(
         self,
@@ -151,19 +158,23 @@ class StorageWriter(_DcpStorageWriter):
         local_tier: Union[str, Store, None] = None,
         keep_local: int = 2,
         drain: str = "background",
+        drain_rate: Optional[float] = None,
     ) -> None:
         super().__init__()
         if drain not in ("background", "wait"):
             raise CkptError(f"drain must be 'background' or 'wait', not {drain!r}")
+        if drain_rate is not None and not float(drain_rate) > 0:
+            raise CkptError(
+                f"drain_rate must be a positive number of bytes a second, not {drain_rate!r}"
+            )
+        self._drain_rate = None if drain_rate is None else float(drain_rate)
         if int(keep_local) < 1:
             raise CkptError("keep_local must keep at least 1 step in the local tier")
         self._local_arg = local_tier
         self._local: Optional[Store] = None
         self._keep_local = int(keep_local)
         self._drain_mode = drain
-        self._drain_thread: Optional[threading.Thread] = None
-        self._drained: Optional[dict] = None
-        self._drain_error: Optional[BaseException] = None
+        self._drainer: Optional[_Drainer] = None
         self._store_arg = store
         self.run = run
         self.step = int(step)
@@ -293,47 +304,26 @@ class StorageWriter(_DcpStorageWriter):
         if self._local is None:
             self._store.commit(self.run, self.step, self.generation)
             return
-        # Local-durable; then remote-durable once the drain commits it on the store.
+        # Local-durable; then remote-durable once the drain commits it on the store. (The
+        # process's drainer, when new, looks for a step a killed process left undrained
+        # before this one is committed.)
+        self._drainer = _Drainer.of(self._local, self._store, self.run)
         self._local.commit(self.run, self.step, self.generation)
-        self._drained, self._drain_error = None, None
-        if self._drain_mode == "wait":
-            self._drain()
-            self.wait_drained()
-            return
-        # Not a daemon: the interpreter waits for the drain before it exits.
-        self._drain_thread = threading.Thread(
-            target=self._drain, name=f"ckpt-drain-{self.run}-{self.step}"
+        self._drainer.submit(
+            self.step, self.generation, self._keep_local, self._drain_rate
         )
-        self._drain_thread.start()
-
-    def _drain(self) -> None:
-        try:
-            self._drained = self._local.drain_to(
-                self._store,
-                self.run,
-                self.step,
-                generation=self.generation,
-                keep_local=self._keep_local,
-            )
-        except BaseException as e:  # reported by wait_drained
-            self._drain_error = e
+        if self._drain_mode == "wait":
+            self.wait_drained()
 
     def wait_drained(self, timeout: Optional[float] = None) -> Optional[dict]:
         """With a local tier, on the coordinator: wait until the step is committed on the
         store (remote-durable); the drain's figures (``objects_sent``, ``bytes_sent``,
-        ``bytes_present``, ``seconds``). Raises the drain's error, or ``CkptError`` when
+        ``bytes_present``, ``seconds``), or ``{"step": s, "skipped_for": newer}`` when a newer
+        step's drain superseded this one's. Raises the drain's error, or ``CkptError`` when
         ``timeout`` seconds pass first. None without a local tier or on other ranks."""
-        t = self._drain_thread
-        if t is not None:
-            t.join(timeout)
-            if t.is_alive():
-                raise CkptError(
-                    f"run {self.run!r} step {self.step}: still draining to "
-                    f"{_url(self._store_arg)} after {timeout} s (it is local-durable)"
-                )
-        if self._drain_error is not None:
-            raise self._drain_error
-        return self._drained
+        if self._drainer is None:
+            return None
+        return self._drainer.wait(self.step, timeout)
 
     def _checkpoint_id(self) -> str:
         return f"{_url(self._store_arg)}::{self.run}@{self.step}"
@@ -341,6 +331,111 @@ class StorageWriter(_DcpStorageWriter):
 
 def _url(store: Union[str, Store]) -> str:
     return store.url if isinstance(store, Store) else str(store)
+
+
+class _Drainer:
+    """The one drain of a process per local tier, store and run: a thread that drains one
+    step at a time, the newest waiting one first (older waiting steps are skipped: the newest
+    step's drain supersedes them, and their drain markers go with it). A step a killed process
+    left committed in the tier and not on the store is superseded so by the first step this
+    one submits. The thread is not a daemon (the interpreter waits for the drain before it
+    exits) and ends when nothing waits."""
+
+    _all: Dict[Tuple[str, str, str], "_Drainer"] = {}
+    _all_lock = threading.Lock()
+
+    @classmethod
+    def of(cls, local: Store, store: Store, run: str) -> "_Drainer":
+        key = (local.url, store.url, run)
+        with cls._all_lock:
+            d = cls._all.get(key)
+            if d is None:
+                d = cls._all[key] = _Drainer(local, store, run)
+            return d
+
+    def __init__(self, local: Store, store: Store, run: str) -> None:
+        self._local, self._store, self._run = local, store, run
+        self._cond = threading.Condition()
+        #: The step waiting for the drain: (step, generation, keep_local, rate).
+        self._waiting: Optional[Tuple[int, Optional[int], Optional[int], Optional[float]]] = None
+        self._draining: Optional[int] = None
+        #: Each step's outcome: its figures, a skip, or the drain's error.
+        self._done: Dict[int, Union[dict, BaseException]] = {}
+        self._thread: Optional[threading.Thread] = None
+        # The tier's newest step if the store lacks it: left undrained by a killed process.
+        local_steps, remote_steps = local.committed_steps(run), store.committed_steps(run)
+        self._left: Optional[int] = None
+        if local_steps and (not remote_steps or local_steps[-1] > remote_steps[-1]):
+            self._left = local_steps[-1]
+
+    def submit(
+        self, step: int, generation: Optional[int], keep_local: int, rate: Optional[float]
+    ) -> None:
+        with self._cond:
+            self._done.pop(step, None)
+            left, self._left = self._left, None
+            if left is not None and left < step:
+                self._skip(left, step)
+            old = self._waiting
+            if old is not None and old[0] != step:
+                if old[0] > step:
+                    # A newer step waits already: this one is superseded at once.
+                    self._skip(step, old[0])
+                    return
+                self._skip(old[0], step)
+            self._waiting = (step, generation, keep_local, rate)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._loop, name=f"ckpt-drain-{self._run}"
+                )
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _skip(self, step: int, newer: int) -> None:
+        warnings.warn(
+            f"run {self._run!r}: the drain to {self._store.url} is behind; step {step} is "
+            f"skipped for step {newer} (it stays local-durable until step {newer} is remote)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        self._done[step] = {"step": step, "skipped_for": newer}
+        self._cond.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                if self._waiting is None:
+                    self._thread = None
+                    return
+                step, generation, keep_local, rate = self._waiting
+                self._waiting, self._draining = None, step
+            try:
+                out: Union[dict, BaseException] = self._local.drain_to(
+                    self._store,
+                    self._run,
+                    step,
+                    generation=generation,
+                    keep_local=keep_local,
+                    rate=rate,
+                )
+            except BaseException as e:  # reported by wait
+                out = e
+            with self._cond:
+                self._done[step] = out
+                self._draining = None
+                self._cond.notify_all()
+
+    def wait(self, step: int, timeout: Optional[float]) -> dict:
+        with self._cond:
+            if not self._cond.wait_for(lambda: step in self._done, timeout):
+                raise CkptError(
+                    f"run {self._run!r} step {step}: still draining to "
+                    f"{self._store.url} after {timeout} s (it is local-durable)"
+                )
+            out = self._done[step]
+        if isinstance(out, BaseException):
+            raise out
+        return out
 
 
 class StorageReader(_DcpStorageReader):

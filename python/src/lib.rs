@@ -337,9 +337,11 @@ impl Store {
     /// This store as a local tier: copy committed `step` of `run` to `remote` (only the
     /// objects it lacks, hash-checked) and commit it there, fenced by `generation` (the
     /// writer's; a newer generation on `remote` refuses it); then keep the newest
-    /// `keep_local` committed steps here. Returns the drain's figures (`objects_sent`,
-    /// `bytes_sent`, `objects_present`, `bytes_present`, `seconds`).
-    #[pyo3(signature = (remote, run, step, generation=None, keep_local=None))]
+    /// `keep_local` committed steps here. `rate`: send at most this many stored bytes a
+    /// second. Returns the drain's figures (`objects_sent`, `bytes_sent`, `objects_present`,
+    /// `bytes_present`, `seconds`).
+    #[pyo3(signature = (remote, run, step, generation=None, keep_local=None, rate=None))]
+    #[allow(clippy::too_many_arguments)] // Python's keyword arguments
     fn drain_to<'py>(
         &self,
         py: Python<'py>,
@@ -348,13 +350,22 @@ impl Store {
         step: u64,
         generation: Option<u64>,
         keep_local: Option<usize>,
+        rate: Option<f64>,
     ) -> PyResult<Bound<'py, PyDict>> {
+        if let Some(r) = rate
+            && !(r.is_finite() && r > 0.0)
+        {
+            return Err(err(Error::invalid(format!(
+                "a drain rate must be a positive number of bytes a second, not {r}"
+            ))));
+        }
         let (local, remote) = (self.store.clone(), remote.store.clone());
         let run_s = run.to_string();
         let r = block(py, async move {
             let opts = ckpt_store::DrainOptions {
                 writer: format!("dcp-drain-{run_s}"),
                 generation,
+                pace: rate.map(ckpt_store::rate_pace),
                 ..Default::default()
             };
             let r = ckpt_store::drain_step(&local, &remote, &run_s, step, &opts).await?;

@@ -5,6 +5,7 @@ import io
 import json
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy
@@ -243,3 +244,79 @@ def test_a_step_only_in_the_local_tier_loads_and_drain_wait_finishes_in_finish(t
     assert ckpt.Store(str(remote)).committed_steps("k") == [5]
     with pytest.raises(ckpt.CkptError, match="drain must be"):
         StorageWriter(str(remote), run="k", step=6, local_tier=str(local), drain="later")
+
+
+def eight_mib(seed: int) -> dict:
+    """Eight tensors of 1 MiB of random floats: eight chunks that neither compress nor dedup."""
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {f"w{i}": torch.randn(256, 1024, generator=g) for i in range(8)}, "step": seed}
+
+
+def test_one_dcp_drain_at_a_time_at_its_rate_skipping_older_steps_when_behind(tmp_path):
+    remote, local = tmp_path / "remote", tmp_path / "local"
+    rate = 4e6  # bytes a second: the first step's drain takes about 2 s
+    writers = {}
+    for step in (1, 2, 3):
+        w = StorageWriter(str(remote), run="b", step=step, local_tier=str(local), drain_rate=rate)
+        if step == 3:
+            # Step 1 still drains and step 2 waits: the newest step takes its place.
+            with pytest.warns(RuntimeWarning, match="step 2 is skipped for step 3"):
+                dcp.save(eight_mib(step), storage_writer=w)
+        else:
+            dcp.save(eight_mib(step), storage_writer=w)
+        writers[step] = w
+    assert writers[2].wait_drained(timeout=120) == {"step": 2, "skipped_for": 3}
+    first = writers[1].wait_drained(timeout=120)
+    # Paced: each object after the first waited for the bytes before it at the rate (an
+    # unpaced drain of 8 MiB between two local directories takes a few milliseconds).
+    assert first["bytes_sent"] >= 8 << 20, first
+    assert first["seconds"] >= 0.99 * (first["bytes_sent"] - (1 << 20) - (64 << 10)) / rate, first
+    third = writers[3].wait_drained(timeout=120)
+    assert third["bytes_sent"] >= 8 << 20, third
+    assert ckpt.Store(str(remote)).committed_steps("b") == [1, 3]
+    assert ckpt.Store(str(local)).pending_drains("b") == []
+    got = placeholder(eight_mib(0))
+    dcp.load(got, storage_reader=StorageReader(str(remote), run="b"))
+    assert_same(got, eight_mib(3), "the newest step, read from the store alone")
+    with pytest.raises(ckpt.CkptError, match="drain_rate must be"):
+        StorageWriter(str(remote), run="b", step=4, local_tier=str(local), drain_rate=0)
+
+
+KILLED_MID_DRAIN = """
+import os, sys, time
+import torch
+import torch.distributed.checkpoint as dcp
+import ckpt
+from ckpt.dcp import StorageWriter
+remote, local = sys.argv[1], sys.argv[2]
+g = torch.Generator().manual_seed(1)
+state = {"model": {f"w{i}": torch.randn(256, 1024, generator=g) for i in range(8)}}
+w = StorageWriter(remote, run="k", step=1, local_tier=local, drain_rate=1e5)
+dcp.save(state, storage_writer=w)
+t = time.monotonic()
+while ckpt.Store(local).pending_drains("k") != [1]:
+    assert time.monotonic() - t < 60, "the drain never started"
+    time.sleep(0.01)
+time.sleep(0.3)
+os._exit(0)  # killed mid-drain: the interpreter does not wait for the drain thread
+"""
+
+
+def test_a_drain_a_killed_process_left_is_superseded_by_the_next_save(tmp_path, ckpt_bin):
+    remote, local = tmp_path / "remote", tmp_path / "local"
+    subprocess.run(
+        [sys.executable, "-c", KILLED_MID_DRAIN, str(remote), str(local)],
+        check=True,
+        timeout=120,
+    )
+    assert ckpt.Store(str(remote)).committed_steps("k") == []
+    assert ckpt.Store(str(local)).pending_drains("k") == [1]
+    # The next process that saves to the tier drains its newest step in place of the one left.
+    w = StorageWriter(str(remote), run="k", step=2, local_tier=str(local))
+    with pytest.warns(RuntimeWarning, match="step 1 is skipped for step 2"):
+        dcp.save(eight_mib(2), storage_writer=w)
+    assert w.wait_drained(timeout=120)["bytes_sent"] > 0
+    assert ckpt.Store(str(remote)).committed_steps("k") == [2]
+    assert ckpt.Store(str(local)).pending_drains("k") == []
+    for store in (remote, local):
+        subprocess.run([str(ckpt_bin), "verify", "k"], env={"CKPT_STORE": str(store)}, check=True)

@@ -68,6 +68,27 @@ impl DrainMarker {
 /// governor's rate, a test's throttle).
 pub type DrainPace = Arc<dyn Fn(u64) -> BoxFuture<'static, ()> + Send + Sync>;
 
+/// A pace of at most `bytes_per_s` stored bytes a second, for a drain with no step times to
+/// be governed by (`ckpt.dcp`'s, whose writer DCP tells nothing of the training): each object
+/// starts once the objects admitted before it have had their time at that rate, so the drain's
+/// average stays at the rate whatever its concurrency.
+pub fn rate_pace(bytes_per_s: f64) -> DrainPace {
+    let next: Arc<parking_lot::Mutex<Option<tokio::time::Instant>>> = Arc::default();
+    Arc::new(move |n| {
+        let next = next.clone();
+        Box::pin(async move {
+            let at = {
+                let mut g = next.lock();
+                let now = tokio::time::Instant::now();
+                let start = g.map_or(now, |t| t.max(now));
+                *g = Some(start + std::time::Duration::from_secs_f64(n as f64 / bytes_per_s));
+                start
+            };
+            tokio::time::sleep_until(at).await;
+        })
+    })
+}
+
 /// How a drain runs.
 #[derive(Clone)]
 pub struct DrainOptions {
@@ -389,4 +410,33 @@ async fn copy_and_commit(
             ))
         })?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::rate_pace;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_rate_pace_spaces_objects_by_their_bytes() {
+        let pace = rate_pace(1000.0);
+        let t0 = tokio::time::Instant::now();
+        // The first object goes at once; each later one after its predecessors' time.
+        pace(500).await;
+        assert_eq!(t0.elapsed(), Duration::ZERO);
+        pace(2000).await;
+        assert_eq!(t0.elapsed(), Duration::from_millis(500));
+        // Objects admitted together (a drain's concurrency) are spread out, not sent at once.
+        let (a, b) = (pace(1000), pace(1000));
+        let ((), ()) = tokio::join!(a, b);
+        assert_eq!(t0.elapsed(), Duration::from_millis(3500));
+        // Time spent idle is not saved up for a burst later.
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        let t1 = tokio::time::Instant::now();
+        pace(1000).await;
+        assert_eq!(t1.elapsed(), Duration::ZERO);
+        pace(1).await;
+        assert_eq!(t1.elapsed(), Duration::from_secs(1));
+    }
 }
