@@ -101,7 +101,7 @@ pub use clock::{Clock, ManualClock, SystemClock, now_ms};
 pub use codec::{Codec, CodecPolicy};
 pub use commit::catalog::StepListing;
 pub use commit::{Agreement, CommitLog, CommitOutcome};
-pub use direct::DirectFs;
+pub use direct::{DirectFs, shared_reads};
 pub use error::{Error, ErrorKind, Result};
 pub use failpoint::{FailAction, Failpoints};
 pub use gc::{Gc, GcOptions, GcReport};

@@ -52,6 +52,15 @@ pub struct PlannedChunk {
     pub copies: Vec<CopyOp>,
 }
 
+impl PlannedChunk {
+    /// Whether the read needs only part of the chunk: the rest is another box's (another rank
+    /// of a resharded restore reads it too), so the chunk is read through the page cache
+    /// ([`crate::shared_reads`]) and the node's disk serves it once.
+    pub fn is_partial(&self) -> bool {
+        self.copies.iter().map(|c| c.len).sum::<u64>() < u64::from(self.chunk.len)
+    }
+}
+
 /// What reading a box of a tensor costs, before reading it.
 #[derive(Debug, Clone, Serialize)]
 pub struct ReadPlan {
@@ -466,10 +475,13 @@ impl StepReader {
         tensor: &str,
     ) -> Result<(Bytes, ReadStats)> {
         let mut st = ReadStats::default();
-        let b = self
-            .fetch(&pc.chunk, &mut st)
-            .await
-            .map_err(|e| e.context(self.chunk_context(pc, tensor)))?;
+        let fetch = self.fetch(&pc.chunk, &mut st);
+        let got = if pc.is_partial() {
+            crate::shared_reads(fetch).await
+        } else {
+            fetch.await
+        };
+        let b = got.map_err(|e| e.context(self.chunk_context(pc, tensor)))?;
         st.chunks += 1;
         st.raw_bytes += b.len() as u64;
         Ok((b, st))
@@ -489,12 +501,14 @@ impl StepReader {
         if self.source.is_some() || self.node.is_some() || cached {
             return Ok(None);
         }
-        let got = self
-            .store
-            .chunks()
-            .get_raw_unchecked(&pc.chunk)
-            .await
-            .map_err(|e| e.context(self.chunk_context(pc, tensor)))?;
+        let chunks = self.store.chunks();
+        let fetch = chunks.get_raw_unchecked(&pc.chunk);
+        let got = if pc.is_partial() {
+            crate::shared_reads(fetch).await
+        } else {
+            fetch.await
+        };
+        let got = got.map_err(|e| e.context(self.chunk_context(pc, tensor)))?;
         Ok(got.map(|b| {
             let st = ReadStats {
                 chunks: 1,

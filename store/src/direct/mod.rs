@@ -19,6 +19,11 @@
 //!
 //! Staging files (`<key>#<n>`, here and in [`LocalFileSystem`]) that a crash leaves behind are
 //! never listed; [`temp_files`] finds them for `ckpt verify` and `ckpt gc`.
+//!
+//! Reads inside [`shared_reads`] go through the page cache instead of around it: bytes that
+//! other processes of this machine are about to read too (the chunks a resharded restore needs
+//! only part of, whose other parts the node's other ranks read) then come from the disk once
+//! for all of them, as the same buffered reads of shared files give DCP.
 
 use std::collections::BTreeSet;
 use std::fs::{File, OpenOptions};
@@ -47,6 +52,24 @@ mod tests;
 pub use buf::AlignedBuf;
 use buf::{ALIGN, round_up};
 use read::read_range;
+
+tokio::task_local! {
+    /// Set over a future whose reads go through the page cache ([`shared_reads`]).
+    static SHARED_READS: ();
+}
+
+/// Run `f` with its reads of a [`DirectFs`] through the page cache (buffered) rather than with
+/// `O_DIRECT`: for bytes other processes on this machine are likely to read too, so the node
+/// reads them from the disk once. The hint follows `f` through every layer above the backend
+/// (retries, metrics, faults) and means nothing to other backends.
+pub async fn shared_reads<F: std::future::Future>(f: F) -> F::Output {
+    SHARED_READS.scope((), f).await
+}
+
+/// Whether this task runs inside [`shared_reads`].
+fn in_shared_reads() -> bool {
+    SHARED_READS.try_with(|_| ()).is_ok()
+}
 
 /// Objects at least this large use `O_DIRECT`.
 pub const DIRECT_MIN: usize = 256 << 10;
@@ -572,8 +595,9 @@ object_store_wrapper! {
         let loc = location.clone();
         let range = options.range.clone();
         let reads = self.reads.clone();
+        let buffered = in_shared_reads();
         let (bytes, r, meta) = tokio::task::spawn_blocking(move || {
-            read_range(&path, range, &direct, &reads).map_err(|e| os_err(&path, e))
+            read_range(&path, range, (&direct, buffered), &reads).map_err(|e| os_err(&path, e))
         })
         .await
         .map_err(|e| object_store::Error::Generic {

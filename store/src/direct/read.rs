@@ -15,11 +15,12 @@ use super::buf::{ALIGN, PooledRead, read_buf, round_up};
 use super::{IO_PIECE, ReadCounts, open_direct};
 
 /// Read `range` of the object at `path`: from the page cache when it holds all of it, else
-/// from the disk (with `O_DIRECT` when on).
+/// from the disk (with `O_DIRECT` when on, unless the read is `buffered`: other processes
+/// will read the same bytes, and the page cache lets the disk serve them once).
 pub(super) fn read_range(
     path: &FsPath,
     range: Option<GetRange>,
-    direct: &AtomicBool,
+    (direct, buffered): (&AtomicBool, bool),
     reads: &ReadCounts,
 ) -> std::io::Result<(Bytes, Range<u64>, std::fs::Metadata)> {
     // A plain descriptor first: the page cache may hold the range (read or written buffered by
@@ -36,7 +37,7 @@ pub(super) fn read_range(
     if read_cached(&file, &mut buf.full_mut()[..want], start as u64)? {
         reads.cached.fetch_add(1, Ordering::Relaxed);
     } else {
-        let file = if direct.load(Ordering::Relaxed) {
+        let file = if direct.load(Ordering::Relaxed) && !buffered {
             open_direct(path, false, direct)?
         } else {
             file

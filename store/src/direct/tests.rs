@@ -37,6 +37,18 @@ async fn a_read_the_page_cache_holds_is_served_from_it_and_one_it_lacks_from_the
     let got = s.get(&p).await.unwrap().bytes().await.unwrap();
     assert_eq!(got.as_ref(), &data[..]);
     assert_eq!(s.read_counts(), (2, 2));
+    // That read went around the page cache (O_DIRECT): the next one reads the disk again.
+    let got = s.get(&p).await.unwrap().bytes().await.unwrap();
+    assert_eq!(got.as_ref(), &data[..]);
+    assert_eq!(s.read_counts(), (2, 3));
+    // A shared read (other processes will read these bytes too) goes through the page cache:
+    // from the disk once, then from memory for every later reader.
+    let got = shared_reads(async { s.get_range(&p, r.clone()).await.unwrap() }).await;
+    assert_eq!(got.as_ref(), &data[r.start as usize..r.end as usize]);
+    assert_eq!(s.read_counts(), (2, 4));
+    let got = s.get_range(&p, r.clone()).await.unwrap();
+    assert_eq!(got.as_ref(), &data[r.start as usize..r.end as usize]);
+    assert_eq!(s.read_counts(), (3, 4));
 }
 
 #[tokio::test]

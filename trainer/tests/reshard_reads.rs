@@ -1,0 +1,156 @@
+//! A resharded restore reads the chunks it needs only part of through the page cache, so the
+//! other rank processes of the node, which need the other parts, find them there: the disk
+//! serves each chunk once per node, as buffered reads of shared files do for DCP. Chunks a
+//! restore needs whole still go around the page cache (`O_DIRECT`). Measured by the disk reads
+//! the kernel counts for this process (`/proc/self/io`), on a real local directory store.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use ckpt_store::{
+    CodecPolicy, DType, DedupIndex, Layout, NdBox, RankWrite, ShardDesc, ShardIn, StepReader, Store,
+};
+use ckpt_trainer::{HostTensor, MemorySink, RestoreTarget, restore_targets};
+
+const CHUNK: usize = 1 << 20;
+/// Rows and columns of each saved tensor: 4 MiB of f32, 4 chunks of 256 rows.
+const ROWS: u64 = 1024;
+const COLS: u64 = 1024;
+
+/// Bytes this process has had read from the block device so far.
+fn disk_read_bytes() -> u64 {
+    let io = std::fs::read_to_string("/proc/self/io").unwrap();
+    io.lines()
+        .find_map(|l| l.strip_prefix("read_bytes: "))
+        .expect("read_bytes in /proc/self/io")
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+fn open(dir: &std::path::Path) -> Store {
+    let store = ckpt_store::open(dir.to_str().unwrap()).unwrap();
+    let mut cfg = store.config().clone();
+    cfg.chunk_size = CHUNK;
+    cfg.adaptive_codec = false;
+    cfg.codec = CodecPolicy::Raw;
+    store.with_config(cfg).unwrap()
+}
+
+/// Tensors `w` and `v`, each `ROWS` x `COLS` f32 of distinct bytes, saved by one rank as step 1
+/// of run `r` (large objects are written with `O_DIRECT`: none of it is in the page cache).
+fn save(store: &Store, rt: &tokio::runtime::Runtime) -> Vec<Vec<u8>> {
+    let data: Vec<Vec<u8>> = (0..2u64)
+        .map(|t| {
+            (0..ROWS * COLS * 4)
+                .map(|i| ((i * 7 + t * 13 + i / 4093) % 251) as u8)
+                .collect()
+        })
+        .collect();
+    let shards = ["w", "v"]
+        .iter()
+        .zip(&data)
+        .map(|(name, d)| ShardIn {
+            shard: ShardDesc::boxed(
+                *name,
+                DType::F32,
+                vec![ROWS, COLS],
+                NdBox::full(&[ROWS, COLS]),
+            ),
+            data: Some(Bytes::copy_from_slice(d)),
+        })
+        .collect();
+    rt.block_on(async {
+        let w = RankWrite {
+            run: "r".into(),
+            step: 1,
+            rank: 0,
+            layout: Layout::SINGLE,
+            generation: 0,
+            node: None,
+        };
+        store
+            .write_rank(&w, shards, vec![], &DedupIndex::new())
+            .await
+            .unwrap();
+        store.log().commit_step("r", 1).await.unwrap();
+    });
+    data
+}
+
+/// Restore `bbox` of `tensor` with a fresh reader (a rank process of its own: no chunk cache
+/// shared with the others); its bytes and the disk reads it cost.
+fn restore(
+    store: &Store,
+    rt: &tokio::runtime::Runtime,
+    tensor: &str,
+    bbox: NdBox,
+) -> (Vec<u8>, u64) {
+    let host = Arc::new(HostTensor::zeroed((bbox.numel() * 4) as usize));
+    let target = RestoreTarget {
+        name: tensor.into(),
+        dtype: DType::F32,
+        shape: vec![ROWS, COLS],
+        bbox,
+        sink: host.clone() as Arc<dyn MemorySink>,
+    };
+    let before = disk_read_bytes();
+    let reader = rt.block_on(StepReader::open(store, "r", 1)).unwrap();
+    rt.block_on(restore_targets(&reader, &[target], 64 << 20))
+        .unwrap();
+    let read = disk_read_bytes() - before;
+    let bytes = host.read().clone();
+    (bytes, read)
+}
+
+/// The columns `c0 .. c0 + n` of a row-major `ROWS` x `COLS` f32 tensor.
+fn columns(data: &[u8], c0: u64, n: u64) -> Vec<u8> {
+    let row = (COLS * 4) as usize;
+    data.chunks(row)
+        .flat_map(|r| r[(c0 * 4) as usize..((c0 + n) * 4) as usize].to_vec())
+        .collect()
+}
+
+#[test]
+fn the_ranks_of_a_resharded_restore_read_each_chunk_from_the_disk_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path());
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let data = save(&store, &rt);
+    let size = ROWS * COLS * 4;
+
+    // `w` saved whole, restored as two column halves (Shard(0) -> Shard(1)): every chunk (a
+    // block of rows) is needed half by each rank.
+    let half = |r: u64| NdBox {
+        offsets: vec![0, r * COLS / 2],
+        lengths: vec![ROWS, COLS / 2],
+    };
+    let (got0, read0) = restore(&store, &rt, "w", half(0));
+    assert_eq!(got0, columns(&data[0], 0, COLS / 2), "rank 0's columns");
+    let (got1, read1) = restore(&store, &rt, "w", half(1));
+    assert_eq!(
+        got1,
+        columns(&data[0], COLS / 2, COLS / 2),
+        "rank 1's columns"
+    );
+    assert!(
+        read0 >= size,
+        "the first rank reads every chunk of w from the disk: {read0} bytes of {size}"
+    );
+    assert!(
+        read1 < size / 8,
+        "the second rank finds the chunks in the page cache: {read1} bytes read of {size}"
+    );
+
+    // `v` restored whole, twice: whole chunks go around the page cache, so a second reader
+    // reads them again (a process that restores alone keeps the page cache for others).
+    let full = NdBox::full(&[ROWS, COLS]);
+    let (got, first) = restore(&store, &rt, "v", full.clone());
+    assert_eq!(got, data[1]);
+    let (got, second) = restore(&store, &rt, "v", full);
+    assert_eq!(got, data[1]);
+    assert!(
+        first >= size && second >= size,
+        "whole chunks are read with O_DIRECT each time: {first} and {second} bytes of {size}"
+    );
+}
