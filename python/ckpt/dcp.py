@@ -358,7 +358,6 @@ class _Drainer:
         self._cond = threading.Condition()
         #: The step waiting for the drain: (step, generation, keep_local, rate).
         self._waiting: Optional[Tuple[int, Optional[int], Optional[int], Optional[float]]] = None
-        self._draining: Optional[int] = None
         #: Each step's outcome: its figures, a skip, or the drain's error.
         self._done: Dict[int, Union[dict, BaseException]] = {}
         self._thread: Optional[threading.Thread] = None
@@ -408,7 +407,7 @@ class _Drainer:
                     self._thread = None
                     return
                 step, generation, keep_local, rate = self._waiting
-                self._waiting, self._draining = None, step
+                self._waiting = None
             try:
                 out: Union[dict, BaseException] = self._local.drain_to(
                     self._store,
@@ -422,7 +421,6 @@ class _Drainer:
                 out = e
             with self._cond:
                 self._done[step] = out
-                self._draining = None
                 self._cond.notify_all()
 
     def wait(self, step: int, timeout: Optional[float]) -> dict:

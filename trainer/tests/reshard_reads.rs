@@ -4,12 +4,12 @@
 //! restore needs whole still go around the page cache (`O_DIRECT`). Measured by the disk reads
 //! the kernel counts for this process (`/proc/self/io`), on a real local directory store.
 
+mod common;
+
 use std::sync::Arc;
 
 use bytes::Bytes;
-use ckpt_store::{
-    CodecPolicy, DType, DedupIndex, Layout, NdBox, RankWrite, ShardDesc, ShardIn, StepReader, Store,
-};
+use ckpt_store::{CodecPolicy, DType, NdBox, ShardDesc, ShardIn, StepReader, Store};
 use ckpt_trainer::{HostTensor, MemorySink, RestoreTarget, restore_targets};
 
 const CHUNK: usize = 1 << 20;
@@ -28,18 +28,9 @@ fn disk_read_bytes() -> u64 {
         .unwrap()
 }
 
-fn open(dir: &std::path::Path) -> Store {
-    let store = ckpt_store::open(dir.to_str().unwrap()).unwrap();
-    let mut cfg = store.config().clone();
-    cfg.chunk_size = CHUNK;
-    cfg.adaptive_codec = false;
-    cfg.codec = CodecPolicy::Raw;
-    store.with_config(cfg).unwrap()
-}
-
 /// Tensors `w` and `v`, each `ROWS` x `COLS` f32 of distinct bytes, saved by one rank as step 1
 /// of run `r` (large objects are written with `O_DIRECT`: none of it is in the page cache).
-fn save(store: &Store, rt: &tokio::runtime::Runtime) -> Vec<Vec<u8>> {
+fn save(store: &Store) -> Vec<Vec<u8>> {
     let data: Vec<Vec<u8>> = (0..2u64)
         .map(|t| {
             (0..ROWS * COLS * 4)
@@ -60,21 +51,7 @@ fn save(store: &Store, rt: &tokio::runtime::Runtime) -> Vec<Vec<u8>> {
             data: Some(Bytes::copy_from_slice(d)),
         })
         .collect();
-    rt.block_on(async {
-        let w = RankWrite {
-            run: "r".into(),
-            step: 1,
-            rank: 0,
-            layout: Layout::SINGLE,
-            generation: 0,
-            node: None,
-        };
-        store
-            .write_rank(&w, shards, vec![], &DedupIndex::new())
-            .await
-            .unwrap();
-        store.log().commit_step("r", 1).await.unwrap();
-    });
+    common::commit_one_rank(store, shards);
     data
 }
 
@@ -114,9 +91,9 @@ fn columns(data: &[u8], c0: u64, n: u64) -> Vec<u8> {
 #[test]
 fn the_ranks_of_a_resharded_restore_read_each_chunk_from_the_disk_once() {
     let dir = tempfile::tempdir().unwrap();
-    let store = open(dir.path());
+    let store = common::local_store(dir.path(), CHUNK, CodecPolicy::Raw);
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let data = save(&store, &rt);
+    let data = save(&store);
     let size = ROWS * COLS * 4;
 
     // `w` saved whole, restored as two column halves (Shard(0) -> Shard(1)): every chunk (a

@@ -3,13 +3,12 @@
 //! hash-checked, a damaged copy refused or read again from a fallback store, on a real local
 //! directory store.
 
+mod common;
+
 use std::sync::Arc;
 
 use bytes::Bytes;
-use ckpt_store::{
-    CodecPolicy, DType, DedupIndex, ErrorKind, Layout, NdBox, RankWrite, ShardDesc, ShardIn,
-    StepReader, Store,
-};
+use ckpt_store::{CodecPolicy, DType, ErrorKind, NdBox, ShardDesc, ShardIn, StepReader, Store};
 use ckpt_trainer::{HostTensor, MemorySink, RestoreTarget, restore_targets};
 
 const CHUNK: u64 = 1 << 20;
@@ -44,11 +43,7 @@ impl MemorySink for Recording {
 /// A local store in `dir` with chunks of [`CHUNK`] bytes, all stored raw (read unchecked and
 /// hashed as they are copied) or all compressed (decoded, checked, then copied).
 fn open(dir: &std::path::Path, raw: bool) -> Store {
-    let store = ckpt_store::open(dir.to_str().unwrap()).unwrap();
-    let mut cfg = store.config().clone();
-    cfg.chunk_size = CHUNK as usize;
-    cfg.adaptive_codec = false;
-    cfg.codec = if raw {
+    let codec = if raw {
         CodecPolicy::Raw
     } else {
         CodecPolicy::Compress {
@@ -56,7 +51,7 @@ fn open(dir: &std::path::Path, raw: bool) -> Store {
             min_saving_permille: 1,
         }
     };
-    store.with_config(cfg).unwrap()
+    common::local_store(dir, CHUNK as usize, codec)
 }
 
 /// `zeros`: 4.5 chunks of zeros (four identical chunks and a tail); `w`: 2 chunks of other
@@ -71,27 +66,7 @@ fn save(store: &Store) -> (Vec<u8>, Vec<u8>) {
             data: Some(Bytes::copy_from_slice(data)),
         }
     };
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(async {
-        let w_ = RankWrite {
-            run: "r".into(),
-            step: 1,
-            rank: 0,
-            layout: Layout::SINGLE,
-            generation: 0,
-            node: None,
-        };
-        store
-            .write_rank(
-                &w_,
-                vec![shard("zeros", &zeros), shard("w", &w)],
-                vec![],
-                &DedupIndex::new(),
-            )
-            .await
-            .unwrap();
-        store.log().commit_step("r", 1).await.unwrap();
-    });
+    common::commit_one_rank(store, vec![shard("zeros", &zeros), shard("w", &w)]);
     (zeros, w)
 }
 

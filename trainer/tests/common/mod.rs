@@ -1,6 +1,7 @@
-//! Helpers shared by the trainer's integration tests.
+//! Helpers shared by the trainer's integration tests (each test binary uses some of them).
+#![allow(dead_code)]
 
-use ckpt_store::{StepReader, Store};
+use ckpt_store::{CodecPolicy, DedupIndex, Layout, RankWrite, ShardIn, StepReader, Store};
 use ckpt_trainer::runtime;
 
 /// The bytes of tensor `name` of committed `step` of `run`, read through a `StepReader`;
@@ -14,4 +15,34 @@ pub fn read(store: &Store, run: &str, step: u64, name: &str) -> Vec<u8> {
             .await
             .unwrap_or_else(|e| panic!("step {step} tensor {name}: {e}"))
     })
+}
+
+/// A local store in `dir` (a real directory: `DirectFs`) with chunks of `chunk` bytes, every
+/// chunk stored by `codec` (no adaptive choice).
+pub fn local_store(dir: &std::path::Path, chunk: usize, codec: CodecPolicy) -> Store {
+    let store = ckpt_store::open(dir.to_str().unwrap()).unwrap();
+    let mut cfg = store.config().clone();
+    cfg.chunk_size = chunk;
+    cfg.adaptive_codec = false;
+    cfg.codec = codec;
+    store.with_config(cfg).unwrap()
+}
+
+/// Write `shards` as the one rank of step 1 of run `r` and commit it.
+pub fn commit_one_rank(store: &Store, shards: Vec<ShardIn>) {
+    runtime().block_on(async {
+        let w = RankWrite {
+            run: "r".into(),
+            step: 1,
+            rank: 0,
+            layout: Layout::SINGLE,
+            generation: 0,
+            node: None,
+        };
+        store
+            .write_rank(&w, shards, vec![], &DedupIndex::new())
+            .await
+            .unwrap();
+        store.log().commit_step("r", 1).await.unwrap();
+    });
 }
