@@ -124,7 +124,9 @@ pub use store::{
     BaseChunk, BaseRegions, ChunkIn, Chunks, DedupIndex, Objects, PutReport, PutStats, Store,
     StoreConfig,
 };
-pub use tier::{DrainMarker, DrainOptions, DrainPace, DrainReport, drain_step, rate_pace};
+pub use tier::{
+    DrainMarker, DrainOptions, DrainPace, DrainProgress, DrainReport, drain_step, rate_pace,
+};
 pub use url::{OpenOptions, StoreUrl, open, open_with};
 pub use verify::{Damage, VerifyReport, VerifyScope};
 pub use wrap::{

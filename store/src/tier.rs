@@ -89,6 +89,10 @@ pub fn rate_pace(bytes_per_s: f64) -> DrainPace {
     })
 }
 
+/// Told a drain's progress after each object: stored bytes done (copied or found on the remote
+/// already) and the step's total.
+pub type DrainProgress = Arc<dyn Fn(u64, u64) + Send + Sync>;
+
 /// How a drain runs.
 #[derive(Clone)]
 pub struct DrainOptions {
@@ -104,6 +108,8 @@ pub struct DrainOptions {
     /// restarted job drains what an earlier generation left local only, fenced by its own
     /// generation, not the step's.
     pub generation: Option<u64>,
+    /// Told the progress after each object (`ckpt drain`'s bar).
+    pub progress: Option<DrainProgress>,
 }
 
 impl Default for DrainOptions {
@@ -114,6 +120,7 @@ impl Default for DrainOptions {
             writer: "drain".into(),
             marker_every: 64 << 20,
             generation: None,
+            progress: None,
         }
     }
 }
@@ -366,6 +373,9 @@ async fn copy_and_commit(
             let last_mark = &last_mark;
             // Progress into the marker now and then (a failed update only costs a stale bar).
             let d = done.load(Ordering::Relaxed);
+            if let Some(p) = &opts.progress {
+                p(d.min(marker.bytes_total), marker.bytes_total);
+            }
             let due = d.saturating_sub(last_mark.load(Ordering::Relaxed)) >= opts.marker_every;
             let mut m = marker.clone();
             async move {

@@ -56,10 +56,15 @@ impl Tiers {
 
     /// `ckpt-train` of `run` for `steps` steps, a checkpoint every `every`, with the tier.
     fn train(&self, run: &str, steps: u64, every: u64, extra: &[&str]) -> Command {
+        let mut c = self.train_remote_only(run, steps, every, extra);
+        c.arg("--local-tier").arg(self.local());
+        c
+    }
+
+    /// [`Tiers::train`] on the remote store alone.
+    fn train_remote_only(&self, run: &str, steps: u64, every: u64, extra: &[&str]) -> Command {
         let mut c = Command::new(bin("ckpt-train", "ckpt-train"));
         c.args(["--store", &self.url, "--run", run, "--layout", "dp=2"])
-            .arg("--local-tier")
-            .arg(self.local())
             .args(["--params", PARAMS, "--seed", "5"])
             .args([
                 "--steps",
@@ -113,6 +118,34 @@ impl Tiers {
     }
 }
 
+impl Tiers {
+    /// A job of 40 steps on `run`, SIGKILLed while a drain is under way (the remote is slow:
+    /// every request takes 100 ms more): its newest local steps are not remote. The steps
+    /// committed locally and remotely.
+    fn kill_while_draining(&self, run: &str) -> (Vec<u64>, Vec<u64>) {
+        let mut job = self
+            .train(run, 40, 5, &["--step-time-ms", "40"])
+            .env("CKPT_FAULTS", "rate=1,seed=1,mix=0:0:1,slow_ms=100")
+            .spawn()
+            .unwrap();
+        let drains = self.local().join("runs").join(run).join("drain");
+        wait_for("a drain under way", Duration::from_secs(60), || {
+            std::fs::read_dir(&drains).is_ok_and(|d| d.count() > 0)
+        });
+        signal(job.id(), libc::SIGKILL);
+        let _ = job.wait();
+        let (l, r) = (
+            self.committed(&self.local_store(), run),
+            self.committed(&self.remote(), run),
+        );
+        assert!(
+            l.last() > r.last(),
+            "the newest local step is not remote yet: local {l:?}, remote {r:?}"
+        );
+        (l, r)
+    }
+}
+
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Runtime::new().unwrap()
 }
@@ -150,25 +183,8 @@ fn a_job_killed_while_it_drains_is_finished_by_the_next_and_nothing_dangles() {
     };
     let run = "k";
     let want = reference_digest(t.dir.path(), 40, PARAMS);
-    // A slow remote: every request takes 100 ms more, so a drain is under way for a while.
-    let mut job = t
-        .train(run, 40, 5, &["--step-time-ms", "40"])
-        .env("CKPT_FAULTS", "rate=1,seed=1,mix=0:0:1,slow_ms=100")
-        .spawn()
-        .unwrap();
-    let drains = t.local().join("runs").join(run).join("drain");
-    wait_for("a drain under way", Duration::from_secs(60), || {
-        std::fs::read_dir(&drains).is_ok_and(|d| d.count() > 0)
-    });
-    signal(job.id(), libc::SIGKILL);
-    let _ = job.wait();
-    let local = t.local_store();
+    let (l, r) = t.kill_while_draining(run);
     let remote = t.remote();
-    let (l, r) = (t.committed(&local, run), t.committed(&remote, run));
-    assert!(
-        l.last() > r.last(),
-        "the newest local step is not remote yet: local {l:?}, remote {r:?}"
-    );
     // `ckpt ls --local-tier` says where each step is durable.
     let tier = t.local().display().to_string();
     let out = t.ckpt(&t.url, &["--json", "ls", "--local-tier", &tier, run]);
@@ -218,6 +234,96 @@ fn a_job_killed_while_it_drains_is_finished_by_the_next_and_nothing_dangles() {
         .next_back()
         .expect("a restore");
     assert_eq!(restore.tier, "local", "{restore:?}");
+}
+
+#[test]
+fn ckpt_drain_finishes_what_a_killed_job_left_local_only_and_says_why_it_cannot_while_the_store_is_down()
+ {
+    let Some(t) = Tiers::new("cli-drain") else {
+        return;
+    };
+    let run = "d";
+    let want = reference_digest(t.dir.path(), 40, PARAMS);
+    let (l, r) = t.kill_while_draining(run);
+    let newest = *l.last().unwrap();
+    let older: Vec<u64> = l
+        .iter()
+        .copied()
+        .filter(|&s| s < newest && r.last().is_none_or(|&x| s > x))
+        .collect();
+    let tier = t.local().display().to_string();
+    let remote = t.remote();
+    // The store down: the drain fails, says what and where, and the step stays local.
+    let down = Command::new(bin("ckpt", "ckpt"))
+        .args(["--store", &t.url, "drain", "--local-tier", &tier, run])
+        .envs(t.server.env())
+        .env("CKPT_FAULTS", "outage_s=0+600")
+        .env(
+            "CKPT_STORE_RETRY",
+            "attempts=2,min_ms=10,max_ms=20,timeout_ms=500",
+        )
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&down.stderr);
+    assert_eq!(down.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!("run {run}")) && err.contains("local tier"),
+        "{err}"
+    );
+    assert_eq!(t.committed(&remote, run), r, "nothing committed while down");
+    assert_eq!(
+        t.committed(&t.local_store(), run),
+        l,
+        "the tier keeps its steps"
+    );
+    // The store back: the newest local step is drained and committed there; the older ones
+    // it supersedes are named, and `--all` is not needed for the newest.
+    let out = t.ckpt(&t.url, &["--json", "drain", "--local-tier", &tier, run]);
+    let text = ok(&out);
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {text}"));
+    let drained = v["drained"].as_array().expect("drained");
+    assert_eq!(drained.len(), 1, "{text}");
+    assert_eq!(drained[0]["step"], newest, "{text}");
+    assert!(
+        drained[0]["manifests"] == 2 || drained[0]["already_remote"] == true,
+        "{text}"
+    );
+    if older.is_empty() {
+        assert_eq!(v["superseded"], serde_json::json!([]), "{text}");
+    } else {
+        assert_eq!(
+            v["superseded"][0]["steps"],
+            serde_json::json!(older),
+            "{text}"
+        );
+        assert_eq!(v["superseded"][0]["by"], newest, "{text}");
+    }
+    assert_eq!(t.committed(&remote, run).last(), Some(&newest));
+    // Again: nothing to do.
+    let again = ok(&t.ckpt(&t.url, &["drain", "--local-tier", &tier, run]));
+    assert!(again.contains("nothing to drain"), "{again}");
+    t.verify_both(run);
+    // The drained step restores from the store alone, bit-exact: a job without the tier
+    // resumes from it and ends with the digest of an uninterrupted run.
+    let out = t
+        .train_remote_only(run, 40, 5, &["--resume"])
+        .output()
+        .unwrap();
+    assert_eq!(digest_in(&ok(&out)).as_deref(), Some(want.as_str()));
+    let restore = events(&remote, run)
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::Restore(r) => Some(r),
+            _ => None,
+        })
+        .next_back()
+        .expect("a restore");
+    assert_eq!(
+        (restore.step, restore.bytes_from_local),
+        (newest, 0),
+        "{restore:?}"
+    );
 }
 
 #[test]

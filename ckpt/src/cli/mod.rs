@@ -17,6 +17,7 @@ use clap::{Parser, Subcommand};
 #[cfg(feature = "etcd")]
 pub mod agent;
 pub mod diff;
+pub mod drain;
 pub mod export;
 pub mod gc;
 pub mod import;
@@ -87,6 +88,9 @@ pub enum Command {
     Verify(verify::VerifyArgs),
     /// Delete steps retention does not keep, then unreferenced chunks.
     Gc(gc::GcArgs),
+    /// Copy to the store what a local tier committed and the store lacks, and commit it there
+    /// (what a job left local only).
+    Drain(drain::DrainArgs),
     /// Write a step's consolidated tensors as safetensors.
     Export(export::ExportArgs),
     /// Read safetensors files (or an index json) into a new checkpoint.
@@ -230,6 +234,7 @@ pub async fn run(
             });
         }
         Command::Gc(a) => emit(ui, &gc::gc(&store, &a, now, ui).await?),
+        Command::Drain(a) => emit(ui, &drain::drain(&store, &a, ui).await?),
         Command::Export(a) => emit(ui, &export::export(&store, &a, ui).await?),
         Command::Import(a) => emit(ui, &import::import(&store, &a, ui).await?),
         Command::Plan(a) => emit(ui, &plan::plan(&store, &a, ui).await?),

@@ -226,7 +226,7 @@ impl Drainer {
                 return Err(ckpt_store::Error::new(
                     ErrorKind::Incomplete,
                     format!(
-                        "step {} of run {} is committed in the local tier {} but not yet drained to {} after {:.0} s; a job resumed on this node finishes the drain",
+                        "step {} of run {} is committed in the local tier {} but not yet drained to {} after {:.0} s; a job resumed on this node finishes the drain, or `ckpt drain --local-tier DIR` does",
                         step.map_or("?".into(), |s| s.to_string()),
                         self.shared.run,
                         self.shared.local.url(),
