@@ -26,9 +26,13 @@ the older waiting ones (a ``RuntimeWarning`` says so) rather than fall further b
 first save of a process to the tier supersedes in the same way a newest step that a killed
 process left there undrained (a warning names it). DCP tells a writer nothing of the training
 steps, so no governor paces this drain: ``drain_rate=`` caps it in stored bytes a second.
-``StorageReader`` loads the newest step of either, reading the local tier first and a chunk
-missing or damaged there from the store. Every rank must see the same tier (one machine, or a
-shared file system).
+A drain that fails for the store's sake (down, failing requests) is tried again after a
+pause that doubles up to 30 s, until it succeeds or a newer step supersedes it; a process
+that exits meanwhile warns which step stays local only, and ``ckpt drain --local-tier DIR``
+finishes it. ``StorageReader`` loads the newest step of either, reading the local tier first
+and a chunk missing or damaged there from the store; after the load its coordinator drains a
+step a killed process left in the tier only. Every rank must see the same tier (one machine,
+or a shared file system).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import io
 import os
 import pickle
 import threading
+import time
 import warnings
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -223,9 +228,30 @@ class StorageWriter(_DcpStorageWriter):
         # save's process group, whichever it is) and the generation written under.
         generation = self._generation
         if generation is None:
-            generation = self._store.generation(self.run)
+            generation = self._run_generation()
         shared = {"world": len(plans), "generation": generation}
         return [dataclasses.replace(p, storage_data=shared) for p in plans]
+
+    def _run_generation(self) -> int:
+        """The newest generation started for the run: the store's, and with a local tier the
+        newer of the tier's and the store's, or the tier's alone while the store does not
+        answer (the save goes on locally; the drain is fenced on the store when it is back)."""
+        if self._local is None:
+            return self._store.generation(self.run)
+        here = self._local.generation(self.run)
+        try:
+            return max(here, self._store.generation(self.run))
+        except CkptError as e:
+            if getattr(e, "kind", None) in _FINAL_DRAIN_ERRORS:
+                raise
+            warnings.warn(
+                f"run {self.run!r} step {self.step}: the store {self._store.url} did not answer "
+                f"({e}); the step is saved in the local tier under its generation {here} and "
+                "drains once the store answers",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return here
 
     def storage_meta(self) -> Optional[StorageMeta]:
         return StorageMeta(checkpoint_id=self._checkpoint_id(), save_id=self._checkpoint_id())
@@ -319,8 +345,12 @@ class StorageWriter(_DcpStorageWriter):
         """With a local tier, on the coordinator: wait until the step is committed on the
         store (remote-durable); the drain's figures (``objects_sent``, ``bytes_sent``,
         ``bytes_present``, ``seconds``), or ``{"step": s, "skipped_for": newer}`` when a newer
-        step's drain superseded this one's. Raises the drain's error, or ``CkptError`` when
-        ``timeout`` seconds pass first. None without a local tier or on other ranks."""
+        step's drain superseded this one's. A drain that fails for the store's sake is tried
+        again behind: with ``timeout``, the wait goes on through the tries and raises
+        ``CkptError`` (naming the last failure) when ``timeout`` seconds pass first; without
+        it, the first failure is raised (the tries go on). A failure no try mends (fenced by a
+        newer job, a damaged local chunk) is raised at once. None without a local tier or on
+        other ranks."""
         if self._drainer is None:
             return None
         return self._drainer.wait(self.step, timeout)
@@ -333,16 +363,28 @@ def _url(store: Union[str, Store]) -> str:
     return store.url if isinstance(store, Store) else str(store)
 
 
+#: Error kinds a drain does not try again: a newer job owns the run on the store, a local
+#: copy is damaged, the step is gone or invalid (the same failure every time).
+_FINAL_DRAIN_ERRORS = frozenset({"fenced", "damaged data", "invalid input", "not found"})
+
+
 class _Drainer:
     """The one drain of a process per local tier, store and run: a thread that drains one
     step at a time, the newest waiting one first (older waiting steps are skipped: the newest
     step's drain supersedes them, and their drain markers go with it). A step a killed process
     left committed in the tier and not on the store is superseded so by the first step this
-    one submits. The thread is not a daemon (the interpreter waits for the drain before it
-    exits) and ends when nothing waits."""
+    one submits, or drained after a load (``resume_left``). A drain that fails for the store's
+    sake (down, failing requests) is tried again after a pause that doubles from
+    ``first_backoff`` to ``max_backoff`` seconds, unless a newer step comes to supersede it.
+    The thread is not a daemon (the interpreter waits for the drain in flight before it
+    exits) and ends when nothing waits; once the main thread has ended it tries no more, and
+    a step left undrained is named in a ``RuntimeWarning`` with the ``ckpt drain`` command
+    that finishes it."""
 
     _all: Dict[Tuple[str, str, str], "_Drainer"] = {}
     _all_lock = threading.Lock()
+    first_backoff = 1.0
+    max_backoff = 30.0
 
     @classmethod
     def of(cls, local: Store, store: Store, run: str) -> "_Drainer":
@@ -358,17 +400,23 @@ class _Drainer:
         self._cond = threading.Condition()
         #: The step waiting for the drain: (step, generation, keep_local, rate).
         self._waiting: Optional[Tuple[int, Optional[int], Optional[int], Optional[float]]] = None
-        #: Each step's outcome: its figures, a skip, or the drain's error.
+        #: Each step's outcome: its figures, a skip, or the drain's final error.
         self._done: Dict[int, Union[dict, BaseException]] = {}
+        #: A step whose drain failed and waits to be tried again: the last error.
+        self._failed: Dict[int, BaseException] = {}
         self._thread: Optional[threading.Thread] = None
-        # The tier's newest step if the store lacks it: left undrained by a killed process.
-        local_steps, remote_steps = local.committed_steps(run), store.committed_steps(run)
+        # The tier's newest step if the store lacks it: left undrained by a killed process
+        # (unknown while the store does not answer: the next drain supersedes it all the same).
         self._left: Optional[int] = None
+        try:
+            local_steps, remote_steps = local.committed_steps(run), store.committed_steps(run)
+        except CkptError:
+            local_steps, remote_steps = [], []
         if local_steps and (not remote_steps or local_steps[-1] > remote_steps[-1]):
             self._left = local_steps[-1]
 
     def submit(
-        self, step: int, generation: Optional[int], keep_local: int, rate: Optional[float]
+        self, step: int, generation: Optional[int], keep_local: Optional[int], rate: Optional[float]
     ) -> None:
         with self._cond:
             self._done.pop(step, None)
@@ -390,6 +438,16 @@ class _Drainer:
                 self._thread.start()
             self._cond.notify_all()
 
+    def resume_left(self, rate: Optional[float]) -> Optional[int]:
+        """Drain the step a killed process left local only, if any and nothing newer was
+        submitted (a load's end: the step becomes remote-durable before the first save)."""
+        with self._cond:
+            left = self._left
+            if left is None or self._waiting is not None:
+                return None
+        self.submit(left, None, None, rate)
+        return left
+
     def _skip(self, step: int, newer: int) -> None:
         warnings.warn(
             f"run {self._run!r}: the drain to {self._store.url} is behind; step {step} is "
@@ -397,17 +455,20 @@ class _Drainer:
             RuntimeWarning,
             stacklevel=4,
         )
+        self._failed.pop(step, None)
         self._done[step] = {"step": step, "skipped_for": newer}
         self._cond.notify_all()
 
     def _loop(self) -> None:
+        backoff = self.first_backoff
         while True:
             with self._cond:
                 if self._waiting is None:
                     self._thread = None
                     return
-                step, generation, keep_local, rate = self._waiting
+                job = self._waiting
                 self._waiting = None
+            step, generation, keep_local, rate = job
             try:
                 out: Union[dict, BaseException] = self._local.drain_to(
                     self._store,
@@ -417,22 +478,88 @@ class _Drainer:
                     keep_local=keep_local,
                     rate=rate,
                 )
+                backoff = self.first_backoff
             except BaseException as e:  # reported by wait
                 out = e
             with self._cond:
-                self._done[step] = out
-                self._cond.notify_all()
+                verdict = "done" if isinstance(out, dict) else self._after_failure(job, out)
+                if verdict == "superseded":
+                    continue  # its outcome is the skip
+                if verdict == "done":
+                    self._failed.pop(step, None)
+                    self._done[step] = out
+                    self._cond.notify_all()
+                    continue
+                # A pause, cut short by a newer step (which supersedes this one) or by the
+                # end of the main thread (the process is exiting: no more tries).
+                deadline = time.monotonic() + backoff
+                while (
+                    self._waiting is job
+                    and threading.main_thread().is_alive()
+                    and time.monotonic() < deadline
+                ):
+                    self._cond.wait(min(0.2, max(0.0, deadline - time.monotonic())))
+                backoff = min(backoff * 2, self.max_backoff)
+                if self._waiting is job and not threading.main_thread().is_alive():
+                    self._waiting = None
+                    self._failed.pop(step, None)
+                    self._done[step] = out
+                    self._cond.notify_all()
+                    self._undrained_at_exit(step, out)
+
+    def _after_failure(self, job: tuple, out: BaseException) -> str:
+        """What follows a failed drain: ``"retry"`` (it waits again, the error kept for
+        ``wait``), ``"superseded"`` (a newer step waits: skipped for it) or ``"done"`` (the
+        error is the outcome: a failure no retry mends, or the process is exiting)."""
+        step = job[0]
+        if not isinstance(out, CkptError) or getattr(out, "kind", None) in _FINAL_DRAIN_ERRORS:
+            return "done"
+        if not threading.main_thread().is_alive():
+            self._undrained_at_exit(step, out)
+            return "done"
+        if self._waiting is not None and self._waiting[0] > step:
+            self._skip(step, self._waiting[0])
+            return "superseded"
+        if self._waiting is None:
+            self._waiting = job
+        self._failed[step] = out
+        self._cond.notify_all()
+        warnings.warn(
+            f"run {self._run!r}: draining step {step} to {self._store.url} failed "
+            f"(tried again in a while; the step is local-durable): {out}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return "retry"
+
+    def _undrained_at_exit(self, step: int, error: BaseException) -> None:
+        warnings.warn(
+            f"run {self._run!r}: step {step} is committed in the local tier "
+            f"{self._local.url} but not on {self._store.url}, and the process is exiting "
+            f"(the last drain failed: {error}); `ckpt --store {self._store.url} drain "
+            f"--local-tier {self._local.url} {self._run}` finishes it, as does the run's "
+            "next save",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     def wait(self, step: int, timeout: Optional[float]) -> dict:
         with self._cond:
-            if not self._cond.wait_for(lambda: step in self._done, timeout):
+
+            def settled() -> bool:
+                return step in self._done or (timeout is None and step in self._failed)
+
+            if not self._cond.wait_for(settled, timeout):
+                last = self._failed.get(step)
                 raise CkptError(
                     f"run {self._run!r} step {step}: still draining to "
                     f"{self._store.url} after {timeout} s (it is local-durable)"
+                    + ("" if last is None else f"; the last try failed: {last}")
                 )
-            out = self._done[step]
+            out = self._done.get(step, self._failed.get(step))
         if isinstance(out, BaseException):
             raise out
+        assert out is not None
         return out
 
 
@@ -443,7 +570,9 @@ class StorageReader(_DcpStorageReader):
     uncommitted step is never read: opening one fails with ``CkptError`` (kind ``not found``).
 
     ``local_tier``: the newest step of the tier and the store; a step committed in the tier
-    is read there, each chunk missing or damaged there from the store."""
+    is read there, each chunk missing or damaged there from the store. After the load, the
+    coordinator drains to the store a newest step a killed process left in the tier only
+    (behind the training, as the writer's drain: ``drain_rate`` caps it)."""
 
     def __init__(
         self,
@@ -451,8 +580,14 @@ class StorageReader(_DcpStorageReader):
         run: str,
         step: Optional[int] = None,
         local_tier: Union[str, Store, None] = None,
+        drain_rate: Optional[float] = None,
     ) -> None:
         super().__init__()
+        if drain_rate is not None and not float(drain_rate) > 0:
+            raise CkptError(
+                f"drain_rate must be a positive number of bytes a second, not {drain_rate!r}"
+            )
+        self._drain_rate = None if drain_rate is None else float(drain_rate)
         self._local_arg = local_tier
         self._local: Optional[Store] = None
         self._store_arg = store
@@ -627,6 +762,10 @@ class StorageReader(_DcpStorageReader):
                 flush()
                 batch_bytes = 0
         flush()
+        if self._local is not None and self.is_coordinator:
+            # A step a killed process left in the tier and not on the store drains behind
+            # the training from now on (the first save supersedes it if it comes first).
+            _Drainer.of(self._local, self._store, self.run).resume_left(self._drain_rate)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

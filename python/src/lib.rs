@@ -181,7 +181,9 @@ impl Lent {
     }
 }
 
-/// A store, opened by path or URL as `ckpt` takes it (`/data/ckpts`, `s3://bucket/prefix`).
+/// A store, opened by path or URL as `ckpt` takes it (`/data/ckpts`, `s3://bucket/prefix`),
+/// with the request retries of `CKPT_STORE_RETRY` as the binaries read it (and `CKPT_FAULTS`,
+/// the faults tests inject).
 #[pyclass(module = "ckpt._native", frozen)]
 struct Store {
     store: ckpt_store::Store,
@@ -193,7 +195,19 @@ impl Store {
     #[new]
     fn new(py: Python<'_>, url: &str) -> PyResult<Self> {
         let u = url.to_string();
-        let store = block(py, async move { ckpt_store::open(&u) })?;
+        // The interpreter is this library's binary: its edge reads the environment, as the
+        // `ckpt` and `ckpt-train` binaries do at start-up.
+        #[expect(
+            clippy::disallowed_methods,
+            reason = "the Python module is the process's edge: it reads the store settings of the environment as the binaries do"
+        )]
+        let var = |name: &str| std::env::var(name).ok();
+        let open = ckpt_store::OpenOptions::from_values(
+            var(ckpt_store::url::RETRY_ENV).as_deref(),
+            var(ckpt_store::url::FAULTS_ENV).as_deref(),
+        )
+        .map_err(err)?;
+        let store = block(py, async move { ckpt_store::open_with(&u, &open) })?;
         Ok(Store {
             store,
             url: url.to_string(),

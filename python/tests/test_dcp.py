@@ -3,9 +3,12 @@ FileSystemWriter/Reader, async_save, damage, dedup, export interop, the newest c
 
 import io
 import json
+import os
 import socket
 import subprocess
 import sys
+import time
+import warnings
 from pathlib import Path
 
 import numpy
@@ -237,11 +240,16 @@ def test_a_step_only_in_the_local_tier_loads_and_drain_wait_finishes_in_finish(t
     dcp.load(got, storage_reader=r)
     assert r.checkpoint_step == 4
     assert_same(got, state, "the local-only step")
+    # The load drains it behind (test_a_load_drains_what_a_killed_process_left_in_the_tier).
+    t0 = time.monotonic()
+    while ckpt.Store(str(remote)).committed_steps("k") != [4]:
+        assert time.monotonic() - t0 < 60, "step 4 not drained after the load"
+        time.sleep(0.02)
     # drain="wait": remote-durable when dcp.save returns.
     state["step"] = 9
     w = StorageWriter(str(remote), run="k", step=5, local_tier=str(local), drain="wait")
     dcp.save(state, storage_writer=w)
-    assert ckpt.Store(str(remote)).committed_steps("k") == [5]
+    assert ckpt.Store(str(remote)).committed_steps("k") == [4, 5]
     with pytest.raises(ckpt.CkptError, match="drain must be"):
         StorageWriter(str(remote), run="k", step=6, local_tier=str(local), drain="later")
 
@@ -318,5 +326,126 @@ def test_a_drain_a_killed_process_left_is_superseded_by_the_next_save(tmp_path, 
     assert w.wait_drained(timeout=120)["bytes_sent"] > 0
     assert ckpt.Store(str(remote)).committed_steps("k") == [2]
     assert ckpt.Store(str(local)).pending_drains("k") == []
+    for store in (remote, local):
+        subprocess.run([str(ckpt_bin), "verify", "k"], env={"CKPT_STORE": str(store)}, check=True)
+
+
+def _store_down(url: Path, faults: str) -> ckpt.Store:
+    """The store at ``url`` opened with ``faults`` injected below few, quick retries (the
+    variables are read when a store is opened, so only this handle is affected)."""
+    saved = {k: os.environ.get(k) for k in ("CKPT_FAULTS", "CKPT_STORE_RETRY")}
+    os.environ["CKPT_FAULTS"] = faults
+    os.environ["CKPT_STORE_RETRY"] = "attempts=2,min_ms=10,max_ms=20,timeout_ms=500"
+    try:
+        return ckpt.Store(str(url))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_a_dcp_drain_is_tried_again_while_the_store_is_down_and_catches_up(tmp_path, monkeypatch):
+    from ckpt.dcp import _Drainer
+
+    monkeypatch.setattr(_Drainer, "first_backoff", 0.2)
+    remote, local = tmp_path / "remote", tmp_path / "local"
+    down = _store_down(remote, "outage_s=0+3")  # down for the first 3 s after it opened
+    w = StorageWriter(down, run="o", step=1, local_tier=str(local))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        dcp.save(eight_mib(1), storage_writer=w)  # local-durable while the store is down
+        assert ckpt.Store(str(local)).committed_steps("o") == [1]
+        # Without a timeout the wait reports the first failure; the tries go on behind.
+        with pytest.raises(ckpt.CkptError, match="outage"):
+            w.wait_drained()
+        assert ckpt.Store(str(remote)).committed_steps("o") == []
+        got = w.wait_drained(timeout=60)
+    assert got["bytes_sent"] >= 8 << 20, got
+    assert ckpt.Store(str(remote)).committed_steps("o") == [1]
+    assert ckpt.Store(str(local)).pending_drains("o") == []
+    assert any("draining step 1" in str(x.message) and "failed" in str(x.message) for x in seen), [
+        str(x.message) for x in seen
+    ]
+    loaded = placeholder(eight_mib(0))
+    dcp.load(loaded, storage_reader=StorageReader(str(remote), run="o"))
+    assert_same(loaded, eight_mib(1), "the step, read from the store alone")
+
+
+EXITS_WHILE_DOWN = """
+import os, sys
+import torch
+import torch.distributed.checkpoint as dcp
+import ckpt
+from ckpt.dcp import StorageWriter
+remote, local = sys.argv[1], sys.argv[2]
+g = torch.Generator().manual_seed(1)
+state = {"model": {f"w{i}": torch.randn(256, 1024, generator=g) for i in range(8)}, "step": 1}
+here = ckpt.Store(local)  # opened before the faults are set: only the store is down
+os.environ["CKPT_FAULTS"] = "outage_s=0+600"
+os.environ["CKPT_STORE_RETRY"] = "attempts=2,min_ms=10,max_ms=20,timeout_ms=500"
+down = ckpt.Store(remote)
+dcp.save(state, storage_writer=StorageWriter(down, run="x", step=1, local_tier=here))
+"""
+
+
+def test_a_process_exiting_while_the_store_is_down_says_what_stays_local_and_ckpt_drain_finishes_it(
+    tmp_path, ckpt_bin
+):
+    remote, local = tmp_path / "remote", tmp_path / "local"
+    t0 = time.monotonic()
+    p = subprocess.run(
+        [sys.executable, "-c", EXITS_WHILE_DOWN, str(remote), str(local)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    # It exits without waiting out the outage, and says what is left and how to finish it.
+    assert time.monotonic() - t0 < 60
+    assert "step 1 is committed in the local tier" in p.stderr, p.stderr
+    assert "ckpt --store" in p.stderr and "drain --local-tier" in p.stderr, p.stderr
+    assert ckpt.Store(str(local)).committed_steps("x") == [1]
+    assert ckpt.Store(str(remote)).committed_steps("x") == []
+    env = {"CKPT_STORE": str(remote)}
+    out = subprocess.run(
+        [str(ckpt_bin), "--json", "drain", "--local-tier", str(local)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    report = json.loads(out.stdout)
+    assert [(d["run"], d["step"]) for d in report["drained"]] == [("x", 1)], report
+    assert report["drained"][0]["bytes_sent"] >= 8 << 20, report
+    assert ckpt.Store(str(remote)).committed_steps("x") == [1]
+    for store in (remote, local):
+        subprocess.run([str(ckpt_bin), "verify", "x"], env={"CKPT_STORE": str(store)}, check=True)
+    loaded = placeholder(eight_mib(0))
+    dcp.load(loaded, storage_reader=StorageReader(str(remote), run="x"))
+    assert_same(loaded, eight_mib(1), "the drained step, read from the store alone")
+
+
+def test_a_load_drains_what_a_killed_process_left_in_the_tier(tmp_path, ckpt_bin):
+    remote, local = tmp_path / "remote", tmp_path / "local"
+    subprocess.run(
+        [sys.executable, "-c", KILLED_MID_DRAIN, str(remote), str(local)],
+        check=True,
+        timeout=120,
+    )
+    assert ckpt.Store(str(remote)).committed_steps("k") == []
+    loaded = {"model": placeholder(eight_mib(0)["model"])}  # the killed process saved no "step"
+    dcp.load(loaded, storage_reader=StorageReader(str(remote), run="k", local_tier=str(local)))
+    assert_same(loaded["model"], eight_mib(1)["model"], "step 1, from the local tier")
+    # After the load the step drains behind the training, with no save to start it.
+    t0 = time.monotonic()
+    while ckpt.Store(str(remote)).committed_steps("k") != [1]:
+        assert time.monotonic() - t0 < 60, "the load did not drain the step left local only"
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    while ckpt.Store(str(local)).pending_drains("k"):
+        assert time.monotonic() - t0 < 60, "the drain marker stayed"
+        time.sleep(0.05)
     for store in (remote, local):
         subprocess.run([str(ckpt_bin), "verify", "k"], env={"CKPT_STORE": str(store)}, check=True)
