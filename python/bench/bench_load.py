@@ -7,11 +7,16 @@ are O_DIRECT); "cached" reads every file buffered first, so both find theirs in 
 
     python python/bench/bench_load.py --gb 2 --ranks 1 --dir /tmp/bench27 [--json out.json]
     python python/bench/bench_load.py --gb 2 --ranks 2 --reshard --dir /tmp/bench27
+    python python/bench/bench_load.py --gb 2 --ranks 2 --replicate \
+        --methods dcp-fs,ckpt-dcp,ckpt-dcp-noshare --dir /tmp/bench27
 
 The state: ``--tensors`` fp32 tensors (torch.randn, seeded) of ``--gb`` GiB in all, as
 DTensors sharded Shard(0) over ``--ranks`` ranks (gloo, CPU). A load restores into tensors
 allocated and zero-filled before the clock starts (a restarted trainer's model), onto the
-same placement and, with ``--reshard``, onto Shard(1). Its time is the slowest rank's, from a
+same placement and, with ``--reshard``, onto Shard(1); with ``--replicate``, onto Replicate()
+(every rank loads all of it: data-parallel replicas). ``ckpt-dcp-noshare`` is ``ckpt-dcp``
+without the boxes several ranks read marked for the page cache (each rank reads them with
+O_DIRECT, as before that change). Its time is the slowest rank's, from a
 barrier before to a barrier after; its peak RSS the largest rank's, taken before the check.
 Every load is checked bit for bit against the state. The limit: every file of the method's
 store read with O_DIRECT (``ckpt-bench read-limit``), right after the load it pairs with.
@@ -34,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 GIB = 1 << 30
 COLS = 4096
@@ -78,7 +83,7 @@ def save_worker(rank, world, port, method, total, tensors, root):
     where = os.path.join(root, method)
     if method == "dcp-fs":
         dcp.save(state, storage_writer=dcp.FileSystemWriter(where))
-    elif method == "ckpt-dcp":
+    elif method.startswith("ckpt-dcp"):
         dcp.save(state, storage_writer=StorageWriter(where, run="bench", step=1))
     else:
         m = ckpt.CheckpointManager(where, run="bench", every_steps=1, final_on_sigterm=False)
@@ -92,8 +97,12 @@ def load_worker(rank, world, port, method, total, tensors, root, placement, out)
     import ckpt
     from ckpt.dcp import StorageReader
 
+    class NoShare(StorageReader):
+        def prepare_global_plan(self, plans):
+            return plans
+
     mesh = init(rank, world, port)
-    place = Shard(0) if placement == "same" else Shard(1)
+    place = {"same": Shard(0), "reshard": Shard(1), "replicate": Replicate()}[placement]
     target = {
         k: distribute_tensor(torch.zeros(s), mesh, [place])
         for k, s in shapes_of(total, tensors).items()
@@ -106,6 +115,8 @@ def load_worker(rank, world, port, method, total, tensors, root, placement, out)
         dcp.load(target, storage_reader=dcp.FileSystemReader(where))
     elif method == "ckpt-dcp":
         dcp.load(target, storage_reader=StorageReader(where, run="bench", step=1))
+    elif method == "ckpt-dcp-noshare":
+        dcp.load(target, storage_reader=NoShare(where, run="bench", step=1))
     else:
         m = ckpt.CheckpointManager(where, run="bench", final_on_sigterm=False)
         assert m.restore_latest(target) == 1
@@ -197,6 +208,8 @@ def main() -> None:
                     "file read buffered first")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reshard", action="store_true", help="also load onto Shard(1)")
+    ap.add_argument("--replicate", action="store_true",
+                    help="also load onto Replicate() (every rank all of it)")
     ap.add_argument("--json", help="write the figures here as well")
     ap.add_argument("--limit-bin", default=os.path.join(
         os.path.dirname(__file__), "..", "..", "target", "debug", "ckpt-bench"),
@@ -208,7 +221,7 @@ def main() -> None:
     out = os.path.join(a.dir, "results")
     os.makedirs(out)
     methods = a.methods.split(",")
-    placements = ["same", "reshard"] if a.reshard else ["same"]
+    placements = ["same"] + ["reshard"] * a.reshard + ["replicate"] * a.replicate
     for m in methods:
         mp.spawn(save_worker, args=(a.ranks, free_port(), m, total, a.tensors, a.dir),
                  nprocs=a.ranks)
@@ -264,7 +277,7 @@ def main() -> None:
         if d:
             v["x_dcp"] = v["secs"] / d["secs"]
         s = med.get(key.replace(f"/{placement}/", "/same/"))
-        if placement == "reshard" and s:
+        if placement != "same" and s:
             v["x_own_same"] = v["secs"] / s["secs"]
     report = {"state_bytes": total, "ranks": a.ranks, "tensors": a.tensors, "medians": med,
               "rows": rows}

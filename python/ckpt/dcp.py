@@ -359,6 +359,13 @@ class StorageWriter(_DcpStorageWriter):
         return f"{_url(self._store_arg)}::{self.run}@{self.step}"
 
 
+def _box(item) -> Tuple[str, Tuple[int, ...], Tuple[int, ...]]:
+    """A load item's tensor and box in the saved tensor: (fqn, offsets, sizes)."""
+    base = item.storage_index.offset or [0] * len(item.lengths)
+    offsets = tuple(int(b) + int(o) for b, o in zip(base, item.storage_offsets))
+    return (item.storage_index.fqn, offsets, tuple(int(n) for n in item.lengths))
+
+
 def _url(store: Union[str, Store]) -> str:
     return store.url if isinstance(store, Store) else str(store)
 
@@ -696,7 +703,20 @@ class StorageReader(_DcpStorageReader):
         return plan
 
     def prepare_global_plan(self, plans: List[LoadPlan]) -> List[LoadPlan]:
-        return plans
+        # The boxes more than one rank reads alike (data-parallel replicas, which every rank
+        # loads whole): each rank reads them through the page cache, so the node's disk
+        # serves them once, where reads around it (O_DIRECT) would go to the disk per rank.
+        readers: Dict[Tuple[str, Tuple[int, ...], Tuple[int, ...]], int] = {}
+        boxes = [{_box(i) for i in p.items if i.type != LoadItemType.BYTE_IO} for p in plans]
+        for mine in boxes:
+            for b in mine:
+                readers[b] = readers.get(b, 0) + 1
+        return [
+            dataclasses.replace(
+                p, storage_data={"shared": sorted(b for b in mine if readers[b] > 1)}
+            )
+            for p, mine in zip(plans, boxes)
+        ]
 
     @property
     def checkpoint_step(self) -> Optional[int]:
@@ -709,13 +729,22 @@ class StorageReader(_DcpStorageReader):
         written straight into its target when the target is a contiguous CPU tensor of the
         saved dtype (else into a temporary, copied after)."""
         reader = self._open()
-        batch, batch_bytes = [], 0
+        # Boxes other ranks read too go in batches of their own, read through the page cache
+        # (see prepare_global_plan).
+        shared = set()
+        if isinstance(plan.storage_data, dict):
+            shared = {(f, tuple(o), tuple(n)) for f, o, n in plan.storage_data.get("shared", ())}
+        batches: Dict[bool, list] = {False: [], True: []}
+        batch_bytes = {False: 0, True: 0}
 
-        def flush() -> None:
+        def flush(kind: bool) -> None:
+            batch = batches[kind]
+            batch_bytes[kind] = 0
             if not batch:
                 return
             reader.read_many(
-                [(name, offs, sizes, _bytes_view(buf)) for _, _, name, offs, sizes, buf in batch]
+                [(name, offs, sizes, _bytes_view(buf)) for _, _, name, offs, sizes, buf in batch],
+                shared=kind,
             )
             for req, target, _, _, _, buf in batch:
                 if buf is not target:
@@ -756,12 +785,13 @@ class StorageReader(_DcpStorageReader):
                 buf = target
             else:
                 buf = torch.empty(sizes, dtype=dtype)
-            batch.append((req, target, name, offsets, sizes, buf))
-            batch_bytes += buf.numel() * buf.element_size()
-            if batch_bytes >= _READ_BATCH_BYTES:
-                flush()
-                batch_bytes = 0
-        flush()
+            kind = _box(req) in shared
+            batches[kind].append((req, target, name, offsets, sizes, buf))
+            batch_bytes[kind] += buf.numel() * buf.element_size()
+            if batch_bytes[kind] >= _READ_BATCH_BYTES:
+                flush(kind)
+        flush(False)
+        flush(True)
         if self._local is not None and self.is_coordinator:
             # A step a killed process left in the tier and not on the store drains behind
             # the training from now on (the first save supersedes it if it comes first).

@@ -605,9 +605,17 @@ impl StepReader {
     /// in flight together (about `budget` bytes at most), each hash-checked and then written
     /// straight into its buffer: a DCP load plan read as one pipelined read rather than one
     /// read after another. An error names the tensor (and the chunk and rank where it is
-    /// about one); the buffers are then partly written.
-    #[pyo3(signature = (items, budget=256 << 20))]
-    fn read_many(&self, py: Python<'_>, items: Vec<ReadItem<'_>>, budget: usize) -> PyResult<()> {
+    /// about one); the buffers are then partly written. `shared`: other processes of this
+    /// machine read the same chunks (replicas every rank loads): they are read through the
+    /// page cache, so the disk serves them once, rather than around it.
+    #[pyo3(signature = (items, budget=256 << 20, shared=false))]
+    fn read_many(
+        &self,
+        py: Python<'_>,
+        items: Vec<ReadItem<'_>>,
+        budget: usize,
+        shared: bool,
+    ) -> PyResult<()> {
         let commit = self.reader.commit();
         let mut targets = Vec::with_capacity(items.len());
         for (name, offsets, sizes, out) in items {
@@ -624,7 +632,10 @@ impl StepReader {
                 sink: Arc::new(manager::PySink(Arc::new(lent))),
             });
         }
-        let reader = self.reader.clone();
+        let reader = match shared {
+            true => Arc::new(ckpt_store::StepReader::clone(&self.reader).shared(true)),
+            false => self.reader.clone(),
+        };
         block_on(py, move || async move {
             ckpt_trainer::restore_targets(&reader, &targets, budget.max(1))
                 .await

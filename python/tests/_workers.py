@@ -229,3 +229,55 @@ def manager_ddp_bitflip(rank, world, port, store, run, flip_rank, flip_after):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def disk_read_bytes() -> int:
+    """Bytes this process has had read from the block device so far (``/proc/self/io``)."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    raise RuntimeError("no read_bytes in /proc/self/io")
+
+
+def evict(root: str) -> None:
+    """Drop every file under ``root`` from the page cache (clean pages: no root needed)."""
+    for d, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def replicated_state() -> dict:
+    """32 MiB of distinct random floats in 8 tensors, the same on every rank (a data-parallel
+    model: every rank loads all of it)."""
+    g = torch.Generator().manual_seed(7)
+    return {"model": {f"w{i}": torch.randn(1024, 1024, generator=g) for i in range(8)}}
+
+
+def replicas_load(rank, world, port, store, out):
+    """Save the replicated state once, evict the store from the page cache, load it on every
+    rank, and write what the load cost this process in disk reads to ``out``-RANK."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        state = replicated_state()
+        dcp.save(state, storage_writer=StorageWriter(store, run="ddp", step=1))
+        dist.barrier()
+        if rank == 0:
+            evict(store)
+        dist.barrier()
+        got = placeholder(state)
+        before = disk_read_bytes()
+        dcp.load(got, storage_reader=StorageReader(store, run="ddp", step=1))
+        read = disk_read_bytes() - before
+        assert_same(got, state, f"rank {rank}")
+        with open(f"{out}-{rank}", "w") as f:
+            f.write(str(read))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

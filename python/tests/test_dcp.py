@@ -449,3 +449,17 @@ def test_a_load_drains_what_a_killed_process_left_in_the_tier(tmp_path, ckpt_bin
         time.sleep(0.05)
     for store in (remote, local):
         subprocess.run([str(ckpt_bin), "verify", "k"], env={"CKPT_STORE": str(store)}, check=True)
+
+
+def test_replicas_every_rank_loads_are_read_from_the_disk_once_per_machine(tmp_path):
+    from _workers import replicas_load
+
+    store, out = tmp_path / "store", tmp_path / "read"
+    mp.spawn(replicas_load, args=(2, free_port(), str(store), str(out)), nprocs=2)
+    reads = [int((tmp_path / f"read-{r}").read_text()) for r in (0, 1)]
+    stored = sum(p.stat().st_size for p in store.rglob("*") if p.is_file())
+    # Both ranks load all 32 MiB. The disk served it (the store was evicted from the page
+    # cache), once: the coordinator saw both plans read the same boxes, so each rank read them
+    # through the page cache. Read around it (O_DIRECT), each rank would read all of it.
+    assert sum(reads) >= 0.9 * (32 << 20), (reads, stored)
+    assert sum(reads) <= 1.3 * stored, (reads, stored)

@@ -138,6 +138,8 @@ pub struct StepReader {
     node: Option<Arc<crate::NodeCache>>,
     cache: Option<Arc<crate::cache::ChunkCache>>,
     fallback: Option<Store>,
+    /// Every read through the page cache, not only partial ones ([`StepReader::shared`]).
+    shared: bool,
 }
 
 /// Where a chunk the store served came from.
@@ -174,6 +176,7 @@ impl StepReader {
             node: None,
             cache: None,
             fallback: None,
+            shared: false,
         }
     }
 
@@ -204,6 +207,15 @@ impl StepReader {
     /// node rather than once per rank.
     pub fn with_node_cache(mut self, node: Arc<crate::NodeCache>) -> Self {
         self.node = Some(node);
+        self
+    }
+
+    /// Read every chunk through the page cache ([`crate::shared_reads`]), not only those a
+    /// read needs part of: for a caller that knows other processes of the node read the same
+    /// chunks whole (data-parallel replicas loaded by every rank), so the disk serves them
+    /// once. Without it a chunk read whole goes around the page cache (`O_DIRECT`).
+    pub fn shared(mut self, shared: bool) -> Self {
+        self.shared = shared;
         self
     }
 
@@ -476,7 +488,7 @@ impl StepReader {
     ) -> Result<(Bytes, ReadStats)> {
         let mut st = ReadStats::default();
         let fetch = self.fetch(&pc.chunk, &mut st);
-        let got = if pc.is_partial() {
+        let got = if pc.is_partial() || self.shared {
             crate::shared_reads(fetch).await
         } else {
             fetch.await
@@ -503,7 +515,7 @@ impl StepReader {
         }
         let chunks = self.store.chunks();
         let fetch = chunks.get_raw_unchecked(&pc.chunk);
-        let got = if pc.is_partial() {
+        let got = if pc.is_partial() || self.shared {
             crate::shared_reads(fetch).await
         } else {
             fetch.await
