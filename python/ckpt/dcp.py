@@ -392,6 +392,7 @@ class _Drainer:
     _all_lock = threading.Lock()
     first_backoff = 1.0
     max_backoff = 30.0
+    kept_outcomes = 256
 
     @classmethod
     def of(cls, local: Store, store: Store, run: str) -> "_Drainer":
@@ -409,6 +410,10 @@ class _Drainer:
         self._waiting: Optional[Tuple[int, Optional[int], Optional[int], Optional[float]]] = None
         #: Each step's outcome: its figures, a skip, or the drain's final error.
         self._done: Dict[int, Union[dict, BaseException]] = {}
+        #: The newest step whose outcome was dropped (``_settle``).
+        self._forgotten = -1
+        #: The step being drained now.
+        self._inflight: Optional[int] = None
         #: A step whose drain failed and waits to be tried again: the last error.
         self._failed: Dict[int, BaseException] = {}
         self._thread: Optional[threading.Thread] = None
@@ -463,7 +468,7 @@ class _Drainer:
             stacklevel=4,
         )
         self._failed.pop(step, None)
-        self._done[step] = {"step": step, "skipped_for": newer}
+        self._settle(step, {"step": step, "skipped_for": newer})
         self._cond.notify_all()
 
     def _loop(self) -> None:
@@ -475,6 +480,7 @@ class _Drainer:
                     return
                 job = self._waiting
                 self._waiting = None
+                self._inflight = job[0]
             step, generation, keep_local, rate = job
             try:
                 out: Union[dict, BaseException] = self._local.drain_to(
@@ -489,12 +495,13 @@ class _Drainer:
             except BaseException as e:  # reported by wait
                 out = e
             with self._cond:
+                self._inflight = None
                 verdict = "done" if isinstance(out, dict) else self._after_failure(job, out)
                 if verdict == "superseded":
                     continue  # its outcome is the skip
                 if verdict == "done":
                     self._failed.pop(step, None)
-                    self._done[step] = out
+                    self._settle(step, out)
                     self._cond.notify_all()
                     continue
                 # A pause, cut short by a newer step (which supersedes this one) or by the
@@ -510,9 +517,23 @@ class _Drainer:
                 if self._waiting is job and not threading.main_thread().is_alive():
                     self._waiting = None
                     self._failed.pop(step, None)
-                    self._done[step] = out
+                    self._settle(step, out)
                     self._cond.notify_all()
                     self._undrained_at_exit(step, out)
+
+    def _pending(self, step: int) -> bool:
+        """Whether `step` waits for its drain, is being drained, or is to be tried again."""
+        waiting = self._waiting is not None and self._waiting[0] == step
+        return waiting or self._inflight == step or step in self._failed
+
+    def _settle(self, step: int, out: Union[dict, BaseException]) -> None:
+        """Keep `step`'s outcome for ``wait``: of the newest ``kept_outcomes`` steps only (a
+        job saving for weeks does not keep one per save)."""
+        self._done[step] = out
+        while len(self._done) > self.kept_outcomes:
+            old = next(iter(self._done))
+            del self._done[old]
+            self._forgotten = max(self._forgotten, old)
 
     def _after_failure(self, job: tuple, out: BaseException) -> str:
         """What follows a failed drain: ``"retry"`` (it waits again, the error kept for
@@ -554,7 +575,11 @@ class _Drainer:
         with self._cond:
 
             def settled() -> bool:
-                return step in self._done or (timeout is None and step in self._failed)
+                return (
+                    step in self._done
+                    or (timeout is None and step in self._failed)
+                    or (step <= self._forgotten and not self._pending(step))
+                )
 
             if not self._cond.wait_for(settled, timeout):
                 last = self._failed.get(step)
@@ -564,6 +589,12 @@ class _Drainer:
                     + ("" if last is None else f"; the last try failed: {last}")
                 )
             out = self._done.get(step, self._failed.get(step))
+            if out is None:
+                raise CkptError(
+                    f"run {self._run!r} step {step}: its drain ended long ago and its outcome "
+                    f"is no longer kept (the newest {self.kept_outcomes} steps' are); "
+                    "`ckpt ls --local-tier` shows where it is durable"
+                )
         if isinstance(out, BaseException):
             raise out
         assert out is not None

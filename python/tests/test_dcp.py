@@ -463,3 +463,21 @@ def test_replicas_every_rank_loads_are_read_from_the_disk_once_per_machine(tmp_p
     # through the page cache. Read around it (O_DIRECT), each rank would read all of it.
     assert sum(reads) >= 0.9 * (32 << 20), (reads, stored)
     assert sum(reads) <= 1.3 * stored, (reads, stored)
+
+
+def test_a_dcp_drainer_keeps_the_outcomes_of_its_newest_steps_only(tmp_path, monkeypatch):
+    from ckpt.dcp import _Drainer
+
+    monkeypatch.setattr(_Drainer, "kept_outcomes", 2)
+    remote, local = tmp_path / "remote", tmp_path / "local"
+    writers = []
+    for step in (1, 2, 3):
+        w = StorageWriter(str(remote), run="m", step=step, local_tier=str(local), drain="wait")
+        dcp.save(small_state(step), storage_writer=w)
+        writers.append(w)
+    d = _Drainer.of(ckpt.Store(str(local)), ckpt.Store(str(remote)), "m")
+    assert sorted(d._done) == [2, 3]
+    assert writers[2].wait_drained(timeout=10)["step"] == 3
+    with pytest.raises(ckpt.CkptError, match="no longer kept"):
+        writers[0].wait_drained(timeout=10)
+    assert ckpt.Store(str(remote)).committed_steps("m") == [1, 2, 3]
