@@ -281,3 +281,33 @@ def replicas_load(rank, world, port, store, out):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def manager_replicas_load(rank, world, port, store, out):
+    """``replicas_load`` through the native manager: a DDP-style state (plain tensors, the same
+    on every rank) saved, the store evicted, restored by a fresh manager on every rank."""
+    import ckpt
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        state = replicated_state()
+        m = ckpt.CheckpointManager(store, run="ddp", every_steps=1, final_on_sigterm=False)
+        m.maybe_save(1, state)
+        m.finish()
+        dist.barrier()
+        if rank == 0:
+            evict(store)
+        dist.barrier()
+        got = placeholder(state)
+        before = disk_read_bytes()
+        m = ckpt.CheckpointManager(store, run="ddp", final_on_sigterm=False)
+        assert m.restore_latest(got) == 1
+        read = disk_read_bytes() - before
+        assert_same(got, state, f"rank {rank}")
+        with open(f"{out}-{rank}", "w") as f:
+            f.write(str(read))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

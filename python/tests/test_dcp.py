@@ -310,7 +310,8 @@ os._exit(0)  # killed mid-drain: the interpreter does not wait for the drain thr
 """
 
 
-def test_a_drain_a_killed_process_left_is_superseded_by_the_next_save(tmp_path, ckpt_bin):
+def _killed_mid_drain(tmp_path: Path) -> "tuple[Path, Path]":
+    """A store and a local tier where a killed process left step 1 of run "k" draining."""
     remote, local = tmp_path / "remote", tmp_path / "local"
     subprocess.run(
         [sys.executable, "-c", KILLED_MID_DRAIN, str(remote), str(local)],
@@ -318,6 +319,11 @@ def test_a_drain_a_killed_process_left_is_superseded_by_the_next_save(tmp_path, 
         timeout=120,
     )
     assert ckpt.Store(str(remote)).committed_steps("k") == []
+    return remote, local
+
+
+def test_a_drain_a_killed_process_left_is_superseded_by_the_next_save(tmp_path, ckpt_bin):
+    remote, local = _killed_mid_drain(tmp_path)
     assert ckpt.Store(str(local)).pending_drains("k") == [1]
     # The next process that saves to the tier drains its newest step in place of the one left.
     w = StorageWriter(str(remote), run="k", step=2, local_tier=str(local))
@@ -428,13 +434,7 @@ def test_a_process_exiting_while_the_store_is_down_says_what_stays_local_and_ckp
 
 
 def test_a_load_drains_what_a_killed_process_left_in_the_tier(tmp_path, ckpt_bin):
-    remote, local = tmp_path / "remote", tmp_path / "local"
-    subprocess.run(
-        [sys.executable, "-c", KILLED_MID_DRAIN, str(remote), str(local)],
-        check=True,
-        timeout=120,
-    )
-    assert ckpt.Store(str(remote)).committed_steps("k") == []
+    remote, local = _killed_mid_drain(tmp_path)
     loaded = {"model": placeholder(eight_mib(0)["model"])}  # the killed process saved no "step"
     dcp.load(loaded, storage_reader=StorageReader(str(remote), run="k", local_tier=str(local)))
     assert_same(loaded["model"], eight_mib(1)["model"], "step 1, from the local tier")
@@ -451,16 +451,19 @@ def test_a_load_drains_what_a_killed_process_left_in_the_tier(tmp_path, ckpt_bin
         subprocess.run([str(ckpt_bin), "verify", "k"], env={"CKPT_STORE": str(store)}, check=True)
 
 
-def test_replicas_every_rank_loads_are_read_from_the_disk_once_per_machine(tmp_path):
-    from _workers import replicas_load
+@pytest.mark.parametrize("how", ["dcp", "manager"])
+def test_replicas_every_rank_loads_are_read_from_the_disk_once_per_machine(tmp_path, how):
+    from _workers import manager_replicas_load, replicas_load
 
     store, out = tmp_path / "store", tmp_path / "read"
-    mp.spawn(replicas_load, args=(2, free_port(), str(store), str(out)), nprocs=2)
+    worker = replicas_load if how == "dcp" else manager_replicas_load
+    mp.spawn(worker, args=(2, free_port(), str(store), str(out)), nprocs=2)
     reads = [int((tmp_path / f"read-{r}").read_text()) for r in (0, 1)]
     stored = sum(p.stat().st_size for p in store.rglob("*") if p.is_file())
     # Both ranks load all 32 MiB. The disk served it (the store was evicted from the page
-    # cache), once: the coordinator saw both plans read the same boxes, so each rank read them
-    # through the page cache. Read around it (O_DIRECT), each rank would read all of it.
+    # cache), once: ckpt.dcp's coordinator saw both plans read the same boxes, the manager
+    # restores whole tensors in a data-parallel layout, so each rank read them through the
+    # page cache. Read around it (O_DIRECT), each rank would read all of it.
     assert sum(reads) >= 0.9 * (32 << 20), (reads, stored)
     assert sum(reads) <= 1.3 * stored, (reads, stored)
 

@@ -168,6 +168,18 @@ fn events(store: &ckpt_store::Store, run: &str) -> Vec<Event> {
         .collect()
 }
 
+/// The newest restore record of `run`.
+fn last_restore(store: &ckpt_store::Store, run: &str) -> ckpt_recovery::records::Restore {
+    events(store, run)
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::Restore(r) => Some(r),
+            _ => None,
+        })
+        .next_back()
+        .expect("a restore")
+}
+
 fn wait_for(what: &str, within: Duration, mut f: impl FnMut() -> bool) {
     let t0 = Instant::now();
     while !f() {
@@ -225,14 +237,7 @@ fn a_job_killed_while_it_drains_is_finished_by_the_next_and_nothing_dangles() {
     );
     ok(&gc);
     t.verify_both(run);
-    let restore = events(&remote, run)
-        .into_iter()
-        .filter_map(|e| match e {
-            Event::Restore(r) => Some(r),
-            _ => None,
-        })
-        .next_back()
-        .expect("a restore");
+    let restore = last_restore(&remote, run);
     assert_eq!(restore.tier, "local", "{restore:?}");
 }
 
@@ -311,14 +316,7 @@ fn ckpt_drain_finishes_what_a_killed_job_left_local_only_and_says_why_it_cannot_
         .output()
         .unwrap();
     assert_eq!(digest_in(&ok(&out)).as_deref(), Some(want.as_str()));
-    let restore = events(&remote, run)
-        .into_iter()
-        .filter_map(|e| match e {
-            Event::Restore(r) => Some(r),
-            _ => None,
-        })
-        .next_back()
-        .expect("a restore");
+    let restore = last_restore(&remote, run);
     assert_eq!(
         (restore.step, restore.bytes_from_local),
         (newest, 0),

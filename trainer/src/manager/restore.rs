@@ -11,7 +11,7 @@ use std::time::Instant;
 use ckpt_recovery::peer::PeerSource;
 use ckpt_recovery::records;
 use ckpt_store::{
-    ChunkCache, ChunkSource, Error, RankManifest, ReadStats, Result, StepReader, Store,
+    ChunkCache, ChunkSource, Error, NdBox, RankManifest, ReadStats, Result, StepReader, Store,
 };
 use parking_lot::Mutex;
 use tracing::{info, warn};
@@ -20,7 +20,7 @@ use super::ManagerConfig;
 use super::registry::{MONITOR_BLOB, Registry};
 use super::tier::TieredSource;
 use crate::monitor::{Monitor, MonitorState};
-use crate::restore::restore_targets;
+use crate::restore::{RestoreTarget, restore_targets};
 use crate::save::{CheckpointerConfig, runtime};
 
 /// The chunk cache that every restore running in this process at the same time shares.
@@ -181,7 +181,7 @@ impl Restorer {
         };
         let (reader, source, from_local) = self.open(tiers, cfg, step, registry, &cache)?;
         let targets = registry.restore_targets()?;
-        let stats = runtime().block_on(restore_targets(&reader, &targets, self.budget))?;
+        let stats = runtime().block_on(self.read(&reader, cfg, targets))?;
         let same_layout = reader.commit().layout == cfg.layout;
         registry.load_stateful(&reader, cfg, same_layout)?;
         if monitor.enabled() {
@@ -241,6 +241,29 @@ impl Restorer {
             cache,
             t0,
         })
+    }
+
+    /// Read `targets`. Without a node cache, in a data-parallel layout, the tensors this rank
+    /// restores whole are most likely the replicas every rank of the node restores whole
+    /// (DDP under `torchrun`): they are read through the page cache ([`StepReader::shared`]),
+    /// so the node's disk serves them once rather than once per rank with `O_DIRECT`. The
+    /// rest (this rank's own shards, ZeRO partitions) goes around it.
+    async fn read(
+        &self,
+        reader: &StepReader,
+        cfg: &CheckpointerConfig,
+        targets: Vec<RestoreTarget>,
+    ) -> Result<ReadStats> {
+        let replicas = self.node_cache.is_none() && cfg.layout.dp > 1 && cfg.layout.zero < 3;
+        let (whole, own): (Vec<_>, Vec<_>) = targets
+            .into_iter()
+            .partition(|t| replicas && t.bbox == NdBox::full(&t.shape));
+        let mut stats = restore_targets(reader, &own, self.budget).await?;
+        if !whole.is_empty() {
+            let shared = reader.clone().shared(true);
+            stats.add(&restore_targets(&shared, &whole, self.budget).await?);
+        }
+        Ok(stats)
     }
 
     /// A reader of `step` for the registered tensors, with the shared cache, the node's cache
