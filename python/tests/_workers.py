@@ -258,34 +258,10 @@ def replicated_state() -> dict:
     return {"model": {f"w{i}": torch.randn(1024, 1024, generator=g) for i in range(8)}}
 
 
-def replicas_load(rank, world, port, store, out):
+def replicas_load(rank, world, port, store, out, how):
     """Save the replicated state once, evict the store from the page cache, load it on every
-    rank, and write what the load cost this process in disk reads to ``out``-RANK."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        state = replicated_state()
-        dcp.save(state, storage_writer=StorageWriter(store, run="ddp", step=1))
-        dist.barrier()
-        if rank == 0:
-            evict(store)
-        dist.barrier()
-        got = placeholder(state)
-        before = disk_read_bytes()
-        dcp.load(got, storage_reader=StorageReader(store, run="ddp", step=1))
-        read = disk_read_bytes() - before
-        assert_same(got, state, f"rank {rank}")
-        with open(f"{out}-{rank}", "w") as f:
-            f.write(str(read))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def manager_replicas_load(rank, world, port, store, out):
-    """``replicas_load`` through the native manager: a DDP-style state (plain tensors, the same
-    on every rank) saved, the store evicted, restored by a fresh manager on every rank."""
+    rank (``how``: "dcp", through ckpt.dcp; "manager", a fresh native manager), and write what
+    the load cost this process in disk reads to ``out``-RANK."""
     import ckpt
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -293,17 +269,23 @@ def manager_replicas_load(rank, world, port, store, out):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         state = replicated_state()
-        m = ckpt.CheckpointManager(store, run="ddp", every_steps=1, final_on_sigterm=False)
-        m.maybe_save(1, state)
-        m.finish()
+        if how == "dcp":
+            dcp.save(state, storage_writer=StorageWriter(store, run="ddp", step=1))
+        else:
+            m = ckpt.CheckpointManager(store, run="ddp", every_steps=1, final_on_sigterm=False)
+            m.maybe_save(1, state)
+            m.finish()
         dist.barrier()
         if rank == 0:
             evict(store)
         dist.barrier()
         got = placeholder(state)
         before = disk_read_bytes()
-        m = ckpt.CheckpointManager(store, run="ddp", final_on_sigterm=False)
-        assert m.restore_latest(got) == 1
+        if how == "dcp":
+            dcp.load(got, storage_reader=StorageReader(store, run="ddp", step=1))
+        else:
+            m = ckpt.CheckpointManager(store, run="ddp", final_on_sigterm=False)
+            assert m.restore_latest(got) == 1
         read = disk_read_bytes() - before
         assert_same(got, state, f"rank {rank}")
         with open(f"{out}-{rank}", "w") as f:

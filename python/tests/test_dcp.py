@@ -453,11 +453,10 @@ def test_a_load_drains_what_a_killed_process_left_in_the_tier(tmp_path, ckpt_bin
 
 @pytest.mark.parametrize("how", ["dcp", "manager"])
 def test_replicas_every_rank_loads_are_read_from_the_disk_once_per_machine(tmp_path, how):
-    from _workers import manager_replicas_load, replicas_load
+    from _workers import replicas_load
 
     store, out = tmp_path / "store", tmp_path / "read"
-    worker = replicas_load if how == "dcp" else manager_replicas_load
-    mp.spawn(worker, args=(2, free_port(), str(store), str(out)), nprocs=2)
+    mp.spawn(replicas_load, args=(2, free_port(), str(store), str(out), how), nprocs=2)
     reads = [int((tmp_path / f"read-{r}").read_text()) for r in (0, 1)]
     stored = sum(p.stat().st_size for p in store.rglob("*") if p.is_file())
     # Both ranks load all 32 MiB. The disk served it (the store was evicted from the page
