@@ -597,7 +597,6 @@ class _Drainer:
                 )
         if isinstance(out, BaseException):
             raise out
-        assert out is not None
         return out
 
 
@@ -794,11 +793,9 @@ class StorageReader(_DcpStorageReader):
                 data = reader.read_blob(where["rank"], where["blob"])
                 planner.load_bytes(req, io.BytesIO(data))
                 continue
-            fqn = req.storage_index.fqn
+            box = _box(req)
+            fqn, offsets, sizes = box[0], list(box[1]), list(box[2])
             name = where["tensor"] if where and "tensor" in where else fqn
-            base = req.storage_index.offset or [0] * len(req.lengths)
-            offsets = [int(b) + int(o) for b, o in zip(base, req.storage_offsets)]
-            sizes = [int(n) for n in req.lengths]
             try:
                 dtype = _FROM_CKPT[self._dtypes[name]]
             except KeyError:
@@ -816,7 +813,7 @@ class StorageReader(_DcpStorageReader):
                 buf = target
             else:
                 buf = torch.empty(sizes, dtype=dtype)
-            kind = _box(req) in shared
+            kind = box in shared
             batches[kind].append((req, target, name, offsets, sizes, buf))
             batch_bytes[kind] += buf.numel() * buf.element_size()
             if batch_bytes[kind] >= _READ_BATCH_BYTES:
