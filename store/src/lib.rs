@@ -117,7 +117,7 @@ pub use model::{
 };
 pub use node_cache::{NodeCache, NodeCacheStats};
 pub use placement::{Placed, Placement, Stage, TensorSpec, ZeroGroup};
-pub use read::{ChunkSource, CopyOp, PlannedChunk, ReadPlan, ReadStats, StepReader};
+pub use read::{ChunkSource, CopyOp, Fetched, PlannedChunk, ReadPlan, ReadStats, StepReader};
 pub use retry::{RetryConfig, RetryStore};
 pub use st_view::SafetensorsView;
 pub use store::{

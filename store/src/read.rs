@@ -22,12 +22,31 @@ use crate::id::{ChunkId, StepId};
 use crate::model::{ChunkRef, CommitRecord, DType, NdBox, RankManifest, copy_runs};
 use crate::store::Store;
 
-/// Somewhere chunks may be found before the object store: a peer's memory, a local cache.
-/// What it returns is checked against the chunk's hash; a mismatch falls back to the store.
+/// Somewhere chunks may be found before the object store: a peer's memory, a local tier.
+/// What it returns need not be checked: the reader checks it against the chunk's hash (as it
+/// copies it out, where it can), and a mismatch falls back to the store.
 #[async_trait]
 pub trait ChunkSource: Send + Sync {
     /// The raw bytes of `r`, if this source has them.
     async fn fetch(&self, r: &ChunkRef) -> Option<Bytes>;
+
+    /// The bytes this source returned for `r` failed their hash, and the reader reads the
+    /// store instead: a source that counts what it served takes them back (and says where the
+    /// damage is) here.
+    fn refused(&self, _r: &ChunkRef) {}
+}
+
+/// A chunk's raw bytes fetched for a copy ([`StepReader::fetch_for_copy`]).
+#[derive(Debug)]
+pub struct Fetched {
+    /// The chunk's raw bytes.
+    pub bytes: Bytes,
+    /// What fetching it cost (`bytes_copied` is the caller's).
+    pub stats: ReadStats,
+    /// Whether they were hash-checked already; if not, the caller hashes them.
+    pub checked: bool,
+    /// Whether they came from the chunk source.
+    pub from_source: bool,
 }
 
 /// One byte run to copy out of a chunk.
@@ -373,8 +392,8 @@ impl StepReader {
         })
     }
 
-    async fn fetch(&self, r: &ChunkRef, stats: &mut ReadStats) -> Result<Bytes> {
-        if let Some(src) = &self.source
+    async fn fetch(&self, r: &ChunkRef, stats: &mut ReadStats, ask_source: bool) -> Result<Bytes> {
+        if let Some(src) = self.source.as_ref().filter(|_| ask_source)
             && let Some(b) = src.fetch(r).await
         {
             let (b, ok) = tokio::task::spawn_blocking({
@@ -390,6 +409,7 @@ impl StepReader {
                 return Ok(b);
             }
             warn!(chunk = %r.id, "a chunk source returned damaged bytes; reading the store");
+            src.refused(r);
         }
         // Where the chunk came from (`None`: the chunk cache had it).
         let mut origin = None;
@@ -486,8 +506,31 @@ impl StepReader {
         pc: &PlannedChunk,
         tensor: &str,
     ) -> Result<(Bytes, ReadStats)> {
+        self.fetch_checked(pc, tensor, true).await
+    }
+
+    /// [`StepReader::fetch_planned`] without asking the chunk source: for a caller whose copy
+    /// from the source failed its hash.
+    pub async fn fetch_planned_stored(
+        &self,
+        pc: &PlannedChunk,
+        tensor: &str,
+    ) -> Result<(Bytes, ReadStats)> {
+        warn!(chunk = %pc.chunk.id, "a chunk source returned damaged bytes; reading the store");
+        if let Some(src) = &self.source {
+            src.refused(&pc.chunk);
+        }
+        self.fetch_checked(pc, tensor, false).await
+    }
+
+    async fn fetch_checked(
+        &self,
+        pc: &PlannedChunk,
+        tensor: &str,
+        ask_source: bool,
+    ) -> Result<(Bytes, ReadStats)> {
         let mut st = ReadStats::default();
-        let fetch = self.fetch(&pc.chunk, &mut st);
+        let fetch = self.fetch(&pc.chunk, &mut st, ask_source);
         let got = if pc.is_partial() || self.shared {
             crate::shared_reads(fetch).await
         } else {
@@ -499,18 +542,57 @@ impl StepReader {
         Ok((b, st))
     }
 
-    /// The payload of a planned chunk of `tensor` stored raw, **not yet hash-checked**, for a
-    /// caller that hashes it while it copies it out (one pass over memory instead of two) and
-    /// refuses it with [`StepReader::check_fetched`]; `None` where the chunk must come through
-    /// [`StepReader::fetch_planned`]: an encoded chunk, or a reader with a chunk source, a
-    /// node cache or a chunk cache in front of the store (they serve checked bytes).
-    pub async fn fetch_raw_unchecked(
+    /// The raw bytes of a planned chunk of `tensor` for a caller that copies them out, **not
+    /// always hash-checked yet** ([`Fetched::checked`]): what the chunk source has (a peer's
+    /// memory, a local tier), or a chunk stored raw with nothing in front of the store, arrive
+    /// unchecked, for the caller to hash while it copies (one pass over memory instead of
+    /// two) and to refuse with [`StepReader::check_fetched`] (a source's copy: to read again
+    /// with [`StepReader::fetch_planned_stored`]); anything else arrives checked, as from
+    /// [`StepReader::fetch_planned`]. The source is asked once.
+    pub async fn fetch_for_copy(&self, pc: &PlannedChunk, tensor: &str) -> Result<Fetched> {
+        if let Some(src) = &self.source
+            && let Some(b) = src.fetch(&pc.chunk).await
+            && b.len() == pc.chunk.len as usize
+        {
+            let stats = ReadStats {
+                chunks: 1,
+                raw_bytes: b.len() as u64,
+                source_bytes: b.len() as u64,
+                ..ReadStats::default()
+            };
+            return Ok(Fetched {
+                bytes: b,
+                stats,
+                checked: false,
+                from_source: true,
+            });
+        }
+        let unchecked = self.fetch_raw_unchecked(pc, tensor).await?;
+        let (bytes, stats, checked) = match unchecked {
+            Some((b, st)) => (b, st, false),
+            None => {
+                let (b, st) = self.fetch_checked(pc, tensor, false).await?;
+                (b, st, true)
+            }
+        };
+        Ok(Fetched {
+            bytes,
+            stats,
+            checked,
+            from_source: false,
+        })
+    }
+
+    /// A chunk stored raw, not yet checked, straight from the store; `None` for an encoded
+    /// chunk, or with a node cache or a chunk cache in front of the store (they serve checked
+    /// bytes).
+    async fn fetch_raw_unchecked(
         &self,
         pc: &PlannedChunk,
         tensor: &str,
     ) -> Result<Option<(Bytes, ReadStats)>> {
         let cached = self.cache.as_ref().is_some_and(|c| c.capacity() > 0);
-        if self.source.is_some() || self.node.is_some() || cached {
+        if self.node.is_some() || cached {
             return Ok(None);
         }
         let chunks = self.store.chunks();
@@ -532,7 +614,7 @@ impl StepReader {
         }))
     }
 
-    /// Refuse a chunk fetched by [`StepReader::fetch_raw_unchecked`] whose bytes hash to `got`
+    /// Refuse a chunk fetched by [`StepReader::fetch_for_copy`] whose bytes hash to `got`
     /// rather than to its id, with the words of every other read's refusal.
     pub fn check_fetched(&self, pc: &PlannedChunk, tensor: &str, got: ChunkId) -> Result<()> {
         crate::codec::check_id_of(got, &pc.chunk.id, &pc.chunk.location())

@@ -150,8 +150,32 @@ fn upload(
 /// A stranger: connects, sends `bytes` without knowing the secret, and reads whatever the agent
 /// sends back until it closes the connection (the challenge, at most).
 fn stranger(addr: &str, bytes: &[u8]) -> Vec<u8> {
-    let mut s = TcpStream::connect(addr).unwrap();
+    let s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    stranger_on(s, bytes)
+}
+
+/// The same on the agent's local (abstract Unix) socket, which every process of the machine
+/// can find in `/proc/net/unix`.
+fn local_stranger(a: &Agent, bytes: &[u8]) -> Vec<u8> {
+    use std::os::linux::net::SocketAddrExt;
+    let prefix = format!("@ckpt-replica-agent-{}-", a.child.id());
+    let table = std::fs::read_to_string("/proc/net/unix").unwrap();
+    let name = table
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(7))
+        .find(|n| n.starts_with(&prefix))
+        .unwrap_or_else(|| panic!("no local socket {prefix}* in /proc/net/unix"));
+    let addr = std::os::unix::net::SocketAddr::from_abstract_name(&name.as_bytes()[1..]).unwrap();
+    let mut s = std::os::unix::net::UnixStream::connect_addr(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    // Sent whole and closed, so the agent does not wait out its handshake timeout.
+    let _ = s.write_all(bytes);
+    let _ = s.shutdown(std::net::Shutdown::Write);
+    stranger_on(s, &[])
+}
+
+fn stranger_on(mut s: impl Read + Write, bytes: &[u8]) -> Vec<u8> {
     // Written in pieces: the agent may close before it took everything.
     for piece in bytes.chunks(64 << 10) {
         if s.write_all(piece).is_err() {
@@ -382,6 +406,12 @@ fn a_stranger_cannot_read_chunks() {
     answered.extend_from_slice(&[0u8; 64]);
     answered.extend_from_slice(&get);
     stranger(&a.addr, &answered);
+    // Nor does the local socket that maps the agent's memory give its segments away.
+    local_stranger(&a, b"X");
+    let mut answered = vec![b'R'];
+    answered.extend_from_slice(&[0u8; 64]);
+    answered.push(b'X');
+    local_stranger(&a, &answered);
     // The real client with another job's secret gets nothing either.
     let ask = |secret: &PeerSecret| {
         rt().block_on(async {

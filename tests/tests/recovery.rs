@@ -602,6 +602,11 @@ fn a_lost_node_is_restored_from_peer_replicas() {
             r["bytes_from_peers"].as_u64().unwrap() > 0,
             "nothing came from the agents: {r}"
         );
+        // The agents run on this machine: the ranks mapped their memory, no socket copies.
+        assert_eq!(
+            r["bytes_from_peers_mapped"], r["bytes_from_peers"],
+            "not all read out of the agents' mapped memory: {r}"
+        );
         assert_eq!(
             r["bytes_from_store"], 0,
             "the agents held the whole step, yet the store was read: {r}"

@@ -160,29 +160,35 @@ async fn restore_direct(
     stream::iter(work)
         .map(|(i, pc)| async move {
             let t = &targets[i];
-            // A chunk stored raw, with nothing in front of the store, arrives unchecked and is
-            // hashed as it is copied; anything else arrives checked.
-            let (bytes, mut st, checked) = match reader.fetch_raw_unchecked(&pc, &t.name).await? {
-                Some((b, st)) => (b, st, false),
-                None => {
-                    let (b, st) = reader.fetch_planned(&pc, &t.name).await?;
-                    (b, st, true)
-                }
-            };
+            // The chunk source's copy (a peer's memory), or a chunk stored raw with nothing in
+            // front of the store, arrives unchecked and is hashed as it is copied; anything
+            // else arrives checked.
+            let f = reader.fetch_for_copy(&pc, &t.name).await?;
+            let (checked, from_source, mut st) = (f.checked, f.from_source, f.stats);
             let sink = t.sink.clone();
             let ((copied, got), pc) = tokio::task::spawn_blocking(move || {
-                (write_chunk(&*sink, &pc, &bytes, checked), pc)
+                (write_chunk(&*sink, &pc, &f.bytes, checked), pc)
             })
             .await?;
             let mut copied = copied?;
             if let Some(got) = got
                 && let Err(e) = reader.check_fetched(&pc, &t.name, got)
             {
-                // Damaged here: the reader's fallback store (a local tier's remote) holds the
-                // same chunk; its checked bytes overwrite what the sink got.
-                let Some((b, fst)) = reader.fetch_fallback(&pc, &t.name).await? else {
+                // Damaged here. The source's copy: the store's checked bytes overwrite what
+                // the sink got. The store's: the reader's fallback store (a local tier's
+                // remote) holds the same chunk.
+                let again = if from_source {
+                    st.source_bytes = 0;
+                    let (b, fst) = reader.fetch_planned_stored(&pc, &t.name).await?;
+                    Some((b, fst))
+                } else {
+                    reader.fetch_fallback(&pc, &t.name).await?
+                };
+                let Some((b, fst)) = again else {
                     return Err(e);
                 };
+                st.stored_bytes += fst.stored_bytes;
+                st.node_bytes += fst.node_bytes;
                 let sink = t.sink.clone();
                 let (again, _) =
                     tokio::task::spawn_blocking(move || write_chunk(&*sink, &pc, &b, true)).await?;

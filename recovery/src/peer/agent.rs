@@ -8,18 +8,26 @@ use bytes::Bytes;
 use ckpt_store::{ChunkId, Error, Result};
 use parking_lot::{Mutex, RwLock};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tracing::{debug, info, warn};
 
 use super::auth::{Role, accept_handshake, connect};
-use super::wire::{Begin, Frame, chunk_head, end_frame, expect_kept, read_chunk_body, read_frame};
+use super::shm::{Arena, Listed, Place, send_export, socket_name};
+use super::wire::{Begin, Frame, chunk_head, end_frame, expect_kept, read_frame};
 use super::{HANDSHAKE_TIMEOUT, IO_TIMEOUT, MEMORY_LIMIT_ENV, Membership, PeerSecret, net, proto};
 
 struct Snapshot {
     generation: u64,
     step: u64,
     bytes: u64,
-    chunks: HashMap<ChunkId, Bytes>,
+    chunks: HashMap<ChunkId, HeldChunk>,
+}
+
+/// A chunk held: its bytes and, when they are in shared memory, where (for a same-machine
+/// client's mapping).
+struct HeldChunk {
+    bytes: Bytes,
+    place: Option<Place>,
 }
 
 #[derive(Default)]
@@ -38,6 +46,8 @@ pub struct AgentState {
     secret: RwLock<Option<PeerSecret>>,
     members: RwLock<Membership>,
     held: Mutex<Held>,
+    /// The abstract Unix socket a same-machine client maps the holdings through.
+    local: RwLock<Option<String>>,
 }
 
 /// An agent's holdings.
@@ -62,6 +72,7 @@ impl AgentState {
             secret: RwLock::new(secret),
             members: RwLock::new(Membership::default()),
             held: Mutex::new(Held::default()),
+            local: RwLock::new(None),
         })
     }
 
@@ -87,6 +98,11 @@ impl AgentState {
         self.members.read().clone()
     }
 
+    /// The name of the abstract Unix socket same-machine clients map the holdings through.
+    pub fn local_socket(&self) -> Option<String> {
+        self.local.read().clone()
+    }
+
     /// The memory limit (bytes).
     pub fn limit(&self) -> u64 {
         self.limit
@@ -105,7 +121,25 @@ impl AgentState {
     /// The chunk `id`, from any snapshot held.
     pub fn get(&self, id: &ChunkId) -> Option<Bytes> {
         let h = self.held.lock();
-        h.snaps.values().find_map(|s| s.chunks.get(id).cloned())
+        h.snaps
+            .values()
+            .find_map(|s| s.chunks.get(id).map(|c| c.bytes.clone()))
+    }
+
+    /// Every chunk held in shared memory and where it lies (what `X` exports).
+    fn shared_chunks(&self) -> Vec<Listed> {
+        let h = self.held.lock();
+        h.snaps
+            .values()
+            .flat_map(|s| s.chunks.iter())
+            .filter_map(|(id, c)| {
+                c.place.clone().map(|place| Listed {
+                    id: *id,
+                    place,
+                    len: c.bytes.len(),
+                })
+            })
+            .collect()
     }
 
     /// May a client of `role` hand over a snapshot of (`node`, `generation`)? An agent keeps
@@ -189,8 +223,10 @@ impl AgentState {
     }
 }
 
-/// Serve agent connections on `listener` until the task is dropped.
+/// Serve agent connections on `listener` until the task is dropped; and, on an abstract Unix
+/// socket, same-machine clients that map the holdings (see `shm`).
 pub async fn serve(listener: TcpListener, state: Arc<AgentState>) -> Result<()> {
+    let _local = serve_local(&state);
     loop {
         let (sock, from) = listener
             .accept()
@@ -214,7 +250,9 @@ struct Incoming {
     step: u64,
     /// Forward to the buddy (it came from one of this node's ranks).
     forward: bool,
-    chunks: Vec<(u32, Bytes)>,
+    chunks: Vec<(u32, Bytes, Option<Place>)>,
+    /// Where its chunks' bytes go.
+    arena: Arena,
     reserved: u64,
     state: Arc<AgentState>,
 }
@@ -277,6 +315,7 @@ async fn connection(
                     step,
                     forward: role == Role::Rank,
                     chunks: Vec::new(),
+                    arena: Arena::default(),
                     reserved: 0,
                     state: state.clone(),
                 });
@@ -290,8 +329,8 @@ async fn connection(
                     e
                 })?;
                 c.reserved += len;
-                let data = read_chunk_body(&mut r, len).await?;
-                c.chunks.push((seq, data));
+                let (data, place) = c.arena.read_chunk(&mut r, len).await?;
+                c.chunks.push((seq, data, place));
             }
             Frame::End { ids } => {
                 let Some(c) = cur.take() else {
@@ -315,6 +354,13 @@ async fn connection(
                 }
                 w.flush().await.map_err(we)?;
             }
+            Frame::Local => {
+                let name = state.local.read().clone().unwrap_or_default();
+                let we = |err| net("answering", "agent connection", err);
+                w.write_u8(name.len() as u8).await.map_err(we)?;
+                w.write_all(name.as_bytes()).await.map_err(we)?;
+                w.flush().await.map_err(we)?;
+            }
             Frame::Holdings => {
                 let h = state.holdings();
                 let we = |err| net("answering", "agent connection", err);
@@ -332,13 +378,19 @@ async fn connection(
 fn finish(state: &Arc<AgentState>, mut c: Incoming, ids: Vec<ChunkId>) {
     let mut chunks = HashMap::with_capacity(c.chunks.len());
     let mut ordered = Vec::with_capacity(c.chunks.len());
-    for (seq, b) in std::mem::take(&mut c.chunks) {
+    for (seq, b, place) in std::mem::take(&mut c.chunks) {
         if let Some(id) = ids.get(seq as usize) {
-            chunks.insert(*id, b.clone());
+            chunks.insert(
+                *id,
+                HeldChunk {
+                    bytes: b.clone(),
+                    place,
+                },
+            );
             ordered.push((seq, b));
         }
     }
-    let bytes: u64 = chunks.values().map(|b| b.len() as u64).sum();
+    let bytes: u64 = chunks.values().map(|c| c.bytes.len() as u64).sum();
     info!(
         node = c.node,
         rank = c.rank,
@@ -429,4 +481,76 @@ pub fn default_memory_limit() -> u64 {
                 .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         })
         .map_or(4 << 30, |kib| kib * 1024 / 4)
+}
+
+/// The task serving same-machine clients on an abstract Unix socket (aborted when dropped);
+/// `None` where no such socket can be made (the holdings are then served by TCP only).
+fn serve_local(state: &Arc<AgentState>) -> Option<AbortOnDrop> {
+    use std::os::linux::net::SocketAddrExt;
+    let name = socket_name();
+    let bound = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
+        .and_then(|a| std::os::unix::net::UnixListener::bind_addr(&a))
+        .and_then(|l| {
+            l.set_nonblocking(true)?;
+            UnixListener::from_std(l)
+        });
+    let listener = match bound {
+        Ok(l) => l,
+        Err(e) => {
+            debug!("no local socket for same-machine clients ({e}): they use TCP");
+            return None;
+        }
+    };
+    *state.local.write() = Some(name);
+    let state = state.clone();
+    Some(AbortOnDrop(tokio::spawn(async move {
+        while let Ok((sock, _)) = listener.accept().await {
+            let state = state.clone();
+            tokio::spawn(async move {
+                if let Err(e) = local_connection(sock, state).await {
+                    debug!("local agent connection ended: {e}");
+                }
+            });
+        }
+    })))
+}
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// A same-machine client: the handshake, then `X`, answered with the export.
+async fn local_connection(mut sock: UnixStream, state: Arc<AgentState>) -> Result<()> {
+    let secret = state.secret();
+    let role = tokio::time::timeout(
+        HANDSHAKE_TIMEOUT,
+        accept_handshake(&mut sock, secret.as_ref()),
+    )
+    .await
+    .map_err(|_| Error::invalid("no answer to the challenge in time"))??;
+    if role != Role::Rank {
+        return Err(Error::invalid("only a rank maps an agent's memory"));
+    }
+    let e = |err| net("exporting to", "a local client", err);
+    let mut op = [0u8];
+    tokio::time::timeout(IO_TIMEOUT, sock.read_exact(&mut op))
+        .await
+        .map_err(|_| Error::invalid("no request in time"))?
+        .map_err(e)?;
+    if op[0] != b'X' {
+        return Err(proto(format!("unknown local request {:#04x}", op[0])));
+    }
+    let mut s = sock.into_std().map_err(e)?;
+    s.set_nonblocking(false).map_err(e)?;
+    s.set_write_timeout(Some(IO_TIMEOUT)).map_err(e)?;
+    let chunks = state.shared_chunks();
+    tokio::task::spawn_blocking(move || send_export(&mut s, &chunks))
+        .await
+        .map_err(|j| Error::internal(format!("the export task: {j}")))?
+        .map_err(e)
 }

@@ -209,12 +209,11 @@ fn proof_unread(err: std::io::Error, net: impl FnOnce(std::io::Error) -> Error) 
 }
 
 /// The same over a blocking socket (the upload thread).
-pub(super) fn client_handshake_blocking(
-    s: &mut std::net::TcpStream,
+pub(super) fn client_handshake_blocking<S: std::io::Read + std::io::Write>(
+    s: &mut S,
     secret: &PeerSecret,
     role: Role,
 ) -> Result<()> {
-    use std::io::{Read, Write};
     let e = |e| net("authenticating to", "the replica agent", e);
     let mut ch = [0u8; 34];
     s.read_exact(&mut ch).map_err(e)?;
@@ -226,10 +225,10 @@ pub(super) fn client_handshake_blocking(
 }
 
 /// The agent side: challenge, check the answer; the client's role, or why it was refused.
-pub(super) async fn accept_handshake(
-    s: &mut TcpStream,
-    secret: Option<&PeerSecret>,
-) -> Result<Role> {
+pub(super) async fn accept_handshake<S>(s: &mut S, secret: Option<&PeerSecret>) -> Result<Role>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
     let Some(secret) = secret else {
         return Err(Error::invalid(
             "this agent has no job secret yet: it serves nobody",

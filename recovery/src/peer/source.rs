@@ -10,15 +10,19 @@ use ckpt_store::{ChunkId, ChunkRef, ChunkSource};
 use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tracing::warn;
+use tracing::{debug, warn};
 
 use super::auth::{Role, connect};
+use super::shm::{LocalView, import, mapping};
 use super::{IO_TIMEOUT, PeerSecret};
 
 struct Peer {
     addr: String,
     idle: tokio::sync::Mutex<Vec<TcpStream>>,
     dead: AtomicBool,
+    /// What this process mapped of the agent's memory, once asked (`None`: the agent is on
+    /// another machine, or mapping is off or failed: chunks come through the socket).
+    local: tokio::sync::OnceCell<Option<LocalView>>,
 }
 
 /// A [`ChunkSource`] asking the agents in order (this node's first) for each chunk.
@@ -26,6 +30,9 @@ pub struct PeerSource {
     peers: Vec<Peer>,
     secret: PeerSecret,
     served: AtomicU64,
+    mapped: AtomicU64,
+    /// Map same-machine agents' memory (see `shm`).
+    map: AtomicBool,
     bufs: Arc<Mutex<Vec<Vec<u8>>>>,
     timeout: Duration,
 }
@@ -76,9 +83,12 @@ impl PeerSource {
                     addr: a.clone(),
                     idle: tokio::sync::Mutex::new(Vec::new()),
                     dead: AtomicBool::new(false),
+                    local: tokio::sync::OnceCell::new(),
                 })
                 .collect(),
             served: AtomicU64::new(0),
+            mapped: AtomicU64::new(0),
+            map: AtomicBool::new(mapping()),
             bufs: Arc::default(),
             timeout,
         })
@@ -89,14 +99,79 @@ impl PeerSource {
         self.served.load(Ordering::Relaxed)
     }
 
-    async fn ask(&self, p: &Peer, id: &ChunkId, len: u64) -> std::io::Result<Option<Bytes>> {
+    /// Of those, the bytes read straight out of a same-machine agent's memory (mapped, not
+    /// through its socket).
+    pub fn mapped_bytes(&self) -> u64 {
+        self.mapped.load(Ordering::Relaxed)
+    }
+
+    /// Map the memory of agents on this machine (on by default: see `set_mapping`), or
+    /// take every chunk through their sockets, as across machines.
+    pub fn map_same_machine(&self, on: bool) {
+        self.map.store(on, Ordering::Relaxed);
+    }
+
+    /// What this process mapped of `p`'s memory, mapping it on first use.
+    async fn local<'a>(&self, p: &'a Peer) -> Option<&'a LocalView> {
+        if !self.map.load(Ordering::Relaxed) {
+            return None;
+        }
+        p.local
+            .get_or_init(|| async {
+                let mapped = tokio::time::timeout(self.timeout, self.map(p)).await;
+                match mapped.unwrap_or_else(|_| Err(std::io::Error::other("no answer in time"))) {
+                    Ok(v) => {
+                        if let Some(v) = &v {
+                            debug!(agent = %p.addr, chunks = v.len(), "mapped the memory of a replica agent on this machine");
+                        }
+                        v
+                    }
+                    // The agent is down or wedged: the socket path finds out and says so.
+                    Err(e) if e.kind() != std::io::ErrorKind::InvalidData => {
+                        debug!(agent = %p.addr, "not mapping the replica agent's memory: {e}");
+                        None
+                    }
+                    Err(e) => {
+                        warn!(agent = %p.addr, "reading the replica agent through its socket: mapping its memory failed: {e}");
+                        None
+                    }
+                }
+            })
+            .await
+            .as_ref()
+    }
+
+    /// Ask `p` for its local socket and map its holdings through it.
+    async fn map(&self, p: &Peer) -> std::io::Result<Option<LocalView>> {
+        let mut s = self.conn(p).await?;
+        s.write_u8(b'L').await?;
+        let n = s.read_u8().await? as usize;
+        let mut name = vec![0u8; n];
+        s.read_exact(&mut name).await?;
+        p.idle.lock().await.push(s);
+        if n == 0 {
+            return Ok(None);
+        }
+        let name = String::from_utf8(name).map_err(std::io::Error::other)?;
+        let (secret, timeout) = (self.secret.clone(), self.timeout);
+        tokio::task::spawn_blocking(move || import(&name, &secret, timeout))
+            .await?
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()))
+    }
+
+    /// An idle connection to `p`, or a new one.
+    async fn conn(&self, p: &Peer) -> std::io::Result<TcpStream> {
         let conn = p.idle.lock().await.pop();
-        let mut s = match conn {
-            Some(s) => s,
+        match conn {
+            Some(s) => Ok(s),
             None => connect(&p.addr, &self.secret, Role::Rank)
                 .await
-                .map_err(|e| std::io::Error::other(e.to_string()))?,
-        };
+                .map_err(|e| std::io::Error::other(e.to_string())),
+        }
+    }
+
+    async fn ask(&self, p: &Peer, id: &ChunkId, len: u64) -> std::io::Result<Option<Bytes>> {
+        let mut s = self.conn(p).await?;
         let mut req = [0u8; 33];
         req[0] = b'G';
         req[1..].copy_from_slice(&id.0.0);
@@ -129,6 +204,15 @@ impl ChunkSource for PeerSource {
             if p.dead.load(Ordering::Relaxed) {
                 continue;
             }
+            if let Some(b) = self
+                .local(p)
+                .await
+                .and_then(|v| v.get(&r.id, r.len as usize))
+            {
+                self.served.fetch_add(b.len() as u64, Ordering::Relaxed);
+                self.mapped.fetch_add(b.len() as u64, Ordering::Relaxed);
+                return Some(b);
+            }
             let asked = tokio::time::timeout(self.timeout, self.ask(p, &r.id, r.len as u64)).await;
             match asked.unwrap_or_else(|_| Err(std::io::Error::other("no answer in time"))) {
                 Ok(Some(b)) => {
@@ -143,5 +227,10 @@ impl ChunkSource for PeerSource {
             }
         }
         None
+    }
+
+    fn refused(&self, r: &ChunkRef) {
+        warn!(chunk = %r.id, "a replica agent's copy of a chunk failed its hash: read from the store");
+        self.served.fetch_sub(u64::from(r.len), Ordering::Relaxed);
     }
 }

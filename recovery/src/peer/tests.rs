@@ -243,3 +243,69 @@ async fn a_client_without_the_secret_is_refused_and_an_impostor_agent_is_noticed
     let e = PeerSecret::from_hex(&bad).unwrap_err();
     assert!(!e.to_string().contains("zz"), "{e}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_on_the_agents_machine_maps_its_memory_and_a_stranger_maps_nothing() {
+    let (a, sa) = agent().await;
+    let link = PeerLink {
+        node: 0,
+        agent: a.clone(),
+        peers: vec![a.clone()],
+        timeout: IO_TIMEOUT,
+        secret: secret(),
+    };
+    // Chunks of several sizes, one larger than a segment's remainder would hold after the rest.
+    let data: Vec<Vec<u8>> = (0..6u8)
+        .map(|i| {
+            (0..(1000 + i as usize * 70_001))
+                .map(|j| (j as u8) ^ i)
+                .collect()
+        })
+        .collect();
+    let ids: Vec<ChunkId> = data.iter().map(|d| ChunkId::of(d)).collect();
+    let up = PeerUpload::start(&link, 0, 2, 9, 2);
+    for d in &data {
+        up.chunk(Bytes::from(d.clone())).await;
+    }
+    let sent = up.finish(ids.clone()).await.unwrap();
+
+    // Mapped: every byte, none through the socket.
+    let src = PeerSource::new(std::slice::from_ref(&a), &secret());
+    for d in &data {
+        assert_eq!(src.fetch(&chunk(d)).await.unwrap(), Bytes::from(d.clone()));
+    }
+    assert!(src.fetch(&chunk(b"not there")).await.is_none());
+    assert_eq!((src.served_bytes(), src.mapped_bytes()), (sent, sent));
+
+    // A newer snapshot replaces the old one at the agent; what a client mapped stays readable
+    // and unchanged (the agent never writes a listed chunk again).
+    let mut kept = Vec::new();
+    for d in &data {
+        kept.push(src.fetch(&chunk(d)).await.unwrap());
+    }
+    let up = PeerUpload::start(&link, 1, 2, 10, 2);
+    up.chunk(Bytes::from_static(b"newer")).await;
+    up.finish(vec![ChunkId::of(b"newer")]).await.unwrap();
+    assert!(sa.get(&ids[0]).is_none());
+    for (k, d) in kept.iter().zip(&data) {
+        assert_eq!(k, &Bytes::from(d.clone()));
+    }
+
+    // With mapping off, the same through the socket.
+    let src = PeerSource::new(std::slice::from_ref(&a), &secret());
+    src.map_same_machine(false);
+    assert_eq!(
+        src.fetch(&chunk(b"newer")).await.unwrap(),
+        Bytes::from_static(b"newer")
+    );
+    assert_eq!((src.served_bytes(), src.mapped_bytes()), (5, 0));
+
+    // A client without the secret is refused before anything is sent.
+    let name = sa.local_socket().expect("a local socket");
+    let wrong = PeerSecret::from_bytes([8; 32]);
+    let got = tokio::task::spawn_blocking(move || super::shm::import(&name, &wrong, IO_TIMEOUT))
+        .await
+        .unwrap();
+    let err = got.err().expect("refused").to_string();
+    assert!(err.contains("CKPT_PEER_SECRET is not the job's"), "{err}");
+}

@@ -42,6 +42,8 @@ pub enum Frame {
     Get(ChunkId),
     /// `S`: the holdings are asked for.
     Holdings,
+    /// `L`: the name of the agent's local socket is asked for (see `shm`).
+    Local,
 }
 
 /// Read the next frame from `r`: `Ok(None)` at a clean end of the stream (between frames), a
@@ -100,6 +102,7 @@ pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, max_ids: usize) -> Resu
             Frame::Get(ChunkId(Hash(h)))
         }
         b'S' => Frame::Holdings,
+        b'L' => Frame::Local,
         other => return Err(proto(format!("unknown frame {other:#04x}"))),
     }))
 }

@@ -27,6 +27,9 @@ pub struct Restore {
     pub bytes: u64,
     /// Raw bytes served by peer replica agents.
     pub bytes_from_peers: u64,
+    /// Of those, the bytes read straight out of the memory of an agent on the rank's own
+    /// machine (mapped, not through its socket).
+    pub bytes_from_peers_mapped: u64,
     /// Stored bytes read from the store.
     pub bytes_from_store: u64,
     /// Raw bytes another rank of the node read from the store for this one (the node's

@@ -1161,7 +1161,10 @@ fn peers_bench(dir: &Path, params: u64) {
     odirect_write(&limit, state as usize / (8 << 20) * (8 << 20), 8, 4 << 20);
     let mut out =
         json!({"bench": "peer_restore", "state_bytes": state, "save_committed_s": committed});
-    for (label, peers) in [("store", false), ("peers", true)] {
+    // The peers twice: mapping the surviving agent's memory (it is on this machine), and
+    // through its socket, as a rank on another machine would read it.
+    for (label, peers) in [("store", false), ("peers", true), ("peers_socket", true)] {
+        ckpt_recovery::peer::set_mapping(label != "peers_socket");
         let fresh = touched_ranks(model, train, layout);
         let none = |_| None;
         let mut mg = if peers {
@@ -1176,8 +1179,13 @@ fn peers_bench(dir: &Path, params: u64) {
         out[format!("{label}_store_bytes_read")] = json!(used.get_bytes);
         out[format!("{label}_disk_read_gbps")] = json!(disk_r);
     }
-    out["peers_speedup"] =
-        json!(out["store_restore_s"].as_f64().unwrap() / out["peers_restore_s"].as_f64().unwrap());
+    let s = |k: &str| out[k].as_f64().unwrap();
+    let (mapped, socket) = (
+        s("store_restore_s") / s("peers_restore_s"),
+        s("store_restore_s") / s("peers_socket_restore_s"),
+    );
+    out["peers_speedup"] = json!(mapped);
+    out["peers_socket_speedup"] = json!(socket);
     emit(out);
     for (mut c, _) in agents {
         let _ = c.kill();

@@ -10,9 +10,7 @@ use std::time::Instant;
 
 use ckpt_recovery::peer::PeerSource;
 use ckpt_recovery::records;
-use ckpt_store::{
-    ChunkCache, ChunkSource, Error, NdBox, RankManifest, ReadStats, Result, StepReader, Store,
-};
+use ckpt_store::{ChunkCache, Error, NdBox, RankManifest, ReadStats, Result, StepReader, Store};
 use parking_lot::Mutex;
 use tracing::{info, warn};
 
@@ -202,6 +200,7 @@ impl Restorer {
             to_layout: cfg.layout.to_string(),
             bytes: stats.bytes_copied,
             bytes_from_peers: stats.source_bytes.saturating_sub(local_raw),
+            bytes_from_peers_mapped: source.peer_bytes_mapped(),
             bytes_from_store: stats.stored_bytes,
             bytes_from_node: stats.node_bytes,
             bytes_from_local: local_bytes,
@@ -306,7 +305,7 @@ impl Restorer {
             .peer
             .as_ref()
             .filter(|l| !l.peers.is_empty())
-            .map(|link| PeerSource::new(&link.peers, &link.secret) as Arc<dyn ChunkSource>);
+            .map(|link| PeerSource::new(&link.peers, &link.secret));
         let local = tiers.local.filter(|_| !from_local).cloned();
         let source = Arc::new(TieredSource::new(local, peers));
         if source.has_any() {

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use ckpt_recovery::peer::PeerSource;
 use ckpt_recovery::records::{self, DrainMetrics, Event};
 use ckpt_store::{ChunkRef, ChunkSource, DrainOptions, ErrorKind, GcOptions, Store, drain_step};
 use parking_lot::{Condvar, Mutex};
@@ -448,7 +449,7 @@ impl Shared {
 /// reader), then peer replicas; what neither has comes from the remote store.
 pub(crate) struct TieredSource {
     local: Option<Store>,
-    peers: Option<Arc<dyn ChunkSource>>,
+    peers: Option<Arc<PeerSource>>,
     /// Stored bytes the local tier served.
     pub(crate) local_bytes: AtomicU64,
     /// Raw bytes the local tier served.
@@ -460,7 +461,7 @@ pub(crate) struct TieredSource {
 }
 
 impl TieredSource {
-    pub(crate) fn new(local: Option<Store>, peers: Option<Arc<dyn ChunkSource>>) -> Self {
+    pub(crate) fn new(local: Option<Store>, peers: Option<Arc<PeerSource>>) -> Self {
         TieredSource {
             local,
             peers,
@@ -469,6 +470,12 @@ impl TieredSource {
             local_misses: AtomicU64::new(0),
             local_damaged: AtomicU64::new(0),
         }
+    }
+
+    /// Of the raw bytes the peers served, those read straight out of the memory of an agent on
+    /// this machine.
+    pub(crate) fn peer_bytes_mapped(&self) -> u64 {
+        self.peers.as_ref().map_or(0, |p| p.mapped_bytes())
     }
 
     /// Whether it has anything to serve.
