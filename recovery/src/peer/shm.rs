@@ -386,11 +386,19 @@ unsafe impl Sync for Mapping {}
 impl Mapping {
     fn of(fd: &OwnedFd, len: usize) -> std::io::Result<Mapping> {
         // SAFETY: fstat into a zeroed struct, then a read-only shared mapping of at most the
-        // file's size (the agent sealed it against shrinking); results are checked.
+        // file's size, once its seal against shrinking is seen; results are checked.
         unsafe {
             let mut st: libc::stat = std::mem::zeroed();
             if libc::fstat(fd.as_raw_fd(), &mut st) != 0 {
                 return Err(last());
+            }
+            // Sealed against shrinking, or a page could vanish under the mapping (SIGBUS).
+            let seals = libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS);
+            if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    "a segment that is not sealed against shrinking",
+                ));
             }
             if (st.st_size as u64) < len as u64 || len == 0 {
                 return Err(std::io::Error::new(
@@ -552,4 +560,83 @@ pub(super) fn socket_name() -> String {
         std::process::id(),
         N.fetch_add(1, Ordering::Relaxed)
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An export of `seg` (announced as `announced` bytes, its descriptor sent `fds` times)
+    /// listing one chunk of `len` bytes at `off`, as a misbehaving agent might send it.
+    fn export(seg: &Segment, announced: u64, fds: usize, off: u64, len: u64) -> UnixStream {
+        let (mut agent, client) = UnixStream::pair().unwrap();
+        let mut b = Vec::new();
+        b.extend_from_slice(&1u32.to_le_bytes());
+        b.extend_from_slice(&1u32.to_le_bytes());
+        b.extend_from_slice(&1u32.to_le_bytes());
+        b.extend_from_slice(&announced.to_le_bytes());
+        agent.write_all(&b).unwrap();
+        let sent: Vec<OwnedFd> = (0..fds).map(|_| seg.read_only().unwrap()).collect();
+        send_fds(&agent, &sent).unwrap();
+        let mut c = Vec::new();
+        c.extend_from_slice(&[9u8; 32]);
+        c.extend_from_slice(&0u32.to_le_bytes());
+        c.extend_from_slice(&off.to_le_bytes());
+        c.extend_from_slice(&len.to_le_bytes());
+        agent.write_all(&c).unwrap();
+        client
+    }
+
+    #[test]
+    fn an_export_is_mapped_only_as_announced_and_sealed() {
+        let seg = Segment::new(1 << 20).unwrap();
+        // SAFETY: the test owns the segment and writes it before anything maps it.
+        unsafe { std::ptr::write_bytes(seg.ptr.as_ptr(), 7, 4096) };
+        let v = read_export(&mut export(&seg, 1 << 20, 1, 0, 4096)).unwrap();
+        let got = v.get(&ChunkId(Hash([9; 32])), 4096).unwrap();
+        assert!(got.iter().all(|&b| b == 7));
+        assert!(
+            v.get(&ChunkId(Hash([9; 32])), 4095).is_none(),
+            "length checked"
+        );
+
+        let refused = |mut s: UnixStream, why: &str| {
+            let e = read_export(&mut s).err().expect("refused").to_string();
+            assert!(e.contains(why), "{e}");
+        };
+        // A chunk past the segment's end, a segment larger than its file, a missing or an
+        // extra descriptor.
+        refused(
+            export(&seg, 1 << 20, 1, (1 << 20) - 10, 11),
+            "in a segment of",
+        );
+        refused(export(&seg, 2 << 20, 1, 0, 10), "announced as");
+        refused(
+            export(&seg, 1 << 20, 0, 0, 10),
+            "sent 0 segment descriptors where it announced 1",
+        );
+        refused(
+            export(&seg, 1 << 20, 2, 0, 10),
+            "sent 2 segment descriptors where it announced 1",
+        );
+        // A segment its agent could shrink under the mapping.
+        // SAFETY: plain system calls on descriptors this test owns.
+        let unsealed = unsafe {
+            let raw = libc::memfd_create(c"unsealed".as_ptr(), libc::MFD_CLOEXEC);
+            assert!(raw >= 0);
+            let fd = OwnedFd::from_raw_fd(raw);
+            assert_eq!(libc::ftruncate(fd.as_raw_fd(), 1 << 20), 0);
+            fd
+        };
+        let (mut agent, mut client) = UnixStream::pair().unwrap();
+        let mut b = Vec::new();
+        for v in [1u32, 1, 1] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        b.extend_from_slice(&(1u64 << 20).to_le_bytes());
+        agent.write_all(&b).unwrap();
+        send_fds(&agent, &[unsealed]).unwrap();
+        let e = read_export(&mut client).err().expect("refused").to_string();
+        assert!(e.contains("not sealed against shrinking"), "{e}");
+    }
 }
