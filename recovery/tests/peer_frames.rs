@@ -109,6 +109,7 @@ enum Send {
     },
     Get([u8; 32]),
     Holdings,
+    Local,
 }
 
 fn send() -> impl Strategy<Value = Send> {
@@ -131,6 +132,7 @@ fn send() -> impl Strategy<Value = Send> {
             }),
         1 => any::<[u8; 32]>().prop_map(Send::Get),
         1 => Just(Send::Holdings),
+        1 => Just(Send::Local),
     ]
 }
 
@@ -177,6 +179,10 @@ fn encode(sends: &[Send]) -> (Vec<u8>, Vec<Got>) {
             Send::Holdings => {
                 bytes.push(b'S');
                 want.push(Got::Frame(Frame::Holdings));
+            }
+            Send::Local => {
+                bytes.push(b'L');
+                want.push(Got::Frame(Frame::Local));
             }
         }
     }
