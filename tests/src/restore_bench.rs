@@ -278,7 +278,7 @@ fn odirect_read_ranges(ranges: &[(PathBuf, u64, u64)], qd: usize) -> f64 {
 }
 
 /// Drop the page cache (root only): `false` where it cannot.
-fn drop_caches() -> bool {
+pub fn drop_caches() -> bool {
     // SAFETY: sync(2) takes no arguments and cannot fail.
     unsafe { libc::sync() };
     std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok()

@@ -459,6 +459,11 @@ fn a_killed_node_is_replaced_by_a_smaller_layout_and_the_job_finishes() {
             "{peers} bytes from peers, but the lost node's {lost} bytes alone are held by its \
              buddy: {r}"
         );
+        // Every agent runs on this machine: the ranks mapped their memory.
+        assert_eq!(
+            r["bytes_from_peers_mapped"], r["bytes_from_peers"],
+            "not all read out of the agents' mapped memory: {r}"
+        );
     }
     eprintln!(
         "killed node {victim} (coordinator {leader}); detected after {detection:.2} s; \

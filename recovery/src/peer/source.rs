@@ -31,6 +31,8 @@ pub struct PeerSource {
     secret: PeerSecret,
     served: AtomicU64,
     mapped: AtomicU64,
+    /// The chunks served out of a mapping (for [`ChunkSource::refused`] to take back).
+    mapped_ids: Mutex<std::collections::HashSet<ChunkId>>,
     /// Map same-machine agents' memory (see `shm`).
     map: AtomicBool,
     bufs: Arc<Mutex<Vec<Vec<u8>>>>,
@@ -88,6 +90,7 @@ impl PeerSource {
                 .collect(),
             served: AtomicU64::new(0),
             mapped: AtomicU64::new(0),
+            mapped_ids: Mutex::default(),
             map: AtomicBool::new(mapping()),
             bufs: Arc::default(),
             timeout,
@@ -211,6 +214,7 @@ impl ChunkSource for PeerSource {
             {
                 self.served.fetch_add(b.len() as u64, Ordering::Relaxed);
                 self.mapped.fetch_add(b.len() as u64, Ordering::Relaxed);
+                self.mapped_ids.lock().insert(r.id);
                 return Some(b);
             }
             let asked = tokio::time::timeout(self.timeout, self.ask(p, &r.id, r.len as u64)).await;
@@ -231,6 +235,14 @@ impl ChunkSource for PeerSource {
 
     fn refused(&self, r: &ChunkRef) {
         warn!(chunk = %r.id, "a replica agent's copy of a chunk failed its hash: read from the store");
-        self.served.fetch_sub(u64::from(r.len), Ordering::Relaxed);
+        let back = |n: &AtomicU64| {
+            let _ = n.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                Some(v.saturating_sub(u64::from(r.len)))
+            });
+        };
+        back(&self.served);
+        if self.mapped_ids.lock().remove(&r.id) {
+            back(&self.mapped);
+        }
     }
 }

@@ -276,6 +276,13 @@ async fn a_rank_on_the_agents_machine_maps_its_memory_and_a_stranger_maps_nothin
     }
     assert!(src.fetch(&chunk(b"not there")).await.is_none());
     assert_eq!((src.served_bytes(), src.mapped_bytes()), (sent, sent));
+    // A copy the reader refuses (its hash failed) is taken back from both counts.
+    src.refused(&chunk(&data[2]));
+    let back = data[2].len() as u64;
+    assert_eq!(
+        (src.served_bytes(), src.mapped_bytes()),
+        (sent - back, sent - back)
+    );
 
     // A newer snapshot replaces the old one at the agent; what a client mapped stays readable
     // and unchanged (the agent never writes a listed chunk again).

@@ -512,6 +512,13 @@ impl ChunkSource for TieredSource {
             None => None,
         }
     }
+
+    /// The local tier's chunks are checked here, so a refused chunk came from the peers.
+    fn refused(&self, r: &ChunkRef) {
+        if let Some(p) = &self.peers {
+            p.refused(r);
+        }
+    }
 }
 
 /// The steps of `run` committed in either tier, newest last.
