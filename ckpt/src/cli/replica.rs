@@ -7,7 +7,9 @@
 //! It serves only clients that prove the job's secret (`CKPT_PEER_SECRET`, 64 hex digits, in
 //! its environment): authentication, not encryption; snapshots cross the network in the
 //! clear, so keep the agents on the job's private network. It keeps its own node's ranks'
-//! snapshots and copies of the nodes it is the buddy of, within its memory limit.
+//! snapshots and copies of the nodes it is the buddy of, within its memory limit, in shared
+//! memory: a rank on the same machine maps it read-only through the agent's abstract Unix
+//! socket (after the same proof of the secret) instead of taking each chunk over TCP.
 //!
 //! It prints `listening ADDR` on stdout once it accepts connections, then logs on stderr
 //! only; it ends on SIGTERM/SIGINT, or with `--watch-stdin` when its standard input closes
