@@ -10,9 +10,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use ckpt_store::{
-    ChunkId, ChunkRef, ChunkSource, CodecPolicy, DType, NdBox, ShardDesc, ShardIn, StepReader,
-};
+use ckpt_store::{ChunkId, ChunkRef, ChunkSource, DType, NdBox, ShardDesc, ShardIn, StepReader};
 use ckpt_trainer::{HostTensor, MemorySink, RestoreTarget, restore_targets};
 
 const CHUNK: usize = 1 << 20;
@@ -51,15 +49,7 @@ fn a_damaged_copy_from_a_chunk_source_is_read_again_from_the_store() {
 
 fn damaged_source_copy(raw: bool) {
     let dir = tempfile::tempdir().unwrap();
-    let codec = if raw {
-        CodecPolicy::Raw
-    } else {
-        CodecPolicy::Compress {
-            level: 1,
-            min_saving_permille: 1,
-        }
-    };
-    let store = common::local_store(dir.path(), CHUNK, codec);
+    let store = common::local_store(dir.path(), CHUNK, common::raw_or_compressed(raw));
     // 6 chunks of bytes that compress a little.
     let w: Vec<u8> = (0..6 * CHUNK).map(|i| ((i / 3) * 7 % 251) as u8).collect();
     let n = w.len() as u64 / 4;

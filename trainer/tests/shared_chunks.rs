@@ -8,7 +8,7 @@ mod common;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use ckpt_store::{CodecPolicy, DType, ErrorKind, NdBox, ShardDesc, ShardIn, StepReader, Store};
+use ckpt_store::{DType, ErrorKind, NdBox, ShardDesc, ShardIn, StepReader, Store};
 use ckpt_trainer::{HostTensor, MemorySink, RestoreTarget, restore_targets};
 
 const CHUNK: u64 = 1 << 20;
@@ -43,15 +43,7 @@ impl MemorySink for Recording {
 /// A local store in `dir` with chunks of [`CHUNK`] bytes, all stored raw (read unchecked and
 /// hashed as they are copied) or all compressed (decoded, checked, then copied).
 fn open(dir: &std::path::Path, raw: bool) -> Store {
-    let codec = if raw {
-        CodecPolicy::Raw
-    } else {
-        CodecPolicy::Compress {
-            level: 1,
-            min_saving_permille: 1,
-        }
-    };
-    common::local_store(dir, CHUNK as usize, codec)
+    common::local_store(dir, CHUNK as usize, common::raw_or_compressed(raw))
 }
 
 /// `zeros`: 4.5 chunks of zeros (four identical chunks and a tail); `w`: 2 chunks of other

@@ -19,6 +19,19 @@ pub fn read(store: &Store, run: &str, step: u64, name: &str) -> Vec<u8> {
 
 /// A local store in `dir` (a real directory: `DirectFs`) with chunks of `chunk` bytes, every
 /// chunk stored by `codec` (no adaptive choice).
+/// Every chunk stored raw (read unchecked and hashed as it is copied), or every chunk
+/// compressed (decoded, checked, then copied).
+pub fn raw_or_compressed(raw: bool) -> CodecPolicy {
+    if raw {
+        CodecPolicy::Raw
+    } else {
+        CodecPolicy::Compress {
+            level: 1,
+            min_saving_permille: 1,
+        }
+    }
+}
+
 pub fn local_store(dir: &std::path::Path, chunk: usize, codec: CodecPolicy) -> Store {
     let store = ckpt_store::open(dir.to_str().unwrap()).unwrap();
     let mut cfg = store.config().clone();
