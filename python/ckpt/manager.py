@@ -37,6 +37,7 @@ to host memory first, or use ``ckpt.dcp.StorageWriter``, which DCP stages to hos
 
 from __future__ import annotations
 
+import os
 import pickle
 import zlib
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -68,6 +69,19 @@ def _flat(state_dict: dict) -> "Tuple[dict, dict]":
     if _flatten is None:
         raise CkptError("this torch has no torch.distributed.checkpoint: cannot flatten a state dict")
     return _flatten(state_dict)
+
+
+def _node_processes(given: Optional[int]) -> Optional[int]:
+    """``given``, else the launcher's count of this machine's rank processes, if it set one."""
+    if given is not None:
+        if int(given) < 1:
+            raise CkptError(f"node_processes must be at least 1, not {given}")
+        return int(given)
+    try:
+        n = int(os.environ.get("LOCAL_WORLD_SIZE", ""))
+    except ValueError:
+        return None
+    return n if n >= 1 else None
 
 
 def _writer_coord(fqn: str, size: int) -> int:
@@ -112,6 +126,12 @@ class CheckpointManager:
     local tier first and whatever is missing or damaged there from ``store``. ``finish``
     waits until the newest step is in ``store``; ``drains()`` lists the drains' figures. Every
     rank of the job must see the same tier (one machine, or a shared file system).
+
+    ``node_processes``: how many of the job's rank processes run on this machine (default:
+    ``LOCAL_WORLD_SIZE``, as torchrun and ``ckpt resume`` set it). The tensors every rank
+    restores whole (DDP's parameters) are read through the page cache, so the machine's disk
+    serves them once for all its ranks; a rank alone on its machine (1) reads them around it,
+    which is faster when no one else will read them.
     """
 
     def __init__(
@@ -135,6 +155,7 @@ class CheckpointManager:
         trainable: Any = None,
         local_tier: Union[str, Store, None] = None,
         keep_local: int = 2,
+        node_processes: Optional[int] = None,
     ) -> None:
         distributed = dist.is_available() and dist.is_initialized()
         if rank is None:
@@ -181,6 +202,7 @@ class CheckpointManager:
             node=node,
             local_tier=None if local_tier is None else _store(local_tier),
             keep_local=int(keep_local),
+            node_processes=_node_processes(node_processes),
         )
         # The ranks agree on a SIGTERM through a gloo group (CPU tensors whatever the default
         # backend is); created by every rank, as `new_group` must be.

@@ -243,7 +243,8 @@ impl Manager {
     #[pyo3(signature = (store, run, rank=0, world=1, generation=0, every_steps=None,
         every_s=None, keep_last=None, keep_every=None, final_on_sigterm=true,
         resume_step=None, staging_bytes=0, governor=true, sdc_check=None,
-        on_replica_mismatch="warn", stale_after=2, node=None, local_tier=None, keep_local=2))]
+        on_replica_mismatch="warn", stale_after=2, node=None, local_tier=None, keep_local=2,
+        node_processes=None))]
     fn new(
         py: Python<'_>,
         store: &Store,
@@ -265,6 +266,7 @@ impl Manager {
         node: Option<u32>,
         local_tier: Option<&Store>,
         keep_local: usize,
+        node_processes: Option<u32>,
     ) -> PyResult<Self> {
         let layout = Layout::new(world, 1, 1, 0).map_err(err)?;
         let mut ck = CheckpointerConfig::new(run, rank, layout);
@@ -295,6 +297,7 @@ impl Manager {
             p => p,
         };
         cfg.stale_after = stale_after;
+        cfg.node_processes = node_processes;
         if !governor {
             cfg.persist_governor = None;
         }

@@ -260,8 +260,9 @@ def replicated_state() -> dict:
 
 def replicas_load(rank, world, port, store, out, how):
     """Save the replicated state once, evict the store from the page cache, load it on every
-    rank (``how``: "dcp", through ckpt.dcp; "manager", a fresh native manager), and write what
-    the load cost this process in disk reads to ``out``-RANK."""
+    rank (``how``: "dcp", through ckpt.dcp; "manager", a fresh native manager; "manager-alone",
+    one told by ``LOCAL_WORLD_SIZE=1`` that no other rank process runs on its machine), and
+    write what the load cost this process in disk reads to ``out``-RANK."""
     import ckpt
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -284,6 +285,8 @@ def replicas_load(rank, world, port, store, out, how):
         if how == "dcp":
             dcp.load(got, storage_reader=StorageReader(store, run="ddp", step=1))
         else:
+            if how == "manager-alone":
+                os.environ["LOCAL_WORLD_SIZE"] = "1"
             m = ckpt.CheckpointManager(store, run="ddp", final_on_sigterm=False)
             assert m.restore_latest(got) == 1
         read = disk_read_bytes() - before

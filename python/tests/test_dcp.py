@@ -467,6 +467,22 @@ def test_replicas_every_rank_loads_are_read_from_the_disk_once_per_machine(tmp_p
     assert sum(reads) <= 1.3 * stored, (reads, stored)
 
 
+def test_a_rank_alone_on_its_machine_reads_replicas_around_the_page_cache(tmp_path):
+    from _workers import replicas_load
+
+    store, out = tmp_path / "store", tmp_path / "read"
+    mp.spawn(
+        replicas_load, args=(2, free_port(), str(store), str(out), "manager-alone"), nprocs=2
+    )
+    reads = [int((tmp_path / f"read-{r}").read_text()) for r in (0, 1)]
+    stored = sum(p.stat().st_size for p in store.rglob("*") if p.is_file())
+    # Told by the launcher that no other rank process shares its machine (LOCAL_WORLD_SIZE=1),
+    # each manager reads the replicas with O_DIRECT, the faster read for a rank alone: nothing
+    # lands in the page cache for the other, so each process reads all 32 MiB from the disk.
+    for r in reads:
+        assert r >= 0.9 * (32 << 20), (reads, stored)
+
+
 def test_a_dcp_drainer_keeps_the_outcomes_of_its_newest_steps_only(tmp_path, monkeypatch):
     from ckpt.dcp import _Drainer
 

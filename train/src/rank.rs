@@ -96,6 +96,14 @@ fn manager_config(sh: &Shared, rank: u32, state: &RankState) -> ManagerConfig {
     }
     // The ranks of a node restore through one cache: each chunk read from the store once.
     mc.node_cache = sh.launched.as_ref().and_then(|e| e.node_cache.clone());
+    // Under a launcher, its count of this machine's rank processes (replicas they all restore
+    // are read through the page cache, once for the node); ranks as threads of this process
+    // share a chunk cache instead, and no other process reads what they read.
+    mc.node_processes = match &sh.launched {
+        Some(e) => Some(e.local_world_size),
+        None if a.rank.is_none() => Some(1),
+        None => None,
+    };
     mc.keep_last = a.keep_last;
     mc.keep_every = a.keep_every;
     mc.monitor = a.monitor_config();

@@ -40,6 +40,15 @@ pub struct ManagerConfig {
     /// [`ckpt_store::NodeCache`]): each chunk is read from the store once per node. `None`:
     /// each rank reads the store itself.
     pub node_cache: Option<std::path::PathBuf>,
+    /// How many of the job's rank processes run on this machine (a launcher's
+    /// `LOCAL_WORLD_SIZE`). In a data-parallel layout without a node cache, the tensors every
+    /// rank restores whole are read through the page cache, so that the node's other rank
+    /// processes find them there and the disk serves them once. With `Some(1)` no other
+    /// process will read them: they are read around the page cache (`O_DIRECT`) like the
+    /// rest, which is faster for a rank alone (a cold local-tier restore measured 1.36-1.42x
+    /// the disk's read through the page cache, 0.95-1.06x around it). `None`: unknown, read
+    /// through it.
+    pub node_processes: Option<u32>,
     /// Loss-spike monitoring and its action (default: off). The manager sees a loss only
     /// through [`CheckpointManager::observe`](super::CheckpointManager::observe).
     pub monitor: MonitorConfig,
@@ -87,6 +96,7 @@ impl ManagerConfig {
             final_deadline: Duration::from_secs(300),
             restore_budget: 256 << 20,
             node_cache: None,
+            node_processes: None,
             monitor: MonitorConfig::default(),
             resume_step: None,
             persist_governor: Some(GovernorConfig::default()),

@@ -70,6 +70,9 @@ pub(crate) struct Restorer {
     budget: usize,
     /// The node's shared restore cache.
     node_cache: Option<PathBuf>,
+    /// Whether other rank processes of this machine restore the replicated tensors too (see
+    /// [`ManagerConfig::node_processes`]).
+    node_shares: bool,
     /// The step to resume from, exactly.
     resume_step: Option<u64>,
 }
@@ -126,6 +129,7 @@ impl Restorer {
         Restorer {
             budget: cfg.restore_budget,
             node_cache: cfg.node_cache.clone(),
+            node_shares: cfg.node_processes != Some(1),
             resume_step: cfg.resume_step,
         }
     }
@@ -246,14 +250,18 @@ impl Restorer {
     /// restores whole are most likely the replicas every rank of the node restores whole
     /// (DDP under `torchrun`): they are read through the page cache ([`StepReader::shared`]),
     /// so the node's disk serves them once rather than once per rank with `O_DIRECT`. The
-    /// rest (this rank's own shards, ZeRO partitions) goes around it.
+    /// rest (this rank's own shards, ZeRO partitions) goes around it, and so does everything
+    /// when this rank's process is the only one of the job on its machine.
     async fn read(
         &self,
         reader: &StepReader,
         cfg: &CheckpointerConfig,
         targets: Vec<RestoreTarget>,
     ) -> Result<ReadStats> {
-        let replicas = self.node_cache.is_none() && cfg.layout.dp > 1 && cfg.layout.zero < 3;
+        let replicas = self.node_shares
+            && self.node_cache.is_none()
+            && cfg.layout.dp > 1
+            && cfg.layout.zero < 3;
         let (whole, own): (Vec<_>, Vec<_>) = targets
             .into_iter()
             .partition(|t| replicas && t.bbox == NdBox::full(&t.shape));
