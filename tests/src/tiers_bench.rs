@@ -197,9 +197,11 @@ pub fn tiers_bench(dir: &Path, params: u64, sink_mbps: f64) {
         "interval_ratio": direct_durable / local_durable}),
     );
 
-    // A training step, then the next checkpoint while steps run: what drains, and what the
-    // steps pay while it does.
-    let quiet: Vec<f64> = (0..3)
+    // Training steps, then the next checkpoint while steps run: what drains, and what the
+    // steps pay while it does. The governor paces a drain only once it has the baseline of
+    // a job's steps with nothing running (`MIN_BASELINE` clean intervals: the first step's
+    // interval starts at its own `maybe_save`, so one step more).
+    let quiet: Vec<f64> = (0..=ckpt_trainer::governor::MIN_BASELINE as u64 + 1)
         .map(|i| governed_step(&mut mgrs, &ranks, 10 + i))
         .collect();
     let (stall2, local_durable2, written2) = save(&mut mgrs, 2);
@@ -228,6 +230,23 @@ pub fn tiers_bench(dir: &Path, params: u64, sink_mbps: f64) {
         m.finish().unwrap();
     }
     let quiet_s = median(quiet.into_iter().chain(after).collect());
+    // What the governor did (its `persist_rate` events): the rates it set while step 2 drained.
+    let logged = |kind: &str| -> Vec<serde_json::Value> {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(ckpt_store::logs::read_log(
+            &remote,
+            RUN,
+            ckpt_store::logs::EVENTS,
+        ))
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|r| r["kind"] == kind)
+        .collect()
+    };
+    let rates: Vec<serde_json::Value> = logged("persist_rate")
+        .into_iter()
+        .map(|r| json!({"rank": r["rank"], "to_bps": r["to_bps"], "slowdown": r["slowdown"]}))
+        .collect();
     emit(json!({"bench": "tiers_incremental", "stall_s": stall2,
         "local_durable_s": local_durable2, "stored_bytes_new": written2,
         "drain_s": second.seconds, "drain_bytes_sent": second.bytes_sent,
@@ -235,7 +254,7 @@ pub fn tiers_bench(dir: &Path, params: u64, sink_mbps: f64) {
         "sent_over_changed": second.bytes_sent as f64 / written2.max(1) as f64,
         "steps_while_draining": busy.len(), "step_s_quiet": quiet_s,
         "step_s_draining": median(busy.clone()),
-        "slowdown": median(busy) / quiet_s}));
+        "slowdown": median(busy) / quiet_s, "rate_changes": rates}));
     drop(mgrs);
 
     // 3. A restart after a process crash: fresh ranks restore through the tiers.
@@ -265,18 +284,6 @@ pub fn tiers_bench(dir: &Path, params: u64, sink_mbps: f64) {
     // cache), and told that another rank process of the machine restores too (2: the
     // replicated weights through the page cache, for the other to find there; here no other
     // comes, so this is what the sharing costs a rank alone).
-    let logged = |kind: &str| -> Vec<serde_json::Value> {
-        let rt = tokio::runtime::Runtime::new().unwrap();
-        rt.block_on(ckpt_store::logs::read_log(
-            &remote,
-            RUN,
-            ckpt_store::logs::EVENTS,
-        ))
-        .unwrap_or_default()
-        .into_iter()
-        .filter(|r| r["kind"] == kind)
-        .collect()
-    };
     for node_processes in [1, 2] {
         let before = logged("restore").len();
         let mut alone = Vec::new();
