@@ -257,9 +257,11 @@ pub fn tiers_bench(dir: &Path, params: u64, sink_mbps: f64) {
         "slowdown": median(busy) / quiet_s, "rate_changes": rates}));
     drop(mgrs);
 
-    // 3. A restart after a process crash: fresh ranks restore through the tiers.
+    // 3. A restart after a process crash: fresh ranks restore through the tiers. As threads
+    // of one process they share a chunk cache, and no other process reads what they read
+    // (`node_processes` 1, as `ckpt-train` sets it for ranks as threads).
     let fresh = touched_ranks(model, train, layout);
-    let mut mgrs = managers(&remote, Some(&local), layout, &fresh);
+    let mut mgrs = managers_on(&remote, Some(&local), layout, &fresh, Some(1));
     let t = Instant::now();
     std::thread::scope(|sc| {
         for m in mgrs.iter_mut() {
@@ -270,6 +272,7 @@ pub fn tiers_bench(dir: &Path, params: u64, sink_mbps: f64) {
     let read_limit_s = written as f64 / (read_gbps * 1e9);
     emit(
         json!({"bench": "tiers_restore", "ranks": "threads of one process, together",
+        "node_processes": 1,
         "restore_s": restore_s, "stored_bytes": written,
         "disk_odirect_read_gbps": read_gbps, "restore_x_read_limit": restore_s / read_limit_s,
         "page_cache": "none of it: the tier writes with O_DIRECT"}),
