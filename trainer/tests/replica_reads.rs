@@ -20,17 +20,6 @@ const CHUNK: usize = 1 << 20;
 const SHAPE: [u64; 2] = [1024, 1024];
 const SIZE: u64 = 1024 * 1024 * 4;
 
-/// Bytes this process has had read from the block device so far.
-fn disk_read_bytes() -> u64 {
-    let io = std::fs::read_to_string("/proc/self/io").unwrap();
-    io.lines()
-        .find_map(|l| l.strip_prefix("read_bytes: "))
-        .expect("read_bytes in /proc/self/io")
-        .trim()
-        .parse()
-        .unwrap()
-}
-
 /// Rank `rank` of a dp=2 job restores step 1 of run `r` with a fresh manager: the bytes of `w`
 /// and the disk reads the restore cost.
 fn restore(store: &Store, rank: u32, node_processes: Option<u32>) -> (Vec<u8>, u64) {
@@ -47,9 +36,9 @@ fn restore(store: &Store, rank: u32, node_processes: Option<u32>) -> (Vec<u8>, u
         Arc::new(w.clone()),
     )
     .unwrap();
-    let before = disk_read_bytes();
+    let before = common::disk_read_bytes();
     assert_eq!(m.restore_latest().unwrap(), Some(1));
-    let read = disk_read_bytes() - before;
+    let read = common::disk_read_bytes() - before;
     let bytes = w.read().clone();
     (bytes, read)
 }

@@ -17,17 +17,6 @@ const CHUNK: usize = 1 << 20;
 const ROWS: u64 = 1024;
 const COLS: u64 = 1024;
 
-/// Bytes this process has had read from the block device so far.
-fn disk_read_bytes() -> u64 {
-    let io = std::fs::read_to_string("/proc/self/io").unwrap();
-    io.lines()
-        .find_map(|l| l.strip_prefix("read_bytes: "))
-        .expect("read_bytes in /proc/self/io")
-        .trim()
-        .parse()
-        .unwrap()
-}
-
 /// Tensors `w` and `v`, each `ROWS` x `COLS` f32 of distinct bytes, saved by one rank as step 1
 /// of run `r` (large objects are written with `O_DIRECT`: none of it is in the page cache).
 fn save(store: &Store) -> Vec<Vec<u8>> {
@@ -71,11 +60,11 @@ fn restore(
         bbox,
         sink: host.clone() as Arc<dyn MemorySink>,
     };
-    let before = disk_read_bytes();
+    let before = common::disk_read_bytes();
     let reader = rt.block_on(StepReader::open(store, "r", 1)).unwrap();
     rt.block_on(restore_targets(&reader, &[target], 64 << 20))
         .unwrap();
-    let read = disk_read_bytes() - before;
+    let read = common::disk_read_bytes() - before;
     let bytes = host.read().clone();
     (bytes, read)
 }

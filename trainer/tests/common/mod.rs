@@ -59,3 +59,15 @@ pub fn commit_one_rank(store: &Store, shards: Vec<ShardIn>) {
         store.log().commit_step("r", 1).await.unwrap();
     });
 }
+
+/// Bytes this process has had read from the block device so far
+/// (`/proc/self/io`: the whole process, so a test that counts them is its binary's only one).
+pub fn disk_read_bytes() -> u64 {
+    let io = std::fs::read_to_string("/proc/self/io").unwrap();
+    io.lines()
+        .find_map(|l| l.strip_prefix("read_bytes: "))
+        .expect("read_bytes in /proc/self/io")
+        .trim()
+        .parse()
+        .unwrap()
+}
