@@ -41,6 +41,7 @@ import dataclasses
 import io
 import os
 import pickle
+import socket
 import threading
 import time
 import warnings
@@ -357,6 +358,16 @@ class StorageWriter(_DcpStorageWriter):
 
     def _checkpoint_id(self) -> str:
         return f"{_url(self._store_arg)}::{self.run}@{self.step}"
+
+
+def _machine() -> str:
+    """What identifies this process's page cache: the running kernel's boot id (processes in
+    containers of one machine share it, as they share the page cache), else the host name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
 
 
 def _box(item) -> Tuple[str, Tuple[int, ...], Tuple[int, ...]]:
@@ -730,22 +741,32 @@ class StorageReader(_DcpStorageReader):
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        # Which page cache this rank reads through: the coordinator shares reads only among
+        # the ranks of one machine.
+        return dataclasses.replace(plan, storage_data={"machine": _machine()})
 
     def prepare_global_plan(self, plans: List[LoadPlan]) -> List[LoadPlan]:
-        # The boxes more than one rank reads alike (data-parallel replicas, which every rank
-        # loads whole): each rank reads them through the page cache, so the node's disk
-        # serves them once, where reads around it (O_DIRECT) would go to the disk per rank.
-        readers: Dict[Tuple[str, Tuple[int, ...], Tuple[int, ...]], int] = {}
+        # The boxes more than one rank of a machine reads alike (data-parallel replicas,
+        # which every rank loads whole): those ranks read them through the page cache, so the
+        # machine's disk serves them once, where reads around it (O_DIRECT) would go to the
+        # disk per rank. A box no other rank of its machine reads goes around it: the page
+        # cache would only cost that rank (a cold restore of a rank alone on its machine took
+        # 1.7-2.3x the read through it, 1.0-1.1x around it).
+        readers: Dict[Tuple[Any, Tuple[str, Tuple[int, ...], Tuple[int, ...]]], int] = {}
         boxes = [{_box(i) for i in p.items if i.type != LoadItemType.BYTE_IO} for p in plans]
-        for mine in boxes:
+        machines = [
+            p.storage_data.get("machine") if isinstance(p.storage_data, dict) else None
+            for p in plans
+        ]
+        for machine, mine in zip(machines, boxes):
             for b in mine:
-                readers[b] = readers.get(b, 0) + 1
+                readers[(machine, b)] = readers.get((machine, b), 0) + 1
         return [
             dataclasses.replace(
-                p, storage_data={"shared": sorted(b for b in mine if readers[b] > 1)}
+                p,
+                storage_data={"shared": sorted(b for b in mine if readers[(machine, b)] > 1)},
             )
-            for p, mine in zip(plans, boxes)
+            for p, machine, mine in zip(plans, machines, boxes)
         ]
 
     @property
@@ -759,8 +780,8 @@ class StorageReader(_DcpStorageReader):
         written straight into its target when the target is a contiguous CPU tensor of the
         saved dtype (else into a temporary, copied after)."""
         reader = self._open()
-        # Boxes other ranks read too go in batches of their own, read through the page cache
-        # (see prepare_global_plan).
+        # Boxes other ranks of this machine read too go in batches of their own, read through
+        # the page cache (see prepare_global_plan).
         shared = set()
         if isinstance(plan.storage_data, dict):
             shared = {(f, tuple(o), tuple(n)) for f, o, n in plan.storage_data.get("shared", ())}

@@ -1,6 +1,7 @@
 """ckpt.dcp as PyTorch's distributed checkpoint storage: round trips resharded against DCP's own
 FileSystemWriter/Reader, async_save, damage, dedup, export interop, the newest committed step."""
 
+import dataclasses
 import io
 import json
 import os
@@ -481,6 +482,45 @@ def test_a_rank_alone_on_its_machine_reads_replicas_around_the_page_cache(tmp_pa
     # lands in the page cache for the other, so each process reads all 32 MiB from the disk.
     for r in reads:
         assert r >= 0.9 * (32 << 20), (reads, stored)
+
+
+def test_replicas_are_shared_through_the_page_cache_only_by_ranks_of_one_machine(tmp_path):
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+    def item(fqn):
+        return ReadItem(
+            type=LoadItemType.TENSOR,
+            dest_index=MetadataIndex(fqn),
+            dest_offsets=torch.Size([0]),
+            storage_index=MetadataIndex(fqn, torch.Size([0])),
+            storage_offsets=torch.Size([0]),
+            lengths=torch.Size([8]),
+        )
+
+    reader = StorageReader(str(tmp_path), run="m")
+    # Every rank loads the replica `w`; only rank 0 loads `v`.
+    local = [
+        reader.prepare_local_plan(LoadPlan([item("w")] + ([item("v")] if r == 0 else [])))
+        for r in range(3)
+    ]
+    machines = [p.storage_data["machine"] for p in local]
+    assert len(set(machines)) == 1 and machines[0], machines
+
+    def shared(plans):
+        return [
+            sorted(b[0] for b in p.storage_data["shared"])
+            for p in reader.prepare_global_plan(plans)
+        ]
+
+    # Three ranks of this machine: `w` through the page cache for all of them, `v` around it.
+    assert shared(local) == [["w"], ["w"], ["w"]]
+    # Rank 2 on another machine: it is alone there, so it reads `w` around the page cache.
+    other = dataclasses.replace(local[2], storage_data={"machine": "another-machine"})
+    assert shared([local[0], local[1], other]) == [["w"], ["w"], []]
+    # Every rank on a machine of its own: nothing is shared.
+    alone = [dataclasses.replace(p, storage_data={"machine": f"m{r}"}) for r, p in enumerate(local)]
+    assert shared(alone) == [[], [], []]
 
 
 def test_a_dcp_drainer_keeps_the_outcomes_of_its_newest_steps_only(tmp_path, monkeypatch):
