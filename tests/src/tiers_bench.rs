@@ -230,7 +230,8 @@ pub fn tiers_bench(dir: &Path, params: u64, sink_mbps: f64) {
         m.finish().unwrap();
     }
     let quiet_s = median(quiet.into_iter().chain(after).collect());
-    // What the governor did (its `persist_rate` events): the rates it set while step 2 drained.
+    // What the governor did: every `persist_rate` event of the tiered run (the saves' persists
+    // and the drains; in these runs, rank 0's are the drain of step 2).
     let logged = |kind: &str| -> Vec<serde_json::Value> {
         let rt = tokio::runtime::Runtime::new().unwrap();
         rt.block_on(ckpt_store::logs::read_log(
