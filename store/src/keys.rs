@@ -54,6 +54,9 @@ pub enum StepObject {
     Commit,
     /// `index/<2 hex>/<blake3>.part`: a part of a split commit record (format 5).
     RecordPart(crate::id::Hash),
+    /// `nodes/rank-<r>.commit`: a node's commit of its ranks (`r` the first) in its local
+    /// tier, in a job of several machines ([`crate::NodeCommit`]).
+    NodeCommit(u32),
 }
 
 /// Maps ids and names to keys below a prefix.
@@ -169,6 +172,19 @@ impl Keys {
     /// The commit record of a step.
     pub fn commit(&self, run: &str, step: u64) -> Path {
         self.step_dir(run, step).join("COMMIT")
+    }
+
+    /// The node commits of `step` ([`crate::NodeCommit`]): `steps/<step>/nodes/`.
+    pub fn node_commits_dir(&self, run: &str, step: u64) -> Path {
+        self.step_dir(run, step).join("nodes")
+    }
+
+    /// The commit of a node's ranks of `step`, `first` the lowest, in its local tier
+    /// ([`crate::NodeCommit`]): `steps/<step>/nodes/rank-<first:06>.commit`. One per node,
+    /// so nodes that share a tier (a shared file system) keep theirs apart.
+    pub fn node_commit(&self, run: &str, step: u64, first: u32) -> Path {
+        self.node_commits_dir(run, step)
+            .join(format!("rank-{first:06}.commit"))
     }
 
     /// A part of a split commit record (format 5), named by the blake3 of its bytes:
@@ -323,6 +339,15 @@ impl Keys {
         let rest = self.strip(path)?;
         let (run, step, name) = match rest.as_slice() {
             ["runs", run, "steps", step, name] => (run, step, name),
+            ["runs", run, "steps", step, "nodes", name] => {
+                let step = parse_step_segment(step)?;
+                let r = name.strip_prefix("rank-")?.strip_suffix(".commit")?;
+                if r.len() != 6 || !r.bytes().all(|b| b.is_ascii_digit()) {
+                    return None;
+                }
+                let first: u32 = r.parse().ok()?;
+                return Some((run.to_string(), step, StepObject::NodeCommit(first)));
+            }
             ["runs", run, "steps", step, "ranks", _, name] => (run, step, name),
             ["runs", run, "steps", step, "index", _, name] => {
                 let step = parse_step_segment(step)?;

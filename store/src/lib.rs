@@ -100,6 +100,7 @@ pub use cache::{CacheStats, ChunkCache};
 pub use clock::{Clock, ManualClock, SystemClock, now_ms};
 pub use codec::{Codec, CodecPolicy};
 pub use commit::catalog::StepListing;
+pub use commit::node::NodeCommit;
 pub use commit::{Agreement, CommitLog, CommitOutcome};
 pub use direct::{DirectFs, shared_reads};
 pub use error::{Error, ErrorKind, Result};
@@ -125,7 +126,8 @@ pub use store::{
     StoreConfig,
 };
 pub use tier::{
-    DrainMarker, DrainOptions, DrainPace, DrainProgress, DrainReport, drain_step, rate_pace,
+    DrainMarker, DrainOptions, DrainPace, DrainProgress, DrainReport, drain_node, drain_step,
+    rate_pace,
 };
 pub use url::{OpenOptions, StoreUrl, open, open_with};
 pub use verify::{Damage, VerifyReport, VerifyScope};

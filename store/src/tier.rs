@@ -28,7 +28,7 @@ use object_store::path::Path;
 use serde::{Deserialize, Serialize};
 use tracing::{debug, info, instrument};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::model::RankManifest;
 use crate::store::Store;
 
@@ -155,6 +155,13 @@ pub struct DrainReport {
     pub seconds: f64,
     /// The step was committed remotely before this drain (nothing to do).
     pub already_remote: bool,
+    /// The step is committed remotely now. A node's drain ([`drain_node`]) leaves it false
+    /// while other nodes' ranks are not drained yet.
+    pub remote_committed: bool,
+    /// The sentinel's comparison of the step's replicas, when this drain committed the step
+    /// (a node's drain: no node commit compares them, the remote commit does).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<crate::model::ReplicaReport>,
 }
 
 /// Check an object's bytes against its key before they leave the local tier: a pack against
@@ -224,27 +231,95 @@ pub async fn drain_step(
     step: u64,
     opts: &DrainOptions,
 ) -> Result<DrainReport> {
+    let (record, _) = local.log().read_commit(run, step).await.map_err(|e| {
+        e.context(format!(
+            "draining step {step} of run {run} from the local tier"
+        ))
+    })?;
+    let generation = record.generation;
+    let read = |_: ()| async move {
+        stream::iter(record.ranks.clone())
+            .map(|e| async move {
+                local
+                    .log()
+                    .read_rank_manifest(run, step, e.rank, Some(&e))
+                    .await
+            })
+            .buffered(16)
+            .try_collect::<Vec<RankManifest>>()
+            .await
+    };
+    drain(local, remote, (run, step, generation), read, opts, false).await
+}
+
+/// Copy one node's ranks of `step` (its node commit in `local`, [`crate::NodeCommit`]; every
+/// node's, where nodes share the tier) to `remote`, as [`drain_step`] does a whole step, then
+/// commit the step there if every other rank's manifest is there already: the drain of the
+/// node whose ranks land last commits it (each drain writes its manifests before it looks, so
+/// the last one sees them all). A drain that finds ranks missing ends with
+/// [`DrainReport::remote_committed`] false: the step waits for the other nodes' drains.
+#[instrument(skip_all, fields(run, step))]
+pub async fn drain_node(
+    local: &Store,
+    remote: &Store,
+    run: &str,
+    step: u64,
+    opts: &DrainOptions,
+) -> Result<DrainReport> {
+    let commits = local
+        .log()
+        .read_node_commits(run, step)
+        .await
+        .map_err(|e| {
+            e.context(format!(
+                "draining this node's ranks of step {step} of run {run} from the local tier"
+            ))
+        })?;
+    // Nodes that share a tier: each one's commit of the same generation (the newest).
+    let generation = commits
+        .iter()
+        .map(|c| c.generation)
+        .max()
+        .unwrap_or_default();
+    let read = |_: ()| async move {
+        let mut all = Vec::new();
+        for c in commits.iter().filter(|c| c.generation == generation) {
+            all.extend(local.log().node_commit_manifests(c).await?);
+        }
+        Ok(all)
+    };
+    drain(local, remote, (run, step, generation), read, opts, true).await
+}
+
+/// The drain of [`drain_step`] and [`drain_node`]: `manifests` reads what to copy.
+async fn drain<F, Fut>(
+    local: &Store,
+    remote: &Store,
+    (run, step, generation): (&str, u64, u64),
+    manifests: F,
+    opts: &DrainOptions,
+    node: bool,
+) -> Result<DrainReport>
+where
+    F: FnOnce(()) -> Fut,
+    Fut: std::future::Future<Output = Result<Vec<RankManifest>>>,
+{
     let t0 = Instant::now();
     let mut report = DrainReport {
         run: run.to_string(),
         step,
         ..DrainReport::default()
     };
-    let (record, _) = local.log().read_commit(run, step).await.map_err(|e| {
-        e.context(format!(
-            "draining step {step} of run {run} from the local tier"
-        ))
-    })?;
     if remote
         .objects()
         .exists(&remote.keys().commit(run, step))
         .await?
     {
         report.already_remote = true;
+        report.remote_committed = true;
         superseded(local, run, step).await?;
         return Ok(report);
     }
-    let generation = record.generation;
     let fence = opts.generation.unwrap_or(generation).max(generation);
     // The remote joins the drainer's generation (a newer one there fences this drain).
     remote
@@ -252,16 +327,7 @@ pub async fn drain_step(
         .join_generation(run, fence)
         .await
         .map_err(|e| e.context(format!("draining step {step} of run {run}")))?;
-    let manifests: Vec<RankManifest> = stream::iter(record.ranks.clone())
-        .map(|e| async move {
-            local
-                .log()
-                .read_rank_manifest(run, step, e.rank, Some(&e))
-                .await
-        })
-        .buffered(16)
-        .try_collect()
-        .await?;
+    let manifests = manifests(()).await?;
     let objects = referenced_objects(local, remote, &manifests);
     let mut marker = DrainMarker {
         run: run.to_string(),
@@ -291,7 +357,7 @@ pub async fn drain_step(
         remote,
         &manifests,
         objects,
-        (opts, fence),
+        (opts, fence, node),
         &mut marker,
         &mut report,
     )
@@ -300,6 +366,9 @@ pub async fn drain_step(
         debug!(step, "drain lease not released (GC lets it lapse): {e}");
     }
     res?;
+    // Its marker and older ones go (a failed or killed drain's would keep their steps from
+    // retention for good). Not committed: this node's part is remote; the step commits with
+    // the last node's drain.
     superseded(local, run, step).await?;
     report.seconds = t0.elapsed().as_secs_f64();
     info!(
@@ -308,6 +377,7 @@ pub async fn drain_step(
         sent = report.bytes_sent,
         present = report.bytes_present,
         seconds = report.seconds,
+        committed = report.remote_committed,
         "step drained to the remote store"
     );
     Ok(report)
@@ -331,7 +401,7 @@ async fn copy_and_commit(
     remote: &Store,
     manifests: &[RankManifest],
     objects: Vec<(Path, Path)>,
-    (opts, fence): (&DrainOptions, u64),
+    (opts, fence, node): (&DrainOptions, u64, bool),
     marker: &mut DrainMarker,
     report: &mut DrainReport,
 ) -> Result<()> {
@@ -410,15 +480,28 @@ async fn copy_and_commit(
             .map_err(|e| e.context(format!("draining step {step} of run {run}")))?;
         report.manifests += 1;
     }
-    remote
+    match remote
         .log()
         .commit_step_fenced(&run, step, Some(generation), Some(fence))
         .await
-        .map_err(|e| {
-            e.context(format!(
+    {
+        Ok(o) => {
+            report.remote_committed = true;
+            report.replicas = o.record().replicas.clone();
+        }
+        // Another node's ranks are not drained yet: their drain commits the step.
+        Err(e) if node && e.kind() == ErrorKind::Incomplete => {
+            debug!(
+                step,
+                "this node's ranks are remote; the step waits for the others: {e}"
+            );
+        }
+        Err(e) => {
+            return Err(e.context(format!(
                 "draining step {step} of run {run}: the remote commit"
-            ))
-        })?;
+            )));
+        }
+    }
     Ok(())
 }
 

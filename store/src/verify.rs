@@ -1,5 +1,7 @@
 //! `verify`: re-hash every chunk reachable from a step, a run or the whole store, and report
-//! which steps, tensors and blobs each damaged object affects.
+//! which steps, tensors and blobs each damaged object affects. In the local tier of one
+//! machine of several, a node-committed step ([`crate::NodeCommit`]) is checked as far as the
+//! tier holds it: its node commits, the manifests they pin and their chunks.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -118,23 +120,23 @@ impl Store {
     async fn scope_steps(&self, scope: &VerifyScope) -> Result<Vec<(String, u64)>> {
         Ok(match scope {
             VerifyScope::Step(r, s) => vec![(r.clone(), *s)],
-            VerifyScope::Run(r) => self
-                .log()
-                .committed_steps(r)
-                .await?
-                .into_iter()
-                .map(|s| (r.clone(), s))
-                .collect(),
+            VerifyScope::Run(r) => self.run_steps(r).await?,
             VerifyScope::Store => {
                 let mut v = Vec::new();
                 for r in self.log().list_runs().await? {
-                    for s in self.log().committed_steps(&r).await? {
-                        v.push((r.clone(), s));
-                    }
+                    v.extend(self.run_steps(&r).await?);
                 }
                 v
             }
         })
+    }
+
+    /// The steps of `run` that `verify` checks: committed, or (in the local tier of one
+    /// machine of several) node-committed.
+    async fn run_steps(&self, run: &str) -> Result<Vec<(String, u64)>> {
+        let mut steps: BTreeSet<u64> = self.log().committed_steps(run).await?.into_iter().collect();
+        steps.extend(self.log().node_committed_steps(run).await?);
+        Ok(steps.into_iter().map(|s| (run.to_string(), s)).collect())
     }
 
     /// Verify `scope` (see the module docs). Damage is reported, not returned as an error;
@@ -153,6 +155,7 @@ impl Store {
                 .objects()
                 .exists(&self.keys().commit(run, *step))
                 .await?
+            && self.log().node_commit_keys(run, *step).await?.is_empty()
         {
             return Err(crate::Error::not_found(format!(
                 "step {step} of run {run} is not committed"
@@ -180,6 +183,15 @@ impl Store {
         let commit_key = self.keys().commit(run, step);
         let commit = match self.log().read_commit(run, step).await {
             Ok((c, _)) => c,
+            Err(e) if e.kind() == ErrorKind::NotFound => {
+                match self.log().node_commit_keys(run, step).await {
+                    Ok(keys) if !keys.is_empty() => {
+                        self.verify_node_step(run, step, keys, report, refs).await;
+                    }
+                    _ => damage(report, &commit_key, &e, run, step, "commit record"),
+                }
+                return;
+            }
             Err(e) => {
                 damage(report, &commit_key, &e, run, step, "commit record");
                 return;
@@ -206,25 +218,7 @@ impl Store {
                     continue;
                 }
             };
-            let items = (m
-                .tensors
-                .iter()
-                .map(|t| (format!("tensor {}", t.name), &t.chunks)))
-            .chain(
-                m.blobs
-                    .iter()
-                    .map(|b| (format!("blob {} of rank {}", b.name, m.rank), &b.chunks)),
-            );
-            for (item, chunks) in items {
-                for c in chunks {
-                    let affected = Affected {
-                        run: run.to_string(),
-                        step,
-                        item: item.clone(),
-                    };
-                    refs.add(self, c, affected);
-                }
-            }
+            refs.add_manifest(self, run, step, &m);
             manifests.push(m);
         }
         if manifests.len() == commit.ranks.len() {
@@ -238,6 +232,44 @@ impl Store {
                         item,
                     }],
                 });
+            }
+        }
+    }
+
+    /// A step node-committed in this tier (one machine of several, [`crate::NodeCommit`]):
+    /// each node commit read back, the manifests it pins (by hash), their chunks noted.
+    async fn verify_node_step(
+        &self,
+        run: &str,
+        step: u64,
+        keys: Vec<Path>,
+        report: &mut VerifyReport,
+        refs: &mut Refs,
+    ) {
+        for key in keys {
+            let c = match self.objects().get_json::<crate::NodeCommit>(&key).await {
+                Ok((c, _, _)) => c,
+                Err(e) => {
+                    damage(report, &key, &e, run, step, "node commit");
+                    continue;
+                }
+            };
+            for entry in &c.ranks {
+                match self
+                    .log()
+                    .read_rank_manifest(run, step, entry.rank, Some(entry))
+                    .await
+                {
+                    Ok(m) => refs.add_manifest(self, run, step, &m),
+                    Err(e) => damage(
+                        report,
+                        &self.keys().rank_manifest(run, step, entry.rank),
+                        &e,
+                        run,
+                        step,
+                        &format!("manifest of rank {}", entry.rank),
+                    ),
+                }
             }
         }
     }
@@ -603,6 +635,29 @@ fn damage(
 }
 
 impl Refs {
+    /// Every chunk manifest `m` of `step` references, each with the tensor or blob it holds.
+    fn add_manifest(&mut self, store: &Store, run: &str, step: u64, m: &RankManifest) {
+        let items = (m
+            .tensors
+            .iter()
+            .map(|t| (format!("tensor {}", t.name), &t.chunks)))
+        .chain(
+            m.blobs
+                .iter()
+                .map(|b| (format!("blob {} of rank {}", b.name, m.rank), &b.chunks)),
+        );
+        for (item, chunks) in items {
+            for c in chunks {
+                let affected = Affected {
+                    run: run.to_string(),
+                    step,
+                    item: item.clone(),
+                };
+                self.add(store, c, affected);
+            }
+        }
+    }
+
     /// `c` and, for a delta, every base of its chain: a damaged base breaks `a` too.
     fn add(&mut self, store: &Store, c: &ChunkRef, a: Affected) {
         let mut base = c.base_ref();

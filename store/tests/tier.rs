@@ -9,7 +9,7 @@ use ckpt_store::testing::{S3Server, det_bytes, local_store, memory_store, tiny_c
 use ckpt_store::writer::{RankWrite, ShardDesc, ShardIn};
 use ckpt_store::{
     DType, DedupIndex, DrainOptions, ErrorKind, GcOptions, Layout, NdBox, StepReader, Store,
-    drain_step,
+    drain_node, drain_step,
 };
 
 enum Remote {
@@ -39,6 +39,7 @@ on_remotes!(
     a_damaged_local_chunk_is_never_sent,
     a_newer_generation_on_the_remote_fences_the_drain,
     a_step_still_draining_is_kept_by_the_local_tiers_gc,
+    two_machines_commit_their_ranks_locally_and_the_last_drain_commits_the_step,
 );
 
 const RUN: &str = "t";
@@ -46,11 +47,23 @@ const RUN: &str = "t";
 /// Save `step` of two ranks into `local` (`w` changes with the step, `b` does not) and
 /// commit it as `generation`; the bytes of `w`.
 async fn save(local: &Store, step: u64, generation: u64) -> Vec<u8> {
+    let w = write_ranks(local, step, generation, &[0, 1]).await;
+    local
+        .log()
+        .commit_step_as(RUN, step, Some(generation))
+        .await
+        .unwrap();
+    w
+}
+
+/// Write `ranks` (of two) of `step` into `local` as `generation`, uncommitted; the bytes of
+/// the whole `w`.
+async fn write_ranks(local: &Store, step: u64, generation: u64, ranks: &[u32]) -> Vec<u8> {
     let layout = Layout::new(2, 1, 1, 0).unwrap();
     let w = det_bytes(step, 40_000);
     let b = det_bytes(999, 40_000);
     local.log().join_generation(RUN, generation).await.unwrap();
-    for rank in 0..2u32 {
+    for &rank in ranks {
         let half = NdBox::new(vec![u64::from(rank) * 20_000], vec![20_000]).unwrap();
         let shard = |name: &str, data: &[u8]| ShardIn {
             shard: ShardDesc::boxed(name, DType::U8, vec![40_000], half.clone()),
@@ -76,11 +89,6 @@ async fn save(local: &Store, step: u64, generation: u64) -> Vec<u8> {
             .await
             .unwrap();
     }
-    local
-        .log()
-        .commit_step_as(RUN, step, Some(generation))
-        .await
-        .unwrap();
     w
 }
 
@@ -218,4 +226,159 @@ async fn a_step_still_draining_is_kept_by_the_local_tiers_gc(r: Remote) {
     assert_eq!(rep.steps_deleted, vec![(RUN.to_string(), 1)], "{rep:?}");
     // Drained: it restores from the remote.
     StepReader::open(remote, RUN, 1).await.unwrap();
+}
+
+/// A job of two machines, each with its own local tier holding one rank: each node commits
+/// its rank there (local-durable, not a restorable step), drains it, and the drain that lands
+/// the last rank commits the step on the remote, which restores bit-exact. The node commit
+/// keeps the rank's manifest and chunks from the tier's GC, and retention counts it.
+async fn two_machines_commit_their_ranks_locally_and_the_last_drain_commits_the_step(r: Remote) {
+    let remote = r.store();
+    let (a, _da) = local_store(tiny_config());
+    let (b, _db) = local_store(tiny_config());
+    let wait = (
+        std::time::Duration::from_millis(10),
+        std::time::Duration::from_millis(200),
+    );
+    let w1 = write_ranks(&a, 1, 2, &[0]).await;
+    write_ranks(&b, 1, 2, &[1]).await;
+    // A node commit waits for its own ranks only; a rank not in its tier times it out.
+    let e = a
+        .log()
+        .commit_node(RUN, 1, 2, &[0, 1], wait)
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Incomplete, "{e}");
+    assert!(e.to_string().contains("[1]"), "{e}");
+    let ca = a.log().commit_node(RUN, 1, 2, &[0], wait).await.unwrap();
+    assert_eq!(
+        (ca.rank_numbers(), ca.world, ca.generation),
+        (vec![0], 2, 2)
+    );
+    b.log().commit_node(RUN, 1, 2, &[1], wait).await.unwrap();
+    // Local-durable on each node, yet no tier can commit the step or open it.
+    for t in [&a, &b] {
+        assert_eq!(t.log().node_committed_steps(RUN).await.unwrap(), vec![1]);
+        assert!(t.log().committed_steps(RUN).await.unwrap().is_empty());
+        assert!(t.log().commit_step_as(RUN, 1, Some(2)).await.is_err());
+    }
+    // Nothing ages a node commit out: a sweep with no grace keeps its manifest and chunks.
+    let sweep = GcOptions {
+        grace: std::time::Duration::ZERO,
+        lease_lapse: std::time::Duration::ZERO,
+        ..GcOptions::default()
+    };
+    let rep = a
+        .gc()
+        .run(&sweep, a.now() + chrono::Duration::hours(1))
+        .await
+        .unwrap();
+    assert!(
+        rep.incomplete_deleted.is_empty() && rep.objects_deleted == 0,
+        "{rep:?}"
+    );
+    // The first node drains: its rank is on the remote, the step is not committed there.
+    let ra = drain_node(&a, remote, RUN, 1, &DrainOptions::default())
+        .await
+        .unwrap();
+    assert!(
+        !ra.remote_committed && ra.manifests == 1 && ra.objects_sent > 0,
+        "{ra:?}"
+    );
+    assert!(
+        a.log().pending_drains(RUN).await.unwrap().is_empty(),
+        "marker left"
+    );
+    assert!(StepReader::open(remote, RUN, 1).await.is_err());
+    // The second lands the last rank and commits the step.
+    let rb = drain_node(&b, remote, RUN, 1, &DrainOptions::default())
+        .await
+        .unwrap();
+    assert!(rb.remote_committed && rb.manifests == 1, "{rb:?}");
+    let reader = StepReader::open(remote, RUN, 1).await.unwrap();
+    assert_eq!(reader.read("w", &NdBox::full(&[40_000])).await.unwrap(), w1);
+    let (rec, _) = remote.log().read_commit(RUN, 1).await.unwrap();
+    assert_eq!(rec.generation, 2);
+    let v = remote
+        .verify(&ckpt_store::VerifyScope::Run(RUN.into()), None)
+        .await
+        .unwrap();
+    assert!(v.is_clean(), "{v:?}");
+    // Draining again: nothing to do.
+    let again = drain_node(&a, remote, RUN, 1, &DrainOptions::default())
+        .await
+        .unwrap();
+    assert!(again.already_remote && again.bytes_sent == 0, "{again:?}");
+    // Step 2 changed `w` only: node A sends just its new chunks.
+    write_ranks(&a, 2, 2, &[0]).await;
+    a.log().commit_node(RUN, 2, 2, &[0], wait).await.unwrap();
+    let ra2 = drain_node(&a, remote, RUN, 2, &DrainOptions::default())
+        .await
+        .unwrap();
+    assert!(
+        ra2.objects_present > 0 && ra2.bytes_sent < ra.bytes_sent,
+        "{ra2:?} after {ra:?}"
+    );
+    // Retention counts node commits: keep-last 1 retires step 1 from A's tier, and the GC
+    // then deletes its manifest; step 2's stays.
+    let keep1 = GcOptions {
+        keep_last: Some(1),
+        ..sweep
+    };
+    let rep = a.gc().run(&keep1, a.now()).await.unwrap();
+    assert_eq!(rep.steps_deleted, vec![(RUN.to_string(), 1)], "{rep:?}");
+    assert_eq!(a.log().node_committed_steps(RUN).await.unwrap(), vec![2]);
+    let steps = a.log().list_steps(RUN).await.unwrap();
+    assert_eq!(
+        steps.iter().map(|s| s.step).collect::<Vec<_>>(),
+        vec![2],
+        "{steps:?}"
+    );
+    // A stale generation cannot commit over a newer one's node commit.
+    write_ranks(&b, 2, 3, &[1]).await;
+    b.log().commit_node(RUN, 2, 3, &[1], wait).await.unwrap();
+    let e = b
+        .log()
+        .commit_node(RUN, 2, 2, &[1], wait)
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Fenced, "{e}");
+    // Nodes that share a tier (a shared file system) keep their node commits apart, and a
+    // drain of that tier sends both: the step commits at once.
+    let (c, dc) = local_store(tiny_config());
+    let w3 = write_ranks(&c, 3, 3, &[0, 1]).await;
+    c.log().commit_node(RUN, 3, 3, &[0], wait).await.unwrap();
+    c.log().commit_node(RUN, 3, 3, &[1], wait).await.unwrap();
+    let both = c.log().read_node_commits(RUN, 3).await.unwrap();
+    let ranks: Vec<Vec<u32>> = both.iter().map(|c| c.rank_numbers()).collect();
+    assert_eq!(ranks, vec![vec![0], vec![1]]);
+    let rc = drain_node(&c, remote, RUN, 3, &DrainOptions::default())
+        .await
+        .unwrap();
+    assert!(rc.remote_committed && rc.manifests == 2, "{rc:?}");
+    let reader = StepReader::open(remote, RUN, 3).await.unwrap();
+    assert_eq!(reader.read("w", &NdBox::full(&[40_000])).await.unwrap(), w3);
+    // `verify` checks what a node's tier holds: its node commits, their manifests and chunks.
+    let scope = ckpt_store::VerifyScope::Run(RUN.into());
+    let v = c.verify(&scope, None).await.unwrap();
+    assert!(v.is_clean() && v.steps == 1 && v.chunks > 0, "{v:?}");
+    let m = c.log().node_commit_manifests(&both[1]).await.unwrap();
+    let chunk = m[0].chunk_refs().next().unwrap().clone();
+    let file = dc.path().join(c.keys().object_of(&chunk).as_ref());
+    let mut bytes = std::fs::read(&file).unwrap();
+    let n = bytes.len();
+    bytes[n - 3] ^= 0x40;
+    std::fs::write(&file, bytes).unwrap();
+    let v = c.verify(&scope, None).await.unwrap();
+    assert!(
+        !v.is_clean(),
+        "a damaged chunk of a node-committed step went unseen"
+    );
+    let hit = &v.damaged[0];
+    assert!(
+        hit.affects
+            .iter()
+            .any(|a| a.step == 3 && a.item.starts_with("tensor ")),
+        "{hit:?}"
+    );
 }

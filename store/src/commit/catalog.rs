@@ -18,6 +18,10 @@ pub struct StepListing {
     pub step: u64,
     /// Whether its commit record exists.
     pub committed: bool,
+    /// Whether a node commit exists (a local tier of a job of several machines: the node's
+    /// ranks are local-durable, [`crate::NodeCommit`]).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub node_commit: bool,
     /// Ranks whose manifests exist.
     pub ranks: Vec<u32>,
     /// Newest modification of any of its objects.
@@ -58,6 +62,7 @@ impl CommitLog {
             let e = steps.entry(step).or_insert_with(|| StepListing {
                 step,
                 committed: false,
+                node_commit: false,
                 ranks: Vec::new(),
                 last_modified: m.last_modified,
                 meta_bytes: 0,
@@ -68,6 +73,7 @@ impl CommitLog {
                 StepObject::Commit => e.committed = true,
                 StepObject::RankManifest(r) => e.ranks.push(r),
                 StepObject::RecordPart(_) => {}
+                StepObject::NodeCommit(_) => e.node_commit = true,
             }
         }
         let mut out: Vec<StepListing> = steps.into_values().collect();
@@ -95,6 +101,7 @@ impl CommitLog {
                         StepListing {
                             step,
                             committed: true,
+                            node_commit: false,
                             ranks: c.ranks.iter().map(|e| e.rank).collect(),
                             last_modified: DateTime::from_timestamp_millis(c.committed_ms)
                                 .unwrap_or_default(),

@@ -20,6 +20,7 @@
 //! | `step.rs` | committing a step, phase by phase, and waiting to commit |
 //! | `catalog.rs` | listing runs and steps, committed or not |
 //! | `drains.rs` | drain markers: a local tier's steps not yet drained |
+//! | `node.rs` | node commits: a node's ranks of a step, local-durable in its tier |
 //!
 //! All of it is one type, [`CommitLog`], a part of the [`Store`](crate::Store) handle
 //! (`store.log()`).
@@ -27,6 +28,7 @@
 pub mod catalog;
 mod drains;
 mod generation;
+pub mod node;
 mod step;
 
 use futures::{StreamExt, TryStreamExt, stream};

@@ -146,7 +146,13 @@ impl CommitLog {
                 {
                     ranks.insert(r, m.location.clone());
                 }
-                Some((_, _, StepObject::RankManifest(_) | StepObject::RecordPart(_))) => {}
+                Some((
+                    _,
+                    _,
+                    StepObject::RankManifest(_)
+                    | StepObject::RecordPart(_)
+                    | StepObject::NodeCommit(_),
+                )) => {}
                 Some((_, _, StepObject::Commit)) => return Ok(None),
                 None => {}
             }

@@ -324,6 +324,47 @@ impl crate::gc::Gc {
         writer: &str,
         candidates: &[u64],
     ) -> Result<WriterLease> {
+        self.lease_base(run, writer, candidates, None).await
+    }
+
+    /// [`Gc::lease_dedup_base`] for a save of one node of several into its local tier: a
+    /// candidate is also the base once the node commit of the node whose first rank is
+    /// `node_first` exists (`steps/<s>/nodes/rank-<first>.commit`). A tier holds the step's
+    /// commit record only where it is the store itself; GC keeps what a node commit pins.
+    pub async fn lease_node_dedup_base(
+        &self,
+        run: &str,
+        writer: &str,
+        node_first: u32,
+        candidates: &[u64],
+    ) -> Result<WriterLease> {
+        self.lease_base(run, writer, candidates, Some(node_first))
+            .await
+    }
+
+    /// Whether `step` may be a dedup base: committed, or (`node_first`) node-committed.
+    async fn base_committed(&self, run: &str, step: u64, node_first: Option<u32>) -> Result<bool> {
+        let keys = self.objects.keys();
+        if self.objects.exists(&keys.commit(run, step)).await? {
+            return Ok(true);
+        }
+        match node_first {
+            Some(first) => {
+                self.objects
+                    .exists(&keys.node_commit(run, step, first))
+                    .await
+            }
+            None => Ok(false),
+        }
+    }
+
+    async fn lease_base(
+        &self,
+        run: &str,
+        writer: &str,
+        candidates: &[u64],
+        node_first: Option<u32>,
+    ) -> Result<WriterLease> {
         validate_run(run)?;
         let path = self.objects.keys().writer_lock(&fresh(writer));
         self.put_lock(&path, &format!("save of run {run}"))
@@ -345,11 +386,7 @@ impl crate::gc::Gc {
                 };
             let mut pause = Duration::from_millis(10);
             loop {
-                match self
-                    .objects
-                    .exists(&self.objects.keys().commit(run, step))
-                    .await
-                {
+                match self.base_committed(run, step, node_first).await {
                     Ok(true) => {
                         return Ok(WriterLease {
                             base: Some(step),

@@ -234,9 +234,11 @@ impl Gc {
         let mut dropped: Dropped = Vec::new();
         for run in &runs {
             let steps = self.log.list_steps(run).await?;
+            // A node commit (a local tier of a job of several machines) is retained like a
+            // commit record.
             let committed: Vec<u64> = steps
                 .iter()
-                .filter(|s| s.committed)
+                .filter(|s| s.committed || s.node_commit)
                 .map(|s| s.step)
                 .collect();
             let in_scope = opts.runs.is_empty() || opts.runs.contains(run);
@@ -258,10 +260,16 @@ impl Gc {
                 }
             }
             if !opts.dry_run && !doomed.is_empty() {
-                let commits = doomed
+                let mut commits: Vec<Path> = doomed
                     .iter()
                     .map(|&s| self.objects.keys().commit(run, s))
                     .collect();
+                for s in steps
+                    .iter()
+                    .filter(|s| s.node_commit && doomed.contains(&s.step))
+                {
+                    commits.extend(self.log.node_commit_keys(run, s.step).await?);
+                }
                 self.objects.delete_all(commits).await?;
             }
             dropped.push((run.clone(), doomed, steps));
@@ -397,7 +405,7 @@ impl Gc {
             let in_scope = opts.runs.is_empty() || opts.runs.contains(&run);
             let protect = protected(opts, &run);
             for s in &steps {
-                let committed = s.committed && !dropped.contains(&s.step);
+                let committed = (s.committed || s.node_commit) && !dropped.contains(&s.step);
                 let incomplete = !committed && !dropped.contains(&s.step);
                 let mut doomed = dropped.contains(&s.step);
                 if incomplete && in_scope && !protect.contains(&s.step) {
@@ -632,7 +640,9 @@ impl Gc {
                     Some((
                         _,
                         _,
-                        StepObject::RankManifest(_) | StepObject::RecordPart(_)
+                        StepObject::RankManifest(_)
+                            | StepObject::RecordPart(_)
+                            | StepObject::NodeCommit(_)
                     ))
                 )
             })
