@@ -245,3 +245,68 @@ fn every_trainable_tensor_unchanged_is_an_error_level_record() {
         "{u:?}"
     );
 }
+
+#[test]
+fn across_machines_with_their_own_tiers_the_drain_that_commits_names_the_flipped_replica() {
+    // Three machines, each rank with its own local tier (`node_ranks`): no node commit compares
+    // replicas (each holds one rank); the remote commit, made by the last node's drain, does,
+    // and that rank's manager reports the mismatch.
+    let (store, _d) = local_store(small_chunks());
+    let tiers: Vec<_> = (0..3).map(|_| local_store(small_chunks())).collect();
+    let run = "sdc-tiers";
+    let w = det_bytes(9, 16 << 10);
+    std::thread::scope(|s| {
+        for rank in 0..3u32 {
+            let (store, w, tier) = (&store, &w, tiers[rank as usize].0.clone());
+            s.spawn(move || {
+                let mut cfg = config(run, rank, 3);
+                cfg.ckpt.sdc_check = SdcCheck::Full;
+                cfg.ckpt.committer = true;
+                cfg.ckpt.node_ranks = Some(vec![rank]);
+                cfg.local_tier = Some(ckpt_trainer::LocalTier::new(tier));
+                let mut m = CheckpointManager::new(store.clone(), cfg).unwrap();
+                let mine = HostTensor::from_vec(w.clone());
+                if rank == 1 {
+                    mine.write()[3 * 1024 + 7] ^= 0x01;
+                }
+                let spec = TensorSpec::first_stage("w", DType::F32, &[4096]);
+                m.register(spec, NdBox::full(&[4096]), Arc::new(mine))
+                    .unwrap();
+                m.maybe_save(1).unwrap().expect("due");
+                m.finish().unwrap();
+            });
+        }
+    });
+    let (rec, _) = runtime().block_on(store.log().read_commit(run, 1)).unwrap();
+    let rep = rec
+        .replicas
+        .expect("the remote commit compared the replicas");
+    assert_eq!(
+        (rep.mismatched_chunks, rep.suspects()),
+        (1, vec![1]),
+        "{rep:?}"
+    );
+    for (t, _) in &tiers {
+        assert!(
+            runtime()
+                .block_on(t.log().committed_steps(run))
+                .unwrap()
+                .is_empty()
+        );
+    }
+    let found: Vec<_> = events(&store, run)
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::ReplicaMismatch(m) => Some(m),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(found.len(), 1, "one replica_mismatch event: {found:?}");
+    let m = &found[0];
+    assert_eq!(m.step, 1);
+    assert_eq!(
+        (m.suspects.clone(), m.suspect_nodes.clone()),
+        (vec![1], vec![101])
+    );
+    assert_eq!(m.mismatches[0].tensor, "w");
+}

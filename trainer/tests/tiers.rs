@@ -379,3 +379,242 @@ fn a_full_local_tier_fails_one_save_makes_room_and_the_next_save_commits_and_dra
         "a full disk is not a store that is down"
     );
 }
+
+#[test]
+fn one_node_of_several_dedups_each_save_against_its_last_node_commit() {
+    // A node's ranks commit in its own tier (`node_ranks`): the tier holds no commit record of
+    // the step (the drains make it on the store), so the node commit is what makes a step the
+    // base of the next save. Without it every save rewrote every chunk into the tier.
+    let (local, _l) = local_store(tiny_config());
+    let (remote, _r) = local_store(tiny_config());
+    let run = "node-dedup";
+    let mut c = cfg(run, &local, 2);
+    c.ckpt.committer = true;
+    c.ckpt.node_ranks = Some(vec![0]);
+    let (mut m, w) = manager(&remote, c);
+    let mut reports = Vec::new();
+    for step in 1..=4u64 {
+        touch(&w, step);
+        let h = m.maybe_save(step).unwrap().expect("due");
+        reports.push(h.wait_committed(Duration::from_secs(60)).unwrap());
+        // Node-committed in the tier, no commit record there.
+        assert!(
+            !runtime()
+                .block_on(local.log().node_commit_keys(run, step))
+                .unwrap()
+                .is_empty()
+        );
+        assert!(committed(&local, run).is_empty());
+    }
+    let last = w.read().clone();
+    m.finish().unwrap();
+    let first = reports[0].bytes_written;
+    assert!(first >= N, "{:?}", reports[0]);
+    for r in &reports[1..] {
+        // A quarter of `w` changed: the other three quarters are skipped.
+        assert!(
+            r.bytes_written * 2 < first && r.bytes_skipped >= N / 2,
+            "step {}: wrote {} of {first}, skipped {}",
+            r.step,
+            r.bytes_written,
+            r.bytes_skipped
+        );
+    }
+    // The drains committed the newest step on the store, whole.
+    assert_eq!(committed(&remote, run).last(), Some(&4));
+    assert_eq!(read_w(&remote, run, 4), last);
+}
+
+/// Node `rank` of a job of two machines, each with its own tier (`node_ranks`), over `remote`.
+fn node_manager(
+    remote: &Store,
+    local: &Store,
+    run: &str,
+    rank: u32,
+    tweak: impl FnOnce(&mut ManagerConfig),
+) -> (CheckpointManager, HostTensor) {
+    let layout = Layout::new(2, 1, 1, 0).unwrap();
+    let mut c = ManagerConfig::new(CheckpointerConfig::new(run, rank, layout));
+    c.every_steps = Some(1);
+    c.final_on_sigterm = false;
+    c.persist_governor = None;
+    c.ckpt.commit_timeout = Duration::from_secs(60);
+    c.ckpt.committer = true;
+    c.ckpt.node_ranks = Some(vec![rank]);
+    c.local_tier = Some(LocalTier::new(local.clone()));
+    tweak(&mut c);
+    manager(remote, c)
+}
+
+/// Poll `m`'s drainer until `done` holds (30 s at most).
+fn until(ms: &mut [&mut CheckpointManager], what: &str, mut done: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !done() {
+        assert!(t0.elapsed() < Duration::from_secs(30), "timed out: {what}");
+        for m in ms.iter_mut() {
+            m.take_drain_figures();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn machines_whose_drains_took_different_steps_follow_each_other_so_the_store_gets_whole_steps() {
+    // Two machines with their own tiers, one store. Machine 1 cannot reach the store while
+    // machine 0 drains steps 2 and 3; then machine 0 cannot while both save step 4. Machine 1,
+    // back, has only its newest step waiting (4: it skipped 2 and 3) and machine 0 only its
+    // part of 3 on the store. Each draining its own newest, no step would be whole until
+    // machine 0 is back; machine 1 follows machine 0 instead: it drains its part of step 3
+    // first, and step 3 commits while machine 0 is still away.
+    let shared: Arc<dyn ckpt_store::object_store::ObjectStore> =
+        Arc::new(ckpt_store::object_store::memory::InMemory::new());
+    let retry = RetryConfig {
+        attempts: 2,
+        min_backoff: Duration::from_millis(10),
+        max_backoff: Duration::from_millis(20),
+        request_timeout: Duration::from_millis(300),
+    };
+    let view = || {
+        faulty_store(
+            shared.clone(),
+            "",
+            "memory://remote",
+            tiny_config(),
+            retry.clone(),
+        )
+    };
+    let ((remote0, f0), (remote1, f1), (check, _)) = (view(), view(), view());
+    let (t0, _t0) = local_store(tiny_config());
+    let (t1, _t1) = local_store(tiny_config());
+    let run = "follow";
+    let (mut m0, w0) = node_manager(&remote0, &t0, run, 0, |_| {});
+    let (mut m1, w1) = node_manager(&remote1, &t1, run, 1, |_| {});
+    let save = |m: &mut CheckpointManager, w: &HostTensor, step: u64| {
+        touch(w, step);
+        let h = m.maybe_save(step).unwrap().expect("due");
+        h.wait_committed(Duration::from_secs(30)).unwrap();
+    };
+    let on_store = |step: u64, rank: u32| {
+        runtime()
+            .block_on(check.log().list_steps(run))
+            .unwrap()
+            .iter()
+            .any(|s| s.step == step && s.ranks.contains(&rank))
+    };
+    save(&mut m0, &w0, 1);
+    save(&mut m1, &w1, 1);
+    until(&mut [&mut m0, &mut m1], "step 1 committed", || {
+        committed(&check, run) == vec![1]
+    });
+    f1.set_outage(true);
+    for step in 2..=3 {
+        save(&mut m0, &w0, step);
+        save(&mut m1, &w1, step);
+    }
+    until(
+        &mut [&mut m0, &mut m1],
+        "machine 0's part of step 3",
+        || on_store(3, 0),
+    );
+    // Machine 0's drain of step 3 ends (its commit finds rank 1 missing).
+    let mut figs = Vec::new();
+    until(&mut [], "machine 0's drain of step 3 ended", || {
+        figs.extend(m0.take_drain_figures());
+        figs.iter().any(|f| f.step == 3)
+    });
+    f0.set_outage(true);
+    save(&mut m0, &w0, 4);
+    save(&mut m1, &w1, 4);
+    f1.set_outage(false);
+    until(
+        &mut [&mut m0, &mut m1],
+        "step 3 committed by machine 1's drain",
+        || committed(&check, run).contains(&3),
+    );
+    assert!(!on_store(4, 0));
+    f0.set_outage(false);
+    until(&mut [&mut m0, &mut m1], "step 4 committed", || {
+        committed(&check, run).contains(&4)
+    });
+    let last = (w0.read().clone(), w1.read().clone());
+    m0.finish().unwrap();
+    m1.finish().unwrap();
+    assert_eq!(committed(&check, run), vec![1, 3, 4]);
+    assert_eq!(read_w(&check, run, 4), last.0);
+    // No drain marker is left to keep a step from retention.
+    for t in [&t0, &t1] {
+        assert!(
+            runtime()
+                .block_on(t.log().pending_drains(run))
+                .unwrap()
+                .is_empty()
+        );
+    }
+}
+
+#[test]
+fn one_machine_of_two_finishes_once_the_step_is_committed_on_the_store_not_when_its_part_is() {
+    let (remote, _r) = local_store(tiny_config());
+    let (t0, _t0) = local_store(tiny_config());
+    let (t1, _t1) = local_store(tiny_config());
+    let run = "finish";
+    let (mut m0, w0) = node_manager(&remote, &t0, run, 0, |c| {
+        c.ckpt.commit_timeout = Duration::from_secs(2);
+    });
+    let (mut m1, w1) = node_manager(&remote, &t1, run, 1, |_| {});
+    touch(&w0, 1);
+    m0.maybe_save(1).unwrap().expect("due");
+    // Machine 1 has not saved: machine 0's part is on the store, the step is not.
+    let e = m0.finish().unwrap_err();
+    assert_eq!(e.kind(), ckpt_store::ErrorKind::Incomplete, "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("step 1 of run finish") && msg.contains("another machine's ranks"),
+        "{msg}"
+    );
+    assert!(committed(&remote, run).is_empty());
+    touch(&w1, 1);
+    m1.maybe_save(1).unwrap().expect("due");
+    // Machine 1's drain lands the last ranks: its finish returns once the step commits.
+    m1.finish().unwrap();
+    assert_eq!(committed(&remote, run), vec![1]);
+    m0.finish().unwrap();
+}
+
+#[test]
+fn a_machine_restarted_in_a_newer_generation_clears_the_drain_markers_a_killed_drain_left() {
+    // A marker keeps its step from the tier's retention while the step drains; a drain killed
+    // (or failed for good) on one machine of several left its marker, which nothing finished.
+    let (remote, _r) = local_store(tiny_config());
+    let (t0, _t0) = local_store(tiny_config());
+    let run = "markers";
+    let marker = |step: u64, generation: u64| ckpt_store::DrainMarker {
+        run: run.into(),
+        step,
+        generation,
+        remote: remote.url().to_string(),
+        bytes_total: 100,
+        bytes_done: 10,
+        started_ms: 0,
+        updated_ms: 0,
+    };
+    let rt = runtime();
+    rt.block_on(t0.log().put_drain_marker(&marker(3, 1)))
+        .unwrap();
+    rt.block_on(t0.log().put_drain_marker(&marker(5, 2)))
+        .unwrap();
+    // The same generation's (a drain of this job in flight elsewhere) stays.
+    let (mut m0, _w) = node_manager(&remote, &t0, run, 0, |c| c.ckpt.generation = 2);
+    until(
+        &mut [&mut m0],
+        "the older generation's marker deleted",
+        || {
+            rt.block_on(t0.log().pending_drains(run))
+                .unwrap()
+                .iter()
+                .map(|d| d.step)
+                .collect::<Vec<_>>()
+                == vec![5]
+        },
+    );
+}

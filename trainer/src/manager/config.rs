@@ -122,6 +122,21 @@ impl ManagerConfig {
             g.validate()
                 .map_err(|e| Error::invalid(format!("persist governor: {e}")))?;
         }
+        if let Some(r) = &self.ckpt.node_ranks {
+            if self.local_tier.is_none() {
+                return Err(Error::invalid(format!(
+                    "node_ranks {r:?} names the ranks of one machine that commit in its own local \
+                     tier, but no local tier is set: set one, or leave node_ranks out (every \
+                     rank then commits on the store)"
+                )));
+            }
+            if !r.contains(&self.ckpt.rank) {
+                return Err(Error::invalid(format!(
+                    "node_ranks {r:?} must list this rank ({}): the ranks of its machine",
+                    self.ckpt.rank
+                )));
+            }
+        }
         Ok(())
     }
 }
@@ -163,5 +178,16 @@ mod tests {
         c.monitor.window = 0;
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("monitor settings"), "{e}");
+        let mut c = cfg();
+        c.ckpt.node_ranks = Some(vec![0, 1]);
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("no local tier is set"), "{e}");
+        c.local_tier = Some(crate::LocalTier::new(ckpt_store::testing::memory_store(
+            ckpt_store::testing::tiny_config(),
+        )));
+        c.validate().unwrap();
+        c.ckpt.node_ranks = Some(vec![2, 3]);
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("must list this rank (0)"), "{e}");
     }
 }

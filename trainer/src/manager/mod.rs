@@ -144,6 +144,7 @@ impl CheckpointManager {
                 keep_every: cfg.keep_every,
                 grace: cfg.retention_grace,
                 rate: ckpt.persist_rate().clone(),
+                node: cfg.ckpt.node_ranks.is_some(),
             })?),
             _ => None,
         };
@@ -199,11 +200,15 @@ impl CheckpointManager {
     /// The drainer's news: events logged, figures kept for the caller.
     fn poll_drain(&mut self) {
         if let Some(d) = self.drainer.as_mut() {
-            let (events, figures) = d.poll();
-            for e in events {
+            let p = d.poll();
+            for e in p.events {
                 self.events.log(e);
             }
-            self.drains.extend(figures);
+            self.drains.extend(p.metrics);
+            // One machine of several: the sentinel's comparison came with the remote commit.
+            for (step, r) in p.replicas {
+                self.sentinel.compared(step, &r, &mut self.events);
+            }
         }
     }
 
@@ -588,8 +593,37 @@ impl CheckpointManager {
     /// within the commit timeout (the final deadline after SIGTERM). The governed persist's
     /// figures are then ready ([`CheckpointManager::take_persist_figures`]).
     pub fn finish(&mut self) -> Result<()> {
+        // What ended before the last wait (a mismatch of a step committed earlier) is logged
+        // even if the last save then fails or the process is killed while it waits.
+        let early = self.sentinel.poll(&mut self.events);
+        let saved = self.wait_last_save();
+        if saved.is_err() {
+            // The events of what did end, written before the error goes up.
+            let _ = self.sentinel.poll(&mut self.events);
+            self.events.flush();
+        }
+        saved?;
+        self.retention.wait();
+        // Under a local tier the job ends remote-durable: its newest step drained (and, for
+        // one machine of several, committed on the store by the last machine's drain; not when
+        // the job is being stopped: its agent drains what the stopped generation left).
+        let within = self.final_wait();
+        let wait_commit = !self.sigterm_received();
+        let drained = match self.drainer.as_mut() {
+            Some(d) => d.wait_drained(within, wait_commit),
+            None => Ok(()),
+        };
+        self.poll_drain();
+        let sentinel = self.sentinel.poll(&mut self.events);
+        // Events that waited while the store was down.
+        self.events.flush();
+        drained.and(early).and(sentinel)
+    }
+
+    /// [`CheckpointManager::finish`]'s wait for the save in flight, at full speed (the
+    /// handle's waits lift the governor's limit).
+    fn wait_last_save(&mut self) -> Result<()> {
         if let Some(h) = self.ckpt.last() {
-            // At full speed (the handle's waits lift the governor's limit).
             let within = self.final_wait();
             if self.cfg.ckpt.committer {
                 h.wait_committed(within)?;
@@ -599,18 +633,16 @@ impl CheckpointManager {
             self.pacing
                 .persist_ended(h.step(), self.ckpt.persist_rate(), &mut self.events);
         }
-        self.retention.wait();
-        // Under a local tier the job ends remote-durable: its newest step drained.
-        let within = self.final_wait();
-        let drained = match self.drainer.as_mut() {
-            Some(d) => d.wait_drained(within),
-            None => Ok(()),
-        };
-        self.poll_drain();
-        let sentinel = self.sentinel.poll(&mut self.events);
-        // Events that waited while the store was down.
+        Ok(())
+    }
+
+    /// What a rank that stops on an error (fenced, a failed step) still owes the run's
+    /// events log, without waiting for anything: the sentinel's findings in the saves that
+    /// ended, and the records held while the store was down.
+    pub fn abandon(&mut self) {
+        // A mismatch under `stop` was logged as it was found; the error goes up already.
+        let _ = self.sentinel.poll(&mut self.events);
         self.events.flush();
-        drained.and(sentinel)
     }
 
     /// The stores a restore reads: the run's store and the local tier.

@@ -14,7 +14,7 @@
 //!   Bytes, not versions, decide: a version that moved over an update of zero is normal, and
 //!   a save path that hands over a stale buffer keeps versions moving.
 
-use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use ckpt_recovery::records::{self, Event};
@@ -147,44 +147,21 @@ impl Sentinel {
         }
     }
 
+    /// The replicas of `step` as a remote commit compared them (the drain of one machine of
+    /// several committed it there): a mismatch is reported as at a commit.
+    pub(crate) fn compared(&mut self, step: u64, r: &ReplicaReport, events: &mut EventLog) {
+        if r.mismatched() {
+            self.mismatch(step, r, events);
+        }
+    }
+
     /// A committed step whose replicas disagree: the event, and the stop under `stop`.
     fn mismatch(&mut self, step: u64, r: &ReplicaReport, events: &mut EventLog) {
-        let suspects = r.suspects();
-        let suspect_nodes: Vec<u32> = {
-            let mut n: BTreeSet<u32> = BTreeSet::new();
-            for m in &r.mismatches {
-                for s in &m.sides {
-                    for (rank, node) in s.ranks.iter().zip(&s.nodes) {
-                        if let (true, Some(node)) = (suspects.contains(rank), node) {
-                            n.insert(*node);
-                        }
-                    }
-                }
-            }
-            n.into_iter().collect()
-        };
-        let first = r
-            .mismatches
-            .first()
-            .map(|m| m.describe())
-            .unwrap_or_default();
-        let detail = format!(
-            "step {step}: {} of {} replica chunks compared differ (silent data corruption on one side); first: {first}",
-            r.mismatched_chunks, r.chunks_compared
-        );
+        let ev =
+            records::ReplicaMismatchEvent::of(step, self.generation, self.rank, self.policy, r);
+        let detail = ev.detail.clone();
         error!(step, policy = %self.policy, "replica mismatch: {detail}");
-        events.log(Event::ReplicaMismatch(records::ReplicaMismatchEvent {
-            step,
-            generation: self.generation,
-            rank: self.rank,
-            chunks_compared: r.chunks_compared,
-            mismatched_chunks: r.mismatched_chunks,
-            suspects,
-            suspect_nodes,
-            mismatches: r.mismatches.clone(),
-            policy: self.policy.name().to_string(),
-            detail: detail.clone(),
-        }));
+        events.log(Event::ReplicaMismatch(ev));
         if self.policy == MismatchPolicy::Stop && self.stopped.is_none() {
             self.stopped = Some(format!(
                 "the replicas of step {step} disagree (policy stop): {detail}; `ckpt inspect` shows the record, `ckpt verify` the damage"

@@ -6,6 +6,10 @@
 //! first (older waiting steps are skipped, with a `drain_skipped` event, rather than fall
 //! further behind); a failed drain (the remote down or failing) is tried again with a backoff;
 //! a job restarted after a crash finds the local steps not yet remote and drains the newest.
+//! One node of several ([`ckpt_store::drain_node`]) does not choose alone what to skip: a step
+//! commits on the store only once every node drained its ranks, so before its newest step a
+//! node drains an older one that another node already drained (it *follows*), and keeps such
+//! steps from its local retention until then.
 //! After each drain it applies the retention rules: the remote's (`keep_last`,
 //! `keep_every`), and the local tier's (keep the newest [`LocalTier::keep_last`], never a step
 //! still draining).
@@ -23,7 +27,10 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use ckpt_recovery::peer::PeerSource;
 use ckpt_recovery::records::{self, DrainMetrics, Event};
-use ckpt_store::{ChunkRef, ChunkSource, DrainOptions, ErrorKind, GcOptions, Store, drain_step};
+use ckpt_store::{
+    ChunkRef, ChunkSource, DrainOptions, ErrorKind, GcOptions, ReplicaReport, StepListing, Store,
+    drain_node, drain_step,
+};
 use parking_lot::{Condvar, Mutex};
 use tracing::{debug, info, warn};
 
@@ -65,6 +72,9 @@ struct Shared {
     keep_last: Option<usize>,
     keep_every: Option<u64>,
     grace: Duration,
+    /// One node of a job of several machines: the local tier holds node commits of this
+    /// node's ranks ([`ckpt_store::NodeCommit`]), drained with [`drain_node`].
+    node: bool,
     state: Mutex<State>,
     wake: Condvar,
     rate: Arc<PersistRate>,
@@ -83,9 +93,22 @@ struct State {
     /// Records for the manager to log.
     events: Vec<Event>,
     metrics: Vec<DrainMetrics>,
+    /// Replicas compared by a remote commit this node's drain made (one node of several:
+    /// the sentinel's comparison happens there), for the manager's sentinel.
+    replicas: Vec<(u64, ReplicaReport)>,
     stop: bool,
     /// A newer job owns the run on the remote store: the drainer stopped, with why.
     fenced: Option<String>,
+}
+
+/// What the drainer has for the manager.
+pub(crate) struct Polled {
+    /// Records to log.
+    pub events: Vec<Event>,
+    /// The drains' figures.
+    pub metrics: Vec<DrainMetrics>,
+    /// Replicas the remote commits of this node's drains compared, by step.
+    pub replicas: Vec<(u64, ReplicaReport)>,
 }
 
 /// The drainer of a committing rank (see the module docs).
@@ -107,6 +130,8 @@ pub(crate) struct DrainerConfig<'a> {
     pub keep_every: Option<u64>,
     pub grace: Duration,
     pub rate: Arc<PersistRate>,
+    /// The tier holds node commits (see [`Shared::node`]).
+    pub node: bool,
 }
 
 impl Drainer {
@@ -123,6 +148,7 @@ impl Drainer {
             keep_last: c.keep_last,
             keep_every: c.keep_every,
             grace: c.grace,
+            node: c.node,
             state: Mutex::new(State::default()),
             wake: Condvar::new(),
             rate: c.rate,
@@ -150,13 +176,14 @@ impl Drainer {
     }
 
     /// Queue the watched save once committed; take what the drainer has to log.
-    pub(crate) fn poll(&mut self) -> (Vec<Event>, Vec<DrainMetrics>) {
+    pub(crate) fn poll(&mut self) -> Polled {
         self.queue_committed();
         let mut st = self.shared.state.lock();
-        (
-            std::mem::take(&mut st.events),
-            std::mem::take(&mut st.metrics),
-        )
+        Polled {
+            events: std::mem::take(&mut st.events),
+            metrics: std::mem::take(&mut st.metrics),
+            replicas: std::mem::take(&mut st.replicas),
+        }
     }
 
     /// Queue the watched save for the drain once it committed locally (its events and
@@ -205,8 +232,14 @@ impl Drainer {
     }
 
     /// Wait until the newest step queued (and `last`, the last save, once it commits) is
-    /// drained, or `within` passes; `Err` says what is still local only.
-    pub(crate) fn wait_drained(&mut self, within: Duration) -> ckpt_store::Result<()> {
+    /// drained, or `within` passes; `Err` says what is still local only. One node of several
+    /// (with `wait_commit`) also waits for the step to commit on the store: the other nodes'
+    /// drains land it.
+    pub(crate) fn wait_drained(
+        &mut self,
+        within: Duration,
+        wait_commit: bool,
+    ) -> ckpt_store::Result<()> {
         let deadline = Instant::now() + within;
         if let Some(h) = self.watched.clone()
             && h.wait_committed(within).is_ok()
@@ -219,7 +252,14 @@ impl Drainer {
                 return Err(ckpt_store::Error::new(ErrorKind::Fenced, why.clone()));
             }
             if st.pending.is_none() && st.draining.is_none() {
-                return Ok(());
+                let drained = st.drained;
+                drop(st);
+                return match drained {
+                    Some(step) if self.shared.node && wait_commit => {
+                        self.shared.wait_remote_commit(step, deadline, within)
+                    }
+                    _ => Ok(()),
+                };
             }
             let now = Instant::now();
             if now >= deadline {
@@ -285,13 +325,30 @@ impl Shared {
     /// (what a killed job left local only).
     fn recover(&self) {
         let found = runtime().block_on(async {
-            let local = self.local.log().committed_steps(&self.run).await?;
+            let local = self.local_steps().await?;
             let remote_newest = self.remote.log().latest_committed(&self.run).await?;
             Ok::<_, ckpt_store::Error>((local, remote_newest))
         });
         match found {
             Ok((local, remote_newest)) => {
                 self.state.lock().drained = remote_newest;
+                // One node of several: what an earlier generation committed on this node
+                // commits on the store only once every node of that generation drained it,
+                // and a lost node never will; the restarted job resumed from the store's
+                // newest step and saves these steps again, so they are left to retention.
+                if self.node {
+                    self.clear_stale_markers(remote_newest);
+                    if let Some(&newest) = local.last()
+                        && remote_newest.is_none_or(|r| newest > r)
+                    {
+                        info!(
+                            step = newest,
+                            "this node committed steps the store lacks; an earlier generation \
+                             saved them and the job resumed from the store: not drained"
+                        );
+                    }
+                    return;
+                }
                 if let Some(&newest) = local.last()
                     && remote_newest.is_none_or(|r| newest > r)
                 {
@@ -306,10 +363,19 @@ impl Shared {
         }
     }
 
+    /// The steps committed in the local tier (node commits, for one node of several).
+    async fn local_steps(&self) -> ckpt_store::Result<Vec<u64>> {
+        if self.node {
+            self.local.log().node_committed_steps(&self.run).await
+        } else {
+            self.local.log().committed_steps(&self.run).await
+        }
+    }
+
     fn run_loop(&self) {
         let mut backoff = Duration::from_secs(1);
         loop {
-            let (step, committed_at) = {
+            let (mut step, committed_at) = {
                 let mut st = self.state.lock();
                 loop {
                     if st.stop {
@@ -322,6 +388,23 @@ impl Shared {
                     self.wake.wait(&mut st);
                 }
             };
+            if let Some(older) = self.node.then(|| self.follow(step)).flatten() {
+                // The newest waits again, behind the step another node drained.
+                let mut st = self.state.lock();
+                match st.pending {
+                    Some((newer, _)) if newer > step => {
+                        st.skipped.push(step);
+                        st.events.push(Event::DrainSkipped(records::DrainSkipped {
+                            step,
+                            newer,
+                            rank: self.rank,
+                        }));
+                    }
+                    _ => st.pending = Some((step, committed_at)),
+                }
+                st.draining = Some(older);
+                step = older;
+            }
             match self.drain(step, committed_at) {
                 Ok(()) => backoff = Duration::from_secs(1),
                 Err(e) => {
@@ -356,6 +439,105 @@ impl Shared {
         }
     }
 
+    /// One node of several, about to drain `newest`: the newest older step that another
+    /// node's drain already brought to the store (its ranks' manifests are there, the commit
+    /// waits for this node's) and that this node committed in this generation. Nodes that
+    /// skip steps by their own timing could otherwise drain disjoint steps, and the store
+    /// would get none whole.
+    fn follow(&self, newest: u64) -> Option<u64> {
+        let drained = self.state.lock().drained;
+        let found = runtime().block_on(async {
+            let remote = self.remote.log().list_steps(&self.run).await?;
+            for s in to_follow(newest, drained, &remote, self.rank) {
+                let mine = match self.local.log().read_node_commits(&self.run, s).await {
+                    Ok(c) => c,
+                    Err(e) if e.kind() == ErrorKind::NotFound => continue,
+                    Err(e) => return Err(e),
+                };
+                if mine.iter().any(|c| {
+                    c.generation == self.generation && c.ranks.iter().any(|e| e.rank == self.rank)
+                }) {
+                    return Ok(Some(s));
+                }
+            }
+            Ok::<_, ckpt_store::Error>(None)
+        });
+        match found {
+            Ok(Some(s)) => {
+                info!(
+                    step = s,
+                    newest,
+                    "another node drained step {s}: this node drains its ranks of it before step {newest}"
+                );
+                Some(s)
+            }
+            Ok(None) => None,
+            Err(e) => {
+                debug!("looking for a step another node drained: {e}");
+                None
+            }
+        }
+    }
+
+    /// One node of several, at start: delete the drain markers a killed or failed drain left
+    /// (steps the store's newest commit supersedes, or of an earlier generation), which would
+    /// keep their steps from retention for good.
+    fn clear_stale_markers(&self, remote_newest: Option<u64>) {
+        let cleared = runtime().block_on(async {
+            let mut n = Vec::new();
+            for d in self.local.log().pending_drains(&self.run).await? {
+                if d.generation < self.generation || remote_newest.is_some_and(|r| d.step <= r) {
+                    self.local
+                        .log()
+                        .delete_drain_marker(&self.run, d.step)
+                        .await?;
+                    n.push(d.step);
+                }
+            }
+            Ok::<_, ckpt_store::Error>(n)
+        });
+        match cleared {
+            Ok(n) if !n.is_empty() => {
+                info!(steps = ?n, "deleted drain markers left by earlier drains")
+            }
+            Ok(_) => {}
+            Err(e) => warn!("deleting stale drain markers: {e}"),
+        }
+    }
+
+    /// One node of several: wait until `step` is committed on the store (the other nodes'
+    /// drains land it), until `deadline`.
+    fn wait_remote_commit(
+        &self,
+        step: u64,
+        deadline: Instant,
+        within: Duration,
+    ) -> ckpt_store::Result<()> {
+        let key = self.remote.keys().commit(&self.run, step);
+        let mut pause = Duration::from_millis(20);
+        loop {
+            if runtime().block_on(self.remote.objects().exists(&key))? {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(ckpt_store::Error::new(
+                    ErrorKind::Incomplete,
+                    format!(
+                        "step {step} of run {run}: this node's ranks are on {remote}, but the step \
+                         is not committed there after {secs:.0} s: another machine's ranks have \
+                         not been drained yet (each machine's job, or `ckpt drain --local-tier \
+                         DIR` there, drains them)",
+                        run = self.run,
+                        remote = self.remote.url(),
+                        secs = within.as_secs_f64()
+                    ),
+                ));
+            }
+            std::thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
+            pause = (pause * 2).min(Duration::from_millis(200));
+        }
+    }
+
     /// Drain `step`, then apply retention on both tiers.
     fn drain(&self, step: u64, committed_at: Instant) -> ckpt_store::Result<()> {
         let pacer = Arc::new(tokio::sync::Mutex::new(Pacer::new(
@@ -371,24 +553,30 @@ impl Shared {
             generation: Some(self.generation),
             ..DrainOptions::default()
         };
-        let r = runtime().block_on(drain_step(
-            &self.local,
-            &self.remote,
-            &self.run,
-            step,
-            &opts,
-        ))?;
+        let (local, remote, run) = (&self.local, &self.remote, self.run.as_str());
+        let r = if self.node {
+            runtime().block_on(drain_node(local, remote, run, step, &opts))?
+        } else {
+            runtime().block_on(drain_step(local, remote, run, step, &opts))?
+        };
         let lag_steps = runtime()
-            .block_on(self.local.log().committed_steps(&self.run))
+            .block_on(self.local_steps())
             .map(|s| s.iter().filter(|&&x| x > step).count() as u64)
             .unwrap_or(0);
-        // Retention before the step counts as drained: `finish` waits for both.
-        self.retention(step);
+        // Retention before the step counts as drained: `finish` waits for both. The remote
+        // store's runs where the step committed (for one node of several, the drain of the
+        // node whose ranks landed last).
+        self.retention(step, r.remote_committed);
         {
             let mut st = self.state.lock();
             st.draining = None;
             st.drained = Some(st.drained.map_or(step, |d| d.max(step)));
             let skipped = std::mem::take(&mut st.skipped);
+            if self.node
+                && let Some(rep) = r.replicas.clone()
+            {
+                st.replicas.push((step, rep));
+            }
             st.metrics.push(DrainMetrics {
                 step,
                 rank: self.rank,
@@ -407,9 +595,24 @@ impl Shared {
 
     /// Retention after `step` drained: the remote's rules on the remote store, and the newest
     /// `keep_local` on the local tier (what still drains is kept by its marker).
-    fn retention(&self, step: u64) {
+    fn retention(&self, step: u64, remote_committed: bool) {
         let run = self.run.clone();
         let protect = vec![(run.clone(), step)];
+        let mut local_protect = protect.clone();
+        if self.node {
+            // Steps another node drained that this one may still follow.
+            match runtime().block_on(self.remote.log().list_steps(&run)) {
+                Ok(remote) => local_protect.extend(
+                    to_follow(u64::MAX, None, &remote, self.rank)
+                        .into_iter()
+                        .map(|s| (run.clone(), s)),
+                ),
+                Err(e) => {
+                    warn!("listing the store's steps (local retention skipped this time): {e}");
+                    return;
+                }
+            }
+        }
         let remote = GcOptions {
             keep_last: self.keep_last,
             keep_every: self.keep_every,
@@ -422,14 +625,16 @@ impl Shared {
             keep_last: Some(self.keep_local),
             grace: self.grace,
             runs: vec![run],
-            protect,
+            protect: local_protect,
             ..GcOptions::default()
         };
         for (store, opts, which) in [
             (&self.remote, remote, "remote"),
             (&self.local, local, "local"),
         ] {
-            if opts.keep_last.is_none() && opts.keep_every.is_none() {
+            if opts.keep_last.is_none() && opts.keep_every.is_none()
+                || which == "remote" && !remote_committed
+            {
                 continue;
             }
             match runtime().block_on(store.gc().run(&opts, store.now())) {
@@ -521,6 +726,27 @@ impl ChunkSource for TieredSource {
     }
 }
 
+/// Of the store's listing, the steps another node drained its ranks of (manifests there, no
+/// commit yet) and `rank`'s node did not: older than `newest`, newer than `drained` and than
+/// the store's newest commit. Newest first.
+fn to_follow(newest: u64, drained: Option<u64>, remote: &[StepListing], rank: u32) -> Vec<u64> {
+    let committed = remote.iter().filter(|s| s.committed).map(|s| s.step).max();
+    let mut out: Vec<u64> = remote
+        .iter()
+        .filter(|s| {
+            !s.committed
+                && !s.ranks.is_empty()
+                && !s.ranks.contains(&rank)
+                && s.step < newest
+                && drained.is_none_or(|d| s.step > d)
+                && committed.is_none_or(|c| s.step > c)
+        })
+        .map(|s| s.step)
+        .collect();
+    out.sort_unstable_by(|a, b| b.cmp(a));
+    out
+}
+
 /// The steps of `run` committed in either tier, newest last.
 pub(crate) fn committed_in_either(
     local: &Store,
@@ -537,4 +763,44 @@ pub(crate) fn committed_in_either(
         all.extend(remote.log().committed_steps(run).await?);
         Ok(all.into_iter().collect())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn listed(step: u64, committed: bool, ranks: &[u32]) -> StepListing {
+        StepListing {
+            step,
+            committed,
+            node_commit: false,
+            ranks: ranks.to_vec(),
+            last_modified: chrono::DateTime::UNIX_EPOCH,
+            meta_bytes: 0,
+        }
+    }
+
+    #[test]
+    fn a_node_follows_only_steps_other_nodes_drained_past_the_stores_newest_commit() {
+        let remote = [
+            listed(1, true, &[0, 1, 2]),
+            listed(2, false, &[0]),
+            listed(3, false, &[0, 2]),
+            listed(4, false, &[1]),
+            listed(5, true, &[0, 1, 2]),
+            listed(6, false, &[0, 2]),
+            listed(7, false, &[]),
+            listed(8, false, &[2]),
+            listed(9, false, &[0]),
+        ];
+        // Rank 1's node, about to drain 9: 6 and 8 (not 7, nothing there; not 4, its own; not
+        // 2 or 3, older than the commit of 5), newest first.
+        assert_eq!(to_follow(9, None, &remote, 1), vec![8, 6]);
+        // Only older than the step it is about to drain, newer than what it drained.
+        assert_eq!(to_follow(8, None, &remote, 1), vec![6]);
+        assert_eq!(to_follow(9, Some(6), &remote, 1), vec![8]);
+        // Rank 0's node drained 6 and 9 already.
+        assert_eq!(to_follow(10, None, &remote, 0), vec![8]);
+        assert!(to_follow(10, None, &[], 0).is_empty());
+    }
 }

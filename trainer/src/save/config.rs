@@ -66,6 +66,12 @@ pub struct CheckpointerConfig {
     /// The node this rank runs on, when a driver said (recorded in its manifests: the
     /// sentinel names nodes).
     pub node: Option<u32>,
+    /// In a job of several machines saving to each node's local tier: the ranks of this
+    /// node, which share its tier. The committer (the node's first rank) then commits them
+    /// on the node ([`ckpt_store::NodeCommit`]) instead of the step, which the drains commit
+    /// on the remote store. `None`: the store holds every rank's manifest (one machine, or
+    /// no local tier), and the committer commits the step.
+    pub node_ranks: Option<Vec<u32>>,
 }
 
 impl CheckpointerConfig {
@@ -88,6 +94,7 @@ impl CheckpointerConfig {
             peer: None,
             sdc_check: SdcCheck::DEFAULT,
             node: None,
+            node_ranks: None,
         }
     }
 }

@@ -83,7 +83,13 @@ impl PersistJob {
             let _ = go.await;
         }
         let (store, cfg, step) = (&self.store, &self.cfg, self.step);
-        let (index, lease) = prepare_index(store, &cfg.run, &self.writer, &self.dedup).await?;
+        // The node commit is keyed by the node's lowest rank.
+        let node_first = cfg
+            .node_ranks
+            .as_ref()
+            .and_then(|r| r.iter().min().copied());
+        let (index, lease) =
+            prepare_index(store, &cfg.run, &self.writer, node_first, &self.dedup).await?;
         if let Err(e) = check_reuse(
             store,
             &cfg.run,
@@ -309,6 +315,23 @@ fn replica_checks(store: &Store, metas: &[ShardMeta]) -> std::collections::BTree
 /// `Committed`.
 async fn commit(store: &Store, cfg: &CheckpointerConfig, step: u64, shared: &Shared) -> Result<()> {
     let t1 = Instant::now();
+    if let Some(ranks) = &cfg.node_ranks {
+        // One node of several: its ranks commit on the node; the drains commit the step.
+        let c = store
+            .log()
+            .commit_node(
+                &cfg.run,
+                step,
+                cfg.generation,
+                ranks,
+                (Duration::from_millis(50), cfg.commit_timeout),
+            )
+            .await?;
+        let secs = t1.elapsed().as_secs_f64();
+        info!(run = %cfg.run, step, ranks = ?c.rank_numbers(), "checkpoint committed on this node");
+        shared.set(Stage::Committed, |r| r.commit_s = secs);
+        return Ok(());
+    }
     let o = store
         .log()
         .wait_and_commit_as(
@@ -346,17 +369,24 @@ pub(super) fn note_fenced(fenced: &Mutex<Option<String>>, e: &Error) {
 /// previous save becomes the base only once its commit record is found; until then (or if that
 /// commit failed) the base stays the older committed step, and with neither committed the save
 /// skips nothing. A step whose commit failed is never a base: GC may sweep it with its chunks.
+/// One node of several (`node_first`, its first rank) saves into its local tier, where the
+/// step's record is the node's commit.
 async fn prepare_index(
     store: &Store,
     run: &str,
     writer: &str,
+    node_first: Option<u32>,
     dedup: &Mutex<DedupBase>,
 ) -> Result<(DedupIndex, WriterLease)> {
     let candidates = dedup.lock().candidates();
-    let lease = store
-        .gc()
-        .lease_dedup_base(run, writer, &candidates)
-        .await?;
+    let gc = store.gc();
+    let lease = match node_first {
+        Some(first) => {
+            gc.lease_node_dedup_base(run, writer, first, &candidates)
+                .await?
+        }
+        None => gc.lease_dedup_base(run, writer, &candidates).await?,
+    };
     let index = dedup.lock().pinned(lease.base());
     Ok((index, lease))
 }
