@@ -14,11 +14,12 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use ckpt_store::{Layout, Result, Store};
+use ckpt_store::{Layout, ReplicaReport, Result, Store};
 use tracing::warn;
 
 use crate::coordinator::{Action, Assignment, Coordinator, Event, Record};
 use crate::driver::{RecoveryLog, check_step, choose_step_logged, retire_step};
+use crate::records::{Event as LogEvent, ReplicaMismatchEvent, read_records};
 
 /// How often a driver looks for a new commit while the coordinator waits for one to grow the
 /// job back at (one listing of the run's steps a time).
@@ -115,6 +116,9 @@ pub(crate) struct Executor {
     /// While the coordinator watches the replicas: the generation, when the store was last
     /// asked, and the newest step looked at.
     replica_watch: Option<(u64, Instant, Option<u64>)>,
+    /// The replicas found to disagree that the committer may not have logged yet: the
+    /// coordinator's generation, the step, and the comparison.
+    mismatch_found: Option<(u64, u64, ReplicaReport)>,
 }
 
 impl Executor {
@@ -137,6 +141,7 @@ impl Executor {
             order,
             commit_watch: None,
             replica_watch: None,
+            mismatch_found: None,
         }
     }
 
@@ -223,6 +228,7 @@ impl Executor {
                     assignments,
                     resume_from,
                 } => {
+                    self.log_mismatch_found(fx).await;
                     let s = Start {
                         generation,
                         layout,
@@ -267,7 +273,10 @@ impl Executor {
                     }
                 }
                 Action::Record(rec) => self.record(fx, rec).await?,
-                Action::Done { ok, reason } => fx.done(self, ok, reason).await?,
+                Action::Done { ok, reason } => {
+                    self.log_mismatch_found(fx).await;
+                    fx.done(self, ok, reason).await?
+                }
             }
         }
         Ok(())
@@ -363,6 +372,7 @@ impl Executor {
                 .map(|m| m.describe())
                 .unwrap_or_default();
             warn!(step, "the replicas of step {step} disagree: {detail}");
+            self.mismatch_found = Some((g, step, rep.clone()));
             let now = self.now();
             self.push(Event::ReplicaMismatch {
                 generation: g,
@@ -374,5 +384,124 @@ impl Executor {
             break;
         }
         self.replica_watch = Some((g, Instant::now(), seen));
+    }
+
+    /// The stopped generation's ranks are gone: the `replica_mismatch` event the driver acted
+    /// on is in the run's events log, the committer's or, where it was stopped before it
+    /// logged it (killed at the stop's grace, or failed on the way), the driver's copy from
+    /// the commit record (rank 0, the committer of the drivers' jobs).
+    async fn log_mismatch_found(&mut self, fx: &mut impl Effects) {
+        let Some((g, step, rep)) = self.mismatch_found.take() else {
+            return;
+        };
+        let generation = fx.generation(g);
+        let logged = match read_records::<LogEvent>(&self.store, &self.run).await {
+            Ok(ev) => ev.iter().any(|l| {
+                matches!(&l.record, LogEvent::ReplicaMismatch(m)
+                    if m.step == step && m.generation == generation)
+            }),
+            Err(e) => {
+                warn!("reading the events log for the mismatch of step {step}: {e}");
+                false
+            }
+        };
+        if logged {
+            return;
+        }
+        let policy = self.coord.mismatch_policy();
+        let ev = ReplicaMismatchEvent::of(step, generation, 0, policy, &rep);
+        if let Err(e) = self.log.write(LogEvent::ReplicaMismatch(ev)).await {
+            warn!("logging the replica mismatch of step {step}: {e}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use ckpt_store::testing::{memory_store, tiny_config};
+
+    use super::*;
+    use crate::Topology;
+    use crate::coordinator::Config;
+    use crate::records::sentinel::tests::one_of_three_differs;
+    use ckpt_store::MismatchPolicy;
+
+    /// A driver that only numbers generations (the store's are the coordinator's plus 4).
+    struct Numbered;
+
+    impl Effects for Numbered {
+        fn generation(&self, g: u64) -> u64 {
+            g + 4
+        }
+        async fn start(&mut self, _: &mut Executor, _: Start) -> Result<()> {
+            Ok(())
+        }
+        async fn signal(&mut self, _: &mut Executor, _: u64, _: Vec<u32>, _: bool) -> Result<()> {
+            Ok(())
+        }
+        async fn done(&mut self, _: &mut Executor, _: bool, _: String) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn the_driver_logs_the_mismatch_it_acted_on_once_when_the_committer_did_not() {
+        let store = memory_store(tiny_config());
+        let mut cfg = Config::new(
+            Topology {
+                nodes: 3,
+                ranks_per_node: 1,
+                spares: 0,
+            },
+            "dp=3".parse().unwrap(),
+        );
+        cfg.on_replica_mismatch = MismatchPolicy::Rollback;
+        let log = RecoveryLog::new(&store, "r", "supervisor").unwrap();
+        let mut ex = Executor::new(
+            Coordinator::new(cfg),
+            store.clone(),
+            "r",
+            log,
+            Order::NewestFirst,
+        );
+        let read = || async {
+            read_records::<LogEvent>(&store, "r")
+                .await
+                .unwrap()
+                .into_iter()
+                .filter_map(|l| match l.record {
+                    LogEvent::ReplicaMismatch(m) => Some(m),
+                    _ => None,
+                })
+                .collect::<Vec<_>>()
+        };
+        // The committer was killed before it logged the mismatch of step 15: the driver does.
+        ex.mismatch_found = Some((1, 15, one_of_three_differs()));
+        ex.log_mismatch_found(&mut Numbered).await;
+        let m = read().await;
+        assert_eq!(m.len(), 1, "{m:?}");
+        assert_eq!((m[0].step, m[0].generation), (15, 5));
+        assert_eq!(
+            (m[0].suspects.clone(), m[0].suspect_nodes.clone()),
+            (vec![1], vec![1])
+        );
+        assert_eq!(m[0].policy, "rollback");
+        assert!(ex.mismatch_found.is_none());
+        // Logged already (by the committer, or the driver before): not twice.
+        ex.mismatch_found = Some((1, 15, one_of_three_differs()));
+        ex.log_mismatch_found(&mut Numbered).await;
+        assert_eq!(read().await.len(), 1);
+        // The same step committed again in a later generation, and found to disagree again:
+        // its own record.
+        ex.mismatch_found = Some((2, 15, one_of_three_differs()));
+        ex.log_mismatch_found(&mut Numbered).await;
+        assert_eq!(
+            read()
+                .await
+                .iter()
+                .map(|m| m.generation)
+                .collect::<Vec<_>>(),
+            vec![5, 6]
+        );
     }
 }

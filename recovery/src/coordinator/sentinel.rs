@@ -24,6 +24,11 @@ impl Coordinator {
             .then_some((self.generation, self.resume_from))
     }
 
+    /// What the job does when a step's replicas disagree.
+    pub fn mismatch_policy(&self) -> MismatchPolicy {
+        self.cfg.on_replica_mismatch
+    }
+
     /// The steps from this one on are never restored (their replicas disagreed, or they came
     /// after such a step).
     pub fn unusable_from(&self) -> Option<u64> {

@@ -27,7 +27,7 @@ mod metrics;
 mod rank_events;
 mod read;
 mod recovery_log;
-mod sentinel;
+pub(crate) mod sentinel;
 #[cfg(test)]
 mod tests;
 mod tiers;

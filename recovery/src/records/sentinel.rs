@@ -3,7 +3,9 @@
 //! records of what they did about it) and trainable state that stopped changing
 //! ([`StateUnchanged`], written by each rank for what it saved).
 
-use ckpt_store::ReplicaMismatch;
+use std::collections::BTreeSet;
+
+use ckpt_store::{MismatchPolicy, ReplicaMismatch, ReplicaReport};
 use serde::{Deserialize, Serialize};
 
 /// `{"kind":"replica_mismatch"}`: the committer of `step` found data-parallel replicas whose
@@ -33,6 +35,48 @@ pub struct ReplicaMismatchEvent {
     pub detail: String,
 }
 
+impl ReplicaMismatchEvent {
+    /// The record of committed `step` whose replicas `r` disagree, as `rank` of `generation`
+    /// logs it under `policy`: the suspects (outside a strict majority) and their nodes.
+    pub fn of(
+        step: u64,
+        generation: u64,
+        rank: u32,
+        policy: MismatchPolicy,
+        r: &ReplicaReport,
+    ) -> Self {
+        let suspects = r.suspects();
+        let mut nodes: BTreeSet<u32> = BTreeSet::new();
+        for s in r.mismatches.iter().flat_map(|m| &m.sides) {
+            for (rank, node) in s.ranks.iter().zip(&s.nodes) {
+                if let (true, Some(node)) = (suspects.contains(rank), node) {
+                    nodes.insert(*node);
+                }
+            }
+        }
+        let first = r
+            .mismatches
+            .first()
+            .map(|m| m.describe())
+            .unwrap_or_default();
+        ReplicaMismatchEvent {
+            step,
+            generation,
+            rank,
+            chunks_compared: r.chunks_compared,
+            mismatched_chunks: r.mismatched_chunks,
+            suspects,
+            suspect_nodes: nodes.into_iter().collect(),
+            mismatches: r.mismatches.clone(),
+            policy: policy.name().to_string(),
+            detail: format!(
+                "step {step}: {} of {} replica chunks compared differ (silent data corruption on one side); first: {first}",
+                r.mismatched_chunks, r.chunks_compared
+            ),
+        }
+    }
+}
+
 /// `{"kind":"state_unchanged"}`: trainable tensors a rank saved kept the same bytes (chunk
 /// ids) over `checkpoints` consecutive checkpoints while steps advanced: a save path that hands
 /// over stale buffers, or a layer that does not train.
@@ -55,4 +99,55 @@ pub struct StateUnchanged {
     pub all: bool,
     /// One line for people.
     pub detail: String,
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use ckpt_store::{ChunkId, NdBox, ReplicaSide};
+
+    use super::*;
+
+    /// Three holders of one chunk: ranks 0 and 2 (nodes 0 and 2) agree, rank 1 on node 1
+    /// does not.
+    pub(crate) fn one_of_three_differs() -> ReplicaReport {
+        let side = |b: &[u8], ranks: Vec<u32>| ReplicaSide {
+            id: ChunkId::of(b),
+            nodes: ranks.iter().map(|r| Some(*r)).collect(),
+            ranks,
+        };
+        ReplicaReport {
+            chunks_compared: 8,
+            bytes_compared: 8 << 10,
+            mismatches: vec![ReplicaMismatch {
+                tensor: "w".into(),
+                bbox: NdBox::full(&[4096]),
+                chunk: 3,
+                offset: 3 << 10,
+                len: 1 << 10,
+                writer: 0,
+                sides: vec![side(b"a", vec![0, 2]), side(b"b", vec![1])],
+                suspects: vec![1],
+            }],
+            mismatched_chunks: 1,
+        }
+    }
+
+    #[test]
+    fn a_mismatch_record_names_the_minority_rank_its_node_and_the_policy() {
+        let e =
+            ReplicaMismatchEvent::of(15, 4, 0, MismatchPolicy::Rollback, &one_of_three_differs());
+        assert_eq!((e.step, e.generation, e.rank), (15, 4, 0));
+        assert_eq!((e.suspects, e.suspect_nodes), (vec![1], vec![1]));
+        assert_eq!(e.policy, "rollback");
+        assert!(
+            e.detail.starts_with("step 15: 1 of 8 replica chunks"),
+            "{}",
+            e.detail
+        );
+        assert!(
+            e.detail.contains("\"w\"") || e.detail.contains('w'),
+            "{}",
+            e.detail
+        );
+    }
 }
