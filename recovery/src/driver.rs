@@ -299,6 +299,9 @@ pub struct Launch {
     pub sdc_check: Option<ckpt_store::SdcCheck>,
     /// The job's local tier (`CKPT_LOCAL_TIER`).
     pub local_tier: Option<String>,
+    /// The job has several machines, each with its own local tier: every rank is told the
+    /// ranks of its node (`CKPT_LOCAL_TIER_RANKS`), which commit there together.
+    pub local_tier_per_node: bool,
 }
 
 /// Make the child die (SIGKILL) when this process dies: `PR_SET_PDEATHSIG`, and a check that
@@ -353,6 +356,7 @@ impl Launch {
             node_cache_root: Some(node_cache_root),
             sdc_check: job.sdc_check,
             local_tier: job.local_tier.clone(),
+            local_tier_per_node: false,
         }
     }
 
@@ -379,14 +383,15 @@ pub type RankExit = (u64, u32, ExitStatus);
 impl Launch {
     /// Start rank `a` of generation `generation` under `layout`, restoring `resume_from`
     /// (`CKPT_RESUME_STEP`, absent when `None`); its exit is sent on `exits` with `tag`.
-    /// Returns its process id.
+    /// `node_ranks`: the ranks of `a`'s node (told to the rank when each node has its own
+    /// local tier). Returns its process id.
     #[allow(clippy::too_many_arguments)]
     pub fn spawn(
         &self,
         generation: u64,
         layout: &Layout,
         resume_from: Option<u64>,
-        a: &Assignment,
+        (a, node_ranks): (&Assignment, &[u32]),
         master: (&str, u16),
         tag: u64,
         exits: &mpsc::UnboundedSender<RankExit>,
@@ -419,6 +424,8 @@ impl Launch {
                 .map(|r| r.join(format!("n{}-g{generation}", a.node))),
             sdc_check: self.sdc_check,
             local_tier: self.local_tier.clone(),
+            local_tier_ranks: (self.local_tier.is_some() && self.local_tier_per_node)
+                .then(|| node_ranks.to_vec()),
         };
         let mut cmd = tokio::process::Command::new(&self.command[0]);
         cmd.args(&self.command[1..])

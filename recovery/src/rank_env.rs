@@ -62,6 +62,10 @@ pub const SDC_CHECK: &str = "CKPT_SDC_CHECK";
 /// The node's local tier (a directory or URL): saves commit there first and drain to
 /// `CKPT_STORE` behind the training (issue 28).
 pub const LOCAL_TIER: &str = "CKPT_LOCAL_TIER";
+/// In a job of several machines with a local tier: the ranks of this node, comma-separated,
+/// which share its tier (the node's first rank commits them there; the drains commit the
+/// step on the store).
+pub const LOCAL_TIER_RANKS: &str = "CKPT_LOCAL_TIER_RANKS";
 
 /// torchrun's names for the same facts.
 pub mod torchrun {
@@ -80,7 +84,7 @@ pub mod torchrun {
 }
 
 /// Every variable a driver sets or clears, for drivers that must clear stale ones.
-pub const ALL: [&str; 20] = [
+pub const ALL: [&str; 21] = [
     STORE,
     RUN,
     RANK,
@@ -101,6 +105,7 @@ pub const ALL: [&str; 20] = [
     NODE_CACHE,
     SDC_CHECK,
     LOCAL_TIER,
+    LOCAL_TIER_RANKS,
 ];
 
 /// Where and how often a rank beats.
@@ -166,6 +171,8 @@ pub struct RankEnv {
     pub sdc_check: Option<SdcCheck>,
     /// The node's local tier, if the job has one.
     pub local_tier: Option<String>,
+    /// The ranks sharing this node's local tier, when the job has several machines.
+    pub local_tier_ranks: Option<Vec<u32>>,
 }
 
 impl RankEnv {
@@ -205,6 +212,10 @@ impl RankEnv {
         if let Some(t) = &self.local_tier {
             out.push((LOCAL_TIER, s(t)));
         }
+        if let Some(r) = &self.local_tier_ranks {
+            let list: Vec<String> = r.iter().map(u32::to_string).collect();
+            out.push((LOCAL_TIER_RANKS, s(&list.join(","))));
+        }
         if let Some(p) = &self.peer {
             out.push((PEER_AGENT, s(&p.agent)));
             out.push((PEER_SECRET, s(&p.secret.to_hex())));
@@ -231,6 +242,9 @@ impl RankEnv {
         }
         if self.local_tier.is_none() {
             out.push(LOCAL_TIER);
+        }
+        if self.local_tier_ranks.is_none() {
+            out.push(LOCAL_TIER_RANKS);
         }
         match &self.peer {
             None => out.extend([PEER_AGENT, PEER_SECRET, PEERS, PEER_TIMEOUT_MS]),
@@ -346,6 +360,14 @@ impl RankEnv {
                 })
                 .transpose()?,
             local_tier: opt(LOCAL_TIER)?.filter(|v| !v.is_empty()),
+            local_tier_ranks: opt(LOCAL_TIER_RANKS)?
+                .filter(|v| !v.is_empty())
+                .map(|v| {
+                    v.split(',')
+                        .map(|r| num(LOCAL_TIER_RANKS, r.trim().to_string()))
+                        .collect::<Result<Vec<u32>>>()
+                })
+                .transpose()?,
         }))
     }
 
@@ -409,6 +431,7 @@ mod tests {
             node_cache: Some("/dev/shm/ckpt-node-1".into()),
             sdc_check: Some(SdcCheck::Sample(0.25)),
             local_tier: Some("/nvme/ckpt".into()),
+            local_tier_ranks: Some(vec![2, 3]),
         }
     }
 
@@ -431,11 +454,13 @@ mod tests {
         e.node_cache = None;
         e.sdc_check = None;
         e.local_tier = None;
+        e.local_tier_ranks = None;
         let m = vars(&e);
         assert!(!m.contains_key(PEER_AGENT) && !m.contains_key(RESUME_STEP));
         assert!(!m.contains_key(NODE_CACHE) && e.unset().contains(&NODE_CACHE));
         assert!(e.unset().contains(&PEER_AGENT) && e.unset().contains(&PEER_SECRET));
         assert!(e.unset().contains(&RESUME_STEP));
+        assert!(!m.contains_key(LOCAL_TIER_RANKS) && e.unset().contains(&LOCAL_TIER_RANKS));
         assert_eq!(RankEnv::from_vars(|k| m.get(k).cloned()).unwrap(), Some(e));
     }
 

@@ -290,7 +290,7 @@ impl Effects for Local {
                 g,
                 &s.layout,
                 s.resume_from,
-                a,
+                (a, &[]),
                 ("127.0.0.1", port),
                 s.generation,
                 &self.exit_tx,

@@ -51,6 +51,12 @@ pub struct AgentArgs {
     /// How long the coordinator waits for the first --nodes nodes to join.
     #[arg(long, default_value = "60s", value_parser = duration)]
     pub join_timeout: Duration,
+    /// With --local-tier and several nodes: when a generation stops, each node drains its
+    /// ranks of the newest step it committed locally, and the coordinator waits at most this
+    /// long for them before it chooses the step to resume from (0s: resume from the store's
+    /// newest at once, losing what only the tiers held).
+    #[arg(long, default_value = "30s", value_parser = duration)]
+    pub drain_wait: Duration,
     /// Failure detection and restarts.
     #[command(flatten)]
     pub restarts: RestartArgs,
@@ -76,9 +82,12 @@ pub struct AgentArgs {
     #[arg(long)]
     pub logs: Option<PathBuf>,
     /// A local tier (a directory on this machine's disk): saves commit there and drain to the
-    /// store behind the training. Every rank of the job must share it: a job of one machine
-    /// (`--nodes 1`); across machines each would hold part of every step, which this release
-    /// does not commit (use the store alone, or `ckpt resume` on one machine).
+    /// store behind the training. With one node it holds every rank's commits; with several,
+    /// each node's tier holds its own ranks (committed there together: local-durable), each
+    /// node drains its ranks, and the drain that lands the last ones commits the step on the
+    /// store. Restores then read the store's newest step, each chunk from this tier where it
+    /// has it; when a rank fails, the nodes drain what they committed before the coordinator
+    /// chooses that step (--drain-wait).
     #[arg(long, env = ckpt_recovery::rank_env::LOCAL_TIER, value_name = "DIR")]
     pub local_tier: Option<String>,
     /// The command each rank runs, after `--`.
@@ -160,14 +169,6 @@ pub async fn agent(
         args.spares,
         args.layout.as_deref(),
     )?;
-    if args.local_tier.is_some() && args.nodes + args.spares > 1 {
-        return Err(CliError::usage(format!(
-            "--local-tier needs every rank of the job on one machine, but the job has {} nodes: \
-             each machine's tier would hold part of every step, and no one tier could commit it",
-            args.nodes + args.spares
-        ))
-        .hint("run without --local-tier (the store alone), or on one machine with `ckpt resume --local-tier`"));
-    }
     let opts = AgentOptions {
         etcd: args.etcd.clone(),
         prefix: args.prefix.clone(),
@@ -185,6 +186,7 @@ pub async fn agent(
         },
         lease_ttl: args.lease_ttl,
         join_timeout: args.join_timeout,
+        drain_wait: args.drain_wait,
         addr: args.addr.clone(),
         peer_replicas: args.peer_replicas,
         // The secret is read here, at the binary's edge (never from a command line, where

@@ -86,6 +86,13 @@ impl Report for DrainOutput {
                 fmt::bytes(d.bytes_present),
                 d.manifests
             )?;
+            if !d.remote_committed {
+                writeln!(
+                    w,
+                    "  this node's ranks are on the store; the step commits there once the \
+                     other machines' ranks are drained"
+                )?;
+            }
         }
         for s in &self.superseded {
             writeln!(
@@ -183,11 +190,20 @@ async fn drain_run(
     let todo = match step {
         Some(s) => {
             // A step named is drained whatever the store's newest is (history kept).
-            local.log().read_commit(run, s).await?;
+            if let Err(e) = local.log().read_commit(run, s).await {
+                // The tier of one machine of several: its node commit.
+                if local.log().read_node_commits(run, s).await.is_err() {
+                    return Err(e.into());
+                }
+            }
             vec![s]
         }
         None => {
-            let here = local.log().committed_steps(run).await?;
+            let mut here = local.log().committed_steps(run).await?;
+            // The tier of one machine of several holds node commits (its ranks of each step).
+            here.extend(local.log().node_committed_steps(run).await?);
+            here.sort_unstable();
+            here.dedup();
             let newest_remote = remote.log().latest_committed(run).await?;
             let pending: Vec<u64> = here
                 .into_iter()
@@ -242,7 +258,16 @@ async fn drain_one(
         progress: Some(progress),
         ..DrainOptions::default()
     };
-    let r = ckpt_store::drain_step(local, remote, run, step, &opts).await;
+    let node = !local
+        .objects()
+        .exists(&local.keys().commit(run, step))
+        .await?
+        && !local.log().node_commit_keys(run, step).await?.is_empty();
+    let r = if node {
+        ckpt_store::drain_node(local, remote, run, step, &opts).await
+    } else {
+        ckpt_store::drain_step(local, remote, run, step, &opts).await
+    };
     bar.finish_and_clear();
     r.map_err(|e| {
         let fenced = e.kind() == ErrorKind::Fenced;

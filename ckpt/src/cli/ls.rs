@@ -127,6 +127,10 @@ pub struct TierState {
     /// Being drained to the store: the share done (0 to 1).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub draining: Option<f64>,
+    /// The tier of one machine of several: the ranks of the step it holds, committed there
+    /// together (a node commit); the step commits on the store once every machine drained.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub node_ranks: Option<Vec<u32>>,
 }
 
 impl TierState {
@@ -135,6 +139,7 @@ impl TierState {
             (_, true, _) if self.local => "local+remote".into(),
             (_, true, _) => "remote".into(),
             (true, false, Some(p)) => format!("draining {:.0}%", p * 100.0),
+            (true, false, None) if self.node_ranks.is_some() => "local (this node's ranks)".into(),
             (true, false, None) => "local".into(),
             (false, false, _) => "-".into(),
         }
@@ -217,15 +222,31 @@ async fn list_tiers(
         return Err(super::shared::no_such_run(store, run).await);
     }
     let drains = local.log().pending_drains(run).await?;
+    // A tier of one machine of several holds node commits (its ranks of each step).
+    let mut nodes: std::collections::BTreeMap<u64, Vec<u32>> = std::collections::BTreeMap::new();
+    for step in local.log().node_committed_steps(run).await? {
+        match local.log().read_node_commits(run, step).await {
+            Ok(cs) => {
+                let mut ranks: Vec<u32> = cs.iter().flat_map(|c| c.rank_numbers()).collect();
+                ranks.sort_unstable();
+                nodes.insert(step, ranks);
+            }
+            // Retired since the listing.
+            Err(e) if e.kind() == ckpt_store::ErrorKind::NotFound => {}
+            Err(e) => return Err(e.context(format!("the local tier {}", local.url())).into()),
+        }
+    }
     let mut rows: std::collections::BTreeMap<u64, StepRow> = std::collections::BTreeMap::new();
     for mut r in here {
+        let node_ranks = nodes.get(&r.step).cloned();
         r.tier = Some(TierState {
-            local: r.committed,
+            local: r.committed || node_ranks.is_some(),
             remote: false,
             draining: drains
                 .iter()
                 .find(|d| d.step == r.step)
                 .map(|d| d.progress()),
+            node_ranks,
         });
         rows.insert(r.step, r);
     }
@@ -235,6 +256,7 @@ async fn list_tiers(
             local: local_state.as_ref().is_some_and(|t| t.local),
             remote: r.committed,
             draining: None,
+            node_ranks: local_state.and_then(|t| t.node_ranks),
         });
         rows.insert(r.step, r);
     }

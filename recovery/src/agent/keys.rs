@@ -31,6 +31,9 @@ pub enum Key {
     Beats(u32),
     /// `exits/<gen>/<rank>`: how a rank ended.
     Exit(u64, u32),
+    /// `drained/<gen>/<node>`: with a local tier per machine, a node drained its ranks of
+    /// generation `gen`'s newest step after the generation was stopped ([`DrainedMsg`]).
+    Drained(u64, u32),
     /// `done`: the job is over.
     Done,
 }
@@ -65,6 +68,7 @@ impl Keys {
             Key::Signals(g) => format!("{p}/signals/{g}"),
             Key::Beats(n) => format!("{p}/beats/{n}"),
             Key::Exit(g, r) => format!("{p}/exits/{g}/{r}"),
+            Key::Drained(g, n) => format!("{p}/drained/{g}/{n}"),
             Key::Done => format!("{p}/done"),
         }
     }
@@ -91,10 +95,25 @@ impl Keys {
             ["signals", g] => Key::Signals(num(g)?),
             ["beats", n] => Key::Beats(num(n)?),
             ["exits", g, r] => Key::Exit(num(g)?, num(r)?),
+            ["drained", g, n] => Key::Drained(num(g)?, num(n)?),
             ["done"] => Key::Done,
             _ => return None,
         })
     }
+}
+
+/// `drained/<gen>/<node>`: what a node's drain of a stopped generation did (the coordinator
+/// chooses the step to resume from once every live node of the generation said).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DrainedMsg {
+    /// The steps drained, newest first: those the node committed in its tier in that
+    /// generation and the store lacked, until one was committed there.
+    pub steps: Vec<u64>,
+    /// The step this node's drain committed on the store (its ranks landed last), if any.
+    pub committed: Option<u64>,
+    /// Why the drain failed or was cut short, if it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// `job`: settings every agent of the job must share (checked when an agent joins).

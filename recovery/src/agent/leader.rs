@@ -105,6 +105,10 @@ struct Cluster {
     finished: bool,
     /// The replica secret every plan carries (with peer replicas and no `CKPT_PEER_SECRET`).
     peer_secret: Option<crate::peer::PeerSecret>,
+    /// A local tier per machine: before choosing the step to resume from, wait (at most
+    /// this long) for every live node of the stopped generation to drain its newest step
+    /// ([`super::Agent`]'s `drain_stopped`).
+    drain_wait: Option<Duration>,
 }
 
 /// The etcd coordinator's [`Effects`]: a generation is a plan published for every node's
@@ -141,6 +145,11 @@ impl Leader {
             floor = floor.max(first_free_generation(l, &job.run).await?);
         }
         let coord = Coordinator::new(job.config.clone());
+        // One machine's tier holds every rank's commits; with several, each node's tier holds
+        // node commits only, and steps are chosen from the store (each node's tier still
+        // serves its chunks to its ranks' restores).
+        let t = job.config.topology;
+        let local = local.filter(|_| t.nodes + t.spares == 1);
         let ex = Executor::new(coord, store, &job.run, log, Order::OldestFirst).with_local(local);
         // The previous coordinator's secret, so the agents and ranks keep theirs; a new
         // job's first coordinator makes one.
@@ -170,6 +179,10 @@ impl Leader {
                 running: None,
                 finished: false,
                 peer_secret,
+                drain_wait: (job.local_tier.is_some()
+                    && t.nodes + t.spares > 1
+                    && !opts.drain_wait.is_zero())
+                .then_some(opts.drain_wait),
             },
             snapshot_rev,
             nodes: job.config.topology.nodes,
@@ -484,6 +497,71 @@ fn inherited(
 }
 
 impl Published<'_> {
+    /// With a local tier per machine, once the running generation is stopped: wait until
+    /// every live node that ran its ranks has drained its newest step (`drained/<g>/<node>`),
+    /// or the drain wait (and a second) passed, so that the step chosen next counts the
+    /// steps those drains commit on the store.
+    async fn wait_for_drains(&mut self) -> Result<()> {
+        let (Some(wait), Some(r)) = (self.c.drain_wait, self.c.running.as_ref()) else {
+            return Ok(());
+        };
+        let g = r.global;
+        let mut waiting: BTreeSet<u32> = r
+            .assignments
+            .iter()
+            .map(|a| a.node)
+            .filter(|n| !self.c.lost.contains(n))
+            .collect();
+        let deadline = Instant::now() + wait + Duration::from_secs(1);
+        let root = self.c.keys.root();
+        let t0 = Instant::now();
+        loop {
+            let (_, kvs) = self.sess.get_prefix(&root).await?;
+            let mut alive = BTreeSet::new();
+            let mut signalled = false;
+            for kv in &kvs {
+                match self.c.keys.parse(kv.key()) {
+                    Some(Key::Node(n)) => {
+                        alive.insert(n);
+                    }
+                    Some(Key::Drained(dg, n)) if dg == g => {
+                        waiting.remove(&n);
+                    }
+                    Some(Key::Signals(sg)) if sg == g => signalled = true,
+                    _ => {}
+                }
+            }
+            // The agents drain on the generation's stop signal; with every rank gone before
+            // it (none was signalled) no node drains, and waiting would only delay the resume.
+            if !signalled {
+                info!(
+                    generation = g,
+                    "no rank was left to stop: choosing the step without the nodes' drains"
+                );
+                return Ok(());
+            }
+            // A node that died meanwhile drains nothing more.
+            waiting.retain(|n| alive.contains(n));
+            if waiting.is_empty() {
+                info!(
+                    generation = g,
+                    seconds = t0.elapsed().as_secs_f64(),
+                    "every live node drained its newest step of the stopped generation"
+                );
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                warn!(
+                    generation = g,
+                    nodes = ?waiting,
+                    "choosing the step to resume from without these nodes' drains"
+                );
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     fn guard(&self) -> String {
         self.c.keys.key(Key::Leader)
     }
@@ -533,6 +611,12 @@ impl Effects for Published<'_> {
     /// A generation's store number is fixed (its marker written) before its `started`
     /// record, which comes first.
     async fn prepare(&mut self, ex: &mut Executor, actions: &[Action]) -> Result<()> {
+        if actions
+            .iter()
+            .any(|a| matches!(a, Action::ChooseStep { .. }))
+        {
+            self.wait_for_drains().await?;
+        }
         for a in actions {
             if let Action::Start { generation, .. } = a {
                 self.c

@@ -59,7 +59,7 @@ use crate::driver::{
 };
 use crate::heartbeat::Beat;
 pub use keys::{
-    BeatsMsg, DoneMsg, ExitMsg, JobMsg, Key, Keys, NodeMsg, Partial, PlanMsg, SignalMsg,
+    BeatsMsg, DoneMsg, DrainedMsg, ExitMsg, JobMsg, Key, Keys, NodeMsg, Partial, PlanMsg, SignalMsg,
 };
 use leader::Leader;
 
@@ -96,6 +96,10 @@ pub struct AgentOptions {
     /// The most bytes of snapshots the replica agent holds (`None`: a quarter of the
     /// machine's memory, [`crate::peer::default_memory_limit`]).
     pub peer_memory_limit: Option<u64>,
+    /// With a local tier per machine: when a generation is stopped, each node drains its
+    /// ranks of the generation's newest step it committed (the coordinator chooses the step
+    /// to resume from once every live node did), for at most this long.
+    pub drain_wait: Duration,
 }
 
 impl AgentOptions {
@@ -162,6 +166,9 @@ pub struct JobState {
     pub beats: BTreeMap<u32, BeatsMsg>,
     /// Rank exits per (generation, rank).
     pub exits: BTreeMap<(u64, u32), ExitStatus>,
+    /// With a local tier per machine: each node's drain of a stopped generation, per
+    /// (generation, node).
+    pub drained: BTreeMap<(u64, u32), DrainedMsg>,
     /// The end of the job.
     pub done: Option<DoneMsg>,
 }
@@ -213,6 +220,11 @@ impl JobState {
                 Key::Exit(g, r) => {
                     if let Some(m) = de::<ExitMsg>(kv) {
                         s.exits.insert((g, r), m.status);
+                    }
+                }
+                Key::Drained(g, n) => {
+                    if let Some(m) = de(kv) {
+                        s.drained.insert((g, n), m);
                     }
                 }
                 Key::Done => s.done = de(kv),
@@ -268,9 +280,12 @@ pub async fn run(opts: AgentOptions) -> Result<AgentReport> {
     let sock = UnixDatagram::bind(&sock_path)
         .map_err(|e| Error::io("binding the heartbeat socket", &sock_path.display(), e))?;
     let (exit_tx, exit_rx) = mpsc::unbounded_channel::<RankExit>();
+    let mut launch = Launch::new(&opts.job, sock_path, sock_dir.join("node-cache"), None);
+    // Several machines: each node's local tier holds its own ranks, committed there together.
+    launch.local_tier_per_node = t.nodes + t.spares > 1;
     let mut agent = Agent {
         keys: Keys::new(&opts.prefix()),
-        launch: Launch::new(&opts.job, sock_path, sock_dir.join("node-cache"), None),
+        launch,
         opts,
         sess,
         exit_tx,
@@ -285,6 +300,7 @@ pub async fn run(opts: AgentOptions) -> Result<AgentReport> {
         leader: None,
         campaign: false,
         done: None,
+        drained: BTreeSet::new(),
         report: Vec::new(),
         coordinated: false,
         replicas: None,
@@ -322,6 +338,8 @@ struct Agent {
     leader: Option<Leader>,
     campaign: bool,
     done: Option<DoneMsg>,
+    /// Stopped generations this node drained (with a local tier per machine).
+    drained: BTreeSet<u64>,
     report: Vec<GenerationRun>,
     coordinated: bool,
     /// This node's replica agent, with peer replicas.
@@ -599,6 +617,7 @@ impl Agent {
                         }
                     }
                 }
+                self.drain_stopped(g).await?;
             }
             (Key::Done, EventType::Put) => {
                 if let Ok(d) = serde_json::from_slice::<DoneMsg>(value) {
@@ -697,12 +716,13 @@ impl Agent {
             self.launch.peer_secret = secret;
         }
         self.launch.prune_node_caches(g);
+        let node_ranks: Vec<u32> = mine.iter().map(|a| a.rank).collect();
         for a in mine {
             match self.launch.spawn(
                 g,
                 &layout,
                 p.resume_from,
-                &a,
+                (&a, &node_ranks),
                 (&p.master_addr, p.master_port),
                 g,
                 &self.exit_tx,
@@ -796,6 +816,76 @@ impl Agent {
         }
     }
 
+    /// Generation `g` is being stopped: with a local tier per machine, drain this node's
+    /// ranks of the newest step they committed in its tier in `g` (if the store lacks it),
+    /// within [`AgentOptions::drain_wait`], and say so under `drained/<g>/<node>`. Every live
+    /// node of the generation does, and the coordinator chooses the step to resume from
+    /// once they all said: a step every node committed locally is then on the store (the
+    /// last node's drain committed it), and the job resumes from it rather than an older one.
+    async fn drain_stopped(&mut self, g: u64) -> Result<()> {
+        let Some(tier) = self.opts.job.local_tier.clone() else {
+            return Ok(());
+        };
+        let ran = self.current.as_ref().is_some_and(|p| {
+            p.generation == g && p.assignments.iter().any(|a| a.node == self.opts.node)
+        });
+        if !self.launch.local_tier_per_node
+            || self.opts.drain_wait.is_zero()
+            || !ran
+            || !self.drained.insert(g)
+        {
+            return Ok(());
+        }
+        // In a task of its own: this agent (and the coordinator, on its node) goes on handling
+        // events, its ranks' exits among them, while the drain runs.
+        let (job, node, wait) = (self.opts.job.clone(), self.opts.node, self.opts.drain_wait);
+        let key = self.key(Key::Drained(g, node));
+        let mut sess = self.sess.clone();
+        tokio::spawn(async move {
+            let t0 = std::time::Instant::now();
+            let drained = tokio::time::timeout(wait, drain_generation(&job, &tier, g, node)).await;
+            let msg = match drained {
+                Ok(Ok(m)) => {
+                    info!(
+                        generation = g,
+                        steps = ?m.steps,
+                        committed = ?m.committed,
+                        seconds = t0.elapsed().as_secs_f64(),
+                        "drained this node's ranks of the stopped generation"
+                    );
+                    m
+                }
+                Ok(Err(e)) => {
+                    warn!(
+                        generation = g,
+                        "draining the stopped generation's newest step: {e}"
+                    );
+                    DrainedMsg {
+                        steps: Vec::new(),
+                        committed: None,
+                        error: Some(e.to_string()),
+                    }
+                }
+                Err(_) => {
+                    warn!(
+                        generation = g,
+                        "the drain of the stopped generation was cut short after {wait:?}"
+                    );
+                    DrainedMsg {
+                        steps: Vec::new(),
+                        committed: None,
+                        error: Some(format!("cut short after {} s", wait.as_secs_f64())),
+                    }
+                }
+            };
+            // Unsaid, the coordinator chooses once the drain wait passed.
+            if let Err(e) = sess.put(&key, &msg, false).await {
+                warn!(generation = g, "saying this node drained: {e}");
+            }
+        });
+        Ok(())
+    }
+
     async fn on_exit(&mut self, g: u64, rank: u32, status: ExitStatus) -> Result<()> {
         self.children.remove(&(g, rank));
         if status.success() {
@@ -836,4 +926,44 @@ impl Agent {
         self.children.clear();
         self.sess.revoke().await;
     }
+}
+
+/// Drain node `node`'s ranks of the steps they committed in `tier` in generation `g` that the
+/// store lacks, newest first, until one is committed on the store (by this drain or another
+/// node's): the nodes of a generation may have got to different steps, and the newest step
+/// every one of them committed is the one that lands (local retention keeps only a few).
+async fn drain_generation(job: &JobOptions, tier: &str, g: u64, node: u32) -> Result<DrainedMsg> {
+    let local = ckpt_store::open(tier)?;
+    let remote = ckpt_store::open_with(&job.store_url, &job.open)?;
+    let steps = local.log().node_committed_steps(&job.run).await?;
+    let mut out = DrainedMsg {
+        steps: Vec::new(),
+        committed: None,
+        error: None,
+    };
+    for &s in steps.iter().rev() {
+        let newest_remote = remote.log().latest_committed(&job.run).await?;
+        if newest_remote.is_some_and(|r| s <= r) {
+            break;
+        }
+        let commits = match local.log().read_node_commits(&job.run, s).await {
+            Ok(c) => c,
+            Err(e) if e.kind() == ErrorKind::NotFound => continue,
+            Err(e) => return Err(e),
+        };
+        if !commits.iter().any(|c| c.generation == g) {
+            continue;
+        }
+        let opts = ckpt_store::DrainOptions {
+            writer: format!("agent-drain-{node}"),
+            ..ckpt_store::DrainOptions::default()
+        };
+        let r = ckpt_store::drain_node(&local, &remote, &job.run, s, &opts).await?;
+        out.steps.push(s);
+        if r.remote_committed {
+            out.committed = Some(s);
+            break;
+        }
+    }
+    Ok(out)
 }
