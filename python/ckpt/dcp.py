@@ -133,6 +133,13 @@ def _local_tier(local_tier: Union[str, Store, None], run: str) -> Optional[Store
         env = resume_env()
         if env is not None and env.run == run:
             local_tier = env.local_tier
+            if local_tier is not None and env.local_tier_ranks is not None:
+                raise CkptError(
+                    "ckpt.dcp with a local tier needs every rank to share it, but "
+                    f"`ckpt agent --local-tier` gave each machine its own ({local_tier}): use "
+                    "ckpt.CheckpointManager (it commits each machine's ranks in its tier), or "
+                    "run the agents without --local-tier"
+                )
     return None if local_tier is None else _store(local_tier)
 
 

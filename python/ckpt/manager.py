@@ -40,7 +40,7 @@ from __future__ import annotations
 import os
 import pickle
 import zlib
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -125,7 +125,12 @@ class CheckpointManager:
     ``keep_local`` steps; ``keep_last`` applies to ``store``. ``restore_latest`` reads the
     local tier first and whatever is missing or damaged there from ``store``. ``finish``
     waits until the newest step is in ``store``; ``drains()`` lists the drains' figures. Every
-    rank of the job must see the same tier (one machine, or a shared file system).
+    rank of the job must see the same tier (one machine, or a shared file system), unless
+    ``node_ranks`` lists the ranks of this machine (default: what ``ckpt agent --local-tier``
+    of a job of several machines says): each machine then has its own tier, its first rank
+    commits its ranks there and drains them, and the drain that lands the last machine's
+    ranks commits the step on ``store``; ``restore_latest`` restores the store's newest step,
+    each chunk from the local tier where it has it.
 
     ``node_processes``: how many of the job's rank processes run on this machine (default:
     ``LOCAL_WORLD_SIZE``, as torchrun and ``ckpt resume`` set it). The tensors every rank
@@ -156,6 +161,7 @@ class CheckpointManager:
         local_tier: Union[str, Store, None] = None,
         keep_local: int = 2,
         node_processes: Optional[int] = None,
+        node_ranks: Optional[Sequence[int]] = None,
     ) -> None:
         distributed = dist.is_available() and dist.is_initialized()
         if rank is None:
@@ -176,6 +182,8 @@ class CheckpointManager:
                 sdc_check = env.sdc_check
             if local_tier is None:
                 local_tier = env.local_tier
+                if node_ranks is None:
+                    node_ranks = env.local_tier_ranks
         if isinstance(trainable, torch.nn.Module):
             trainable = [p for p in trainable.parameters() if p.requires_grad]
         self._trainable_ptrs = {
@@ -203,6 +211,7 @@ class CheckpointManager:
             local_tier=None if local_tier is None else _store(local_tier),
             keep_local=int(keep_local),
             node_processes=_node_processes(node_processes),
+            node_ranks=None if node_ranks is None else [int(r) for r in node_ranks],
         )
         # The ranks agree on a SIGTERM through a gloo group (CPU tensors whatever the default
         # backend is); created by every rank, as `new_group` must be.

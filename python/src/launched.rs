@@ -79,6 +79,13 @@ impl PyRankEnv {
         self.env.local_tier.clone()
     }
 
+    /// The ranks of this machine, which share its local tier, when `ckpt agent --local-tier`
+    /// runs the job on several machines (each has its own tier); else `None`.
+    #[getter]
+    fn local_tier_ranks(&self) -> Option<Vec<u32>> {
+        self.env.local_tier_ranks.clone()
+    }
+
     /// The layout, as `dp=..,tp=..,pp=..`.
     #[getter]
     fn layout(&self) -> String {

@@ -244,7 +244,7 @@ impl Manager {
         every_s=None, keep_last=None, keep_every=None, final_on_sigterm=true,
         resume_step=None, staging_bytes=0, governor=true, sdc_check=None,
         on_replica_mismatch="warn", stale_after=2, node=None, local_tier=None, keep_local=2,
-        node_processes=None))]
+        node_processes=None, node_ranks=None))]
     fn new(
         py: Python<'_>,
         store: &Store,
@@ -267,6 +267,7 @@ impl Manager {
         local_tier: Option<&Store>,
         keep_local: usize,
         node_processes: Option<u32>,
+        node_ranks: Option<Vec<u32>>,
     ) -> PyResult<Self> {
         let layout = Layout::new(world, 1, 1, 0).map_err(err)?;
         let mut ck = CheckpointerConfig::new(run, rank, layout);
@@ -310,6 +311,13 @@ impl Manager {
             let mut tier = LocalTier::new(t.store.clone());
             tier.keep_last = keep_local;
             cfg.local_tier = Some(tier);
+        }
+        // One machine of several, each with its own tier: its lowest rank commits its ranks
+        // there and drains them; the drains commit the step on the store. (The manager refuses
+        // node_ranks without a local tier, or without this rank.)
+        if let Some(r) = node_ranks {
+            cfg.ckpt.committer = r.iter().min() == Some(&rank);
+            cfg.ckpt.node_ranks = Some(r);
         }
         let s = store.store.clone();
         let mut m = py

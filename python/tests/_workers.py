@@ -131,11 +131,17 @@ def roundtrip(rank, world, port, store, fsdir, run):
         dist.destroy_process_group()
 
 
-def manager_roundtrip(rank, world, port, store, run, local_tier=None):
+def manager_roundtrip(rank, world, port, store, run, local_tier=None, per_machine=False):
     """The native manager: save Shard(0) (every rank what it holds), restore Shard(1) and
     Replicate() in fresh managers, each equal to the saved state (non-tensor items too).
-    `local_tier`: every manager saves to and restores from that tier under `store`."""
+    `local_tier`: every manager saves to and restores from that tier under `store`;
+    `per_machine`: each rank as a machine of its own, with its own tier below `local_tier`."""
     import ckpt
+
+    node_ranks = None
+    if per_machine:
+        local_tier = os.path.join(local_tier, f"node-{rank}")
+        node_ranks = [rank]
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -144,14 +150,18 @@ def manager_roundtrip(rank, world, port, store, run, local_tier=None):
         mesh = dist.device_mesh.init_device_mesh("cpu", (world,))
         full = full_state()
         state = distribute(full, mesh, lambda t: Shard(0))
-        mgr = ckpt.CheckpointManager(store, run=run, every_steps=1, local_tier=local_tier)
+        mgr = ckpt.CheckpointManager(
+            store, run=run, every_steps=1, local_tier=local_tier, node_ranks=node_ranks
+        )
         assert mgr.restore_latest(distribute(placeholder(full), mesh, lambda t: Shard(0))) is None
         assert mgr.maybe_save(1, state)
         mgr.finish()
         dist.barrier()
         for name, placement in (("Shard(1)", shard1), ("Replicate()", lambda t: Replicate())):
             mine = distribute(placeholder(full), mesh, placement)
-            got = ckpt.CheckpointManager(store, run=run, local_tier=local_tier).restore_latest(mine)
+            got = ckpt.CheckpointManager(
+                store, run=run, local_tier=local_tier, node_ranks=node_ranks
+            ).restore_latest(mine)
             assert got == 1, got
             w = mine["model"]["0.weight"]
             assert w.placements == (placement(w),), f"{name}: placed {w.placements}"

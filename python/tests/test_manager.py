@@ -273,6 +273,30 @@ def test_a_local_tier_commits_locally_drains_to_the_store_and_either_tier_restor
     assert_same(mine, full, "the drained step read from the store alone")
 
 
+
+def test_machines_with_their_own_tiers_commit_their_ranks_there_and_the_last_drain_commits(tmp_path):
+    # Each rank as a machine of its own (`node_ranks`), with its own tier: each commits its
+    # rank there and drains it; the step commits on the store once both drained, and restores
+    # resharded from there bit for bit (each rank's tier serving its chunks).
+    store, local = str(tmp_path / "remote"), str(tmp_path / "local")
+    mp.spawn(manager_roundtrip, args=(2, free_port(), store, "n", local, True), nprocs=2)
+    assert ckpt.Store(store).committed_steps("n") == [1]
+    for r in range(2):
+        tier = tmp_path / "local" / f"node-{r}"
+        # No tier commits the step: each holds a node commit of its rank.
+        assert ckpt.Store(str(tier)).committed_steps("n") == []
+        assert len(list(tier.glob("runs/n/steps/*/nodes/rank-*.commit"))) == 1, list(tier.rglob("*"))
+    full = full_state()
+    mine = placeholder(full)
+    assert ckpt.CheckpointManager(store, run="n").restore_latest(mine) == 1
+    assert_same(mine, full, "the step two machines drained, read from the store alone")
+    # A rank not in its own node's list is refused.
+    with pytest.raises(ckpt.CkptError, match="node_ranks"):
+        ckpt.CheckpointManager(store, run="n", local_tier=local, rank=1, world=2, node_ranks=[0])
+    # Nor is a machine's list without its tier (its ranks would commit nowhere that drains).
+    with pytest.raises(ckpt.CkptError, match="no local tier is set"):
+        ckpt.CheckpointManager(store, run="n", rank=1, world=2, node_ranks=[0, 1])
+
 def test_a_local_tier_keeps_its_newest_steps_and_a_lost_tier_restores_from_the_store(tmp_path):
     import shutil
 

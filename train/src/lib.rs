@@ -218,6 +218,23 @@ fn finish_run(shared: &Shared, first_err: Option<Error>, committer_here: bool) -
     if committer_here {
         let step = out.last_step;
         let run = &shared.args.run;
+        // Each machine drains its own ranks: the step commits on the store with the last (the
+        // manager's finish waited for it), unless the job was stopped (its agents drain it).
+        if node_tiers(shared)
+            && !runtime().block_on(
+                shared
+                    .store
+                    .objects()
+                    .exists(&shared.store.keys().commit(run, step)),
+            )?
+        {
+            info!(
+                step,
+                "no final digest: step {step} is not committed on the store yet (the job was \
+                 stopped; the machines' agents drain it)"
+            );
+            return Ok(out);
+        }
         // The local tier's copy when it has the step (the same bytes, read faster).
         let home = match &shared.local_tier {
             Some(l) if runtime().block_on(l.objects().exists(&l.keys().commit(run, step)))? => l,
@@ -233,6 +250,16 @@ fn finish_run(shared: &Shared, first_err: Option<Error>, committer_here: bool) -
         out.digest = Some(digest);
     }
     Ok(out)
+}
+
+/// Whether each machine of the job has its own local tier (its driver said which ranks share
+/// this one).
+fn node_tiers(shared: &Shared) -> bool {
+    shared.local_tier.is_some()
+        && shared
+            .launched
+            .as_ref()
+            .is_some_and(|e| e.local_tier_ranks.is_some())
 }
 
 static RESUME_DATA_FAILURE: AtomicBool = AtomicBool::new(false);

@@ -128,6 +128,17 @@ fn manager_config(sh: &Shared, rank: u32, state: &RankState) -> ManagerConfig {
         store,
         keep_last: a.keep_local as usize,
     });
+    // One machine of several, each with its own tier: the node's first rank commits the
+    // node's ranks there (and drains them); the drains commit the step on the store.
+    if let (Some(_), Some(ranks)) = (
+        &mc.local_tier,
+        sh.launched
+            .as_ref()
+            .and_then(|e| e.local_tier_ranks.clone()),
+    ) {
+        mc.ckpt.committer = ranks.iter().min() == Some(&rank);
+        mc.ckpt.node_ranks = Some(ranks);
+    }
     mc.persist_governor = match a.persist_budget {
         Budget::Off => None,
         Budget::Fraction(budget) => Some(ckpt_trainer::GovernorConfig {
@@ -223,16 +234,22 @@ impl RankLoop<'_> {
         let mut stopped: Option<Error> = None;
         let mut step = start;
         while step <= self.sh.args.steps {
-            match self.step(step)? {
-                Flow::Next(next) => step = next,
-                Flow::Break(e) => {
+            match self.step(step) {
+                Ok(Flow::Next(next)) => step = next,
+                Ok(Flow::Break(e)) => {
                     stopped = e;
                     break;
+                }
+                Err(e) => {
+                    // What the saves that ended found still reaches the events log.
+                    self.mgr.abandon();
+                    return Err(e);
                 }
             }
         }
         if let Some(e) = stopped.take_if(|e| e.kind() == ErrorKind::Fenced) {
             // Its pending save cannot commit; waiting for it would only delay the stop.
+            self.mgr.abandon();
             return Err(e);
         }
         self.finish()?;
