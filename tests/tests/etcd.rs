@@ -419,7 +419,17 @@ fn a_killed_node_is_replaced_by_a_smaller_layout_and_the_job_finishes() {
     let dir = tempfile::tempdir().unwrap();
     let want = reference_digest(dir.path(), STEPS, PARAMS);
     let t0 = Instant::now();
-    let mut job = Job::start_with("etcd-node", 3, 0, "dp=3", &["--peer-replicas"]);
+    // Steps of 300 ms: the kill lands between two checkpoints (step 8 committed, step 12's
+    // snapshot not yet taken). An agent keeps one snapshot a rank, the newest: with 120 ms
+    // steps a loaded machine let step 12's snapshots reach the agents before the kill, step
+    // 12 never committed, and the restore of step 8 found nothing of it in their memory.
+    let mut job = Job::start_with(
+        "etcd-node",
+        3,
+        0,
+        "dp=3",
+        &["--peer-replicas", "step-ms=300"],
+    );
     let st = job.wait_for_step(8);
     let leader = st.leader.expect("a coordinator");
     let victim = (0..3).rev().find(|&n| n != leader).unwrap();
