@@ -599,8 +599,7 @@ impl CheckpointManager {
         let saved = self.wait_last_save();
         if saved.is_err() {
             // The events of what did end, written before the error goes up.
-            let _ = self.sentinel.poll(&mut self.events);
-            self.events.flush();
+            self.abandon();
         }
         saved?;
         self.retention.wait();
