@@ -487,7 +487,11 @@ async fn copy_and_commit(
     {
         Ok(o) => {
             report.remote_committed = true;
-            report.replicas = o.record().replicas.clone();
+            // Only the drain that created the record reports its comparison (two nodes whose
+            // drains both saw every manifest both commit; one finds the other's record).
+            if let crate::commit::CommitOutcome::Committed(r, _) = o {
+                report.replicas = r.replicas;
+            }
         }
         // Another node's ranks are not drained yet: their drain commits the step.
         Err(e) if node && e.kind() == ErrorKind::Incomplete => {
