@@ -633,6 +633,120 @@ fn a_lost_node_is_restored_from_peer_replicas() {
     }
 }
 
+#[test]
+fn a_rank_killed_during_a_save_resumes_from_the_step_before_out_of_the_agents() {
+    // 2 nodes x 1 rank (dp=2), one replica agent per node, a checkpoint every 8 steps. At the
+    // second save (step 16) rank 1 stalls after writing its chunks, before its manifest; rank
+    // 0 persists its part and hands its snapshot of step 16 to the agents. Then rank 1 is
+    // SIGKILLed: step 16 never commits and the job resumes from step 8. The agents still hold
+    // rank 0's snapshot of step 8 next to its newer one, so the restarted ranks restore every
+    // byte from memory, none from the store.
+    let dir = tempfile::tempdir().unwrap();
+    let steps = 24;
+    let want = reference_digest(dir.path(), steps, PARAMS);
+    let store = dir.path().join("store");
+    let logs = dir.path().join("logs");
+    let run = "peers-mid-save";
+    let topo = Topology {
+        nodes: 2,
+        ranks_per_node: 1,
+        spares: 0,
+    };
+    // Rank 1 of the first generation stalls in its second save (a restarted one does not).
+    let mut cmd: Vec<String> = vec![
+        "sh".into(),
+        "-c".into(),
+        r#"if [ "$CKPT_RANK" = 1 ] && [ "$CKPT_GENERATION" = 0 ]; then
+             exec "$0" "$@" --failpoints 'after_chunks=sleep(60000)@2'
+           fi
+           exec "$0" "$@""#
+            .into(),
+    ];
+    cmd.extend(train_cmd(steps, 8, 150));
+    let mut opts = supervised(&store, run, topo, "dp=2", cmd, logs.clone());
+    // The agents log each snapshot they take ("snapshot held", at info).
+    let mut agent: Vec<String> = vec![
+        "sh".into(),
+        "-c".into(),
+        r#"RUST_LOG=info NO_COLOR=1 exec "$0" "$@""#.into(),
+    ];
+    agent.extend(replica_agent_command());
+    opts.replica_agent = Some(agent);
+    let sup = spawn_supervisor(opts);
+    // Rank 0's snapshot of step 16 held by its node's agent.
+    let held = |log: &str| {
+        log.lines().map(strip_ansi).any(|l| {
+            l.contains("snapshot held")
+                && l.contains("node=0")
+                && l.contains("rank=0")
+                && l.contains("step=16")
+        })
+    };
+    let t0 = Instant::now();
+    while !held(&std::fs::read_to_string(logs.join("agent-0.err")).unwrap_or_default()) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "rank 0's snapshot of step 16 never reached its agent:\n{}",
+            std::fs::read_to_string(logs.join("agent-0.err")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let rank1: Vec<u32> = find_processes(&[("CKPT_RUN", run), ("CKPT_RANK", "1")])
+        .into_iter()
+        .filter(|(_, env)| env_of(env, "CKPT_GENERATION") == Some("0"))
+        .map(|(pid, _)| pid)
+        .collect();
+    assert_eq!(rank1.len(), 1, "rank 1 of generation 0: {rank1:?}");
+    signal(rank1[0], libc::SIGKILL);
+    let report = sup.join().unwrap();
+    assert!(report.ok, "the job did not finish: {}", report.reason);
+    assert_eq!(final_digest(&logs).as_deref(), Some(want.as_str()));
+    let st = ckpt_store::open(store.to_str().unwrap()).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let events = rt
+        .block_on(ckpt_store::logs::read_log(
+            &st,
+            run,
+            ckpt_store::logs::EVENTS,
+        ))
+        .unwrap();
+    let restores: Vec<_> = events.iter().filter(|e| e["kind"] == "restore").collect();
+    // (The job may go on without node 1: its rank failed there.)
+    assert!(!restores.is_empty(), "no rank restored: {events:#?}");
+    for r in &restores {
+        assert_eq!(
+            r["step"], 8,
+            "resumed from the step before the one in flight: {r}"
+        );
+        assert!(
+            r["bytes_from_peers"].as_u64().unwrap() > 0,
+            "nothing came from the agents: {r}"
+        );
+        assert_eq!(
+            r["bytes_from_store"], 0,
+            "the agents held step 8 whole (rank 0's beside its step 16), yet the store was read: {r}"
+        );
+    }
+}
+
+/// `line` without terminal colour codes.
+fn strip_ansi(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\x1b' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// Steps `every`, `2 * every`, ... `steps` of `run` committed by an uninterrupted job of two
 /// data-parallel ranks (seed 5, as the reference).
 fn committed_run(store: &Path, run: &str, steps: u64, every: u64) {

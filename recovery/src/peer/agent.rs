@@ -32,7 +32,13 @@ struct HeldChunk {
 
 #[derive(Default)]
 struct Held {
+    /// The newest snapshot of each (node, rank).
     snaps: HashMap<(u32, u32), Snapshot>,
+    /// The one before it, while memory allows: a step's snapshot arrives before the step
+    /// commits, and when that step never commits (a rank of the job dies during its save) the
+    /// job resumes from the one before, which peers then still hold. Evicted first whenever
+    /// an arriving snapshot needs the room.
+    prev: HashMap<(u32, u32), Snapshot>,
     /// Bytes of the snapshots held.
     held: u64,
     /// Bytes of snapshots still arriving (reserved before each chunk is read).
@@ -53,12 +59,20 @@ pub struct AgentState {
 /// An agent's holdings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 pub struct Holdings {
-    /// Snapshots (one per node and rank).
+    /// Snapshots: the newest of each node and rank, and the one before it while memory
+    /// allows.
     pub snapshots: u64,
     /// Chunks.
     pub chunks: u64,
     /// Raw bytes.
     pub bytes: u64,
+}
+
+impl Held {
+    /// Every snapshot held, the newest of each rank and those before them.
+    fn all(&self) -> impl Iterator<Item = &Snapshot> {
+        self.snaps.values().chain(self.prev.values())
+    }
 }
 
 impl AgentState {
@@ -112,25 +126,33 @@ impl AgentState {
     pub fn holdings(&self) -> Holdings {
         let h = self.held.lock();
         Holdings {
-            snapshots: h.snaps.len() as u64,
-            chunks: h.snaps.values().map(|s| s.chunks.len() as u64).sum(),
+            snapshots: h.all().count() as u64,
+            chunks: h.all().map(|s| s.chunks.len() as u64).sum(),
             bytes: h.held,
         }
+    }
+
+    /// The steps held of (`node`, `rank`), newest first.
+    pub fn steps_of(&self, node: u32, rank: u32) -> Vec<u64> {
+        let h = self.held.lock();
+        [h.snaps.get(&(node, rank)), h.prev.get(&(node, rank))]
+            .into_iter()
+            .flatten()
+            .map(|s| s.step)
+            .collect()
     }
 
     /// The chunk `id`, from any snapshot held.
     pub fn get(&self, id: &ChunkId) -> Option<Bytes> {
         let h = self.held.lock();
-        h.snaps
-            .values()
+        h.all()
             .find_map(|s| s.chunks.get(id).map(|c| c.bytes.clone()))
     }
 
     /// Every chunk held in shared memory and where it lies (what `X` exports).
     fn shared_chunks(&self) -> Vec<Listed> {
         let h = self.held.lock();
-        h.snaps
-            .values()
+        h.all()
             .flat_map(|s| s.chunks.iter())
             .filter_map(|(id, c)| {
                 c.place.clone().map(|place| Listed {
@@ -173,9 +195,28 @@ impl AgentState {
         Ok(())
     }
 
-    /// Reserve room for `n` more bytes of an arriving snapshot, within the memory limit.
+    /// Reserve room for `n` more bytes of an arriving snapshot, within the memory limit,
+    /// evicting snapshots older than a rank's newest (the oldest first) to make it.
     fn reserve(&self, n: u64) -> Result<()> {
         let mut h = self.held.lock();
+        while h.held + h.inflight + n > self.limit {
+            let Some(key) = h
+                .prev
+                .iter()
+                .min_by_key(|(_, s)| (s.generation, s.step))
+                .map(|(k, _)| *k)
+            else {
+                break;
+            };
+            let gone = h.prev.remove(&key).expect("found above");
+            h.held -= gone.bytes;
+            debug!(
+                node = key.0,
+                rank = key.1,
+                step = gone.step,
+                "older snapshot evicted for room"
+            );
+        }
         if h.held + h.inflight + n > self.limit {
             return Err(Error::invalid(format!(
                 "memory limit: a chunk of {n} bytes is refused ({} bytes held, {} arriving, \
@@ -193,26 +234,34 @@ impl AgentState {
     }
 
     /// Keep `snap` (whose `reserved` bytes were reserved) as the newest of (node, rank) unless
-    /// a newer one is held; a snapshot of a newer generation drops every snapshot of older ones
-    /// (their layout is gone, and the new generation restored before it saved).
+    /// a newer one is held, the newest it replaces as the one before it; a snapshot of a
+    /// newer generation drops every snapshot of older ones (their layout is gone, and the new
+    /// generation restored before it saved).
     fn insert(&self, node: u32, rank: u32, snap: Snapshot, reserved: u64) {
         let mut h = self.held.lock();
         h.inflight = h.inflight.saturating_sub(reserved);
         let mut dropped = 0;
-        h.snaps.retain(|_, s| {
+        let mut older = |_: &(u32, u32), s: &mut Snapshot| {
             let keep = s.generation >= snap.generation;
             if !keep {
                 dropped += s.bytes;
             }
             keep
-        });
+        };
+        h.snaps.retain(&mut older);
+        h.prev.retain(&mut older);
         h.held -= dropped;
-        match h.snaps.get(&(node, rank)) {
-            Some(old) if (old.generation, old.step) > (snap.generation, snap.step) => {}
+        let key = (node, rank);
+        let at = |s: &Snapshot| (s.generation, s.step);
+        match h.snaps.get(&key) {
+            // Arrived late: a newer one is held already.
+            Some(newest) if at(newest) >= at(&snap) => {}
             _ => {
                 h.held += snap.bytes;
-                if let Some(old) = h.snaps.insert((node, rank), snap) {
-                    h.held -= old.bytes;
+                if let Some(newest) = h.snaps.insert(key, snap)
+                    && let Some(gone) = h.prev.insert(key, newest)
+                {
+                    h.held -= gone.bytes;
                 }
             }
         }

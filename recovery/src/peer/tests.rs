@@ -207,17 +207,33 @@ async fn the_memory_limit_and_the_membership_bound_what_an_agent_takes() {
     assert!(send(6, 1, vec![2; 100]).await.is_err());
     send(5, 2, vec![3; 6_000]).await.unwrap();
     assert_eq!(st.holdings().bytes, 6_000);
-    // The next snapshot of the same rank needs room next to the one it replaces.
+    // The next snapshot of the same rank needs room next to the newest one: that one is
+    // what the job resumes from if the next never commits.
     assert!(send(5, 3, vec![4; 6_000]).await.is_err());
+    assert_eq!(st.steps_of(2, 0), vec![2]);
     send(5, 3, vec![4; 3_000]).await.unwrap();
-    assert_eq!(st.holdings().bytes, 3_000);
+    // Room for both: the one before stays (its chunks still served).
+    assert_eq!(st.holdings().bytes, 9_000);
+    assert_eq!(st.holdings().snapshots, 2);
+    assert_eq!(st.steps_of(2, 0), vec![3, 2]);
+    assert!(st.get(&ChunkId::of(&[3; 6_000])).is_some());
+    // The next one needs room the older of the two gives up, the newest stays.
+    send(5, 4, vec![5; 3_000]).await.unwrap();
+    assert_eq!(st.steps_of(2, 0), vec![4, 3]);
+    assert_eq!(st.holdings().bytes, 6_000);
+    assert!(st.get(&ChunkId::of(&[3; 6_000])).is_none());
+    assert!(st.get(&ChunkId::of(&[4; 3_000])).is_some());
+    // A step arriving late (older than the newest) changes nothing.
+    send(5, 1, vec![6; 100]).await.unwrap();
+    assert_eq!(st.steps_of(2, 0), vec![4, 3]);
+    assert!(st.get(&ChunkId::of(&[6; 100])).is_none());
     // A rank of another node cannot park its snapshot here.
     let mut other = link.clone();
     other.node = 7;
     let up = PeerUpload::start(&other, 5, 0, 9, 4);
     up.chunk(Bytes::from_static(b"x")).await;
     assert!(up.finish(vec![ChunkId::of(b"x")]).await.is_err());
-    assert_eq!(st.holdings().snapshots, 1);
+    assert_eq!(st.holdings().snapshots, 2);
     assert!(Membership::parse_line(0, "members x").is_err());
     assert!(Membership::parse_line(0, "hello 1 0=a").is_err());
 }
