@@ -113,9 +113,17 @@ fn save(mgrs: &mut [CheckpointManager], step: u64) -> (f64, f64, u64) {
     }
     let stall = t.elapsed().as_secs_f64();
     let reports: Vec<SaveReport> = hs.iter().map(|h| h.wait_persisted().unwrap()).collect();
-    hs[0].wait_committed(Duration::from_secs(1800)).unwrap();
+    let committed = hs[0].wait_committed(Duration::from_secs(1800)).unwrap();
+    let durable = t.elapsed().as_secs_f64();
     let written = reports.iter().map(|r| r.bytes_written).sum();
-    (stall, t.elapsed().as_secs_f64(), written)
+    emit(json!({"bench": "tiers_save_phases", "step": step,
+        "snapshot_s": reports.iter().map(|r| r.snapshot_s).collect::<Vec<_>>(),
+        "persist_s": reports.iter().map(|r| r.persist_s).collect::<Vec<_>>(),
+        "stored_bytes": reports.iter().map(|r| r.bytes_written).collect::<Vec<_>>(),
+        "snapshot_bytes": reports.iter().map(|r| r.bytes - r.bytes_reused).collect::<Vec<_>>(),
+        "checked_bytes": reports.iter().map(|r| r.bytes_checked).collect::<Vec<_>>(),
+        "commit_s": committed.commit_s, "durable_s": durable}));
+    (stall, durable, written)
 }
 
 /// One training step of every rank, each manager told first (the persist governor paces the
