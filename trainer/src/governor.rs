@@ -12,7 +12,8 @@
 //!   until [`GovernorConfig::decide_every`] of persist time is seen (many short steps make one
 //!   decision; the scheduler's noise averages out), or the persist ends.
 //! - **Control**: over budget, the rate becomes the rate in force (or, at full speed, the
-//!   persist's throughput so far) times `budget / excess`, within `[0.25, 0.8]`, never below
+//!   persist's throughput so far) times `0.75 * budget / excess` (aiming a quarter inside the
+//!   budget, not at its edge), within `[0.25, 0.8]`, never below
 //!   [`GovernorConfig::min_rate`] (so a persist always ends: time to durable is at most its
 //!   bytes over the floor). Under half the budget, the rate rises by half; once it reaches
 //!   the throughput of an unlimited persist (the *ceiling*, measured), the limit is lifted.
@@ -31,6 +32,10 @@ pub const DEFAULT_DECIDE_EVERY: Duration = Duration::from_secs(1);
 pub const BASELINE_WINDOW: usize = 32;
 /// Clean step intervals needed before the governor acts.
 pub const MIN_BASELINE: usize = 3;
+/// Where a lowered rate aims, as a fraction of the budget: the rate that made the steps
+/// `excess` slower is scaled to make them `AIM * budget` slower. Aimed at the budget itself,
+/// the steps sat at its edge, and the noise of the next decisions put half of them over it.
+const AIM: f64 = 0.75;
 /// A rate this high without a measured ceiling is no limit at all.
 const NO_LIMIT_ABOVE: f64 = 64e9;
 
@@ -275,7 +280,7 @@ impl Governor {
                 .rate
                 .or(throughput.filter(|t| *t > 0.0))
                 .or(self.ceiling)?;
-            let to = (current * (budget / excess).clamp(0.25, 0.8)).max(floor);
+            let to = (current * (AIM * budget / excess).clamp(0.25, 0.8)).max(floor);
             if self.rate.is_some_and(|r| r <= to) || self.ceiling.is_some_and(|c| to >= c) {
                 // Already at the floor (or the floor is above what a persist does anyway).
                 return None;
@@ -349,10 +354,12 @@ mod tests {
         assert!((c.slowdown - 1.4).abs() < 1e-9, "{c:?}");
         assert_eq!(c.baseline_s, 1.0);
         assert!(!c.at_floor);
-        // Still 1.2x: from the rate in force, by 0.1/0.2 = 0.5.
+        // Still 1.2x: from the rate in force, aiming at 3/4 of the budget: by 0.075/0.2.
         let c = g.busy_step(1.2, 1.2, Some(50.0 * MB)).expect("a change");
-        assert_eq!((c.from, c.to), (Some(50_000_000), Some(25_000_000)));
-        assert_eq!(g.rate(), Some(25_000_000));
+        assert_eq!((c.from, c.to), (Some(50_000_000), Some(18_750_000)));
+        assert_eq!(g.rate(), Some(18_750_000));
+        // Where that rate aimed (1.075x, within the budget): held.
+        assert_eq!(g.busy_step(1.075, 1.075, None), None);
     }
 
     #[test]
