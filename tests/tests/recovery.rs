@@ -664,7 +664,7 @@ fn a_rank_killed_during_a_save_resumes_from_the_step_before_out_of_the_agents() 
     ];
     cmd.extend(train_cmd(steps, 8, 150));
     let mut opts = supervised(&store, run, topo, "dp=2", cmd, logs.clone());
-    // The agents log each snapshot they take ("snapshot held", at info).
+    // The agents log each snapshot they take ("snapshot held", at info; no colour codes).
     let mut agent: Vec<String> = vec![
         "sh".into(),
         "-c".into(),
@@ -675,7 +675,7 @@ fn a_rank_killed_during_a_save_resumes_from_the_step_before_out_of_the_agents() 
     let sup = spawn_supervisor(opts);
     // Rank 0's snapshot of step 16 held by its node's agent.
     let held = |log: &str| {
-        log.lines().map(strip_ansi).any(|l| {
+        log.lines().any(|l| {
             l.contains("snapshot held")
                 && l.contains("node=0")
                 && l.contains("rank=0")
@@ -727,24 +727,6 @@ fn a_rank_killed_during_a_save_resumes_from_the_step_before_out_of_the_agents() 
             "the agents held step 8 whole (rank 0's beside its step 16), yet the store was read: {r}"
         );
     }
-}
-
-/// `line` without terminal colour codes.
-fn strip_ansi(line: &str) -> String {
-    let mut out = String::with_capacity(line.len());
-    let mut chars = line.chars();
-    while let Some(c) = chars.next() {
-        if c == '\x1b' {
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
 }
 
 /// Steps `every`, `2 * every`, ... `steps` of `run` committed by an uninterrupted job of two
