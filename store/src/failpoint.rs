@@ -1,7 +1,8 @@
 //! Named failpoints at crash-relevant steps, per store instance (so parallel tests do not
 //! interfere): `after_chunks` (chunks written, rank manifest not yet), `before_commit`
 //! (manifests checked, commit record not yet), `before_restore` (a rank's restore of a step,
-//! before it reads anything).
+//! before it reads anything), `before_node_commit` (a node commit of the local tier read, not
+//! yet written).
 //!
 //! Processes can set them from the environment: `CKPT_FAILPOINTS=after_chunks=kill` or
 //! `...=sleep(500)` or `...=error`, several separated by `;`. A suffix `@N` fires only on the

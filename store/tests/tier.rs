@@ -382,3 +382,60 @@ async fn two_machines_commit_their_ranks_locally_and_the_last_drain_commits_the_
         "{hit:?}"
     );
 }
+
+/// Two committers of one node's ranks of a step, of generations 2 (stale: it read the node
+/// commit, then stalled) and 3 (it ran meanwhile), and again 4 and 5: the stale one's write, made only over what
+/// it read, fails, and the read after it fences it. The newer generation's node commit stays,
+/// whether the stale one read an older record (a dead attempt's) or none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_node_commit_never_replaces_a_newer_generations() {
+    let (fresh, dir) = local_store(tiny_config());
+    let fp = ckpt_store::Failpoints::new();
+    let stalls = std::time::Duration::from_millis(1500);
+    fp.set("before_node_commit", ckpt_store::FailAction::Sleep(stalls));
+    let stale = ckpt_store::url::open(dir.path().to_str().unwrap())
+        .unwrap()
+        .with_config(tiny_config())
+        .unwrap()
+        .with_failpoints(fp.clone());
+    let wait = (
+        std::time::Duration::from_millis(10),
+        std::time::Duration::from_millis(500),
+    );
+    // Step 5 has a dead attempt's node commit (generation 1) that both committers read;
+    // step 6 has none (generations 4 and 5 race there).
+    write_ranks(&fresh, 5, 1, &[0]).await;
+    fresh
+        .log()
+        .commit_node(RUN, 5, 1, &[0], wait)
+        .await
+        .unwrap();
+    for (step, old, new) in [(5, 2, 3), (6, 4, 5)] {
+        write_ranks(&fresh, step, old, &[0]).await;
+        let hits = fp.hits("before_node_commit");
+        let s = stale.clone();
+        let late =
+            tokio::spawn(async move { s.log().commit_node(RUN, step, old, &[0], wait).await });
+        while fp.hits("before_node_commit") == hits {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        // The newer generation saves and commits the step on this node while the old stalls.
+        write_ranks(&fresh, step, new, &[0]).await;
+        let newer = fresh
+            .log()
+            .commit_node(RUN, step, new, &[0], wait)
+            .await
+            .unwrap();
+        assert_eq!(newer.generation, new);
+        let e = late.await.unwrap().unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Fenced, "step {step}: {e}");
+        let held = fresh.log().read_node_commits(RUN, step).await.unwrap();
+        assert_eq!(
+            held,
+            vec![newer],
+            "step {step}: the stale commit replaced the newer one"
+        );
+        // What it pins is what the tier holds: the drain can send it.
+        fresh.log().node_commit_manifests(&held[0]).await.unwrap();
+    }
+}

@@ -50,11 +50,16 @@ impl NodeCommit {
     }
 }
 
+/// Reads and conditional writes of a node commit before giving up on other committers.
+const NODE_COMMIT_TRIES: usize = 8;
+
 impl CommitLog {
     /// Commit `ranks` of `step` on this node (see the module docs): wait until each has
     /// written its manifest of `generation` (polling every `poll`, until `timeout`), then
     /// create the node commit. An existing node commit of the same generation is returned
-    /// (a second committer); one of an older generation (a dead attempt) is replaced.
+    /// (a second committer); one of an older generation (a dead attempt) is replaced, only
+    /// as it was read (a conditional update), so a stale committer never replaces a newer
+    /// generation's commit that appeared meanwhile ([`ErrorKind::Fenced`]).
     pub async fn commit_node(
         &self,
         run: &str,
@@ -100,31 +105,76 @@ impl CommitLog {
         };
         let first = ranks.iter().copied().min().unwrap_or_default();
         let key = self.objects.keys().node_commit(run, step, first);
-        let old = match self.objects.get_json::<NodeCommit>(&key).await {
-            Ok((c, _, _)) => Ok(c),
-            Err(e) => Err(e),
-        };
-        match old {
-            Ok(old) if old.generation == generation && old.rank_numbers() == rec.rank_numbers() => {
-                return Ok(old);
+        // Read, decide, and write only over what was read (a conditional update): a newer
+        // generation's committer that wrote in between makes the write fail, and the next
+        // read fences this one, where an overwrite would have replaced its record.
+        for _ in 0..NODE_COMMIT_TRIES {
+            let (old, mode) = match self.objects.get_versioned(&key).await {
+                Ok((body, v)) => {
+                    let mode = if v.e_tag.is_some() || v.version.is_some() {
+                        PutMode::Update(v)
+                    } else {
+                        PutMode::Overwrite
+                    };
+                    // An unreadable record (a torn write of a build without fsync) is replaced.
+                    (serde_json::from_slice::<NodeCommit>(&body).ok(), mode)
+                }
+                Err(e) if e.kind() == ErrorKind::NotFound => (None, PutMode::Create),
+                Err(e) => {
+                    return Err(
+                        e.context(format!("committing step {step} of run {run} on this node"))
+                    );
+                }
+            };
+            match old {
+                Some(old)
+                    if old.generation == generation && old.rank_numbers() == rec.rank_numbers() =>
+                {
+                    return Ok(old);
+                }
+                Some(old) if old.generation > generation => {
+                    return Err(Error::new(
+                        ErrorKind::Fenced,
+                        format!(
+                            "step {step} of run {run}: generation {} committed it on this node; \
+                             generation {generation} is stale",
+                            old.generation
+                        ),
+                    ));
+                }
+                _ => {}
             }
-            Ok(old) if old.generation > generation => {
-                return Err(Error::new(
-                    ErrorKind::Fenced,
-                    format!(
-                        "step {step} of run {run}: generation {} committed it on this node; \
-                         generation {generation} is stale",
-                        old.generation
-                    ),
-                ));
+            self.objects.failpoints().hit("before_node_commit").await?;
+            let conditional = matches!(mode, PutMode::Update(_));
+            match self.objects.put_json(&key, &rec, mode).await {
+                Ok(_) => return Ok(rec),
+                // Another committer of this node wrote it since: read it again.
+                Err(e) if e.kind() == ErrorKind::Conflict => continue,
+                // A tier without conditional updates: the last writer wins, as it must there.
+                Err(e) if conditional && e.kind() == ErrorKind::InvalidInput => {
+                    tracing::debug!(%key, "no conditional update on this tier: {e}");
+                    self.objects
+                        .put_json(&key, &rec, PutMode::Overwrite)
+                        .await
+                        .map_err(|e| {
+                            e.context(format!("committing step {step} of run {run} on this node"))
+                        })?;
+                    return Ok(rec);
+                }
+                Err(e) => {
+                    return Err(
+                        e.context(format!("committing step {step} of run {run} on this node"))
+                    );
+                }
             }
-            Ok(_) | Err(_) => {}
         }
-        self.objects
-            .put_json(&key, &rec, PutMode::Overwrite)
-            .await
-            .map_err(|e| e.context(format!("committing step {step} of run {run} on this node")))?;
-        Ok(rec)
+        Err(Error::new(
+            ErrorKind::Conflict,
+            format!(
+                "step {step} of run {run}: its node commit at {key} changed under each of \
+                 {NODE_COMMIT_TRIES} tries to commit it"
+            ),
+        ))
     }
 
     /// The manifests of `ranks` of `generation`, each with its hash and size; `Incomplete`

@@ -17,6 +17,11 @@
 //! on a journal's ordering. Small objects go through [`LocalFileSystem`] with its fsync on,
 //! which syncs each one's directory as it is written.
 //!
+//! A conditional update (`PutMode::Update`, which [`LocalFileSystem`] lacks) replaces an object
+//! only while its entity tag is the one the caller read, under an exclusive `flock` of its
+//! directory, so that of two processes of a machine updating the same object from the same
+//! version, one fails with `Precondition` and reads again (a node commit of the local tier).
+//!
 //! Staging files (`<key>#<n>`, here and in [`LocalFileSystem`]) that a crash leaves behind are
 //! never listed; [`temp_files`] finds them for `ckpt verify` and `ckpt gc`.
 //!
@@ -312,6 +317,26 @@ impl DirectFs {
         &self.root
     }
 
+    /// A conditional update ([`update_file`]).
+    async fn put_update(
+        &self,
+        location: &Path,
+        payload: PutPayload,
+        want: Option<String>,
+    ) -> OsResult<PutResult> {
+        let dest = self.fs_path(location);
+        let direct = self.direct.clone();
+        let dirs = self.dirs.clone();
+        tokio::task::spawn_blocking(move || {
+            update_file(&dest, &payload, want.as_deref(), (&direct, &dirs))
+        })
+        .await
+        .map_err(|e| object_store::Error::Generic {
+            store: "DirectFs",
+            source: Box::new(e),
+        })?
+    }
+
     fn fs_path(&self, location: &Path) -> PathBuf {
         let mut p = self.root.clone();
         for part in location.parts() {
@@ -500,6 +525,84 @@ fn write_with(
     }
 }
 
+/// A file's entity tag, as [`LocalFileSystem`] gives it (inode, modification time in
+/// microseconds, size): what a conditional update compares.
+fn file_etag(meta: &std::fs::Metadata) -> String {
+    use std::os::unix::fs::MetadataExt;
+    let mtime = meta
+        .modified()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::SystemTime::UNIX_EPOCH).ok())
+        .unwrap_or_default()
+        .as_micros();
+    format!("\"{:x}-{mtime:x}-{:x}\"", meta.ino(), meta.len())
+}
+
+/// Replace `dest` with `payload` if its entity tag is still `want` (a conditional update),
+/// under an exclusive `flock` of its directory: two updaters of one object, in any processes
+/// of this machine, go one at a time, and the second finds the tag changed. Anything the new
+/// version references is made durable first, and the rename after it (as for a create).
+fn update_file(
+    dest: &FsPath,
+    payload: &PutPayload,
+    want: Option<&str>,
+    (direct, dirs): (&AtomicBool, &DirSync),
+) -> OsResult<PutResult> {
+    let precondition = |why: String| object_store::Error::Precondition {
+        path: dest.display().to_string(),
+        source: why.into(),
+    };
+    let Some(want) = want else {
+        return Err(precondition(
+            "a conditional update needs an entity tag".into(),
+        ));
+    };
+    let dir = dest.parent().unwrap_or(FsPath::new("/"));
+    let lock = match File::open(dir) {
+        Ok(f) => f,
+        Err(e) if e.kind() == IoKind::NotFound => {
+            return Err(precondition("the object does not exist".into()));
+        }
+        Err(e) => return Err(os_err(dir, e)),
+    };
+    // SAFETY: flock on a descriptor this function owns; released when `lock` closes.
+    if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) } != 0 {
+        return Err(os_err(dir, std::io::Error::last_os_error()));
+    }
+    let now = match std::fs::symlink_metadata(dest) {
+        Ok(m) if m.is_file() => file_etag(&m),
+        Ok(_) => return Err(precondition("not a file".into())),
+        Err(e) if e.kind() == IoKind::NotFound => {
+            return Err(precondition("the object does not exist".into()));
+        }
+        Err(e) => return Err(os_err(dest, e)),
+    };
+    if now != want {
+        return Err(precondition(format!(
+            "it changed: entity tag {now}, expected {want}"
+        )));
+    }
+    let (file, staging) = new_staging(dest, direct, dirs).map_err(|e| os_err(dest, e))?;
+    let res = write_aligned(&file, payload).and_then(|()| {
+        drop(file);
+        dirs.flush()?;
+        std::fs::rename(&staging, dest)?;
+        sync_dir(dest)?;
+        std::fs::metadata(dest)
+    });
+    match res {
+        Ok(m) => Ok(PutResult {
+            e_tag: Some(file_etag(&m)),
+            version: None,
+            extensions: Default::default(),
+        }),
+        Err(e) => {
+            let _ = std::fs::remove_file(&staging);
+            Err(os_err(dest, e))
+        }
+    }
+}
+
 fn sync_dir(path: &FsPath) -> std::io::Result<()> {
     match path.parent() {
         Some(p) => File::open(p)?.sync_all(),
@@ -525,6 +628,11 @@ object_store_wrapper! {
         payload: PutPayload,
         opts: PutOptions,
     ) -> OsResult<PutResult> {
+        if let PutMode::Update(v) = &opts.mode
+            && opts.attributes.is_empty()
+        {
+            return self.put_update(location, payload, v.e_tag.clone()).await;
+        }
         let large = payload.content_length() >= DIRECT_MIN;
         let plain = opts.attributes.is_empty() && !matches!(opts.mode, PutMode::Update(_));
         let create = matches!(opts.mode, PutMode::Create);
@@ -563,7 +671,7 @@ object_store_wrapper! {
                 return Err(os_err(&dest, e));
             }
             Ok(PutResult {
-                e_tag: None,
+                e_tag: std::fs::metadata(&dest).ok().map(|m| file_etag(&m)),
                 version: None,
                 extensions: Default::default(),
             })
@@ -616,7 +724,7 @@ object_store_wrapper! {
                 location: loc,
                 last_modified,
                 size: meta.len(),
-                e_tag: None,
+                e_tag: Some(file_etag(&meta)),
                 version: None,
             },
             range: r,

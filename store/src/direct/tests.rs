@@ -235,3 +235,102 @@ async fn create_mode_refuses_existing() {
     );
     assert_eq!(s.get(&p).await.unwrap().bytes().await.unwrap(), big);
 }
+
+/// What a read of `p` gives: its bytes and its version.
+async fn read_versioned(s: &DirectFs, p: &Path) -> (Bytes, object_store::UpdateVersion) {
+    let r = s.get(p).await.unwrap();
+    let v = object_store::UpdateVersion {
+        e_tag: r.meta.e_tag.clone(),
+        version: None,
+    };
+    (r.bytes().await.unwrap(), v)
+}
+
+#[tokio::test]
+async fn a_conditional_update_replaces_only_the_version_that_was_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = DirectFs::new(dir.path()).unwrap();
+    let p = Path::from("runs/r/steps/0000000007/nodes/rank-000000.commit");
+    let update = |v: &object_store::UpdateVersion| PutOptions::from(PutMode::Update(v.clone()));
+    let is_precondition =
+        |e: &object_store::Error| matches!(e, object_store::Error::Precondition { .. });
+    // Nothing there yet: an update is refused (a create makes it).
+    let none = object_store::UpdateVersion {
+        e_tag: Some("\"1-2-3\"".into()),
+        version: None,
+    };
+    let e = s
+        .put_opts(&p, PutPayload::from("x"), update(&none))
+        .await
+        .unwrap_err();
+    assert!(is_precondition(&e), "{e}");
+    assert!(
+        s.get(&p).await.is_err(),
+        "a refused update created the object"
+    );
+    s.put_opts(&p, PutPayload::from("gen 1"), PutMode::Create.into())
+        .await
+        .unwrap();
+    let (_, v1) = read_versioned(&s, &p).await;
+    assert!(v1.e_tag.is_some(), "a read gives no entity tag");
+    // Two writers read version 1; the first update wins, the second is refused and changes
+    // nothing.
+    let won = s
+        .put_opts(&p, PutPayload::from("gen 3"), update(&v1))
+        .await
+        .unwrap();
+    let e = s
+        .put_opts(&p, PutPayload::from("gen 2"), update(&v1))
+        .await
+        .unwrap_err();
+    assert!(is_precondition(&e), "{e}");
+    let (b, v3) = read_versioned(&s, &p).await;
+    assert_eq!(&b[..], b"gen 3");
+    assert_eq!(
+        v3.e_tag, won.e_tag,
+        "the update's tag is not what a read gives"
+    );
+    // A large object (written with O_DIRECT) updates the same way, and its read gives the tag.
+    let big = Bytes::from(vec![7u8; DIRECT_MIN + 5]);
+    s.put_opts(&p, PutPayload::from(big.clone()), update(&v3))
+        .await
+        .unwrap();
+    let (b, vbig) = read_versioned(&s, &p).await;
+    assert_eq!(b, big);
+    assert!(vbig.e_tag.is_some() && vbig.e_tag != v3.e_tag, "{vbig:?}");
+    assert!(temp_files(dir.path()).unwrap().is_empty());
+
+    // Writers on several threads, each reading and updating until its update is taken: none
+    // is lost.
+    s.put_opts(&p, PutPayload::from("0"), PutMode::Overwrite.into())
+        .await
+        .unwrap();
+    let s = Arc::new(s);
+    let (writers, each) = (4, 10);
+    let tasks: Vec<_> = (0..writers)
+        .map(|_| {
+            let (s, p) = (s.clone(), p.clone());
+            tokio::spawn(async move {
+                let mut refused = 0;
+                for _ in 0..each {
+                    loop {
+                        let (b, v) = read_versioned(&s, &p).await;
+                        let n: u64 = std::str::from_utf8(&b).unwrap().parse().unwrap();
+                        let body = PutPayload::from((n + 1).to_string());
+                        match s.put_opts(&p, body, PutMode::Update(v).into()).await {
+                            Ok(_) => break,
+                            Err(object_store::Error::Precondition { .. }) => refused += 1,
+                            Err(e) => panic!("{e}"),
+                        }
+                    }
+                }
+                refused
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let (b, _) = read_versioned(&s, &p).await;
+    assert_eq!(&b[..], (writers * each).to_string().as_bytes());
+}

@@ -8,6 +8,7 @@ use futures::stream::{self, StreamExt, TryStreamExt};
 use object_store::path::Path;
 use object_store::{
     ListResult, ObjectMeta, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload,
+    UpdateVersion,
 };
 use serde::{Deserialize, Serialize};
 
@@ -178,6 +179,25 @@ impl Objects {
         r.bytes()
             .await
             .map_err(|e| Error::backend("reading", path, e))
+    }
+
+    /// Read an object and its version, for a conditional update of it
+    /// (`PutMode::Update`; stores that give no entity tag give `e_tag: None`).
+    pub async fn get_versioned(&self, path: &Path) -> Result<(Bytes, UpdateVersion)> {
+        let r = self
+            .inner
+            .get(path)
+            .await
+            .map_err(|e| Error::backend("reading", path, e))?;
+        let v = UpdateVersion {
+            e_tag: r.meta.e_tag.clone(),
+            version: r.meta.version.clone(),
+        };
+        let b = r
+            .bytes()
+            .await
+            .map_err(|e| Error::backend("reading", path, e))?;
+        Ok((b, v))
     }
 
     /// Read a byte range of an object.
