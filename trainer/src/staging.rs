@@ -161,7 +161,7 @@ fn background_fill(pool: Weak<StagingPool>, slab: usize, hurry: Arc<AtomicBool>)
         drop(p);
         // A slab is mapped for huge pages (`AlignedBuf`): one fault fills 2 MiB where the
         // kernel has them, so the fill needs far less of the little CPU time it gets.
-        let mut b = AlignedBuf::zeroed(slab);
+        let mut b = AlignedBuf::zeroed(slab + LEAD);
         touch_until(&mut b, &hurry);
         let full = b.full_mut();
         if let Some(h) = &hook {
@@ -288,7 +288,7 @@ impl StagingPool {
     }
 
     fn new_slab(&self) -> AlignedBuf {
-        let mut b = AlignedBuf::zeroed(self.cfg.slab);
+        let mut b = AlignedBuf::zeroed(self.cfg.slab + LEAD);
         touch(&mut b);
         if let Some(h) = &self.hook.0 {
             let full = b.full_mut();
@@ -437,6 +437,12 @@ impl Drop for StagingPool {
     }
 }
 
+/// Where a slab's bytes start in its buffer: a chunk's header is this long
+/// ([`ckpt_store::codec::HEADER_LEN`]), so a chunk at the start of a slab, written to a local
+/// store with `O_DIRECT` after its header, is at an aligned address from the first block
+/// boundary of the file on, and goes to the disk without a copy (`ckpt_store::DirectFs`).
+pub const LEAD: usize = ckpt_store::codec::HEADER_LEN;
+
 /// One slab, returned to its pool when dropped (or when the last `Bytes` made from it is).
 #[derive(Debug)]
 pub struct Slab {
@@ -445,20 +451,22 @@ pub struct Slab {
 }
 
 impl Slab {
-    /// The whole slab, writable.
+    /// The whole slab (its size, from [`LEAD`] bytes into its buffer), writable.
     pub fn bytes_mut(&mut self) -> &mut [u8] {
-        self.buf.as_mut().expect("slab present").full_mut()
+        let slab = self.pool.cfg.slab;
+        &mut self.buf.as_mut().expect("slab present").full_mut()[LEAD..LEAD + slab]
     }
 
     /// The first `len` bytes as shared `Bytes`; the slab returns to the pool when the last
     /// clone is dropped.
     pub fn freeze(mut self, len: usize) -> Bytes {
         let mut b = self.buf.take().expect("slab present");
-        b.set_len(len);
+        b.set_len(LEAD + len);
         Bytes::from_owner(Frozen {
             buf: Some(b),
             pool: self.pool.clone(),
         })
+        .slice(LEAD..)
     }
 }
 
@@ -495,6 +503,29 @@ impl Drop for Frozen {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    #[test]
+    fn a_slab_starts_a_chunk_header_past_an_aligned_address() {
+        let pool = StagingPool::new(
+            PoolConfig {
+                capacity: 2 << 20,
+                slab: 1 << 20,
+            },
+            false,
+        );
+        let mut s = pool.acquire();
+        let b = s.bytes_mut();
+        assert_eq!(b.len(), 1 << 20);
+        assert_eq!(b.as_ptr() as usize % 4096, LEAD);
+        b[..3].copy_from_slice(b"abc");
+        b[(1 << 20) - 1] = 9;
+        let frozen = s.freeze(1 << 20);
+        assert_eq!(&frozen[..3], b"abc");
+        assert_eq!(frozen[(1 << 20) - 1], 9);
+        assert_eq!(frozen.as_ptr() as usize % 4096, LEAD);
+        drop(frozen);
+        assert_eq!(pool.stats().in_use, 0);
+    }
 
     #[test]
     fn bounded_and_reused() {
@@ -580,7 +611,8 @@ mod tests {
         struct Record(Mutex<HashSet<usize>>);
         impl SlabHook for Record {
             fn on_alloc(&self, ptr: *mut u8, len: usize) {
-                assert_eq!(len, 4096);
+                // The slab and its lead, a page more.
+                assert_eq!(len, 2 * 4096);
                 assert!(self.0.lock().insert(ptr as usize), "allocated twice");
             }
             fn on_free(&self, ptr: *mut u8, _len: usize) {
@@ -600,9 +632,10 @@ mod tests {
         set_slab_hook(None);
         let mut a = pool.acquire();
         let mut b = pool.acquire();
+        // The hook sees each buffer from its start, LEAD bytes before the slab's.
         let ptrs = [
-            a.bytes_mut().as_ptr() as usize,
-            b.bytes_mut().as_ptr() as usize,
+            a.bytes_mut().as_ptr() as usize - LEAD,
+            b.bytes_mut().as_ptr() as usize - LEAD,
         ];
         drop((a, b));
         let again = pool.acquire();

@@ -334,3 +334,53 @@ async fn a_conditional_update_replaces_only_the_version_that_was_read() {
     let (b, _) = read_versioned(&s, &p).await;
     assert_eq!(&b[..], (writers * each).to_string().as_bytes());
 }
+
+thread_local! {
+    /// Bytes this thread's direct writes copied through their aligned buffer.
+    pub(super) static BOUNCED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+#[test]
+fn a_chunk_lined_up_after_its_header_goes_to_the_disk_without_a_copy() {
+    let dir = tempfile::tempdir().unwrap();
+    let direct = AtomicBool::new(true);
+    let dirs = DirSync::default();
+    let header = Bytes::from(vec![0xAB; 16]);
+    let body_len = (4 << 20) + 1000;
+    // A slab whose payload starts 16 bytes past an aligned address, as the staging pool's.
+    let mut slab = AlignedBuf::zeroed(body_len + ALIGN + 16);
+    for (i, b) in slab.full_mut().iter_mut().enumerate() {
+        *b = (i * 7 % 251) as u8;
+    }
+    let slab = Bytes::from_owner(slab);
+    for (lead, most_copied) in [
+        (16usize, ALIGN as u64),
+        (0, body_len as u64),
+        (5, body_len as u64),
+    ] {
+        let body = slab.slice(lead..lead + body_len);
+        let dest = dir.path().join(format!("chunk-{lead}"));
+        let (file, staging) = new_staging(&dest, &direct, &dirs).unwrap();
+        let Some((mem, off)) = dio_alignment(&file) else {
+            eprintln!("this file system refuses O_DIRECT: nothing to line up");
+            return;
+        };
+        let payload = PutPayload::from_iter([header.clone(), body.clone()]);
+        BOUNCED.with(|b| b.set(0));
+        write_aligned(&file, &payload).unwrap();
+        let copied = BOUNCED.with(|b| b.get());
+        let mut want = header.to_vec();
+        want.extend_from_slice(&body);
+        assert_eq!(std::fs::read(&staging).unwrap(), want, "lead {lead}");
+        if lead == 16 {
+            // The header and the payload up to the first block boundary, and the tail.
+            assert!(
+                copied <= (off + off) as u64 && copied <= most_copied,
+                "lead 16 ({mem}, {off}): {copied} bytes copied"
+            );
+        } else {
+            // Nothing lines up: everything is copied, as before.
+            assert!(copied >= most_copied, "lead {lead}: {copied} bytes copied");
+        }
+    }
+}
