@@ -501,7 +501,11 @@ impl Published<'_> {
     /// every live node that ran its ranks has drained its newest step (`drained/<g>/<node>`),
     /// or the drain wait (and a second) passed, so that the step chosen next counts the
     /// steps those drains commit on the store.
-    async fn wait_for_drains(&mut self) -> Result<()> {
+    ///
+    /// When every rank of the generation exited before the coordinator signalled any (a crash
+    /// of them all at once), no stop signal exists and no node would drain: the coordinator
+    /// publishes one that signals no rank, so the nodes drain all the same.
+    async fn wait_for_drains(&mut self, excluded: Vec<u32>) -> Result<()> {
         let (Some(wait), Some(r)) = (self.c.drain_wait, self.c.running.as_ref()) else {
             return Ok(());
         };
@@ -515,6 +519,7 @@ impl Published<'_> {
         let deadline = Instant::now() + wait + Duration::from_secs(1);
         let root = self.c.keys.root();
         let t0 = Instant::now();
+        let mut excluded = Some(excluded);
         loop {
             let (_, kvs) = self.sess.get_prefix(&root).await?;
             let mut alive = BTreeSet::new();
@@ -531,32 +536,41 @@ impl Published<'_> {
                     _ => {}
                 }
             }
-            // The agents drain on the generation's stop signal; with every rank gone before
-            // it (none was signalled) no node drains, and waiting would only delay the resume.
-            if !signalled {
-                info!(
-                    generation = g,
-                    "no rank was left to stop: choosing the step without the nodes' drains"
-                );
-                return Ok(());
-            }
             // A node that died meanwhile drains nothing more.
             waiting.retain(|n| alive.contains(n));
-            if waiting.is_empty() {
-                info!(
-                    generation = g,
-                    seconds = t0.elapsed().as_secs_f64(),
-                    "every live node drained its newest step of the stopped generation"
-                );
-                return Ok(());
-            }
-            if Instant::now() >= deadline {
-                warn!(
-                    generation = g,
-                    nodes = ?waiting,
-                    "choosing the step to resume from without these nodes' drains"
-                );
-                return Ok(());
+            let past = Instant::now() >= deadline;
+            match drain_wait_step(signalled, excluded.is_some(), &waiting, past) {
+                DrainWait::AskToDrain => {
+                    info!(
+                        generation = g,
+                        "no rank was left to stop: asking the nodes to drain all the same"
+                    );
+                    let msg = SignalMsg {
+                        ranks: Vec::new(),
+                        kill: false,
+                        excluded: excluded.take().unwrap_or_default(),
+                    };
+                    let body = serde_json::to_vec(&msg).expect("signals serialize");
+                    let key = self.c.keys.key(Key::Signals(g));
+                    self.publish(vec![(key, body)], None).await?;
+                }
+                DrainWait::Wait => {}
+                DrainWait::Drained => {
+                    info!(
+                        generation = g,
+                        seconds = t0.elapsed().as_secs_f64(),
+                        "every live node drained its newest step of the stopped generation"
+                    );
+                    return Ok(());
+                }
+                DrainWait::TimedOut => {
+                    warn!(
+                        generation = g,
+                        nodes = ?waiting,
+                        "choosing the step to resume from without these nodes' drains"
+                    );
+                    return Ok(());
+                }
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -603,6 +617,40 @@ impl Published<'_> {
     }
 }
 
+/// What the coordinator does next while it waits for the drains of a stopped generation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DrainWait {
+    /// Publish a stop signal for no rank: every rank exited before one was sent, and the
+    /// nodes drain on the signal.
+    AskToDrain,
+    /// Look again shortly.
+    Wait,
+    /// Every live node said it drained.
+    Drained,
+    /// The drain wait passed.
+    TimedOut,
+}
+
+/// The next move of [`Published::wait_for_drains`]: whether the generation's stop signal
+/// exists, whether the coordinator may still publish one (it does once), the live nodes that
+/// have not said they drained, and whether the drain wait has passed.
+fn drain_wait_step(
+    signalled: bool,
+    may_ask: bool,
+    waiting: &BTreeSet<u32>,
+    past_deadline: bool,
+) -> DrainWait {
+    if !signalled && may_ask {
+        DrainWait::AskToDrain
+    } else if signalled && waiting.is_empty() {
+        DrainWait::Drained
+    } else if past_deadline {
+        DrainWait::TimedOut
+    } else {
+        DrainWait::Wait
+    }
+}
+
 impl Effects for Published<'_> {
     fn generation(&self, g: u64) -> u64 {
         self.c.gens.global(g)
@@ -615,7 +663,7 @@ impl Effects for Published<'_> {
             .iter()
             .any(|a| matches!(a, Action::ChooseStep { .. }))
         {
-            self.wait_for_drains().await?;
+            self.wait_for_drains(ex.coord.excluded()).await?;
         }
         for a in actions {
             if let Action::Start { generation, .. } = a {
@@ -726,5 +774,44 @@ impl Effects for Published<'_> {
         self.publish(vec![(key, body)], None).await?;
         self.c.finished = true;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_rank_gone_before_a_stop_signal_still_sets_the_nodes_draining() {
+        let two: BTreeSet<u32> = [0, 1].into();
+        let none = BTreeSet::new();
+        // No signal yet (every rank exited first): publish one, once, then wait for it and
+        // for the drains; the nodes that drained are waited for like after any stop.
+        assert_eq!(
+            drain_wait_step(false, true, &two, false),
+            DrainWait::AskToDrain
+        );
+        assert_eq!(
+            drain_wait_step(false, true, &none, true),
+            DrainWait::AskToDrain
+        );
+        assert_eq!(drain_wait_step(false, false, &two, false), DrainWait::Wait);
+        assert_eq!(drain_wait_step(true, false, &two, false), DrainWait::Wait);
+        assert_eq!(
+            drain_wait_step(true, false, &none, false),
+            DrainWait::Drained
+        );
+        // A signal the coordinator sent when it stopped the ranks: no second one.
+        assert_eq!(drain_wait_step(true, true, &two, false), DrainWait::Wait);
+        assert_eq!(
+            drain_wait_step(true, true, &none, false),
+            DrainWait::Drained
+        );
+        // The wait is bounded either way.
+        assert_eq!(drain_wait_step(true, true, &two, true), DrainWait::TimedOut);
+        assert_eq!(
+            drain_wait_step(false, false, &two, true),
+            DrainWait::TimedOut
+        );
     }
 }
