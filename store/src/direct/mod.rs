@@ -629,7 +629,15 @@ fn update_file(
     };
     // SAFETY: flock on a descriptor this function owns; released when `lock` closes.
     if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) } != 0 {
-        return Err(os_err(dir, std::io::Error::last_os_error()));
+        let e = std::io::Error::last_os_error();
+        match e.raw_os_error() {
+            // A file system without locks (some network ones): the tag is still compared,
+            // only not under a lock.
+            Some(libc::ENOLCK | libc::EOPNOTSUPP | libc::EINVAL) => {
+                tracing::debug!(dir = %dir.display(), "no flock here ({e}): updating unlocked");
+            }
+            _ => return Err(os_err(dir, e)),
+        }
     }
     let now = match std::fs::symlink_metadata(dest) {
         Ok(m) if m.is_file() => file_etag(&m),
