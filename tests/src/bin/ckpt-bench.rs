@@ -210,19 +210,38 @@ fn io_uring_write(path: &Path, bytes: usize, qd: usize, bs: usize) -> f64 {
 
 /// `count` objects of `size` bytes through an ObjectStore with 8 puts in flight.
 fn backend_puts(store: Arc<dyn ckpt_store::ObjectStore>, count: usize, size: usize) -> f64 {
+    backend_puts_of(store, count, vec![Bytes::from(vec![3u8; size])])
+}
+
+/// Puts of chunk objects as a save writes them: a 16-byte header, then the payload where the
+/// staging pool puts it (16 bytes past an aligned address), so `DirectFs` writes it uncopied.
+fn chunk_puts(store: Arc<dyn ckpt_store::ObjectStore>, count: usize, size: usize) -> f64 {
+    let lead = ckpt_trainer::staging::LEAD;
+    let mut slab = ckpt_store::direct::AlignedBuf::zeroed(size + lead);
+    slab.full_mut().fill(3);
+    let payload = Bytes::from_owner(slab).slice(lead..lead + size);
+    let header = Bytes::from(vec![0u8; ckpt_store::codec::HEADER_LEN]);
+    backend_puts_of(store, count, vec![header, payload])
+}
+
+fn backend_puts_of(
+    store: Arc<dyn ckpt_store::ObjectStore>,
+    count: usize,
+    parts: Vec<Bytes>,
+) -> f64 {
     use ckpt_store::ObjectStoreExt;
-    let data = Bytes::from(vec![3u8; size]);
+    let size: usize = parts.iter().map(Bytes::len).sum();
     let t = Instant::now();
     runtime().block_on(async {
         use futures::StreamExt;
         futures::stream::iter(0..count)
             .map(|i| {
                 let s = store.clone();
-                let d = data.clone();
+                let d: ckpt_store::object_store::PutPayload = parts.iter().cloned().collect();
                 async move {
                     s.put(
                         &ckpt_store::object_store::path::Path::from(format!("b/{i:06}")),
-                        d.into(),
+                        d,
                     )
                     .await
                     .unwrap();
@@ -270,11 +289,14 @@ fn backends(dir: &Path, gib: f64) -> Value {
         "object_store_local_nofsync_gbps": backend_puts(Arc::new(ckpt_store::object_store::local::LocalFileSystem::new_with_prefix(&lfs).unwrap()), count, size),
         "directfs_gbps": backend_puts(Arc::new(ckpt_store::DirectFs::new(&dfs).unwrap()), count, size),
         "directfs_16mib_gbps": backend_puts(Arc::new(ckpt_store::DirectFs::new(dir.join("dfs16")).unwrap()), count / 4, size * 4),
+        "directfs_chunks_gbps": chunk_puts(Arc::new(ckpt_store::DirectFs::new(dir.join("dfsc")).unwrap()), count, size),
         "io_uring_one_file_qd8_gbps": io_uring_write(&f, count * size, 8, size),
         "threads_one_file_qd8_gbps": odirect_write(&f, count * size, 8, size),
     });
     let _ = std::fs::remove_dir_all(&lfs);
     let _ = std::fs::remove_dir_all(&dfs);
+    let _ = std::fs::remove_dir_all(dir.join("dfs16"));
+    let _ = std::fs::remove_dir_all(dir.join("dfsc"));
     let _ = std::fs::remove_file(&f);
     v
 }
