@@ -6,7 +6,8 @@
 
 use bytes::Bytes;
 use ckpt_recovery::peer::{
-    Frame, MAX_CHUNK, Membership, begin_frame, chunk_head, end_frame, read_chunk_body, read_frame,
+    Frame, MAX_CHUNK, Membership, begin_frame, chunk_head, end_frame, held_frame, read_chunk_body,
+    read_frame,
 };
 use ckpt_store::testing::{BiggestAlloc, biggest_alloc, proptest_cases};
 use ckpt_store::{ChunkId, ErrorKind};
@@ -52,6 +53,7 @@ fn decode(input: &[u8]) -> (ckpt_store::Result<Vec<Got>>, usize) {
         };
         match f {
             Frame::Begin { .. } | Frame::End { .. } | Frame::Abandon => chunks = 0,
+            Frame::Held { .. } => {}
             Frame::Chunk { seq, len } => {
                 let (b, n) = biggest_alloc(|| now(read_chunk_body(&mut r, len)));
                 largest = largest.max(n);
@@ -105,6 +107,8 @@ enum Send {
         generation: u64,
         step: u64,
         chunks: Vec<Vec<u8>>,
+        /// Ids of chunks named unchanged (a `K` frame before the end, when any).
+        held: Vec<[u8; 32]>,
         end: bool,
     },
     Get([u8; 32]),
@@ -120,14 +124,16 @@ fn send() -> impl Strategy<Value = Send> {
             any::<u64>(),
             any::<u64>(),
             prop::collection::vec(prop::collection::vec(any::<u8>(), 0..300), 0..6),
+            prop::collection::vec(any::<[u8; 32]>(), 0..4),
             prop::bool::weighted(0.8),
         )
-            .prop_map(|(node, rank, generation, step, chunks, end)| Send::Snapshot {
+            .prop_map(|(node, rank, generation, step, chunks, held, end)| Send::Snapshot {
                 node,
                 rank,
                 generation,
                 step,
                 chunks,
+                held,
                 end,
             }),
         1 => any::<[u8; 32]>().prop_map(Send::Get),
@@ -148,6 +154,7 @@ fn encode(sends: &[Send]) -> (Vec<u8>, Vec<Got>) {
                 generation,
                 step,
                 chunks,
+                held,
                 end,
             } => {
                 bytes.extend_from_slice(&begin_frame(*node, *rank, *generation, *step));
@@ -161,6 +168,12 @@ fn encode(sends: &[Send]) -> (Vec<u8>, Vec<Got>) {
                     bytes.extend_from_slice(&chunk_head(i as u32, c.len()));
                     bytes.extend_from_slice(c);
                     want.push(Got::Chunk(i as u32, Bytes::from(c.clone())));
+                }
+                if !held.is_empty() {
+                    let ids: Vec<ChunkId> =
+                        held.iter().map(|h| ChunkId(ckpt_store::Hash(*h))).collect();
+                    bytes.extend_from_slice(&held_frame(&ids));
+                    want.push(Got::Frame(Frame::Held { ids }));
                 }
                 if *end {
                     let ids: Vec<ChunkId> = chunks.iter().map(|c| ChunkId::of(c)).collect();

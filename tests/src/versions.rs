@@ -5,6 +5,8 @@
 //!    against a steady full save (every tensor written since the last save).
 //! 2. A fine-tuning run with `--frozen 0.99` (99 % of the layers never written) of a deep model:
 //!    its saves against a steady full save of the same model with every tensor trained.
+//! 3. The same fine-tuning with a replica agent: the frozen layers are named to it, not copied
+//!    or sent, and it holds every step whole.
 //!
 //! Time is from `save` until the step is committed; bytes are what the snapshot copied (and
 //! hashed) and what was written to the store, summed over ranks.
@@ -127,5 +129,59 @@ pub fn versions_bench(dir: &Path, params: u64) {
         "time_over_first": worst / f_first.secs,
         "copied_over_full": copied as f64 / full.copied as f64,
         "written_over_full": written as f64 / full.written as f64,
+    }));
+    drop(mgrs);
+    drop(ranks);
+
+    // The same fine-tuning with a replica agent (in this process, as the node's): the frozen
+    // layers are named to it, not copied or sent (before, a save with an agent copied and sent
+    // every tensor: the full save above).
+    let secret = ckpt_recovery::peer::PeerSecret::from_bytes([5; 32]);
+    let listener = ckpt_trainer::runtime()
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let agent = ckpt_recovery::peer::AgentState::new(0, Some(secret.clone()), u64::MAX);
+    ckpt_trainer::runtime().spawn(ckpt_recovery::peer::serve(listener, agent.clone()));
+    let link = |_: u32| {
+        Some(ckpt_recovery::PeerLink {
+            node: 0,
+            agent: addr.clone(),
+            peers: vec![addr.clone()],
+            timeout: ckpt_recovery::peer::IO_TIMEOUT,
+            secret: secret.clone(),
+        })
+    };
+    let ranks = fresh_ranks(model, tf, layout);
+    let mut mgrs = super::managers_with(&store, "v-frozen-peers", layout, &ranks, false, 0, &link);
+    train_step(&ranks, 1);
+    let p_first = save(&mut mgrs, 1);
+    let mut saves = Vec::new();
+    for s in 2..=4u64 {
+        train_step(&ranks, s);
+        saves.push(save(&mut mgrs, s));
+    }
+    let worst = saves.iter().copied().fold(f64::MIN, |a, s| a.max(s.secs));
+    let copied = saves.iter().map(|s| s.copied).max().unwrap_or(0);
+    let held = agent.holdings();
+    // Every rank's step 4 is held whole.
+    let whole = (0..layout.world()).all(|r| {
+        let (m, _, _) = ckpt_trainer::runtime()
+            .block_on(store.log().get_rank_manifest("v-frozen-peers", 4, r))
+            .unwrap();
+        m.tensors
+            .iter()
+            .flat_map(|t| &t.chunks)
+            .all(|c| agent.get(&c.id).is_some())
+    });
+    emit(json!({
+        "bench": "versions_frozen_peers", "frozen": 0.99, "state_bytes": state,
+        "first_s": p_first.secs, "first_copied": p_first.copied,
+        "save_s": saves.iter().map(|s| s.secs).collect::<Vec<_>>(),
+        "save_copied_max": copied, "full_s": full.secs, "full_copied": full.copied,
+        "time_over_full": worst / full.secs,
+        "copied_over_full": copied as f64 / full.copied as f64,
+        "agent_snapshots": held.snapshots, "agent_chunks": held.chunks,
+        "agent_holds_step_4_whole": whole,
     }));
 }

@@ -142,8 +142,9 @@ fn upload(
         for c in chunks {
             up.chunk(c.clone()).await;
         }
-        up.finish(chunks.iter().map(|c| ChunkId::of(c)).collect())
+        up.finish(chunks.iter().map(|c| ChunkId::of(c)).collect(), vec![])
             .await
+            .map(|h| h.bytes)
     })
 }
 

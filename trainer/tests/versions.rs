@@ -448,3 +448,87 @@ fn the_workload_bumps_only_what_it_trains() {
         }
     }
 }
+
+/// With a replica agent, an unchanged tensor is still taken as it is (no copy, no hash), and
+/// its chunks are named to the agent rather than sent: the agent holds every chunk of every
+/// step's manifest all the same. An agent that restarted (it holds nothing) says how many it
+/// lacks, and the next save copies and sends every tensor.
+#[test]
+fn a_replica_agent_is_named_the_unchanged_tensors_and_holds_every_step_whole() {
+    use ckpt_recovery::peer::{AgentState, PeerLink, PeerSecret, serve};
+    let secret = PeerSecret::from_bytes([9; 32]);
+    let start_agent = |at: &str| {
+        let l = runtime()
+            .block_on(tokio::net::TcpListener::bind(at))
+            .unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let st = AgentState::new(0, Some(secret.clone()), u64::MAX);
+        let task = runtime().spawn(serve(l, st.clone()));
+        (addr, st, task)
+    };
+    let (store, _d) = local_store(tiny_config());
+    let run = "reuse-peers";
+    let (n_w, n_f) = (30_000usize, 90_000usize);
+    let w = HostTensor::from_vec(det_bytes(1, n_w));
+    let frozen = HostTensor::from_vec(det_bytes(2, n_f));
+    let checkpointer = |agent: &str| {
+        let mut cfg = CheckpointerConfig::new(run, 0, Layout::SINGLE);
+        cfg.peer = Some(PeerLink {
+            node: 0,
+            agent: agent.to_string(),
+            peers: vec![agent.to_string()],
+            timeout: T,
+            secret: secret.clone(),
+        });
+        Checkpointer::new(store.clone(), cfg).unwrap()
+    };
+    // Every chunk of `step`'s manifest is held by `st`, as the newest snapshot of rank 0.
+    let held_whole = |st: &AgentState, step: u64| {
+        let (m, _, _) = runtime()
+            .block_on(store.log().get_rank_manifest(run, step, 0))
+            .unwrap();
+        for t in &m.tensors {
+            for c in &t.chunks {
+                assert!(
+                    st.get(&c.id).is_some(),
+                    "step {step}: {} chunk not held",
+                    t.name
+                );
+            }
+        }
+        assert_eq!(st.steps_of(0, 0).first(), Some(&step));
+    };
+    let (addr, st, task) = start_agent("127.0.0.1:0");
+    let ck = checkpointer(&addr);
+    for step in 1..=3u64 {
+        w.write().copy_from_slice(&det_bytes(10 + step, n_w));
+        let r = save(&ck, step, state(&[("w", &w), ("frozen", &frozen)]));
+        let reused = if step == 1 { 0 } else { n_f as u64 };
+        assert_eq!(r.bytes_reused, reused, "step {step}: {r:?}");
+        held_whole(&st, step);
+    }
+    // The agent restarts (same address, nothing held): the next save names the unchanged
+    // tensor to an agent that lacks it. Its copy of that step is partial (the store has the
+    // step whole); the save after copies and sends everything, and the one after that names
+    // the tensor again.
+    task.abort();
+    let _ = runtime().block_on(task);
+    let (_, st, _task) = start_agent(&addr);
+    let mut reused = Vec::new();
+    for step in 4..=6u64 {
+        w.write().copy_from_slice(&det_bytes(10 + step, n_w));
+        let r = save(&ck, step, state(&[("w", &w), ("frozen", &frozen)]));
+        reused.push((step, r.bytes_reused));
+        if step > 4 {
+            held_whole(&st, step);
+        }
+    }
+    let n_f = n_f as u64;
+    assert_eq!(reused, vec![(4, n_f), (5, 0), (6, n_f)]);
+    for step in 1..=6u64 {
+        assert_eq!(
+            read(&store, run, step, "frozen"),
+            det_bytes(2, n_f as usize)
+        );
+    }
+}

@@ -13,7 +13,7 @@ use tracing::{debug, info, warn};
 
 use super::auth::{Role, accept_handshake, connect};
 use super::shm::{Arena, Listed, Place, send_export, socket_name};
-use super::wire::{Begin, Frame, chunk_head, end_frame, expect_kept, read_frame};
+use super::wire::{Begin, Frame, Kept, chunk_head, end_frame, expect_kept, held_frame, read_frame};
 use super::{HANDSHAKE_TIMEOUT, IO_TIMEOUT, MEMORY_LIMIT_ENV, Membership, PeerSecret, net, proto};
 
 struct Snapshot {
@@ -25,6 +25,7 @@ struct Snapshot {
 
 /// A chunk held: its bytes and, when they are in shared memory, where (for a same-machine
 /// client's mapping).
+#[derive(Clone)]
 struct HeldChunk {
     bytes: Bytes,
     place: Option<Place>,
@@ -142,6 +143,21 @@ impl AgentState {
             .collect()
     }
 
+    /// The chunks of `ids` held (in any snapshot: content addressing makes them the same
+    /// bytes), and how many of them are not.
+    fn take_held(&self, ids: &[ChunkId]) -> (Vec<(ChunkId, HeldChunk)>, u32) {
+        let h = self.held.lock();
+        let mut found = Vec::with_capacity(ids.len());
+        let mut missing = 0u32;
+        for id in ids {
+            match h.all().find_map(|s| s.chunks.get(id)) {
+                Some(c) => found.push((*id, c.clone())),
+                None => missing += 1,
+            }
+        }
+        (found, missing)
+    }
+
     /// The chunk `id`, from any snapshot held.
     pub fn get(&self, id: &ChunkId) -> Option<Bytes> {
         let h = self.held.lock();
@@ -234,7 +250,8 @@ impl AgentState {
     }
 
     /// Keep `snap` (whose `reserved` bytes were reserved) as the newest of (node, rank) unless
-    /// a newer one is held, the newest it replaces as the one before it; a snapshot of a
+    /// a newer one is held, the newest it replaces as the one before it (one of the same step
+    /// it replaces outright); a snapshot of a
     /// newer generation drops every snapshot of older ones (their layout is gone, and the new
     /// generation restored before it saved).
     fn insert(&self, node: u32, rank: u32, snap: Snapshot, reserved: u64) {
@@ -255,7 +272,15 @@ impl AgentState {
         let at = |s: &Snapshot| (s.generation, s.step);
         match h.snaps.get(&key) {
             // Arrived late: a newer one is held already.
-            Some(newest) if at(newest) >= at(&snap) => {}
+            Some(newest) if at(newest) > at(&snap) => {}
+            // The same snapshot again (a buddy's copy in full after one without chunks it
+            // lacked): it replaces the one held.
+            Some(newest) if at(newest) == at(&snap) => {
+                h.held += snap.bytes;
+                if let Some(old) = h.snaps.insert(key, snap) {
+                    h.held -= old.bytes;
+                }
+            }
             _ => {
                 h.held += snap.bytes;
                 if let Some(newest) = h.snaps.insert(key, snap)
@@ -300,6 +325,10 @@ struct Incoming {
     /// Forward to the buddy (it came from one of this node's ranks).
     forward: bool,
     chunks: Vec<(u32, Bytes, Option<Place>)>,
+    /// Chunks its `K` frames named that the agent holds (shared, not copied).
+    held: Vec<(ChunkId, HeldChunk)>,
+    /// Chunks its `K` frames named that the agent does not hold.
+    missing: u32,
     /// Where its chunks' bytes go.
     arena: Arena,
     reserved: u64,
@@ -364,6 +393,8 @@ async fn connection(
                     step,
                     forward: role == Role::Rank,
                     chunks: Vec::new(),
+                    held: Vec::new(),
+                    missing: 0,
                     arena: Arena::default(),
                     reserved: 0,
                     state: state.clone(),
@@ -381,13 +412,34 @@ async fn connection(
                 let (data, place) = c.arena.read_chunk(&mut r, len).await?;
                 c.chunks.push((seq, data, place));
             }
+            Frame::Held { ids } => {
+                let Some(c) = cur.as_mut() else {
+                    return Err(proto("held chunks outside a snapshot"));
+                };
+                let (found, missing) = state.take_held(&ids);
+                // Counted like arriving chunks: the snapshot holds them too (the bytes are
+                // shared with the snapshot they came from, so this errs on the safe side).
+                let len: u64 = found.iter().map(|(_, h)| h.bytes.len() as u64).sum();
+                state.reserve(len).map_err(|e| {
+                    warn!(%from, node = c.node, rank = c.rank, step = c.step, "replica agent: {e}");
+                    e
+                })?;
+                c.reserved += len;
+                c.held.extend(found);
+                c.missing += missing;
+            }
             Frame::End { ids } => {
                 let Some(c) = cur.take() else {
                     return Err(proto("a snapshot end without its start"));
                 };
-                finish(&state, c, ids);
+                let missing = finish(&state, c, ids);
                 let we = |err| net("answering", "agent connection", err);
-                w.write_u8(b'O').await.map_err(we)?;
+                if missing == 0 {
+                    w.write_u8(b'O').await.map_err(we)?;
+                } else {
+                    w.write_u8(b'P').await.map_err(we)?;
+                    w.write_u32_le(missing).await.map_err(we)?;
+                }
                 w.flush().await.map_err(we)?;
             }
             Frame::Abandon => cur = None,
@@ -423,9 +475,10 @@ async fn connection(
 }
 
 /// A snapshot arrived whole: keep it and, when it is one of this node's, forward it to the
-/// buddy the agent's membership names.
-fn finish(state: &Arc<AgentState>, mut c: Incoming, ids: Vec<ChunkId>) {
-    let mut chunks = HashMap::with_capacity(c.chunks.len());
+/// buddy the agent's membership names. Returns how many of the chunks its `K` frames named
+/// the agent did not hold (the snapshot is kept without them).
+fn finish(state: &Arc<AgentState>, mut c: Incoming, ids: Vec<ChunkId>) -> u32 {
+    let mut chunks = HashMap::with_capacity(c.chunks.len() + c.held.len());
     let mut ordered = Vec::with_capacity(c.chunks.len());
     for (seq, b, place) in std::mem::take(&mut c.chunks) {
         if let Some(id) = ids.get(seq as usize) {
@@ -439,6 +492,12 @@ fn finish(state: &Arc<AgentState>, mut c: Incoming, ids: Vec<ChunkId>) {
             ordered.push((seq, b));
         }
     }
+    let held = std::mem::take(&mut c.held);
+    let kept: Vec<(ChunkId, Bytes)> = held.iter().map(|(id, h)| (*id, h.bytes.clone())).collect();
+    for (id, h) in held {
+        chunks.entry(id).or_insert(h);
+    }
+    let missing = c.missing;
     let bytes: u64 = chunks.values().map(|c| c.bytes.len() as u64).sum();
     info!(
         node = c.node,
@@ -446,8 +505,18 @@ fn finish(state: &Arc<AgentState>, mut c: Incoming, ids: Vec<ChunkId>) {
         step = c.step,
         chunks = chunks.len(),
         bytes,
+        unchanged = kept.len(),
         "snapshot held"
     );
+    if missing > 0 {
+        warn!(
+            node = c.node,
+            rank = c.rank,
+            step = c.step,
+            missing,
+            "snapshot held without chunks its rank named unchanged that this agent does not hold"
+        );
+    }
     let reserved = std::mem::take(&mut c.reserved);
     state.insert(
         c.node,
@@ -462,7 +531,7 @@ fn finish(state: &Arc<AgentState>, mut c: Incoming, ids: Vec<ChunkId>) {
     );
     let buddy = match (c.forward, state.membership().buddy, state.secret()) {
         (true, Some(b), Some(s)) => (b, s),
-        _ => return,
+        _ => return missing,
     };
     let head = Begin {
         node: c.node,
@@ -472,39 +541,78 @@ fn finish(state: &Arc<AgentState>, mut c: Incoming, ids: Vec<ChunkId>) {
     };
     tokio::spawn(async move {
         let (addr, secret) = buddy;
-        let fwd = forward(&addr, &secret, &head, &ordered, &ids);
+        let copy = Copy {
+            head: &head,
+            chunks: &ordered,
+            ids: &ids,
+            kept: &kept,
+        };
         // A buddy that stops reading must not pin old snapshots here for ever.
-        let limit = IO_TIMEOUT + Duration::from_secs(ordered.len() as u64);
-        let res = tokio::time::timeout(limit, fwd)
+        let limit = IO_TIMEOUT + Duration::from_secs((ordered.len() + kept.len()) as u64);
+        let res = tokio::time::timeout(limit, forward(&addr, &secret, copy))
             .await
             .unwrap_or_else(|_| Err(Error::internal("the buddy agent stopped taking the copy")));
         if let Err(e) = res {
             warn!(buddy = %addr, rank = head.rank, step = head.step, "copy to the buddy agent failed: {e}");
         }
     });
+    missing
 }
 
-async fn forward(
-    addr: &str,
-    secret: &PeerSecret,
-    head: &Begin,
-    chunks: &[(u32, Bytes)],
-    ids: &[ChunkId],
-) -> Result<()> {
+/// A snapshot as it goes to the buddy: the chunks that arrived (with their `seq`), the ids
+/// of their `E` frame, and the chunks taken unchanged from what this agent held.
+#[derive(Clone, Copy)]
+struct Copy<'a> {
+    head: &'a Begin,
+    chunks: &'a [(u32, Bytes)],
+    ids: &'a [ChunkId],
+    kept: &'a [(ChunkId, Bytes)],
+}
+
+/// Copy a snapshot to the buddy at `addr`: the chunks taken unchanged named in a `K` frame
+/// (the buddy holds them from the copy before), and sent again in full when the buddy
+/// answers that it does not hold some of them (it restarted, or missed the copy before).
+async fn forward(addr: &str, secret: &PeerSecret, copy: Copy<'_>) -> Result<()> {
+    if send_copy(addr, secret, copy, false).await? == Kept::Partial {
+        debug!(buddy = %addr, rank = copy.head.rank, step = copy.head.step,
+            "the buddy lacked unchanged chunks: copying the snapshot in full");
+        send_copy(addr, secret, copy, true).await?;
+    }
+    Ok(())
+}
+
+async fn send_copy(addr: &str, secret: &PeerSecret, copy: Copy<'_>, full: bool) -> Result<Kept> {
     let s = connect(addr, secret, Role::Agent).await?;
     let mut w = BufWriter::with_capacity(1 << 20, s);
     let e = |e| net("copying a snapshot to", addr, e);
-    w.write_all(&head.encode()).await.map_err(e)?;
-    for (seq, b) in chunks {
+    w.write_all(&copy.head.encode()).await.map_err(e)?;
+    for (seq, b) in copy.chunks {
         w.write_all(&chunk_head(*seq, b.len())).await.map_err(e)?;
         w.write_all(b).await.map_err(e)?;
     }
-    w.write_all(&end_frame(ids)).await.map_err(e)?;
+    let mut ids = copy.ids.to_vec();
+    if full {
+        // The unchanged chunks as chunks of their own, after the others.
+        for (id, b) in copy.kept {
+            w.write_all(&chunk_head(ids.len() as u32, b.len()))
+                .await
+                .map_err(e)?;
+            w.write_all(b).await.map_err(e)?;
+            ids.push(*id);
+        }
+    } else if !copy.kept.is_empty() {
+        let held: Vec<ChunkId> = copy.kept.iter().map(|(id, _)| *id).collect();
+        w.write_all(&held_frame(&held)).await.map_err(e)?;
+    }
+    w.write_all(&end_frame(&ids)).await.map_err(e)?;
     w.flush().await.map_err(e)?;
     let mut s = w.into_inner();
-    expect_kept(s.read_u8().await, addr)?;
+    let kept = expect_kept(s.read_u8().await, addr)?;
+    if kept == Kept::Partial {
+        s.read_u32_le().await.map_err(e)?;
+    }
     s.shutdown().await.map_err(e)?;
-    Ok(())
+    Ok(kept)
 }
 
 /// Ask the agent at `addr` what it holds.

@@ -61,8 +61,11 @@ pub use auth::{PeerSecret, Role};
 pub use membership::Membership;
 pub use shm::set_mapping;
 pub use source::PeerSource;
-pub use upload::PeerUpload;
-pub use wire::{Frame, MAX_CHUNK, begin_frame, chunk_head, end_frame, read_chunk_body, read_frame};
+pub use upload::{Handed, PeerUpload};
+pub use wire::{
+    Frame, MAX_CHUNK, MAX_HELD, begin_frame, chunk_head, end_frame, held_frame, read_chunk_body,
+    read_frame,
+};
 
 /// How long connecting to an agent may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);

@@ -61,7 +61,7 @@ async fn a_snapshot_reaches_the_agent_and_its_buddy_and_is_served_by_id() {
     for d in &data {
         up.chunk(Bytes::from(d.clone())).await;
     }
-    let sent = up.finish(ids).await.unwrap();
+    let sent = up.finish(ids, vec![]).await.unwrap().bytes;
     assert_eq!(sent, data.iter().map(|d| d.len() as u64).sum::<u64>());
     // The buddy's copy arrives asynchronously.
     for _ in 0..200 {
@@ -98,18 +98,18 @@ async fn an_abandoned_snapshot_is_not_kept_and_newer_generations_replace_older()
     drop(up);
     let up = PeerUpload::start(&link, 1, 0, 2, 4);
     up.chunk(Bytes::from_static(b"old generation")).await;
-    up.finish(vec![ChunkId::of(b"old generation")])
+    up.finish(vec![ChunkId::of(b"old generation")], vec![])
         .await
         .unwrap();
     let up = PeerUpload::start(&link, 2, 5, 3, 4);
     up.chunk(Bytes::from_static(b"new generation")).await;
-    up.finish(vec![ChunkId::of(b"new generation")])
+    up.finish(vec![ChunkId::of(b"new generation")], vec![])
         .await
         .unwrap();
     // A wrong count is refused and nothing of it is kept.
     let up = PeerUpload::start(&link, 2, 5, 4, 4);
     up.chunk(Bytes::from_static(b"x")).await;
-    assert!(up.finish(vec![]).await.is_err());
+    assert!(up.finish(vec![], vec![]).await.is_err());
     drop(up);
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert!(sa.get(&ChunkId::of(b"half")).is_none());
@@ -144,7 +144,11 @@ async fn a_wedged_agent_holds_up_neither_a_persist_nor_a_restore() {
     for _ in 0..16 {
         up.chunk(big.clone()).await; // 64 MiB: far past the socket buffers
     }
-    assert!(up.finish(vec![ChunkId::of(&big); 16]).await.is_err());
+    assert!(
+        up.finish(vec![ChunkId::of(&big); 16], vec![])
+            .await
+            .is_err()
+    );
     let src = PeerSource::with_timeout(&[addr], &secret(), t);
     assert!(src.fetch(&chunk(&big)).await.is_none());
     assert!(
@@ -197,7 +201,7 @@ async fn the_memory_limit_and_the_membership_bound_what_an_agent_takes() {
             let up = PeerUpload::start(&link, generation, 0, step, 4);
             let id = ChunkId::of(&data);
             up.chunk(Bytes::from(data)).await;
-            up.finish(vec![id]).await
+            up.finish(vec![id], vec![]).await
         }
     };
     // Beyond the limit: refused, nothing kept, nothing left reserved.
@@ -232,7 +236,7 @@ async fn the_memory_limit_and_the_membership_bound_what_an_agent_takes() {
     other.node = 7;
     let up = PeerUpload::start(&other, 5, 0, 9, 4);
     up.chunk(Bytes::from_static(b"x")).await;
-    assert!(up.finish(vec![ChunkId::of(b"x")]).await.is_err());
+    assert!(up.finish(vec![ChunkId::of(b"x")], vec![]).await.is_err());
     assert_eq!(st.holdings().snapshots, 2);
     assert!(Membership::parse_line(0, "members x").is_err());
     assert!(Membership::parse_line(0, "hello 1 0=a").is_err());
@@ -283,7 +287,7 @@ async fn a_rank_on_the_agents_machine_maps_its_memory_and_a_stranger_maps_nothin
     for d in &data {
         up.chunk(Bytes::from(d.clone())).await;
     }
-    let sent = up.finish(ids.clone()).await.unwrap();
+    let sent = up.finish(ids.clone(), vec![]).await.unwrap().bytes;
 
     // Mapped: every byte, none through the socket.
     let src = PeerSource::new(std::slice::from_ref(&a), &secret());
@@ -308,7 +312,9 @@ async fn a_rank_on_the_agents_machine_maps_its_memory_and_a_stranger_maps_nothin
     }
     let up = PeerUpload::start(&link, 1, 2, 10, 2);
     up.chunk(Bytes::from_static(b"newer")).await;
-    up.finish(vec![ChunkId::of(b"newer")]).await.unwrap();
+    up.finish(vec![ChunkId::of(b"newer")], vec![])
+        .await
+        .unwrap();
     assert!(sa.get(&ids[0]).is_none());
     for (k, d) in kept.iter().zip(&data) {
         assert_eq!(k, &Bytes::from(d.clone()));
@@ -331,4 +337,135 @@ async fn a_rank_on_the_agents_machine_maps_its_memory_and_a_stranger_maps_nothin
         .unwrap();
     let err = got.err().expect("refused").to_string();
     assert!(err.contains("CKPT_PEER_SECRET is not the job's"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unchanged_chunks_are_named_not_sent_and_the_buddy_gets_them_all_the_same() {
+    let (a, sa) = agent_of(0).await;
+    let (b, sb) = agent_of(1).await;
+    let agents = [(0, a.clone()), (1, b.clone())];
+    sa.set_membership(Membership::of(0, 1, &agents));
+    sb.set_membership(Membership::of(1, 1, &agents));
+    let link = PeerLink {
+        node: 0,
+        agent: a.clone(),
+        peers: vec![a.clone(), b.clone()],
+        timeout: IO_TIMEOUT,
+        secret: secret(),
+    };
+    let frozen: Vec<Vec<u8>> = (0..4u8).map(|i| vec![i; 2000]).collect();
+    let frozen_ids: Vec<ChunkId> = frozen.iter().map(|d| ChunkId::of(d)).collect();
+    let wait_for = |s: Arc<AgentState>, step: u64| async move {
+        for _ in 0..300 {
+            if s.steps_of(0, 2).first() == Some(&step) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!(
+            "step {step} never reached the agent: {:?}",
+            s.steps_of(0, 2)
+        );
+    };
+    // Step 1 sends everything.
+    let up = PeerUpload::start(&link, 1, 2, 1, 4);
+    for d in &frozen {
+        up.chunk(Bytes::from(d.clone())).await;
+    }
+    up.chunk(Bytes::from_static(b"adapter at step 1")).await;
+    let mut ids = frozen_ids.clone();
+    ids.push(ChunkId::of(b"adapter at step 1"));
+    let h1 = up.finish(ids, vec![]).await.unwrap();
+    assert_eq!((h1.bytes, h1.missing), (8000 + 17, 0));
+    wait_for(sb.clone(), 1).await;
+    // Steps 2 and 3 send the changed chunk only and name the others.
+    for step in [2u64, 3] {
+        let adapter = format!("adapter at step {step}").into_bytes();
+        let up = PeerUpload::start(&link, 1, 2, step, 4);
+        up.chunk(Bytes::from(adapter.clone())).await;
+        let h = up
+            .finish(vec![ChunkId::of(&adapter)], frozen_ids.clone())
+            .await
+            .unwrap();
+        assert_eq!(
+            (h.bytes, h.missing),
+            (adapter.len() as u64, 0),
+            "step {step}"
+        );
+        wait_for(sb.clone(), step).await;
+    }
+    // Both agents hold step 3 whole (and step 2 before it), each step's chunks served.
+    for s in [&sa, &sb] {
+        assert_eq!(s.steps_of(0, 2), vec![3, 2]);
+        for id in frozen_ids
+            .iter()
+            .chain([&ChunkId::of(b"adapter at step 3")])
+        {
+            assert!(s.get(id).is_some(), "{id:?}");
+        }
+        // Step 1 (and its adapter) is gone; its frozen chunks live on in the newer steps.
+        assert!(s.get(&ChunkId::of(b"adapter at step 1")).is_none());
+        assert_eq!(s.holdings().snapshots, 2);
+        assert_eq!(s.holdings().chunks, 2 * 5);
+    }
+    let src = PeerSource::new(std::slice::from_ref(&b), &secret());
+    for d in &frozen {
+        assert_eq!(src.fetch(&chunk(d)).await.unwrap(), Bytes::from(d.clone()));
+    }
+
+    // An agent that lacks named chunks (restarted: it holds nothing) keeps what came and says
+    // how many it lacks; the buddy, which lacks them too, gets the copy in full.
+    let (c, sc) = agent_of(0).await;
+    let (d, sd) = agent_of(1).await;
+    let agents = [(0, c.clone()), (1, d.clone())];
+    sc.set_membership(Membership::of(0, 1, &agents));
+    sd.set_membership(Membership::of(1, 1, &agents));
+    let link = PeerLink {
+        agent: c.clone(),
+        peers: vec![c.clone(), d.clone()],
+        ..link
+    };
+    let up = PeerUpload::start(&link, 1, 2, 4, 4);
+    up.chunk(Bytes::from_static(b"adapter at step 4")).await;
+    let h = up
+        .finish(vec![ChunkId::of(b"adapter at step 4")], frozen_ids.clone())
+        .await
+        .unwrap();
+    assert_eq!(h.missing, 4);
+    assert_eq!(sc.steps_of(0, 2), vec![4]);
+    assert_eq!(sc.holdings().chunks, 1);
+    // Node 0's agent named to its buddy only what it held: the buddy keeps the same.
+    wait_for(sd.clone(), 4).await;
+    assert_eq!(sd.holdings().chunks, 1);
+    // Once node 0's agent holds them (the rank's next save sends everything), a buddy that
+    // lacks what it is named is sent the copy in full.
+    let up = PeerUpload::start(&link, 1, 2, 5, 4);
+    for d in &frozen[..2] {
+        up.chunk(Bytes::from(d.clone())).await;
+    }
+    let h = up.finish(frozen_ids[..2].to_vec(), vec![]).await.unwrap();
+    assert_eq!(h.missing, 0);
+    wait_for(sd.clone(), 5).await;
+    let (e, se) = agent_of(1).await;
+    sc.set_membership(Membership::of(0, 1, &[(0, c.clone()), (1, e.clone())]));
+    se.set_membership(Membership::of(1, 1, &[(0, c.clone()), (1, e.clone())]));
+    let up = PeerUpload::start(&link, 1, 2, 6, 4);
+    up.chunk(Bytes::from_static(b"adapter at step 6")).await;
+    let h = up
+        .finish(
+            vec![ChunkId::of(b"adapter at step 6")],
+            frozen_ids[..2].to_vec(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(h.missing, 0);
+    wait_for(se.clone(), 6).await;
+    assert_eq!(
+        se.holdings().chunks,
+        3,
+        "the new buddy lacks the named chunks"
+    );
+    for id in &frozen_ids[..2] {
+        assert!(se.get(id).is_some());
+    }
 }

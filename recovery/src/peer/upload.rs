@@ -8,12 +8,22 @@ use ckpt_store::{ChunkId, Error, Result};
 use tracing::warn;
 
 use super::auth::{Role, client_handshake_blocking};
-use super::wire::{Begin, chunk_head, end_frame, expect_kept};
+use super::wire::{Begin, Kept, chunk_head, end_frame, expect_kept, held_frame};
 use super::{CONNECT_TIMEOUT, PeerLink, PeerSecret, net};
 
 enum Msg {
     Chunk(u32, Bytes),
-    End(Vec<ChunkId>),
+    End(Vec<ChunkId>, Vec<ChunkId>),
+}
+
+/// What the agent took of a snapshot ([`PeerUpload::finish`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Handed {
+    /// Bytes sent.
+    pub bytes: u64,
+    /// Chunks named unchanged that the agent did not hold: its copy lacks them, and the next
+    /// snapshot should send every chunk.
+    pub missing: u32,
 }
 
 /// One snapshot on its way to the node's agent: a thread writes what [`PeerUpload::chunk`]
@@ -22,7 +32,7 @@ enum Msg {
 /// warning: replicas are an optimization and the store has everything.
 pub struct PeerUpload {
     tx: tokio::sync::Mutex<Option<tokio::sync::mpsc::Sender<Msg>>>,
-    done: tokio::sync::Mutex<Option<tokio::sync::oneshot::Receiver<Result<u64>>>>,
+    done: tokio::sync::Mutex<Option<tokio::sync::oneshot::Receiver<Result<Handed>>>>,
     seq: AtomicU64,
 }
 
@@ -67,9 +77,10 @@ impl PeerUpload {
         }
     }
 
-    /// End the snapshot with the ids of the chunks queued, in order; returns the bytes the
-    /// agent took.
-    pub async fn finish(&self, ids: Vec<ChunkId>) -> Result<u64> {
+    /// End the snapshot with the ids of the chunks queued, in order, and those of its chunks
+    /// not queued because they are unchanged since the snapshot before, which the agent holds
+    /// (`held`: the agent takes them from its holdings, no bytes sent).
+    pub async fn finish(&self, ids: Vec<ChunkId>, held: Vec<ChunkId>) -> Result<Handed> {
         let tx = self.tx.lock().await.take();
         let queued = self.seq.load(Ordering::Relaxed);
         if ids.len() as u64 != queued {
@@ -79,7 +90,7 @@ impl PeerUpload {
             )));
         }
         if let Some(tx) = tx {
-            let _ = tx.send(Msg::End(ids)).await;
+            let _ = tx.send(Msg::End(ids, held)).await;
         }
         let done = self.done.lock().await.take();
         match done {
@@ -97,7 +108,7 @@ fn upload(
     head: Begin,
     mut rx: tokio::sync::mpsc::Receiver<Msg>,
     timeout: Duration,
-) -> Result<u64> {
+) -> Result<Handed> {
     use std::io::Write;
     use std::net::ToSocketAddrs;
     let to = addr
@@ -139,14 +150,22 @@ fn upload(
                 w.write_all(&b).map_err(e)?;
                 bytes += b.len() as u64;
             }
-            Msg::End(ids) => {
+            Msg::End(ids, held) => {
                 use std::io::Read;
+                if !held.is_empty() {
+                    w.write_all(&held_frame(&held)).map_err(e)?;
+                }
                 w.write_all(&end_frame(&ids)).map_err(e)?;
                 w.flush().map_err(e)?;
                 let mut ok = [0u8; 1];
                 let got = w.get_mut().read_exact(&mut ok).map(|()| ok[0]);
-                expect_kept(got, addr)?;
-                return Ok(bytes);
+                let mut missing = 0;
+                if expect_kept(got, addr)? == Kept::Partial {
+                    let mut n = [0u8; 4];
+                    w.get_mut().read_exact(&mut n).map_err(e)?;
+                    missing = u32::from_le_bytes(n);
+                }
+                return Ok(Handed { bytes, missing });
             }
         }
     }

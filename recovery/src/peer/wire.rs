@@ -36,6 +36,13 @@ pub enum Frame {
         /// Chunk `seq`'s id is `ids[seq]`.
         ids: Vec<ChunkId>,
     },
+    /// `K`: chunks of the snapshot that its sender did not send because they are unchanged
+    /// since its previous one, which the agent holds: the agent takes them from what it holds
+    /// of the same node and rank.
+    Held {
+        /// Their ids.
+        ids: Vec<ChunkId>,
+    },
     /// `A`: the snapshot is abandoned.
     Abandon,
     /// `G`: a chunk is asked for.
@@ -87,13 +94,20 @@ pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, max_ids: usize) -> Resu
                     "end frame: {n} chunk ids for a snapshot of {max_ids} chunks"
                 )));
             }
-            let mut ids = Vec::with_capacity(n.min(1024));
-            for _ in 0..n {
-                let mut h = [0u8; 32];
-                r.read_exact(&mut h).await.map_err(e)?;
-                ids.push(ChunkId(Hash(h)));
+            Frame::End {
+                ids: read_ids(r, n).await.map_err(e)?,
             }
-            Frame::End { ids }
+        }
+        b'K' => {
+            let n = r.read_u32_le().await.map_err(e)? as usize;
+            if n > MAX_HELD {
+                return Err(proto(format!(
+                    "held frame: {n} chunk ids, more than a snapshot may hold ({MAX_HELD})"
+                )));
+            }
+            Frame::Held {
+                ids: read_ids(r, n).await.map_err(e)?,
+            }
         }
         b'A' => Frame::Abandon,
         b'G' => {
@@ -106,6 +120,21 @@ pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, max_ids: usize) -> Resu
         other => return Err(proto(format!("unknown frame {other:#04x}"))),
     }))
 }
+
+/// `n` chunk ids (the list grows with what arrives: a count the stream does not back
+/// allocates at most 2 KiB, then twice what did arrive).
+async fn read_ids<R: AsyncRead + Unpin>(r: &mut R, n: usize) -> std::io::Result<Vec<ChunkId>> {
+    let mut ids = Vec::with_capacity(n.min(64));
+    for _ in 0..n {
+        let mut h = [0u8; 32];
+        r.read_exact(&mut h).await?;
+        ids.push(ChunkId(Hash(h)));
+    }
+    Ok(ids)
+}
+
+/// The most ids a `K` frame may list (a snapshot of 16 TiB in 4 MiB chunks).
+pub const MAX_HELD: usize = 1 << 22;
 
 /// Read a chunk's `len` bytes (after its [`Frame::Chunk`] header). The buffer grows with what
 /// arrives (doubling, to exactly `len`), so a length that the stream does not back allocates
@@ -184,11 +213,21 @@ pub fn end_frame(ids: &[ChunkId]) -> Vec<u8> {
     v
 }
 
-/// The agent's answer to an `E` frame: `O`, the snapshot is kept; a closed connection: it
-/// was refused (the agent's log says why).
-pub(super) fn expect_kept(got: std::io::Result<u8>, addr: &str) -> Result<()> {
+/// The bytes of a `K` frame.
+pub fn held_frame(ids: &[ChunkId]) -> Vec<u8> {
+    let mut v = end_frame(ids);
+    v[0] = b'K';
+    v
+}
+
+/// The agent's answer to an `E` frame: `O`, the snapshot is kept whole; `P` and a count
+/// (`u32`, read by the caller: [`Kept::Partial`]), kept without that many of the chunks its
+/// `K` frame named, which the agent did not hold; a closed connection: it was refused (the
+/// agent's log says why).
+pub(super) fn expect_kept(got: std::io::Result<u8>, addr: &str) -> Result<Kept> {
     match got {
-        Ok(b'O') => Ok(()),
+        Ok(b'O') => Ok(Kept::Whole),
+        Ok(b'P') => Ok(Kept::Partial),
         Ok(other) => Err(proto(format!(
             "the replica agent at {addr} answered {other:#04x} to a snapshot's end"
         ))),
@@ -200,4 +239,13 @@ pub(super) fn expect_kept(got: std::io::Result<u8>, addr: &str) -> Result<()> {
             ),
         )),
     }
+}
+
+/// How an agent kept a snapshot ([`expect_kept`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Kept {
+    /// Every chunk.
+    Whole,
+    /// Without some of the chunks its `K` frame named (their count follows, a `u32`).
+    Partial,
 }

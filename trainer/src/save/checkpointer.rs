@@ -281,12 +281,10 @@ impl Checkpointer {
 
     /// The committed step whose chunks unchanged shards of this save may reference: the last
     /// persisted save once its commit record is seen, else the committed step before, while
-    /// its record exists. None with a replica agent
-    /// (it must receive every chunk) or when nothing is known committed.
+    /// its record exists. None when nothing is known committed. With a replica agent the
+    /// unchanged shards' chunks are named to it, not sent: it holds them from the snapshot
+    /// before (and says when it does not: the next save then copies every shard).
     fn reuse_base(&self) -> Option<Arc<StepVersions>> {
-        if self.cfg.peer.is_some() {
-            return None;
-        }
         let (pending, committed) = {
             let b = self.versions.lock();
             (b.pending_step(), b.committed_step())

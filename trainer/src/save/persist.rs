@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use ckpt_recovery::peer::PeerUpload;
+use ckpt_recovery::peer::{Handed, PeerUpload};
 use ckpt_store::{
-    BlobIn, ChunkRef, DedupBase, DedupIndex, Error, ErrorKind, Hash, RankManifest, RankWrite,
+    BlobIn, ChunkId, DedupBase, DedupIndex, Error, ErrorKind, Hash, RankManifest, RankWrite,
     Result, ShardMeta, Store, WriterLease,
 };
 use parking_lot::Mutex;
@@ -120,6 +120,13 @@ impl PersistJob {
             store.config().pack_threshold,
             pacer,
         );
+        // Which shards are taken unchanged (their chunks are not in the stream: the agent
+        // takes them from the snapshot before, which it holds).
+        let reused: Vec<(String, bool)> = self
+            .metas
+            .iter()
+            .map(|m| (m.shard.name.clone(), m.reuse.is_some()))
+            .collect();
         let w = RankWrite {
             run: cfg.run.clone(),
             step,
@@ -139,14 +146,9 @@ impl PersistJob {
         let (manifest, _entry, stats) = res?;
         let persisted = self.t0.elapsed().as_secs_f64();
         let peak = self.pool.stats().peak_in_use;
-        let refs: Vec<ChunkRef> = manifest
-            .tensors
-            .iter()
-            .flat_map(|t| t.chunks.iter().cloned())
-            .collect();
-        let ids: Vec<_> = match upload {
-            Some(_) => refs.iter().map(|r| r.id).collect(),
-            None => Vec::new(),
+        let (ids, held) = match upload {
+            Some(_) => replica_ids(&manifest, &reused),
+            None => Default::default(),
         };
         self.dedup.lock().persisted_manifest(&manifest);
         self.versions
@@ -161,8 +163,19 @@ impl PersistJob {
             r.written = written;
         });
         if let Some(u) = upload {
-            match u.finish(ids).await {
-                Ok(bytes) => debug!(step, bytes, "snapshot handed to the replica agent"),
+            match u.finish(ids, held).await {
+                Ok(Handed { bytes, missing: 0 }) => {
+                    debug!(step, bytes, "snapshot handed to the replica agent");
+                }
+                Ok(Handed { missing, .. }) => {
+                    warn!(
+                        step,
+                        missing,
+                        "the replica agent lacks chunks of unchanged shards (it restarted?): \
+                         its copy is partial, and the next save sends every shard"
+                    );
+                    self.versions.lock().clear();
+                }
                 Err(e) => warn!(step, "peer replica not made (the store has it): {e}"),
             }
         }
@@ -287,6 +300,28 @@ fn chunk_stream(
             }
         },
     )
+}
+
+/// The ids a replica agent is given of a save's manifest: those of the chunks the stream
+/// brought, in order, and those of shards taken unchanged (`reused`, per shard in the
+/// manifest's order), which the agent holds from the snapshot before.
+fn replica_ids(manifest: &RankManifest, reused: &[(String, bool)]) -> (Vec<ChunkId>, Vec<ChunkId>) {
+    let (mut sent, mut held) = (Vec::new(), Vec::new());
+    let lined_up = manifest.tensors.len() == reused.len()
+        && manifest
+            .tensors
+            .iter()
+            .zip(reused)
+            .all(|(t, (n, _))| &t.name == n);
+    for (k, t) in manifest.tensors.iter().enumerate() {
+        let to = if lined_up && reused[k].1 {
+            &mut held
+        } else {
+            &mut sent
+        };
+        to.extend(t.chunks.iter().map(|r| r.id));
+    }
+    (sent, held)
 }
 
 /// The places in a save's chunk stream of the replica chunks it brings to be hashed (the
