@@ -541,7 +541,7 @@ fn finish(state: &Arc<AgentState>, mut c: Incoming, ids: Vec<ChunkId>) -> u32 {
     };
     tokio::spawn(async move {
         let (addr, secret) = buddy;
-        let copy = Copy {
+        let copy = BuddyCopy {
             head: &head,
             chunks: &ordered,
             ids: &ids,
@@ -562,7 +562,7 @@ fn finish(state: &Arc<AgentState>, mut c: Incoming, ids: Vec<ChunkId>) -> u32 {
 /// A snapshot as it goes to the buddy: the chunks that arrived (with their `seq`), the ids
 /// of their `E` frame, and the chunks taken unchanged from what this agent held.
 #[derive(Clone, Copy)]
-struct Copy<'a> {
+struct BuddyCopy<'a> {
     head: &'a Begin,
     chunks: &'a [(u32, Bytes)],
     ids: &'a [ChunkId],
@@ -572,7 +572,7 @@ struct Copy<'a> {
 /// Copy a snapshot to the buddy at `addr`: the chunks taken unchanged named in a `K` frame
 /// (the buddy holds them from the copy before), and sent again in full when the buddy
 /// answers that it does not hold some of them (it restarted, or missed the copy before).
-async fn forward(addr: &str, secret: &PeerSecret, copy: Copy<'_>) -> Result<()> {
+async fn forward(addr: &str, secret: &PeerSecret, copy: BuddyCopy<'_>) -> Result<()> {
     if send_copy(addr, secret, copy, false).await? == Kept::Partial {
         debug!(buddy = %addr, rank = copy.head.rank, step = copy.head.step,
             "the buddy lacked unchanged chunks: copying the snapshot in full");
@@ -581,7 +581,12 @@ async fn forward(addr: &str, secret: &PeerSecret, copy: Copy<'_>) -> Result<()> 
     Ok(())
 }
 
-async fn send_copy(addr: &str, secret: &PeerSecret, copy: Copy<'_>, full: bool) -> Result<Kept> {
+async fn send_copy(
+    addr: &str,
+    secret: &PeerSecret,
+    copy: BuddyCopy<'_>,
+    full: bool,
+) -> Result<Kept> {
     let s = connect(addr, secret, Role::Agent).await?;
     let mut w = BufWriter::with_capacity(1 << 20, s);
     let e = |e| net("copying a snapshot to", addr, e);
