@@ -59,6 +59,18 @@ fn train_step(ranks: &[RankState], s: u64) {
     });
 }
 
+/// Four steps of fine-tuning, each saved: the first save, and the three after it.
+fn fine_tune(mgrs: &mut [CheckpointManager], ranks: &[RankState]) -> (Save, Vec<Save>) {
+    train_step(ranks, 1);
+    let first = save(mgrs, 1);
+    let mut saves = Vec::new();
+    for s in 2..=4u64 {
+        train_step(ranks, s);
+        saves.push(save(mgrs, s));
+    }
+    (first, saves)
+}
+
 pub fn versions_bench(dir: &Path, params: u64) {
     let layout: Layout = "dp=1,tp=2,pp=2".parse().unwrap();
     let (_, train, ranks, state, store) = bench_job(dir, "versions-store", params, layout, 5);
@@ -102,13 +114,7 @@ pub fn versions_bench(dir: &Path, params: u64) {
     let ranks = fresh_ranks(model, tf, layout);
     let state: u64 = ranks.iter().map(|r| r.held_bytes()).sum();
     let mut mgrs = managers(&store, "v-frozen", layout, &ranks, false, 0);
-    train_step(&ranks, 1);
-    let f_first = save(&mut mgrs, 1);
-    let mut saves = Vec::new();
-    for s in 2..=4u64 {
-        train_step(&ranks, s);
-        saves.push(save(&mut mgrs, s));
-    }
+    let (f_first, saves) = fine_tune(&mut mgrs, &ranks);
     let worst = saves.iter().copied().fold(f64::MIN, |a, s| a.max(s.secs));
     let copied = saves.iter().map(|s| s.copied).max().unwrap_or(0);
     let written = saves.iter().map(|s| s.written).max().unwrap_or(0);
@@ -154,13 +160,7 @@ pub fn versions_bench(dir: &Path, params: u64) {
     };
     let ranks = fresh_ranks(model, tf, layout);
     let mut mgrs = super::managers_with(&store, "v-frozen-peers", layout, &ranks, false, 0, &link);
-    train_step(&ranks, 1);
-    let p_first = save(&mut mgrs, 1);
-    let mut saves = Vec::new();
-    for s in 2..=4u64 {
-        train_step(&ranks, s);
-        saves.push(save(&mut mgrs, s));
-    }
+    let (p_first, saves) = fine_tune(&mut mgrs, &ranks);
     let worst = saves.iter().copied().fold(f64::MIN, |a, s| a.max(s.secs));
     let copied = saves.iter().map(|s| s.copied).max().unwrap_or(0);
     let held = agent.holdings();

@@ -41,8 +41,9 @@ fn chunk(data: &[u8]) -> ChunkRef {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_snapshot_reaches_the_agent_and_its_buddy_and_is_served_by_id() {
+/// The agents of nodes 0 and 1, each the other's buddy (generation 1), and node 0's ranks'
+/// link to them.
+async fn buddies() -> (String, Arc<AgentState>, String, Arc<AgentState>, PeerLink) {
     let (a, sa) = agent_of(0).await;
     let (b, sb) = agent_of(1).await;
     let agents = [(0, a.clone()), (1, b.clone())];
@@ -55,6 +56,12 @@ async fn a_snapshot_reaches_the_agent_and_its_buddy_and_is_served_by_id() {
         timeout: IO_TIMEOUT,
         secret: secret(),
     };
+    (a, sa, b, sb, link)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_reaches_the_agent_and_its_buddy_and_is_served_by_id() {
+    let (_, sa, b, sb, link) = buddies().await;
     let data: Vec<Vec<u8>> = (0..5u8).map(|i| vec![i; 1000 + i as usize]).collect();
     let ids: Vec<ChunkId> = data.iter().map(|d| ChunkId::of(d)).collect();
     let up = PeerUpload::start(&link, 1, 3, 7, 2);
@@ -341,18 +348,7 @@ async fn a_rank_on_the_agents_machine_maps_its_memory_and_a_stranger_maps_nothin
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unchanged_chunks_are_named_not_sent_and_the_buddy_gets_them_all_the_same() {
-    let (a, sa) = agent_of(0).await;
-    let (b, sb) = agent_of(1).await;
-    let agents = [(0, a.clone()), (1, b.clone())];
-    sa.set_membership(Membership::of(0, 1, &agents));
-    sb.set_membership(Membership::of(1, 1, &agents));
-    let link = PeerLink {
-        node: 0,
-        agent: a.clone(),
-        peers: vec![a.clone(), b.clone()],
-        timeout: IO_TIMEOUT,
-        secret: secret(),
-    };
+    let (_, sa, b, sb, link) = buddies().await;
     let frozen: Vec<Vec<u8>> = (0..4u8).map(|i| vec![i; 2000]).collect();
     let frozen_ids: Vec<ChunkId> = frozen.iter().map(|d| ChunkId::of(d)).collect();
     let wait_for = |s: Arc<AgentState>, step: u64| async move {
@@ -415,16 +411,7 @@ async fn unchanged_chunks_are_named_not_sent_and_the_buddy_gets_them_all_the_sam
 
     // An agent that lacks named chunks (restarted: it holds nothing) keeps what came and says
     // how many it lacks; the buddy, which lacks them too, gets the copy in full.
-    let (c, sc) = agent_of(0).await;
-    let (d, sd) = agent_of(1).await;
-    let agents = [(0, c.clone()), (1, d.clone())];
-    sc.set_membership(Membership::of(0, 1, &agents));
-    sd.set_membership(Membership::of(1, 1, &agents));
-    let link = PeerLink {
-        agent: c.clone(),
-        peers: vec![c.clone(), d.clone()],
-        ..link
-    };
+    let (c, sc, _, sd, link) = buddies().await;
     let up = PeerUpload::start(&link, 1, 2, 4, 4);
     up.chunk(Bytes::from_static(b"adapter at step 4")).await;
     let h = up
