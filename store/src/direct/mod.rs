@@ -741,7 +741,8 @@ object_store_wrapper! {
                 return Err(os_err(&dest, e));
             }
             Ok(PutResult {
-                e_tag: std::fs::metadata(&dest).ok().map(|m| file_etag(&m)),
+                // No stat per chunk for a tag nobody asks of a plain put (a read gives it).
+                e_tag: None,
                 version: None,
                 extensions: Default::default(),
             })
