@@ -126,8 +126,8 @@ pub use store::{
     StoreConfig,
 };
 pub use tier::{
-    DrainMarker, DrainOptions, DrainPace, DrainProgress, DrainReport, drain_node, drain_step,
-    rate_pace,
+    DrainMarker, DrainOptions, DrainPace, DrainProgress, DrainReport, TierSource, drain_node,
+    drain_step, node_step_to_follow, rate_pace, steps_to_follow,
 };
 pub use url::{OpenOptions, StoreUrl, open, open_with};
 pub use verify::{Damage, VerifyReport, VerifyScope};

@@ -698,7 +698,14 @@ impl StepReader {
             at.push(acc);
             acc += c.len as usize;
         }
-        let mut s = self.store.chunks().get_chunks(b.chunks.clone());
+        // Each chunk as a tensor's: from the chunk source first (a machine's local tier),
+        // hash-checked, then the store, then the fallback store.
+        let mut s = stream::iter(b.chunks.clone().into_iter().enumerate())
+            .map(|(i, c)| async move {
+                let mut stats = ReadStats::default();
+                self.fetch(&c, &mut stats, true).await.map(|b| (i, b))
+            })
+            .buffer_unordered(8);
         while let Some(r) = s.next().await {
             let (i, bytes) =
                 r.map_err(|e| e.context(format!("{}: blob {name:?} of rank {rank}", self.what())))?;

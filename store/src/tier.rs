@@ -21,15 +21,18 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
+use bytes::Bytes;
 use futures::future::BoxFuture;
 use futures::{StreamExt, TryStreamExt, stream};
 use object_store::PutMode;
 use object_store::path::Path;
 use serde::{Deserialize, Serialize};
-use tracing::{debug, info, instrument};
+use tracing::{debug, info, instrument, warn};
 
+use crate::commit::catalog::StepListing;
 use crate::error::{Error, ErrorKind, Result};
-use crate::model::RankManifest;
+use crate::model::{ChunkRef, RankManifest};
+use crate::read::ChunkSource;
 use crate::store::Store;
 
 /// A step being drained from a local tier to a remote store (its marker in the local tier).
@@ -509,11 +512,158 @@ async fn copy_and_commit(
     Ok(())
 }
 
+/// A restore's chunk source for the local tier under a remote store: each chunk from the tier
+/// when it holds it (the reader checks its hash; a chunk that fails goes back through
+/// [`ChunkSource::refused`]); what it lacks or holds damaged is left to the reader's store.
+/// It counts what it served and what it could not.
+#[derive(Debug)]
+pub struct TierSource {
+    store: Store,
+    /// Stored bytes served.
+    pub stored_bytes: AtomicU64,
+    /// Raw bytes served.
+    pub raw_bytes: AtomicU64,
+    /// Chunks missing or damaged here (read elsewhere).
+    pub misses: AtomicU64,
+    /// Chunks damaged here (a subset of the misses).
+    pub damaged: AtomicU64,
+}
+
+impl TierSource {
+    /// A source reading `store` (the local tier).
+    pub fn new(store: Store) -> Self {
+        TierSource {
+            store,
+            stored_bytes: AtomicU64::new(0),
+            raw_bytes: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+            damaged: AtomicU64::new(0),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl ChunkSource for TierSource {
+    async fn fetch(&self, r: &ChunkRef) -> Option<Bytes> {
+        match self.store.chunks().get_chunk(r).await {
+            Ok(b) => {
+                self.stored_bytes
+                    .fetch_add(u64::from(r.stored), Ordering::Relaxed);
+                self.raw_bytes
+                    .fetch_add(u64::from(r.len), Ordering::Relaxed);
+                Some(b)
+            }
+            Err(e) => {
+                self.misses.fetch_add(1, Ordering::Relaxed);
+                if e.kind() == ErrorKind::Corrupt {
+                    self.damaged.fetch_add(1, Ordering::Relaxed);
+                    warn!(chunk = %r.id, "damaged in the local tier: reading it elsewhere: {e}");
+                } else {
+                    debug!(chunk = %r.id, "not in the local tier: reading it elsewhere: {e}");
+                }
+                None
+            }
+        }
+    }
+}
+
+/// Of the store's listing, the steps another node drained its ranks of (manifests there, no
+/// commit yet) and `rank`'s node did not: older than `newest`, newer than `drained` and than
+/// the store's newest commit. Newest first. A node's local retention keeps these steps: it
+/// may still follow them ([`node_step_to_follow`]).
+pub fn steps_to_follow(
+    newest: u64,
+    drained: Option<u64>,
+    remote: &[StepListing],
+    rank: u32,
+) -> Vec<u64> {
+    let committed = remote.iter().filter(|s| s.committed).map(|s| s.step).max();
+    let mut out: Vec<u64> = remote
+        .iter()
+        .filter(|s| {
+            !s.committed
+                && !s.ranks.is_empty()
+                && !s.ranks.contains(&rank)
+                && s.step < newest
+                && drained.is_none_or(|d| s.step > d)
+                && committed.is_none_or(|c| s.step > c)
+        })
+        .map(|s| s.step)
+        .collect();
+    out.sort_unstable_by(|a, b| b.cmp(a));
+    out
+}
+
+/// One node of several (`rank` one of its ranks), about to drain `newest` having drained
+/// `drained`: the newest older step that another node's drain already brought to `remote`
+/// (its ranks' manifests are there, the commit waits for this node's) and that this node
+/// committed in `generation` in `local`. Nodes that skip steps by their own timing could
+/// otherwise drain disjoint steps, and the store would get none whole.
+pub async fn node_step_to_follow(
+    local: &Store,
+    remote: &Store,
+    run: &str,
+    (newest, drained): (u64, Option<u64>),
+    rank: u32,
+    generation: u64,
+) -> Result<Option<u64>> {
+    let listing = remote.log().list_steps(run).await?;
+    for s in steps_to_follow(newest, drained, &listing, rank) {
+        let mine = match local.log().read_node_commits(run, s).await {
+            Ok(c) => c,
+            Err(e) if e.kind() == ErrorKind::NotFound => continue,
+            Err(e) => return Err(e),
+        };
+        if mine
+            .iter()
+            .any(|c| c.generation == generation && c.ranks.iter().any(|e| e.rank == rank))
+        {
+            return Ok(Some(s));
+        }
+    }
+    Ok(None)
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
 
-    use super::rate_pace;
+    use super::{StepListing, rate_pace, steps_to_follow};
+
+    fn listed(step: u64, committed: bool, ranks: &[u32]) -> StepListing {
+        StepListing {
+            step,
+            committed,
+            node_commit: false,
+            ranks: ranks.to_vec(),
+            last_modified: chrono::DateTime::UNIX_EPOCH,
+            meta_bytes: 0,
+        }
+    }
+
+    #[test]
+    fn a_node_follows_only_steps_other_nodes_drained_past_the_stores_newest_commit() {
+        let remote = [
+            listed(1, true, &[0, 1, 2]),
+            listed(2, false, &[0]),
+            listed(3, false, &[0, 2]),
+            listed(4, false, &[1]),
+            listed(5, true, &[0, 1, 2]),
+            listed(6, false, &[0, 2]),
+            listed(7, false, &[]),
+            listed(8, false, &[2]),
+            listed(9, false, &[0]),
+        ];
+        // Rank 1's node, about to drain 9: 6 and 8 (not 7, nothing there; not 4, its own; not
+        // 2 or 3, older than the commit of 5), newest first.
+        assert_eq!(steps_to_follow(9, None, &remote, 1), vec![8, 6]);
+        // Only older than the step it is about to drain, newer than what it drained.
+        assert_eq!(steps_to_follow(8, None, &remote, 1), vec![6]);
+        assert_eq!(steps_to_follow(9, Some(6), &remote, 1), vec![8]);
+        // Rank 0's node drained 6 and 9 already.
+        assert_eq!(steps_to_follow(10, None, &remote, 0), vec![8]);
+        assert!(steps_to_follow(10, None, &[], 0).is_empty());
+    }
 
     #[tokio::test(start_paused = true)]
     async fn a_rate_pace_spaces_objects_by_their_bytes() {

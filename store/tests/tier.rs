@@ -6,10 +6,10 @@
 
 use bytes::Bytes;
 use ckpt_store::testing::{S3Server, det_bytes, local_store, memory_store, tiny_config};
-use ckpt_store::writer::{RankWrite, ShardDesc, ShardIn};
+use ckpt_store::writer::{BlobIn, RankWrite, ShardDesc, ShardIn};
 use ckpt_store::{
     DType, DedupIndex, DrainOptions, ErrorKind, GcOptions, Layout, NdBox, StepReader, Store,
-    drain_node, drain_step,
+    TierSource, drain_node, drain_step,
 };
 
 enum Remote {
@@ -438,4 +438,66 @@ async fn a_stale_node_commit_never_replaces_a_newer_generations() {
         // What it pins is what the tier holds: the drain can send it.
         fresh.log().node_commit_manifests(&held[0]).await.unwrap();
     }
+}
+
+/// A blob reads as a tensor does under a local tier: from the machine's tier first (a
+/// [`TierSource`] in front of the remote store), from the remote where the tier holds it
+/// damaged (the source, or the local reader's fallback). `ckpt.dcp` keeps DCP's metadata in a
+/// blob; before, a blob was read from the reader's own store only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blob_is_read_from_the_tier_first_and_from_the_remote_where_it_is_damaged() {
+    let (local, dir) = local_store(tiny_config());
+    let (remote, rdir) = local_store(tiny_config());
+    let meta = det_bytes(7, 9_000); // chunk objects, not packed
+    let layout = Layout::new(1, 1, 1, 0).unwrap();
+    let wr = RankWrite {
+        run: RUN.into(),
+        step: 1,
+        rank: 0,
+        layout,
+        generation: 0,
+        node: None,
+    };
+    let blob = BlobIn {
+        name: "meta".into(),
+        data: Bytes::from(meta.clone()),
+    };
+    local
+        .write_rank(&wr, vec![], vec![blob], &DedupIndex::new())
+        .await
+        .unwrap();
+    local.log().commit_step_as(RUN, 1, Some(0)).await.unwrap();
+    drain_step(&local, &remote, RUN, 1, &DrainOptions::default())
+        .await
+        .unwrap();
+    let refs = local.log().step_chunk_refs(RUN, 1).await.unwrap();
+    let files: Vec<_> = refs
+        .iter()
+        .map(|c| local.keys().object_of(c))
+        .filter(|o| o.as_ref().starts_with("chunks/"))
+        .collect();
+    assert!(files.len() >= 2, "{files:?}");
+    // The remote's copy of one chunk gone: the tier serves it through the source.
+    std::fs::remove_file(rdir.path().join(files[0].as_ref())).unwrap();
+    let through_tier = StepReader::open(&remote, RUN, 1)
+        .await
+        .unwrap()
+        .with_source(std::sync::Arc::new(TierSource::new(local.clone())));
+    assert_eq!(through_tier.read_blob(0, "meta").await.unwrap(), meta);
+    let plain = StepReader::open(&remote, RUN, 1).await.unwrap();
+    plain.read_blob(0, "meta").await.unwrap_err();
+    // The tier's copy of another chunk damaged: the local reader reads it from its fallback.
+    let file = dir.path().join(files[1].as_ref());
+    let mut bytes = std::fs::read(&file).unwrap();
+    let n = bytes.len();
+    bytes[n - 10] ^= 0xff;
+    std::fs::write(&file, bytes).unwrap();
+    let local_first = StepReader::open(&local, RUN, 1)
+        .await
+        .unwrap()
+        .with_fallback(remote.clone());
+    assert_eq!(local_first.read_blob(0, "meta").await.unwrap(), meta);
+    let alone = StepReader::open(&local, RUN, 1).await.unwrap();
+    let e = alone.read_blob(0, "meta").await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
 }

@@ -194,8 +194,7 @@ impl Restorer {
         } else {
             None
         };
-        let local_bytes = source.local_bytes.load(Ordering::Relaxed);
-        let local_raw = source.local_raw.load(Ordering::Relaxed);
+        let (local_bytes, local_raw, damaged) = source.local_served();
         let mut record = records::Restore {
             step,
             rank: cfg.rank,
@@ -212,7 +211,7 @@ impl Restorer {
             seconds: 0.0,
         };
         // Chunks the local tier could not serve (missing or damaged) came from the remote.
-        let mut local_misses = source.local_damaged.load(Ordering::Relaxed);
+        let mut local_misses = damaged;
         let mut local_damaged = None;
         if let Some(local) = tiers.local {
             record.tier = if from_local { "local" } else { "remote" }.into();

@@ -20,7 +20,7 @@
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -28,8 +28,8 @@ use bytes::Bytes;
 use ckpt_recovery::peer::PeerSource;
 use ckpt_recovery::records::{self, DrainMetrics, Event};
 use ckpt_store::{
-    ChunkRef, ChunkSource, DrainOptions, ErrorKind, GcOptions, ReplicaReport, StepListing, Store,
-    drain_node, drain_step,
+    ChunkRef, ChunkSource, DrainOptions, ErrorKind, GcOptions, ReplicaReport, Store, TierSource,
+    drain_node, drain_step, node_step_to_follow, steps_to_follow,
 };
 use parking_lot::{Condvar, Mutex};
 use tracing::{debug, info, warn};
@@ -446,22 +446,14 @@ impl Shared {
     /// would get none whole.
     fn follow(&self, newest: u64) -> Option<u64> {
         let drained = self.state.lock().drained;
-        let found = runtime().block_on(async {
-            let remote = self.remote.log().list_steps(&self.run).await?;
-            for s in to_follow(newest, drained, &remote, self.rank) {
-                let mine = match self.local.log().read_node_commits(&self.run, s).await {
-                    Ok(c) => c,
-                    Err(e) if e.kind() == ErrorKind::NotFound => continue,
-                    Err(e) => return Err(e),
-                };
-                if mine.iter().any(|c| {
-                    c.generation == self.generation && c.ranks.iter().any(|e| e.rank == self.rank)
-                }) {
-                    return Ok(Some(s));
-                }
-            }
-            Ok::<_, ckpt_store::Error>(None)
-        });
+        let found = runtime().block_on(node_step_to_follow(
+            &self.local,
+            &self.remote,
+            &self.run,
+            (newest, drained),
+            self.rank,
+            self.generation,
+        ));
         match found {
             Ok(Some(s)) => {
                 info!(
@@ -603,7 +595,7 @@ impl Shared {
             // Steps another node drained that this one may still follow.
             match runtime().block_on(self.remote.log().list_steps(&run)) {
                 Ok(remote) => local_protect.extend(
-                    to_follow(u64::MAX, None, &remote, self.rank)
+                    steps_to_follow(u64::MAX, None, &remote, self.rank)
                         .into_iter()
                         .map(|s| (run.clone(), s)),
                 ),
@@ -653,27 +645,15 @@ impl Shared {
 /// A restore's chunk source with a local tier: the local tier first (hash-checked by the
 /// reader), then peer replicas; what neither has comes from the remote store.
 pub(crate) struct TieredSource {
-    local: Option<Store>,
+    local: Option<TierSource>,
     peers: Option<Arc<PeerSource>>,
-    /// Stored bytes the local tier served.
-    pub(crate) local_bytes: AtomicU64,
-    /// Raw bytes the local tier served.
-    pub(crate) local_raw: AtomicU64,
-    /// Local chunks missing or damaged (read elsewhere).
-    pub(crate) local_misses: AtomicU64,
-    /// Local chunks damaged (a subset of the misses).
-    pub(crate) local_damaged: AtomicU64,
 }
 
 impl TieredSource {
     pub(crate) fn new(local: Option<Store>, peers: Option<Arc<PeerSource>>) -> Self {
         TieredSource {
-            local,
+            local: local.map(TierSource::new),
             peers,
-            local_bytes: AtomicU64::new(0),
-            local_raw: AtomicU64::new(0),
-            local_misses: AtomicU64::new(0),
-            local_damaged: AtomicU64::new(0),
         }
     }
 
@@ -687,30 +667,26 @@ impl TieredSource {
     pub(crate) fn has_any(&self) -> bool {
         self.local.is_some() || self.peers.is_some()
     }
+
+    /// The local tier's figures: stored bytes and raw bytes it served, chunks damaged there.
+    pub(crate) fn local_served(&self) -> (u64, u64, u64) {
+        self.local.as_ref().map_or((0, 0, 0), |l| {
+            (
+                l.stored_bytes.load(Ordering::Relaxed),
+                l.raw_bytes.load(Ordering::Relaxed),
+                l.damaged.load(Ordering::Relaxed),
+            )
+        })
+    }
 }
 
 #[async_trait]
 impl ChunkSource for TieredSource {
     async fn fetch(&self, r: &ChunkRef) -> Option<Bytes> {
-        if let Some(l) = &self.local {
-            match l.chunks().get_chunk(r).await {
-                Ok(b) => {
-                    self.local_bytes
-                        .fetch_add(u64::from(r.stored), Ordering::Relaxed);
-                    self.local_raw
-                        .fetch_add(u64::from(r.len), Ordering::Relaxed);
-                    return Some(b);
-                }
-                Err(e) => {
-                    self.local_misses.fetch_add(1, Ordering::Relaxed);
-                    if e.kind() == ErrorKind::Corrupt {
-                        self.local_damaged.fetch_add(1, Ordering::Relaxed);
-                        warn!(chunk = %r.id, "damaged in the local tier: reading it elsewhere: {e}");
-                    } else {
-                        debug!(chunk = %r.id, "not in the local tier: reading it elsewhere: {e}");
-                    }
-                }
-            }
+        if let Some(l) = &self.local
+            && let Some(b) = l.fetch(r).await
+        {
+            return Some(b);
         }
         match &self.peers {
             Some(p) => p.fetch(r).await,
@@ -724,27 +700,6 @@ impl ChunkSource for TieredSource {
             p.refused(r);
         }
     }
-}
-
-/// Of the store's listing, the steps another node drained its ranks of (manifests there, no
-/// commit yet) and `rank`'s node did not: older than `newest`, newer than `drained` and than
-/// the store's newest commit. Newest first.
-fn to_follow(newest: u64, drained: Option<u64>, remote: &[StepListing], rank: u32) -> Vec<u64> {
-    let committed = remote.iter().filter(|s| s.committed).map(|s| s.step).max();
-    let mut out: Vec<u64> = remote
-        .iter()
-        .filter(|s| {
-            !s.committed
-                && !s.ranks.is_empty()
-                && !s.ranks.contains(&rank)
-                && s.step < newest
-                && drained.is_none_or(|d| s.step > d)
-                && committed.is_none_or(|c| s.step > c)
-        })
-        .map(|s| s.step)
-        .collect();
-    out.sort_unstable_by(|a, b| b.cmp(a));
-    out
 }
 
 /// The steps of `run` committed in either tier, newest last.
@@ -763,44 +718,4 @@ pub(crate) fn committed_in_either(
         all.extend(remote.log().committed_steps(run).await?);
         Ok(all.into_iter().collect())
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn listed(step: u64, committed: bool, ranks: &[u32]) -> StepListing {
-        StepListing {
-            step,
-            committed,
-            node_commit: false,
-            ranks: ranks.to_vec(),
-            last_modified: chrono::DateTime::UNIX_EPOCH,
-            meta_bytes: 0,
-        }
-    }
-
-    #[test]
-    fn a_node_follows_only_steps_other_nodes_drained_past_the_stores_newest_commit() {
-        let remote = [
-            listed(1, true, &[0, 1, 2]),
-            listed(2, false, &[0]),
-            listed(3, false, &[0, 2]),
-            listed(4, false, &[1]),
-            listed(5, true, &[0, 1, 2]),
-            listed(6, false, &[0, 2]),
-            listed(7, false, &[]),
-            listed(8, false, &[2]),
-            listed(9, false, &[0]),
-        ];
-        // Rank 1's node, about to drain 9: 6 and 8 (not 7, nothing there; not 4, its own; not
-        // 2 or 3, older than the commit of 5), newest first.
-        assert_eq!(to_follow(9, None, &remote, 1), vec![8, 6]);
-        // Only older than the step it is about to drain, newer than what it drained.
-        assert_eq!(to_follow(8, None, &remote, 1), vec![6]);
-        assert_eq!(to_follow(9, Some(6), &remote, 1), vec![8]);
-        // Rank 0's node drained 6 and 9 already.
-        assert_eq!(to_follow(10, None, &remote, 0), vec![8]);
-        assert!(to_follow(10, None, &[], 0).is_empty());
-    }
 }
