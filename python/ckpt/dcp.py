@@ -31,8 +31,14 @@ pause that doubles up to 30 s, until it succeeds or a newer step supersedes it; 
 that exits meanwhile warns which step stays local only, and ``ckpt drain --local-tier DIR``
 finishes it. ``StorageReader`` loads the newest step of either, reading the local tier first
 and a chunk missing or damaged there from the store; after the load its coordinator drains a
-step a killed process left in the tier only. Every rank must see the same tier (one machine,
-or a shared file system).
+step a killed process left in the tier only.
+
+Several machines, each with its own tier (``local_tier=`` naming a directory on each
+machine's disk, or ``ckpt agent --local-tier``): the ranks of each machine (told apart by the
+kernel's boot id, or ``node_ranks=``) commit in their machine's tier, and each machine drains
+its ranks; the drain that brings the last machine's ranks commits the step on the store.
+``StorageReader`` then loads the store's newest step, each chunk from the machine's tier
+first.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ import socket
 import threading
 import time
 import warnings
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy
 import torch
@@ -126,21 +132,35 @@ def _store(store: Union[str, Store]) -> Store:
     return store if isinstance(store, Store) else Store(str(store))
 
 
-def _local_tier(local_tier: Union[str, Store, None], run: str) -> Optional[Store]:
+def _local_tier(
+    local_tier: Union[str, Store, None], run: str, node_ranks: Optional[Sequence[int]]
+) -> Tuple[Optional[Store], Optional[List[int]]]:
     """The local tier given, else the one ``ckpt resume --local-tier`` launched this process
-    with (for ``run``), else None."""
+    with (for ``run``), else None; and the ranks of this machine when each machine has its
+    own tier (given, else ``ckpt agent --local-tier``'s), else None."""
     if local_tier is None:
         env = resume_env()
         if env is not None and env.run == run:
             local_tier = env.local_tier
-            if local_tier is not None and env.local_tier_ranks is not None:
-                raise CkptError(
-                    "ckpt.dcp with a local tier needs every rank to share it, but "
-                    f"`ckpt agent --local-tier` gave each machine its own ({local_tier}): use "
-                    "ckpt.CheckpointManager (it commits each machine's ranks in its tier), or "
-                    "run the agents without --local-tier"
-                )
-    return None if local_tier is None else _store(local_tier)
+            if local_tier is not None and node_ranks is None:
+                node_ranks = env.local_tier_ranks
+    if local_tier is None:
+        if node_ranks is not None:
+            raise CkptError(
+                f"node_ranks {list(node_ranks)} names the ranks of a machine that commit in its "
+                "own local tier, but no local tier is set: pass local_tier=, or leave "
+                "node_ranks out"
+            )
+        return None, None
+    return _store(local_tier), None if node_ranks is None else sorted({int(r) for r in node_ranks})
+
+
+def _node_of(machines: List[Any]) -> Optional[List[List[int]]]:
+    """Each rank's machine's ranks, where the ranks (in order, by the machine each said it runs
+    on) span more than one machine; None on one machine."""
+    if len(set(machines)) < 2:
+        return None
+    return [[r for r, m in enumerate(machines) if m == mine] for mine in machines]
 
 
 def _dist_rank_world(kwargs: dict) -> "tuple[int, int]":
@@ -160,7 +180,14 @@ class StorageWriter(_DcpStorageWriter):
     ``local_tier``: write and commit the step in this local tier (a directory or a
     ``ckpt.Store``), then drain it to ``store`` behind the training (see the module docs);
     ``drain="wait"`` drains within ``finish`` instead; the tier keeps its newest
-    ``keep_local`` steps; ``drain_rate`` (stored bytes a second) caps the drain's speed."""
+    ``keep_local`` steps; ``drain_rate`` (stored bytes a second) caps the drain's speed.
+
+    A job of several machines, each with its own local tier (the same path on each machine's
+    disk, or ``ckpt agent --local-tier``): each machine's ranks commit in its tier (a node
+    commit, by the machine's first rank, the coordinator on its machine), and each machine
+    drains its ranks; the drain that brings the last machine's ranks commits the step on the
+    store. The machines are told apart by their kernel's boot id; ``node_ranks`` (this
+    machine's ranks) says it instead."""
 
     def __init__(
         self,
@@ -172,6 +199,7 @@ class StorageWriter(_DcpStorageWriter):
         keep_local: int = 2,
         drain: str = "background",
         drain_rate: Optional[float] = None,
+        node_ranks: Optional[Sequence[int]] = None,
     ) -> None:
         super().__init__()
         if drain not in ("background", "wait"):
@@ -185,6 +213,14 @@ class StorageWriter(_DcpStorageWriter):
             raise CkptError("keep_local must keep at least 1 step in the local tier")
         self._local_arg = local_tier
         self._local: Optional[Store] = None
+        self._node_arg = None if node_ranks is None else [int(r) for r in node_ranks]
+        if node_ranks is not None:
+            _local_tier(local_tier, run, node_ranks)  # refuses node_ranks without a tier
+        #: This machine's ranks, when each machine of the job has its own local tier.
+        self._node: Optional[List[int]] = None
+        #: The rank that commits this machine's ranks: the coordinator on its machine, else
+        #: the machine's first rank.
+        self._node_committer: Optional[int] = None
         self._keep_local = int(keep_local)
         self._drain_mode = drain
         self._drainer: Optional[_Drainer] = None
@@ -226,10 +262,15 @@ class StorageWriter(_DcpStorageWriter):
         if self._store is None:
             self._store = _store(self._store_arg)
         if self._local is None:
-            self._local = _local_tier(self._local_arg, self.run)
+            self._local, self._node = _local_tier(self._local_arg, self.run, self._node_arg)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
+        if self._local is None:
+            return plan
+        # Which machine (and tier) this rank writes on: the coordinator groups the ranks.
+        return dataclasses.replace(
+            plan, storage_data={"machine": _machine(), "node": self._node, "rank": self.rank}
+        )
 
     def prepare_global_plan(self, plans: List[SavePlan]) -> List[SavePlan]:
         # The coordinator decides what every rank must agree on: the world (the ranks of the
@@ -238,7 +279,32 @@ class StorageWriter(_DcpStorageWriter):
         if generation is None:
             generation = self._run_generation()
         shared = {"world": len(plans), "generation": generation}
-        return [dataclasses.replace(p, storage_data=shared) for p in plans]
+        if self._local is None:
+            return [dataclasses.replace(p, storage_data=shared) for p in plans]
+        said = [p.storage_data if isinstance(p.storage_data, dict) else {} for p in plans]
+        # Each machine's ranks (as given, else by the machine each rank runs on); with more
+        # than one machine, each commits its ranks in its own tier.
+        ranks = [d.get("rank", i) for i, d in enumerate(said)]
+        found = _node_of([d.get("machine") for d in said])
+        nodes = []
+        for i, d in enumerate(said):
+            node = d.get("node")
+            if node is None and found is not None:
+                node = sorted(ranks[j] for j in found[i])
+            nodes.append(node)
+        return [
+            dataclasses.replace(
+                p,
+                storage_data={
+                    **shared,
+                    "node": node,
+                    "committer": None
+                    if node is None
+                    else (self.rank if self.rank in node else min(node)),
+                },
+            )
+            for p, node in zip(plans, nodes)
+        ]
 
     def _run_generation(self) -> int:
         """The newest generation started for the run: the store's, and with a local tier the
@@ -267,14 +333,29 @@ class StorageWriter(_DcpStorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[List[WriteResult]]:
         if self._store is None:
             self._store = _store(self._store_arg)
+        if self._local is None:
+            self._local, self._node = _local_tier(self._local_arg, self.run, self._node_arg)
         if isinstance(plan.storage_data, dict) and "world" in plan.storage_data:
             self.world = plan.storage_data["world"]
             self.generation = plan.storage_data["generation"]
-        if self._local is None:
-            self._local = _local_tier(self._local_arg, self.run)
+            if plan.storage_data.get("node") is not None:
+                self._node = list(plan.storage_data["node"])
+                self._node_committer = plan.storage_data["committer"]
+        if self._node is not None and self.rank not in self._node:
+            raise CkptError(
+                f"node_ranks {self._node} must list this rank ({self.rank}): the ranks of its "
+                "machine"
+            )
+        if self._node is not None and self._node_committer is None:
+            self._node_committer = min(self._node)
         target = self._local if self._local is not None else self._store
         writer = target.rank_writer(
-            self.run, self.step, self.rank, self.world, self.generation
+            self.run,
+            self.step,
+            self.rank,
+            self.world,
+            self.generation,
+            node_first=None if self._node is None else min(self._node),
         )
         tensors, blobs, keep, results = [], [], [], []
         for item in plan.items:
@@ -314,6 +395,10 @@ class StorageWriter(_DcpStorageWriter):
             self._writer = writer
         else:
             self.report = writer.finish()
+            if self._node is not None and self._node_committer == self.rank:
+                # This machine's ranks are all written (or written soon): commit them in its
+                # tier and drain them; the coordinator does so for its own machine in finish.
+                self._commit_node()
         fut: Future[List[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -338,6 +423,11 @@ class StorageWriter(_DcpStorageWriter):
         if self._local is None:
             self._store.commit(self.run, self.step, self.generation)
             return
+        if self._node is not None:
+            self._commit_node()
+            if self._drain_mode == "wait":
+                self._wait_remote_commit()
+            return
         # Local-durable; then remote-durable once the drain commits it on the store. (The
         # process's drainer, when new, looks for a step a killed process left undrained
         # before this one is committed.)
@@ -349,6 +439,31 @@ class StorageWriter(_DcpStorageWriter):
         if self._drain_mode == "wait":
             self.wait_drained()
 
+    def _commit_node(self) -> None:
+        """One machine of several: commit its ranks in its tier (local-durable on this
+        machine), then drain them to the store."""
+        self._drainer = _Drainer.of(self._local, self._store, self.run, node=self.rank)
+        self._local.commit_node(self.run, self.step, self.generation, self._node)
+        self._drainer.submit(self.step, self.generation, self._keep_local, self._drain_rate)
+        if self._drain_mode == "wait":
+            self.wait_drained()
+
+    def _wait_remote_commit(self, timeout: float = 600.0) -> None:
+        """The coordinator of a job of several machines, ``drain="wait"``: wait until the
+        last machine's drain committed the step on the store."""
+        deadline = time.monotonic() + timeout
+        pause = 0.02
+        while self.step not in self._store.committed_steps(self.run):
+            if time.monotonic() >= deadline:
+                raise CkptError(
+                    f"run {self.run!r} step {self.step}: this machine's ranks are on "
+                    f"{self._store.url}, but the step is not committed there after {timeout:.0f} "
+                    "s: another machine's ranks are not drained yet (each machine's job, or "
+                    "`ckpt drain --local-tier DIR` there, drains them)"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.2)
+
     def wait_drained(self, timeout: Optional[float] = None) -> Optional[dict]:
         """With a local tier, on the coordinator: wait until the step is committed on the
         store (remote-durable); the drain's figures (``objects_sent``, ``bytes_sent``,
@@ -358,7 +473,9 @@ class StorageWriter(_DcpStorageWriter):
         ``CkptError`` (naming the last failure) when ``timeout`` seconds pass first; without
         it, the first failure is raised (the tries go on). A failure no try mends (fenced by a
         newer job, a damaged local chunk) is raised at once. None without a local tier or on
-        other ranks."""
+        other ranks. With a tier per machine, on each machine's committing rank: the drain of
+        this machine's ranks, whose ``remote_committed`` says whether the step is committed on
+        the store yet (the last machine's drain commits it)."""
         if self._drainer is None:
             return None
         return self._drainer.wait(self.step, timeout)
@@ -404,25 +521,33 @@ class _Drainer:
     The thread is not a daemon (the interpreter waits for the drain in flight before it
     exits) and ends when nothing waits; once the main thread has ended it tries no more, and
     a step left undrained is named in a ``RuntimeWarning`` with the ``ckpt drain`` command
-    that finishes it."""
+    that finishes it.
 
-    _all: Dict[Tuple[str, str, str], "_Drainer"] = {}
+    One machine of several (``node``, the rank that drains the machine's ranks): the tier
+    holds node commits, each drain brings this machine's ranks, and before its newest step a
+    machine drains an older one another machine already drained (it *follows*), so machines
+    that skip steps by their own timing still bring the store whole steps."""
+
+    _all: Dict[Tuple[str, str, str, Optional[int]], "_Drainer"] = {}
     _all_lock = threading.Lock()
     first_backoff = 1.0
     max_backoff = 30.0
     kept_outcomes = 256
 
     @classmethod
-    def of(cls, local: Store, store: Store, run: str) -> "_Drainer":
-        key = (local.url, store.url, run)
+    def of(cls, local: Store, store: Store, run: str, node: Optional[int] = None) -> "_Drainer":
+        key = (local.url, store.url, run, node)
         with cls._all_lock:
             d = cls._all.get(key)
             if d is None:
-                d = cls._all[key] = _Drainer(local, store, run)
+                d = cls._all[key] = _Drainer(local, store, run, node)
             return d
 
-    def __init__(self, local: Store, store: Store, run: str) -> None:
+    def __init__(self, local: Store, store: Store, run: str, node: Optional[int] = None) -> None:
         self._local, self._store, self._run = local, store, run
+        self._node = node
+        #: The newest step this drainer drained.
+        self._drained: Optional[int] = None
         self._cond = threading.Condition()
         #: The step waiting for the drain: (step, generation, keep_local, rate).
         self._waiting: Optional[Tuple[int, Optional[int], Optional[int], Optional[float]]] = None
@@ -439,7 +564,10 @@ class _Drainer:
         # (unknown while the store does not answer: the next drain supersedes it all the same).
         self._left: Optional[int] = None
         try:
-            local_steps, remote_steps = local.committed_steps(run), store.committed_steps(run)
+            local_steps = (
+                local.committed_steps(run) if node is None else local.node_committed_steps(run)
+            )
+            remote_steps = store.committed_steps(run)
         except CkptError:
             local_steps, remote_steps = [], []
         if local_steps and (not remote_steps or local_steps[-1] > remote_steps[-1]):
@@ -500,6 +628,17 @@ class _Drainer:
                 self._waiting = None
                 self._inflight = job[0]
             step, generation, keep_local, rate = job
+            older = self._follow(step, generation)
+            if older is not None:
+                # The newest waits again, behind the step another machine drained.
+                with self._cond:
+                    if self._waiting is None:
+                        self._waiting = job
+                    elif self._waiting[0] > step:
+                        self._skip(step, self._waiting[0])
+                    self._inflight = older
+                job = (older, generation, keep_local, rate)
+                step = older
             try:
                 out: Union[dict, BaseException] = self._local.drain_to(
                     self._store,
@@ -508,10 +647,30 @@ class _Drainer:
                     generation=generation,
                     keep_local=keep_local,
                     rate=rate,
+                    node=self._node,
                 )
                 backoff = self.first_backoff
+                self._drained = step if self._drained is None else max(self._drained, step)
             except BaseException as e:  # reported by wait
                 out = e
+            if older is not None and not isinstance(out, dict):
+                # A followed step failed: the newest (waiting again) is tried after a pause,
+                # and follows it again then if the store still needs it.
+                with self._cond:
+                    self._inflight = None
+                    self._settle(step, out)
+                    deadline = time.monotonic() + backoff
+                    while threading.main_thread().is_alive() and time.monotonic() < deadline:
+                        self._cond.wait(min(0.2, max(0.0, deadline - time.monotonic())))
+                    if not threading.main_thread().is_alive():
+                        # The process is exiting: no more tries.
+                        newest, self._waiting = self._waiting, None
+                        if newest is not None:
+                            self._settle(newest[0], out)
+                            self._undrained_at_exit(newest[0], out)
+                        self._cond.notify_all()
+                backoff = min(backoff * 2, self.max_backoff)
+                continue
             with self._cond:
                 self._inflight = None
                 verdict = "done" if isinstance(out, dict) else self._after_failure(job, out)
@@ -538,6 +697,26 @@ class _Drainer:
                     self._settle(step, out)
                     self._cond.notify_all()
                     self._undrained_at_exit(step, out)
+
+    def _follow(self, newest: int, generation: Optional[int]) -> Optional[int]:
+        """One machine of several: the older step to drain before ``newest`` (see the class
+        docs), if any."""
+        if self._node is None or generation is None:
+            return None
+        try:
+            older = self._local.step_to_follow(
+                self._store, self._run, newest, self._node, generation, drained=self._drained
+            )
+        except CkptError:
+            return None  # the store does not answer: the drain's own tries say so
+        if older is not None:
+            warnings.warn(
+                f"run {self._run!r}: another machine drained step {older} to "
+                f"{self._store.url}; this machine drains its ranks of it before step {newest}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return older
 
     def _pending(self, step: int) -> bool:
         """Whether `step` waits for its drain, is being drained, or is to be tried again."""
@@ -627,7 +806,13 @@ class StorageReader(_DcpStorageReader):
     ``local_tier``: the newest step of the tier and the store; a step committed in the tier
     is read there, each chunk missing or damaged there from the store. After the load, the
     coordinator drains to the store a newest step a killed process left in the tier only
-    (behind the training, as the writer's drain: ``drain_rate`` caps it)."""
+    (behind the training, as the writer's drain: ``drain_rate`` caps it).
+
+    A tier per machine (``node_ranks``, or ``ckpt agent --local-tier``): the step is the
+    store's (a step is whole only there), each chunk read from this machine's tier first,
+    hash-checked, and from the store where the tier lacks it or holds it damaged; after the
+    load, each machine's first rank drains what a killed process left in its tier only.
+    (Under ``ckpt resume`` the agents drain it before the step to resume from is chosen.)"""
 
     def __init__(
         self,
@@ -636,6 +821,7 @@ class StorageReader(_DcpStorageReader):
         step: Optional[int] = None,
         local_tier: Union[str, Store, None] = None,
         drain_rate: Optional[float] = None,
+        node_ranks: Optional[Sequence[int]] = None,
     ) -> None:
         super().__init__()
         if drain_rate is not None and not float(drain_rate) > 0:
@@ -645,9 +831,14 @@ class StorageReader(_DcpStorageReader):
         self._drain_rate = None if drain_rate is None else float(drain_rate)
         self._local_arg = local_tier
         self._local: Optional[Store] = None
+        self._node_arg = None if node_ranks is None else [int(r) for r in node_ranks]
+        if node_ranks is not None:
+            _local_tier(local_tier, run, node_ranks)  # refuses node_ranks without a tier
+        self._node: Optional[List[int]] = None
         self._store_arg = store
         self.run = run
         self.step = None if step is None else int(step)
+        self.rank = 0
         self._store: Optional[Store] = None
         self._reader = None
         self._dtypes: dict = {}
@@ -672,7 +863,7 @@ class StorageReader(_DcpStorageReader):
         if self._store is None:
             self._store = _store(self._store_arg)
         if self._local is None:
-            self._local = _local_tier(self._local_arg, self.run)
+            self._local, self._node = _local_tier(self._local_arg, self.run, self._node_arg)
         step = self.step
         if step is None:
             collective = (
@@ -682,7 +873,7 @@ class StorageReader(_DcpStorageReader):
             if not collective or dist.get_rank() == 0:
                 try:
                     found = self._store.latest_committed(self.run)
-                    if self._local is not None:
+                    if self._local is not None and self._node is None:
                         here = self._local.latest_committed(self.run)
                         if here is not None and (found is None or here > found):
                             found = here
@@ -699,7 +890,9 @@ class StorageReader(_DcpStorageReader):
             if found is None:
                 raise CkptError(f"run {self.run!r} has no committed step")
             step = found
-        if self._local is not None and step in self._local.committed_steps(self.run):
+        if self._node is not None:
+            self._reader = self._store.open_step(self.run, step, source=self._local)
+        elif self._local is not None and step in self._local.committed_steps(self.run):
             self._reader = self._local.open_step(self.run, step, fallback=self._store)
         else:
             self._reader = self._store.open_step(self.run, step)
@@ -746,6 +939,7 @@ class StorageReader(_DcpStorageReader):
     ) -> None:
         self.storage_data = metadata.storage_data
         self.is_coordinator = is_coordinator
+        self.rank = _dist_rank_world(kwargs)[0]
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         # Which page cache this rank reads through: the coordinator shares reads only among
@@ -848,7 +1042,12 @@ class StorageReader(_DcpStorageReader):
                 flush(kind)
         flush(False)
         flush(True)
-        if self._local is not None and self.is_coordinator:
+        if self._node is not None:
+            if self.rank == min(self._node):
+                _Drainer.of(self._local, self._store, self.run, node=self.rank).resume_left(
+                    self._drain_rate
+                )
+        elif self._local is not None and self.is_coordinator:
             # A step a killed process left in the tier and not on the store drains behind
             # the training from now on (the first save supersedes it if it comes first).
             _Drainer.of(self._local, self._store, self.run).resume_left(self._drain_rate)

@@ -189,6 +189,23 @@ class CheckpointManager:
         self._trainable_ptrs = {
             t.detach().data_ptr() for t in (trainable or []) if isinstance(t, torch.Tensor)
         }
+        # The ranks agree on a SIGTERM, and find which of them share a machine, through a
+        # gloo group (CPU tensors whatever the default backend is); created by every rank, as
+        # `new_group` must be.
+        group = None
+        detect = local_tier is not None and node_ranks is None
+        if distributed and self.world > 1 and (final_on_sigterm or detect):
+            group = dist.new_group(backend="gloo")
+        if detect and group is not None:
+            # A local tier given to the ranks of several machines is each machine's own: each
+            # machine's ranks commit there (a node commit), as `node_ranks=` says.
+            import ckpt.dcp
+
+            machines: List[Any] = [None] * self.world
+            dist.all_gather_object(machines, ckpt.dcp._machine(), group=group)
+            found = ckpt.dcp._node_of(machines)
+            if found is not None:
+                node_ranks = found[self.rank]
         self.store = _store(store)
         self._native = Manager(
             self.store,
@@ -213,11 +230,7 @@ class CheckpointManager:
             node_processes=_node_processes(node_processes),
             node_ranks=None if node_ranks is None else [int(r) for r in node_ranks],
         )
-        # The ranks agree on a SIGTERM through a gloo group (CPU tensors whatever the default
-        # backend is); created by every rank, as `new_group` must be.
-        self._group = None
-        if final_on_sigterm and distributed and self.world > 1:
-            self._group = dist.new_group(backend="gloo")
+        self._group = group if final_on_sigterm else None
 
     # -- the loop's calls -------------------------------------------------------------------
 

@@ -241,8 +241,11 @@ impl Store {
 
     /// Start `rank`'s part of `step` of `run` in a world of `world` ranks. Takes a writer
     /// lease and, when `run` has a committed step before `step`, skips the chunks this rank
-    /// wrote there (dedup).
-    #[pyo3(signature = (run, step, rank, world, generation=0))]
+    /// wrote there (dedup). `node_first`: this store is the local tier of one machine of
+    /// several, whose first rank is `node_first`: the dedup base is a step its node commit
+    /// holds ([`Store::commit_node`]).
+    #[pyo3(signature = (run, step, rank, world, generation=0, node_first=None))]
+    #[allow(clippy::too_many_arguments)] // Python's keyword arguments
     fn rank_writer(
         &self,
         py: Python<'_>,
@@ -251,6 +254,7 @@ impl Store {
         rank: u32,
         world: u32,
         generation: u64,
+        node_first: Option<u32>,
     ) -> PyResult<RankWriter> {
         let layout = Layout::new(world, 1, 1, 0).map_err(err)?;
         let parts = RankParts::new(RankWrite {
@@ -265,23 +269,43 @@ impl Store {
         let store = self.store.clone();
         let run = run.to_string();
         let (lease, index) = block(py, async move {
-            let base = store
-                .log()
-                .committed_steps(&run)
-                .await?
-                .into_iter()
-                .rfind(|&s| s < step);
-            let candidates: Vec<u64> = base.into_iter().collect();
-            let lease = store
-                .gc()
-                .lease_dedup_base(&run, &writer_id(rank, generation), &candidates)
-                .await?;
+            let log = store.log();
+            let steps = match node_first {
+                Some(_) => log.node_committed_steps(&run).await?,
+                None => log.committed_steps(&run).await?,
+            };
+            let candidates: Vec<u64> = steps.into_iter().rfind(|&s| s < step).into_iter().collect();
+            let writer = writer_id(rank, generation);
+            let gc = store.gc();
+            let lease = match node_first {
+                Some(first) => {
+                    gc.lease_node_dedup_base(&run, &writer, first, &candidates)
+                        .await?
+                }
+                None => gc.lease_dedup_base(&run, &writer, &candidates).await?,
+            };
             let index = DedupIndex::new();
             if let Some(b) = lease.base() {
                 let seeded = async {
-                    let reader = ckpt_store::StepReader::open(&store, &run, b).await?;
-                    if reader.commit().ranks.iter().any(|r| r.rank == rank) {
-                        let m = reader.manifest(rank).await?;
+                    // This rank's entry in the base's commit (the node's, on one machine of
+                    // several), and its manifest checked against it.
+                    let entry = match node_first {
+                        Some(_) => log
+                            .read_node_commits(&run, b)
+                            .await?
+                            .into_iter()
+                            .flat_map(|c| c.ranks)
+                            .find(|e| e.rank == rank),
+                        None => ckpt_store::StepReader::open(&store, &run, b)
+                            .await?
+                            .commit()
+                            .ranks
+                            .iter()
+                            .find(|e| e.rank == rank)
+                            .cloned(),
+                    };
+                    if let Some(e) = entry {
+                        let m = log.read_rank_manifest(&run, b, rank, Some(&e)).await?;
                         index.extend(m.tensors.iter().flat_map(|t| t.chunks.iter()));
                         index.extend(m.blobs.iter().flat_map(|b| b.chunks.iter()));
                     }
@@ -320,16 +344,86 @@ impl Store {
         })
     }
 
+    /// One machine of several, this store its local tier: wait until `ranks` (the machine's
+    /// ranks) wrote their manifests of `step` under `generation`, then commit them here (a
+    /// node commit; the drains of every machine commit the step on the remote store, see
+    /// `drain_to(node=True)`). Waits up to `timeout` seconds. Returns the ranks committed.
+    #[pyo3(signature = (run, step, generation, ranks, timeout=600.0))]
+    fn commit_node(
+        &self,
+        py: Python<'_>,
+        run: &str,
+        step: u64,
+        generation: u64,
+        ranks: Vec<u32>,
+        timeout: f64,
+    ) -> PyResult<Vec<u32>> {
+        if !(timeout.is_finite() && timeout >= 0.0) {
+            return Err(err(Error::invalid(format!(
+                "a commit timeout must be a number of seconds, not {timeout}"
+            ))));
+        }
+        let within = (
+            std::time::Duration::from_millis(50),
+            std::time::Duration::from_secs_f64(timeout),
+        );
+        let c = block(
+            py,
+            self.store
+                .log()
+                .commit_node(run, step, generation, &ranks, within),
+        )?;
+        Ok(c.rank_numbers())
+    }
+
+    /// The steps of `run` with a node commit here (one machine's local tier of several),
+    /// oldest first.
+    fn node_committed_steps(&self, py: Python<'_>, run: &str) -> PyResult<Vec<u64>> {
+        block(py, self.store.log().node_committed_steps(run))
+    }
+
+    /// This store a machine's local tier of several, `rank` one of its ranks, about to drain
+    /// `newest`: the newest older step another machine already drained to `remote` and this
+    /// machine committed in `generation` here, which it drains first (else machines that skip
+    /// steps by their own timing may drain disjoint steps, and `remote` gets none whole).
+    #[pyo3(signature = (remote, run, newest, rank, generation, drained=None))]
+    #[allow(clippy::too_many_arguments)] // Python's keyword arguments
+    fn step_to_follow(
+        &self,
+        py: Python<'_>,
+        remote: &Store,
+        run: &str,
+        newest: u64,
+        rank: u32,
+        generation: u64,
+        drained: Option<u64>,
+    ) -> PyResult<Option<u64>> {
+        block(
+            py,
+            ckpt_store::node_step_to_follow(
+                &self.store,
+                &remote.store,
+                run,
+                (newest, drained),
+                rank,
+                generation,
+            ),
+        )
+    }
+
     /// Open committed `step` of `run` for reading (the newest committed step when None).
     /// `fallback`: a store that holds the same step (the remote store under a local tier):
-    /// a chunk missing or damaged here is read from it.
-    #[pyo3(signature = (run, step=None, fallback=None))]
+    /// a chunk missing or damaged here is read from it. `source`: a store whose chunks are
+    /// read first, each hash-checked (a machine's local tier under this remote store); what it
+    /// lacks or holds damaged is read here.
+    #[pyo3(signature = (run, step=None, fallback=None, source=None))]
     fn open_step(
         &self,
         py: Python<'_>,
         run: &str,
         step: Option<u64>,
         fallback: Option<&Store>,
+        source: Option<&Store>,
     ) -> PyResult<StepReader> {
         let store = self.store.clone();
         let run = run.to_string();
@@ -343,6 +437,10 @@ impl Store {
             Some(f) => reader.with_fallback(f.store.clone()),
             None => reader,
         };
+        let reader = match source {
+            Some(s) => reader.with_source(Arc::new(ckpt_store::TierSource::new(s.store.clone()))),
+            None => reader,
+        };
         Ok(StepReader {
             reader: Arc::new(reader),
         })
@@ -354,7 +452,13 @@ impl Store {
     /// `keep_local` committed steps here. `rate`: send at most this many stored bytes a
     /// second. Returns the drain's figures (`objects_sent`, `bytes_sent`, `objects_present`,
     /// `bytes_present`, `seconds`).
-    #[pyo3(signature = (remote, run, step, generation=None, keep_local=None, rate=None))]
+    ///
+    /// `node`: this store is one machine's local tier of several, `node` one of its ranks:
+    /// drain the machine's ranks of `step` (its node commit) and commit the step on `remote`
+    /// when every other machine's ranks are there already (`remote_committed` says whether
+    /// this drain did or found it so); the local retention keeps the steps other machines
+    /// drained that this one may still follow (`step_to_follow`).
+    #[pyo3(signature = (remote, run, step, generation=None, keep_local=None, rate=None, node=None))]
     #[allow(clippy::too_many_arguments)] // Python's keyword arguments
     fn drain_to<'py>(
         &self,
@@ -365,6 +469,7 @@ impl Store {
         generation: Option<u64>,
         keep_local: Option<usize>,
         rate: Option<f64>,
+        node: Option<u32>,
     ) -> PyResult<Bound<'py, PyDict>> {
         if let Some(r) = rate
             && !(r.is_finite() && r > 0.0)
@@ -382,12 +487,24 @@ impl Store {
                 pace: rate.map(ckpt_store::rate_pace),
                 ..Default::default()
             };
-            let r = ckpt_store::drain_step(&local, &remote, &run_s, step, &opts).await?;
+            let r = match node {
+                Some(_) => ckpt_store::drain_node(&local, &remote, &run_s, step, &opts).await?,
+                None => ckpt_store::drain_step(&local, &remote, &run_s, step, &opts).await?,
+            };
             if let Some(k) = keep_local {
+                let mut protect = vec![(run_s.clone(), step)];
+                if let Some(rank) = node {
+                    let listing = remote.log().list_steps(&run_s).await?;
+                    protect.extend(
+                        ckpt_store::steps_to_follow(u64::MAX, None, &listing, rank)
+                            .into_iter()
+                            .map(|s| (run_s.clone(), s)),
+                    );
+                }
                 let gc = ckpt_store::GcOptions {
                     keep_last: Some(k.max(1)),
                     runs: vec![run_s.clone()],
-                    protect: vec![(run_s.clone(), step)],
+                    protect,
                     ..Default::default()
                 };
                 local.gc().run(&gc, local.now()).await?;
@@ -401,6 +518,7 @@ impl Store {
         d.set_item("objects_present", r.objects_present)?;
         d.set_item("bytes_present", r.bytes_present)?;
         d.set_item("seconds", r.seconds)?;
+        d.set_item("remote_committed", r.remote_committed)?;
         Ok(d)
     }
 

@@ -135,13 +135,19 @@ def manager_roundtrip(rank, world, port, store, run, local_tier=None, per_machin
     """The native manager: save Shard(0) (every rank what it holds), restore Shard(1) and
     Replicate() in fresh managers, each equal to the saved state (non-tensor items too).
     `local_tier`: every manager saves to and restores from that tier under `store`;
-    `per_machine`: each rank as a machine of its own, with its own tier below `local_tier`."""
+    `per_machine`: each rank as a machine of its own, with its own tier below `local_tier`,
+    given as `node_ranks` (True) or found by the machine each rank says it runs on
+    ("detected")."""
     import ckpt
+    import ckpt.dcp
 
     node_ranks = None
     if per_machine:
         local_tier = os.path.join(local_tier, f"node-{rank}")
-        node_ranks = [rank]
+        if per_machine == "detected":
+            ckpt.dcp._machine = lambda: f"machine-{rank}"
+        else:
+            node_ranks = [rank]
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -303,6 +309,106 @@ def replicas_load(rank, world, port, store, out, how):
         assert_same(got, state, f"rank {rank}")
         with open(f"{out}-{rank}", "w") as f:
             f.write(str(read))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def stepped(full, step):
+    """`full` with every model weight moved by `step`: each step's state differs."""
+    out = copy.deepcopy(full)
+    for k, v in out["model"].items():
+        out["model"][k] = v + step
+    return out
+
+
+def dcp_machine_tiers(rank, world, port, store, tiers, run, how):
+    """Two "machines" of world / 2 ranks, each with its own local tier below `tiers`
+    (machine-0, machine-1), told apart by `node_ranks=` (`how` "given") or by the machine
+    each rank says it runs on (`how` "detected"). Saves steps 1-3 through the tiers (1 and 2
+    with drain="wait"), loads step 3 resharded from the tiers; reads machine 0's shards from
+    its tier with the store's chunks gone; then loads again with machine 1's tier lost and
+    every chunk of machine 0's damaged, from the store. Each load must equal the saved
+    state."""
+    import shutil
+
+    import ckpt
+    import ckpt.dcp
+
+    half = world // 2
+    machine = rank // half
+    node = list(range(machine * half, (machine + 1) * half))
+    tier = os.path.join(tiers, f"machine-{machine}")
+    node_ranks = node if how == "given" else None
+    if how == "detected":
+        ckpt.dcp._machine = lambda: f"machine-{machine}"
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = dist.device_mesh.init_device_mesh("cpu", (world,))
+        full = full_state()
+        for step in (1, 2, 3):
+            w = StorageWriter(
+                store,
+                run=run,
+                step=step,
+                local_tier=tier,
+                node_ranks=node_ranks,
+                drain="wait" if step < 3 else "background",
+            )
+            dcp.save(distribute(stepped(full, step), mesh, lambda t: Shard(0)), storage_writer=w)
+            if step < 3 and rank == 0:
+                # drain="wait": the coordinator returns once the store has the step whole.
+                assert step in ckpt.Store(store).committed_steps(run), step
+            if rank == min(node):
+                out = w.wait_drained(timeout=120)
+                assert out is not None and "remote_committed" in out, out
+            else:
+                assert w.wait_drained() is None
+        dist.barrier()
+        want = stepped(full, 3)
+
+        def load(what):
+            mine = distribute(placeholder(full), mesh, shard1)
+            r = StorageReader(store, run=run, local_tier=tier, node_ranks=node_ranks)
+            dcp.load(mine, storage_reader=r)
+            assert r.checkpoint_step == 3, r.checkpoint_step
+            assert_same(mine, want, f"rank {rank}, {what}")
+
+        load("through the tiers")
+        dist.barrier()
+        # With the store's chunks gone (kept aside), machine 0's shards of the step come from
+        # its tier alone (no machine can load the whole step so: the other's shards and the
+        # coordinator's metadata are on the store only).
+        if rank == 0:
+            for d in ("chunks", "packs"):
+                if os.path.exists(os.path.join(store, d)):
+                    shutil.move(os.path.join(store, d), os.path.join(tiers, f"store-{d}"))
+            reader = ckpt.Store(store).open_step(run, 3, source=ckpt.Store(tier))
+            rows = torch.zeros(2 * half, 6)
+            reader.read_into("model.0.weight", [0, 0], [2 * half, 6], rows.view(torch.uint8).numpy())
+            assert torch.equal(rows, want["model"]["0.weight"][: 2 * half]), "from the tier"
+            for d in ("chunks", "packs"):
+                if os.path.exists(os.path.join(tiers, f"store-{d}")):
+                    shutil.move(os.path.join(tiers, f"store-{d}"), os.path.join(store, d))
+        dist.barrier()
+        # Machine 1 lost with its tier, every chunk of machine 0's tier damaged: from the store.
+        if rank == 0:
+            shutil.rmtree(os.path.join(tiers, "machine-1"))
+            os.makedirs(os.path.join(tiers, "machine-1"))
+            damaged = 0
+            for kind in ("chunks", "packs"):
+                for d, _, files in os.walk(os.path.join(tiers, "machine-0", kind)):
+                    for name in files:
+                        with open(os.path.join(d, name), "r+b") as f:
+                            data = f.read()
+                            f.seek(0)
+                            f.write(bytes(b ^ 0xFF for b in data))
+                        damaged += 1
+            assert damaged > 0
+        dist.barrier()
+        load("machine 1 lost, machine 0's chunks damaged")
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -539,3 +539,99 @@ def test_a_dcp_drainer_keeps_the_outcomes_of_its_newest_steps_only(tmp_path, mon
     with pytest.raises(ckpt.CkptError, match="no longer kept"):
         writers[0].wait_drained(timeout=10)
     assert ckpt.Store(str(remote)).committed_steps("m") == [1, 2, 3]
+
+
+@pytest.mark.parametrize("how", ["given", "detected"])
+def test_machines_with_their_own_tiers_commit_there_and_the_last_drain_commits_the_store(
+    tmp_path, ckpt_bin, how
+):
+    from _workers import dcp_machine_tiers
+
+    store, tiers = tmp_path / "store", tmp_path / "tiers"
+    mp.spawn(
+        dcp_machine_tiers,
+        args=(4, free_port(), str(store), str(tiers), "m", how),
+        nprocs=4,
+    )
+    # Every step whole on the store; in each machine's tier, node commits of its own ranks
+    # only (no step commit: no machine holds a step whole), the newest keep_local of them.
+    assert ckpt.Store(str(store)).committed_steps("m") == [1, 2, 3]
+    tier = ckpt.Store(str(tiers / "machine-0"))
+    assert tier.committed_steps("m") == []
+    assert tier.node_committed_steps("m") == [2, 3]
+    manifests = sorted(p.name for p in (tiers / "machine-0").rglob("*.manifest"))
+    assert manifests and all(
+        n in ("rank-000000.manifest", "rank-000001.manifest") for n in manifests
+    ), manifests
+    out = subprocess.run(
+        [str(ckpt_bin), "--store", str(store), "--json", "verify", "m"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _node_save(tier: ckpt.Store, run: str, step: int, rank: int) -> None:
+    """Rank `rank` of 2 writes its half of tensor "t" (step's values) in `tier` and commits it
+    there as its machine's only rank."""
+    w = tier.rank_writer(run, step, rank, 2, 1, node_first=rank)
+    half = numpy.full(1024, step * 10 + rank, dtype=numpy.float32)
+    w.put([("t", "f32", [2048], [rank * 1024], [1024], half.view(numpy.uint8))])
+    w.finish()
+    assert tier.commit_node(run, step, 1, [rank], timeout=10) == [rank]
+
+
+def test_a_machine_drains_the_step_another_machine_drained_before_its_newest(tmp_path):
+    """Machine A drained step 1 (the store waits for B's ranks); B, given step 2 to drain,
+    drains its ranks of step 1 first, which commits it, then step 2 (waiting for A's)."""
+    from ckpt.dcp import _Drainer
+
+    remote = ckpt.Store(str(tmp_path / "remote"))
+    a, b = ckpt.Store(str(tmp_path / "a")), ckpt.Store(str(tmp_path / "b"))
+    for step in (1, 2):
+        _node_save(a, "f", step, 0)
+        _node_save(b, "f", step, 1)
+    out = a.drain_to(remote, "f", 1, generation=1, node=0)
+    assert out["remote_committed"] is False, out
+    assert remote.committed_steps("f") == []
+    assert b.step_to_follow(remote, "f", 2, 1, 1) == 1
+    assert a.step_to_follow(remote, "f", 2, 0, 1) is None  # its own ranks are there
+
+    d = _Drainer.of(b, remote, "f", node=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        d.submit(2, 1, 2, None)
+        out = d.wait(2, timeout=60)
+    assert any("drains its ranks of it before step 2" in str(w.message) for w in caught), [
+        str(w.message) for w in caught
+    ]
+    assert out["remote_committed"] is False, out  # A's ranks of step 2 are not there
+    assert remote.committed_steps("f") == [1]
+    # A drains step 2 last: the store has it whole.
+    assert a.drain_to(remote, "f", 2, generation=1, node=0)["remote_committed"] is True
+    assert remote.committed_steps("f") == [1, 2]
+    got = numpy.empty(2048, dtype=numpy.float32)
+    remote.open_step("f", 2, source=b).read_into("t", [0], [2048], got.view(numpy.uint8))
+    assert (got[:1024] == 20).all() and (got[1024:] == 21).all()
+
+
+def test_node_ranks_without_a_local_tier_or_without_this_rank_are_refused(tmp_path):
+    for make in (StorageWriter, StorageReader):
+        with pytest.raises(ckpt.CkptError, match="no local tier is set"):
+            make(str(tmp_path / "s"), run="n", step=1, node_ranks=[0])
+    # DCP raises what a rank raised in a CheckpointException (a BaseException).
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException) as e:
+        dcp.save(
+            small_state(),
+            storage_writer=StorageWriter(
+                str(tmp_path / "s"),
+                run="n",
+                step=1,
+                local_tier=str(tmp_path / "t"),
+                node_ranks=[1, 2],
+            ),
+        )
+    assert "node_ranks [1, 2] must list this rank (0)" in str(e.value), e.value
+    assert ckpt.Store(str(tmp_path / "s")).committed_steps("n") == []

@@ -274,12 +274,16 @@ def test_a_local_tier_commits_locally_drains_to_the_store_and_either_tier_restor
 
 
 
-def test_machines_with_their_own_tiers_commit_their_ranks_there_and_the_last_drain_commits(tmp_path):
-    # Each rank as a machine of its own (`node_ranks`), with its own tier: each commits its
-    # rank there and drains it; the step commits on the store once both drained, and restores
-    # resharded from there bit for bit (each rank's tier serving its chunks).
+@pytest.mark.parametrize("how", [True, "detected"])
+def test_machines_with_their_own_tiers_commit_their_ranks_there_and_the_last_drain_commits(
+    tmp_path, how
+):
+    # Each rank as a machine of its own (`node_ranks`, or told apart by the machine each rank
+    # says it runs on), with its own tier: each commits its rank there and drains it; the step
+    # commits on the store once both drained, and restores resharded from there bit for bit
+    # (each rank's tier serving its chunks).
     store, local = str(tmp_path / "remote"), str(tmp_path / "local")
-    mp.spawn(manager_roundtrip, args=(2, free_port(), store, "n", local, True), nprocs=2)
+    mp.spawn(manager_roundtrip, args=(2, free_port(), store, "n", local, how), nprocs=2)
     assert ckpt.Store(store).committed_steps("n") == [1]
     for r in range(2):
         tier = tmp_path / "local" / f"node-{r}"
