@@ -13,6 +13,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from ckpt.dcp import StorageReader, StorageWriter
 
 
+def join(rank, world, port):
+    """Join the gloo process group of `world` ranks on this machine's `port`."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
 def full_state() -> dict:
     """A small model and its AdamW state after one step (the same on every process), a bf16
     embedding, and non-tensor items: an int, a nested dict with a list, raw RNG bytes."""
@@ -102,9 +109,7 @@ def roundtrip(rank, world, port, store, fsdir, run):
     """Save Shard(0) through ckpt and through DCP's FileSystemWriter; load Shard(1) and
     Replicate() from both and compare; save the same state again as step 2 and check that no
     rank wrote a chunk."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join(rank, world, port)
     try:
         mesh = dist.device_mesh.init_device_mesh("cpu", (world,))
         full = full_state()
@@ -149,9 +154,7 @@ def manager_roundtrip(rank, world, port, store, run, local_tier=None, per_machin
         else:
             node_ranks = [rank]
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join(rank, world, port)
     try:
         mesh = dist.device_mesh.init_device_mesh("cpu", (world,))
         full = full_state()
@@ -185,9 +188,7 @@ def manager_sigterm(rank, world, port, store, run, progress):
 
     import ckpt
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join(rank, world, port)
     try:
         w = torch.zeros(64, 64)
         state = {"model": {"w": w}, "step": 0}
@@ -216,9 +217,7 @@ def manager_ddp_bitflip(rank, world, port, store, run, flip_rank, flip_after):
     import ckpt
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join(rank, world, port)
     try:
         torch.manual_seed(0)
         model = torch.nn.Sequential(
@@ -281,9 +280,7 @@ def replicas_load(rank, world, port, store, out, how):
     write what the load cost this process in disk reads to ``out``-RANK."""
     import ckpt
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join(rank, world, port)
     try:
         state = replicated_state()
         if how == "dcp":
@@ -342,9 +339,7 @@ def dcp_machine_tiers(rank, world, port, store, tiers, run, how):
     node_ranks = node if how == "given" else None
     if how == "detected":
         ckpt.dcp._machine = lambda: f"machine-{machine}"
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join(rank, world, port)
     try:
         mesh = dist.device_mesh.init_device_mesh("cpu", (world,))
         full = full_state()
