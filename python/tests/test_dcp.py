@@ -635,3 +635,23 @@ def test_node_ranks_without_a_local_tier_or_without_this_rank_are_refused(tmp_pa
         )
     assert "node_ranks [1, 2] must list this rank (0)" in str(e.value), e.value
     assert ckpt.Store(str(tmp_path / "s")).committed_steps("n") == []
+
+
+def test_a_machine_finishes_the_drain_a_killed_process_left_in_its_tier(tmp_path):
+    # Both machines committed step 1 in their tiers; machine A drained it, B's process was
+    # killed before it drained. B's next drainer finds the step (its node commit, newer than
+    # the store's newest) and drains it after a load: the store then has it whole.
+    from ckpt.dcp import _Drainer
+
+    remote = ckpt.Store(str(tmp_path / "remote"))
+    a, b = ckpt.Store(str(tmp_path / "a")), ckpt.Store(str(tmp_path / "b"))
+    _node_save(a, "k", 1, 0)
+    _node_save(b, "k", 1, 1)
+    assert a.drain_to(remote, "k", 1, generation=1, node=0)["remote_committed"] is False
+    d = _Drainer.of(b, remote, "k", node=1)
+    assert d.resume_left(None) == 1
+    out = d.wait(1, timeout=60)
+    assert out["remote_committed"] is True, out
+    assert remote.committed_steps("k") == [1]
+    # Nothing is left for the next one.
+    assert _Drainer(b, remote, "k", node=1).resume_left(None) is None

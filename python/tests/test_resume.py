@@ -234,3 +234,25 @@ def test_tiny_gpt_killed_midway_under_ckpt_resume_ends_as_an_uninterrupted_run(t
                        capture_output=True, text=True)
     assert v.returncode == 0, v.stdout + v.stderr
     assert ckpt.Store(str(store)).latest_committed(run) == STEPS
+
+
+def test_ckpt_dcp_takes_each_machines_tier_and_ranks_from_ckpt_agent(tmp_path, monkeypatch):
+    # `ckpt agent --local-tier` gives each machine's ranks its tier and their list; ckpt.dcp
+    # commits this machine's ranks there (a node commit) rather than refusing.
+    from ckpt.dcp import _local_tier
+
+    tier = tmp_path / "tier"
+    env = launched_env(
+        tmp_path / "hb.sock", CKPT_LOCAL_TIER=str(tier), CKPT_LOCAL_TIER_RANKS="1,3"
+    )
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    got, node = _local_tier(None, "py", None)
+    assert got is not None and got.url == str(tier) and node == [1, 3]
+    # Given ranks win over the agent's; another run's job gets nothing from the environment.
+    assert _local_tier(None, "py", [1])[1] == [1]
+    assert _local_tier(None, "other", None) == (None, None)
+    # One tier for every rank (`ckpt resume --local-tier`): no machine's list.
+    monkeypatch.delenv("CKPT_LOCAL_TIER_RANKS")
+    got, node = _local_tier(None, "py", None)
+    assert got.url == str(tier) and node is None
