@@ -655,3 +655,30 @@ def test_a_machine_finishes_the_drain_a_killed_process_left_in_its_tier(tmp_path
     assert remote.committed_steps("k") == [1]
     # Nothing is left for the next one.
     assert _Drainer(b, remote, "k", node=1).resume_left(None) is None
+
+
+def test_a_machines_drain_is_tried_again_while_the_store_is_down_and_commits_the_step(
+    tmp_path, monkeypatch
+):
+    # Machine A drained step 1; the store goes down before machine B's drain, which fails,
+    # is tried again, and once the store answers brings B's ranks, committing the step.
+    from ckpt.dcp import _Drainer
+
+    monkeypatch.setattr(_Drainer, "first_backoff", 0.2)
+    remote = ckpt.Store(str(tmp_path / "remote"))
+    a, b = ckpt.Store(str(tmp_path / "a")), ckpt.Store(str(tmp_path / "b"))
+    _node_save(a, "o", 1, 0)
+    _node_save(b, "o", 1, 1)
+    assert a.drain_to(remote, "o", 1, generation=1, node=0)["remote_committed"] is False
+    down = _store_down(tmp_path / "remote", "outage_s=0+2")
+    d = _Drainer.of(b, down, "o", node=1)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        d.submit(1, 1, 2, None)
+        with pytest.raises(ckpt.CkptError, match="outage"):
+            d.wait(1, timeout=None)  # the first failure; the tries go on
+        assert remote.committed_steps("o") == []
+        out = d.wait(1, timeout=60)
+    assert out["remote_committed"] is True, out
+    assert remote.committed_steps("o") == [1]
+    assert any("draining step 1" in str(x.message) for x in seen), [str(x.message) for x in seen]
