@@ -158,9 +158,13 @@ def _local_tier(
 def _node_of(machines: List[Any]) -> Optional[List[List[int]]]:
     """Each rank's machine's ranks, where the ranks (in order, by the machine each said it runs
     on) span more than one machine; None on one machine."""
-    if len(set(machines)) < 2:
+    ranks: Dict[Any, List[int]] = {}
+    for r, m in enumerate(machines):
+        ranks.setdefault(m, []).append(r)
+    if len(ranks) < 2:
         return None
-    return [[r for r, m in enumerate(machines) if m == mine] for mine in machines]
+    # One list per machine, shared by its ranks: linear in the world, as every plan is.
+    return [ranks[m] for m in machines]
 
 
 def _dist_rank_world(kwargs: dict) -> "tuple[int, int]":
