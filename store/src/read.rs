@@ -159,6 +159,8 @@ pub struct StepReader {
     fallback: Option<Store>,
     /// Every read through the page cache, not only partial ones ([`StepReader::shared`]).
     shared: bool,
+    /// What the blob reads fetched, and from where ([`StepReader::blob_stats`]).
+    blob_stats: Arc<Mutex<ReadStats>>,
 }
 
 /// Where a chunk the store served came from.
@@ -196,6 +198,7 @@ impl StepReader {
             cache: None,
             fallback: None,
             shared: false,
+            blob_stats: Arc::default(),
         }
     }
 
@@ -682,6 +685,12 @@ impl StepReader {
         self.read(tensor, &NdBox::full(&t.shape)).await
     }
 
+    /// What this reader's blob reads ([`StepReader::read_blob`]) fetched so far, and from
+    /// where: a restore counts a blob chunk its fallback served as it counts a tensor's.
+    pub fn blob_stats(&self) -> ReadStats {
+        self.blob_stats.lock().clone()
+    }
+
     /// Read a blob saved by `rank`.
     pub async fn read_blob(&self, rank: u32, name: &str) -> Result<Vec<u8>> {
         let m = self.manifest(rank).await?;
@@ -703,7 +712,9 @@ impl StepReader {
         let mut s = stream::iter(b.chunks.clone().into_iter().enumerate())
             .map(|(i, c)| async move {
                 let mut stats = ReadStats::default();
-                self.fetch(&c, &mut stats, true).await.map(|b| (i, b))
+                let b = self.fetch(&c, &mut stats, true).await;
+                self.blob_stats.lock().add(&stats);
+                b.map(|b| (i, b))
             })
             .buffer_unordered(8);
         while let Some(r) = s.next().await {

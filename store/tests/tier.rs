@@ -497,6 +497,8 @@ async fn a_blob_is_read_from_the_tier_first_and_from_the_remote_where_it_is_dama
         .unwrap()
         .with_fallback(remote.clone());
     assert_eq!(local_first.read_blob(0, "meta").await.unwrap(), meta);
+    // Counted as the fallback's, as a tensor's chunk is: a restore's event names the damage.
+    assert_eq!(local_first.blob_stats().fallback_chunks, 1);
     let alone = StepReader::open(&local, RUN, 1).await.unwrap();
     let e = alone.read_blob(0, "meta").await.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");

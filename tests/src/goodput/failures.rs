@@ -211,6 +211,7 @@ pub(super) fn match_injections(
     let failures = of_kind(records, "failure");
     let mut used = vec![false; failures.len()];
     let unusable = of_kind(records, "step_unusable");
+    let local_damage = of_kind(records, "local_tier_damaged");
     let started = of_kind(records, "started");
     let resumed = of_kind(records, "resumed");
     let u = |v: &Value, k: &str| v[k].as_u64();
@@ -224,10 +225,12 @@ pub(super) fn match_injections(
         };
         used[i] = true;
         let f = failures[i];
+        // The damaged step found unusable, or (a local tier's damage, the remote holding the
+        // step) restored with the damaged chunks read from the remote, and said so.
         let step_found = inj.damaged_step.is_none_or(|s| {
             unusable.iter().any(|r| {
                 u(r, "step") == Some(s) && u(r, "generation").is_some_and(|g| g >= inj.generation)
-            })
+            }) || local_damage.iter().any(|r| u(r, "step") == Some(s))
         });
         inj.detected = step_found;
         let later = |r: &&&Value| u(r, "generation").is_some_and(|g| g > inj.generation);

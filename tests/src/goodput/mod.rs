@@ -24,7 +24,9 @@
 //! How an injected failure is matched ("detected and recovered"): the recovery log must hold a
 //! `failure` record of the generation the failure hit and of the victim's node (each record
 //! matches one injection; failure records left over are counted as unexpected), and for a
-//! damaged disk also a `step_unusable` record of the damaged step; recovered means a later
+//! damaged disk also a `step_unusable` record of the damaged step (with a local tier, whose
+//! damage the remote store mends, a rank's `local_tier_damaged` event of that step does as
+//! well: the restore read the damaged chunks from the remote and said so); recovered means a later
 //! generation started and the job completed (the supervisor's report says ok and the last
 //! generation's rank 0 printed the digest of step N).
 

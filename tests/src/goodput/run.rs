@@ -311,7 +311,7 @@ fn outcome(
     } = watch;
     let text = std::fs::read_to_string(ran.dir.join("resume.json")).unwrap_or_default();
     let report: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
-    let records: Vec<Value> = match report["records"].as_array() {
+    let mut records: Vec<Value> = match report["records"].as_array() {
         Some(r) => r.clone(),
         None => rt
             .block_on(ckpt_store::logs::read_log(
@@ -321,6 +321,20 @@ fn outcome(
             ))
             .unwrap_or_default(),
     };
+    // With a local tier, the ranks' word that a restore read a chunk damaged there from the
+    // remote store: how damage on the local disk is detected when the remote holds the step.
+    if tiers.len() > 1 && report["records"].is_array() {
+        for t in tiers {
+            let events = rt
+                .block_on(ckpt_store::logs::read_log(t, RUN, ckpt_store::logs::EVENTS))
+                .unwrap_or_default();
+            records.extend(
+                events
+                    .into_iter()
+                    .filter(|e| e["kind"] == "local_tier_damaged"),
+            );
+        }
+    }
     let ok = report["ok"].as_bool() == Some(true) && !ran.timed_out;
     let reason = if ran.timed_out {
         format!("timed out after {} s", opts.timeout.as_secs())
