@@ -183,14 +183,12 @@ impl Restorer {
         };
         let (reader, source, from_local) = self.open(tiers, cfg, step, registry, &cache)?;
         let targets = registry.restore_targets()?;
-        let mut stats = runtime().block_on(self.read(&reader, cfg, targets))?;
+        let stats = runtime().block_on(self.read(&reader, cfg, targets))?;
         let same_layout = reader.commit().layout == cfg.layout;
         registry.load_stateful(&reader, cfg, same_layout)?;
         if monitor.enabled() {
             restore_monitor(&reader, monitor, cfg, same_layout)?;
         }
-        // The blobs' chunks too: one the local tier held damaged is named like a tensor's.
-        stats.add(&reader.blob_stats());
         let manifest = if same_layout {
             Some(runtime().block_on(reader.manifest(cfg.rank))?)
         } else {
@@ -221,7 +219,9 @@ impl Restorer {
                 // The reader read the local tier; what it could not serve came from the remote.
                 record.bytes_from_local = stats.stored_bytes;
                 record.bytes_from_store = stats.fallback_bytes;
-                local_misses = stats.fallback_chunks;
+                // The blobs' chunks too: one the local tier held damaged is named like a
+                // tensor's.
+                local_misses = stats.fallback_chunks + reader.blob_stats().fallback_chunks;
             }
             if local_misses > 0 {
                 warn!(
