@@ -29,7 +29,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
 create_exception!(
-    _native,
+    ckpt._native,
     CkptError,
     PyException,
     "An error of ckpt: the message names what is wrong and where; `kind` is its kind."
