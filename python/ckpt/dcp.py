@@ -37,8 +37,9 @@ Several machines, each with its own tier (``local_tier=`` naming a directory on 
 machine's disk, or ``ckpt agent --local-tier``): the ranks of each machine (told apart by the
 kernel's boot id, or ``node_ranks=``) commit in their machine's tier, and each machine drains
 its ranks; the drain that brings the last machine's ranks commits the step on the store.
-``StorageReader`` then loads the store's newest step, each chunk from the machine's tier
-first.
+``StorageReader`` loads the newest step of the store or of every machine's tier (a step
+that the tiers alone hold, left by a killed job, is drained first), each chunk from the
+machine's tier first.
 """
 
 from __future__ import annotations
@@ -165,6 +166,79 @@ def _node_of(machines: List[Any]) -> Optional[List[List[int]]]:
         return None
     # One list per machine, shared by its ranks: linear in the world, as every plan is.
     return [ranks[m] for m in machines]
+
+
+def _node_step(
+    store: Store,
+    local: Store,
+    run: str,
+    node: List[int],
+    rate: Optional[float],
+    timeout: Optional[float] = None,
+    group: Any = None,
+) -> Optional[int]:
+    """A load without a step by a job whose machines each have their own tier, called by every
+    rank: the step to load, the same on every rank. The newest step committed on the store or
+    committed on every machine's tier (a node commit on each). A step that only the machines'
+    tiers hold (a killed job saved it and did not drain it) is first drained by each machine's
+    first rank, the last drain committing it on the store (a step is whole only there); if a
+    drain fails (its first failure, or ``timeout`` seconds of tries), the load takes the
+    store's newest step and a warning says why (the drain goes on trying behind). None when
+    nothing is committed anywhere. ``group``: the process group of the job's ranks to agree in
+    (the default one)."""
+    rank = dist.get_rank()
+    mine: Dict[str, Any] = {"node": min(node), "steps": None, "latest": None, "error": None}
+    try:
+        if rank == min(node):
+            mine["steps"] = local.node_committed_steps(run)
+        if rank == 0:
+            mine["latest"] = store.latest_committed(run)
+    except Exception as e:  # every rank must reach the gather, to fail alike
+        mine["error"] = (f"{e}", getattr(e, "kind", None))
+    everyone: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine, group=group)
+    for r, e in enumerate(everyone):
+        if e["error"] is not None:
+            err = CkptError(f"choosing the step to load, rank {r}: {e['error'][0]}")
+            err.kind = e["error"][1]
+            raise err  # every rank fails alike
+    latest = everyone[0]["latest"]
+    tiers = [set(e["steps"]) for e in everyone if e["steps"] is not None]
+    on_every_tier = set.intersection(*tiers) if tiers else set()
+    newer = [s for s in on_every_tier if latest is None or s > latest]
+    if not newer:
+        return latest
+    wanted = max(newer)
+    outcome: Dict[str, Any] = {"committed": False, "error": None}
+    if rank == min(node):
+        try:
+            d = _Drainer.of(local, store, run, node=rank)
+            d.submit(wanted, None, None, rate)
+            out = d.wait(wanted, timeout)
+            if "skipped_for" in out:
+                raise CkptError(f"its drain was superseded by step {out['skipped_for']}'s")
+            outcome["committed"] = bool(out.get("remote_committed"))
+        except Exception as e:  # every rank must reach the gather
+            outcome["error"] = f"{e}"
+    outcomes: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, outcome, group=group)
+    failed = [(r, o["error"]) for r, o in enumerate(outcomes) if o["error"] is not None]
+    if not failed and any(o["committed"] for o in outcomes):
+        return wanted
+    why = (
+        f"rank {failed[0][0]}'s drain failed: {failed[0][1]}"
+        if failed
+        else "the drains did not commit it on the store"
+    )
+    if rank == 0:
+        warnings.warn(
+            f"run {run!r}: step {wanted} is committed in every machine's tier but not on "
+            f"{store.url}, and bringing it there failed ({why}); loading step {latest}, the "
+            "store's newest",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return latest
 
 
 def _dist_rank_world(kwargs: dict) -> "tuple[int, int]":
@@ -812,11 +886,15 @@ class StorageReader(_DcpStorageReader):
     coordinator drains to the store a newest step a killed process left in the tier only
     (behind the training, as the writer's drain: ``drain_rate`` caps it).
 
-    A tier per machine (``node_ranks``, or ``ckpt agent --local-tier``): the step is the
-    store's (a step is whole only there), each chunk read from this machine's tier first,
-    hash-checked, and from the store where the tier lacks it or holds it damaged; after the
-    load, each machine's first rank drains what a killed process left in its tier only.
-    (Under ``ckpt resume`` the agents drain it before the step to resume from is chosen.)"""
+    A tier per machine (``node_ranks``, ``ckpt agent --local-tier``, or ranks of several
+    machines, told apart by the kernel's boot id, given one ``local_tier`` path): the step is
+    read from the store (a step is whole only there), each chunk from this machine's tier
+    first, hash-checked, and from the store where the tier lacks it or holds it damaged.
+    Without ``step``, the newest step committed on the store or on every machine's tier: a
+    step a killed job committed in the tiers and did not drain is drained first (each
+    machine's first rank its ranks, the last drain committing it on the store), so no saved
+    step is lost to a restart; if that drain fails, the store's newest step is loaded and a
+    ``RuntimeWarning`` says why."""
 
     def __init__(
         self,
@@ -869,10 +947,24 @@ class StorageReader(_DcpStorageReader):
         if self._local is None:
             self._local, self._node = _local_tier(self._local_arg, self.run, self._node_arg)
         step = self.step
+        # Only a load without `step` is collective (every rank opens it, as documented).
+        collective = (
+            step is None
+            and dist.is_available()
+            and dist.is_initialized()
+            and dist.get_world_size() > 1
+        )
+        if collective and self._local is not None and self._node is None:
+            # A tier given to the ranks of several machines is each machine's own, as the
+            # writer takes it: each machine's ranks read their machine's tier first.
+            machines: List[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(machines, _machine())
+            found_nodes = _node_of(machines)
+            if found_nodes is not None:
+                self._node = found_nodes[dist.get_rank()]
+        if self._node is not None and collective:
+            step = _node_step(self._store, self._local, self.run, self._node, self._drain_rate)
         if step is None:
-            collective = (
-                dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-            )
             found, error = None, None
             if not collective or dist.get_rank() == 0:
                 try:

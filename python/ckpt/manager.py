@@ -231,6 +231,13 @@ class CheckpointManager:
             node_ranks=None if node_ranks is None else [int(r) for r in node_ranks],
         )
         self._group = group if final_on_sigterm else None
+        # A tier per machine outside a driver: a restore first agrees on the step, bringing
+        # to the store a step every machine committed and none drained (a driver does so
+        # itself before it chooses the step to resume from).
+        self._node_load = None
+        driven = env is not None and env.run == run
+        if node_ranks is not None and not driven and distributed and self.world > 1:
+            self._node_load = (_store(local_tier), [int(r) for r in node_ranks], group)
 
     # -- the loop's calls -------------------------------------------------------------------
 
@@ -241,7 +248,13 @@ class CheckpointManager:
         then untouched). Tensors are written into their memory; other values are replaced.
         ``state_dict`` must hold every tensor to restore, as ``dcp.load`` needs (an optimizer's
         state exists after its first step, or from ``get_state_dict`` of
-        ``torch.distributed.checkpoint.state_dict``)."""
+        ``torch.distributed.checkpoint.state_dict``).
+
+        With a local tier per machine (``node_ranks``, or found) and no driver, the newest step
+        is that of the store or of every machine's tier: a step a killed job committed in the
+        tiers and did not drain is drained first (each machine's first rank its ranks), as
+        ``ckpt.dcp.StorageReader`` does; if that fails, the store's newest step is restored
+        and a ``RuntimeWarning`` says why."""
         flat, mapping = _flat(state_dict)
         entries, others, copies = [], [], []
         for fqn, v in flat.items():
@@ -266,7 +279,15 @@ class CheckpointManager:
                     False,
                 )
             )
-        got = self._native.restore_latest(entries)
+        step = None
+        if self._node_load is not None:
+            import ckpt.dcp
+
+            local, node, group = self._node_load
+            step = ckpt.dcp._node_step(self.store, local, self.run, node, None, group=group)
+            if step is None:
+                return None  # nothing committed on the store or every machine's tier
+        got = self._native.restore_latest(entries, step)
         if got is None:
             return None
         step, pickled = got

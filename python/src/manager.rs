@@ -385,18 +385,23 @@ impl Manager {
         Ok(taken)
     }
 
-    /// Restore the step to resume from (the resume step `ckpt resume` chose, else the newest
-    /// committed one) into `entries` (their buffers writable); returns `(step, pickled)`, or
-    /// None when there is nothing to restore.
+    /// Restore the step to resume from (`step` when given, else the resume step `ckpt resume`
+    /// chose, else the newest committed one) into `entries` (their buffers writable); returns
+    /// `(step, pickled)`, or None when there is nothing to restore.
+    #[pyo3(signature = (entries, step=None))]
     fn restore_latest<'py>(
         &self,
         py: Python<'py>,
         entries: Vec<Entry<'py>>,
+        step: Option<u64>,
     ) -> PyResult<Option<(u64, Bound<'py, PyBytes>)>> {
         let mut guard = self.inner.lock();
         let m: &mut CheckpointManager = &mut guard;
         register(m, entries, true)?;
-        let r = py.allow_threads(|| m.restore_latest());
+        let r = py.allow_threads(|| match step {
+            Some(s) => m.restore(s).map(|_| Some(s)),
+            None => m.restore_latest(),
+        });
         // The buffers are the caller's again.
         m.clear_tensors();
         let Some(step) = r.map_err(err)? else {

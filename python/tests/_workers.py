@@ -13,6 +13,21 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from ckpt.dcp import StorageReader, StorageWriter
 
 
+def leave():
+    """End a worker that succeeded without the interpreter's finalization: a gloo worker
+    thread that releases a finished collective's tensors (a barrier holds the collectives
+    before it) while the interpreter finalizes aborts the process (torch 2.15:
+    `AsyncBarrierWork` destroyed in `ProcessGroupGloo::runLoop` takes the GIL, "terminate
+    called without an active exception"), a race a worker that exits right after its
+    collectives can lose."""
+    import sys
+
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def join(rank, world, port):
     """Join the gloo process group of `world` ranks on this machine's `port`."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -407,3 +422,108 @@ def dcp_machine_tiers(rank, world, port, store, tiers, run, how):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def dcp_machine_tiers_left(rank, world, port, store, tiers, run, how, phase, want_step):
+    """Two "machines" of world / 2 ranks, each with its own local tier below `tiers` (told
+    apart as in `dcp_machine_tiers`). Phase "drained": save step 1, drained to the store.
+    Phase "killed": save step 2 while the store is down (committed in each machine's tier
+    only, the drains failing), then die (`os._exit`) before a drain is tried again. Phase
+    "load": load without `step=`, resharded, which must find step `want_step` and equal its
+    state; phase "load-warned" too, and rank 0 is warned that a drain failed."""
+    import ckpt
+    import ckpt.dcp
+
+    half = world // 2
+    machine = rank // half
+    node = list(range(machine * half, (machine + 1) * half))
+    tier = os.path.join(tiers, f"machine-{machine}")
+    node_ranks = node if how == "given" else None
+    if how == "detected":
+        ckpt.dcp._machine = lambda: f"machine-{machine}"
+    join(rank, world, port)
+    mesh = dist.device_mesh.init_device_mesh("cpu", (world,))
+    full = full_state()
+    if phase.startswith("load"):
+        import warnings
+
+        try:
+            mine = distribute(placeholder(full), mesh, shard1)
+            r = StorageReader(store, run=run, local_tier=tier, node_ranks=node_ranks)
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                dcp.load(mine, storage_reader=r)
+            said = [str(x.message) for x in seen]
+            if phase == "load-warned" and rank == 0:
+                assert any("bringing it there failed" in m for m in said), said
+            assert r.checkpoint_step == want_step, r.checkpoint_step
+            assert_same(mine, stepped(full, want_step), f"rank {rank}, step {want_step}")
+        except BaseException:
+            dist.destroy_process_group()
+            raise
+        leave()
+    step = 1 if phase == "drained" else 2
+    target = store
+    if phase == "killed":
+        # The store down for this handle only (the variables are read when a store opens).
+        os.environ["CKPT_FAULTS"] = "outage_s=0+3600"
+        os.environ["CKPT_STORE_RETRY"] = "attempts=2,min_ms=10,max_ms=20,timeout_ms=500"
+        target = ckpt.Store(store)
+        del os.environ["CKPT_FAULTS"], os.environ["CKPT_STORE_RETRY"]
+    w = StorageWriter(
+        target,
+        run=run,
+        step=step,
+        local_tier=tier,
+        node_ranks=node_ranks,
+        drain="wait" if phase == "drained" else "background",
+    )
+    dcp.save(distribute(stepped(full, step), mesh, lambda t: Shard(0)), storage_writer=w)
+    dist.barrier()
+    if phase == "killed":
+        os._exit(0)  # the drains die with the process
+    leave()
+
+
+def manager_machine_tiers_left(rank, world, port, store, tiers, run, phase, want_step):
+    """`dcp_machine_tiers_left` through the native manager (machines given by `node_ranks`):
+    phase "drained" saves step 1, drained; "killed" saves step 2 while the store is down and
+    dies before its drain; "load" restores resharded and must find `want_step`."""
+    import ckpt
+
+    half = world // 2
+    machine = rank // half
+    node = list(range(machine * half, (machine + 1) * half))
+    tier = os.path.join(tiers, f"machine-{machine}")
+    join(rank, world, port)
+    mesh = dist.device_mesh.init_device_mesh("cpu", (world,))
+    full = full_state()
+    if phase == "load":
+        try:
+            mine = distribute(placeholder(full), mesh, shard1)
+            mgr = ckpt.CheckpointManager(store, run=run, local_tier=tier, node_ranks=node)
+            got = mgr.restore_latest(mine)
+            assert got == want_step, got
+            assert_same(mine, stepped(full, want_step), f"rank {rank}, step {want_step}")
+        except BaseException:
+            dist.destroy_process_group()
+            raise
+        leave()
+    step = 1 if phase == "drained" else 2
+    target = store
+    if phase == "killed":
+        os.environ["CKPT_FAULTS"] = "outage_s=0+3600"
+        os.environ["CKPT_STORE_RETRY"] = "attempts=2,min_ms=10,max_ms=20,timeout_ms=500"
+        target = ckpt.Store(store)
+        del os.environ["CKPT_FAULTS"], os.environ["CKPT_STORE_RETRY"]
+    mgr = ckpt.CheckpointManager(
+        target, run=run, every_steps=1, local_tier=tier, node_ranks=node, final_on_sigterm=False
+    )
+    assert mgr.maybe_save(step, distribute(stepped(full, step), mesh, lambda t: Shard(0)))
+    if phase == "drained":
+        mgr.finish()
+        dist.barrier()
+        leave()
+    mgr.wait()  # committed in the machine's tier
+    dist.barrier()
+    os._exit(0)  # the drains die with the process

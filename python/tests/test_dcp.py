@@ -179,6 +179,18 @@ def test_bad_input_gets_an_error_naming_it(tmp_path):
         w.put([("t", "f32", [2], [0], [2], numpy.zeros(2, dtype=numpy.float32))])
 
 
+def test_a_ckpt_error_crosses_processes_with_its_message_and_kind(tmp_path):
+    # DCP sends a coordinator's exception to every rank pickled: a CkptError must unpickle as
+    # itself (it failed with "import of module '_native' failed", hiding the message).
+    import pickle
+
+    with pytest.raises(ckpt.CkptError) as e:
+        StorageReader(str(tmp_path / "store"), run="n", step=3).read_metadata()
+    back = pickle.loads(pickle.dumps(e.value))
+    assert type(back) is ckpt.CkptError and back.kind == "not found", repr(back)
+    assert str(back) == str(e.value)
+
+
 def test_the_reader_loads_a_step_written_by_ckpt_import(tmp_path, ckpt_bin):
     from safetensors.torch import save_file
 
@@ -565,6 +577,63 @@ def test_machines_with_their_own_tiers_commit_there_and_the_last_drain_commits_t
     ), manifests
     out = subprocess.run(
         [str(ckpt_bin), "--store", str(store), "--json", "verify", "m"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("how", ["given", "detected"])
+def test_a_restarted_job_loads_the_step_every_machine_committed_and_none_drained(
+    tmp_path, ckpt_bin, how
+):
+    """A job of two machines, a tier each, saved step 1 (on the store) and step 2 while the
+    store was down, and was killed before draining it: step 2 is in both tiers only. A new
+    job's load without `step=` drains it (each machine its ranks, the last commit lands it on
+    the store) and loads it, rather than step 1. Where one machine lacks the step, the load
+    takes the store's newest, as it does where a machine's drain fails (a damaged chunk)."""
+    from _workers import dcp_machine_tiers_left
+
+    store, tiers = tmp_path / "store", tmp_path / "tiers"
+
+    def run(phase, want=0):
+        mp.spawn(
+            dcp_machine_tiers_left,
+            args=(4, free_port(), str(store), str(tiers), "k", how, phase, want),
+            nprocs=4,
+        )
+
+    run("drained")
+    run("killed")
+    remote = ckpt.Store(str(store))
+    assert remote.committed_steps("k") == [1]
+    for m in (0, 1):
+        assert ckpt.Store(str(tiers / f"machine-{m}")).node_committed_steps("k") == [1, 2]
+    # Machine 1's node commit of step 2 (its first rank is 2) set aside.
+    commit = tiers / "machine-1" / "runs" / "k" / "steps" / f"{2:020}" / "nodes"
+    commit = commit / "rank-000002.commit"
+    aside = tmp_path / "commit-aside"
+    commit.rename(aside)
+    run("load", 1)
+    assert remote.committed_steps("k") == [1]
+    aside.rename(commit)
+    # Machine 1's objects of step 2 (those the store lacks) damaged: its drain fails, and the
+    # load takes step 1, saying why.
+    kept = {}
+    for path in (tiers / "machine-1").rglob("*"):
+        rel = path.relative_to(tiers / "machine-1")
+        if path.is_file() and rel.parts[0] in ("chunks", "packs") and not (store / rel).exists():
+            kept[path] = path.read_bytes()
+            path.write_bytes(bytes(b ^ 0xFF for b in kept[path]))
+    assert kept
+    run("load-warned", 1)
+    assert remote.committed_steps("k") == [1]
+    for path, data in kept.items():
+        path.write_bytes(data)
+    run("load", 2)
+    assert remote.committed_steps("k") == [1, 2]
+    out = subprocess.run(
+        [str(ckpt_bin), "--store", str(store), "--json", "verify", "k"],
         capture_output=True,
         text=True,
     )

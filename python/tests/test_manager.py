@@ -274,6 +274,40 @@ def test_a_local_tier_commits_locally_drains_to_the_store_and_either_tier_restor
 
 
 
+
+def test_a_restarted_job_restores_the_step_every_machine_committed_and_none_drained(tmp_path):
+    """Two machines of two ranks, a tier each: step 1 on the store, step 2 saved while the store
+    was down and the job killed before draining it. A new job's restore_latest drains step 2
+    (each machine its ranks) and restores it, not step 1; with one machine lacking it, step 1."""
+    from _workers import manager_machine_tiers_left
+
+    store, tiers = tmp_path / "store", tmp_path / "tiers"
+
+    def run(phase, want=0):
+        mp.spawn(
+            manager_machine_tiers_left,
+            args=(4, free_port(), str(store), str(tiers), "k", phase, want),
+            nprocs=4,
+        )
+
+    run("drained")
+    run("killed")
+    remote = ckpt.Store(str(store))
+    assert remote.committed_steps("k") == [1]
+    for m in (0, 1):
+        assert ckpt.Store(str(tiers / f"machine-{m}")).node_committed_steps("k") == [1, 2]
+    # Machine 1's node commit of step 2 (its first rank is 2) set aside.
+    commit = tiers / "machine-1" / "runs" / "k" / "steps" / f"{2:020}" / "nodes"
+    commit = commit / "rank-000002.commit"
+    aside = tmp_path / "commit-aside"
+    commit.rename(aside)
+    run("load", 1)
+    assert remote.committed_steps("k") == [1]
+    aside.rename(commit)
+    run("load", 2)
+    assert remote.committed_steps("k") == [1, 2]
+
+
 @pytest.mark.parametrize("how", [True, "detected"])
 def test_machines_with_their_own_tiers_commit_their_ranks_there_and_the_last_drain_commits(
     tmp_path, how
