@@ -1,6 +1,7 @@
 """What the tests run: the state of a small trained model, its sharding, and the processes of a
 distributed save and load (importable by torch.multiprocessing's spawned children)."""
 
+import contextlib
 import copy
 import io
 import os
@@ -26,6 +27,30 @@ def leave():
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def store_down(store):
+    """The store at `store` opened down for good, for this handle only (the variables are read
+    when a store opens)."""
+    import ckpt
+
+    os.environ["CKPT_FAULTS"] = "outage_s=0+3600"
+    os.environ["CKPT_STORE_RETRY"] = "attempts=2,min_ms=10,max_ms=20,timeout_ms=500"
+    try:
+        return ckpt.Store(store)
+    finally:
+        del os.environ["CKPT_FAULTS"], os.environ["CKPT_STORE_RETRY"]
+
+
+@contextlib.contextmanager
+def leaving():
+    """Run the block, then `leave()`; a failure destroys the process group and propagates."""
+    try:
+        yield
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    leave()
 
 
 def join(rank, world, port):
@@ -326,6 +351,20 @@ def replicas_load(rank, world, port, store, out, how):
         dist.destroy_process_group()
 
 
+def machine_of(rank, world, tiers, how):
+    """Rank `rank`'s "machine" of two (world / 2 ranks each): its ranks, its local tier below
+    `tiers` (machine-0, machine-1), and the `node_ranks=` to pass: its ranks (`how` "given"),
+    or None with this process made to say it runs on its machine (`how` "detected")."""
+    import ckpt.dcp
+
+    half = world // 2
+    machine = rank // half
+    node = list(range(machine * half, (machine + 1) * half))
+    if how == "detected":
+        ckpt.dcp._machine = lambda: f"machine-{machine}"
+    return node, os.path.join(tiers, f"machine-{machine}"), node if how == "given" else None
+
+
 def stepped(full, step):
     """`full` with every model weight moved by `step`: each step's state differs."""
     out = copy.deepcopy(full)
@@ -345,15 +384,8 @@ def dcp_machine_tiers(rank, world, port, store, tiers, run, how):
     import shutil
 
     import ckpt
-    import ckpt.dcp
 
-    half = world // 2
-    machine = rank // half
-    node = list(range(machine * half, (machine + 1) * half))
-    tier = os.path.join(tiers, f"machine-{machine}")
-    node_ranks = node if how == "given" else None
-    if how == "detected":
-        ckpt.dcp._machine = lambda: f"machine-{machine}"
+    node, tier, node_ranks = machine_of(rank, world, tiers, how)
     join(rank, world, port)
     try:
         mesh = dist.device_mesh.init_device_mesh("cpu", (world,))
@@ -396,9 +428,10 @@ def dcp_machine_tiers(rank, world, port, store, tiers, run, how):
                 if os.path.exists(os.path.join(store, d)):
                     shutil.move(os.path.join(store, d), os.path.join(tiers, f"store-{d}"))
             reader = ckpt.Store(store).open_step(run, 3, source=ckpt.Store(tier))
-            rows = torch.zeros(2 * half, 6)
-            reader.read_into("model.0.weight", [0, 0], [2 * half, 6], rows.view(torch.uint8).numpy())
-            assert torch.equal(rows, want["model"]["0.weight"][: 2 * half]), "from the tier"
+            n = 2 * len(node)  # the rows of machine 0's ranks
+            rows = torch.zeros(n, 6)
+            reader.read_into("model.0.weight", [0, 0], [n, 6], rows.view(torch.uint8).numpy())
+            assert torch.equal(rows, want["model"]["0.weight"][:n]), "from the tier"
             for d in ("chunks", "packs"):
                 if os.path.exists(os.path.join(tiers, f"store-{d}")):
                     shutil.move(os.path.join(tiers, f"store-{d}"), os.path.join(store, d))
@@ -431,23 +464,14 @@ def dcp_machine_tiers_left(rank, world, port, store, tiers, run, how, phase, wan
     only, the drains failing), then die (`os._exit`) before a drain is tried again. Phase
     "load": load without `step=`, resharded, which must find step `want_step` and equal its
     state; phase "load-warned" too, and rank 0 is warned that a drain failed."""
-    import ckpt
-    import ckpt.dcp
-
-    half = world // 2
-    machine = rank // half
-    node = list(range(machine * half, (machine + 1) * half))
-    tier = os.path.join(tiers, f"machine-{machine}")
-    node_ranks = node if how == "given" else None
-    if how == "detected":
-        ckpt.dcp._machine = lambda: f"machine-{machine}"
+    node, tier, node_ranks = machine_of(rank, world, tiers, how)
     join(rank, world, port)
     mesh = dist.device_mesh.init_device_mesh("cpu", (world,))
     full = full_state()
     if phase.startswith("load"):
         import warnings
 
-        try:
+        with leaving():
             mine = distribute(placeholder(full), mesh, shard1)
             r = StorageReader(store, run=run, local_tier=tier, node_ranks=node_ranks)
             with warnings.catch_warnings(record=True) as seen:
@@ -458,20 +482,9 @@ def dcp_machine_tiers_left(rank, world, port, store, tiers, run, how, phase, wan
                 assert any("bringing it there failed" in m for m in said), said
             assert r.checkpoint_step == want_step, r.checkpoint_step
             assert_same(mine, stepped(full, want_step), f"rank {rank}, step {want_step}")
-        except BaseException:
-            dist.destroy_process_group()
-            raise
-        leave()
     step = 1 if phase == "drained" else 2
-    target = store
-    if phase == "killed":
-        # The store down for this handle only (the variables are read when a store opens).
-        os.environ["CKPT_FAULTS"] = "outage_s=0+3600"
-        os.environ["CKPT_STORE_RETRY"] = "attempts=2,min_ms=10,max_ms=20,timeout_ms=500"
-        target = ckpt.Store(store)
-        del os.environ["CKPT_FAULTS"], os.environ["CKPT_STORE_RETRY"]
     w = StorageWriter(
-        target,
+        store if phase == "drained" else store_down(store),
         run=run,
         step=step,
         local_tier=tier,
@@ -491,33 +504,25 @@ def manager_machine_tiers_left(rank, world, port, store, tiers, run, phase, want
     dies before its drain; "load" restores resharded and must find `want_step`."""
     import ckpt
 
-    half = world // 2
-    machine = rank // half
-    node = list(range(machine * half, (machine + 1) * half))
-    tier = os.path.join(tiers, f"machine-{machine}")
+    node, tier, _ = machine_of(rank, world, tiers, "given")
     join(rank, world, port)
     mesh = dist.device_mesh.init_device_mesh("cpu", (world,))
     full = full_state()
     if phase == "load":
-        try:
+        with leaving():
             mine = distribute(placeholder(full), mesh, shard1)
             mgr = ckpt.CheckpointManager(store, run=run, local_tier=tier, node_ranks=node)
             got = mgr.restore_latest(mine)
             assert got == want_step, got
             assert_same(mine, stepped(full, want_step), f"rank {rank}, step {want_step}")
-        except BaseException:
-            dist.destroy_process_group()
-            raise
-        leave()
     step = 1 if phase == "drained" else 2
-    target = store
-    if phase == "killed":
-        os.environ["CKPT_FAULTS"] = "outage_s=0+3600"
-        os.environ["CKPT_STORE_RETRY"] = "attempts=2,min_ms=10,max_ms=20,timeout_ms=500"
-        target = ckpt.Store(store)
-        del os.environ["CKPT_FAULTS"], os.environ["CKPT_STORE_RETRY"]
     mgr = ckpt.CheckpointManager(
-        target, run=run, every_steps=1, local_tier=tier, node_ranks=node, final_on_sigterm=False
+        store if phase == "drained" else store_down(store),
+        run=run,
+        every_steps=1,
+        local_tier=tier,
+        node_ranks=node,
+        final_on_sigterm=False,
     )
     assert mgr.maybe_save(step, distribute(stepped(full, step), mesh, lambda t: Shard(0)))
     if phase == "drained":

@@ -31,3 +31,29 @@ def stored_objects(store: Path) -> set:
         for p in (store / d).rglob("*")
         if p.is_file()
     }
+
+
+def step_left_in_the_tiers(tmp_path: Path, spawn):
+    """Two machines with a tier each (below `tmp_path / "tiers"`) and the store `tmp_path /
+    "store"`: run `spawn("drained")` (step 1 on the store) and `spawn("killed")` (step 2 in
+    both tiers only, the job killed before its drain), check that, then run `spawn("load", 1)`
+    with machine 1's node commit of step 2 set aside (no step newer than the store's is on
+    every tier) and put it back. Returns the store, run "k"."""
+    import ckpt
+
+    tiers = tmp_path / "tiers"
+    spawn("drained")
+    spawn("killed")
+    remote = ckpt.Store(str(tmp_path / "store"))
+    assert remote.committed_steps("k") == [1]
+    for m in (0, 1):
+        assert ckpt.Store(str(tiers / f"machine-{m}")).node_committed_steps("k") == [1, 2]
+    # Machine 1's node commit of step 2 (its first rank is 2) set aside.
+    commit = tiers / "machine-1" / "runs" / "k" / "steps" / f"{2:020}" / "nodes"
+    commit = commit / "rank-000002.commit"
+    aside = tmp_path / "commit-aside"
+    commit.rename(aside)
+    spawn("load", 1)
+    assert remote.committed_steps("k") == [1]
+    aside.rename(commit)
+    return remote

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 import ckpt
 from ckpt.dcp import StorageReader, StorageWriter
-from conftest import stored_objects
+from conftest import step_left_in_the_tiers, stored_objects
 from _workers import assert_same, distribute, flat, full_state, placeholder, roundtrip
 
 
@@ -603,20 +603,7 @@ def test_a_restarted_job_loads_the_step_every_machine_committed_and_none_drained
             nprocs=4,
         )
 
-    run("drained")
-    run("killed")
-    remote = ckpt.Store(str(store))
-    assert remote.committed_steps("k") == [1]
-    for m in (0, 1):
-        assert ckpt.Store(str(tiers / f"machine-{m}")).node_committed_steps("k") == [1, 2]
-    # Machine 1's node commit of step 2 (its first rank is 2) set aside.
-    commit = tiers / "machine-1" / "runs" / "k" / "steps" / f"{2:020}" / "nodes"
-    commit = commit / "rank-000002.commit"
-    aside = tmp_path / "commit-aside"
-    commit.rename(aside)
-    run("load", 1)
-    assert remote.committed_steps("k") == [1]
-    aside.rename(commit)
+    remote = step_left_in_the_tiers(tmp_path, run)
     # Machine 1's objects of step 2 (those the store lacks) damaged: its drain fails, and the
     # load takes step 1, saying why.
     kept = {}

@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 
 import ckpt
 from ckpt.dcp import StorageReader
+from conftest import step_left_in_the_tiers
 from _workers import (
     assert_same,
     flat,
@@ -281,29 +282,16 @@ def test_a_restarted_job_restores_the_step_every_machine_committed_and_none_drai
     (each machine its ranks) and restores it, not step 1; with one machine lacking it, step 1."""
     from _workers import manager_machine_tiers_left
 
-    store, tiers = tmp_path / "store", tmp_path / "tiers"
+    store, tiers = str(tmp_path / "store"), str(tmp_path / "tiers")
 
     def run(phase, want=0):
         mp.spawn(
             manager_machine_tiers_left,
-            args=(4, free_port(), str(store), str(tiers), "k", phase, want),
+            args=(4, free_port(), store, tiers, "k", phase, want),
             nprocs=4,
         )
 
-    run("drained")
-    run("killed")
-    remote = ckpt.Store(str(store))
-    assert remote.committed_steps("k") == [1]
-    for m in (0, 1):
-        assert ckpt.Store(str(tiers / f"machine-{m}")).node_committed_steps("k") == [1, 2]
-    # Machine 1's node commit of step 2 (its first rank is 2) set aside.
-    commit = tiers / "machine-1" / "runs" / "k" / "steps" / f"{2:020}" / "nodes"
-    commit = commit / "rank-000002.commit"
-    aside = tmp_path / "commit-aside"
-    commit.rename(aside)
-    run("load", 1)
-    assert remote.committed_steps("k") == [1]
-    aside.rename(commit)
+    remote = step_left_in_the_tiers(tmp_path, run)
     run("load", 2)
     assert remote.committed_steps("k") == [1, 2]
 
