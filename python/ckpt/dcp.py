@@ -986,12 +986,27 @@ class StorageReader(_DcpStorageReader):
             if found is None:
                 raise CkptError(f"run {self.run!r} has no committed step")
             step = found
-        if self._node is not None:
-            self._reader = self._store.open_step(self.run, step, source=self._local)
-        elif self._local is not None and step in self._local.committed_steps(self.run):
-            self._reader = self._local.open_step(self.run, step, fallback=self._store)
-        else:
-            self._reader = self._store.open_step(self.run, step)
+        try:
+            if self._node is not None:
+                self._reader = self._store.open_step(self.run, step, source=self._local)
+            elif self._local is not None and step in self._local.committed_steps(self.run):
+                self._reader = self._local.open_step(self.run, step, fallback=self._store)
+            else:
+                self._reader = self._store.open_step(self.run, step)
+        except CkptError as e:
+            if getattr(e, "kind", None) != "not found" or self._local is None:
+                raise
+            if step not in self._local.node_committed_steps(self.run):
+                raise
+            # This machine committed its ranks of the step, and the store lacks it whole.
+            err = CkptError(
+                f"{e}; this machine's tier {self._local.url} holds its ranks of step {step} "
+                "(a node commit), not drained: a load without step= drains such a step on "
+                f"every machine first, as does `ckpt --store {self._store.url} drain "
+                f"--local-tier DIR {self.run}` run on each machine"
+            )
+            err.kind = "not found"
+            raise err from e
         self._dtypes = {name: dt for name, dt, _ in self._reader.tensors()}
         return self._reader
 

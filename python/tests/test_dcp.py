@@ -604,6 +604,13 @@ def test_a_restarted_job_loads_the_step_every_machine_committed_and_none_drained
         )
 
     remote = step_left_in_the_tiers(tmp_path, run)
+    # Step 2 named: not on the store, and the error says where it is and what drains it.
+    named = StorageReader(
+        str(store), run="k", step=2, local_tier=str(tiers / "machine-1"), node_ranks=[2, 3]
+    )
+    with pytest.raises(ckpt.CkptError, match="holds its ranks of step 2.*ckpt --store") as e:
+        named.read_metadata()
+    assert e.value.kind == "not found"
     # Machine 1's objects of step 2 (those the store lacks) damaged: its drain fails, and the
     # load takes step 1, saying why.
     kept = {}
