@@ -168,6 +168,21 @@ def _node_of(machines: List[Any]) -> Optional[List[List[int]]]:
     return [ranks[m] for m in machines]
 
 
+def _nodes_found(group: Any = None) -> Optional[List[List[int]]]:
+    """Each rank's machine's ranks (as ``_node_of``), from the machine every rank of ``group``
+    says it runs on, gathered: every rank of ``group`` calls it. None on one machine."""
+    machines: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(machines, _machine(), group=group)
+    return _node_of(machines)
+
+
+def _ckpt_error(message: str, kind: Optional[str]) -> CkptError:
+    """A ``CkptError`` of ``kind``, as ckpt's own errors carry one."""
+    err = CkptError(message)
+    err.kind = kind
+    return err
+
+
 def _node_step(
     store: Store,
     local: Store,
@@ -199,9 +214,9 @@ def _node_step(
     dist.all_gather_object(everyone, mine, group=group)
     for r, e in enumerate(everyone):
         if e["error"] is not None:
-            err = CkptError(f"choosing the step to load, rank {r}: {e['error'][0]}")
-            err.kind = e["error"][1]
-            raise err  # every rank fails alike
+            message, kind = e["error"]
+            # Every rank fails alike.
+            raise _ckpt_error(f"choosing the step to load, rank {r}: {message}", kind)
     latest = everyone[0]["latest"]
     tiers = [set(e["steps"]) for e in everyone if e["steps"] is not None]
     on_every_tier = set.intersection(*tiers) if tiers else set()
@@ -957,9 +972,7 @@ class StorageReader(_DcpStorageReader):
         if collective and self._local is not None and self._node is None:
             # A tier given to the ranks of several machines is each machine's own, as the
             # writer takes it: each machine's ranks read their machine's tier first.
-            machines: List[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(machines, _machine())
-            found_nodes = _node_of(machines)
+            found_nodes = _nodes_found()
             if found_nodes is not None:
                 self._node = found_nodes[dist.get_rank()]
         if self._node is not None and collective:
@@ -999,14 +1012,13 @@ class StorageReader(_DcpStorageReader):
             if step not in self._local.node_committed_steps(self.run):
                 raise
             # This machine committed its ranks of the step, and the store lacks it whole.
-            err = CkptError(
+            raise _ckpt_error(
                 f"{e}; this machine's tier {self._local.url} holds its ranks of step {step} "
                 "(a node commit), not drained: a load without step= drains such a step on "
                 f"every machine first, as does `ckpt --store {self._store.url} drain "
-                f"--local-tier DIR {self.run}` run on each machine"
-            )
-            err.kind = "not found"
-            raise err from e
+                f"--local-tier DIR {self.run}` run on each machine",
+                "not found",
+            ) from e
         self._dtypes = {name: dt for name, dt, _ in self._reader.tensors()}
         return self._reader
 

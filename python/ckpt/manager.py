@@ -201,9 +201,7 @@ class CheckpointManager:
             # machine's ranks commit there (a node commit), as `node_ranks=` says.
             import ckpt.dcp
 
-            machines: List[Any] = [None] * self.world
-            dist.all_gather_object(machines, ckpt.dcp._machine(), group=group)
-            found = ckpt.dcp._node_of(machines)
+            found = ckpt.dcp._nodes_found(group)
             if found is not None:
                 node_ranks = found[self.rank]
         self.store = _store(store)

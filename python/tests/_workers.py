@@ -195,7 +195,7 @@ def manager_roundtrip(rank, world, port, store, run, local_tier=None, per_machin
             node_ranks = [rank]
 
     join(rank, world, port)
-    try:
+    with leaving():
         mesh = dist.device_mesh.init_device_mesh("cpu", (world,))
         full = full_state()
         state = distribute(full, mesh, lambda t: Shard(0))
@@ -216,8 +216,6 @@ def manager_roundtrip(rank, world, port, store, run, local_tier=None, per_machin
             assert w.placements == (placement(w),), f"{name}: placed {w.placements}"
             assert_same(mine, full, f"rank {rank} restoring {name} vs the saved state")
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def manager_sigterm(rank, world, port, store, run, progress):
@@ -387,7 +385,7 @@ def dcp_machine_tiers(rank, world, port, store, tiers, run, how):
 
     node, tier, node_ranks = machine_of(rank, world, tiers, how)
     join(rank, world, port)
-    try:
+    with leaving():
         mesh = dist.device_mesh.init_device_mesh("cpu", (world,))
         full = full_state()
         for step in (1, 2, 3):
@@ -453,8 +451,6 @@ def dcp_machine_tiers(rank, world, port, store, tiers, run, how):
         dist.barrier()
         load("machine 1 lost, machine 0's chunks damaged")
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def dcp_machine_tiers_left(rank, world, port, store, tiers, run, how, phase, want_step):
