@@ -85,6 +85,10 @@ impl MemorySink for PySink {
     ) -> Option<ckpt_store::Result<()>> {
         Some(self.in_place(offset, len, fill))
     }
+
+    fn short_writes_cheap(&self) -> bool {
+        true
+    }
 }
 
 impl PySink {

@@ -102,6 +102,15 @@ pub trait MemorySink: Send + Sync {
         let _ = (offset, len, fill);
         None
     }
+
+    /// Whether a write costs about the bytes it copies however short it is (plain host memory
+    /// with one bounds check a write). A restore then writes a chunk's many short runs (a box
+    /// cut across the saved rows: a split along another dimension) straight into the sink, with
+    /// no gather buffer. `false` (the default): a write has a fixed cost (a device's copy, a
+    /// view that maps every write onto its runs), so short runs are gathered into long writes.
+    fn short_writes_cheap(&self) -> bool {
+        false
+    }
 }
 
 /// A tensor shard in host memory, shareable between the training loop and the checkpointer.
@@ -210,6 +219,10 @@ impl MemorySink for HostTensor {
         fill: &mut dyn FnMut(&mut [u8]) -> Result<()>,
     ) -> Option<Result<()>> {
         Some(self.in_place(offset, len, fill))
+    }
+
+    fn short_writes_cheap(&self) -> bool {
+        true
     }
 }
 

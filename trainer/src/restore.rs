@@ -81,11 +81,12 @@ pub fn check_targets(reader: &StepReader, targets: &[RestoreTarget]) -> Result<(
 /// A target whose chunks each land in one contiguous range of its memory (a restore onto the
 /// saved layout, a split along the first dimension, a ZeRO partition: nearly every restore), or
 /// in a few long ranges (a chunk stored once for several places that hold the same bytes: the
-/// zeros of a frozen layer's optimizer moments), is planned whole and each chunk, once fetched
-/// and hash-checked, is written straight into the sink: one copy of each byte. A target whose
-/// chunks scatter into many short runs (a split along another dimension, so a chunk holds part
-/// of every row) is read in pieces gathered in a buffer first, so a sink is written in few
-/// large writes (a device sink pays per write).
+/// zeros of a frozen layer's optimizer moments), or whose sink is plain host memory
+/// ([`MemorySink::short_writes_cheap`]) whatever its runs, is planned whole and each chunk,
+/// fetched once, is written straight into the sink as it is hash-checked: one copy of each
+/// byte. A target whose chunks scatter into many short runs (a split along another dimension,
+/// so a chunk holds part of every row) in a sink that pays per write (a device) is read in
+/// pieces gathered in a buffer first, so the sink is written in few large writes.
 pub async fn restore_targets(
     reader: &StepReader,
     targets: &[RestoreTarget],
@@ -96,7 +97,7 @@ pub async fn restore_targets(
     let mut gathered: Vec<usize> = Vec::new();
     for (i, t) in targets.iter().enumerate() {
         let plan = reader.plan(&t.name, &t.bbox).await?;
-        if plan.chunks.iter().all(|c| written_direct(&c.copies)) {
+        if t.sink.short_writes_cheap() || plan.chunks.iter().all(|c| written_direct(&c.copies)) {
             direct.extend(plan.chunks.into_iter().map(|c| (i, c)));
         } else {
             gathered.push(i);
@@ -212,10 +213,13 @@ async fn restore_direct(
 const HASH_BLOCK: usize = 256 << 10;
 
 /// Write the runs `pc` plans out of `bytes` (the whole chunk) into `sink`; when the bytes are
-/// not `checked` yet, hash the whole chunk on the way (fused with the copy of the first run
-/// where the sink is host memory) and return the hash for the caller to check. (Bytes
-/// written, the hash.) The sink holds the bytes before they are checked: a refused chunk
-/// fails the restore, whose caller then uses nothing of it.
+/// not `checked` yet, hash the whole chunk on the way and return the hash for the caller to
+/// check. (Bytes written, the hash.) The hash is fused with the copy where the sink is host
+/// memory: with the copy of the one run (each block hashed from the core's cache right after
+/// the copy wrote it), or, for many runs into a sink whose short writes are cheap (a box cut
+/// across the saved rows), each block of the chunk hashed and then its runs copied out of the
+/// cache. The sink holds the bytes before they are checked: a refused chunk fails the
+/// restore, whose caller then uses nothing of it.
 fn write_chunk(
     sink: &dyn MemorySink,
     pc: &PlannedChunk,
@@ -243,6 +247,10 @@ fn write_chunk(
         Ok(())
     };
     let (src, len, dst) = (first.src as usize, first.len as usize, first.dst as usize);
+    if !checked && !rest.is_empty() && sink.short_writes_cheap() {
+        let (wrote, got) = hash_then_scatter(sink, &runs, bytes);
+        return (wrote.map(|()| written), Some(got));
+    }
     if checked {
         let wrote = sink
             .write_at(dst, &bytes[src..src + len])
@@ -275,6 +283,39 @@ fn write_chunk(
     (
         wrote.and_then(|()| write_rest()).map(|()| written),
         Some(got),
+    )
+}
+
+/// Hash `bytes` (a whole chunk) a block at a time and, right after each block, write the parts
+/// of `runs` that lie in it into `sink` while the block is in the core's cache: one pass over
+/// the chunk for both, whatever order the runs come in. The hash of the whole chunk.
+fn hash_then_scatter(
+    sink: &dyn MemorySink,
+    runs: &[CopyOp],
+    bytes: &[u8],
+) -> (Result<()>, ChunkId) {
+    let mut hasher = blake3::Hasher::new();
+    let mut wrote = Ok(());
+    for (i, block) in bytes.chunks(HASH_BLOCK).enumerate() {
+        hasher.update(block);
+        if wrote.is_err() {
+            continue;
+        }
+        let (b0, b1) = (i * HASH_BLOCK, i * HASH_BLOCK + block.len());
+        for r in runs {
+            let (s, e) = (r.src as usize, (r.src + r.len) as usize);
+            let (a, b) = (s.max(b0), e.min(b1));
+            if a < b
+                && let Err(e) = sink.write_at(r.dst as usize + (a - s), &bytes[a..b])
+            {
+                wrote = Err(e);
+                break;
+            }
+        }
+    }
+    (
+        wrote,
+        ChunkId(ckpt_store::Hash(*hasher.finalize().as_bytes())),
     )
 }
 
@@ -357,4 +398,55 @@ async fn restore_pieces(
         total.add(s);
     }
     Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::HostTensor;
+
+    /// Runs in any order, across block boundaries and shorter than a block, land where they
+    /// are planned, the bytes between them are left alone, and the hash is the whole chunk's.
+    #[test]
+    fn many_runs_are_written_as_each_block_is_hashed() {
+        let chunk: Vec<u8> = (0..3 * HASH_BLOCK + 1000)
+            .map(|i| (i % 253) as u8)
+            .collect();
+        let runs = [
+            CopyOp {
+                src: (2 * HASH_BLOCK - 10) as u64,
+                dst: 0,
+                len: 30,
+            },
+            CopyOp {
+                src: 5,
+                dst: 100,
+                len: 4096,
+            },
+            CopyOp {
+                src: (3 * HASH_BLOCK) as u64,
+                dst: 5000,
+                len: 1000,
+            },
+            CopyOp {
+                src: 70_000,
+                dst: 7000,
+                len: (HASH_BLOCK + 123) as u64,
+            },
+        ];
+        let len = 7000 + HASH_BLOCK + 123;
+        let sink = HostTensor::from_vec(vec![0xAB; len]);
+        let (wrote, got) = hash_then_scatter(&sink, &runs, &chunk);
+        wrote.unwrap();
+        assert_eq!(got.0.0, *blake3::hash(&chunk).as_bytes());
+        let mut want = vec![0xABu8; len];
+        for r in &runs {
+            let (s, d, n) = (r.src as usize, r.dst as usize, r.len as usize);
+            want[d..d + n].copy_from_slice(&chunk[s..s + n]);
+        }
+        assert!(
+            *sink.read() == want,
+            "the runs, and nothing else, were written"
+        );
+    }
 }

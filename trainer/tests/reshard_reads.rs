@@ -9,7 +9,7 @@ mod common;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use ckpt_store::{CodecPolicy, DType, NdBox, ShardDesc, ShardIn, StepReader, Store};
+use ckpt_store::{CodecPolicy, DType, ErrorKind, NdBox, ShardDesc, ShardIn, StepReader, Store};
 use ckpt_trainer::{HostTensor, MemorySink, RestoreTarget, restore_targets};
 
 const CHUNK: usize = 1 << 20;
@@ -118,5 +118,65 @@ fn the_ranks_of_a_resharded_restore_read_each_chunk_from_the_disk_once() {
     assert!(
         first >= size && second >= size,
         "whole chunks are read with O_DIRECT each time: {first} and {second} bytes of {size}"
+    );
+}
+
+/// A box cut across the saved rows (`Shard(0)` -> `Shard(1)`) in host memory is written
+/// straight from each chunk as it is hash-checked: each chunk is fetched once, however small
+/// the read budget (a restore that gathered the box in pieces of the budget fetched every
+/// chunk once per piece it overlapped), the bytes are exact, and a damaged chunk is refused
+/// with an error naming the tensor.
+#[test]
+fn a_box_cut_across_the_rows_fetches_each_chunk_once_and_refuses_a_damaged_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = common::local_store(dir.path(), CHUNK, CodecPolicy::Raw);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let data = save(&store);
+    let half = NdBox {
+        offsets: vec![0, COLS / 2],
+        lengths: vec![ROWS, COLS / 2],
+    };
+    let restore_half = |budget: usize| {
+        let host = Arc::new(HostTensor::from_vec(vec![0xAB; (ROWS * COLS * 2) as usize]));
+        let target = RestoreTarget {
+            name: "w".into(),
+            dtype: DType::F32,
+            shape: vec![ROWS, COLS],
+            bbox: half.clone(),
+            sink: host.clone() as Arc<dyn MemorySink>,
+        };
+        let reader = rt.block_on(StepReader::open(&store, "r", 1)).unwrap();
+        rt.block_on(restore_targets(&reader, &[target], budget))
+            .map(|st| (st, host.read().clone()))
+    };
+    // A budget of 1 MiB: a gathered piece would be 64 KiB, 32 rows of the half.
+    let (st, got) = restore_half(1 << 20).unwrap();
+    assert_eq!(
+        got,
+        columns(&data[0], COLS / 2, COLS / 2),
+        "rank 1's columns"
+    );
+    let chunks = ROWS * COLS * 4 / CHUNK as u64;
+    assert_eq!(
+        st.chunks, chunks,
+        "each of the {chunks} chunks fetched once: {st:?}"
+    );
+    assert_eq!(st.bytes_copied, ROWS * COLS * 2, "{st:?}");
+
+    // A chunk of w damaged on the disk.
+    let reader = rt.block_on(StepReader::open(&store, "r", 1)).unwrap();
+    let plan = rt.block_on(reader.plan("w", &half)).unwrap();
+    let object = dir
+        .path()
+        .join(store.keys().object_of(&plan.chunks[2].chunk).as_ref());
+    let mut bytes = std::fs::read(&object).unwrap();
+    let at = bytes.len() - 100;
+    bytes[at] ^= 0x01;
+    std::fs::write(&object, &bytes).unwrap();
+    let e = restore_half(1 << 20).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+    assert!(
+        e.to_string().contains("\"w\""),
+        "the error names the tensor: {e}"
     );
 }
