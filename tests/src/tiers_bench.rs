@@ -22,6 +22,12 @@
 //!    only rank process, and told that another one restores beside it (the replicated
 //!    weights then go through the page cache for the other to find).
 //!
+//! 4. **machines**: each rank on a machine of its own (`node_ranks`), with its own tier and
+//!    its own link of `--sink-mbps` to the remote store: each commits its rank in its tier
+//!    (a node commit: local-durable), and drains it over its link; the drain that brings the
+//!    last machine's part commits the step on the store. Time to each node commit, to the
+//!    remote commit, and the drains' bytes and throughput against the links.
+//!
 //! The interval ratio is the direct time to durable over the tiered time to local-durable:
 //! how much more often the job can checkpoint (local-durable) at the same stall.
 
@@ -41,11 +47,14 @@ use super::{
 const RUN: &str = "tiers";
 
 /// The folders of `--dir` the bench writes (and deletes at its start and end).
-const DIRS: [&str; 4] = [
+const DIRS: [&str; 7] = [
     "tiers-scratch",
     "tiers-direct",
     "tiers-remote",
     "tiers-local",
+    "tiers-machines-remote",
+    "tiers-machines-local-0",
+    "tiers-machines-local-1",
 ];
 
 /// The slow remote store: a directory behind a link of `bytes_per_s` for every put.
@@ -101,6 +110,103 @@ fn managers_on(
             m
         })
         .collect()
+}
+
+/// Rank `r` of `ranks` on a machine of its own: its tier `tiers[r]`, its link `links[r]` to the
+/// remote store, and itself as its machine's committer (`node_ranks`).
+fn machine_managers(
+    links: &[Store],
+    tiers: &[Store],
+    layout: Layout,
+    ranks: &[RankState],
+) -> Vec<CheckpointManager> {
+    ranks
+        .iter()
+        .map(|r| {
+            let i = r.rank as usize;
+            let mut c = CheckpointerConfig::new(RUN, r.rank, layout);
+            c.copy_threads = 1;
+            c.commit_timeout = Duration::from_secs(1800);
+            c.committer = true;
+            c.node_ranks = Some(vec![r.rank]);
+            let mut mc = ManagerConfig::new(c);
+            mc.final_on_sigterm = false;
+            mc.every_steps = Some(u64::MAX);
+            mc.local_tier = Some(LocalTier::new(tiers[i].clone()));
+            mc.node_processes = Some(1);
+            let mut m = CheckpointManager::new(links[i].clone(), mc).unwrap();
+            r.register(&mut m).unwrap();
+            let st = m.save_state().unwrap();
+            m.checkpointer().prepare_staging(&st, true);
+            m
+        })
+        .collect()
+}
+
+/// Part 4 (see the module docs): one checkpoint of `ranks`, each on a machine of its own.
+fn machines(dir: &Path, layout: Layout, ranks: &[RankState], rate: u64, sink_mbps: f64) {
+    let remote = dir.join("tiers-machines-remote");
+    let links: Vec<Store> = ranks.iter().map(|_| slow_store(&remote, rate)).collect();
+    let tiers: Vec<Store> = (0..ranks.len())
+        .map(|i| {
+            let d = dir.join(format!("tiers-machines-local-{i}"));
+            ckpt_store::open_with(d.to_str().unwrap(), &super::open_options()).unwrap()
+        })
+        .collect();
+    let mut mgrs = machine_managers(&links, &tiers, layout, ranks);
+    let t = Instant::now();
+    let hs: Vec<_> = mgrs.iter_mut().map(|m| m.save_now(1).unwrap()).collect();
+    // Each machine's node commit in its tier (both run at once: each time is from the start).
+    let mut node_committed = Vec::new();
+    let mut written = Vec::new();
+    for h in &hs {
+        let r = h.wait_committed(Duration::from_secs(1800)).unwrap();
+        node_committed.push(t.elapsed().as_secs_f64());
+        written.push(r.bytes_written);
+    }
+    // The remote commit: made by the drain that brings the last machine's part.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let commit = links[0].keys().commit(RUN, 1);
+    let mut drains: Vec<Vec<ckpt_recovery::records::DrainMetrics>> = vec![Vec::new(); mgrs.len()];
+    let remote_durable = loop {
+        for (m, d) in mgrs.iter_mut().zip(&mut drains) {
+            d.extend(m.take_drain_figures());
+        }
+        if rt.block_on(links[0].objects().exists(&commit)).unwrap() {
+            break t.elapsed().as_secs_f64();
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(3600),
+            "step 1 never committed on the store"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    for (m, d) in mgrs.iter_mut().zip(&mut drains) {
+        m.finish().unwrap();
+        d.extend(m.take_drain_figures());
+    }
+    let sent: Vec<u64> = drains
+        .iter()
+        .map(|d| d.iter().map(|f| f.bytes_sent).sum())
+        .collect();
+    let secs: Vec<f64> = drains
+        .iter()
+        .map(|d| d.iter().map(|f| f.seconds).sum())
+        .collect();
+    let of_link: Vec<f64> = sent
+        .iter()
+        .zip(&secs)
+        .map(|(&b, &s)| gbps(b, s) / (sink_mbps / 1e3))
+        .collect();
+    let total: u64 = sent.iter().sum();
+    let slowest_node = node_committed.iter().copied().fold(0.0, f64::max);
+    emit(json!({"bench": "tiers_machines", "machines": mgrs.len(),
+        "node_committed_s": node_committed, "stored_bytes": written,
+        "remote_durable_s": remote_durable, "drain_bytes_sent": sent, "drain_s": secs,
+        "drain_of_link": of_link, "links_gbps": sink_mbps / 1e3 * mgrs.len() as f64,
+        "bytes_sent_over_one_link_s": total as f64 / (rate as f64),
+        "remote_after_local_s": remote_durable - slowest_node}));
+    drop(mgrs);
 }
 
 /// One checkpoint of every rank: (stall, time to committed in the store saves go to, stored
@@ -333,6 +439,15 @@ pub fn tiers_bench(dir: &Path, params: u64, sink_mbps: f64) {
             "restore_x_read_limit": alone_s / alone_limit_s}),
         );
     }
+
+    // 4. Each rank on a machine of its own, with its own tier and its own link.
+    machines(
+        dir,
+        layout,
+        &touched_ranks(model, train, layout),
+        rate,
+        sink_mbps,
+    );
     for d in DIRS {
         let _ = std::fs::remove_dir_all(dir.join(d));
     }
