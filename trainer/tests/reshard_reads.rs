@@ -128,8 +128,16 @@ fn the_ranks_of_a_resharded_restore_read_each_chunk_from_the_disk_once() {
 /// with an error naming the tensor.
 #[test]
 fn a_box_cut_across_the_rows_fetches_each_chunk_once_and_refuses_a_damaged_one() {
+    // Raw chunks arrive unchecked (hashed block by block as their runs are copied out);
+    // compressed ones arrive decoded and checked.
+    for raw in [true, false] {
+        cut_across_the_rows(raw);
+    }
+}
+
+fn cut_across_the_rows(raw: bool) {
     let dir = tempfile::tempdir().unwrap();
-    let store = common::local_store(dir.path(), CHUNK, CodecPolicy::Raw);
+    let store = common::local_store(dir.path(), CHUNK, common::raw_or_compressed(raw));
     let rt = tokio::runtime::Runtime::new().unwrap();
     let data = save(&store);
     let half = NdBox {
@@ -162,6 +170,11 @@ fn a_box_cut_across_the_rows_fetches_each_chunk_once_and_refuses_a_damaged_one()
         "each of the {chunks} chunks fetched once: {st:?}"
     );
     assert_eq!(st.bytes_copied, ROWS * COLS * 2, "{st:?}");
+    assert_eq!(
+        st.stored_bytes < st.raw_bytes,
+        !raw,
+        "compressed chunks are stored smaller (raw {raw}): {st:?}"
+    );
 
     // A chunk of w damaged on the disk.
     let reader = rt.block_on(StepReader::open(&store, "r", 1)).unwrap();
