@@ -11,26 +11,11 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use ckpt_store::testing::Rng;
 use ckpt_tests::{bin, digest_in};
 
 const PARAMS: &str = "40K";
 const ARGS: &[&str] = &["--layout", "dp=2", "--seed", "3"];
-
-/// splitmix64: a small seeded generator, enough for a schedule.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
 
 /// `ckpt-train` to step `steps`, a checkpoint every `every` steps.
 fn train(store: &Path, run: &str, steps: u64, every: u64, resume: bool, step_ms: u64) -> Command {

@@ -10,6 +10,7 @@ mod common;
 use std::sync::Arc;
 
 use bytes::Bytes;
+use ckpt_store::testing::Rng;
 use ckpt_store::{DType, NdBox, ShardDesc, ShardIn, StepReader};
 use ckpt_trainer::{HostTensor, MemorySink, RestoreTarget, restore_targets, runtime};
 
@@ -23,23 +24,6 @@ impl MemorySink for Gathered {
 
     fn write_at(&self, offset: usize, src: &[u8]) -> ckpt_store::Result<()> {
         self.0.write_at(offset, src)
-    }
-}
-
-/// splitmix64: a fixed sequence, so a failure names a case that fails again.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
     }
 }
 
@@ -69,6 +53,7 @@ fn cut(data: &[u8], shape: &[u64], bx: &NdBox, elem: usize) -> Vec<u8> {
 
 #[test]
 fn random_boxes_restore_bit_for_bit_into_host_memory_and_gathered() {
+    // A fixed seed: a failure names a case that fails again.
     let mut rng = Rng(0x5eed_0001);
     for case in 0..16u64 {
         let raw = case % 2 == 0;

@@ -365,20 +365,7 @@ pub async fn damage_chunk(store: &Store, run: &str, step: u64, tensor: &str, k: 
 }
 
 /// A deterministic generator for random offsets (splitmix64).
-pub struct Rng(pub u64);
-
-impl Rng {
-    pub fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E3779B97F4A7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
-        z ^ (z >> 31)
-    }
-    pub fn below(&mut self, n: u64) -> u64 {
-        if n == 0 { 0 } else { self.next() % n }
-    }
-}
+pub use ckpt_store::testing::Rng;
 
 /// The Python with `safetensors` and `numpy`: `$CKPT_PYTHON`, else the repository's venv.
 pub fn python() -> PathBuf {

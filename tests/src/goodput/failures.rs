@@ -13,23 +13,20 @@ use super::procs::{RankProc, agents};
 use super::{FailureKind, Injection, RUN};
 use crate::signal;
 
-/// A small seeded RNG (splitmix64): a schedule is replayed from its seed.
+/// A small seeded RNG (splitmix64, [`ckpt_store::testing::Rng`]): a schedule is replayed from
+/// its seed.
 #[derive(Debug, Clone)]
-pub struct Rng(u64);
+pub struct Rng(ckpt_store::testing::Rng);
 
 impl Rng {
     /// Seeded.
     pub fn new(seed: u64) -> Rng {
-        Rng(seed)
+        Rng(ckpt_store::testing::Rng(seed))
     }
 
     /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
 
     /// Uniform in [0, 1).
