@@ -89,6 +89,15 @@ pub trait MemorySink: Send + Sync {
     /// Write `src` at `offset`.
     fn write_at(&self, offset: usize, src: &[u8]) -> Result<()>;
 
+    /// Write each `(offset, src)` of `writes`: a restore's runs of one block of a chunk, or of
+    /// a whole checked chunk. The default writes them one by one; a sink behind a lock
+    /// overrides it to take the lock once.
+    fn write_many(&self, writes: &[(usize, &[u8])]) -> Result<()> {
+        writes
+            .iter()
+            .try_for_each(|&(at, src)| self.write_at(at, src))
+    }
+
     /// Hand `fill` the sink's own bytes `offset .. offset + len` to write in place, where the
     /// sink is plain host memory: a restore then hashes each block of a chunk right after
     /// copying it (one pass over memory, not two). `None`: the sink has no such memory (a
@@ -219,6 +228,17 @@ impl MemorySink for HostTensor {
         fill: &mut dyn FnMut(&mut [u8]) -> Result<()>,
     ) -> Option<Result<()>> {
         Some(self.in_place(offset, len, fill))
+    }
+
+    fn write_many(&self, writes: &[(usize, &[u8])]) -> Result<()> {
+        let mut g = self.write();
+        for &(at, src) in writes {
+            at.checked_add(src.len())
+                .and_then(|end| g.get_mut(at..end))
+                .ok_or_else(|| Error::invalid("restore write past the end of a host tensor"))?
+                .copy_from_slice(src);
+        }
+        Ok(())
     }
 
     fn short_writes_cheap(&self) -> bool {

@@ -97,7 +97,9 @@ pub async fn restore_targets(
     let mut gathered: Vec<usize> = Vec::new();
     for (i, t) in targets.iter().enumerate() {
         let plan = reader.plan(&t.name, &t.bbox).await?;
-        if t.sink.short_writes_cheap() || plan.chunks.iter().all(|c| written_direct(&c.copies)) {
+        let direct_ok = plan.chunks.iter().all(|c| written_direct(&c.copies))
+            || (t.sink.short_writes_cheap() && runs_long_enough(&plan.chunks));
+        if direct_ok {
             direct.extend(plan.chunks.into_iter().map(|c| (i, c)));
         } else {
             gathered.push(i);
@@ -134,6 +136,21 @@ fn runs(copies: &[CopyOp]) -> Vec<CopyOp> {
 
 /// A run this long or longer is worth a write into the sink of its own.
 const DIRECT_RUN: u64 = 1 << 20;
+
+/// A target in host memory is written straight from its chunks when its runs average at least
+/// this many bytes. Its plan (24 bytes a run) is held whole until its chunks are read, so this
+/// keeps the plan under a tenth of the bytes it restores; a box of shorter runs (a few elements
+/// wide) is gathered in pieces, each planned when it is read.
+const SCATTER_RUN_MIN: u64 = 256;
+
+/// Whether the runs of `chunks` average [`SCATTER_RUN_MIN`] bytes or more.
+fn runs_long_enough(chunks: &[PlannedChunk]) -> bool {
+    let (n, bytes) = chunks
+        .iter()
+        .flat_map(|c| &c.copies)
+        .fold((0u64, 0u64), |(n, b), c| (n + 1, b + c.len));
+    bytes >= n * SCATTER_RUN_MIN
+}
 
 /// Whether a chunk with `copies` is written straight into its sink: it lands in one run of
 /// the destination, or in runs each at least [`DIRECT_RUN`] long (a chunk that several places
@@ -247,7 +264,19 @@ fn write_chunk(
         Ok(())
     };
     let (src, len, dst) = (first.src as usize, first.len as usize, first.dst as usize);
-    if !checked && !rest.is_empty() && sink.short_writes_cheap() {
+    if !rest.is_empty() && sink.short_writes_cheap() {
+        if checked {
+            let writes: Vec<(usize, &[u8])> = runs
+                .iter()
+                .map(|r| {
+                    (
+                        r.dst as usize,
+                        &bytes[r.src as usize..(r.src + r.len) as usize],
+                    )
+                })
+                .collect();
+            return (sink.write_many(&writes).map(|()| written), None);
+        }
         let (wrote, got) = hash_then_scatter(sink, &runs, bytes);
         return (wrote.map(|()| written), Some(got));
     }
@@ -287,30 +316,45 @@ fn write_chunk(
 }
 
 /// Hash `bytes` (a whole chunk) a block at a time and, right after each block, write the parts
-/// of `runs` that lie in it into `sink` while the block is in the core's cache: one pass over
-/// the chunk for both, whatever order the runs come in. The hash of the whole chunk.
+/// of `runs` that lie in it into `sink` (one [`MemorySink::write_many`] a block) while the
+/// block is in the core's cache: one pass over the chunk for both, whatever order the runs
+/// come in. The hash of the whole chunk.
 fn hash_then_scatter(
     sink: &dyn MemorySink,
     runs: &[CopyOp],
     bytes: &[u8],
 ) -> (Result<()>, ChunkId) {
+    // Sorted by where they start in the chunk, a block's runs are found from where the last
+    // block's left off: the cost is the runs and the blocks, not their product.
+    let mut order: Vec<&CopyOp> = runs.iter().collect();
+    order.sort_unstable_by_key(|r| r.src);
     let mut hasher = blake3::Hasher::new();
     let mut wrote = Ok(());
+    let mut first = 0usize;
+    let mut writes: Vec<(usize, &[u8])> = Vec::new();
     for (i, block) in bytes.chunks(HASH_BLOCK).enumerate() {
         hasher.update(block);
         if wrote.is_err() {
             continue;
         }
         let (b0, b1) = (i * HASH_BLOCK, i * HASH_BLOCK + block.len());
-        for r in runs {
+        // Runs that ended before this block are done for good.
+        while first < order.len() && (order[first].src + order[first].len) as usize <= b0 {
+            first += 1;
+        }
+        writes.clear();
+        for r in &order[first..] {
             let (s, e) = (r.src as usize, (r.src + r.len) as usize);
-            let (a, b) = (s.max(b0), e.min(b1));
-            if a < b
-                && let Err(e) = sink.write_at(r.dst as usize + (a - s), &bytes[a..b])
-            {
-                wrote = Err(e);
+            if s >= b1 {
                 break;
             }
+            let (a, b) = (s.max(b0), e.min(b1));
+            if a < b {
+                writes.push((r.dst as usize + (a - s), &bytes[a..b]));
+            }
+        }
+        if !writes.is_empty() {
+            wrote = sink.write_many(&writes);
         }
     }
     (
@@ -405,8 +449,9 @@ mod tests {
     use super::*;
     use crate::memory::HostTensor;
 
-    /// Runs in any order, across block boundaries and shorter than a block, land where they
-    /// are planned, the bytes between them are left alone, and the hash is the whole chunk's.
+    /// Runs in any order, across block boundaries, shorter than a block and reading the same
+    /// bytes as another, land where they are planned, the bytes between them are left alone,
+    /// and the hash is the whole chunk's.
     #[test]
     fn many_runs_are_written_as_each_block_is_hashed() {
         let chunk: Vec<u8> = (0..3 * HASH_BLOCK + 1000)
@@ -433,6 +478,11 @@ mod tests {
                 dst: 7000,
                 len: (HASH_BLOCK + 123) as u64,
             },
+            CopyOp {
+                src: 10,
+                dst: 4200,
+                len: 500,
+            },
         ];
         let len = 7000 + HASH_BLOCK + 123;
         let sink = HostTensor::from_vec(vec![0xAB; len]);
@@ -447,6 +497,53 @@ mod tests {
         assert!(
             *sink.read() == want,
             "the runs, and nothing else, were written"
+        );
+    }
+
+    /// A sink that fails its second write of many runs.
+    struct FailsSecond(HostTensor, std::sync::atomic::AtomicUsize);
+
+    impl MemorySink for FailsSecond {
+        fn len(&self) -> usize {
+            MemorySink::len(&self.0)
+        }
+        fn write_at(&self, offset: usize, src: &[u8]) -> Result<()> {
+            self.0.write_at(offset, src)
+        }
+        fn write_many(&self, writes: &[(usize, &[u8])]) -> Result<()> {
+            if self.1.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 1 {
+                return Err(Error::internal("the device went away"));
+            }
+            self.0.write_many(writes)
+        }
+        fn short_writes_cheap(&self) -> bool {
+            true
+        }
+    }
+
+    /// A write that fails part-way is the result, and the hash still covers the whole chunk
+    /// (so a caller that checks it first sees the damage, not the write).
+    #[test]
+    fn a_write_failing_part_way_is_the_error_and_the_hash_is_whole() {
+        let chunk: Vec<u8> = (0..3 * HASH_BLOCK).map(|i| (i % 251) as u8).collect();
+        let runs: Vec<CopyOp> = (0..3)
+            .map(|b| CopyOp {
+                src: (b * HASH_BLOCK) as u64,
+                dst: (b * 64) as u64,
+                len: 64,
+            })
+            .collect();
+        let sink = FailsSecond(
+            HostTensor::from_vec(vec![0; 3 * 64]),
+            std::sync::atomic::AtomicUsize::new(0),
+        );
+        let (wrote, got) = hash_then_scatter(&sink, &runs, &chunk);
+        assert!(wrote.unwrap_err().to_string().contains("went away"));
+        assert_eq!(got.0.0, *blake3::hash(&chunk).as_bytes());
+        assert_eq!(
+            sink.1.load(std::sync::atomic::Ordering::SeqCst),
+            2,
+            "no write after the failed one"
         );
     }
 }

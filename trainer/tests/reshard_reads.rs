@@ -7,6 +7,7 @@
 mod common;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use bytes::Bytes;
 use ckpt_store::{CodecPolicy, DType, ErrorKind, NdBox, ShardDesc, ShardIn, StepReader, Store};
@@ -138,36 +139,45 @@ fn a_box_cut_across_the_rows_fetches_each_chunk_once_and_refuses_a_damaged_one()
 fn cut_across_the_rows(raw: bool) {
     let dir = tempfile::tempdir().unwrap();
     let store = common::local_store(dir.path(), CHUNK, common::raw_or_compressed(raw));
+    // The same step in a second store (a local tier's remote): what a damaged chunk is read
+    // again from.
+    let other = tempfile::tempdir().unwrap();
+    let backup = common::local_store(other.path(), CHUNK, common::raw_or_compressed(raw));
     let rt = tokio::runtime::Runtime::new().unwrap();
     let data = save(&store);
+    save(&backup);
     let half = NdBox {
         offsets: vec![0, COLS / 2],
         lengths: vec![ROWS, COLS / 2],
     };
-    let restore_half = |budget: usize| {
-        let host = Arc::new(HostTensor::from_vec(vec![0xAB; (ROWS * COLS * 2) as usize]));
+    let want = columns(&data[0], COLS / 2, COLS / 2);
+    let restore_half = |budget: usize, fallback: bool| {
+        let sink = Arc::new(Counted {
+            host: HostTensor::from_vec(vec![0xAB; (ROWS * COLS * 2) as usize]),
+            many: AtomicUsize::new(0),
+            in_place: AtomicUsize::new(0),
+        });
         let target = RestoreTarget {
             name: "w".into(),
             dtype: DType::F32,
             shape: vec![ROWS, COLS],
             bbox: half.clone(),
-            sink: host.clone() as Arc<dyn MemorySink>,
+            sink: sink.clone() as Arc<dyn MemorySink>,
         };
-        let reader = rt.block_on(StepReader::open(&store, "r", 1)).unwrap();
+        let mut reader = rt.block_on(StepReader::open(&store, "r", 1)).unwrap();
+        if fallback {
+            reader = reader.with_fallback(backup.clone());
+        }
         rt.block_on(restore_targets(&reader, &[target], budget))
-            .map(|st| (st, host.read().clone()))
+            .map(|st| (st, sink))
     };
     // A budget of 1 MiB: a gathered piece would be 64 KiB, 32 rows of the half.
-    let (st, got) = restore_half(1 << 20).unwrap();
-    assert_eq!(
-        got,
-        columns(&data[0], COLS / 2, COLS / 2),
-        "rank 1's columns"
-    );
+    let (st, sink) = restore_half(1 << 20, false).unwrap();
+    assert!(*sink.host.read() == want, "rank 1's columns (raw {raw})");
     let chunks = ROWS * COLS * 4 / CHUNK as u64;
     assert_eq!(
         st.chunks, chunks,
-        "each of the {chunks} chunks fetched once: {st:?}"
+        "each of the {chunks} chunks fetched once (raw {raw}): {st:?}"
     );
     assert_eq!(st.bytes_copied, ROWS * COLS * 2, "{st:?}");
     assert_eq!(
@@ -175,6 +185,13 @@ fn cut_across_the_rows(raw: bool) {
         !raw,
         "compressed chunks are stored smaller (raw {raw}): {st:?}"
     );
+    // Raw chunks arrive unchecked and are hashed a block at a time, each block's runs
+    // written at once (4 blocks of 256 KiB a chunk); compressed ones arrive checked and their
+    // runs are written at once. Never the one-run path's fused copy.
+    let many = sink.many.load(Ordering::SeqCst) as u64;
+    let blocks = if raw { (CHUNK / (256 << 10)) as u64 } else { 1 };
+    assert_eq!(many, chunks * blocks, "writes of many runs (raw {raw})");
+    assert_eq!(sink.in_place.load(Ordering::SeqCst), 0, "raw {raw}");
 
     // A chunk of w damaged on the disk.
     let reader = rt.block_on(StepReader::open(&store, "r", 1)).unwrap();
@@ -186,10 +203,56 @@ fn cut_across_the_rows(raw: bool) {
     let at = bytes.len() - 100;
     bytes[at] ^= 0x01;
     std::fs::write(&object, &bytes).unwrap();
-    let e = restore_half(1 << 20).unwrap_err();
-    assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+    let e = restore_half(1 << 20, false).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Corrupt, "raw {raw}: {e}");
     assert!(
         e.to_string().contains("\"w\""),
         "the error names the tensor: {e}"
     );
+    // With a fallback store the damaged chunk is read again from it, its runs written over
+    // what the damaged bytes left, each byte counted once.
+    let (st, sink) = restore_half(1 << 20, true).unwrap();
+    assert!(
+        *sink.host.read() == want,
+        "rank 1's columns after the fallback (raw {raw})"
+    );
+    assert_eq!(st.fallback_chunks, 1, "{st:?}");
+    assert_eq!(st.bytes_copied, ROWS * COLS * 2, "{st:?}");
+}
+
+/// Host memory that counts the writes of many runs and the fused in-place writes.
+#[derive(Debug)]
+struct Counted {
+    host: HostTensor,
+    many: AtomicUsize,
+    in_place: AtomicUsize,
+}
+
+impl MemorySink for Counted {
+    fn len(&self) -> usize {
+        MemorySink::len(&self.host)
+    }
+
+    fn write_at(&self, offset: usize, src: &[u8]) -> ckpt_store::Result<()> {
+        self.host.write_at(offset, src)
+    }
+
+    fn write_many(&self, writes: &[(usize, &[u8])]) -> ckpt_store::Result<()> {
+        self.many.fetch_add(1, Ordering::SeqCst);
+        self.host.write_many(writes)
+    }
+
+    fn with_memory(
+        &self,
+        offset: usize,
+        len: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> ckpt_store::Result<()>,
+    ) -> Option<ckpt_store::Result<()>> {
+        self.in_place.fetch_add(1, Ordering::SeqCst);
+        self.host.with_memory(offset, len, fill)
+    }
+
+    fn short_writes_cheap(&self) -> bool {
+        true
+    }
 }

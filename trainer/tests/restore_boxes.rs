@@ -2,8 +2,8 @@
 //! into plain host memory (each chunk's runs written straight from it as it is hashed) and into
 //! a sink that pays per write (the box gathered in pieces first). Random shapes of 1 to 3
 //! dimensions, random boxes (rows cut short, columns cut, single elements), chunk sizes that cut
-//! rows anywhere, raw and compressed chunks, read budgets from one chunk up, on a real local
-//! directory store.
+//! rows anywhere (up to 1 MiB: several hash blocks of a chunk), raw and compressed chunks, read
+//! budgets from one chunk up, on a real local directory store.
 
 mod common;
 
@@ -58,12 +58,15 @@ fn random_boxes_restore_bit_for_bit_into_host_memory_and_gathered() {
     for case in 0..16u64 {
         let raw = case % 2 == 0;
         let dims = 1 + rng.below(3) as usize;
-        let shape: Vec<u64> = (0..dims).map(|_| 1 + rng.below(48)).collect();
+        // Up to about 1 MiB a tensor, so a chunk of 1 MiB spans several hash blocks of 256 KiB
+        // and runs cross their boundaries.
+        let side = [250_000, 500, 64][dims - 1];
+        let shape: Vec<u64> = (0..dims).map(|_| 1 + rng.below(side)).collect();
         let n: u64 = shape.iter().product();
         let data: Vec<u8> = (0..n * 4)
             .map(|i| ((i * 31 + case * 7 + i / 997) % 253) as u8)
             .collect();
-        let chunk = [4096usize, 12288, 65536][rng.below(3) as usize];
+        let chunk = [4096usize, 12288, 65536, 1 << 20][rng.below(4) as usize];
         let dir = tempfile::tempdir().unwrap();
         let store = common::local_store(dir.path(), chunk, common::raw_or_compressed(raw));
         common::commit_one_rank(
