@@ -199,10 +199,7 @@ fn cut_across_the_rows(raw: bool) {
     let object = dir
         .path()
         .join(store.keys().object_of(&plan.chunks[2].chunk).as_ref());
-    let mut bytes = std::fs::read(&object).unwrap();
-    let at = bytes.len() - 100;
-    bytes[at] ^= 0x01;
-    std::fs::write(&object, &bytes).unwrap();
+    common::flip_a_byte(&object);
     let e = restore_half(1 << 20, false).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Corrupt, "raw {raw}: {e}");
     assert!(

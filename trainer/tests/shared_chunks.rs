@@ -146,10 +146,7 @@ fn a_damaged_shared_chunk_is_refused_or_read_again_from_the_fallback() {
     let backup = open(other.path(), true);
     save(&backup);
     let object = zero_chunk_object(&store, dir.path());
-    let mut bytes = std::fs::read(&object).unwrap();
-    let at = bytes.len() - 100;
-    bytes[at] ^= 0x01;
-    std::fs::write(&object, &bytes).unwrap();
+    common::flip_a_byte(&object);
 
     let rt = tokio::runtime::Runtime::new().unwrap();
     let reader = rt.block_on(StepReader::open(&store, "r", 1)).unwrap();

@@ -60,6 +60,14 @@ pub fn commit_one_rank(store: &Store, shards: Vec<ShardIn>) {
     });
 }
 
+/// Damage the object file at `path`: one bit of its payload flipped, 100 bytes from its end.
+pub fn flip_a_byte(path: &std::path::Path) {
+    let mut bytes = std::fs::read(path).unwrap();
+    let at = bytes.len() - 100;
+    bytes[at] ^= 0x01;
+    std::fs::write(path, &bytes).unwrap();
+}
+
 /// Bytes this process has had read from the block device so far
 /// (`/proc/self/io`: the whole process, so a test that counts them is its binary's only one).
 pub fn disk_read_bytes() -> u64 {
