@@ -447,6 +447,14 @@ async fn unchanged_chunks_are_named_not_sent_and_the_buddy_gets_them_all_the_sam
         .unwrap();
     assert_eq!(h.missing, 0);
     wait_for(se.clone(), 6).await;
+    // The buddy holds step 6 first without the named chunks (the copy that names them), then
+    // whole once the copy in full arrives after it answered that it lacks them.
+    for _ in 0..300 {
+        if se.holdings().chunks == 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     assert_eq!(
         se.holdings().chunks,
         3,
