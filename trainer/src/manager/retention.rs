@@ -2,9 +2,11 @@
 //! background, on the committer, once the newest save committed, never the newest committed
 //! step nor the step the next save dedups against.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use ckpt_store::GcOptions;
+use parking_lot::Mutex;
 use tracing::{info, warn};
 
 use super::ManagerConfig;
@@ -15,10 +17,21 @@ pub(crate) struct Retention {
     keep_last: Option<usize>,
     keep_every: Option<u64>,
     grace: Duration,
-    /// The sweep in flight (or done, not yet waited for).
+    /// The sweeps in flight (or done, not yet waited for).
     task: Option<tokio::task::JoinHandle<()>>,
-    /// The newest committed step a sweep was started for.
+    /// What the task and [`Retention::apply`] share: whether the task sweeps, and the sweep
+    /// asked for meanwhile.
+    queue: Arc<Mutex<Queue>>,
+    /// The newest committed step a sweep was started or queued for.
     retained_step: Option<u64>,
+}
+
+/// A sweep asked for while one runs waits here for it; the task runs the newest one asked
+/// for before it ends, so none is lost.
+#[derive(Default)]
+struct Queue {
+    running: bool,
+    next: Option<GcOptions>,
 }
 
 impl Retention {
@@ -29,6 +42,7 @@ impl Retention {
             keep_every: cfg.keep_every,
             grace: cfg.retention_grace,
             task: None,
+            queue: Arc::default(),
             retained_step: None,
         }
     }
@@ -38,13 +52,13 @@ impl Retention {
         self.keep_last.is_some() || self.keep_every.is_some()
     }
 
-    /// Start a sweep if this rank commits, a rule is set, no sweep runs and the newest save
-    /// committed since the last sweep.
+    /// Sweep if this rank commits, a rule is set and the newest save committed since the
+    /// last sweep: at once, or, while a sweep runs, right after it (the newest asked for
+    /// replaces one still waiting: it protects the newer steps and deletes the same or
+    /// more). A sweep that waited is safe though the run moved on: the newest committed step
+    /// is always kept, and it is what a save started since builds on.
     pub(crate) fn apply(&mut self, ckpt: &Checkpointer) {
         if !ckpt.config().committer || !self.enabled() {
-            return;
-        }
-        if self.task.as_ref().is_some_and(|h| !h.is_finished()) {
             return;
         }
         let Some(last) = ckpt.last() else { return };
@@ -53,16 +67,38 @@ impl Retention {
         }
         self.retained_step = Some(last.step());
         let opts = self.options(&ckpt.config().run, last.step(), ckpt.dedup_base());
+        {
+            let mut q = self.queue.lock();
+            if q.running {
+                q.next = Some(opts);
+                return;
+            }
+            q.running = true;
+        }
+        // The task before ended (it cleared `running`); its handle is spent.
+        self.task = None;
         let store = ckpt.store().clone();
+        let queue = self.queue.clone();
         self.task = Some(runtime().spawn(async move {
-            match store.gc().run(&opts, store.now()).await {
-                Ok(r) if !r.steps_deleted.is_empty() => info!(
-                    deleted = ?r.steps_deleted,
-                    freed = r.bytes_freed,
-                    "retention deleted old checkpoints"
-                ),
-                Ok(_) => {}
-                Err(e) => warn!("retention failed: {e}"),
+            let mut opts = opts;
+            loop {
+                match store.gc().run(&opts, store.now()).await {
+                    Ok(r) if !r.steps_deleted.is_empty() => info!(
+                        deleted = ?r.steps_deleted,
+                        freed = r.bytes_freed,
+                        "retention deleted old checkpoints"
+                    ),
+                    Ok(_) => {}
+                    Err(e) => warn!("retention failed: {e}"),
+                }
+                let mut q = queue.lock();
+                match q.next.take() {
+                    Some(next) => opts = next,
+                    None => {
+                        q.running = false;
+                        return;
+                    }
+                }
             }
         }));
     }
