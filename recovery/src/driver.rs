@@ -721,6 +721,7 @@ fn log_record(rec: &Record) {
             info!(
                 step = r.step,
                 since_failure_s = r.since_failure_s,
+                restored_s = ?r.restored_s,
                 "training resumed"
             )
         }

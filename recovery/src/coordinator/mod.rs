@@ -214,6 +214,9 @@ pub struct Coordinator {
     failed_at: Option<Duration>,
     resume_from: Option<u64>,
     resumed_reported: bool,
+    /// When every rank of the running generation had reported a step (restored, or started
+    /// from scratch): training began.
+    all_reported_at: Option<Duration>,
     /// Restarts after node failures (what `max_restarts` bounds).
     node_restarts: u32,
     /// Restarts in a row whose generation failed within `backoff_max` of its start (the
@@ -263,6 +266,7 @@ impl Coordinator {
             failed_at: None,
             resume_from: None,
             resumed_reported: true,
+            all_reported_at: None,
             node_restarts: 0,
             backoff_streak: 0,
             generation_started: Duration::ZERO,
@@ -387,6 +391,7 @@ impl Coordinator {
         self.phase = Phase::Running;
         self.generation_started = now;
         self.resume_from = resume_from;
+        self.all_reported_at = None;
         self.grow_wait = None;
         self.maybe_wait_to_grow();
         vec![
@@ -454,14 +459,22 @@ impl Coordinator {
                         r.last_progress = now;
                     }
                     self.max_step = self.max_step.max(step);
+                    if self.all_reported_at.is_none()
+                        && self.ranks.values().all(|r| r.last_step.is_some())
+                    {
+                        self.all_reported_at = Some(now);
+                    }
                     if !self.resumed_reported && self.resume_from.is_none_or(|s| step > s) {
                         self.resumed_reported = true;
+                        let since = |t: Duration| {
+                            self.failed_at
+                                .map_or(0.0, |f| t.saturating_sub(f).as_secs_f64())
+                        };
                         out.push(Action::Record(Record::Resumed(records::Resumed {
                             generation,
                             step,
-                            since_failure_s: self
-                                .failed_at
-                                .map_or(0.0, |f| (now.saturating_sub(f)).as_secs_f64()),
+                            since_failure_s: since(now),
+                            restored_s: self.all_reported_at.map(since),
                             at_ms: ms(now),
                         })));
                     }

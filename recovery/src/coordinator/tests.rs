@@ -921,3 +921,48 @@ fn a_replica_mismatch_without_a_majority_rolls_back_keeping_every_node_and_stop_
         Action::Done { ok: false, reason } if reason.contains("step 20"))));
     assert!(c.is_done());
 }
+
+#[test]
+fn the_resumed_record_says_when_every_rank_had_restored_and_when_the_first_step_was_done() {
+    let mut c = Coordinator::new(cfg(3, 1, "dp=2"));
+    started(&mut c, None);
+    let out = killed(&mut c, 1, Some(4), 1_000);
+    let (layout, nodes, from) = started_on(&out).expect("a new generation");
+    assert_eq!((layout.world(), nodes.len(), from), (2, 2, Some(4)));
+    let g = c.generation();
+    let beat = |c: &mut Coordinator, rank: u32, step: u64, at: u64| {
+        c.on_event(Event::Heartbeat {
+            generation: g,
+            rank,
+            step,
+            now: ms(at),
+        })
+    };
+    // Rank 0 restored step 4 at 2 s; rank 1 at 3.5 s; the first step after it done at 5 s.
+    assert!(beat(&mut c, 0, 4, 2_000).is_empty());
+    assert!(beat(&mut c, 1, 4, 3_500).is_empty());
+    let out = beat(&mut c, 0, 5, 5_000);
+    let r = match &out[..] {
+        [Action::Record(Record::Resumed(r))] => r.clone(),
+        other => panic!("{other:?}"),
+    };
+    // The failure was seen at 1 s (the kill's exit).
+    assert_eq!(r.step, 5);
+    assert!((r.since_failure_s - 4.0).abs() < 1e-9, "{r:?}");
+    assert_eq!(r.restored_s.map(|s| (s * 1000.0).round()), Some(2_500.0));
+    // The next generation measures its own ranks: one that never reported a step leaves it
+    // unknown.
+    let out = killed(&mut c, 0, Some(5), 6_000);
+    assert!(started_on(&out).is_some());
+    let g = c.generation();
+    let out = c.on_event(Event::Heartbeat {
+        generation: g,
+        rank: 0,
+        step: 6,
+        now: ms(8_000),
+    });
+    match &out[..] {
+        [Action::Record(Record::Resumed(r))] => assert_eq!(r.restored_s, None, "{r:?}"),
+        other => panic!("{other:?}"),
+    }
+}

@@ -110,6 +110,11 @@ pub struct Resumed {
     pub step: u64,
     /// Seconds from the failure's detection to this step.
     pub since_failure_s: f64,
+    /// Seconds from the failure's detection to the moment every rank had restored and
+    /// reported the step it resumed from: training began. `since_failure_s` adds the first
+    /// step's own time. Absent in logs written before it was recorded.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub restored_s: Option<f64>,
     /// Milliseconds since the supervisor started.
     pub at_ms: u64,
 }

@@ -948,7 +948,7 @@ fn train_bench(dir: &Path, params: u64) {
 /// Recovery timings: `ckpt-train` under the supervisor on 4 nodes, one rank killed (SIGKILL)
 /// or stopped (SIGSTOP) after the second checkpoint; the recovery log gives detection,
 /// decision, restart and the first step after it.
-fn recovery_bench(dir: &Path, params: &str, how: &str) {
+fn recovery_bench(dir: &Path, params: &str, how: &str, read_gbps: f64) {
     use ckpt_recovery::{Config, JobOptions, SupervisorOptions, Topology};
     let train = ckpt_tests::bin("ckpt-train", "ckpt-train");
     let store = dir.join(format!("recovery-{how}"));
@@ -1083,12 +1083,21 @@ fn recovery_bench(dir: &Path, params: &str, how: &str) {
         .filter_map(|e| e["seconds"].as_f64())
         .fold(0.0, f64::max);
     let hit = hit_at.as_secs_f64() - 0.0;
+    // The goal after detection: 1.2x the cold read of the largest rank's state, + 2 s.
+    let rank_bytes = restores
+        .iter()
+        .filter_map(|e| e["bytes"].as_u64())
+        .max()
+        .unwrap_or(0);
+    let goal_after_detection = 1.2 * rank_bytes as f64 / (read_gbps * 1e9) + 2.0;
     emit(json!({
+        "odirect_read_gbps": read_gbps, "goal_after_detection_s": goal_after_detection,
         "bench": "recovery", "how": how, "params": params, "ok": report.ok,
         "detection_s": ms(&f) - hit, "detection_reported_s": f["detection_s"],
         "decision_s": ms(&r) - ms(&f), "backoff_s": r["backoff_s"],
         "start_to_first_step_s": ms(&resumed) - ms(&started), "restore_s": restore_s,
         "failure_to_first_step_s": ms(&resumed) - ms(&f), "steps_lost": r["steps_lost"],
+        "failure_to_restored_s": resumed["restored_s"],
         "layout_after": r["layout"], "restore_plan": r["plan"],
         "restore_event_s": slowest, "restored_bytes": sum("bytes"),
         "bytes_from_peers": sum("bytes_from_peers"), "bytes_from_store": sum("bytes_from_store"),
@@ -1474,9 +1483,16 @@ fn main() {
         ),
         Some("recovery") => {
             let p = arg(&args, "--params", "20M");
-            recovery_bench(&dir, &p, "crash");
-            recovery_bench(&dir, &p, "hang");
-            recovery_bench(&dir, &p, "crash-peers");
+            // The disk's cold read limit in the same run, for the goal (detection + 1.2x the
+            // cold read of a rank's state + 2 s).
+            let limit = dir.join("recovery-limit.bin");
+            odirect_write(&limit, 1 << 30, 8, 4 << 20);
+            let read_gbps = odirect_read(&limit, 8, 4 << 20);
+            let _ = std::fs::remove_file(&limit);
+            emit(json!({"bench": "recovery_limits", "odirect_read_gbps": read_gbps}));
+            recovery_bench(&dir, &p, "crash", read_gbps);
+            recovery_bench(&dir, &p, "hang", read_gbps);
+            recovery_bench(&dir, &p, "crash-peers", read_gbps);
         }
         Some("peers") => peers_bench(
             &dir,

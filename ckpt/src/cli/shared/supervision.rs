@@ -140,8 +140,12 @@ impl Report for ResumeOutput {
                     r.backoff_s
                 ),
                 Event::Resumed(r) => format!(
-                    "resumed: step {} done {:.2} s after the failure",
-                    r.step, r.since_failure_s
+                    "resumed: step {} done {:.2} s after the failure{}",
+                    r.step,
+                    r.since_failure_s,
+                    r.restored_s.map_or(String::new(), |s| format!(
+                        " (every rank restored and training after {s:.2} s)"
+                    ))
                 ),
                 Event::Finished(r) => format!("finished: {} ({} restarts)", r.reason, r.restarts),
                 Event::NodeReturned(r) => format!(
