@@ -275,7 +275,7 @@ def eight_mib(seed: int) -> dict:
 
 def test_one_dcp_drain_at_a_time_at_its_rate_skipping_older_steps_when_behind(tmp_path):
     remote, local = tmp_path / "remote", tmp_path / "local"
-    rate = 4e6  # bytes a second: the first step's drain takes about 2 s
+    rate = 2e6  # bytes a second: the first step's drain takes about 4 s, past both saves
     writers = {}
     for step in (1, 2, 3):
         w = StorageWriter(str(remote), run="b", step=step, local_tier=str(local), drain_rate=rate)
@@ -370,7 +370,8 @@ def test_a_dcp_drain_is_tried_again_while_the_store_is_down_and_catches_up(tmp_p
 
     monkeypatch.setattr(_Drainer, "first_backoff", 0.2)
     remote, local = tmp_path / "remote", tmp_path / "local"
-    down = _store_down(remote, "outage_s=0+3")  # down for the first 3 s after it opened
+    # Down for the first 8 s after it opened: past the save and the drain's first try.
+    down = _store_down(remote, "outage_s=0+8")
     w = StorageWriter(down, run="o", step=1, local_tier=str(local))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -733,7 +734,7 @@ def test_a_machines_drain_is_tried_again_while_the_store_is_down_and_commits_the
     _node_save(a, "o", 1, 0)
     _node_save(b, "o", 1, 1)
     assert a.drain_to(remote, "o", 1, generation=1, node=0)["remote_committed"] is False
-    down = _store_down(tmp_path / "remote", "outage_s=0+2")
+    down = _store_down(tmp_path / "remote", "outage_s=0+5")
     d = _Drainer.of(b, down, "o", node=1)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

@@ -1956,10 +1956,23 @@ async fn replacing_a_manifest_never_breaks_a_racing_commit(b: Backend) {
 
     // 1. The committer has passed its generation check and creates its record only after
     //    the manifest was replaced: it withdraws the record, and the newer generation commits.
+    //    (The sleeps leave room for an S3 server that takes a second a request on a loaded
+    //    machine; each side waits until the other is inside its window.)
+    let inside = |s: &Store, fp: &'static str| {
+        let fps = s.failpoints().clone();
+        async move {
+            let t0 = std::time::Instant::now();
+            while fps.hits(fp) == 0 {
+                assert!(t0.elapsed() < Duration::from_secs(60), "{fp} never reached");
+                tokio::time::sleep(ms(10)).await;
+            }
+        }
+    };
     save_as(store, "race1", 1, 0).await.unwrap();
-    let slow = with_fp(store, "before_commit_create=sleep(1000)");
+    let slow = with_fp(store, "before_commit_create=sleep(5000)");
+    let at = inside(&slow, "before_commit_create");
     let c = tokio::spawn(async move { slow.log().commit_step_as("race1", 1, Some(0)).await });
-    tokio::time::sleep(ms(300)).await;
+    at.await;
     save_as(store, "race1", 1, 1).await.unwrap();
     let e = c.await.unwrap().unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Fenced, "{e}");
@@ -1976,10 +1989,11 @@ async fn replacing_a_manifest_never_breaks_a_racing_commit(b: Backend) {
     // 2. The committer creates its record between the writer's "not committed" check and its
     //    overwrite: the writer puts the committed manifest back and is refused.
     save_as(store, "race2", 1, 0).await.unwrap();
-    let slow_c = with_fp(store, "before_commit_create=sleep(800)");
+    let slow_c = with_fp(store, "before_commit_create=sleep(4000)");
+    let at = inside(&slow_c, "before_commit_create");
     let c = tokio::spawn(async move { slow_c.log().commit_step_as("race2", 1, Some(0)).await });
-    tokio::time::sleep(ms(200)).await;
-    let slow_w = with_fp(store, "before_manifest_replace=sleep(1600)");
+    at.await;
+    let slow_w = with_fp(store, "before_manifest_replace=sleep(8000)");
     let wr = tokio::spawn(async move { save_as(&slow_w, "race2", 1, 1).await });
     let ce = c.await.unwrap().unwrap_err();
     assert_eq!(

@@ -110,6 +110,34 @@ pub fn replica_agent_command() -> Vec<String> {
     ]
 }
 
+/// [`replica_agent_command`] logging at info without colour codes, so that a test can see in
+/// its log each snapshot it takes ([`agent_held`]).
+pub fn logging_agent_command() -> Vec<String> {
+    let mut cmd: Vec<String> = vec![
+        "sh".into(),
+        "-c".into(),
+        r#"RUST_LOG=info NO_COLOR=1 exec "$0" "$@""#.into(),
+    ];
+    cmd.extend(replica_agent_command());
+    cmd
+}
+
+/// Whether an agent's log (at info) says it holds the snapshot of `step` of rank `rank` of
+/// node `node`: its own rank's, or its buddy's copy.
+pub fn agent_held(log: &str, node: u32, rank: u32, step: u64) -> bool {
+    let want = [
+        format!("node={node}"),
+        format!("rank={rank}"),
+        format!("step={step}"),
+    ];
+    log.lines().any(|l| {
+        l.contains("snapshot held")
+            && want
+                .iter()
+                .all(|w| l.split_whitespace().any(|field| field == w))
+    })
+}
+
 /// Processes whose environment has `key=value` for every pair, as (pid, environment).
 pub fn find_processes(want: &[(&str, &str)]) -> Vec<(u32, Vec<(String, String)>)> {
     let mut out = Vec::new();

@@ -184,6 +184,9 @@ impl Job {
             .args(["--step-time-ms", &spec.step_ms.to_string()])
             .args(&spec.rank_extra)
             .env("CKPT_LOG", "warn")
+            // Plain log lines (tests read the replica agents' "snapshot held").
+            .env("NO_COLOR", "1")
+            .env_remove("RUST_LOG")
             .stdin(Stdio::null())
             .stdout(std::fs::File::create(&out).unwrap())
             .stderr(std::fs::File::create(&err).unwrap())
@@ -433,6 +436,24 @@ fn a_killed_node_is_replaced_by_a_smaller_layout_and_the_job_finishes() {
     let st = job.wait_for_step(8);
     let leader = st.leader.expect("a coordinator");
     let victim = (0..3).rev().find(|&n| n != leader).unwrap();
+    // The buddy copy follows the victim's persist asynchronously (its rank hands the last
+    // chunks to its agent after the manifest, and the agent copies after that): wait until
+    // another node's agent holds the victim's snapshot of the committed step.
+    let newest = job.committed().into_iter().max().unwrap();
+    let copied = || {
+        job.nodes.iter().filter(|n| n.id != victim).any(|n| {
+            let log = std::fs::read_to_string(&n.err).unwrap_or_default();
+            ckpt_tests::agent_held(&log, victim, victim, newest)
+        })
+    };
+    while !copied() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "no agent holds node {victim}'s snapshot of step {newest}\n{}",
+            job.logs()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let killed_at = Instant::now();
     job.kill_node(victim);
     let reports = job.reports(victim);

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use ckpt_recovery::Topology;
 use ckpt_tests::{
-    bin, digest_in, env_of, final_digest, find_processes, reference_digest, replica_agent_command,
-    signal, spawn_supervisor, supervised,
+    agent_held, bin, digest_in, env_of, final_digest, find_processes, logging_agent_command,
+    reference_digest, signal, spawn_supervisor, supervised,
 };
 
 const PARAMS: &str = "40K";
@@ -540,7 +540,8 @@ fn a_lost_node_is_restored_from_peer_replicas() {
         train_cmd(steps, 8, 150),
         dir.path().join("logs"),
     );
-    opts.replica_agent = Some(replica_agent_command());
+    // The agents log each snapshot they take ("snapshot held", at info; no colour codes).
+    opts.replica_agent = Some(logging_agent_command());
     let sup = spawn_supervisor(opts);
     let st = ckpt_store::open(store.to_str().unwrap()).unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -553,8 +554,34 @@ fn a_lost_node_is_restored_from_peer_replicas() {
         assert!(t0.elapsed() < Duration::from_secs(120), "no checkpoint");
         std::thread::sleep(Duration::from_millis(5));
     };
-    // Let the buddy copies land (they follow each rank's persist asynchronously).
-    std::thread::sleep(Duration::from_millis(150));
+    // The buddy copies follow each rank's persist asynchronously (a rank hands its last chunks
+    // to its agent after its manifest, and the agent copies to its buddy after that): wait
+    // until the agents of nodes 0 and 2, which survive, hold every rank's snapshot of the step
+    // (node 1's ranks through node 2's agent, its buddy).
+    let logs = dir.path().join("logs");
+    let agent_log = |node: u32| {
+        std::fs::read_to_string(logs.join(format!("agent-{node}.err"))).unwrap_or_default()
+    };
+    let held = [
+        (0, 0, 0),
+        (0, 0, 1),
+        (2, 1, 2),
+        (2, 1, 3),
+        (2, 2, 4),
+        (2, 2, 5),
+    ];
+    while let Some((agent, node, rank)) = held
+        .iter()
+        .copied()
+        .find(|&(agent, node, rank)| !agent_held(&agent_log(agent), node, rank, step))
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(180),
+            "node {node} rank {rank}'s snapshot of step {step} never reached agent {agent}:\n{}",
+            agent_log(agent)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let agent = processes_with_args(&["replica-agent", "--node", "1"]);
     assert_eq!(agent.len(), 1, "one agent for node 1");
     let node1 = find_processes(&[("CKPT_RUN", run), ("CKPT_NODE", "1")]);
@@ -665,23 +692,10 @@ fn a_rank_killed_during_a_save_resumes_from_the_step_before_out_of_the_agents() 
     cmd.extend(train_cmd(steps, 8, 150));
     let mut opts = supervised(&store, run, topo, "dp=2", cmd, logs.clone());
     // The agents log each snapshot they take ("snapshot held", at info; no colour codes).
-    let mut agent: Vec<String> = vec![
-        "sh".into(),
-        "-c".into(),
-        r#"RUST_LOG=info NO_COLOR=1 exec "$0" "$@""#.into(),
-    ];
-    agent.extend(replica_agent_command());
-    opts.replica_agent = Some(agent);
+    opts.replica_agent = Some(logging_agent_command());
     let sup = spawn_supervisor(opts);
     // Rank 0's snapshot of step 16 held by its node's agent.
-    let held = |log: &str| {
-        log.lines().any(|l| {
-            l.contains("snapshot held")
-                && l.contains("node=0")
-                && l.contains("rank=0")
-                && l.contains("step=16")
-        })
-    };
+    let held = |log: &str| agent_held(log, 0, 0, 16);
     let t0 = Instant::now();
     while !held(&std::fs::read_to_string(logs.join("agent-0.err")).unwrap_or_default()) {
         assert!(

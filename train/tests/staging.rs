@@ -315,11 +315,24 @@ fn second_sigterm_ends(extra: &[&str]) {
         "20",
     ])
     .args(["--failpoints", "after_chunks=sleep(600000)"])
+    .arg("--metrics-out")
+    .arg(dir.path().join("metrics.jsonl"))
     .stderr(Stdio::piped());
     let mut child = c.spawn().unwrap();
     let pid = child.id() as i32;
     let err = BufReader::new(child.stderr.take().unwrap());
-    std::thread::sleep(Duration::from_millis(1500));
+    // Training (its first step's metrics written): the SIGTERM handlers are in place.
+    let t0 = Instant::now();
+    while !std::fs::read_to_string(dir.path().join("metrics.jsonl"))
+        .unwrap_or_default()
+        .contains("\"kind\":\"step\"")
+    {
+        if t0.elapsed() > Duration::from_secs(120) {
+            let _ = child.kill();
+            panic!("{extra:?}: no step within 120 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
     // SAFETY: plain libc call on a child we spawned.
     // SAFETY: kill(2) takes plain integers and touches no memory of this process.
     unsafe { libc::kill(pid, libc::SIGTERM) };
@@ -363,7 +376,9 @@ fn second_sigterm_ends(extra: &[&str]) {
         std::thread::sleep(Duration::from_millis(20));
     };
     assert_eq!(status.code(), Some(143), "{extra:?}");
-    let said: Vec<String> = rx.try_iter().collect();
+    // Everything it said, to its stderr's end (the reader thread may still be behind).
+    let said: Vec<String> =
+        std::iter::from_fn(|| rx.recv_timeout(Duration::from_secs(30)).ok()).collect();
     assert!(
         said.iter().any(|l| l.contains("second SIGTERM")),
         "{extra:?}: {said:?}"

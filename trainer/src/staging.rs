@@ -582,9 +582,12 @@ mod tests {
             .unwrap()
             .len()
         });
-        std::thread::sleep(Duration::from_millis(50));
+        let t0 = std::time::Instant::now();
+        while !waited.load(std::sync::atomic::Ordering::SeqCst) {
+            assert!(t0.elapsed() < long, "the waiter never said it waits");
+            std::thread::sleep(Duration::from_millis(5));
+        }
         assert!(!waiter.is_finished());
-        assert!(waited.load(std::sync::atomic::Ordering::SeqCst));
         assert_eq!(pool.stats().in_use, 4096, "a waiter holds no slab");
         drop(one);
         assert_eq!(waiter.join().unwrap(), 2);

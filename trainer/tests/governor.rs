@@ -106,8 +106,9 @@ fn waiting_for_a_throttled_persist_runs_it_at_full_speed() {
             },
         )
         .unwrap();
-    // Let it start paced, then wait for it: the wait lifts the limit.
+    // Let it start paced (its snapshot taken), then wait for it: the wait lifts the limit.
     std::thread::sleep(Duration::from_millis(500));
+    h.wait_snapshot().unwrap();
     assert!(matches!(h.stage(), Stage::Snapshotted), "{:?}", h.stage());
     h.wait_committed(Duration::from_secs(120)).unwrap();
     let took = t0.elapsed();

@@ -95,12 +95,20 @@ fn saves_commit_locally_drain_only_new_chunks_and_retention_runs_per_tier() {
     // The newest step is remote-durable once `finish` returns.
     assert_eq!(read_w(&remote, run, 6), saved[5]);
     // Retention: 3 on the remote (of the steps drained: one that waited while another
-    // drained may have been skipped for a newer one), 2 locally.
+    // drained may have been skipped for a newer one, so at least the first and the newest
+    // reached it), 2 locally.
     let rem = committed(&remote, run);
-    assert_eq!((rem.len(), rem.last()), (3, Some(&6)), "{rem:?}");
+    assert!(
+        (2..=3).contains(&rem.len()) && rem.last() == Some(&6),
+        "{rem:?}"
+    );
+    let figs = m.take_drain_figures();
+    let drained: Vec<u64> = figs.iter().map(|f| f.step).collect();
+    if drained.len() >= 3 {
+        assert_eq!(rem.len(), 3, "{rem:?}, drained {drained:?}");
+    }
     assert_eq!(committed(&local, run), vec![5, 6]);
     // Only new chunks moved: the unchanged three quarters of `w` were sent once.
-    let figs = m.take_drain_figures();
     let first = figs.iter().find(|f| f.step == 1).map(|f| f.bytes_sent);
     let later: Vec<&ckpt_recovery::records::DrainMetrics> =
         figs.iter().filter(|f| f.step > 1).collect();
