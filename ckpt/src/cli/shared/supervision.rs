@@ -144,7 +144,7 @@ impl Report for ResumeOutput {
                     r.step,
                     r.since_failure_s,
                     r.restored_s.map_or(String::new(), |s| format!(
-                        " (every rank restored and training after {s:.2} s)"
+                        " (every rank restored by {s:.2} s)"
                     ))
                 ),
                 Event::Finished(r) => format!("finished: {} ({} restarts)", r.reason, r.restarts),
