@@ -391,7 +391,7 @@ async fn two_machines_commit_their_ranks_locally_and_the_last_drain_commits_the_
 async fn a_stale_node_commit_never_replaces_a_newer_generations() {
     let (fresh, dir) = local_store(tiny_config());
     let fp = ckpt_store::Failpoints::new();
-    let stalls = std::time::Duration::from_millis(1500);
+    let stalls = std::time::Duration::from_millis(3000);
     fp.set("before_node_commit", ckpt_store::FailAction::Sleep(stalls));
     let stale = ckpt_store::url::open(dir.path().to_str().unwrap())
         .unwrap()
