@@ -69,14 +69,15 @@ impl Retention {
         let opts = self.options(&ckpt.config().run, last.step(), ckpt.dedup_base());
         {
             let mut q = self.queue.lock();
-            if q.running {
+            // A task that ended without clearing `running` (it panicked) takes nothing more.
+            let died = self.task.as_ref().is_some_and(|h| h.is_finished());
+            if q.running && !died {
                 q.next = Some(opts);
                 return;
             }
             q.running = true;
+            q.next = None;
         }
-        // The task before ended (it cleared `running`); its handle is spent.
-        self.task = None;
         let store = ckpt.store().clone();
         let queue = self.queue.clone();
         self.task = Some(runtime().spawn(async move {
