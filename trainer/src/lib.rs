@@ -35,7 +35,7 @@ pub mod workload;
 pub use governor::GovernorConfig;
 pub use interval::AutoInterval;
 pub use manager::{
-    CheckpointManager, LocalTier, ManagerConfig, Rollback, Scope, Stateful, StoreHealth,
+    AllGather, CheckpointManager, LocalTier, ManagerConfig, Rollback, Scope, Stateful, StoreHealth,
     TensorMemory, events,
 };
 pub use memory::{HostTensor, HostView, MemorySink, MemorySource, PinnedSource, SourceVersion};

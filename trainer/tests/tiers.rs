@@ -14,7 +14,9 @@ use ckpt_store::placement::TensorSpec;
 use ckpt_store::testing::{det_bytes, faulty_store, local_store, tiny_config};
 use ckpt_store::{DType, Layout, NdBox, RetryConfig, Store, StoreConfig};
 use ckpt_trainer::save::runtime;
-use ckpt_trainer::{CheckpointManager, CheckpointerConfig, HostTensor, LocalTier, ManagerConfig};
+use ckpt_trainer::{
+    AllGather, CheckpointManager, CheckpointerConfig, HostTensor, LocalTier, ManagerConfig,
+};
 
 const N: u64 = 64 << 10;
 
@@ -625,4 +627,148 @@ fn a_machine_restarted_in_a_newer_generation_clears_the_drain_markers_a_killed_d
                 == vec![5]
         },
     );
+}
+
+/// A job of two machines killed after both committed step 2 in their own tiers while the store
+/// was down (step 1 is on the store; machine 0 also has step 3, machine 1 not): the shared
+/// store's objects, the tiers, and each machine's weights at step 2.
+struct KilledTwoMachineJob {
+    shared: Arc<dyn ckpt_store::object_store::ObjectStore>,
+    tiers: [(Store, tempfile::TempDir); 2],
+    at_1: [Vec<u8>; 2],
+    at_2: [Vec<u8>; 2],
+}
+
+fn remote_view(
+    shared: &Arc<dyn ckpt_store::object_store::ObjectStore>,
+) -> (Store, ckpt_store::FaultHandle) {
+    let retry = RetryConfig {
+        attempts: 2,
+        min_backoff: Duration::from_millis(10),
+        max_backoff: Duration::from_millis(20),
+        request_timeout: Duration::from_millis(300),
+    };
+    faulty_store(shared.clone(), "", "memory://remote", tiny_config(), retry)
+}
+
+fn killed_two_machine_job(run: &str) -> KilledTwoMachineJob {
+    let shared: Arc<dyn ckpt_store::object_store::ObjectStore> =
+        Arc::new(ckpt_store::object_store::memory::InMemory::new());
+    let ((remote0, f0), (remote1, f1), (check, _)) = (
+        remote_view(&shared),
+        remote_view(&shared),
+        remote_view(&shared),
+    );
+    let tiers = [local_store(tiny_config()), local_store(tiny_config())];
+    let (mut m0, w0) = node_manager(&remote0, &tiers[0].0, run, 0, |_| {});
+    let (mut m1, w1) = node_manager(&remote1, &tiers[1].0, run, 1, |_| {});
+    let save = |m: &mut CheckpointManager, w: &HostTensor, step: u64| {
+        touch(w, step);
+        let h = m.maybe_save(step).unwrap().expect("due");
+        h.wait_committed(Duration::from_secs(30)).unwrap();
+        w.read().clone()
+    };
+    let at_1 = [save(&mut m0, &w0, 1), save(&mut m1, &w1, 1)];
+    until(&mut [&mut m0, &mut m1], "step 1 committed", || {
+        committed(&check, run) == vec![1]
+    });
+    f0.set_outage(true);
+    f1.set_outage(true);
+    let at_2 = [save(&mut m0, &w0, 2), save(&mut m1, &w1, 2)];
+    save(&mut m0, &w0, 3);
+    // Killed: nothing more is drained (the drainers stop with their managers).
+    drop((m0, m1));
+    assert_eq!(committed(&check, run), vec![1]);
+    KilledTwoMachineJob {
+        shared,
+        tiers,
+        at_1,
+        at_2,
+    }
+}
+
+/// Every rank of the restarted job calls `restore_latest` at once (ranks as threads of this
+/// process, one a machine), with the in-process all-gather or without one: each rank's step
+/// and restored weights.
+fn restart(job: &KilledTwoMachineJob, run: &str, gather: bool) -> Vec<(Option<u64>, Vec<u8>)> {
+    let all = AllGather::in_process(2, Duration::from_secs(60));
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2u32)
+            .map(|rank| {
+                let all = all[rank as usize].clone();
+                let (remote, _) = remote_view(&job.shared);
+                let tier = job.tiers[rank as usize].0.clone();
+                s.spawn(move || {
+                    let (mut m, w) = node_manager(&remote, &tier, run, rank, |c| {
+                        c.all_gather = gather.then_some(all);
+                    });
+                    // Other bytes than any step's, so the restore must write every one.
+                    w.write().fill(0);
+                    let step = m.restore_latest().unwrap();
+                    let got = w.read().clone();
+                    (step, got)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn machines_without_a_driver_agree_on_the_newest_step_every_tier_holds_and_drain_it_first() {
+    let run = "agree";
+    let job = killed_two_machine_job(run);
+    let (check, _) = remote_view(&job.shared);
+    // Without the all-gather a machine cannot know the other holds step 2: the store's newest.
+    let got = restart(&job, run, false);
+    for (rank, (step, w)) in got.iter().enumerate() {
+        assert_eq!(*step, Some(1), "rank {rank}");
+        assert_eq!(w, &job.at_1[rank], "rank {rank} restored step 1 bit-exact");
+    }
+    assert_eq!(committed(&check, run), vec![1]);
+    // With it: step 2 (step 3 is on machine 0's tier only), drained to the store first.
+    let got = restart(&job, run, true);
+    for (rank, (step, w)) in got.iter().enumerate() {
+        assert_eq!(*step, Some(2), "rank {rank}");
+        assert_eq!(w, &job.at_2[rank], "rank {rank} restored step 2 bit-exact");
+    }
+    assert_eq!(committed(&check, run), vec![1, 2]);
+    // The step commits on the store only with both machines' rank manifests.
+    assert_eq!(read_w(&check, run, 2), job.at_2[0]);
+}
+
+#[test]
+fn a_step_whose_drain_fails_on_one_machine_is_not_agreed_and_every_rank_resumes_from_the_store() {
+    let run = "agree-damaged";
+    let job = killed_two_machine_job(run);
+    let (check, _) = remote_view(&job.shared);
+    // Damage a chunk of step 2 that the store does not hold, on the machine whose rank wrote
+    // the tensor (the replicas' writer): that machine's drain fails, the other's does not.
+    let rt = runtime();
+    let (tier, dir, chunk) = job
+        .tiers
+        .iter()
+        .find_map(|(tier, dir)| {
+            let commits = rt.block_on(tier.log().read_node_commits(run, 2)).unwrap();
+            let manifests = rt
+                .block_on(tier.log().node_commit_manifests(&commits[0]))
+                .unwrap();
+            let chunk = manifests.iter().flat_map(|m| m.chunk_refs()).find(|c| {
+                !rt.block_on(check.objects().exists(&check.keys().object_of(c)))
+                    .unwrap()
+            })?;
+            Some((tier, dir, chunk.clone()))
+        })
+        .expect("step 2 has a chunk the store lacks");
+    let file = dir.path().join(tier.keys().object_of(&chunk).as_ref());
+    let mut b = std::fs::read(&file).unwrap();
+    let n = b.len();
+    b[n - 3] ^= 0x55;
+    std::fs::write(&file, b).unwrap();
+    let got = restart(&job, run, true);
+    for (rank, (step, w)) in got.iter().enumerate() {
+        assert_eq!(*step, Some(1), "rank {rank}");
+        assert_eq!(w, &job.at_1[rank], "rank {rank} restored step 1 bit-exact");
+    }
+    assert_eq!(committed(&check, run), vec![1]);
 }

@@ -79,6 +79,13 @@ pub struct ManagerConfig {
     /// the training. `keep_last` and `keep_every` then apply to the remote store, the tier's
     /// own `keep_last` to the tier. `None` (the default): saves go to the store.
     pub local_tier: Option<super::LocalTier>,
+    /// The job's all-gather, for a job of several machines (`node_ranks`, each with its own
+    /// tier) that no driver resumes: [`CheckpointManager::restore_latest`](super::CheckpointManager::restore_latest)
+    /// agrees through it with every other rank on the newest step that the store or every
+    /// machine's tier holds, draining first a step a killed job left in the tiers only (see
+    /// [`AllGather`](super::AllGather)). Every rank of the job then calls `restore_latest`.
+    /// `None`: such a job resumes from the store's newest step.
+    pub all_gather: Option<super::AllGather>,
 }
 
 impl ManagerConfig {
@@ -103,6 +110,7 @@ impl ManagerConfig {
             on_replica_mismatch: MismatchPolicy::Warn,
             stale_after: 2,
             local_tier: None,
+            all_gather: None,
         }
     }
 }

@@ -45,9 +45,11 @@
 //! | `rollback` | the spike monitor, its records, and what a rollback restores ([`Rollback`]) |
 //! | `events` | the event kinds the manager writes and the writer of the run's events log |
 //! | `sentinel` | replicas that disagree at a commit, trainable state that stopped changing ([`ManagerConfig::on_replica_mismatch`], [`ManagerConfig::stale_after`]) |
+//! | `agree` | the step a job of several machines resumes from without a driver, agreed through the job's all-gather ([`AllGather`]) |
 //! | `tier` | a local tier under the remote store: saves commit locally, the drain copies them to the remote store ([`LocalTier`]) |
 //! | `sigterm` | the SIGTERM handler ([`on_sigterm`]) and the stop flag |
 
+mod agree;
 mod config;
 pub mod events;
 mod health;
@@ -72,6 +74,7 @@ use tracing::{info, instrument};
 use crate::monitor::{Decision, Monitor, Observation, Spike};
 use crate::save::{Checkpointer, SaveHandle, SaveState, Stage, runtime};
 
+pub use agree::AllGather;
 pub use config::ManagerConfig;
 pub use health::StoreHealth;
 pub use registry::{MONITOR_BLOB, Scope, Stateful, TensorMemory};
@@ -460,7 +463,10 @@ impl CheckpointManager {
     }
 
     /// The step a resume restores: [`ManagerConfig::resume_step`] when set (it must be
-    /// committed), else the newest committed step, if any.
+    /// committed), else the newest committed step, if any. It asks nothing of the other
+    /// ranks: one machine of several (`node_ranks`) finds the store's newest step here, and
+    /// [`CheckpointManager::restore_latest`] agrees on a newer one through
+    /// [`ManagerConfig::all_gather`].
     pub fn resume_target(&self) -> Result<Option<u64>> {
         self.restorer
             .resume_target(&self.tiers(), &self.cfg.ckpt.run)
@@ -470,9 +476,28 @@ impl CheckpointManager {
     /// resume step, else the newest committed one), if any; returns its number.
     /// This rank's generation is joined first (see [`Checkpointer::join_generation`]), so a
     /// job resumed while an older one still runs fences the older one before it chooses.
+    ///
+    /// One machine of several (`node_ranks`) with [`ManagerConfig::all_gather`] and no resume
+    /// step agrees with every other rank on the newest step committed on the store or on every
+    /// machine's tier (draining first one the tiers only hold): every rank of the job calls
+    /// it. Without the all-gather it resumes from the store's newest step (a warning names a
+    /// newer one this machine's tier holds).
     pub fn restore_latest(&mut self) -> Result<Option<u64>> {
         self.ckpt.join_generation()?;
-        match self.resume_target()? {
+        let target = match (&self.cfg.all_gather, self.local_tier()) {
+            (Some(all), Some(local))
+                if self.cfg.ckpt.node_ranks.is_some() && self.cfg.resume_step.is_none() =>
+            {
+                agree::agreed_step(all, &self.main, local, &self.cfg.ckpt)?
+            }
+            (None, Some(local)) if self.cfg.ckpt.node_ranks.is_some() => {
+                let target = self.resume_target()?;
+                agree::warn_unagreed(local, &self.cfg.ckpt.run, target);
+                target
+            }
+            _ => self.resume_target()?,
+        };
+        match target {
             None => Ok(None),
             Some(step) => self.restore(step).map(|_| Some(step)),
         }
