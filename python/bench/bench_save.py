@@ -130,7 +130,7 @@ def worker(rank, world, port, method, total, root, out):
         t0 = time.perf_counter()
         mgr.maybe_save(1, state)
         r["stall_s"] = time.perf_counter() - t0
-        mgr.finish()
+        mgr.wait()  # committed; the manager saves again (finish ends its saving)
         dist.barrier()
         r["durable_s"] = time.perf_counter() - t0
         rep = mgr.last_report()

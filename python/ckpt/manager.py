@@ -340,7 +340,10 @@ class CheckpointManager:
 
     def finish(self) -> None:
         """Wait for the checkpoint in flight to commit and for retention; with a local tier,
-        until the newest step is drained to the store."""
+        until the newest step is drained to the store. Then free the staging memory (a copy
+        of the rank's state kept between saves): a job done saving holds its state once, as
+        after DCP's ``async_save``. A save after ``finish`` allocates it again (the stall of a
+        first save); between saves, ``wait`` waits for the commit and keeps it."""
         self._native.finish()
 
     def drains(self) -> List[Dict[str, Any]]:

@@ -84,6 +84,9 @@ struct PoolState {
     bg_running: bool,
     /// Slabs counted in `allocated` that the background thread is touching (0 or 1).
     bg_pending: usize,
+    /// The free slabs were released ([`StagingPool::release_free`]): the background fill
+    /// stops until it is started again.
+    released: bool,
     /// Of those, taken over by a caller that allocated its own: the thread frees its slab.
     bg_taken: usize,
 }
@@ -151,7 +154,7 @@ fn background_fill(pool: Weak<StagingPool>, slab: usize, hurry: Arc<AtomicBool>)
         let hook = p.hook.0.clone();
         {
             let mut st = p.state.lock();
-            if st.allocated + slab > st.capacity {
+            if st.released || st.allocated + slab > st.capacity {
                 st.bg_running = false;
                 return;
             }
@@ -186,6 +189,18 @@ fn background_fill(pool: Weak<StagingPool>, slab: usize, hurry: Arc<AtomicBool>)
                 h.on_free(full.as_mut_ptr(), full.len());
             }
             continue;
+        }
+        if st.released {
+            // Released while touching it: it goes too, and the fill ends.
+            st.bg_pending -= 1;
+            st.allocated -= slab;
+            st.bg_running = false;
+            drop(st);
+            if let Some(h) = &hook {
+                let full = b.full_mut();
+                h.on_free(full.as_mut_ptr(), full.len());
+            }
+            return;
         }
         st.bg_pending -= 1;
         st.free.push(b);
@@ -244,6 +259,7 @@ impl StagingPool {
                 return None;
             }
             st.bg_running = true;
+            st.released = false;
         }
         let (pool, slab, hurry) = (Arc::downgrade(self), self.cfg.slab, self.hurry.clone());
         match std::thread::Builder::new()
@@ -406,6 +422,31 @@ impl StagingPool {
             peak_in_use: st.peak_in_use,
             capacity: st.capacity,
         }
+    }
+
+    /// Free every slab that is not in use and stop the background fill: the memory of a
+    /// pool whose owner is done saving (a job's last checkpoint committed). Slabs in use come
+    /// back to the free list as usual. The bound stays; a later save allocates again (the stall
+    /// of a first save), and [`StagingPool::prefault_in_background`] fills it again. Returns
+    /// the bytes freed.
+    pub fn release_free(&self) -> usize {
+        let mut st = self.state.lock();
+        let free = std::mem::take(&mut st.free);
+        st.allocated -= free.len() * self.cfg.slab;
+        st.released = true;
+        if st.bg_pending > st.bg_taken {
+            // The slab the background fill is touching goes: stop touching it.
+            self.hurry.store(true, Ordering::Relaxed);
+        }
+        drop(st);
+        let bytes = free.len() * self.cfg.slab;
+        for mut b in free {
+            if let Some(h) = &self.hook.0 {
+                let full = b.full_mut();
+                h.on_free(full.as_mut_ptr(), full.len());
+            }
+        }
+        bytes
     }
 
     /// Forget the peak (to measure one save).
@@ -758,6 +799,58 @@ mod tests {
             "nothing left to fill"
         );
         drop(pool);
+        assert!(hook.live.lock().is_empty(), "every slab freed");
+    }
+
+    #[test]
+    fn releasing_frees_the_free_slabs_stops_the_fill_and_a_later_save_allocates_again() {
+        const SLAB: usize = 64 << 10;
+        const N: usize = 200;
+        let hook = Arc::new(Slow {
+            slow: Duration::from_millis(20),
+            ..Slow::default()
+        });
+        let pool = StagingPool::with_hook(
+            PoolConfig {
+                capacity: N * SLAB,
+                slab: SLAB,
+            },
+            false,
+            Some(hook.clone()),
+        );
+        let bg = pool.prefault_in_background().expect("a fill thread");
+        wait_until("four slabs filled", Duration::from_secs(30), || {
+            pool.state.lock().free.len() >= 4
+        });
+        let held = pool.acquire();
+        let freed = pool.release_free();
+        assert!(freed >= 3 * SLAB, "{freed}");
+        // The fill stops (the slab it was touching goes too) long before the bound.
+        wait_until("the fill thread to stop", Duration::from_secs(10), || {
+            bg.is_finished()
+        });
+        bg.join().unwrap();
+        let st = pool.stats();
+        assert_eq!(
+            (st.allocated, st.in_use),
+            (SLAB, SLAB),
+            "only the held slab: {st:?}"
+        );
+        assert_eq!(hook.live.lock().len(), 1, "every other slab freed");
+        // The held slab comes back as usual; a later save allocates what it needs.
+        drop(held);
+        let again = pool
+            .acquire_many(3, Duration::from_secs(10), || {})
+            .unwrap();
+        assert_eq!(pool.stats().allocated, 3 * SLAB);
+        drop(again);
+        // A fill started again runs to the bound.
+        let bg = pool.prefault_in_background().expect("a fill thread");
+        wait_until("more slabs filled", Duration::from_secs(30), || {
+            pool.stats().allocated >= 5 * SLAB
+        });
+        drop(pool);
+        bg.join().unwrap();
         assert!(hook.live.lock().is_empty(), "every slab freed");
     }
 

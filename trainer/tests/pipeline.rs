@@ -608,3 +608,34 @@ fn a_failed_save_keeps_the_kind_of_its_error() {
     let e = h.wait_committed(Duration::from_secs(30)).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Incomplete, "{e}");
 }
+
+#[test]
+fn finish_frees_the_staging_copy_and_a_save_after_it_allocates_again() {
+    // A manager done saving keeps no copy of the state: a process that goes on to restore
+    // into new tensors (or to evaluate) holds the state once, as after DCP's `async_save`.
+    let (store, _d) = local_store(tiny_config());
+    let n = 1 << 20;
+    let t = HostTensor::from_vec(det_bytes(3, n));
+    let mut c = ManagerConfig::new(CheckpointerConfig::new("release", 0, Layout::SINGLE));
+    c.final_on_sigterm = false;
+    c.ckpt.staging_bytes = n;
+    let mut m = CheckpointManager::new(store.clone(), c).unwrap();
+    m.register(
+        TensorSpec::first_stage("t", DType::U8, &[n as u64]),
+        NdBox::full(&[n as u64]),
+        Arc::new(t.clone()),
+    )
+    .unwrap();
+    m.save_now(1).unwrap();
+    let before = m.checkpointer().staging();
+    assert!(before.allocated >= n, "{before:?}");
+    m.finish().unwrap();
+    let after = m.checkpointer().staging();
+    assert_eq!((after.allocated, after.in_use), (0, 0), "{after:?}");
+    // A save after finish still works, bit-exact.
+    t.write().fill(0x33);
+    m.save_now(2).unwrap();
+    m.finish().unwrap();
+    assert_eq!(read(&store, "release", 2, "t"), vec![0x33; n]);
+    assert_eq!(m.checkpointer().staging().allocated, 0);
+}

@@ -69,7 +69,7 @@ use std::time::{Duration, Instant};
 use ckpt_recovery::records::{self, Event};
 use ckpt_store::{Error, ErrorKind, NdBox, Result, Store, TensorSpec};
 use parking_lot::Mutex;
-use tracing::{info, instrument};
+use tracing::{debug, info, instrument};
 
 use crate::monitor::{Decision, Monitor, Observation, Spike};
 use crate::save::{Checkpointer, SaveHandle, SaveState, Stage, runtime};
@@ -616,7 +616,9 @@ impl CheckpointManager {
 
     /// Wait for the save in flight to commit (or fail), at full speed, and for retention;
     /// within the commit timeout (the final deadline after SIGTERM). The governed persist's
-    /// figures are then ready ([`CheckpointManager::take_persist_figures`]).
+    /// figures are then ready ([`CheckpointManager::take_persist_figures`]). The staging
+    /// memory no save holds is then freed (the manager's own pool; a shared one is its
+    /// owner's): a save after `finish` allocates it again.
     pub fn finish(&mut self) -> Result<()> {
         // What ended before the last wait (a mismatch of a step committed earlier) is logged
         // even if the last save then fails or the process is killed while it waits.
@@ -641,6 +643,13 @@ impl CheckpointManager {
         let sentinel = self.sentinel.poll(&mut self.events);
         // Events that waited while the store was down.
         self.events.flush();
+        // Done saving: the staging copy is not kept for a next save (a process that goes on to
+        // restore into new tensors, or to evaluate, holds the state once, as after DCP's
+        // `async_save`). A save after this allocates it again.
+        let freed = self.ckpt.release_staging();
+        if freed > 0 {
+            debug!(bytes = freed, "staging memory released");
+        }
         drained.and(early).and(sentinel)
     }
 

@@ -158,6 +158,15 @@ impl Checkpointer {
         self.pool.stats()
     }
 
+    /// Free the staging memory no save holds (its own pool only: a shared pool is its
+    /// owner's); the next save allocates it again. Returns the bytes freed.
+    pub fn release_staging(&self) -> usize {
+        if self.cfg.pool.is_some() {
+            return 0;
+        }
+        self.pool.release_free()
+    }
+
     /// The newest committed step this rank's next save dedups against.
     pub fn dedup_base(&self) -> Option<u64> {
         self.dedup.lock().base_step()
