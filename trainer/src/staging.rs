@@ -718,22 +718,28 @@ mod tests {
         }
     }
 
-    #[test]
-    fn the_background_fill_reaches_the_bound_and_never_blocks_a_snapshot() {
-        const SLAB: usize = 64 << 10;
-        const N: usize = 8;
+    /// A pool of `slabs` slabs of 64 KiB whose hook is a [`Slow`] of `slow`.
+    fn slow_pool(slabs: usize, slow_ms: u64) -> (Arc<StagingPool>, Arc<Slow>) {
         let hook = Arc::new(Slow {
-            slow: Duration::from_millis(1000),
+            slow: Duration::from_millis(slow_ms),
             ..Slow::default()
         });
         let pool = StagingPool::with_hook(
             PoolConfig {
-                capacity: N * SLAB,
-                slab: SLAB,
+                capacity: slabs * (64 << 10),
+                slab: 64 << 10,
             },
             false,
             Some(hook.clone()),
         );
+        (pool, hook)
+    }
+
+    #[test]
+    fn the_background_fill_reaches_the_bound_and_never_blocks_a_snapshot() {
+        const SLAB: usize = 64 << 10;
+        const N: usize = 8;
+        let (pool, hook) = slow_pool(N, 1000);
         let bg = pool.prefault_in_background().expect("a fill thread");
         assert!(pool.prefault_in_background().is_none(), "one thread a pool");
         wait_until("two slabs filled", Duration::from_secs(30), || {
@@ -806,18 +812,7 @@ mod tests {
     fn releasing_frees_the_free_slabs_stops_the_fill_and_a_later_save_allocates_again() {
         const SLAB: usize = 64 << 10;
         const N: usize = 200;
-        let hook = Arc::new(Slow {
-            slow: Duration::from_millis(20),
-            ..Slow::default()
-        });
-        let pool = StagingPool::with_hook(
-            PoolConfig {
-                capacity: N * SLAB,
-                slab: SLAB,
-            },
-            false,
-            Some(hook.clone()),
-        );
+        let (pool, hook) = slow_pool(N, 20);
         let bg = pool.prefault_in_background().expect("a fill thread");
         wait_until("four slabs filled", Duration::from_secs(30), || {
             pool.state.lock().free.len() >= 4
@@ -856,19 +851,7 @@ mod tests {
 
     #[test]
     fn dropping_the_pool_stops_the_background_fill() {
-        const SLAB: usize = 64 << 10;
-        let hook = Arc::new(Slow {
-            slow: Duration::from_millis(100),
-            ..Slow::default()
-        });
-        let pool = StagingPool::with_hook(
-            PoolConfig {
-                capacity: 1000 * SLAB,
-                slab: SLAB,
-            },
-            false,
-            Some(hook.clone()),
-        );
+        let (pool, hook) = slow_pool(1000, 100);
         let bg = pool.prefault_in_background().expect("a fill thread");
         wait_until("a slab filled", Duration::from_secs(30), || {
             hook.bg_allocs.load(Ordering::SeqCst) >= 2
