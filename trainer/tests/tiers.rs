@@ -691,6 +691,18 @@ fn killed_two_machine_job(run: &str) -> KilledTwoMachineJob {
 /// process, one a machine), with the in-process all-gather or without one: each rank's step
 /// and restored weights.
 fn restart(job: &KilledTwoMachineJob, run: &str, gather: bool) -> Vec<(Option<u64>, Vec<u8>)> {
+    restart_with(job, run, gather)
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect()
+}
+
+/// [`restart`], each rank's `restore_latest` result kept.
+fn restart_with(
+    job: &KilledTwoMachineJob,
+    run: &str,
+    gather: bool,
+) -> Vec<ckpt_store::Result<(Option<u64>, Vec<u8>)>> {
     let all = AllGather::in_process(2, Duration::from_secs(60));
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..2u32)
@@ -704,9 +716,9 @@ fn restart(job: &KilledTwoMachineJob, run: &str, gather: bool) -> Vec<(Option<u6
                     });
                     // Other bytes than any step's, so the restore must write every one.
                     w.write().fill(0);
-                    let step = m.restore_latest().unwrap();
+                    let step = m.restore_latest()?;
                     let got = w.read().clone();
-                    (step, got)
+                    Ok((step, got))
                 })
             })
             .collect();
@@ -771,4 +783,26 @@ fn a_step_whose_drain_fails_on_one_machine_is_not_agreed_and_every_rank_resumes_
         assert_eq!(w, &job.at_1[rank], "rank {rank} restored step 1 bit-exact");
     }
     assert_eq!(committed(&check, run), vec![1]);
+}
+
+#[test]
+fn a_rank_fenced_before_the_agreement_fails_every_rank_rather_than_leaving_them_waiting() {
+    let run = "agree-fenced";
+    let job = killed_two_machine_job(run);
+    // A newer job started on machine 1: its rank of this generation is fenced when it joins.
+    runtime()
+        .block_on(job.tiers[1].0.log().join_generation_as(run, 7, 1))
+        .unwrap();
+    let t = Instant::now();
+    let got = restart_with(&job, run, true);
+    assert!(
+        t.elapsed() < Duration::from_secs(30),
+        "the ranks waited for the fenced one: {:?}",
+        t.elapsed()
+    );
+    for (rank, r) in got.iter().enumerate() {
+        let e = r.as_ref().expect_err("every rank fails");
+        assert_eq!(e.kind(), ckpt_store::ErrorKind::Fenced, "rank {rank}: {e}");
+        assert!(e.to_string().contains("rank 1"), "rank {rank}: {e}");
+    }
 }

@@ -175,18 +175,22 @@ struct Drained {
 
 /// The step every rank of a job of several machines (`cfg.node_ranks`, each with its tier
 /// `local` over `remote`) resumes from, agreed through `all` (see the module docs). `None`:
-/// nothing committed on the store or on every machine's tier.
+/// nothing committed on the store or on every machine's tier. `before`: how what this rank
+/// did before failed, if it did (its generation fenced): it is gathered like an error of the
+/// agreement's own, and every rank fails with it.
 pub(crate) fn agreed_step(
     all: &AllGather,
     remote: &Store,
     local: &Store,
     cfg: &CheckpointerConfig,
+    before: Result<()>,
 ) -> Result<Option<u64>> {
     let run = &cfg.run;
     let node = cfg.node_ranks.as_deref().unwrap_or(&[]);
     let first = node.iter().min().copied() == Some(cfg.rank);
     let rt = runtime();
     let mine = rt.block_on(async {
+        before?;
         let steps = if first {
             Some(local.log().node_committed_steps(run).await?)
         } else {

@@ -483,19 +483,25 @@ impl CheckpointManager {
     /// it. Without the all-gather it resumes from the store's newest step (a warning names a
     /// newer one this machine's tier holds).
     pub fn restore_latest(&mut self) -> Result<Option<u64>> {
-        self.ckpt.join_generation()?;
+        let joined = self.ckpt.join_generation();
         let target = match (&self.cfg.all_gather, self.local_tier()) {
             (Some(all), Some(local))
                 if self.cfg.ckpt.node_ranks.is_some() && self.cfg.resume_step.is_none() =>
             {
-                agree::agreed_step(all, &self.main, local, &self.cfg.ckpt)?
+                // A rank fenced here still takes part in the gathers, so that every rank
+                // fails alike rather than the others waiting for it.
+                agree::agreed_step(all, &self.main, local, &self.cfg.ckpt, joined)?
             }
             (None, Some(local)) if self.cfg.ckpt.node_ranks.is_some() => {
+                joined?;
                 let target = self.resume_target()?;
                 agree::warn_unagreed(local, &self.cfg.ckpt.run, target);
                 target
             }
-            _ => self.resume_target()?,
+            _ => {
+                joined?;
+                self.resume_target()?
+            }
         };
         match target {
             None => Ok(None),
