@@ -84,11 +84,11 @@ struct PoolState {
     bg_running: bool,
     /// Slabs counted in `allocated` that the background thread is touching (0 or 1).
     bg_pending: usize,
+    /// Of those, taken over by a caller that allocated its own: the thread frees its slab.
+    bg_taken: usize,
     /// The free slabs were released ([`StagingPool::release_free`]): the background fill
     /// stops until it is started again.
     released: bool,
-    /// Of those, taken over by a caller that allocated its own: the thread frees its slab.
-    bg_taken: usize,
 }
 
 /// A bounded pool of page-aligned slabs.

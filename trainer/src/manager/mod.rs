@@ -484,23 +484,23 @@ impl CheckpointManager {
     /// newer one this machine's tier holds).
     pub fn restore_latest(&mut self) -> Result<Option<u64>> {
         let joined = self.ckpt.join_generation();
-        let target = match (&self.cfg.all_gather, self.local_tier()) {
-            (Some(all), Some(local))
-                if self.cfg.ckpt.node_ranks.is_some() && self.cfg.resume_step.is_none() =>
-            {
+        // One machine of several: the tier holds node commits that only an agreement takes.
+        let node_tier = self
+            .local_tier()
+            .filter(|_| self.cfg.ckpt.node_ranks.is_some());
+        let target = match (node_tier, &self.cfg.all_gather) {
+            (Some(local), Some(all)) if self.cfg.resume_step.is_none() => {
                 // A rank fenced here still takes part in the gathers, so that every rank
                 // fails alike rather than the others waiting for it.
                 agree::agreed_step(all, &self.main, local, &self.cfg.ckpt, joined)?
             }
-            (None, Some(local)) if self.cfg.ckpt.node_ranks.is_some() => {
-                joined?;
-                let target = self.resume_target()?;
-                agree::warn_unagreed(local, &self.cfg.ckpt.run, target);
-                target
-            }
             _ => {
                 joined?;
-                self.resume_target()?
+                let target = self.resume_target()?;
+                if let (Some(local), None) = (node_tier, &self.cfg.all_gather) {
+                    agree::warn_unagreed(local, &self.cfg.ckpt.run, target);
+                }
+                target
             }
         };
         match target {
