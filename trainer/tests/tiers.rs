@@ -144,18 +144,12 @@ fn saves_commit_locally_drain_only_new_chunks_and_retention_runs_per_tier() {
 #[test]
 fn a_remote_outage_leaves_saves_going_on_locally_and_the_drain_catches_up() {
     let (local, _l) = local_store(tiny_config());
-    let retry = RetryConfig {
-        attempts: 2,
-        min_backoff: Duration::from_millis(10),
-        max_backoff: Duration::from_millis(20),
-        request_timeout: Duration::from_millis(300),
-    };
     let (remote, faults) = faulty_store(
         ckpt_store::object_store::memory::InMemory::new(),
         "",
         "memory://remote",
         tiny_config(),
-        retry,
+        quick_retry(),
     );
     let run = "outage";
     let (mut m, w) = manager(&remote, cfg(run, &local, 50));
@@ -476,24 +470,7 @@ fn machines_whose_drains_took_different_steps_follow_each_other_so_the_store_get
     // part of 3 on the store. Each draining its own newest, no step would be whole until
     // machine 0 is back; machine 1 follows machine 0 instead: it drains its part of step 3
     // first, and step 3 commits while machine 0 is still away.
-    let shared: Arc<dyn ckpt_store::object_store::ObjectStore> =
-        Arc::new(ckpt_store::object_store::memory::InMemory::new());
-    let retry = RetryConfig {
-        attempts: 2,
-        min_backoff: Duration::from_millis(10),
-        max_backoff: Duration::from_millis(20),
-        request_timeout: Duration::from_millis(300),
-    };
-    let view = || {
-        faulty_store(
-            shared.clone(),
-            "",
-            "memory://remote",
-            tiny_config(),
-            retry.clone(),
-        )
-    };
-    let ((remote0, f0), (remote1, f1), (check, _)) = (view(), view(), view());
+    let (_shared, (remote0, f0), (remote1, f1), check) = two_machine_remote();
     let (t0, _t0) = local_store(tiny_config());
     let (t1, _t1) = local_store(tiny_config());
     let run = "follow";
@@ -633,32 +610,53 @@ fn a_machine_restarted_in_a_newer_generation_clears_the_drain_markers_a_killed_d
 /// was down (step 1 is on the store; machine 0 also has step 3, machine 1 not): the shared
 /// store's objects, the tiers, and each machine's weights at step 2.
 struct KilledTwoMachineJob {
-    shared: Arc<dyn ckpt_store::object_store::ObjectStore>,
+    shared: Objects,
     tiers: [(Store, tempfile::TempDir); 2],
     at_1: [Vec<u8>; 2],
     at_2: [Vec<u8>; 2],
 }
 
-fn remote_view(
-    shared: &Arc<dyn ckpt_store::object_store::ObjectStore>,
-) -> (Store, ckpt_store::FaultHandle) {
-    let retry = RetryConfig {
+/// Retries that give up within a second: a store in an outage fails fast.
+fn quick_retry() -> RetryConfig {
+    RetryConfig {
         attempts: 2,
         min_backoff: Duration::from_millis(10),
         max_backoff: Duration::from_millis(20),
         request_timeout: Duration::from_millis(300),
-    };
-    faulty_store(shared.clone(), "", "memory://remote", tiny_config(), retry)
+    }
 }
 
-fn killed_two_machine_job(run: &str) -> KilledTwoMachineJob {
-    let shared: Arc<dyn ckpt_store::object_store::ObjectStore> =
-        Arc::new(ckpt_store::object_store::memory::InMemory::new());
-    let ((remote0, f0), (remote1, f1), (check, _)) = (
+/// The remote store's objects, shared by the views of it.
+type Objects = Arc<dyn ckpt_store::object_store::ObjectStore>;
+
+/// A view of the remote store, with its own fault switch.
+type View = (Store, ckpt_store::FaultHandle);
+
+/// A view of the remote store's objects `shared`, with its own fault switch.
+fn remote_view(shared: &Objects) -> View {
+    faulty_store(
+        shared.clone(),
+        "",
+        "memory://remote",
+        tiny_config(),
+        quick_retry(),
+    )
+}
+
+/// A remote store for two machines: its objects, each machine's view of them (with its own
+/// fault switch), and a view that checks what is there.
+fn two_machine_remote() -> (Objects, View, View, Store) {
+    let shared: Objects = Arc::new(ckpt_store::object_store::memory::InMemory::new());
+    let (a, b, (check, _)) = (
         remote_view(&shared),
         remote_view(&shared),
         remote_view(&shared),
     );
+    (shared, a, b, check)
+}
+
+fn killed_two_machine_job(run: &str) -> KilledTwoMachineJob {
+    let (shared, (remote0, f0), (remote1, f1), check) = two_machine_remote();
     let tiers = [local_store(tiny_config()), local_store(tiny_config())];
     let (mut m0, w0) = node_manager(&remote0, &tiers[0].0, run, 0, |_| {});
     let (mut m1, w1) = node_manager(&remote1, &tiers[1].0, run, 1, |_| {});
