@@ -462,7 +462,7 @@ pub fn delta_bench(
 }
 
 /// CPU seconds (user and system) this process has used so far.
-fn cpu_seconds() -> f64 {
+pub(crate) fn cpu_seconds() -> f64 {
     // SAFETY: getrusage writes the struct it is given and nothing else.
     let ru = unsafe {
         let mut ru: libc::rusage = std::mem::zeroed();

@@ -209,9 +209,27 @@ fn machines(dir: &Path, layout: Layout, ranks: &[RankState], rate: u64, sink_mbp
     drop(mgrs);
 }
 
+/// Wait until the file system of `dir` has written what it holds dirty and issued the
+/// discards of what was deleted (`syncfs`): a save measured against the disk's limit then
+/// has the disk to itself, as the limit had.
+fn settle(dir: &Path) {
+    use std::os::fd::AsRawFd;
+    let d = std::fs::File::open(dir).unwrap();
+    // SAFETY: syncfs on a descriptor `d` owns.
+    let r = unsafe { libc::syncfs(d.as_raw_fd()) };
+    assert_eq!(
+        r,
+        0,
+        "syncfs {}: {}",
+        dir.display(),
+        std::io::Error::last_os_error()
+    );
+}
+
 /// One checkpoint of every rank: (stall, time to committed in the store saves go to, stored
 /// bytes written new by all ranks).
 fn save(mgrs: &mut [CheckpointManager], step: u64) -> (f64, f64, u64) {
+    let cpu = super::delta_bench::cpu_seconds();
     let t = Instant::now();
     let hs: Vec<_> = mgrs.iter_mut().map(|m| m.save_now(step).unwrap()).collect();
     for h in &hs {
@@ -221,6 +239,9 @@ fn save(mgrs: &mut [CheckpointManager], step: u64) -> (f64, f64, u64) {
     let reports: Vec<SaveReport> = hs.iter().map(|h| h.wait_persisted().unwrap()).collect();
     let committed = hs[0].wait_committed(Duration::from_secs(1800)).unwrap();
     let durable = t.elapsed().as_secs_f64();
+    // How busy the machine's cores were, by this process (the ranks, and what else runs in it).
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let cpu_busy = (super::delta_bench::cpu_seconds() - cpu) / (durable * cores);
     let written = reports.iter().map(|r| r.bytes_written).sum();
     emit(json!({"bench": "tiers_save_phases", "step": step,
         "snapshot_s": reports.iter().map(|r| r.snapshot_s).collect::<Vec<_>>(),
@@ -228,7 +249,7 @@ fn save(mgrs: &mut [CheckpointManager], step: u64) -> (f64, f64, u64) {
         "stored_bytes": reports.iter().map(|r| r.bytes_written).collect::<Vec<_>>(),
         "snapshot_bytes": reports.iter().map(|r| r.bytes - r.bytes_reused).collect::<Vec<_>>(),
         "checked_bytes": reports.iter().map(|r| r.bytes_checked).collect::<Vec<_>>(),
-        "commit_s": committed.commit_s, "durable_s": durable}));
+        "commit_s": committed.commit_s, "durable_s": durable, "cpu_busy": cpu_busy}));
     (stall, durable, written)
 }
 
@@ -260,16 +281,16 @@ fn drained(m: &mut CheckpointManager, step: u64) -> ckpt_recovery::records::Drai
 pub fn tiers_bench(dir: &Path, params: u64, sink_mbps: f64) {
     let layout = Layout::new(2, 1, 1, 1).unwrap();
     let rate = (sink_mbps * 1e6) as u64;
-    // The disk's limits, in the same run.
-    let limit = dir.join("tiers-limit.bin");
-    let write_gbps = odirect_write(&limit, 1 << 30, 8, 4 << 20);
-    let read_gbps = odirect_read(&limit, 8, 4 << 20);
-    let _ = std::fs::remove_file(&limit);
-
     // What an interrupted run left.
     for d in DIRS {
         let _ = std::fs::remove_dir_all(dir.join(d));
     }
+    // The disk's limits, in the same run, on a quiet disk.
+    settle(dir);
+    let limit = dir.join("tiers-limit.bin");
+    let write_gbps = odirect_write(&limit, 1 << 30, 8, 4 << 20);
+    let read_gbps = odirect_read(&limit, 8, 4 << 20);
+    let _ = std::fs::remove_file(&limit);
 
     // 1. Direct to the slow store.
     // Half the layers frozen (as in fine-tuning): the second checkpoint changes half the state.
@@ -291,7 +312,10 @@ pub fn tiers_bench(dir: &Path, params: u64, sink_mbps: f64) {
         "sink_gbps": sink_mbps / 1e3, "of_sink": gbps(direct_written, direct_durable) / (sink_mbps / 1e3)}),
     );
 
-    // 2. Tiered: the local tier under another slow store of the same speed.
+    // 2. Tiered: the local tier under another slow store of the same speed. The direct save
+    // left its objects in the page cache (the slow store is a buffered directory on this
+    // disk); they go to the disk first, as a remote store's bytes would never share it.
+    settle(dir);
     let remote = slow_store(&dir.join("tiers-remote"), rate);
     let local_dir = dir.join("tiers-local");
     let _ = std::fs::remove_dir_all(&local_dir);

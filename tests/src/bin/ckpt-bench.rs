@@ -140,23 +140,47 @@ fn odirect_create(path: &Path) -> std::fs::File {
         .unwrap()
 }
 
-/// O_DIRECT sequential write of `bytes` into one file with `qd` threads of `bs` requests.
+/// At most this many distinct bytes are the source of a write limit (beyond it they repeat).
+const UNIQUE_SOURCE: usize = 1 << 30;
+
+/// `len` bytes (at most [`UNIQUE_SOURCE`]) of random-looking content at an aligned address:
+/// the source of a write limit. A checkpoint writes bytes that differ and that no cache holds;
+/// this disk writes one 4 MiB buffer over and over 10-20 % faster than as many distinct bytes
+/// (BENCHMARKS.md, "The write limit, measured with the bytes a save writes"), so a limit
+/// written from one buffer would hold the save to a rate no save can have.
+fn unique_source(len: usize) -> AlignedBuf {
+    let len = len.clamp(1, UNIQUE_SOURCE);
+    let mut buf = AlignedBuf::zeroed(len);
+    blake3::Hasher::new()
+        .update(b"ckpt-bench write limit")
+        .finalize_xof()
+        .fill(buf.full_mut());
+    buf
+}
+
+/// O_DIRECT sequential write of `bytes` into one file with `qd` threads of `bs` requests, each
+/// request from its own place of a [`unique_source`].
 fn odirect_write(path: &Path, bytes: usize, qd: usize, bs: usize) -> f64 {
+    let src = unique_source(bytes.max(bs));
+    odirect_write_from(path, bytes, qd, bs, &src)
+}
+
+/// [`odirect_write`] from `src`, its blocks taken in turn (a source of one block writes the
+/// same bytes every time).
+fn odirect_write_from(path: &Path, bytes: usize, qd: usize, bs: usize, src: &AlignedBuf) -> f64 {
     let f = odirect_create(path);
     f.set_len(bytes as u64).unwrap();
-    let mut buf = AlignedBuf::zeroed(bs);
-    for (i, b) in buf.full_mut().iter_mut().enumerate() {
-        *b = (i * 31) as u8;
-    }
+    let blocks = (src.capacity() / bs).max(1);
     let t = Instant::now();
     let n = bytes / bs;
     std::thread::scope(|s| {
         for k in 0..qd {
-            let (f, buf) = (&f, &buf);
+            let f = &f;
             s.spawn(move || {
                 let mut i = k;
                 while i < n {
-                    f.write_all_at(&buf[..], (i * bs) as u64).unwrap();
+                    let at = (i % blocks) * bs;
+                    f.write_all_at(&src[at..at + bs], (i * bs) as u64).unwrap();
                     i += qd;
                 }
             });
@@ -181,18 +205,20 @@ fn io_uring_write(path: &Path, bytes: usize, qd: usize, bs: usize) -> f64 {
     use std::os::fd::AsRawFd;
     let f = odirect_create(path);
     let mut ring = IoUring::new(qd as u32 * 2).unwrap();
-    let bufs: Vec<AlignedBuf> = (0..qd).map(|_| AlignedBuf::zeroed(bs)).collect();
+    let src = unique_source(bytes.max(bs));
+    let blocks = (src.capacity() / bs).max(1);
     let n = bytes / bs;
     let t = Instant::now();
     let (mut next, mut done, mut inflight) = (0usize, 0usize, 0usize);
     while done < n {
         while inflight < qd && next < n {
-            let b = &bufs[next % qd];
+            let at = (next % blocks) * bs;
+            let b = &src[at..at + bs];
             let e = opcode::Write::new(types::Fd(f.as_raw_fd()), b.as_ptr(), bs as u32)
                 .offset((next * bs) as u64)
                 .build()
                 .user_data(next as u64);
-            // SAFETY: the buffer outlives the request (we wait for every completion below).
+            // SAFETY: the source outlives the request (we wait for every completion below).
             unsafe { ring.submission().push(&e).unwrap() };
             next += 1;
             inflight += 1;
@@ -208,36 +234,46 @@ fn io_uring_write(path: &Path, bytes: usize, qd: usize, bs: usize) -> f64 {
     gbps((n * bs) as u64, t.elapsed().as_secs_f64())
 }
 
-/// `count` objects of `size` bytes through an ObjectStore with 8 puts in flight.
+/// `count` objects of `size` bytes through an ObjectStore with 8 puts in flight, each object
+/// its own bytes (a [`unique_source`]).
 fn backend_puts(store: Arc<dyn ckpt_store::ObjectStore>, count: usize, size: usize) -> f64 {
-    backend_puts_of(store, count, vec![Bytes::from(vec![3u8; size])])
+    let src = Bytes::from_owner(unique_source(count * size));
+    backend_puts_of(store, count, |i| vec![object_of(&src, i, size, 0)])
 }
 
 /// Puts of chunk objects as a save writes them: a 16-byte header, then the payload where the
 /// staging pool puts it (16 bytes past an aligned address), so `DirectFs` writes it uncopied.
 fn chunk_puts(store: Arc<dyn ckpt_store::ObjectStore>, count: usize, size: usize) -> f64 {
     let lead = ckpt_trainer::staging::LEAD;
-    let mut slab = ckpt_store::direct::AlignedBuf::zeroed(size + lead);
-    slab.full_mut().fill(3);
-    let payload = Bytes::from_owner(slab).slice(lead..lead + size);
+    // Aligned + `lead` for every object: each starts `lead` past a multiple of its size.
+    let src = Bytes::from_owner(unique_source(count * size + lead));
     let header = Bytes::from(vec![0u8; ckpt_store::codec::HEADER_LEN]);
-    backend_puts_of(store, count, vec![header, payload])
+    backend_puts_of(store, count, |i| {
+        vec![header.clone(), object_of(&src, i, size, lead)]
+    })
+}
+
+/// The `i`th object of `size` bytes of `src` (`lead` bytes past its place), the source's
+/// objects taken in turn.
+fn object_of(src: &Bytes, i: usize, size: usize, lead: usize) -> Bytes {
+    let at = i % ((src.len() - lead) / size).max(1) * size + lead;
+    src.slice(at..at + size)
 }
 
 fn backend_puts_of(
     store: Arc<dyn ckpt_store::ObjectStore>,
     count: usize,
-    parts: Vec<Bytes>,
+    parts: impl Fn(usize) -> Vec<Bytes>,
 ) -> f64 {
     use ckpt_store::ObjectStoreExt;
-    let size: usize = parts.iter().map(Bytes::len).sum();
+    let size: usize = parts(0).iter().map(Bytes::len).sum();
     let t = Instant::now();
     runtime().block_on(async {
         use futures::StreamExt;
         futures::stream::iter(0..count)
             .map(|i| {
                 let s = store.clone();
-                let d: ckpt_store::object_store::PutPayload = parts.iter().cloned().collect();
+                let d: ckpt_store::object_store::PutPayload = parts(i).into_iter().collect();
                 async move {
                     s.put(
                         &ckpt_store::object_store::path::Path::from(format!("b/{i:06}")),
@@ -268,6 +304,8 @@ fn limits(dir: &Path, gib: f64) -> Value {
         "odirect_write_qd8_4m_gbps": odirect_write(&f, bytes, 8, 4 << 20),
         "odirect_read_qd8_4m_gbps": odirect_read(&f, 8, 4 << 20),
         "odirect_write_qd1_4m_gbps": odirect_write(&f, bytes, 1, 4 << 20),
+        // The same write from one 4 MiB buffer (what these limits were before 2026-12-06).
+        "odirect_write_qd8_4m_one_buffer_gbps": odirect_write_from(&f, bytes, 8, 4 << 20, &unique_source(4 << 20)),
     });
     let _ = std::fs::remove_file(&f);
     v
