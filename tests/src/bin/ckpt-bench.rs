@@ -147,8 +147,7 @@ const UNIQUE_SOURCE: usize = 1 << 30;
 /// the source of a write limit. A checkpoint writes bytes that differ and that no cache holds;
 /// this disk writes one 4 MiB buffer over and over up to 1.57x (median 1.24x) as fast as as
 /// many distinct bytes (BENCHMARKS.md, "The write limit, measured with the bytes a save
-/// writes"), so a limit
-/// written from one buffer would hold the save to a rate no save can have.
+/// writes"), so a limit written from one buffer would hold the save to a rate no save can have.
 fn unique_source(len: usize) -> AlignedBuf {
     let len = len.clamp(1, UNIQUE_SOURCE);
     let mut buf = AlignedBuf::zeroed(len);
