@@ -346,10 +346,24 @@ fn replica_checks(store: &Store, metas: &[ShardMeta]) -> std::collections::BTree
     out
 }
 
+/// How often a committer looks for the manifests it waits for, at most: a local store answers
+/// a poll (a listing, a read of one manifest and of the fence) from its own disk in a fraction
+/// of a millisecond, so it looks often and the commit follows the last manifest closely (at
+/// 50 ms the wait after the last manifest was a twentieth of a local tier's whole save); an
+/// object store is asked less often, each poll being a few requests.
+fn commit_poll(store: &Store) -> Duration {
+    if store.local_root().is_some() {
+        Duration::from_millis(10)
+    } else {
+        Duration::from_millis(50)
+    }
+}
+
 /// Wait for every rank's manifest of `step` and create the commit record; the stage becomes
 /// `Committed`.
 async fn commit(store: &Store, cfg: &CheckpointerConfig, step: u64, shared: &Shared) -> Result<()> {
     let t1 = Instant::now();
+    let poll = commit_poll(store);
     if let Some(ranks) = &cfg.node_ranks {
         // One node of several: its ranks commit on the node; the drains commit the step.
         let c = store
@@ -359,7 +373,7 @@ async fn commit(store: &Store, cfg: &CheckpointerConfig, step: u64, shared: &Sha
                 step,
                 cfg.generation,
                 ranks,
-                (Duration::from_millis(50), cfg.commit_timeout),
+                (poll, cfg.commit_timeout),
             )
             .await?;
         let secs = t1.elapsed().as_secs_f64();
@@ -373,7 +387,7 @@ async fn commit(store: &Store, cfg: &CheckpointerConfig, step: u64, shared: &Sha
             &cfg.run,
             step,
             Some(cfg.generation),
-            Duration::from_millis(50),
+            poll,
             cfg.commit_timeout,
         )
         .await?;
