@@ -226,10 +226,30 @@ fn settle(dir: &Path) {
     );
 }
 
+/// The counters of the block device that holds `dir` (`/proc/diskstats`): sectors written,
+/// and milliseconds during which it had a request in flight (`io_ticks`). `None` where the
+/// file system is on no device listed there (tmpfs, overlay).
+fn disk_counters(dir: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let dev = std::fs::metadata(dir).ok()?.dev();
+    let (major, minor) = (libc::major(dev).to_string(), libc::minor(dev).to_string());
+    let text = std::fs::read_to_string("/proc/diskstats").ok()?;
+    text.lines().find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        if f.len() < 13 || f[0] != major || f[1] != minor {
+            return None;
+        }
+        Some((f[9].parse().ok()?, f[12].parse().ok()?))
+    })
+}
+
 /// One checkpoint of every rank: (stall, time to committed in the store saves go to, stored
-/// bytes written new by all ranks).
-fn save(mgrs: &mut [CheckpointManager], step: u64) -> (f64, f64, u64) {
+/// bytes written new by all ranks). `disk`: a directory on the disk the save writes to; its
+/// device's counters say how busy the disk was over the save and what it wrote (everything
+/// this machine wrote to it meanwhile, the save's objects among them).
+fn save(mgrs: &mut [CheckpointManager], step: u64, disk: &Path) -> (f64, f64, u64) {
     let cpu = super::delta_bench::cpu_seconds();
+    let before = disk_counters(disk);
     let t = Instant::now();
     let hs: Vec<_> = mgrs.iter_mut().map(|m| m.save_now(step).unwrap()).collect();
     for h in &hs {
@@ -239,6 +259,16 @@ fn save(mgrs: &mut [CheckpointManager], step: u64) -> (f64, f64, u64) {
     let reports: Vec<SaveReport> = hs.iter().map(|h| h.wait_persisted().unwrap()).collect();
     let committed = hs[0].wait_committed(Duration::from_secs(1800)).unwrap();
     let durable = t.elapsed().as_secs_f64();
+    let after = disk_counters(disk);
+    // The disk over the save: the share of the time it had a request in flight, and its
+    // write rate (GB/s).
+    let (disk_busy, disk_gbps) = match (before, after) {
+        (Some((w0, b0)), Some((w1, b1))) => (
+            json!((b1 - b0) as f64 / 1e3 / durable),
+            json!(gbps((w1 - w0) * 512, durable)),
+        ),
+        _ => (json!(null), json!(null)),
+    };
     // How busy the machine's cores were, by this process (the ranks, and what else runs in it).
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
     let cpu_busy = (super::delta_bench::cpu_seconds() - cpu) / (durable * cores);
@@ -249,7 +279,8 @@ fn save(mgrs: &mut [CheckpointManager], step: u64) -> (f64, f64, u64) {
         "stored_bytes": reports.iter().map(|r| r.bytes_written).collect::<Vec<_>>(),
         "snapshot_bytes": reports.iter().map(|r| r.bytes - r.bytes_reused).collect::<Vec<_>>(),
         "checked_bytes": reports.iter().map(|r| r.bytes_checked).collect::<Vec<_>>(),
-        "commit_s": committed.commit_s, "durable_s": durable, "cpu_busy": cpu_busy}));
+        "commit_s": committed.commit_s, "durable_s": durable, "cpu_busy": cpu_busy,
+        "disk_busy": disk_busy, "disk_write_gbps": disk_gbps}));
     (stall, durable, written)
 }
 
@@ -304,7 +335,7 @@ pub fn tiers_bench(dir: &Path, params: u64, sink_mbps: f64) {
     let direct = slow_store(&dir.join("tiers-direct"), rate);
     let mut mgrs = managers(&direct, None, layout, &ranks);
     step_time(&ranks, 1);
-    let (direct_stall, direct_durable, direct_written) = save(&mut mgrs, 1);
+    let (direct_stall, direct_durable, direct_written) = save(&mut mgrs, 1, dir);
     drop(mgrs);
     emit(
         json!({"bench": "tiers_direct", "state_bytes": state, "stall_s": direct_stall,
@@ -321,7 +352,7 @@ pub fn tiers_bench(dir: &Path, params: u64, sink_mbps: f64) {
     let _ = std::fs::remove_dir_all(&local_dir);
     let local = ckpt_store::open_with(local_dir.to_str().unwrap(), &super::open_options()).unwrap();
     let mut mgrs = managers(&remote, Some(&local), layout, &ranks);
-    let (stall, local_durable, written) = save(&mut mgrs, 1);
+    let (stall, local_durable, written) = save(&mut mgrs, 1, dir);
     let first = drained(&mut mgrs[0], 1);
     let local_limit_s = written as f64 / (write_gbps * 1e9);
     emit(
@@ -342,7 +373,7 @@ pub fn tiers_bench(dir: &Path, params: u64, sink_mbps: f64) {
     let quiet: Vec<f64> = (0..=ckpt_trainer::governor::MIN_BASELINE as u64 + 1)
         .map(|i| governed_step(&mut mgrs, &ranks, 10 + i))
         .collect();
-    let (stall2, local_durable2, written2) = save(&mut mgrs, 2);
+    let (stall2, local_durable2, written2) = save(&mut mgrs, 2, dir);
     let t = Instant::now();
     let mut busy = Vec::new();
     let mut s = 20;
