@@ -12,8 +12,9 @@
 //!    disk's `O_DIRECT` write of the stored bytes), the drain of the full step to the slow
 //!    store (its throughput against the sink), then training steps and a second checkpoint
 //!    while steps run, each step told to the managers (the persist governor paces the drain):
-//!    the drain of what changed (bytes sent over the stored bytes the local save wrote new)
-//!    and the steps' slowdown while it drains (over steps with nothing running);
+//!    its time to local-durable against the write of the bytes it wrote new, the drain of
+//!    what changed (bytes sent over the stored bytes the local save wrote new) and the steps'
+//!    slowdown while it drains (over steps with nothing running);
 //! 3. **restore**: fresh ranks restore the newest step through the tiers (from the local
 //!    tier): as threads of one process together (they share a chunk cache, so each chunk is
 //!    read once, and hashed apart from its copy), against the `O_DIRECT` read of the stored
@@ -417,8 +418,11 @@ pub fn tiers_bench(dir: &Path, params: u64, sink_mbps: f64) {
         .into_iter()
         .map(|r| json!({"rank": r["rank"], "to_bps": r["to_bps"], "slowdown": r["slowdown"]}))
         .collect();
+    // The second save, as every save after a job's first: the tier holds the step before.
+    let limit2_s = written2 as f64 / (write_gbps * 1e9);
     emit(json!({"bench": "tiers_incremental", "stall_s": stall2,
         "local_durable_s": local_durable2, "stored_bytes_new": written2,
+        "local_durable_x_write_limit": local_durable2 / limit2_s,
         "drain_s": second.seconds, "drain_bytes_sent": second.bytes_sent,
         "drain_bytes_present": second.bytes_present,
         "sent_over_changed": second.bytes_sent as f64 / written2.max(1) as f64,
