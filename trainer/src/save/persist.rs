@@ -346,13 +346,15 @@ fn replica_checks(store: &Store, metas: &[ShardMeta]) -> std::collections::BTree
     out
 }
 
-/// How often a committer looks for the manifests it waits for, at most: a local store answers
-/// a poll (a listing, a read of one manifest and of the fence) from its own disk in a fraction
-/// of a millisecond, so it looks often and the commit follows the last manifest closely (at
-/// 50 ms the wait after the last manifest was a twentieth of a local tier's whole save); an
-/// object store is asked less often, each poll being a few requests.
-fn commit_poll(store: &Store) -> Duration {
-    if store.local_root().is_some() {
+/// How often a committer waiting for the manifests of `ranks` ranks looks for them, at most.
+/// A local store of a node's few ranks answers a poll (a listing, a read of one manifest and
+/// of the fence) from its own disk in a fraction of a millisecond, so it looks often and the
+/// commit follows the last manifest closely (at 50 ms the wait after the last manifest was a
+/// twentieth of a local tier's whole save). An object store, or a local path with many ranks
+/// (a shared file system mounted on every node, whose listing of the step grows with them),
+/// is asked less often.
+fn commit_poll(store: &Store, ranks: usize) -> Duration {
+    if store.local_root().is_some() && ranks <= 64 {
         Duration::from_millis(10)
     } else {
         Duration::from_millis(50)
@@ -363,7 +365,11 @@ fn commit_poll(store: &Store) -> Duration {
 /// `Committed`.
 async fn commit(store: &Store, cfg: &CheckpointerConfig, step: u64, shared: &Shared) -> Result<()> {
     let t1 = Instant::now();
-    let poll = commit_poll(store);
+    let waited = match &cfg.node_ranks {
+        Some(ranks) => ranks.len(),
+        None => cfg.layout.world() as usize,
+    };
+    let poll = commit_poll(store, waited);
     if let Some(ranks) = &cfg.node_ranks {
         // One node of several: its ranks commit on the node; the drains commit the step.
         let c = store
@@ -438,4 +444,22 @@ async fn prepare_index(
     };
     let index = dedup.lock().pinned(lease.base());
     Ok((index, lease))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_committer_polls_a_local_store_of_few_ranks_often_and_anything_else_less() {
+        let dir = tempfile::tempdir().unwrap();
+        let local = ckpt_store::open(dir.path().to_str().unwrap()).unwrap();
+        let memory = ckpt_store::open("memory://").unwrap();
+        assert!(local.local_root().is_some() && memory.local_root().is_none());
+        assert_eq!(commit_poll(&local, 2), Duration::from_millis(10));
+        assert_eq!(commit_poll(&local, 64), Duration::from_millis(10));
+        // A local path many nodes share: its listing grows with the ranks.
+        assert_eq!(commit_poll(&local, 65), Duration::from_millis(50));
+        assert_eq!(commit_poll(&memory, 2), Duration::from_millis(50));
+    }
 }
