@@ -322,6 +322,8 @@ pub fn tiers_bench(dir: &Path, params: u64, sink_mbps: f64) {
     let limit = dir.join("tiers-limit.bin");
     let write_gbps = odirect_write(&limit, 1 << 30, 8, 4 << 20);
     let read_gbps = odirect_read(&limit, 8, 4 << 20);
+    // The time the disk's O_DIRECT write of `bytes` takes at the limit of this run.
+    let write_limit_s = |bytes: u64| bytes as f64 / (write_gbps * 1e9);
     let _ = std::fs::remove_file(&limit);
 
     // 1. Direct to the slow store.
@@ -355,7 +357,7 @@ pub fn tiers_bench(dir: &Path, params: u64, sink_mbps: f64) {
     let mut mgrs = managers(&remote, Some(&local), layout, &ranks);
     let (stall, local_durable, written) = save(&mut mgrs, 1, dir);
     let first = drained(&mut mgrs[0], 1);
-    let local_limit_s = written as f64 / (write_gbps * 1e9);
+    let local_limit_s = write_limit_s(written);
     emit(
         json!({"bench": "tiers_first", "stall_s": stall, "local_durable_s": local_durable,
         "stored_bytes": written, "disk_odirect_write_gbps": write_gbps,
@@ -418,11 +420,10 @@ pub fn tiers_bench(dir: &Path, params: u64, sink_mbps: f64) {
         .into_iter()
         .map(|r| json!({"rank": r["rank"], "to_bps": r["to_bps"], "slowdown": r["slowdown"]}))
         .collect();
-    // The second save, as every save after a job's first: the tier holds the step before.
-    let limit2_s = written2 as f64 / (write_gbps * 1e9);
     emit(json!({"bench": "tiers_incremental", "stall_s": stall2,
         "local_durable_s": local_durable2, "stored_bytes_new": written2,
-        "local_durable_x_write_limit": local_durable2 / limit2_s,
+        // The second save, as every save after a job's first: the tier holds the step before.
+        "local_durable_x_write_limit": local_durable2 / write_limit_s(written2),
         "drain_s": second.seconds, "drain_bytes_sent": second.bytes_sent,
         "drain_bytes_present": second.bytes_present,
         "sent_over_changed": second.bytes_sent as f64 / written2.max(1) as f64,

@@ -365,11 +365,6 @@ fn commit_poll(store: &Store, ranks: usize) -> Duration {
 /// `Committed`.
 async fn commit(store: &Store, cfg: &CheckpointerConfig, step: u64, shared: &Shared) -> Result<()> {
     let t1 = Instant::now();
-    let waited = match &cfg.node_ranks {
-        Some(ranks) => ranks.len(),
-        None => cfg.layout.world() as usize,
-    };
-    let poll = commit_poll(store, waited);
     if let Some(ranks) = &cfg.node_ranks {
         // One node of several: its ranks commit on the node; the drains commit the step.
         let c = store
@@ -379,7 +374,7 @@ async fn commit(store: &Store, cfg: &CheckpointerConfig, step: u64, shared: &Sha
                 step,
                 cfg.generation,
                 ranks,
-                (poll, cfg.commit_timeout),
+                (commit_poll(store, ranks.len()), cfg.commit_timeout),
             )
             .await?;
         let secs = t1.elapsed().as_secs_f64();
@@ -393,7 +388,7 @@ async fn commit(store: &Store, cfg: &CheckpointerConfig, step: u64, shared: &Sha
             &cfg.run,
             step,
             Some(cfg.generation),
-            poll,
+            commit_poll(store, cfg.layout.world() as usize),
             cfg.commit_timeout,
         )
         .await?;
