@@ -3,10 +3,10 @@
 
 use bytes::Bytes;
 
-use super::planes::{join_planes, split_planes, xor_into, xor_planes_into};
+use super::planes::split_planes;
 use super::{
-    Codec, Encoded, HEADER_LEN, Header, decode, decode_payload, decode_planes, decode_planes_into,
-    encode_plane, header, parse_header, plane_payload, planes_payload,
+    Codec, Encoded, HEADER_LEN, Header, decode_planes, decode_planes_into, encode_plane, header,
+    parse_header, planes_payload,
 };
 use crate::error::{Error, Result};
 use crate::id::ChunkId;
@@ -132,7 +132,7 @@ pub fn delta_base(obj: &[u8], what: &dyn std::fmt::Display) -> Result<Option<Chu
 }
 
 /// The header of a delta object of `expect_len` bytes on `base_id`, checked.
-fn delta_header(
+pub(super) fn delta_header(
     obj: &[u8],
     expect_len: u64,
     base_id: &ChunkId,
@@ -161,80 +161,6 @@ fn delta_header(
         )));
     }
     Ok(h)
-}
-
-/// Decode a chunk stored as a delta chain: `objs[i]` is the object of `chain[i]`, `chain[0]`
-/// the chunk itself, each a delta on the next, the last a plain object; `names[i]` says where
-/// each is in errors. The bytes are built in one pass (the levels' planes XORed together,
-/// one join) and hash-checked once against the chunk's id, which proves them whatever the
-/// levels held. Only when that check fails is the chain decoded again level by
-/// level, each level hash-checked, so that the error names the damaged one.
-pub fn decode_chain(
-    objs: &[&[u8]],
-    chain: &[ChunkId],
-    len: u64,
-    names: &[String],
-) -> Result<Vec<u8>> {
-    assert!(
-        !chain.is_empty() && objs.len() == chain.len() && names.len() == chain.len(),
-        "one object and one name per level"
-    );
-    let last = chain.len() - 1;
-    // XOR commutes with the plane split and the rotation, so the deltas' planes are XORed
-    // together where they lie and joined once (into the base's planes when it is stored as
-    // planes of the same shape, else XORed into its plain bytes).
-    let fast = || -> Result<Vec<u8>> {
-        let hb = parse_header(objs[last], &names[last])?;
-        if hb.raw_len != len {
-            return Err(Error::corrupt(format!("{}: wrong length", names[last])));
-        }
-        let mut acc: Option<(Vec<Vec<u8>>, bool)> = None;
-        for i in (0..last).rev() {
-            let h = delta_header(objs[i], len, &chain[i + 1], &names[i])?;
-            let planes = plane_payload(&objs[i][HEADER_LEN + 32..], &h, &names[i])?;
-            match &mut acc {
-                None => {
-                    let owned = planes.into_iter().map(|p| p.into_owned()).collect();
-                    acc = Some((owned, h.rotated));
-                }
-                Some((a, rotated)) if *rotated == h.rotated && a.len() == planes.len() => {
-                    a.iter_mut().zip(&planes).for_each(|(a, p)| xor_into(a, p));
-                }
-                Some(_) => {
-                    return Err(Error::corrupt(format!(
-                        "{}: planes of another shape than its chain's",
-                        names[i]
-                    )));
-                }
-            }
-        }
-        let Some((mut acc, rotated)) = acc else {
-            return decode_payload(objs[last], &hb, &names[last]);
-        };
-        if hb.codec == Codec::Planes && hb.rotated == rotated && hb.elem as usize == acc.len() {
-            let base = plane_payload(&objs[last][HEADER_LEN..], &hb, &names[last])?;
-            acc.iter_mut().zip(&base).for_each(|(a, p)| xor_into(a, p));
-            let mut out = vec![0u8; len as usize];
-            let refs: Vec<&[u8]> = acc.iter().map(Vec::as_slice).collect();
-            join_planes(&refs, &mut out, rotated);
-            Ok(out)
-        } else {
-            let mut out = decode_payload(objs[last], &hb, &names[last])?;
-            let refs: Vec<&[u8]> = acc.iter().map(Vec::as_slice).collect();
-            xor_planes_into(&refs, &mut out, rotated);
-            Ok(out)
-        }
-    };
-    if let Ok(out) = fast()
-        && ChunkId::of(&out) == chain[0]
-    {
-        return Ok(out);
-    }
-    let mut plain = decode(objs[last], &chain[last], len, &names[last])?;
-    for i in (0..last).rev() {
-        plain = decode_delta(objs[i], &chain[i], len, &chain[i + 1], &plain, &names[i])?;
-    }
-    Ok(plain)
 }
 
 /// Decode a delta object of chunk `id` against the plain bytes of its base `base_id`, and

@@ -38,14 +38,16 @@ use crate::error::{Error, Result};
 use crate::id::ChunkId;
 
 mod delta;
+mod into;
 mod planes;
 #[cfg(test)]
 mod tests;
 
 pub use delta::{
-    DELTA_MARGIN_TENTHS, DeltaEstimate, check_delta_structure, decode_chain, decode_delta,
-    delta_base, encode_delta, estimate_delta,
+    DELTA_MARGIN_TENTHS, DeltaEstimate, check_delta_structure, decode_delta, delta_base,
+    encode_delta, estimate_delta,
 };
+pub use into::{decode_chain, decode_into};
 use planes::xor_planes_into;
 pub use planes::{join_planes, split_planes};
 
@@ -218,7 +220,13 @@ fn compress(data: &[u8], level: i32) -> Vec<u8> {
     })
 }
 
-fn decompress_into(src: &[u8], dst: &mut [u8]) -> std::result::Result<(), String> {
+/// Decompress the zstd frame `src` into `dst` (a slice, or a `Vec` written into its spare
+/// capacity, so a fresh buffer is not zeroed first), which must then hold exactly `want` bytes.
+fn decompress_to<W: zstd::zstd_safe::WriteBuf + ?Sized>(
+    src: &[u8],
+    dst: &mut W,
+    want: usize,
+) -> std::result::Result<(), String> {
     DECOMPRESSOR.with(|d| {
         let mut d = d.borrow_mut();
         if d.is_none() {
@@ -228,17 +236,18 @@ fn decompress_into(src: &[u8], dst: &mut [u8]) -> std::result::Result<(), String
         let n = dec
             .decompress_to_buffer(src, dst)
             .map_err(|e| format!("zstd: {e}"))?;
-        if n != dst.len() {
-            return Err(format!(
-                "zstd frame holds {n} bytes, expected {}",
-                dst.len()
-            ));
+        if n != want {
+            return Err(format!("zstd frame holds {n} bytes, expected {want}"));
         }
         Ok(())
     })
 }
 
-/// Whether compressing `data` at `level` is worth it, judged on a sample.
+fn decompress_into(src: &[u8], dst: &mut [u8]) -> std::result::Result<(), String> {
+    let want = dst.len();
+    decompress_to(src, dst, want)
+}
+
 fn sample_pays(data: &[u8], level: i32, min_saving_permille: u16) -> bool {
     if data.len() < 64 {
         return false;
@@ -428,8 +437,9 @@ pub fn decode(
 ) -> Result<Vec<u8>> {
     let h = parse_header(obj, what)?;
     check_len(&h, expect_len, what)?;
-    let out = decode_payload(obj, &h, what)?;
-    check_id(&out, id, what)?;
+    let mut out = vec![0u8; h.raw_len as usize];
+    let plain = into::plain_of(obj, &h, what, &mut out)?;
+    check_id_of(into::write_hashed(&plain, None, &mut out), id, what)?;
     Ok(out)
 }
 
@@ -509,32 +519,6 @@ pub fn decode_verify(obj: &[u8], id: &ChunkId, what: &dyn std::fmt::Display) -> 
     decode(obj, id, h.raw_len, what)
 }
 
-fn decode_payload(obj: &[u8], h: &Header, what: &dyn std::fmt::Display) -> Result<Vec<u8>> {
-    let payload = &obj[HEADER_LEN..];
-    let raw_len = h.raw_len as usize;
-    let corrupt = |m: String| Error::corrupt(format!("{what}: {m}"));
-    match h.codec {
-        Codec::Raw => {
-            if payload.len() != raw_len {
-                return Err(corrupt(format!(
-                    "raw payload holds {} bytes, header says {raw_len} (truncated?)",
-                    payload.len()
-                )));
-            }
-            Ok(payload.to_vec())
-        }
-        Codec::Zstd => {
-            let mut out = vec![0u8; raw_len];
-            decompress_into(payload, &mut out).map_err(corrupt)?;
-            Ok(out)
-        }
-        Codec::Planes => decode_planes(payload, h, what),
-        Codec::Delta => Err(Error::corrupt(format!(
-            "{what}: a delta object cannot be decoded without its base chunk (a manifest names it)"
-        ))),
-    }
-}
-
 /// Decode a byte-plane payload (table, then planes) into `h.raw_len` bytes.
 fn decode_planes(payload: &[u8], h: &Header, what: &dyn std::fmt::Display) -> Result<Vec<u8>> {
     let mut out = vec![0u8; h.raw_len as usize];
@@ -610,8 +594,8 @@ fn plane_payload<'a>(
                 )));
             }
             1 => {
-                let mut p = vec![0u8; n];
-                decompress_into(src, &mut p)
+                let mut p = Vec::with_capacity(n);
+                decompress_to(src, &mut p, n)
                     .map_err(|m| corrupt(format!("byte plane {k}: {m}")))?;
                 std::borrow::Cow::Owned(p)
             }

