@@ -118,12 +118,14 @@ pub use model::{
 };
 pub use node_cache::{NodeCache, NodeCacheStats};
 pub use placement::{Placed, Placement, Stage, TensorSpec, ZeroGroup};
-pub use read::{ChunkSource, CopyOp, Fetched, PlannedChunk, ReadPlan, ReadStats, StepReader};
+pub use read::{
+    ChunkSource, CopyOp, Fetched, FetchedBytes, PlannedChunk, ReadPlan, ReadStats, StepReader,
+};
 pub use retry::{RetryConfig, RetryStore};
 pub use st_view::SafetensorsView;
 pub use store::{
     BaseChunk, BaseRegions, ChunkIn, Chunks, DedupIndex, Objects, PutReport, PutStats, Store,
-    StoreConfig,
+    StoreConfig, StoredChunk,
 };
 pub use tier::{
     DrainMarker, DrainOptions, DrainPace, DrainProgress, DrainReport, TierSource, drain_node,

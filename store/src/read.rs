@@ -20,7 +20,7 @@ use tracing::{instrument, warn};
 use crate::error::{Error, ErrorKind, Result};
 use crate::id::{ChunkId, StepId};
 use crate::model::{ChunkRef, CommitRecord, DType, NdBox, RankManifest, copy_runs};
-use crate::store::Store;
+use crate::store::{Store, StoredChunk};
 
 /// Somewhere chunks may be found before the object store: a peer's memory, a local tier.
 /// What it returns need not be checked: the reader checks it against the chunk's hash (as it
@@ -36,17 +36,29 @@ pub trait ChunkSource: Send + Sync {
     fn refused(&self, _r: &ChunkRef) {}
 }
 
-/// A chunk's raw bytes fetched for a copy ([`StepReader::fetch_for_copy`]).
+/// A chunk fetched for a copy ([`StepReader::fetch_for_copy`]).
 #[derive(Debug)]
 pub struct Fetched {
-    /// The chunk's raw bytes.
-    pub bytes: Bytes,
+    /// The chunk's raw bytes, or its stored objects for the caller to decode where it wants
+    /// the bytes.
+    pub bytes: FetchedBytes,
     /// What fetching it cost (`bytes_copied` is the caller's).
     pub stats: ReadStats,
-    /// Whether they were hash-checked already; if not, the caller hashes them.
+    /// Whether they were hash-checked already; if not, the caller hashes them (an encoded
+    /// chunk is checked as it is decoded: [`StoredChunk::decode_into`]).
     pub checked: bool,
     /// Whether they came from the chunk source.
     pub from_source: bool,
+}
+
+/// What [`StepReader::fetch_for_copy`] fetched.
+#[derive(Debug)]
+pub enum FetchedBytes {
+    /// The chunk's raw bytes.
+    Plain(Bytes),
+    /// A chunk stored encoded (compressed, byte planes, a delta chain), as stored: decoding it
+    /// straight into the destination writes each byte once.
+    Encoded(StoredChunk),
 }
 
 /// One byte run to copy out of a chunk.
@@ -550,7 +562,9 @@ impl StepReader {
     /// memory, a local tier), or a chunk stored raw with nothing in front of the store, arrive
     /// unchecked, for the caller to hash while it copies (one pass over memory instead of
     /// two) and to refuse with [`StepReader::check_fetched`] (a source's copy: to read again
-    /// with [`StepReader::fetch_planned_stored`]); anything else arrives checked, as from
+    /// with [`StepReader::fetch_planned_stored`]); a chunk stored encoded with nothing in
+    /// front of the store arrives as stored ([`FetchedBytes::Encoded`]), for the caller to
+    /// decode where it wants the bytes; anything else arrives checked, as from
     /// [`StepReader::fetch_planned`]. The source is asked once.
     pub async fn fetch_for_copy(&self, pc: &PlannedChunk, tensor: &str) -> Result<Fetched> {
         if let Some(src) = &self.source
@@ -564,64 +578,82 @@ impl StepReader {
                 ..ReadStats::default()
             };
             return Ok(Fetched {
-                bytes: b,
+                bytes: FetchedBytes::Plain(b),
                 stats,
                 checked: false,
                 from_source: true,
             });
         }
-        let unchecked = self.fetch_raw_unchecked(pc, tensor).await?;
-        let (bytes, stats, checked) = match unchecked {
-            Some((b, st)) => (b, st, false),
-            None => {
-                let (b, st) = self.fetch_checked(pc, tensor, false).await?;
-                (b, st, true)
-            }
-        };
+        if let Some((bytes, stats)) = self.fetch_unchecked(pc, tensor).await? {
+            return Ok(Fetched {
+                bytes,
+                stats,
+                checked: false,
+                from_source: false,
+            });
+        }
+        let (b, stats) = self.fetch_checked(pc, tensor, false).await?;
         Ok(Fetched {
-            bytes,
+            bytes: FetchedBytes::Plain(b),
             stats,
-            checked,
+            checked: true,
             from_source: false,
         })
     }
 
-    /// A chunk stored raw, not yet checked, straight from the store; `None` for an encoded
-    /// chunk, or with a node cache or a chunk cache in front of the store (they serve checked
-    /// bytes).
-    async fn fetch_raw_unchecked(
+    /// A chunk not yet checked, straight from the store: a raw one's payload, or an encoded
+    /// one's objects; `None` with a node cache or a chunk cache in front of the store (they
+    /// serve checked bytes).
+    async fn fetch_unchecked(
         &self,
         pc: &PlannedChunk,
         tensor: &str,
-    ) -> Result<Option<(Bytes, ReadStats)>> {
+    ) -> Result<Option<(FetchedBytes, ReadStats)>> {
         let cached = self.cache.as_ref().is_some_and(|c| c.capacity() > 0);
         if self.node.is_some() || cached {
             return Ok(None);
         }
         let chunks = self.store.chunks();
-        let fetch = chunks.get_raw_unchecked(&pc.chunk);
+        let fetch = chunks.get_stored(&pc.chunk);
         let got = if pc.is_partial() || self.shared {
             crate::shared_reads(fetch).await
         } else {
             fetch.await
         };
-        let got = got.map_err(|e| e.context(self.chunk_context(pc, tensor)))?;
-        Ok(got.map(|b| {
-            let st = ReadStats {
-                chunks: 1,
-                raw_bytes: b.len() as u64,
-                stored_bytes: pc.chunk.stored as u64,
-                ..ReadStats::default()
-            };
-            (b, st)
-        }))
+        let stored = match (got, &self.fallback) {
+            // Missing or damaged here: read through the fallback (a local tier's remote).
+            (Err(e), Some(_)) if matches!(e.kind(), ErrorKind::NotFound | ErrorKind::Corrupt) => {
+                return Ok(None);
+            }
+            (got, _) => got.map_err(|e| self.chunk_error(pc, tensor, e))?,
+        };
+        let bytes = match stored
+            .raw_unchecked()
+            .map_err(|e| self.chunk_error(pc, tensor, e))?
+        {
+            Some(b) => FetchedBytes::Plain(b),
+            None => FetchedBytes::Encoded(stored),
+        };
+        let st = ReadStats {
+            chunks: 1,
+            raw_bytes: pc.chunk.len as u64,
+            stored_bytes: pc.chunk.stored as u64,
+            ..ReadStats::default()
+        };
+        Ok(Some((bytes, st)))
     }
 
     /// Refuse a chunk fetched by [`StepReader::fetch_for_copy`] whose bytes hash to `got`
     /// rather than to its id, with the words of every other read's refusal.
     pub fn check_fetched(&self, pc: &PlannedChunk, tensor: &str, got: ChunkId) -> Result<()> {
         crate::codec::check_id_of(got, &pc.chunk.id, &pc.chunk.location())
-            .map_err(|e| e.context(self.chunk_context(pc, tensor)))
+            .map_err(|e| self.chunk_error(pc, tensor, e))
+    }
+
+    /// `e`, about a planned chunk of `tensor`, with where the chunk is: the step, the tensor
+    /// and the rank whose shard holds it.
+    pub fn chunk_error(&self, pc: &PlannedChunk, tensor: &str, e: Error) -> Error {
+        e.context(self.chunk_context(pc, tensor))
     }
 
     fn chunk_context(&self, pc: &PlannedChunk, tensor: &str) -> String {

@@ -9,7 +9,8 @@ use parking_lot::Mutex;
 
 use ckpt_store::placement::flat_range_boxes;
 use ckpt_store::{
-    ChunkId, CopyOp, DType, Error, NdBox, PlannedChunk, ReadStats, Result, StepReader,
+    ChunkId, ChunkRef, Codec, CopyOp, DType, Error, ErrorKind, FetchedBytes, NdBox, PlannedChunk,
+    ReadStats, Result, StepReader,
 };
 use futures::{StreamExt, TryStreamExt, stream};
 
@@ -173,47 +174,68 @@ async fn restore_direct(
     let chunk = reader.store().config().chunk_size.max(1);
     // Enough chunks in flight to keep the disk's queue full (8 reach its O_DIRECT limit here;
     // twice the store's read concurrency leaves room for the hashing between reads), within
-    // the budget.
+    // the budget: each chunk holds its share of it, what it may need, from its fetch until
+    // it is written.
     let inflight = (budget / chunk).clamp(1, 2 * reader.store().config().read_concurrency);
+    let budget_kib = (budget >> 10).clamp(1, u32::MAX as usize);
+    let held = &tokio::sync::Semaphore::new(budget_kib);
     stream::iter(work)
         .map(|(i, pc)| async move {
+            let need = (in_flight_bytes(&pc.chunk) >> 10).clamp(1, budget_kib) as u32;
+            let _share = held
+                .acquire_many(need)
+                .await
+                .map_err(|_| Error::internal("the restore's budget closed"))?;
             let t = &targets[i];
             // The chunk source's copy (a peer's memory), or a chunk stored raw with nothing in
-            // front of the store, arrives unchecked and is hashed as it is copied; anything
+            // front of the store, arrives unchecked and is hashed as it is copied; a chunk
+            // stored encoded is decoded where it goes and checked by the decode; anything
             // else arrives checked.
             let f = reader.fetch_for_copy(&pc, &t.name).await?;
             let (checked, from_source, mut st) = (f.checked, f.from_source, f.stats);
+            let encoded = matches!(f.bytes, FetchedBytes::Encoded(_));
             let sink = t.sink.clone();
-            let ((copied, got), pc) = tokio::task::spawn_blocking(move || {
-                (write_chunk(&*sink, &pc, &f.bytes, checked), pc)
+            let ((wrote, got), pc) = tokio::task::spawn_blocking(move || {
+                (write_fetched(&*sink, &pc, f.bytes, checked), pc)
             })
             .await?;
-            let mut copied = copied?;
-            if let Some(got) = got
-                && let Err(e) = reader.check_fetched(&pc, &t.name, got)
-            {
-                // Damaged here. The source's copy: the store's checked bytes overwrite what
-                // the sink got. The store's: the reader's fallback store (a local tier's
-                // remote) holds the same chunk.
-                let again = if from_source {
-                    st.source_bytes = 0;
-                    let (b, fst) = reader.fetch_planned_stored(&pc, &t.name).await?;
-                    Some((b, fst))
-                } else {
-                    reader.fetch_fallback(&pc, &t.name).await?
-                };
-                let Some((b, fst)) = again else {
-                    return Err(e);
-                };
-                st.stored_bytes += fst.stored_bytes;
-                st.node_bytes += fst.node_bytes;
-                let sink = t.sink.clone();
-                let (again, _) =
-                    tokio::task::spawn_blocking(move || write_chunk(&*sink, &pc, &b, true)).await?;
-                copied = again?;
-                st.fallback_bytes += fst.fallback_bytes;
-                st.fallback_chunks += fst.fallback_chunks;
-            }
+            // Damaged here: what was copied does not hash to the chunk's id, or the encoded
+            // chunk did not decode to it.
+            let checked = match (wrote, got) {
+                (Ok(n), None) => Ok(n),
+                (Ok(n), Some(got)) => reader.check_fetched(&pc, &t.name, got).map(|()| n),
+                (Err(e), _) if encoded && e.kind() == ErrorKind::Corrupt => {
+                    Err(reader.chunk_error(&pc, &t.name, e))
+                }
+                (Err(e), _) => return Err(e),
+            };
+            let copied = match checked {
+                Ok(n) => n,
+                Err(e) => {
+                    // The source's copy: the store's checked bytes overwrite what the sink
+                    // got. The store's: the reader's fallback store (a local tier's remote)
+                    // holds the same chunk.
+                    let again = if from_source {
+                        st.source_bytes = 0;
+                        let (b, fst) = reader.fetch_planned_stored(&pc, &t.name).await?;
+                        Some((b, fst))
+                    } else {
+                        reader.fetch_fallback(&pc, &t.name).await?
+                    };
+                    let Some((b, fst)) = again else {
+                        return Err(e);
+                    };
+                    st.stored_bytes += fst.stored_bytes;
+                    st.node_bytes += fst.node_bytes;
+                    let sink = t.sink.clone();
+                    let (again, _) =
+                        tokio::task::spawn_blocking(move || write_chunk(&*sink, &pc, &b, true))
+                            .await?;
+                    st.fallback_bytes += fst.fallback_bytes;
+                    st.fallback_chunks += fst.fallback_chunks;
+                    again?
+                }
+            };
             st.bytes_copied += copied;
             Ok::<_, Error>(st)
         })
@@ -223,6 +245,48 @@ async fn restore_direct(
             Ok(acc)
         })
         .await
+}
+
+/// The memory a chunk may hold while it is restored: its stored object, and for a chunk stored
+/// encoded the decoder's planes too (up to its plain length), or for a delta every object of
+/// its chain (their stored sizes are not recorded: each counted at the plain length) and the
+/// planes they are XORed into.
+fn in_flight_bytes(c: &ChunkRef) -> usize {
+    let (len, stored) = (c.len as usize, c.stored as usize);
+    match c.codec {
+        Codec::Raw if !c.is_delta() => stored.max(len),
+        _ => stored + len * (c.bases.len() + 1),
+    }
+}
+
+/// Write a fetched chunk into `sink`: raw bytes as [`write_chunk`] does; a chunk stored
+/// encoded decoded straight into the sink's memory when its one run is the whole chunk and
+/// the sink is host memory (each byte written once and hashed as it is written; the chunk is
+/// checked by the decode), else decoded into a buffer of its own, checked, and written.
+/// (Bytes written, the hash still to check.)
+fn write_fetched(
+    sink: &dyn MemorySink,
+    pc: &PlannedChunk,
+    bytes: FetchedBytes,
+    checked: bool,
+) -> (Result<u64>, Option<ChunkId>) {
+    let stored = match bytes {
+        FetchedBytes::Plain(b) => return write_chunk(sink, pc, &b, checked),
+        FetchedBytes::Encoded(s) => s,
+    };
+    if let [r] = runs(&pc.copies).as_slice()
+        && r.src == 0
+        && r.len as usize == stored.len()
+        && let Some(wrote) = sink.with_memory(r.dst as usize, r.len as usize, &mut |out| {
+            stored.decode_into(out)
+        })
+    {
+        return (wrote.map(|()| r.len), None);
+    }
+    match stored.decode() {
+        Ok(b) => write_chunk(sink, pc, &b, true),
+        Err(e) => (Err(e), None),
+    }
 }
 
 /// Bytes of a chunk copied and hashed a block at a time: the hash reads each block while the

@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use ckpt_store::testing::{det_bytes, local_store, tiny_config};
 use ckpt_store::{DType, GcOptions, Layout, NdBox, StepReader, Store, StoreConfig, VerifyScope};
-use ckpt_trainer::{Checkpointer, CheckpointerConfig, HostTensor, SaveState, SaveTensor, runtime};
+use ckpt_trainer::{
+    Checkpointer, CheckpointerConfig, HostTensor, SaveState, SaveTensor, restore_targets, runtime,
+};
 
 mod common;
 use common::read;
@@ -95,6 +97,25 @@ fn saves_store_deltas_on_their_committed_base_and_restore_bit_exact() {
     );
     for (s, b) in want.iter().enumerate() {
         assert_eq!(&read(&store, run, s as u64 + 1, "w"), b, "step {}", s + 1);
+    }
+    // A restore decodes each chain straight into the tensor's memory.
+    for step in [2, 5] {
+        let reader = runtime()
+            .block_on(StepReader::open(&store, run, step))
+            .unwrap();
+        let (sink, target) = common::Counted::whole_f32("w", n);
+        let st = runtime()
+            .block_on(restore_targets(&reader, &[target], 1 << 20))
+            .unwrap();
+        assert!(
+            *sink.host.read() == want[step as usize - 1],
+            "step {step} restored bit-exact"
+        );
+        assert_eq!(
+            sink.in_place.load(std::sync::atomic::Ordering::SeqCst) as u64,
+            st.chunks,
+            "step {step}: every chunk decoded in place: {st:?}"
+        );
     }
     // Retention keeps step 5 only; its bases (steps 3 and 4) stay.
     let g = runtime()

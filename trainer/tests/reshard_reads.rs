@@ -7,7 +7,9 @@
 mod common;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
+
+use common::Counted;
 
 use bytes::Bytes;
 use ckpt_store::{CodecPolicy, DType, ErrorKind, NdBox, ShardDesc, ShardIn, StepReader, Store};
@@ -152,11 +154,7 @@ fn cut_across_the_rows(raw: bool) {
     };
     let want = columns(&data[0], COLS / 2, COLS / 2);
     let restore_half = |budget: usize, fallback: bool| {
-        let sink = Arc::new(Counted {
-            host: HostTensor::from_vec(vec![0xAB; (ROWS * COLS * 2) as usize]),
-            many: AtomicUsize::new(0),
-            in_place: AtomicUsize::new(0),
-        });
+        let sink = Counted::new(HostTensor::from_vec(vec![0xAB; (ROWS * COLS * 2) as usize]));
         let target = RestoreTarget {
             name: "w".into(),
             dtype: DType::F32,
@@ -215,41 +213,4 @@ fn cut_across_the_rows(raw: bool) {
     );
     assert_eq!(st.fallback_chunks, 1, "{st:?}");
     assert_eq!(st.bytes_copied, ROWS * COLS * 2, "{st:?}");
-}
-
-/// Host memory that counts the writes of many runs and the fused in-place writes.
-#[derive(Debug)]
-struct Counted {
-    host: HostTensor,
-    many: AtomicUsize,
-    in_place: AtomicUsize,
-}
-
-impl MemorySink for Counted {
-    fn len(&self) -> usize {
-        MemorySink::len(&self.host)
-    }
-
-    fn write_at(&self, offset: usize, src: &[u8]) -> ckpt_store::Result<()> {
-        self.host.write_at(offset, src)
-    }
-
-    fn write_many(&self, writes: &[(usize, &[u8])]) -> ckpt_store::Result<()> {
-        self.many.fetch_add(1, Ordering::SeqCst);
-        self.host.write_many(writes)
-    }
-
-    fn with_memory(
-        &self,
-        offset: usize,
-        len: usize,
-        fill: &mut dyn FnMut(&mut [u8]) -> ckpt_store::Result<()>,
-    ) -> Option<ckpt_store::Result<()>> {
-        self.in_place.fetch_add(1, Ordering::SeqCst);
-        self.host.with_memory(offset, len, fill)
-    }
-
-    fn short_writes_cheap(&self) -> bool {
-        true
-    }
 }

@@ -20,10 +20,10 @@ impl Chunks {
             .await
     }
 
-    /// Fetch and decode a delta chunk: every object of its chain (at most `MAX_DELTA_CHAIN +
-    /// 1`, fetched in parallel), decoded base-first, each level hash-checked. An error names
-    /// the chunk, the base chunk at fault and (where the manifest says) the base's step.
-    async fn get_delta_chunk(&self, r: &ChunkRef) -> Result<Bytes> {
+    /// Fetch the objects of a delta chunk's chain (at most `MAX_DELTA_CHAIN + 1`, in
+    /// parallel), not decoded. An error names the chunk, the base chunk at fault and (where
+    /// the manifest says) the base's step.
+    async fn get_delta_objects(&self, r: &ChunkRef) -> Result<StoredChunk> {
         r.check_chain().map_err(Error::corrupt)?;
         let chain: Vec<ChunkId> = std::iter::once(r.id)
             .chain(r.bases.iter().copied())
@@ -62,13 +62,12 @@ impl Chunks {
         }))
         .await?;
         let names: Vec<String> = (0..chain.len()).map(name).collect();
-        let len = r.len as u64;
-        let out = tokio::task::spawn_blocking(move || {
-            let objs: Vec<&[u8]> = objs.iter().map(|o| o.as_ref()).collect();
-            codec::decode_chain(&objs, &chain, len, &names)
+        Ok(StoredChunk {
+            objs,
+            chain,
+            names,
+            len: r.len as usize,
         })
-        .await??;
-        Ok(Bytes::from(out))
     }
 
     /// Fetch the stored bytes of a chunk object (not decoded).
@@ -92,43 +91,38 @@ impl Chunks {
     }
 
     /// Fetch, decode and verify one chunk (a delta with its chain of bases): the one place
-    /// every reader (restore, export, the mount, diff, verify) decodes chunks from the store.
+    /// every reader (restore, export, the mount, diff, verify) decodes chunks from the store
+    /// into buffers of their own (a restore decodes into its destination:
+    /// [`StoredChunk::decode_into`]).
     pub async fn get_chunk(&self, r: &ChunkRef) -> Result<Bytes> {
+        let stored = self.get_stored(r).await?;
+        tokio::task::spawn_blocking(move || stored.decode()).await?
+    }
+
+    /// The stored objects of a chunk (its own; a delta's whole chain), fetched and not yet
+    /// decoded or checked.
+    pub async fn get_stored(&self, r: &ChunkRef) -> Result<StoredChunk> {
         if r.is_delta() || r.codec == Codec::Delta {
-            return self.get_delta_chunk(r).await;
+            return self.get_delta_objects(r).await;
         }
         let obj = self.get_stored_chunk(r).await?;
-        let r = r.clone();
-        let what = r.location();
-        tokio::task::spawn_blocking(move || codec::decode_bytes(obj, &r.id, r.len as u64, &what))
-            .await?
+        Ok(StoredChunk {
+            objs: vec![obj],
+            chain: vec![r.id],
+            names: vec![r.location()],
+            len: r.len as usize,
+        })
     }
 
     /// The stored object of a chunk; a missing one is damage (a manifest names it).
     async fn get_stored_chunk(&self, r: &ChunkRef) -> Result<Bytes> {
         self.get_chunk_object(r).await.map_err(|e| {
             if e.kind() == ErrorKind::NotFound {
-                Error::corrupt(format!(
-                    "chunk {} is missing from the store ({e})",
-                    r.location()
-                ))
+                Error::corrupt(format!("{} is missing from the store ({e})", r.location()))
             } else {
                 e
             }
         })
-    }
-
-    /// The payload of a chunk stored raw, its header checked but **not its hash** (the caller
-    /// hashes it as it copies it out, and refuses it with [`codec::check_id_of`]); `None` for
-    /// a chunk stored any other way (read it with [`Chunks::get_chunk`]). A chunk whose
-    /// reference says raw but whose object is encoded is read and checked whole, here.
-    pub async fn get_raw_unchecked(&self, r: &ChunkRef) -> Result<Option<Bytes>> {
-        if r.is_delta() || r.codec != Codec::Raw {
-            return Ok(None);
-        }
-        let obj = self.get_stored_chunk(r).await?;
-        let what = r.location();
-        codec::raw_payload(&obj, r.len as u64, &what)
     }
 
     /// Fetch many chunks in parallel (bounded by `read_concurrency`); yields `(index, bytes)`
@@ -151,5 +145,67 @@ impl Chunks {
     /// found through manifests, not this.
     pub async fn has_chunk_object(&self, id: &ChunkId) -> Result<bool> {
         self.objects.exists(&self.objects.keys.chunk(id)).await
+    }
+}
+
+/// A chunk's stored objects as fetched, not yet decoded or checked ([`Chunks::get_stored`]):
+/// its own and, for a delta, each base's of its chain.
+#[derive(Debug, Clone)]
+pub struct StoredChunk {
+    objs: Vec<Bytes>,
+    chain: Vec<ChunkId>,
+    names: Vec<String>,
+    len: usize,
+}
+
+impl StoredChunk {
+    /// The chunk's plain length.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the chunk is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The payload of a chunk stored raw in one object, its header and length checked but
+    /// **not its hash** (see [`codec::raw_payload`]); `None` for any other chunk.
+    pub fn raw_unchecked(&self) -> Result<Option<Bytes>> {
+        match self.objs.as_slice() {
+            [obj] => codec::raw_payload(obj, self.len as u64, &self.names[0]),
+            _ => Ok(None),
+        }
+    }
+
+    /// Decode the chunk into a buffer of its own and check it against its id (a raw chunk:
+    /// a slice of its object, no copy).
+    pub fn decode(self) -> Result<Bytes> {
+        match self.objs.as_slice() {
+            [obj] => {
+                codec::decode_bytes(obj.clone(), &self.chain[0], self.len as u64, &self.names[0])
+            }
+            _ => {
+                let objs: Vec<&[u8]> = self.objs.iter().map(AsRef::as_ref).collect();
+                codec::decode_chain(&objs, &self.chain, self.len as u64, &self.names)
+                    .map(Bytes::from)
+            }
+        }
+    }
+
+    /// Decode the chunk straight into `out` (exactly its plain length), each block hashed as
+    /// it is written, and check it against its id ([`codec::decode_into`]). On an error `out`
+    /// holds nothing of use.
+    pub fn decode_into(&self, out: &mut [u8]) -> Result<()> {
+        if out.len() != self.len {
+            return Err(Error::internal(format!(
+                "a destination of {} bytes for chunk {} of {} bytes",
+                out.len(),
+                self.names[0],
+                self.len
+            )));
+        }
+        let objs: Vec<&[u8]> = self.objs.iter().map(AsRef::as_ref).collect();
+        codec::decode_into(&objs, &self.chain, &self.names, out)
     }
 }

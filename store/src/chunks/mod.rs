@@ -18,6 +18,7 @@ mod put;
 mod verdicts;
 
 pub use dedup::{BaseRegions, DedupIndex};
+pub use fetch::StoredChunk;
 pub use put::{BaseChunk, ChunkIn, PutReport, PutStats};
 
 /// Chunks and packs of a store: writing, fetching, decoding, verifying. It owns the writer's

@@ -29,7 +29,9 @@ use crate::keys::Keys;
 mod config;
 mod objects;
 
-pub use crate::chunks::{BaseChunk, BaseRegions, ChunkIn, Chunks, DedupIndex, PutReport, PutStats};
+pub use crate::chunks::{
+    BaseChunk, BaseRegions, ChunkIn, Chunks, DedupIndex, PutReport, PutStats, StoredChunk,
+};
 pub use config::StoreConfig;
 pub use objects::Objects;
 

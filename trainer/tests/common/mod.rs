@@ -1,8 +1,13 @@
 //! Helpers shared by the trainer's integration tests (each test binary uses some of them).
 #![allow(dead_code)]
 
-use ckpt_store::{CodecPolicy, DedupIndex, Layout, RankWrite, ShardIn, StepReader, Store};
-use ckpt_trainer::runtime;
+use ckpt_store::{
+    CodecPolicy, DType, DedupIndex, Layout, NdBox, RankWrite, ShardIn, StepReader, Store,
+};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use ckpt_trainer::{HostTensor, MemorySink, RestoreTarget, runtime};
 
 /// The bytes of tensor `name` of committed `step` of `run`, read through a `StepReader`;
 /// panics naming the step and tensor when it cannot be read.
@@ -78,4 +83,66 @@ pub fn disk_read_bytes() -> u64 {
         .trim()
         .parse()
         .unwrap()
+}
+
+/// Host memory that counts the writes of many runs and the in-place writes (a chunk written
+/// straight into the memory, hashed or decoded on the way).
+#[derive(Debug)]
+pub struct Counted {
+    pub host: HostTensor,
+    pub many: AtomicUsize,
+    pub in_place: AtomicUsize,
+}
+
+impl Counted {
+    pub fn new(host: HostTensor) -> Arc<Self> {
+        Arc::new(Counted {
+            host,
+            many: AtomicUsize::new(0),
+            in_place: AtomicUsize::new(0),
+        })
+    }
+
+    /// Memory of `n` f32 elements that starts as garbage, and the target of the whole 1-D f32
+    /// tensor `name` restored into it.
+    pub fn whole_f32(name: &str, n: usize) -> (Arc<Self>, RestoreTarget) {
+        let sink = Counted::new(HostTensor::from_vec(vec![0xAB; n * 4]));
+        let target = RestoreTarget {
+            name: name.into(),
+            dtype: DType::F32,
+            shape: vec![n as u64],
+            bbox: NdBox::full(&[n as u64]),
+            sink: sink.clone() as Arc<dyn MemorySink>,
+        };
+        (sink, target)
+    }
+}
+
+impl MemorySink for Counted {
+    fn len(&self) -> usize {
+        MemorySink::len(&self.host)
+    }
+
+    fn write_at(&self, offset: usize, src: &[u8]) -> ckpt_store::Result<()> {
+        self.host.write_at(offset, src)
+    }
+
+    fn write_many(&self, writes: &[(usize, &[u8])]) -> ckpt_store::Result<()> {
+        self.many.fetch_add(1, Ordering::SeqCst);
+        self.host.write_many(writes)
+    }
+
+    fn with_memory(
+        &self,
+        offset: usize,
+        len: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> ckpt_store::Result<()>,
+    ) -> Option<ckpt_store::Result<()>> {
+        self.in_place.fetch_add(1, Ordering::SeqCst);
+        self.host.with_memory(offset, len, fill)
+    }
+
+    fn short_writes_cheap(&self) -> bool {
+        true
+    }
 }
