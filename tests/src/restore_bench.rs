@@ -39,6 +39,9 @@ pub struct Options {
     pub tensors: usize,
     /// `random` or `normal`.
     pub values: String,
+    /// How the save stores chunks: `adaptive` (the default governor: raw where compressing is
+    /// slower than the disk) or `planes` (byte planes, compressed where it pays, always).
+    pub codec: String,
     /// Loads of each kind.
     pub rounds: usize,
     /// `manager`, `reader`.
@@ -116,7 +119,13 @@ fn digest(tensors: &[HostTensor]) -> String {
 pub fn save(o: &Options) -> String {
     let _ = std::fs::remove_dir_all(o.dir.join("store"));
     let n = elements(o.gib, o.tensors);
-    let store = open(&o.dir);
+    let mut store = open(&o.dir);
+    if o.codec == "planes" {
+        let mut cfg = store.config().clone();
+        cfg.adaptive_codec = false;
+        cfg.codec = ckpt_store::CodecPolicy::MAX;
+        store = store.with_config(cfg).expect("the bench store's settings");
+    }
     let tensors: Vec<HostTensor> = (0..o.tensors)
         .map(|i| HostTensor::from_vec(values(&o.values, i, n)))
         .collect();
@@ -384,7 +393,7 @@ pub fn run(o: &Options, emit: &dyn Fn(Value)) {
     let state = elements(o.gib, o.tensors) * 4 * o.tensors as u64;
     emit(json!({
         "bench": "restore-setup", "state_bytes": state, "stored_bytes": stored,
-        "objects": paths.len(), "values": o.values, "save_s": saved_s,
+        "objects": paths.len(), "values": o.values, "codec": o.codec, "save_s": saved_s,
     }));
     // One file of the state's size, for the sequential read limit.
     let big = o.dir.join("restore-limit.bin");

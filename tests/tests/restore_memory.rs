@@ -1,17 +1,30 @@
 //! A process that only restores holds the state it restores and the read budget, no more
 //! (issue 27 §3): a state many times the budget restored in a fresh process, its peak RSS
-//! taken from the kernel's own accounting (`VmHWM`), bit-exact.
+//! taken from the kernel's own accounting (`VmHWM`), bit-exact. Chunks stored raw, and chunks
+//! stored as compressed byte planes (decoded straight into the tensors).
 
 use ckpt_tests::restore_bench::{Options, save, spawn_child};
 
 #[test]
 fn a_state_many_times_the_read_budget_restores_within_the_state_and_the_budget() {
+    restores_within_the_budget("random", "adaptive", &["manager", "reader"]);
+}
+
+#[test]
+fn compressed_chunks_restore_within_the_state_and_the_budget() {
+    restores_within_the_budget("normal", "planes", &["manager"]);
+}
+
+/// Save 256 MiB of `values` stored as `codec` says, and restore them with a read budget of
+/// 16 MiB in a fresh process in each of `modes`.
+fn restores_within_the_budget(values: &str, codec: &str, modes: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     let o = Options {
         dir: dir.path().to_path_buf(),
         gib: 0.25,
         tensors: 16,
-        values: "random".into(),
+        values: values.into(),
+        codec: codec.into(),
         rounds: 1,
         modes: vec![],
         caches: vec![],
@@ -19,7 +32,7 @@ fn a_state_many_times_the_read_budget_restores_within_the_state_and_the_budget()
     };
     save(&o);
     let exe = ckpt_tests::bin("ckpt-bench", "ckpt-tests");
-    for mode in ["manager", "reader"] {
+    for &mode in modes {
         let v = spawn_child(&exe, &o, mode);
         assert_eq!(v["bit_exact"], true, "{mode}: {v}");
         let kib = |k: &str| v[k].as_u64().unwrap();
@@ -37,7 +50,7 @@ fn a_state_many_times_the_read_budget_restores_within_the_state_and_the_budget()
         let allowed = bound + (16 << 10);
         assert!(
             grew <= allowed,
-            "{mode}: restoring {} KiB with a budget of {} KiB grew the process by {grew} KiB (allowed {allowed}): {v}",
+            "{mode}, {codec}: restoring {} KiB with a budget of {} KiB grew the process by {grew} KiB (allowed {allowed}): {v}",
             kib("state_kib"),
             kib("budget_kib"),
         );

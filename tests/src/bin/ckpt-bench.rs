@@ -11,7 +11,8 @@
 //! ckpt-bench governor --dir DIR --params 150M [--budgets 0.05,0.1,0.25,off] [--every 6] [--saves 3]
 //!                                              the persist governor: slowdown vs. time to durable
 //! ckpt-bench goodput --dir DIR --minutes 20 --mtbf 60   goodput under random failures, per policy
-//! ckpt-bench restore --dir DIR --gib 2 [--tensors 64] [--values random|normal] [--rounds 2]
+//! ckpt-bench restore --dir DIR --gib 2 [--tensors 64] [--values random|normal]
+//!                   [--codec adaptive|planes] [--rounds 2]
 //!                   [--modes manager,reader] [--caches cold,hot] [--budget-mib 256]
 //!                                              restore in fresh processes vs. the O_DIRECT read
 //! ckpt-bench delta  --dir DIR --params 20M     delta chunks: stored size per kind, save/restore time
@@ -1605,6 +1606,7 @@ fn main() {
                     gib: arg(&args, "--gib", "2").parse().unwrap(),
                     tensors: arg(&args, "--tensors", "64").parse().unwrap(),
                     values: arg(&args, "--values", "random"),
+                    codec: arg(&args, "--codec", "adaptive"),
                     rounds: arg(&args, "--rounds", "2").parse().unwrap(),
                     modes: list("--modes", "manager,reader"),
                     caches: list("--caches", "cold,hot"),
