@@ -402,9 +402,9 @@ pub fn delta_bench(
                     .map(|_| {
                         let r = odirect_read(&limit, 8, 4 << 20);
                         let mut mg = (job.mgrs_for)(&store, true);
-                        let cpu = cpu_seconds();
+                        let cpu = ckpt_tests::restore_bench::cpu_seconds();
                         let (s, used) = timed_restore(&store, &mut mg, step);
-                        (s, r, used, cpu_seconds() - cpu)
+                        (s, r, used, ckpt_tests::restore_bench::cpu_seconds() - cpu)
                     })
                     .collect();
                 let needed = job.needed;
@@ -459,16 +459,4 @@ pub fn delta_bench(
         );
     }
     let _ = std::fs::remove_file(limit);
-}
-
-/// CPU seconds (user and system) this process has used so far.
-pub(crate) fn cpu_seconds() -> f64 {
-    // SAFETY: getrusage writes the struct it is given and nothing else.
-    let ru = unsafe {
-        let mut ru: libc::rusage = std::mem::zeroed();
-        libc::getrusage(libc::RUSAGE_SELF, &mut ru);
-        ru
-    };
-    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
-    tv(ru.ru_utime) + tv(ru.ru_stime)
 }

@@ -3,7 +3,11 @@
 //!
 //! The state is `--tensors` fp32 tensors of `--gib` GiB in all, saved once by a
 //! `CheckpointManager` (`--values random`: incompressible bytes, stored raw; `normal`: fp32
-//! values of a normal distribution, which the codec stores as byte planes). Then, `--rounds`
+//! values of a normal distribution, which the codec stores as byte planes). With `--codec
+//! delta` it is saved `--chain` more times after the first, each after an update of every
+//! value (a training step's relative change of about 1e-4), as a delta on the save before:
+//! the loads then restore the newest step, every chunk a chain of `--chain` deltas on a whole
+//! chunk, and the read they pair with is of every object of those chains. Then, `--rounds`
 //! times, each load runs in a fresh process (its own peak RSS), on a cold page cache (dropped
 //! first, as root) and a hot one (the load right after it), paired with the `O_DIRECT` read of
 //! every stored object the step references, and a warm memcpy of the state:
@@ -40,8 +44,11 @@ pub struct Options {
     /// `random` or `normal`.
     pub values: String,
     /// How the save stores chunks: `adaptive` (the default governor: raw where compressing is
-    /// slower than the disk) or `planes` (byte planes, compressed where it pays, always).
+    /// slower than the disk), `planes` (byte planes, compressed where it pays, always) or
+    /// `delta` (planes, and `chain` more saves as deltas on the one before).
     pub codec: String,
+    /// With `codec` `delta`: the saves after the first (the length of every chunk's chain).
+    pub chain: usize,
     /// Loads of each kind.
     pub rounds: usize,
     /// `manager`, `reader`.
@@ -68,6 +75,18 @@ fn spec(i: usize, n: u64) -> TensorSpec {
 
 fn elements(o_gib: f64, tensors: usize) -> u64 {
     ((o_gib * (1u64 << 30) as f64) as u64 / 4 / tensors as u64).max(1)
+}
+
+/// One training step's change of fp32 values `v` (seed `seed`): every value moved by a random
+/// relative amount of at most 1e-4 (an optimizer step on weights of this scale: the sign, the
+/// exponent and the high mantissa bits mostly stay, the low bytes change).
+fn update(v: &mut [u8], seed: u64) {
+    let noise = ckpt_store::testing::det_bytes(seed, v.len() / 2);
+    for (x, r) in v.chunks_exact_mut(4).zip(noise.chunks_exact(2)) {
+        let f = f32::from_le_bytes(x.try_into().unwrap());
+        let u = (u16::from_le_bytes(r.try_into().unwrap()) as f32 / 32767.5) - 1.0;
+        x.copy_from_slice(&(f * (1.0 + 1e-4 * u)).to_le_bytes());
+    }
 }
 
 /// The values of tensor `i`: random bits, or fp32 draws of a normal distribution (what weights
@@ -115,40 +134,89 @@ fn digest(tensors: &[HostTensor]) -> String {
     h.finalize().to_hex().to_string()
 }
 
-/// Save the state once (step 1) into a new store under `o.dir`; the digest of what was saved.
+/// The step the loads restore (written by [`save`]).
+fn saved_step(dir: &Path) -> u64 {
+    std::fs::read_to_string(dir.join("restore.step"))
+        .expect("the step file")
+        .trim()
+        .parse()
+        .expect("a step")
+}
+
+/// Save the state into a new store under `o.dir` (step 1, then with `--codec delta` steps 2
+/// to `chain + 1`, each after an update); the digest of the newest step saved.
 pub fn save(o: &Options) -> String {
     let _ = std::fs::remove_dir_all(o.dir.join("store"));
     let n = elements(o.gib, o.tensors);
     let mut store = open(&o.dir);
-    if o.codec == "planes" {
-        let mut cfg = store.config().clone();
-        cfg.adaptive_codec = false;
-        cfg.codec = ckpt_store::CodecPolicy::MAX;
-        store = store.with_config(cfg).expect("the bench store's settings");
-    }
+    let saves = match o.codec.as_str() {
+        "adaptive" => 1,
+        "planes" | "delta" => {
+            let mut cfg = store.config().clone();
+            cfg.adaptive_codec = false;
+            cfg.codec = ckpt_store::CodecPolicy::MAX;
+            if o.codec == "delta" {
+                cfg.delta_chain = o.chain.max(1);
+                // Every chunk's plain bytes kept as the next save's base (not read back).
+                let state = n * 4 * o.tensors as u64;
+                cfg.delta_cache_bytes = state + state / 4;
+            }
+            store = store.with_config(cfg).expect("the bench store's settings");
+            if o.codec == "delta" {
+                1 + o.chain.max(1)
+            } else {
+                1
+            }
+        }
+        other => panic!("no codec {other:?} (adaptive, planes, delta)"),
+    };
     let tensors: Vec<HostTensor> = (0..o.tensors)
         .map(|i| HostTensor::from_vec(values(&o.values, i, n)))
         .collect();
-    let d = digest(&tensors);
     let mut m = manager(&store, &tensors, n, o.budget_mib);
-    let h = m.save_now(1).expect("save");
-    h.wait_committed(Duration::from_secs(600))
-        .expect("committed");
+    for step in 1..=saves as u64 {
+        if step > 1 {
+            for (i, t) in tensors.iter().enumerate() {
+                update(&mut t.write(), step * 1000 + i as u64);
+            }
+        }
+        let h = m.save_now(step).expect("save");
+        h.wait_committed(Duration::from_secs(600))
+            .expect("committed");
+    }
     m.finish().expect("finish");
+    let d = digest(&tensors);
     std::fs::write(o.dir.join("restore.digest"), &d).expect("the digest file");
+    std::fs::write(o.dir.join("restore.step"), saves.to_string()).expect("the step file");
     d
 }
 
-/// The stored objects step 1 references (each once), and their bytes.
+/// How many delta levels each chunk of the newest step saved has (0: stored whole).
+pub fn chain_lengths(dir: &Path) -> Vec<usize> {
+    let store = open(dir);
+    runtime().block_on(async {
+        let r = StepReader::open(&store, RUN, saved_step(dir))
+            .await
+            .expect("the step");
+        let m = r.manifest(0).await.expect("rank 0's manifest");
+        m.chunk_refs().map(|c| c.bases.len()).collect()
+    })
+}
+
+/// The stored objects the newest step's chunks are read from (each once: the chunks' own and
+/// their delta bases'), and their bytes.
 fn stored_objects(dir: &Path) -> (Vec<PathBuf>, u64) {
     let store = open(dir);
     let root = dir.join("store");
+    let step = saved_step(dir);
     runtime().block_on(async {
-        let r = StepReader::open(&store, RUN, 1).await.expect("step 1");
+        let r = StepReader::open(&store, RUN, step).await.expect("the step");
         let m = r.manifest(0).await.expect("rank 0's manifest");
         let mut seen = std::collections::BTreeSet::new();
         for c in m.chunk_refs() {
-            seen.insert(store.keys().object_of(c).to_string());
+            for o in store.keys().chain_objects(c) {
+                seen.insert(o.to_string());
+            }
         }
         let paths: Vec<PathBuf> = seen.into_iter().map(|k| root.join(k)).collect();
         let bytes = paths
@@ -286,6 +354,18 @@ fn odirect_read_ranges(ranges: &[(PathBuf, u64, u64)], qd: usize) -> f64 {
     t.elapsed().as_secs_f64()
 }
 
+/// CPU seconds this process has used (user and system, every thread).
+pub fn cpu_seconds() -> f64 {
+    // SAFETY: getrusage writes the struct it is given and nothing else.
+    let ru = unsafe {
+        let mut ru: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut ru);
+        ru
+    };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
 /// Drop the page cache (root only): `false` where it cannot.
 pub fn drop_caches() -> bool {
     // SAFETY: sync(2) takes no arguments and cannot fail.
@@ -344,17 +424,19 @@ pub fn child(dir: &Path, mode: &str, gib: f64, tensors: usize, budget_mib: usize
     let ts: Vec<HostTensor> = (0..tensors)
         .map(|_| HostTensor::from_vec(vec![0xA5u8; n as usize * 4]))
         .collect();
+    let step = saved_step(dir);
     let base_kib = status_kib("VmRSS:");
+    let cpu = cpu_seconds();
     let t = Instant::now();
     let stats = match mode {
         "manager" => {
             let mut m = manager(&store, &ts, n, budget_mib);
             let made = t.elapsed().as_secs_f64();
-            m.restore(1).expect("restore");
+            m.restore(step).expect("restore");
             json!({"manager_made_s": made})
         }
         "reader" => runtime().block_on(async {
-            let r = StepReader::open(&store, RUN, 1).await.expect("step 1");
+            let r = StepReader::open(&store, RUN, step).await.expect("the step");
             let mut st = ckpt_store::ReadStats::default();
             for (i, t) in ts.iter().enumerate() {
                 // The tensor's memory, out of its lock for the read.
@@ -371,10 +453,12 @@ pub fn child(dir: &Path, mode: &str, gib: f64, tensors: usize, budget_mib: usize
         other => panic!("no restore mode {other:?}"),
     };
     let secs = t.elapsed().as_secs_f64();
+    let cpu_s = cpu_seconds() - cpu;
     let peak = status_kib("VmHWM:");
     let want = std::fs::read_to_string(dir.join("restore.digest")).expect("the digest file");
     json!({
         "secs": secs,
+        "cpu_s": cpu_s,
         "peak_rss_kib": peak,
         "state_kib": n * 4 * tensors as u64 / 1024,
         "budget_kib": budget_mib << 10,
@@ -394,6 +478,7 @@ pub fn run(o: &Options, emit: &dyn Fn(Value)) {
     emit(json!({
         "bench": "restore-setup", "state_bytes": state, "stored_bytes": stored,
         "objects": paths.len(), "values": o.values, "codec": o.codec, "save_s": saved_s,
+        "step": saved_step(&o.dir), "chain": if o.codec == "delta" { o.chain.max(1) } else { 0 },
     }));
     // One file of the state's size, for the sequential read limit.
     let big = o.dir.join("restore-limit.bin");

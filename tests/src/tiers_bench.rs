@@ -249,7 +249,7 @@ fn disk_counters(dir: &Path) -> Option<(u64, u64)> {
 /// device's counters say how busy the disk was over the save and what it wrote (everything
 /// this machine wrote to it meanwhile, the save's objects among them).
 fn save(mgrs: &mut [CheckpointManager], step: u64, disk: &Path) -> (f64, f64, u64) {
-    let cpu = super::delta_bench::cpu_seconds();
+    let cpu = ckpt_tests::restore_bench::cpu_seconds();
     let before = disk_counters(disk);
     let t = Instant::now();
     let hs: Vec<_> = mgrs.iter_mut().map(|m| m.save_now(step).unwrap()).collect();
@@ -272,7 +272,7 @@ fn save(mgrs: &mut [CheckpointManager], step: u64, disk: &Path) -> (f64, f64, u6
     };
     // How busy the machine's cores were, by this process (the ranks, and what else runs in it).
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
-    let cpu_busy = (super::delta_bench::cpu_seconds() - cpu) / (durable * cores);
+    let cpu_busy = (ckpt_tests::restore_bench::cpu_seconds() - cpu) / (durable * cores);
     let written = reports.iter().map(|r| r.bytes_written).sum();
     emit(json!({"bench": "tiers_save_phases", "step": step,
         "snapshot_s": reports.iter().map(|r| r.snapshot_s).collect::<Vec<_>>(),

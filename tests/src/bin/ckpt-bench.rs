@@ -12,7 +12,7 @@
 //!                                              the persist governor: slowdown vs. time to durable
 //! ckpt-bench goodput --dir DIR --minutes 20 --mtbf 60   goodput under random failures, per policy
 //! ckpt-bench restore --dir DIR --gib 2 [--tensors 64] [--values random|normal]
-//!                   [--codec adaptive|planes] [--rounds 2]
+//!                   [--codec adaptive|planes|delta] [--chain 1] [--rounds 2]
 //!                   [--modes manager,reader] [--caches cold,hot] [--budget-mib 256]
 //!                                              restore in fresh processes vs. the O_DIRECT read
 //! ckpt-bench delta  --dir DIR --params 20M     delta chunks: stored size per kind, save/restore time
@@ -1607,6 +1607,7 @@ fn main() {
                     tensors: arg(&args, "--tensors", "64").parse().unwrap(),
                     values: arg(&args, "--values", "random"),
                     codec: arg(&args, "--codec", "adaptive"),
+                    chain: arg(&args, "--chain", "1").parse().unwrap(),
                     rounds: arg(&args, "--rounds", "2").parse().unwrap(),
                     modes: list("--modes", "manager,reader"),
                     caches: list("--caches", "cold,hot"),
