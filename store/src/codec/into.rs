@@ -163,18 +163,12 @@ fn chain_into(
             }
         }
     }
-    let (mut acc, rotated) = acc.expect("a chain of two or more levels has a delta");
+    let (acc, rotated) = acc.expect("a chain of two or more levels has a delta");
+    // The base written a block at a time (its planes joined, or its raw bytes copied), the
+    // levels' planes XORed into each block while it is in the core's cache: no pass of its
+    // own over the XORed planes.
     let base = plain_of(objs[last], &hb, &names[last], out)?;
-    match base {
-        Plain::Planes(planes, r) if r == rotated && planes.len() == acc.len() => {
-            acc.iter_mut()
-                .zip(&planes)
-                .for_each(|(a, p)| xor_into(a, p));
-            let acc: Vec<Cow<'_, [u8]>> = acc.into_iter().map(Cow::Owned).collect();
-            Ok(write_hashed(&Plain::Planes(acc, rotated), None, out))
-        }
-        base => Ok(write_hashed(&base, Some((&acc, rotated)), out)),
-    }
+    Ok(write_hashed(&base, Some((&acc, rotated)), out))
 }
 
 /// A delta chain decoded level by level, the base first, each level's bytes checked against
