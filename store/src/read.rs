@@ -664,7 +664,9 @@ impl StepReader {
         )
     }
 
-    /// Execute a plan into `out` (which must be the plan's box, row-major).
+    /// Execute a plan into `out` (which must be the plan's box, row-major): `read_concurrency`
+    /// chunks in flight, within twice their bytes stored raw (a delta chain holds more: fewer
+    /// of them are in flight).
     pub async fn execute(&self, plan: &ReadPlan, out: &mut [u8]) -> Result<ReadStats> {
         if out.len() as u64 != plan.bytes_needed() {
             return Err(Error::invalid(format!(
@@ -674,16 +676,28 @@ impl StepReader {
                 plan.tensor
             )));
         }
-        let n = self.store.config().read_concurrency;
+        // At most `read_concurrency` chunks in flight, and about twice their bytes when they
+        // are stored raw: a chunk holds its share of that from its fetch until it is copied
+        // out (`ChunkRef::read_bytes_bound`: a delta chain's objects and planes weigh several
+        // chunks; one larger than the whole budget takes all of it).
+        let cfg = self.store.config();
+        let n = cfg.read_concurrency;
+        let budget_kib = ((2 * n * cfg.chunk_size) >> 10).clamp(1, u32::MAX as usize);
+        let held = &tokio::sync::Semaphore::new(budget_kib);
         let mut fetched = stream::iter(plan.chunks.iter())
             .map(|pc| async move {
+                let need = (pc.chunk.read_bytes_bound() >> 10).clamp(1, budget_kib) as u32;
+                let share = held
+                    .acquire_many(need)
+                    .await
+                    .map_err(|_| Error::internal("the read's budget closed"))?;
                 let (b, st) = self.fetch_planned(pc, &plan.tensor).await?;
-                Ok::<_, Error>((pc, b, st))
+                Ok::<_, Error>((pc, b, st, share))
             })
             .buffer_unordered(n);
         let mut stats = ReadStats::default();
         while let Some(r) = fetched.next().await {
-            let (pc, b, st) = r?;
+            let (pc, b, st, _share) = r?;
             stats.add(&st);
             for c in &pc.copies {
                 let (s, d, l) = (c.src as usize, c.dst as usize, c.len as usize);

@@ -9,8 +9,8 @@ use parking_lot::Mutex;
 
 use ckpt_store::placement::flat_range_boxes;
 use ckpt_store::{
-    ChunkId, ChunkRef, Codec, CopyOp, DType, Error, ErrorKind, FetchedBytes, NdBox, PlannedChunk,
-    ReadStats, Result, StepReader,
+    ChunkId, CopyOp, DType, Error, ErrorKind, FetchedBytes, NdBox, PlannedChunk, ReadStats, Result,
+    StepReader,
 };
 use futures::{StreamExt, TryStreamExt, stream};
 
@@ -181,7 +181,7 @@ async fn restore_direct(
     let held = &tokio::sync::Semaphore::new(budget_kib);
     stream::iter(work)
         .map(|(i, pc)| async move {
-            let need = (in_flight_bytes(&pc.chunk) >> 10).clamp(1, budget_kib) as u32;
+            let need = (pc.chunk.read_bytes_bound() >> 10).clamp(1, budget_kib) as u32;
             let _share = held
                 .acquire_many(need)
                 .await
@@ -245,18 +245,6 @@ async fn restore_direct(
             Ok(acc)
         })
         .await
-}
-
-/// The memory a chunk may hold while it is restored: its stored object, and for a chunk stored
-/// encoded the decoder's planes too (up to its plain length), or for a delta every object of
-/// its chain (their stored sizes are not recorded: each counted at the plain length) and the
-/// planes they are XORed into.
-fn in_flight_bytes(c: &ChunkRef) -> usize {
-    let (len, stored) = (c.len as usize, c.stored as usize);
-    match c.codec {
-        Codec::Raw if !c.is_delta() => stored.max(len),
-        _ => stored + len * (c.bases.len() + 1),
-    }
 }
 
 /// Write a fetched chunk into `sink`: raw bytes as [`write_chunk`] does; a chunk stored

@@ -78,6 +78,19 @@ impl ChunkRef {
         !self.bases.is_empty()
     }
 
+    /// The memory reading this chunk may hold at once, at most: its stored object, and for a
+    /// chunk stored encoded its decoded bytes and the decoder's planes; for a delta also every
+    /// object of its chain (their stored sizes are not recorded: each counted at the plain
+    /// length) and each level's planes. What a reader charges a chunk in flight against its
+    /// budget of bytes.
+    pub fn read_bytes_bound(&self) -> usize {
+        let (len, stored) = (self.len as usize, self.stored as usize);
+        match self.codec {
+            Codec::Raw if !self.is_delta() => stored.max(len),
+            _ => stored + len * (2 * self.bases.len() + 1),
+        }
+    }
+
     /// The reference of the nearest base (a delta itself when the chain goes on), as far as
     /// a manifest knows it: its stored size and codec are not recorded.
     pub fn base_ref(&self) -> Option<ChunkRef> {
