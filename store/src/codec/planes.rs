@@ -38,18 +38,83 @@ pub(super) fn xor_planes_into(planes: &[&[u8]], out: &mut [u8], rotated: bool) {
     join_planes_as::<true>(planes, out, rotated);
 }
 
-fn join_planes_as<const XOR: bool>(planes: &[&[u8]], out: &mut [u8], rotated: bool) {
-    let elem = planes.len();
-    // The 16-element blocks of bf16 and fp32 by SSE2 kernels (every x86-64 CPU has SSE2),
-    // the tail by the portable ones.
+/// The kernels that join planes: the best this CPU has is used; tests run each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Kernel {
+    /// Blocks the compiler vectorizes, any element size (on x86-64 only for the tails, and
+    /// in tests).
+    #[cfg_attr(all(target_arch = "x86_64", not(test)), allow(dead_code))]
+    Portable,
+    /// 16 bf16 or fp32 elements at a time (every x86-64 CPU).
     #[cfg(target_arch = "x86_64")]
-    if matches!(elem, 2 | 4) {
-        let done = x86::join::<XOR>(planes, out, rotated);
-        let tails: [&[u8]; 4] =
-            std::array::from_fn(|k| planes.get(k).map_or(&[][..], |p| &p[done..]));
-        return join_portable::<XOR>(&tails[..elem], &mut out[done * elem..], rotated);
+    Sse2,
+    /// 32 bf16 or fp32 elements at a time, where the CPU has AVX2.
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+}
+
+impl Kernel {
+    /// The kernels this CPU can run, the best last.
+    #[cfg(test)]
+    pub(super) fn available() -> Vec<Kernel> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let mut k = vec![Kernel::Portable, Kernel::Sse2];
+            if std::arch::is_x86_feature_detected!("avx2") {
+                k.push(Kernel::Avx2);
+            }
+            k
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        vec![Kernel::Portable]
     }
-    join_portable::<XOR>(planes, out, rotated);
+
+    /// The best kernel this CPU can run (the feature test is cached by `std`).
+    fn best() -> Kernel {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") {
+                return Kernel::Avx2;
+            }
+            Kernel::Sse2
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        Kernel::Portable
+    }
+}
+
+fn join_planes_as<const XOR: bool>(planes: &[&[u8]], out: &mut [u8], rotated: bool) {
+    join_planes_by::<XOR>(Kernel::best(), planes, out, rotated);
+}
+
+/// [`join_planes_as`] by `kernel`: its whole blocks of bf16 and fp32 elements, the tail (and
+/// any other element size) by the portable kernels.
+pub(super) fn join_planes_by<const XOR: bool>(
+    kernel: Kernel,
+    planes: &[&[u8]],
+    out: &mut [u8],
+    rotated: bool,
+) {
+    let elem = planes.len();
+    let done = match kernel {
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Sse2 if matches!(elem, 2 | 4) => x86::join::<XOR>(planes, out, rotated),
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx2 if matches!(elem, 2 | 4) => {
+            assert!(
+                std::arch::is_x86_feature_detected!("avx2"),
+                "the AVX2 kernel on a CPU without AVX2"
+            );
+            // SAFETY: the CPU has AVX2 (checked above).
+            unsafe { x86::join_avx2::<XOR>(planes, out, rotated) }
+        }
+        _ => 0,
+    };
+    if done == 0 {
+        return join_portable::<XOR>(planes, out, rotated);
+    }
+    let tails: [&[u8]; 4] = std::array::from_fn(|k| planes.get(k).map_or(&[][..], |p| &p[done..]));
+    join_portable::<XOR>(&tails[..elem], &mut out[done * elem..], rotated);
 }
 
 /// [`join_planes_as`] by the portable block kernels.
@@ -208,10 +273,11 @@ pub(super) fn xor_into(acc: &mut [u8], p: &[u8]) {
     }
 }
 
-/// SSE2 kernels joining byte planes (every x86-64 CPU has SSE2): 16 elements at a time, the
-/// planes' bytes interleaved by unpack instructions, about twice the portable kernels' speed
-/// (5.9 against 3.0-3.3 GB/s joining fp32 planes into memory not in the cache, on this
-/// machine's CPU).
+/// x86-64 kernels joining byte planes, the planes' bytes interleaved by unpack instructions:
+/// SSE2 (every x86-64 CPU has it), 16 elements at a time, about twice the portable kernels'
+/// speed (5.9 against 3.0-3.3 GB/s joining fp32 planes into memory not in the cache, on this
+/// machine's CPU); AVX2 where the CPU has it, 32 at a time (4.3-6.1 against SSE2's 2.8-4.7
+/// GB/s in the same runs, and 9 % less CPU for a restore of compressed planes).
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::{
@@ -272,5 +338,87 @@ mod x86 {
             }
         }
         blocks * 16
+    }
+
+    /// [`join`] 32 elements at a time with AVX2 (the unpacks work within each 128-bit lane:
+    /// the lanes' halves are put in order by `permute2x128`); the number of elements done.
+    ///
+    /// # Safety
+    ///
+    /// The CPU must have AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn join_avx2<const XOR: bool>(
+        planes: &[&[u8]],
+        out: &mut [u8],
+        rotated: bool,
+    ) -> usize {
+        use std::arch::x86_64::{
+            __m256i, _mm256_loadu_si256, _mm256_or_si256, _mm256_permute2x128_si256,
+            _mm256_slli_epi16, _mm256_slli_epi32, _mm256_srli_epi16, _mm256_srli_epi32,
+            _mm256_storeu_si256, _mm256_unpackhi_epi8, _mm256_unpackhi_epi16, _mm256_unpacklo_epi8,
+            _mm256_unpacklo_epi16, _mm256_xor_si256,
+        };
+        let elem = planes.len();
+        assert!(matches!(elem, 2 | 4), "2- or 4-byte elements");
+        let n = out.len() / elem;
+        assert!(
+            planes.iter().all(|p| p.len() >= n),
+            "planes of the output's elements"
+        );
+        let blocks = n / 32;
+        for k in 0..blocks {
+            let at = k * 32;
+            // SAFETY: every plane holds `n` bytes or more and `at + 32 <= n`; the output holds
+            // `n * elem` bytes and this block writes `(at .. at + 32) * elem` of them. Unaligned
+            // loads and stores.
+            unsafe {
+                let load = |p: &[u8]| _mm256_loadu_si256(p.as_ptr().add(at).cast::<__m256i>());
+                let o = out.as_mut_ptr().add(at * elem).cast::<__m256i>();
+                // Each unpack's lane 0 holds elements of the block's first 16, lane 1 of its
+                // second 16.
+                let words: [__m256i; 4] = if elem == 2 {
+                    let (a, b) = (load(planes[0]), load(planes[1]));
+                    let (lo, hi) = (_mm256_unpacklo_epi8(a, b), _mm256_unpackhi_epi8(a, b));
+                    let w0 = _mm256_permute2x128_si256::<0x20>(lo, hi);
+                    let w1 = _mm256_permute2x128_si256::<0x31>(lo, hi);
+                    [w0, w1, w0, w1]
+                } else {
+                    let (a, b) = (load(planes[0]), load(planes[1]));
+                    let (c, d) = (load(planes[2]), load(planes[3]));
+                    let (ab_lo, ab_hi) = (_mm256_unpacklo_epi8(a, b), _mm256_unpackhi_epi8(a, b));
+                    let (cd_lo, cd_hi) = (_mm256_unpacklo_epi8(c, d), _mm256_unpackhi_epi8(c, d));
+                    // Lane 0: elements 0-3, 4-7, 8-11, 12-15; lane 1: 16-19, ... 28-31.
+                    let q0 = _mm256_unpacklo_epi16(ab_lo, cd_lo);
+                    let q1 = _mm256_unpackhi_epi16(ab_lo, cd_lo);
+                    let q2 = _mm256_unpacklo_epi16(ab_hi, cd_hi);
+                    let q3 = _mm256_unpackhi_epi16(ab_hi, cd_hi);
+                    [
+                        _mm256_permute2x128_si256::<0x20>(q0, q1),
+                        _mm256_permute2x128_si256::<0x20>(q2, q3),
+                        _mm256_permute2x128_si256::<0x31>(q0, q1),
+                        _mm256_permute2x128_si256::<0x31>(q2, q3),
+                    ]
+                };
+                for (j, w) in words.into_iter().take(elem).enumerate() {
+                    // The split rotated each element left by one bit: rotate it back.
+                    let w = match (rotated, elem) {
+                        (false, _) => w,
+                        (true, 2) => {
+                            _mm256_or_si256(_mm256_srli_epi16::<1>(w), _mm256_slli_epi16::<15>(w))
+                        }
+                        (true, _) => {
+                            _mm256_or_si256(_mm256_srli_epi32::<1>(w), _mm256_slli_epi32::<31>(w))
+                        }
+                    };
+                    let w = if XOR {
+                        _mm256_xor_si256(_mm256_loadu_si256(o.add(j)), w)
+                    } else {
+                        w
+                    };
+                    _mm256_storeu_si256(o.add(j), w);
+                }
+            }
+        }
+        blocks * 32
     }
 }

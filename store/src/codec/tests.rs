@@ -228,31 +228,42 @@ fn plane_kernels_match_a_reference_at_every_length() {
         }
     };
     for elem in [2usize, 4, 8] {
-        for n in [0usize, 1, 15, 16, 17, 63, 64, 65, 1000, 4099] {
+        for n in [0usize, 1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 1000, 4099] {
             let planes: Vec<Vec<u8>> = (0..elem)
                 .map(|k| (0..n).map(|i| (i * 31 + k * 101 + i / 7) as u8).collect())
                 .collect();
             let refs: Vec<&[u8]> = planes.iter().map(Vec::as_slice).collect();
-            for rotated in [false, true] {
+            // Every kernel this CPU has (portable, SSE2, AVX2), then the one `join_planes`
+            // picks.
+            let kernels = planes::Kernel::available().into_iter().map(Some);
+            for (kernel, rotated) in kernels.chain([None]).flat_map(|k| [(k, false), (k, true)]) {
                 let mut out = vec![0xEEu8; n * elem];
-                join_planes(&refs, &mut out, rotated);
                 let base: Vec<u8> = (0..n * elem).map(|i| (i * 13) as u8).collect();
                 let mut xored = base.clone();
-                planes::xor_planes_into(&refs, &mut xored, rotated);
+                match kernel {
+                    Some(k) => {
+                        planes::join_planes_by::<false>(k, &refs, &mut out, rotated);
+                        planes::join_planes_by::<true>(k, &refs, &mut xored, rotated);
+                    }
+                    None => {
+                        join_planes(&refs, &mut out, rotated);
+                        planes::xor_planes_into(&refs, &mut xored, rotated);
+                    }
+                }
                 for i in 0..n {
                     let want = reference(&planes, rotated, i).to_le_bytes();
                     let at = i * elem..(i + 1) * elem;
                     assert_eq!(
                         out[at.clone()],
                         want[..elem],
-                        "join: {elem} bytes, {n}, {i}"
+                        "join ({kernel:?}): {elem} bytes, {n}, {i}"
                     );
                     let x: Vec<u8> = base[at.clone()]
                         .iter()
                         .zip(&want)
                         .map(|(b, w)| b ^ w)
                         .collect();
-                    assert_eq!(xored[at], x[..], "xor: {elem} bytes, {n}, {i}");
+                    assert_eq!(xored[at], x[..], "xor ({kernel:?}): {elem} bytes, {n}, {i}");
                 }
             }
         }
