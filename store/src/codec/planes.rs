@@ -286,9 +286,10 @@ mod x86 {
         _mm_unpacklo_epi16, _mm_xor_si128,
     };
 
-    /// Join (with `XOR`, XOR into `out`) the whole 16-element blocks of 2- or 4-byte elements'
-    /// planes into `out`; the number of elements done.
-    pub(super) fn join<const XOR: bool>(planes: &[&[u8]], out: &mut [u8], rotated: bool) -> usize {
+    /// The element size of `planes` (2 or 4 bytes) and how many whole blocks of `width`
+    /// elements `out` holds; every plane must hold at least `out`'s elements (what makes the
+    /// kernels' unchecked loads and stores sound).
+    fn whole_blocks(planes: &[&[u8]], out: &[u8], width: usize) -> (usize, usize) {
         let elem = planes.len();
         assert!(matches!(elem, 2 | 4), "2- or 4-byte elements");
         let n = out.len() / elem;
@@ -296,12 +297,18 @@ mod x86 {
             planes.iter().all(|p| p.len() >= n),
             "planes of the output's elements"
         );
-        let blocks = n / 16;
+        (elem, n / width)
+    }
+
+    /// Join (with `XOR`, XOR into `out`) the whole 16-element blocks of 2- or 4-byte elements'
+    /// planes into `out`; the number of elements done.
+    pub(super) fn join<const XOR: bool>(planes: &[&[u8]], out: &mut [u8], rotated: bool) -> usize {
+        let (elem, blocks) = whole_blocks(planes, out, 16);
         for k in 0..blocks {
             let at = k * 16;
-            // SAFETY: every plane holds `n` bytes or more and `at + 16 <= n`; the output holds
-            // `n * elem` bytes and this block writes `(at .. at + 16) * elem` of them. Unaligned
-            // loads and stores.
+            // SAFETY: `whole_blocks`: every plane holds `n` (the output's elements) bytes or more
+            // and `at + 16 <= n`; the output holds `n * elem` bytes and this block writes
+            // `(at .. at + 16) * elem` of them. Unaligned loads and stores.
             unsafe {
                 let load = |p: &[u8]| _mm_loadu_si128(p.as_ptr().add(at).cast::<__m128i>());
                 let o = out.as_mut_ptr().add(at * elem).cast::<__m128i>();
@@ -358,19 +365,12 @@ mod x86 {
             _mm256_storeu_si256, _mm256_unpackhi_epi8, _mm256_unpackhi_epi16, _mm256_unpacklo_epi8,
             _mm256_unpacklo_epi16, _mm256_xor_si256,
         };
-        let elem = planes.len();
-        assert!(matches!(elem, 2 | 4), "2- or 4-byte elements");
-        let n = out.len() / elem;
-        assert!(
-            planes.iter().all(|p| p.len() >= n),
-            "planes of the output's elements"
-        );
-        let blocks = n / 32;
+        let (elem, blocks) = whole_blocks(planes, out, 32);
         for k in 0..blocks {
             let at = k * 32;
-            // SAFETY: every plane holds `n` bytes or more and `at + 32 <= n`; the output holds
-            // `n * elem` bytes and this block writes `(at .. at + 32) * elem` of them. Unaligned
-            // loads and stores.
+            // SAFETY: `whole_blocks`: every plane holds `n` (the output's elements) bytes or more
+            // and `at + 32 <= n`; the output holds `n * elem` bytes and this block writes
+            // `(at .. at + 32) * elem` of them. Unaligned loads and stores.
             unsafe {
                 let load = |p: &[u8]| _mm256_loadu_si256(p.as_ptr().add(at).cast::<__m256i>());
                 let o = out.as_mut_ptr().add(at * elem).cast::<__m256i>();
