@@ -149,27 +149,25 @@ pub fn save(o: &Options) -> String {
     let _ = std::fs::remove_dir_all(o.dir.join("store"));
     let n = elements(o.gib, o.tensors);
     let mut store = open(&o.dir);
-    let saves = match o.codec.as_str() {
-        "adaptive" => 1,
-        "planes" | "delta" => {
-            let mut cfg = store.config().clone();
-            cfg.adaptive_codec = false;
-            cfg.codec = ckpt_store::CodecPolicy::MAX;
-            if o.codec == "delta" {
-                cfg.delta_chain = o.chain.max(1);
-                // Every chunk's plain bytes kept as the next save's base (not read back).
-                let state = n * 4 * o.tensors as u64;
-                cfg.delta_cache_bytes = state + state / 4;
-            }
-            store = store.with_config(cfg).expect("the bench store's settings");
-            if o.codec == "delta" {
-                1 + o.chain.max(1)
-            } else {
-                1
-            }
-        }
+    // The deltas saved after the first save: every chunk's chain.
+    let chain = match o.codec.as_str() {
+        "adaptive" | "planes" => 0,
+        "delta" => o.chain.max(1),
         other => panic!("no codec {other:?} (adaptive, planes, delta)"),
     };
+    if o.codec != "adaptive" {
+        let mut cfg = store.config().clone();
+        cfg.adaptive_codec = false;
+        cfg.codec = ckpt_store::CodecPolicy::MAX;
+        cfg.delta_chain = chain;
+        if chain > 0 {
+            // Every chunk's plain bytes kept as the next save's base (not read back).
+            let state = n * 4 * o.tensors as u64;
+            cfg.delta_cache_bytes = state + state / 4;
+        }
+        store = store.with_config(cfg).expect("the bench store's settings");
+    }
+    let saves = 1 + chain;
     let tensors: Vec<HostTensor> = (0..o.tensors)
         .map(|i| HostTensor::from_vec(values(&o.values, i, n)))
         .collect();
@@ -191,40 +189,41 @@ pub fn save(o: &Options) -> String {
     d
 }
 
-/// How many delta levels each chunk of the newest step saved has (0: stored whole).
-pub fn chain_lengths(dir: &Path) -> Vec<usize> {
+/// The store under `dir` and rank 0's manifest of the newest step saved.
+fn newest_manifest(dir: &Path) -> (Store, Arc<ckpt_store::RankManifest>) {
     let store = open(dir);
-    runtime().block_on(async {
+    let m = runtime().block_on(async {
         let r = StepReader::open(&store, RUN, saved_step(dir))
             .await
             .expect("the step");
-        let m = r.manifest(0).await.expect("rank 0's manifest");
-        m.chunk_refs().map(|c| c.bases.len()).collect()
-    })
+        r.manifest(0).await.expect("rank 0's manifest")
+    });
+    (store, m)
+}
+
+/// How many delta levels each chunk of the newest step saved has (0: stored whole).
+pub fn chain_lengths(dir: &Path) -> Vec<usize> {
+    let (_, m) = newest_manifest(dir);
+    m.chunk_refs().map(|c| c.bases.len()).collect()
 }
 
 /// The stored objects the newest step's chunks are read from (each once: the chunks' own and
 /// their delta bases'), and their bytes.
 fn stored_objects(dir: &Path) -> (Vec<PathBuf>, u64) {
-    let store = open(dir);
+    let (store, m) = newest_manifest(dir);
     let root = dir.join("store");
-    let step = saved_step(dir);
-    runtime().block_on(async {
-        let r = StepReader::open(&store, RUN, step).await.expect("the step");
-        let m = r.manifest(0).await.expect("rank 0's manifest");
-        let mut seen = std::collections::BTreeSet::new();
-        for c in m.chunk_refs() {
-            for o in store.keys().chain_objects(c) {
-                seen.insert(o.to_string());
-            }
+    let mut seen = std::collections::BTreeSet::new();
+    for c in m.chunk_refs() {
+        for o in store.keys().chain_objects(c) {
+            seen.insert(o.to_string());
         }
-        let paths: Vec<PathBuf> = seen.into_iter().map(|k| root.join(k)).collect();
-        let bytes = paths
-            .iter()
-            .map(|p| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0))
-            .sum();
-        (paths, bytes)
-    })
+    }
+    let paths: Vec<PathBuf> = seen.into_iter().map(|k| root.join(k)).collect();
+    let bytes = paths
+        .iter()
+        .map(|p| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0))
+        .sum();
+    (paths, bytes)
 }
 
 /// Seconds to read `paths` with `O_DIRECT`, `qd` files in flight, 8 MiB requests.
@@ -478,7 +477,7 @@ pub fn run(o: &Options, emit: &dyn Fn(Value)) {
     emit(json!({
         "bench": "restore-setup", "state_bytes": state, "stored_bytes": stored,
         "objects": paths.len(), "values": o.values, "codec": o.codec, "save_s": saved_s,
-        "step": saved_step(&o.dir), "chain": if o.codec == "delta" { o.chain.max(1) } else { 0 },
+        "step": saved_step(&o.dir), "chain": saved_step(&o.dir) - 1,
     }));
     // One file of the state's size, for the sequential read limit.
     let big = o.dir.join("restore-limit.bin");
