@@ -468,7 +468,13 @@ fn no_false_alarm_over_10000_healthy_steps() {
             m.to_str().unwrap(),
         ],
     );
-    let ev = events(&store, "healthy");
+    // The persist governor's pacing (`persist_rate`) is no alarm: on a busy machine a step of
+    // a quarter of a millisecond beside a persist can run 1.2x its baseline, and the governor
+    // then lowers the persist's rate, as it should (seen in CI, 2026-12-07).
+    let ev: Vec<Value> = events(&store, "healthy")
+        .into_iter()
+        .filter(|v| v["kind"] != "persist_rate")
+        .collect();
     assert!(ev.is_empty(), "false alarms: {ev:?}");
     let s = steps(&m);
     assert_eq!(step_seq(&s), (1..=10_000).collect::<Vec<_>>());
