@@ -15,7 +15,9 @@
 //! - `manager`: `CheckpointManager::restore` of the newest step into the registered tensors
 //!   (what `ckpt-train --resume` and the Python manager run);
 //! - `reader`: `StepReader::read_into` of each whole tensor in turn, one at a time (what
-//!   `ckpt.dcp.StorageReader` runs for a DCP plan item).
+//!   `ckpt.dcp.StorageReader` runs for a DCP plan item);
+//! - `targets`: the same walk, each tensor a call of `ckpt_trainer::restore_targets` (the
+//!   manager's engine, what Python's `Reader.read_many` runs) with one target.
 //!
 //! Each child checks what it restored against the saved digests (outside the timing) and
 //! prints one JSON line; the parent prints one line a load with the ratios.
@@ -445,6 +447,24 @@ pub fn child(dir: &Path, mode: &str, gib: f64, tensors: usize, budget_mib: usize
                     .await
                     .expect("read");
                 *t.write() = buf;
+                st.add(&s);
+            }
+            json!({"chunks": st.chunks, "stored_bytes": st.stored_bytes})
+        }),
+        "targets" => runtime().block_on(async {
+            let r = StepReader::open(&store, RUN, step).await.expect("the step");
+            let mut st = ckpt_store::ReadStats::default();
+            for (i, t) in ts.iter().enumerate() {
+                let target = ckpt_trainer::RestoreTarget {
+                    name: spec(i, n).name,
+                    dtype: DType::F32,
+                    shape: vec![n],
+                    bbox: NdBox::full(&[n]),
+                    sink: Arc::new(t.clone()),
+                };
+                let s = ckpt_trainer::restore_targets(&r, &[target], budget_mib << 20)
+                    .await
+                    .expect("read");
                 st.add(&s);
             }
             json!({"chunks": st.chunks, "stored_bytes": st.stored_bytes})
