@@ -333,6 +333,9 @@ pub struct PolicyResult {
     pub bytes_from_store: u64,
     /// Bytes the restores read from the local tier (the `tiered` policy).
     pub bytes_from_local: u64,
+    /// The supervisor's restore records, one per generation that restored: its `step`, and
+    /// its bytes by where they came from (`bytes_from_local`, `bytes_from_store`, ...).
+    pub restores: Vec<Value>,
     /// Steps seen committed during the run that are no longer committed at the end and were
     /// not retired as damaged by an injected failure: must be empty.
     pub committed_lost: Vec<u64>,

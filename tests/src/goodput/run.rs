@@ -387,6 +387,7 @@ fn outcome(
         bytes_from_peers: sum("bytes_from_peers"),
         bytes_from_store: sum("bytes_from_store"),
         bytes_from_local: sum("bytes_from_local"),
+        restores,
         committed_lost,
         unusable,
         verify_clean,
