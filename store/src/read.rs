@@ -665,8 +665,9 @@ impl StepReader {
     }
 
     /// Execute a plan into `out` (which must be the plan's box, row-major): `read_concurrency`
-    /// chunks in flight, within twice their bytes stored raw (a delta chain holds more: fewer
-    /// of them are in flight).
+    /// chunks in flight (on a local disk at most two more than `cpu_threads`, see
+    /// [`StepReader::call_concurrency`]), within twice their bytes stored raw (a delta chain
+    /// holds more: fewer of them are in flight).
     pub async fn execute(&self, plan: &ReadPlan, out: &mut [u8]) -> Result<ReadStats> {
         if out.len() as u64 != plan.bytes_needed() {
             return Err(Error::invalid(format!(
@@ -681,7 +682,7 @@ impl StepReader {
         // out (`ChunkRef::read_bytes_bound`: a delta chain's objects and planes weigh several
         // chunks; one larger than the whole budget takes all of it).
         let cfg = self.store.config();
-        let n = cfg.read_concurrency;
+        let n = self.call_concurrency();
         let budget_kib = ((2 * n * cfg.chunk_size) >> 10).clamp(1, u32::MAX as usize);
         let held = &tokio::sync::Semaphore::new(budget_kib);
         let mut fetched = stream::iter(plan.chunks.iter())
@@ -706,6 +707,23 @@ impl StepReader {
             }
         }
         Ok(stats)
+    }
+
+    /// Chunks one call of [`StepReader::execute`] keeps in flight. A call's chunks land
+    /// together at its end, and its task checks and copies them one after another: from a
+    /// local disk, more of them than the cores check as they land leave the disk idle at the
+    /// end of every call, which a caller reading one tensor a call (Python's
+    /// `Reader.read_into` over a state dict) pays once a tensor. So a local store's calls keep
+    /// at most `cpu_threads + 2` in flight: enough for the disk's bandwidth on a tensor of any
+    /// size (BENCHMARKS.md, "One call's reads from a local disk"). A remote store's keep
+    /// `read_concurrency`: its latency needs them.
+    pub fn call_concurrency(&self) -> usize {
+        let cfg = self.store.config();
+        match self.store.local_root() {
+            Some(_) => cfg.read_concurrency.min(cfg.cpu_threads + 2),
+            None => cfg.read_concurrency,
+        }
+        .max(1)
     }
 
     /// Read `bbox` of `tensor` into `out` (row-major bytes of the box).

@@ -1,0 +1,69 @@
+//! How many chunks one call of `StepReader::execute` keeps in flight: on a local disk no more
+//! than the cores check as they land, plus two (a call's chunks land together at its end);
+//! on a remote store the store's `read_concurrency`, which its latency needs. Both read the
+//! same bytes.
+
+use bytes::Bytes;
+use ckpt_store::testing::{det_bytes, local_store, memory_store, tiny_config};
+use ckpt_store::writer::{RankWrite, ShardDesc, ShardIn};
+use ckpt_store::{DType, DedupIndex, Layout, NdBox, StepReader, Store, StoreConfig};
+
+fn config() -> StoreConfig {
+    StoreConfig {
+        read_concurrency: 8,
+        cpu_threads: 2,
+        ..tiny_config()
+    }
+}
+
+/// Step 1 of one rank: a tensor `w` of 64 KiB (16 chunks), committed; its bytes.
+async fn save(store: &Store) -> Vec<u8> {
+    let w = det_bytes(5, 64 << 10);
+    let shape = vec![w.len() as u64];
+    let wr = RankWrite {
+        run: "r".into(),
+        step: 1,
+        rank: 0,
+        layout: Layout::new(1, 1, 1, 0).unwrap(),
+        generation: 0,
+        node: None,
+    };
+    let shard = ShardIn {
+        shard: ShardDesc::boxed("w", DType::U8, shape.clone(), NdBox::full(&shape)),
+        data: Some(Bytes::from(w.clone())),
+    };
+    store.log().join_generation("r", 0).await.unwrap();
+    store
+        .write_rank(&wr, vec![shard], vec![], &DedupIndex::new())
+        .await
+        .unwrap();
+    store.log().commit_step_as("r", 1, Some(0)).await.unwrap();
+    w
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_stores_calls_keep_cores_plus_two_in_flight_a_remote_ones_its_concurrency() {
+    let (local, _dir) = local_store(config());
+    let remote = memory_store(config());
+    for (store, want) in [(&local, 4), (&remote, 8)] {
+        let w = save(store).await;
+        let r = StepReader::open(store, "r", 1).await.unwrap();
+        assert_eq!(r.call_concurrency(), want, "{}", store.url());
+        let mut got = vec![0u8; w.len()];
+        let st = r
+            .read_into("w", &NdBox::full(&[w.len() as u64]), &mut got)
+            .await
+            .unwrap();
+        assert!(got == w, "{}: wrong bytes", store.url());
+        assert_eq!(st.chunks, 16, "{st:?}");
+    }
+    // Never more than the store's own concurrency, and never none.
+    let (few, _d) = local_store(StoreConfig {
+        read_concurrency: 1,
+        cpu_threads: 64,
+        ..tiny_config()
+    });
+    save(&few).await;
+    let r = StepReader::open(&few, "r", 1).await.unwrap();
+    assert_eq!(r.call_concurrency(), 1);
+}
