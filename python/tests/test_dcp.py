@@ -109,6 +109,29 @@ def test_a_flipped_byte_fails_the_load_naming_the_tensor(tmp_path):
     assert torch.equal(b["model"]["b"], small_state()["model"]["b"])
 
 
+def test_reader_read_into_reads_boxes_across_chunks_and_refuses_a_damaged_one(tmp_path):
+    """`Reader.read_into`: a box of a tensor of several chunks reads bit-exact, a box cut
+    across the rows too, and a flipped byte fails it naming the tensor."""
+    store = tmp_path / "store"
+    s = ckpt.Store(str(store))
+    t = torch.randn(1024, 3072)  # 12 MiB of f32: three chunks of 4 MiB
+    w = s.rank_writer("x", 1, 0, 1)
+    w.put([("w", "f32", [1024, 3072], [0, 0], [1024, 3072], t.view(torch.uint8).numpy())])
+    w.finish()
+    s.commit("x", 1, None)
+    reader = s.open_step("x", 1)
+    got = torch.zeros(1024, 3072)
+    reader.read_into("w", [0, 0], [1024, 3072], got.view(torch.uint8).numpy())
+    assert torch.equal(got, t)
+    part = torch.zeros(500, 1000)  # rows of every chunk, cut across the columns
+    reader.read_into("w", [200, 1000], [500, 1000], part.view(torch.uint8).numpy())
+    assert torch.equal(part, t[200:700, 1000:2000])
+    _flip_in(store, "x", 1, "w")
+    with pytest.raises(ckpt.CkptError) as e:
+        s.open_step("x", 1).read_into("w", [0, 0], [1024, 3072], got.view(torch.uint8).numpy())
+    assert e.value.kind == "damaged data" and '"w"' in str(e.value), str(e.value)
+
+
 def test_saving_the_same_state_again_writes_no_chunk(tmp_path):
     store = tmp_path / "store"
     state = small_state()
