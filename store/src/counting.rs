@@ -23,6 +23,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -177,6 +178,26 @@ pub struct Counting {
     t0: tokio::time::Instant,
     cfg: SimConfig,
     log: Mutex<Log>,
+    /// Gets (whole and ranged) in flight now, and the most that were at once.
+    gets_now: AtomicUsize,
+    gets_most: AtomicUsize,
+}
+
+/// A get in flight, counted from its start (before its latency) to its end.
+struct GetInFlight<'a>(&'a Counting);
+
+impl<'a> GetInFlight<'a> {
+    fn start(c: &'a Counting) -> Self {
+        let now = c.gets_now.fetch_add(1, Ordering::SeqCst) + 1;
+        c.gets_most.fetch_max(now, Ordering::SeqCst);
+        GetInFlight(c)
+    }
+}
+
+impl Drop for GetInFlight<'_> {
+    fn drop(&mut self) {
+        self.0.gets_now.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl Counting {
@@ -192,6 +213,13 @@ impl Counting {
     /// A mark: requests counted so far (pass it to [`Counting::since`]).
     pub fn mark(&self) -> usize {
         self.log.lock().requests.len()
+    }
+
+    /// The most gets (whole and ranged, not heads) that were in flight at once since the last
+    /// call; it starts again from those in flight now.
+    pub fn take_most_gets_in_flight(&self) -> usize {
+        self.gets_most
+            .swap(self.gets_now.load(Ordering::SeqCst), Ordering::SeqCst)
     }
 
     /// Every request from `mark` on.
@@ -353,6 +381,8 @@ impl<S: ObjectStore> CountingStore<S> {
                 t0: tokio::time::Instant::now(),
                 cfg,
                 log: Mutex::default(),
+                gets_now: AtomicUsize::new(0),
+                gets_most: AtomicUsize::new(0),
             }),
         }
     }
@@ -454,6 +484,7 @@ impl<S: ObjectStore> ObjectStore for CountingStore<S> {
         } else {
             ReqKind::Get
         };
+        let _flying = (kind != ReqKind::Head).then(|| GetInFlight::start(&self.state));
         let i = self.enter(kind, prefix_of(location), 0).await?;
         let r = self.inner.get_opts(location, options).await?;
         if kind != ReqKind::Head {
@@ -467,6 +498,7 @@ impl<S: ObjectStore> ObjectStore for CountingStore<S> {
         location: &Path,
         ranges: &[std::ops::Range<u64>],
     ) -> OsResult<Vec<Bytes>> {
+        let _flying = GetInFlight::start(&self.state);
         let mut first = None;
         for _ in ranges {
             let i = self
