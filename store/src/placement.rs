@@ -2,8 +2,12 @@
 //!
 //! Every parallelism people train with is expressed as boxes of the global tensors:
 //!
-//! - **data parallel**: every data-parallel rank holds the same boxes; one of them, chosen
-//!   deterministically (spread by tensor name), writes them, the others record a replica;
+//! - **data parallel**: every data-parallel rank holds the same boxes; one of them writes
+//!   them, the others record a replica. The writers balance the bytes: the replicated tensors
+//!   of a pipeline stage, largest first (then by name), each go to the holder that writes the
+//!   fewest bytes so far ([`replica_writers`]), so every rank of the stage computes the same
+//!   writers from the same tensors, and no rank writes much more than another (a rank's bytes
+//!   set its save's time on a node of its own);
 //! - **tensor parallel**: a tensor with `tp_dim` is split along that dimension (column-parallel
 //!   weights along the output dimension, row-parallel along the input one); the dimension must
 //!   divide by `tp`; tensors without `tp_dim` are replicated across tensor-parallel ranks;
@@ -19,7 +23,7 @@
 //! Placements are pure functions of (layout, rank, specs): the save, the resharding restore,
 //! `ckpt plan` and the recovery planner all call the same code.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::error::{Error, Result};
 use crate::model::{Layout, NdBox};
@@ -152,6 +156,101 @@ fn flat_rec(shape: &[u64], lo: u64, hi: u64, prefix: &mut Vec<u64>, out: &mut Ve
     }
 }
 
+/// The writer of each tensor of stage `pp` that is replicated over data parallelism (spec index
+/// to rank), for the tensor-parallel coordinate `tp_idx` where a tensor is split by it: each
+/// tensor, largest first (ties by name, then by index), goes to the holder that writes the
+/// fewest bytes so far (the lowest data-parallel, then tensor-parallel, coordinate among
+/// equals). A tensor split by tensor parallelism has a box on every tensor-parallel coordinate,
+/// each written by one of the data-parallel ranks of that coordinate; one replicated across
+/// tensor parallelism too is written by one rank of the stage. Every rank computes the whole
+/// stage's assignment, so the ranks agree on it.
+fn replica_writers(
+    layout: &Layout,
+    pp: u32,
+    specs: &[TensorSpec],
+    tp_idx: u32,
+) -> Result<HashMap<usize, u32>> {
+    let (dp, tp) = (layout.dp, layout.tp);
+    let mut items: Vec<(u64, &str, usize)> = Vec::new();
+    for (i, s) in specs.iter().enumerate() {
+        let zero = s
+            .placement
+            .zero
+            .as_ref()
+            .is_some_and(|z| layout.zero >= z.from_stage && z.from_stage > 0);
+        if zero || stage_of(&s.placement.stage, layout.pp) != pp {
+            continue;
+        }
+        let bytes = tp_box(s, 0, tp)?.numel() * s.dtype.size() as u64;
+        items.push((bytes, &s.name, i));
+    }
+    items.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(b.1)).then(a.2.cmp(&b.2)));
+    let mut loads = Loads::new(dp, tp);
+    let rank = |d: u32, t: u32| layout.rank(crate::model::Coords { dp: d, tp: t, pp });
+    let mut out = HashMap::with_capacity(items.len());
+    for (bytes, _, i) in items {
+        if specs[i].placement.tp_dim.is_some() {
+            for t in 0..tp {
+                let d = loads.least_on(t);
+                loads.add(d, t, bytes);
+                if t == tp_idx {
+                    out.insert(i, rank(d, t));
+                }
+            }
+        } else {
+            let (d, t) = loads.least();
+            loads.add(d, t, bytes);
+            out.insert(i, rank(d, t));
+        }
+    }
+    Ok(out)
+}
+
+/// Bytes each (dp, tp) coordinate of a stage writes so far, ordered over the whole stage and
+/// per tensor-parallel coordinate: the first of each order is the least loaded.
+struct Loads {
+    tp: u32,
+    load: Vec<u64>,
+    all: BTreeSet<(u64, u32, u32)>,
+    by_tp: Vec<BTreeSet<(u64, u32)>>,
+}
+
+impl Loads {
+    fn new(dp: u32, tp: u32) -> Self {
+        Loads {
+            tp,
+            load: vec![0; (dp * tp) as usize],
+            all: (0..dp)
+                .flat_map(|d| (0..tp).map(move |t| (0, d, t)))
+                .collect(),
+            by_tp: (0..tp).map(|_| (0..dp).map(|d| (0, d)).collect()).collect(),
+        }
+    }
+
+    /// The least loaded (dp, tp) of the stage.
+    fn least(&self) -> (u32, u32) {
+        let &(_, d, t) = self.all.first().expect("a layout has a rank");
+        (d, t)
+    }
+
+    /// The least loaded dp on tensor-parallel coordinate `t`.
+    fn least_on(&self, t: u32) -> u32 {
+        self.by_tp[t as usize]
+            .first()
+            .expect("a layout has a rank")
+            .1
+    }
+
+    fn add(&mut self, d: u32, t: u32, bytes: u64) {
+        let l = &mut self.load[(d * self.tp + t) as usize];
+        self.all.remove(&(*l, d, t));
+        self.by_tp[t as usize].remove(&(*l, d));
+        *l += bytes;
+        self.all.insert((*l, d, t));
+        self.by_tp[t as usize].insert((*l, d));
+    }
+}
+
 fn spread(name: &str, n: u32) -> u32 {
     // FNV-1a: stable across builds and platforms.
     let mut h: u64 = 0xcbf29ce484222325;
@@ -175,6 +274,7 @@ pub fn place_rank(layout: &Layout, rank: u32, specs: &[TensorSpec]) -> Result<Ve
     let mut out: Vec<Placed> = Vec::new();
     // ZeRO groups on this (pp, tp): name -> members (spec index, local box).
     let mut groups: BTreeMap<(u32, &str), Vec<(usize, NdBox)>> = BTreeMap::new();
+    let writers = replica_writers(layout, c.pp, specs, c.tp)?;
     let mut order: Vec<usize> = (0..specs.len()).collect();
     order.sort_by_key(|&i| (specs[i].placement.order, i));
     for &i in &order {
@@ -200,19 +300,8 @@ pub fn place_rank(layout: &Layout, rank: u32, specs: &[TensorSpec]) -> Result<Ve
                 .push((i, local));
             continue;
         }
-        // Replicated over dp (and over tp when not split): one writer, spread by name.
-        let tp_set: Vec<u32> = if s.placement.tp_dim.is_some() {
-            vec![c.tp]
-        } else {
-            (0..layout.tp).collect()
-        };
-        let n = layout.dp * tp_set.len() as u32;
-        let w = spread(&s.name, n);
-        let writer = layout.rank(crate::model::Coords {
-            dp: w / tp_set.len() as u32,
-            tp: tp_set[(w % tp_set.len() as u32) as usize],
-            pp: c.pp,
-        });
+        // Replicated over dp (and over tp when not split): one writer, the bytes balanced.
+        let writer = writers[&i];
         out.push(Placed {
             spec: i,
             bbox: local,
@@ -490,6 +579,68 @@ mod tests {
             e.contains("\"emb\"") && e.contains("does not divide by tp=5"),
             "{e}"
         );
+    }
+
+    /// The bytes each rank writes, under `layout`.
+    fn written(l: &Layout, specs: &[TensorSpec]) -> Vec<u64> {
+        place_all(l, specs)
+            .unwrap()
+            .iter()
+            .map(|ps| {
+                ps.iter()
+                    .filter(|p| p.replica_of.is_none())
+                    .map(|p| p.bbox.numel() * specs[p.spec].dtype.size() as u64)
+                    .sum()
+            })
+            .collect()
+    }
+
+    /// Replicated tensors of many sizes: no rank writes more than another by more than the
+    /// largest tensor (greedy's bound), whatever the order they were registered in, and the
+    /// writers do not depend on that order.
+    #[test]
+    fn replica_writers_balance_the_bytes() {
+        let mut rng = crate::testing::Rng(7);
+        let specs: Vec<TensorSpec> = (0..60)
+            .map(|i| {
+                let rows = 1 + rng.below(400);
+                let mut s = TensorSpec::first_stage(format!("t{i}"), DType::F32, &[rows, 8]);
+                s.placement.tp_dim = (i % 3 == 0).then_some(1);
+                s
+            })
+            .collect();
+        for l in ["dp=2", "dp=3", "dp=8", "dp=2,tp=2", "dp=3,tp=2"] {
+            let l: Layout = l.parse().unwrap();
+            let bytes = written(&l, &specs);
+            let largest = specs
+                .iter()
+                .map(|s| s.shape.iter().product::<u64>() * 4)
+                .max()
+                .unwrap();
+            let (lo, hi) = (*bytes.iter().min().unwrap(), *bytes.iter().max().unwrap());
+            assert!(hi - lo <= largest, "{l}: {bytes:?}, largest {largest}");
+            let before = place_all(&l, &specs).unwrap();
+            let mut shuffled = specs.clone();
+            shuffled.reverse();
+            let after = place_all(&l, &shuffled).unwrap();
+            for (r, (a, b)) in before.iter().zip(&after).enumerate() {
+                let writes = |ps: &[Placed], sp: &[TensorSpec]| {
+                    let mut v: Vec<(String, Option<u32>)> = ps
+                        .iter()
+                        .map(|p| (sp[p.spec].name.clone(), p.replica_of))
+                        .collect();
+                    v.sort();
+                    v
+                };
+                assert_eq!(writes(a, &specs), writes(b, &shuffled), "{l}: rank {r}");
+            }
+        }
+        // Every rank writes about a dp-th of the bytes (the tensors are many and small).
+        let bytes = written(&"dp=4".parse().unwrap(), &specs);
+        let total: u64 = bytes.iter().sum();
+        for b in &bytes {
+            assert!(*b * 4 <= total * 11 / 10, "{bytes:?}");
+        }
     }
 
     #[test]

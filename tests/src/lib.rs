@@ -5,6 +5,7 @@ pub mod dcp_model;
 pub mod goodput;
 pub mod restore_bench;
 pub mod scale;
+pub mod writers_bench;
 
 use std::path::PathBuf;
 use std::process::Command;

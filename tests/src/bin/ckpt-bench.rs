@@ -1639,6 +1639,18 @@ fn main() {
             ckpt_train::parse_count(&arg(&args, "--params", "20M")).unwrap(),
             arg(&args, "--rounds", "5").parse().unwrap(),
         ),
+        Some("writers") => {
+            for row in ckpt_tests::writers_bench::writers_bench(
+                ckpt_train::parse_count(&arg(&args, "--params", "150M")).unwrap(),
+                &arg(
+                    &args,
+                    "--layouts",
+                    "dp=2;dp=4;dp=8;dp=2,tp=2;dp=4,tp=2;dp=2,tp=2,pp=2;dp=4,zero=1",
+                ),
+            ) {
+                emit(row);
+            }
+        }
         Some("tiers") => tiers_bench::tiers_bench(
             &dir,
             ckpt_train::parse_count(&arg(&args, "--params", "100M")).unwrap(),
@@ -1650,7 +1662,7 @@ fn main() {
         ),
         _ => {
             eprintln!(
-                "usage: ckpt-bench limits|store|train|startup|recovery|peers|faults|goodput|scale|versions|governor|delta|restore|sentinel|tiers --dir DIR [--gib N] [--params N] [--mib N] [--steps N] [--no-background-prefault] [--budgets 0.05,0.1,off] [--every N] [--saves N]\n       \
+                "usage: ckpt-bench limits|store|train|startup|recovery|peers|faults|goodput|scale|versions|governor|delta|restore|sentinel|tiers|writers --dir DIR [--gib N] [--params N] [--mib N] [--steps N] [--no-background-prefault] [--budgets 0.05,0.1,off] [--every N] [--saves N]\n       \
                  ckpt-bench goodput --dir DIR [--minutes M | --steps N] [--mtbf S] [--seed X] [--step-ms MS] [--params P] [--repair S] [--every K] [--keep-last N|all] [--gc-every S|off] [--policies a,b,c,d]"
             );
             std::process::exit(2);
