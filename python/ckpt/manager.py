@@ -37,6 +37,7 @@ to host memory first, or use ``ckpt.dcp.StorageWriter``, which DCP stages to hos
 
 from __future__ import annotations
 
+import heapq
 import os
 import pickle
 import zlib
@@ -85,8 +86,24 @@ def _node_processes(given: Optional[int]) -> Optional[int]:
 
 
 def _writer_coord(fqn: str, size: int) -> int:
-    """The holder that writes a replicated shard: spread by name, the same on every rank."""
+    """The holder that writes a replicated shard of a DTensor: spread by name, the same on
+    every rank."""
     return zlib.crc32(fqn.encode()) % size
+
+
+def _balanced_writers(sizes: "List[Tuple[str, int]]", world: int) -> Dict[str, int]:
+    """The rank that writes each tensor every rank holds whole (DDP's state), as the Rust
+    placement picks the writers of replicated tensors: largest first (then by name), each to
+    the rank that writes the fewest bytes so far (the lowest among equals). Every rank holds
+    the same tensors, so every rank computes the same writers; no rank writes much more than
+    another, which on a machine of its own sets its time to durable."""
+    heap = [(0, r) for r in range(world)]
+    out: Dict[str, int] = {}
+    for fqn, n in sorted(sizes, key=lambda x: (-x[1], x[0])):
+        load, r = heapq.heappop(heap)
+        out[fqn] = r
+        heapq.heappush(heap, (load + n, r))
+    return out
 
 
 class CheckpointManager:
@@ -354,8 +371,9 @@ class CheckpointManager:
 
     # -- the state --------------------------------------------------------------------------
 
-    def _box(self, fqn: str, v: torch.Tensor):
-        """(local tensor, global shape, offsets, writer rank or None) of this rank's part."""
+    def _box(self, fqn: str, v: torch.Tensor, writers: Optional[Dict[str, int]] = None):
+        """(local tensor, global shape, offsets, writer rank or None) of this rank's part;
+        ``writers``: the writer of each plain tensor (``_balanced_writers``)."""
         if DTensor is not None and isinstance(v, DTensor):
             mesh, placements = v.device_mesh, v.placements
             if any(isinstance(p, Partial) for p in placements):
@@ -376,7 +394,7 @@ class CheckpointManager:
                     writer = int(mesh.mesh[tuple(want)].item())
             return local, shape, [int(o) for o in offsets], writer
         shape = list(v.shape)
-        writer = _writer_coord(fqn, self.world) if self.world > 1 else 0
+        writer = (writers or {}).get(fqn, 0) if self.world > 1 else 0
         return v, shape, [0] * len(shape), (None if writer == self.rank else writer)
 
     def _trainable(self, fqn: str, v: torch.Tensor, local: torch.Tensor) -> bool:
@@ -394,11 +412,17 @@ class CheckpointManager:
         only when a checkpoint is due). ``keep`` holds copies of non-contiguous tensors."""
         flat, _ = _flat(state_dict)
         entries, values = [], {}
+        plain = [
+            (fqn, v.numel() * v.element_size())
+            for fqn, v in flat.items()
+            if isinstance(v, torch.Tensor) and not (DTensor is not None and isinstance(v, DTensor))
+        ]
+        writers = _balanced_writers(plain, self.world) if self.world > 1 else {}
         for fqn, v in flat.items():
             if not isinstance(v, torch.Tensor):
                 values[fqn] = v
                 continue
-            local, shape, offsets, writer = self._box(fqn, v)
+            local, shape, offsets, writer = self._box(fqn, v, writers)
             t = local.detach()
             if t.device.type != "cpu":
                 raise CkptError(

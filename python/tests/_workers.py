@@ -528,3 +528,41 @@ def manager_machine_tiers_left(rank, world, port, store, tiers, run, phase, want
     mgr.wait()  # committed in the machine's tier
     dist.barrier()
     os._exit(0)  # the drains die with the process
+
+
+def plain_sizes() -> "dict":
+    """Tensors every rank holds whole (DDP's state), of sizes that `zlib.crc32` of their names
+    spreads unevenly over 2 ranks: bytes (uint8), so nothing compresses."""
+    mib = {
+        "embed.weight": 5, "attn.wq": 2, "attn.wk": 2, "attn.wv": 2, "attn.wo": 2,
+        "mlp.w1": 4, "mlp.w2": 4, "mlp.w3": 4, "norm.weight": 1, "head.weight": 5,
+    }
+    return {k: n << 20 for k, n in mib.items()}
+
+
+def manager_plain_writers(rank, world, port, store, run, out):
+    """Save the same plain tensors on every rank through the native manager, write this rank's
+    save report to `out`/rank-N.json, then restore into zeros and compare."""
+    import json
+
+    import ckpt
+
+    join(rank, world, port)
+    with leaving():
+        g = torch.Generator().manual_seed(11)
+        state = {
+            k: torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+            for k, n in plain_sizes().items()
+        }
+        mgr = ckpt.CheckpointManager(store, run=run, every_steps=1, final_on_sigterm=False)
+        assert mgr.maybe_save(1, state)
+        report = mgr.wait()
+        mgr.finish()
+        with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
+            json.dump(report, f)
+        dist.barrier()
+        got = {k: torch.zeros_like(v) for k, v in state.items()}
+        assert ckpt.CheckpointManager(store, run=run, final_on_sigterm=False).restore_latest(got) == 1
+        for k in state:
+            assert torch.equal(got[k], state[k]), k
+        dist.barrier()

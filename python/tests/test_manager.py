@@ -23,8 +23,10 @@ from _workers import (
     full_state,
     manager_roundtrip,
     manager_ddp_bitflip,
+    manager_plain_writers,
     manager_sigterm,
     placeholder,
+    plain_sizes,
 )
 
 
@@ -358,3 +360,33 @@ def test_a_local_tier_keeps_its_newest_steps_and_a_lost_tier_restores_from_the_s
     assert torch.equal(got["w"], torch.full((512, 512), 5.0)) and got["step"] == 5
     with pytest.raises(ckpt.CkptError, match="keep_local"):
         ckpt.CheckpointManager(store, run="lt", local_tier=local, keep_local=0)
+
+
+def test_plain_tensors_every_rank_holds_are_written_with_the_bytes_balanced(tmp_path):
+    # Two ranks hold the same ten tensors (1-5 MiB): each is written by one of them, the
+    # largest first to the rank that writes less so far. Spread by a hash of the names (as
+    # before), rank 0 wrote 26 MiB and rank 1 5 MiB of these.
+    import json
+    import zlib
+
+    from ckpt.manager import _balanced_writers
+
+    sizes = plain_sizes()
+    by_hash = [0, 0]
+    for k, n in sizes.items():
+        by_hash[zlib.crc32(k.encode()) % 2] += n
+    largest = max(sizes.values())
+    assert max(by_hash) - min(by_hash) > largest, by_hash
+    store, out = str(tmp_path / "store"), tmp_path / "out"
+    out.mkdir()
+    mp.spawn(manager_plain_writers, args=(2, free_port(), store, "plain", str(out)), nprocs=2)
+    written = [json.loads((out / f"rank-{r}.json").read_text())["bytes_written"] for r in (0, 1)]
+    # Chunk headers and the manifest come on top of the tensors' bytes.
+    assert sum(written) >= sum(sizes.values()), written
+    assert max(written) - min(written) <= largest + (256 << 10), (written, largest)
+    # The same writers whatever order the tensors come in, and within the largest of each other.
+    items = list(sizes.items())
+    w = _balanced_writers(items, 3)
+    assert w == _balanced_writers(items[::-1], 3)
+    loads = [sum(n for k, n in items if w[k] == r) for r in range(3)]
+    assert max(loads) - min(loads) <= largest, loads
