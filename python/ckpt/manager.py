@@ -26,8 +26,9 @@ The state dict is flattened as ``torch.distributed.checkpoint`` does (``model.0.
 those names. A ``DTensor`` (FSDP2, tensor parallel) is saved as what this rank holds
 (``to_local()``), with the global shape and the shard's offsets as its box; a replicated
 shard (``Replicate()`` mesh dimensions, and plain tensors in a job of several processes, as DCP
-treats them) is written by one holder only. Any world size and placement restores it: every
-rank reads the boxes it holds now. Values that are not tensors (ints, floats, strings, dicts,
+treats them) is written by one holder only, the holders' writes balanced by bytes (the largest
+tensors first, each to the holder that writes the least so far). Any world size and placement
+restores it: every rank reads the boxes it holds now. Values that are not tensors (ints, floats, strings, dicts,
 ``BytesIO``) are pickled into one blob written by rank 0 and restored on every rank, as DCP
 keeps one copy of them.
 
@@ -40,7 +41,6 @@ from __future__ import annotations
 import heapq
 import os
 import pickle
-import zlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -85,12 +85,6 @@ def _node_processes(given: Optional[int]) -> Optional[int]:
     return n if n >= 1 else None
 
 
-def _writer_coord(fqn: str, size: int) -> int:
-    """The holder that writes a replicated shard of a DTensor: spread by name, the same on
-    every rank."""
-    return zlib.crc32(fqn.encode()) % size
-
-
 def _balanced_writers(sizes: "List[Tuple[str, int]]", world: int) -> Dict[str, int]:
     """The rank that writes each tensor every rank holds whole (DDP's state), as the Rust
     placement picks the writers of replicated tensors: largest first (then by name), each to
@@ -103,6 +97,31 @@ def _balanced_writers(sizes: "List[Tuple[str, int]]", world: int) -> Dict[str, i
         load, r = heapq.heappop(heap)
         out[fqn] = r
         heapq.heappush(heap, (load + n, r))
+    return out
+
+
+def _replicate_coords(flat: dict) -> "Dict[Tuple[str, int], int]":
+    """The coordinate along each ``Replicate()`` mesh dimension of a DTensor at which its
+    holders' writer sits, keyed by (name, dimension): the DTensors replicated along the same
+    dimension of the same mesh balanced over that dimension by their local bytes, as
+    ``_balanced_writers`` balances plain tensors. The ranks along such a dimension hold the same
+    shards of every DTensor (they differ only where the DTensors are replicated), so they
+    compute the same coordinates."""
+    groups: Dict[tuple, List[Tuple[str, int]]] = {}
+    for fqn, v in flat.items():
+        if DTensor is None or not isinstance(v, DTensor):
+            continue
+        mesh = v.device_mesh
+        local = v.to_local()
+        n = local.numel() * local.element_size()
+        key = (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape))
+        for d, p in enumerate(v.placements):
+            if isinstance(p, Replicate):
+                groups.setdefault((key, d), []).append((fqn, n))
+    out: Dict[Tuple[str, int], int] = {}
+    for ((_, shape), d), items in groups.items():
+        for fqn, c in _balanced_writers(items, shape[d]).items():
+            out[(fqn, d)] = c
     return out
 
 
@@ -371,9 +390,17 @@ class CheckpointManager:
 
     # -- the state --------------------------------------------------------------------------
 
-    def _box(self, fqn: str, v: torch.Tensor, writers: Optional[Dict[str, int]] = None):
+    def _box(
+        self,
+        fqn: str,
+        v: torch.Tensor,
+        writers: Optional[Dict[str, int]] = None,
+        coords: "Optional[Dict[Tuple[str, int], int]]" = None,
+    ):
         """(local tensor, global shape, offsets, writer rank or None) of this rank's part;
-        ``writers``: the writer of each plain tensor (``_balanced_writers``)."""
+        ``writers``: the writer of each plain tensor (``_balanced_writers``); ``coords``: the
+        writer's coordinate along each ``Replicate()`` dimension of a DTensor
+        (``_replicate_coords``)."""
         if DTensor is not None and isinstance(v, DTensor):
             mesh, placements = v.device_mesh, v.placements
             if any(isinstance(p, Partial) for p in placements):
@@ -389,7 +416,7 @@ class CheckpointManager:
                 want = list(coord)
                 for d, p in enumerate(placements):
                     if isinstance(p, Replicate):
-                        want[d] = _writer_coord(fqn, mesh.size(d))
+                        want[d] = (coords or {}).get((fqn, d), 0)
                 if want != list(coord):
                     writer = int(mesh.mesh[tuple(want)].item())
             return local, shape, [int(o) for o in offsets], writer
@@ -418,11 +445,12 @@ class CheckpointManager:
             if isinstance(v, torch.Tensor) and not (DTensor is not None and isinstance(v, DTensor))
         ]
         writers = _balanced_writers(plain, self.world) if self.world > 1 else {}
+        coords = _replicate_coords(flat)
         for fqn, v in flat.items():
             if not isinstance(v, torch.Tensor):
                 values[fqn] = v
                 continue
-            local, shape, offsets, writer = self._box(fqn, v, writers)
+            local, shape, offsets, writer = self._box(fqn, v, writers, coords)
             t = local.detach()
             if t.device.type != "cpu":
                 raise CkptError(

@@ -540,9 +540,10 @@ def plain_sizes() -> "dict":
     return {k: n << 20 for k, n in mib.items()}
 
 
-def manager_plain_writers(rank, world, port, store, run, out):
-    """Save the same plain tensors on every rank through the native manager, write this rank's
-    save report to `out`/rank-N.json, then restore into zeros and compare."""
+def manager_plain_writers(rank, world, port, store, run, out, how="plain"):
+    """Save the same tensors on every rank through the native manager (plain tensors, or
+    DTensors `Replicate()` on a mesh of every rank: how="replicate"), write this rank's save
+    report to `out`/rank-N.json, then restore into zeros and compare."""
     import json
 
     import ckpt
@@ -554,6 +555,9 @@ def manager_plain_writers(rank, world, port, store, run, out):
             k: torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
             for k, n in plain_sizes().items()
         }
+        if how == "replicate":
+            mesh = dist.device_mesh.init_device_mesh("cpu", (world,))
+            state = distribute(state, mesh, lambda t: Replicate())
         mgr = ckpt.CheckpointManager(store, run=run, every_steps=1, final_on_sigterm=False)
         assert mgr.maybe_save(1, state)
         report = mgr.wait()
@@ -564,5 +568,8 @@ def manager_plain_writers(rank, world, port, store, run, out):
         got = {k: torch.zeros_like(v) for k, v in state.items()}
         assert ckpt.CheckpointManager(store, run=run, final_on_sigterm=False).restore_latest(got) == 1
         for k in state:
-            assert torch.equal(got[k], state[k]), k
+            a, b = got[k], state[k]
+            if how == "replicate":
+                a, b = a.to_local(), b.to_local()
+            assert torch.equal(a, b), k
         dist.barrier()

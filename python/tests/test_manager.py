@@ -362,10 +362,11 @@ def test_a_local_tier_keeps_its_newest_steps_and_a_lost_tier_restores_from_the_s
         ckpt.CheckpointManager(store, run="lt", local_tier=local, keep_local=0)
 
 
-def test_plain_tensors_every_rank_holds_are_written_with_the_bytes_balanced(tmp_path):
-    # Two ranks hold the same ten tensors (1-5 MiB): each is written by one of them, the
-    # largest first to the rank that writes less so far. Spread by a hash of the names (as
-    # before), rank 0 wrote 26 MiB and rank 1 5 MiB of these.
+@pytest.mark.parametrize("how", ["plain", "replicate"])
+def test_tensors_every_rank_holds_are_written_with_the_bytes_balanced(tmp_path, how):
+    # Two ranks hold the same ten tensors (1-5 MiB), plain (DDP) or DTensors `Replicate()`:
+    # each is written by one of them, the largest first to the rank that writes less so far.
+    # Spread by a hash of the names (as before), rank 0 wrote 26 MiB and rank 1 5 MiB of these.
     import json
     import zlib
 
@@ -379,7 +380,7 @@ def test_plain_tensors_every_rank_holds_are_written_with_the_bytes_balanced(tmp_
     assert max(by_hash) - min(by_hash) > largest, by_hash
     store, out = str(tmp_path / "store"), tmp_path / "out"
     out.mkdir()
-    mp.spawn(manager_plain_writers, args=(2, free_port(), store, "plain", str(out)), nprocs=2)
+    mp.spawn(manager_plain_writers, args=(2, free_port(), store, "w", str(out), how), nprocs=2)
     written = [json.loads((out / f"rank-{r}.json").read_text())["bytes_written"] for r in (0, 1)]
     # Chunk headers and the manifest come on top of the tensors' bytes.
     assert sum(written) >= sum(sizes.values()), written
