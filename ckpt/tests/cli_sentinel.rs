@@ -97,14 +97,19 @@ fn a_replica_mismatch_shows_in_ls_inspect_and_verify() {
 fn the_writer_as_the_suspect_makes_verify_fail() {
     // Whoever writes `w` under the placement rules: flip that rank's copy.
     let env = local();
+    // The tensors `save_with_a_flip` registers: the writers balance them, so the writer of
+    // `w` depends on `b` too.
     let layout = Layout::new(3, 1, 1, 0).unwrap();
-    let spec = TensorSpec::first_stage("w", DType::F32, &[N]);
+    let specs: Vec<TensorSpec> = [("w", 0), ("b", 1)]
+        .into_iter()
+        .map(|(name, order)| TensorSpec::first_stage(name, DType::F32, &[N]).with_order(order))
+        .collect();
     let writer = (0..3u32)
         .find(|&r| {
-            ckpt_store::placement::place_rank(&layout, r, std::slice::from_ref(&spec))
+            ckpt_store::placement::place_rank(&layout, r, &specs)
                 .unwrap()
                 .iter()
-                .any(|p| p.replica_of.is_none())
+                .any(|p| specs[p.spec].name == "w" && p.replica_of.is_none())
         })
         .unwrap();
     save_with_a_flip(&env.store, "sdcw", writer);
