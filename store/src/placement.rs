@@ -251,8 +251,10 @@ impl Loads {
     }
 }
 
-fn spread(name: &str, n: u32) -> u32 {
-    // FNV-1a: stable across builds and platforms.
+/// FNV-1a of `name` modulo `n`: stable across builds and platforms. It picks the
+/// tensor-parallel writer of a ZeRO group replicated across tensor parallelism (and picked the
+/// writer of every replicated tensor before [`replica_writers`] balanced them).
+pub fn spread(name: &str, n: u32) -> u32 {
     let mut h: u64 = 0xcbf29ce484222325;
     for b in name.bytes() {
         h ^= b as u64;
@@ -367,6 +369,20 @@ fn place_zero_group(
         }
         at += n;
     }
+}
+
+/// The bytes each rank writes under placements `placed` (of every rank, as [`place_all`] gives
+/// them) of `specs`: the boxes it does not hold as a replica.
+pub fn bytes_written(specs: &[TensorSpec], placed: &[Vec<Placed>]) -> Vec<u64> {
+    placed
+        .iter()
+        .map(|ps| {
+            ps.iter()
+                .filter(|p| p.replica_of.is_none())
+                .map(|p| p.bbox.numel() * specs[p.spec].dtype.size() as u64)
+                .sum()
+        })
+        .collect()
 }
 
 /// Placements of every rank; also checks that the specs can be placed at all.
@@ -583,16 +599,7 @@ mod tests {
 
     /// The bytes each rank writes, under `layout`.
     fn written(l: &Layout, specs: &[TensorSpec]) -> Vec<u64> {
-        place_all(l, specs)
-            .unwrap()
-            .iter()
-            .map(|ps| {
-                ps.iter()
-                    .filter(|p| p.replica_of.is_none())
-                    .map(|p| p.bbox.numel() * specs[p.spec].dtype.size() as u64)
-                    .sum()
-            })
-            .collect()
+        bytes_written(specs, &place_all(l, specs).unwrap())
     }
 
     /// Replicated tensors of many sizes: no rank writes more than another by more than the

@@ -2,36 +2,14 @@
 //! model's state under a few layouts, with the writers of replicated tensors as the placement
 //! picks them ([`ckpt_store::placement::place_all`]: largest first, each to the holder that
 //! writes the fewest bytes so far) and as it picked them before (FNV-1a of the name modulo the
-//! holders, reproduced here as [`by_name_hash`]). On a cluster each rank writes over its own
+//! holders: [`by_name_hash`]). On a cluster each rank writes over its own
 //! node's link, so the busiest rank's bytes over the mean is what a checkpoint's time to
 //! durable pays.
 
-use ckpt_store::placement::{Placed, TensorSpec, place_all, stage_of, tp_box};
+use ckpt_store::placement::{TensorSpec, bytes_written, place_all, spread, stage_of, tp_box};
 use ckpt_store::{Layout, Result};
 use ckpt_trainer::workload::ModelConfig;
 use serde_json::{Value, json};
-
-/// The bytes each rank writes under `layout`, as `placed` says.
-fn written(specs: &[TensorSpec], placed: &[Vec<Placed>]) -> Vec<u64> {
-    placed
-        .iter()
-        .map(|ps| {
-            ps.iter()
-                .filter(|p| p.replica_of.is_none())
-                .map(|p| p.bbox.numel() * specs[p.spec].dtype.size() as u64)
-                .sum()
-        })
-        .collect()
-}
-
-fn fnv(name: &str, n: u32) -> u32 {
-    let mut h: u64 = 0xcbf29ce484222325;
-    for b in name.bytes() {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x100000001b3);
-    }
-    (h % n as u64) as u32
-}
 
 /// The bytes each rank wrote under the rule before: each replicated box to the holder
 /// FNV-1a of its tensor's name picks; partitioned (ZeRO) boxes as `place_all` places them.
@@ -58,7 +36,7 @@ pub fn by_name_hash(layout: &Layout, specs: &[TensorSpec]) -> Result<Vec<u64>> {
                 Some(_) => vec![c.tp],
                 None => (0..layout.tp).collect(),
             };
-            let w = fnv(&s.name, layout.dp * tp_set.len() as u32);
+            let w = spread(&s.name, layout.dp * tp_set.len() as u32);
             let writer = layout.rank(ckpt_store::model::Coords {
                 dp: w / tp_set.len() as u32,
                 tp: tp_set[(w % tp_set.len() as u32) as usize],
@@ -79,7 +57,7 @@ pub fn writers_bench(params: u64, layouts: &str) -> Vec<Value> {
         let layout: Layout = l.parse().unwrap_or_else(|e| panic!("layout {l:?}: {e}"));
         let model = ModelConfig::for_params(params, layout.world());
         let specs = model.specs();
-        let now = written(&specs, &place_all(&layout, &specs).unwrap());
+        let now = bytes_written(&specs, &place_all(&layout, &specs).unwrap());
         let before = by_name_hash(&layout, &specs).unwrap();
         let total: u64 = now.iter().sum();
         assert_eq!(
