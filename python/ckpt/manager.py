@@ -28,9 +28,9 @@ those names. A ``DTensor`` (FSDP2, tensor parallel) is saved as what this rank h
 shard (``Replicate()`` mesh dimensions, and plain tensors in a job of several processes, as DCP
 treats them) is written by one holder only, the holders' writes balanced by bytes (the largest
 tensors first, each to the holder that writes the least so far). Any world size and placement
-restores it: every rank reads the boxes it holds now. Values that are not tensors (ints, floats, strings, dicts,
-``BytesIO``) are pickled into one blob written by rank 0 and restored on every rank, as DCP
-keeps one copy of them.
+restores it: every rank reads the boxes it holds now. Values that are not tensors (ints,
+floats, strings, dicts, ``BytesIO``) are pickled into one blob written by rank 0 and restored
+on every rank, as DCP keeps one copy of them.
 
 Tensors must be on the CPU: a CUDA tensor is refused with an error naming it (move the state
 to host memory first, or use ``ckpt.dcp.StorageWriter``, which DCP stages to host itself).
@@ -108,13 +108,18 @@ def _replicate_coords(flat: dict) -> "Dict[Tuple[str, int], int]":
     shards of every DTensor (they differ only where the DTensors are replicated), so they
     compute the same coordinates."""
     groups: Dict[tuple, List[Tuple[str, int]]] = {}
+    # A mesh by its ranks (meshes built apart over the same ranks are one), listed once each.
+    mesh_keys: Dict[int, tuple] = {}
     for fqn, v in flat.items():
         if DTensor is None or not isinstance(v, DTensor):
             continue
         mesh = v.device_mesh
         local = v.to_local()
         n = local.numel() * local.element_size()
-        key = (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape))
+        key = mesh_keys.get(id(mesh))
+        if key is None:
+            key = (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape))
+            mesh_keys[id(mesh)] = key
         for d, p in enumerate(v.placements):
             if isinstance(p, Replicate):
                 groups.setdefault((key, d), []).append((fqn, n))

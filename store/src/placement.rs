@@ -173,12 +173,7 @@ fn replica_writers(
     let (dp, tp) = (layout.dp, layout.tp);
     let mut items: Vec<(u64, &str, usize)> = Vec::new();
     for (i, s) in specs.iter().enumerate() {
-        let zero = s
-            .placement
-            .zero
-            .as_ref()
-            .is_some_and(|z| layout.zero >= z.from_stage && z.from_stage > 0);
-        if zero || stage_of(&s.placement.stage, layout.pp) != pp {
+        if zero_group(s, layout).is_some() || stage_of(&s.placement.stage, layout.pp) != pp {
             continue;
         }
         let bytes = tp_box(s, 0, tp)?.numel() * s.dtype.size() as u64;
@@ -251,6 +246,16 @@ impl Loads {
     }
 }
 
+/// The ZeRO group of `spec` when `layout`'s ZeRO stage partitions it (its group's stage is at
+/// or below the layout's), else `None`: the tensor is then held whole or split by tensor
+/// parallelism, and replicated over data parallelism.
+pub fn zero_group<'a>(spec: &'a TensorSpec, layout: &Layout) -> Option<&'a ZeroGroup> {
+    spec.placement
+        .zero
+        .as_ref()
+        .filter(|z| layout.zero >= z.from_stage && z.from_stage > 0)
+}
+
 /// FNV-1a of `name` modulo `n`: stable across builds and platforms. It picks the
 /// tensor-parallel writer of a ZeRO group replicated across tensor parallelism (and picked the
 /// writer of every replicated tensor before [`replica_writers`] balanced them).
@@ -285,11 +290,7 @@ pub fn place_rank(layout: &Layout, rank: u32, specs: &[TensorSpec]) -> Result<Ve
             continue;
         }
         let local = tp_box(s, c.tp, layout.tp)?;
-        let zero = s
-            .placement
-            .zero
-            .as_ref()
-            .filter(|z| layout.zero >= z.from_stage && z.from_stage > 0);
+        let zero = zero_group(s, layout);
         if let Some(z) = zero {
             let first = groups
                 .keys()

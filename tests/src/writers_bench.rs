@@ -6,7 +6,9 @@
 //! node's link, so the busiest rank's bytes over the mean is what a checkpoint's time to
 //! durable pays.
 
-use ckpt_store::placement::{TensorSpec, bytes_written, place_all, spread, stage_of, tp_box};
+use ckpt_store::placement::{
+    TensorSpec, bytes_written, place_all, spread, stage_of, tp_box, zero_group,
+};
 use ckpt_store::{Layout, Result};
 use ckpt_trainer::workload::ModelConfig;
 use serde_json::{Value, json};
@@ -20,11 +22,7 @@ pub fn by_name_hash(layout: &Layout, specs: &[TensorSpec]) -> Result<Vec<u64>> {
         let c = layout.coords(rank as u32);
         for p in ps {
             let s = &specs[p.spec];
-            let zero = s
-                .placement
-                .zero
-                .as_ref()
-                .is_some_and(|z| layout.zero >= z.from_stage && z.from_stage > 0);
+            let zero = zero_group(s, layout).is_some();
             let bytes = p.bbox.numel() * s.dtype.size() as u64;
             if zero {
                 out[rank] += if p.replica_of.is_none() { bytes } else { 0 };
