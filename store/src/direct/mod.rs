@@ -492,14 +492,24 @@ fn write_aligned(file: &File, payload: &PutPayload) -> std::io::Result<()> {
         }
     };
     let res = write_with(file, payload, (mem, off), &mut buf);
-    let mut pool = WRITE_BUFS.lock();
-    if pool.len() < KEEP_BUFS {
-        pool.push(buf);
-    }
+    // Back to the pool, or unmapped outside the lock: the pool's lock is never held across
+    // I/O, or every writer would wait for each other's truncate and fsync in turn.
+    let spare = {
+        let mut pool = WRITE_BUFS.lock();
+        if pool.len() < KEEP_BUFS {
+            pool.push(buf);
+            None
+        } else {
+            Some(buf)
+        }
+    };
+    drop(spare);
     res.and_then(|()| {
         if round_up(total, off) != total {
             file.set_len(total as u64)?;
         }
+        #[cfg(test)]
+        tests::before_sync();
         file.sync_data()
     })
 }

@@ -384,3 +384,40 @@ fn a_chunk_lined_up_after_its_header_goes_to_the_disk_without_a_copy() {
         }
     }
 }
+
+thread_local! {
+    /// Whether this thread found the pool of aligned buffers free when its direct write
+    /// reached its fsync ([`before_sync`]); `None` until one did.
+    static POOL_FREE_AT_SYNC: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+}
+
+/// Called by [`write_aligned`] right before its fsync (tests).
+pub(super) fn before_sync() {
+    let free = WRITE_BUFS.try_lock().is_some();
+    POOL_FREE_AT_SYNC.with(|c| c.set(Some(free)));
+}
+
+/// The pool of aligned buffers is shared by every writer of the process: held across a
+/// write's truncate and fsync, it made the writers of a save take their fsyncs one after the
+/// other (a tiered save wrote at 1.36 GB/s where the disk takes 1.9).
+#[test]
+fn a_direct_write_gives_its_buffer_back_before_it_syncs() {
+    let dir = tempfile::tempdir().unwrap();
+    let direct = AtomicBool::new(true);
+    let dirs = DirSync::default();
+    // Not a multiple of any block: the write ends with a truncate, then the fsync.
+    let body: Vec<u8> = (0..(1 << 20) + 333).map(|i| (i * 13 % 251) as u8).collect();
+    let (file, staging) = new_staging(&dir.path().join("obj"), &direct, &dirs).unwrap();
+    if dio_alignment(&file).is_none() {
+        eprintln!("this file system refuses O_DIRECT: no aligned buffer to give back");
+        return;
+    }
+    POOL_FREE_AT_SYNC.with(|c| c.set(None));
+    write_aligned(&file, &PutPayload::from(body.clone())).unwrap();
+    assert_eq!(
+        POOL_FREE_AT_SYNC.with(|c| c.get()),
+        Some(true),
+        "the pool of aligned buffers was locked during the fsync"
+    );
+    assert_eq!(std::fs::read(&staging).unwrap(), body);
+}
