@@ -551,12 +551,12 @@ impl ChunkWrite {
         };
         let _w = acquire_writer(&writers, &cancel).await?;
         let stored = enc.len();
-        governor.write_started();
+        let started = Instant::now();
         store
             .objects
             .put_object(&path, enc.parts, PutMode::Overwrite)
             .await?;
-        governor.record_write(stored);
+        governor.record_write(stored, started.elapsed());
         drop(permit);
         Ok(vec![(slot, r)])
     }
