@@ -484,16 +484,34 @@ fn write_aligned(file: &File, payload: &PutPayload) -> std::io::Result<()> {
     };
     let total = payload.content_length();
     let need = IO_PIECE.min(round_up(total.max(1), ALIGN));
-    let mut buf = {
-        let mut pool = WRITE_BUFS.lock();
-        match pool.iter().position(|b| b.capacity() >= need) {
-            Some(i) => pool.swap_remove(i),
-            None => AlignedBuf::zeroed(IO_PIECE.max(need)),
-        }
-    };
+    let mut buf = take_buf(need);
     let res = write_with(file, payload, (mem, off), &mut buf);
-    // Back to the pool, or unmapped outside the lock: the pool's lock is never held across
-    // I/O, or every writer would wait for each other's truncate and fsync in turn.
+    give_back(buf);
+    res.and_then(|()| {
+        if round_up(total, off) != total {
+            file.set_len(total as u64)?;
+        }
+        #[cfg(test)]
+        tests::before_sync();
+        file.sync_data()
+    })
+}
+
+/// An aligned buffer of at least `need` bytes from [`WRITE_BUFS`], or a new one of
+/// [`IO_PIECE`] (mapped outside the pool's lock).
+fn take_buf(need: usize) -> AlignedBuf {
+    let kept = {
+        let mut pool = WRITE_BUFS.lock();
+        let i = pool.iter().position(|b| b.capacity() >= need);
+        i.map(|i| pool.swap_remove(i))
+    };
+    kept.unwrap_or_else(|| AlignedBuf::zeroed(IO_PIECE.max(need)))
+}
+
+/// `buf` back to [`WRITE_BUFS`], or unmapped outside its lock when the pool is full. The lock
+/// is held for the list alone, never across I/O: held across a write's truncate and fsync, it
+/// made every writer of the process wait for each other's fsyncs in turn.
+fn give_back(buf: AlignedBuf) {
     let spare = {
         let mut pool = WRITE_BUFS.lock();
         if pool.len() < KEEP_BUFS {
@@ -504,14 +522,6 @@ fn write_aligned(file: &File, payload: &PutPayload) -> std::io::Result<()> {
         }
     };
     drop(spare);
-    res.and_then(|()| {
-        if round_up(total, off) != total {
-            file.set_len(total as u64)?;
-        }
-        #[cfg(test)]
-        tests::before_sync();
-        file.sync_data()
-    })
 }
 
 /// Direct I/O's alignment of memory and of file offsets for `file` (`statx`'s

@@ -391,9 +391,13 @@ thread_local! {
     static POOL_FREE_AT_SYNC: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
 }
 
-/// Called by [`write_aligned`] right before its fsync (tests).
+/// Called by [`write_aligned`] right before its fsync (tests). Another test's thread may hold
+/// the pool for a moment (tests share the process under `cargo test`): waited for, briefly. A
+/// lock this thread holds is never free.
 pub(super) fn before_sync() {
-    let free = WRITE_BUFS.try_lock().is_some();
+    let free = WRITE_BUFS
+        .try_lock_for(std::time::Duration::from_millis(200))
+        .is_some();
     POOL_FREE_AT_SYNC.with(|c| c.set(Some(free)));
 }
 
