@@ -114,7 +114,7 @@ pub use model::{
     FORMAT_VERSION, HashedChunk, Layout, MismatchPolicy, NdBox, PartRef, RECORD_FORMAT_VERSION,
     RankEntry, RankManifest, RecordIndex, RecordPart, ReplicaMismatch, ReplicaReport, ReplicaSide,
     SPLIT_RECORD_FORMAT, SdcCheck, ShardLoc, TensorEntry, TensorShard, WHOLE_RECORD_FORMAT,
-    WriteStats, compare_replicas, sampled_chunks,
+    WriteStats, compare_replicas, most_sampled, sampled_chunks,
 };
 pub use node_cache::{NodeCache, NodeCacheStats};
 pub use placement::{Placed, Placement, Stage, TensorSpec, ZeroGroup};

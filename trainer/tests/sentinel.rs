@@ -310,3 +310,58 @@ fn across_machines_with_their_own_tiers_the_drain_that_commits_names_the_flipped
     );
     assert_eq!(m.mismatches[0].tensor, "w");
 }
+
+#[test]
+fn staging_prepared_before_the_first_save_holds_the_replicas_the_sentinel_samples() {
+    // Two data-parallel ranks, each writing one tensor and holding a replica of the other's,
+    // hashed on a sample that rotates with the step. A pool sized and touched beforehand
+    // must hold every save's copy: a slab allocated during a snapshot is memory touched
+    // while the training loop waits (the tiered bench's first save lost 27-41 ms to it).
+    let (store, _d) = local_store(small_chunks());
+    let layout = Layout::new(2, 1, 1, 0).unwrap();
+    let n = 64 << 10; // 64 chunks of 1 KiB a tensor
+    let data = [det_bytes(11, n), det_bytes(12, n)];
+    std::thread::scope(|s| {
+        for rank in 0..2u32 {
+            let (store, data) = (&store, &data);
+            s.spawn(move || {
+                let mut ck = CheckpointerConfig::new("staged", rank, layout);
+                ck.sdc_check = SdcCheck::Sample(0.25);
+                ck.copy_threads = 1;
+                let c = ckpt_trainer::Checkpointer::new(store.clone(), ck).unwrap();
+                let tensors: Vec<Arc<HostTensor>> = data
+                    .iter()
+                    .map(|d| Arc::new(HostTensor::from_vec(d.clone())))
+                    .collect();
+                let state = || ckpt_trainer::SaveState {
+                    tensors: (0..2u32)
+                        .map(|w| ckpt_trainer::SaveTensor {
+                            name: format!("t{w}"),
+                            dtype: DType::U8,
+                            shape: vec![n as u64],
+                            bbox: NdBox::full(&[n as u64]),
+                            placement: None,
+                            source: Some(tensors[w as usize].clone()),
+                            replica_of: (w != rank).then_some(w),
+                        })
+                        .collect(),
+                    blobs: vec![],
+                };
+                c.prepare_staging(&state(), true);
+                let prepared = c.staging().allocated;
+                for step in 1..=6 {
+                    let h = c.save(step, state()).unwrap();
+                    h.wait_committed(Duration::from_secs(60)).unwrap();
+                    let st = c.staging();
+                    assert_eq!(
+                        st.allocated,
+                        prepared,
+                        "rank {rank} step {step}: the snapshot allocated staging \
+                         ({} bytes hashed of its replica): {st:?}",
+                        h.report().bytes_checked
+                    );
+                }
+            });
+        }
+    });
+}

@@ -37,7 +37,7 @@ pub use manifest::{
 };
 pub use replicas::{
     HashedChunk, MAX_MISMATCHES_LISTED, MismatchPolicy, ReplicaMismatch, ReplicaReport,
-    ReplicaSide, SdcCheck, compare_replicas, sampled_chunks,
+    ReplicaSide, SdcCheck, compare_replicas, most_sampled, sampled_chunks,
 };
 pub use spec::{Placement, Stage, TensorSpec, ZeroGroup};
 

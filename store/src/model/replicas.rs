@@ -196,6 +196,34 @@ pub fn sampled_chunks(
     }
 }
 
+/// The most chunks [`sampled_chunks`] takes of this replica at any step: what a holder's
+/// staging must hold for them (a pool sized before the first save). A step samples the chunks
+/// whose phase falls in a window of width `f` that rotates with it, so the bound is the most
+/// phases any such window holds.
+pub fn most_sampled(check: SdcCheck, name: &str, bbox: &NdBox, chunks: u32) -> u32 {
+    match check {
+        SdcCheck::Off => 0,
+        SdcCheck::Full => chunks,
+        SdcCheck::Sample(f) => {
+            let mut p: Vec<f64> = (0..chunks).map(|i| chunk_phase(name, bbox, i)).collect();
+            p.sort_by(f64::total_cmp);
+            // Each window worth counting starts at a phase; it may wrap past 1.
+            let n = p.len();
+            let wrapped: Vec<f64> = p.iter().copied().chain(p.iter().map(|x| x + 1.0)).collect();
+            let mut best = 0;
+            let mut end = 0;
+            for start in 0..n {
+                end = end.max(start);
+                while end < start + n && wrapped[end] < wrapped[start] + f {
+                    end += 1;
+                }
+                best = best.max(end - start);
+            }
+            best as u32
+        }
+    }
+}
+
 /// One chunk of a replica its holder hashed: the index in the writer's cut of the box, its
 /// length, and the blake3 of the holder's bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -590,5 +618,44 @@ mod tests {
             assert!(e.contains("sample=F"), "{bad}: {e}");
         }
         assert_eq!(SdcCheck::Sample(0.05).to_string(), "sample=0.05");
+    }
+
+    #[test]
+    fn most_sampled_bounds_every_step_and_is_the_fullest_window() {
+        for (name, chunks, f) in [
+            ("w", 40u32, 0.1),
+            ("layers.3.mlp", 257, 0.05),
+            ("b", 3, 0.5),
+        ] {
+            let bbox = NdBox::full(&[u64::from(chunks) * 16]);
+            let check = SdcCheck::Sample(f);
+            let bound = most_sampled(check, name, &bbox, chunks);
+            let busiest = (0..4000)
+                .map(|step| sampled_chunks(check, name, &bbox, chunks, step).len() as u32)
+                .max()
+                .unwrap();
+            assert!(busiest <= bound, "{name}: step sampled {busiest} > {bound}");
+            // The fullest window, by brute force: one starting at each chunk's phase.
+            let phases: Vec<f64> = (0..chunks).map(|i| chunk_phase(name, &bbox, i)).collect();
+            let brute = phases
+                .iter()
+                .map(|s| {
+                    phases
+                        .iter()
+                        .filter(|p| (*p - s).rem_euclid(1.0) < f)
+                        .count()
+                })
+                .max()
+                .unwrap() as u32;
+            assert_eq!(bound, brute, "{name}");
+            assert!(
+                bound <= chunks.max(8) / 2,
+                "{name}: {bound} of {chunks} at {f}"
+            );
+        }
+        let bbox = NdBox::full(&[64]);
+        assert_eq!(most_sampled(SdcCheck::Full, "w", &bbox, 9), 9);
+        assert_eq!(most_sampled(SdcCheck::Off, "w", &bbox, 9), 0);
+        assert_eq!(most_sampled(SdcCheck::Sample(0.1), "w", &bbox, 0), 0);
     }
 }

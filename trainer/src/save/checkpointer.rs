@@ -189,12 +189,7 @@ impl Checkpointer {
     pub fn prepare_staging(&self, state: &SaveState, prefault: bool) {
         let slab = self.pool.slab_size();
         if self.cfg.staging_bytes == 0 && self.cfg.pool.is_none() {
-            let lens: Vec<usize> = state
-                .tensors
-                .iter()
-                .filter(|t| t.source.is_some() && t.replica_of.is_none())
-                .map(|t| (t.bbox.numel() * t.dtype.size() as u64) as usize)
-                .collect();
+            let lens = state.most_copied(self.cfg.sdc_check, self.store.config().chunk_size);
             let per_batch = (self.cfg.copy_threads.max(1) * 4).max(1);
             self.pool
                 .ensure_capacity(slabs_needed(&lens, slab, per_batch) * slab);

@@ -4,7 +4,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use ckpt_store::{
-    BlobIn, DType, Error, NdBox, Placement, Result, SdcCheck, ShardDesc, ShardMeta, sampled_chunks,
+    BlobIn, DType, Error, NdBox, Placement, Result, SdcCheck, ShardDesc, ShardMeta, most_sampled,
+    sampled_chunks,
 };
 
 use super::snapshot::Pin;
@@ -61,6 +62,31 @@ pub struct SaveState {
     pub tensors: Vec<SaveTensor>,
     /// Named blobs.
     pub blobs: Vec<(String, Vec<u8>)>,
+}
+
+impl SaveState {
+    /// The length of every span a save of this state may copy into staging, at most: each
+    /// shard this rank writes whole, and for each replica the sentinel checks (`check`, the
+    /// store's `chunk_size`), as many whole chunks as it samples at the busiest step. What an
+    /// automatic staging pool is sized to before the first save, so that the first snapshot
+    /// takes no slab it must allocate and touch while the training loop waits.
+    pub(super) fn most_copied(&self, check: SdcCheck, chunk_size: usize) -> Vec<usize> {
+        let cs = chunk_size.max(1);
+        let mut lens = Vec::new();
+        for t in self.tensors.iter().filter(|t| t.source.is_some()) {
+            let len = (t.bbox.numel() * t.dtype.size() as u64) as usize;
+            match t.replica_of {
+                None => lens.push(len),
+                Some(_) if check.is_on() && len > 0 => {
+                    let n = len.div_ceil(cs) as u32;
+                    let k = most_sampled(check, &t.name, &t.bbox, n) as usize;
+                    lens.extend(std::iter::repeat_n(cs.min(len), k));
+                }
+                Some(_) => {}
+            }
+        }
+        lens
+    }
 }
 
 /// A save's state checked and pinned: the shards' descriptions for the manifest, a pin per
