@@ -639,3 +639,43 @@ fn finish_frees_the_staging_copy_and_a_save_after_it_allocates_again() {
     assert_eq!(read(&store, "release", 2, "t"), vec![0x33; n]);
     assert_eq!(m.checkpointer().staging().allocated, 0);
 }
+
+#[test]
+fn a_manager_fills_its_staging_ahead_of_its_first_save() {
+    // The automatic bound is known once the state is registered: the first step sizes the
+    // pool and fills it in the background, so the first save copies into touched memory.
+    let (store, _d) = local_store(tiny_config());
+    let n = 4 << 20;
+    let t = HostTensor::from_vec(det_bytes(9, n));
+    let mut c = ManagerConfig::new(CheckpointerConfig::new("ahead", 0, Layout::SINGLE));
+    c.final_on_sigterm = false;
+    c.every_steps = Some(10);
+    assert_eq!(c.ckpt.staging_bytes, 0, "an automatic bound by default");
+    let mut m = CheckpointManager::new(store.clone(), c).unwrap();
+    m.register(
+        TensorSpec::first_stage("t", DType::U8, &[n as u64]),
+        NdBox::full(&[n as u64]),
+        Arc::new(t.clone()),
+    )
+    .unwrap();
+    assert_eq!(
+        m.checkpointer().staging().allocated,
+        0,
+        "nothing before a step"
+    );
+    assert!(m.maybe_save(1).unwrap().is_none(), "not due");
+    let t0 = std::time::Instant::now();
+    while m.checkpointer().staging().allocated < n && t0.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let ahead = m.checkpointer().staging();
+    assert!(ahead.allocated >= n && ahead.in_use == 0, "{ahead:?}");
+    let h = m.maybe_save(10).unwrap().expect("due");
+    h.wait_committed(Duration::from_secs(60)).unwrap();
+    assert_eq!(read(&store, "ahead", 10, "t"), det_bytes(9, n));
+    assert_eq!(
+        m.checkpointer().staging().allocated,
+        ahead.allocated,
+        "the first save took only slabs filled ahead"
+    );
+}

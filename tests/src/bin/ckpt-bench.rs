@@ -831,8 +831,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// The first save of a job against its steady saves, with its staging filled in the
-/// background from start-up (`background`: `prepare_staging` without `prefault`, as
-/// `ckpt-train` does when its pool is made) or not: the first save's stall over the steady
+/// background from the first step the managers are told of (`background`: the manager's
+/// default, `CheckpointerConfig::background_prefault`) or not: the first save's stall over the steady
 /// stall, and the training steps before the first save (their time is what the background
 /// fill may slow). One mode per process, so both start from the same fresh memory.
 fn startup_bench(dir: &Path, params: u64, background: bool, steps: u64) {
@@ -841,15 +841,31 @@ fn startup_bench(dir: &Path, params: u64, background: bool, steps: u64) {
     // The ranks' own memory touched first, as initialization would.
     step_time(&ranks, 1);
     step_time(&ranks, 2);
-    let mut mgrs = managers(&store, "s", layout, &ranks, false, 0);
+    // As `managers` makes them, with the background fill on or off.
+    let mut mgrs: Vec<CheckpointManager> = ranks
+        .iter()
+        .map(|r| {
+            let mut c = CheckpointerConfig::new("s", r.rank, layout);
+            c.copy_threads = 2;
+            c.background_prefault = background;
+            let mut mc = ManagerConfig::new(c);
+            mc.final_on_sigterm = false;
+            let mut m = CheckpointManager::new(store.clone(), mc).unwrap();
+            r.register(&mut m).unwrap();
+            m
+        })
+        .collect();
     let t0 = Instant::now();
-    if background {
-        for m in &mgrs {
-            let st = m.save_state().unwrap();
-            m.checkpointer().prepare_staging(&st, false);
-        }
-    }
-    let times: Vec<f64> = (3..3 + steps).map(|s| step_time(&ranks, s)).collect();
+    // Each step is told to the managers, as a training loop does (no checkpoint is due):
+    // the first call sizes each rank's staging and fills it in the background.
+    let times: Vec<f64> = (3..3 + steps)
+        .map(|s| {
+            for m in &mut mgrs {
+                assert!(m.maybe_save(s).unwrap().is_none(), "no checkpoint is due");
+            }
+            step_time(&ranks, s)
+        })
+        .collect();
     let staged: usize = mgrs
         .iter()
         .map(|m| m.checkpointer().staging().allocated)

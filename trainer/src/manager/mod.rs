@@ -109,6 +109,9 @@ pub struct CheckpointManager {
     registry: Registry,
     /// The step saved or restored last.
     last_saved_step: Option<u64>,
+    /// The automatic staging pool was sized for the registered state ahead of the first save
+    /// (or a save sized it).
+    staged: bool,
     stop: StopFlag,
     interval: Interval,
     health: Health,
@@ -158,6 +161,7 @@ impl CheckpointManager {
             drains: Vec::new(),
             registry: Registry::default(),
             last_saved_step: None,
+            staged: false,
             stop: StopFlag::new(cfg.final_on_sigterm)?,
             interval: Interval::new(&cfg),
             health: Health::default(),
@@ -319,9 +323,38 @@ impl CheckpointManager {
             .step_began(step, self.ckpt.persist_rate(), draining, &mut self.events);
         // What the sentinel found in the saves that ended (a mismatch under `stop` fails).
         self.sentinel.poll(&mut self.events)?;
+        self.stage_ahead();
         let r = self.decide_and_save(step, prepare);
         self.pacing.step_ended();
         r
+    }
+
+    /// Once, at the first step with tensors registered and no save yet: size the automatic
+    /// staging pool for them and fill it on a background thread at the lowest CPU priority
+    /// (with [`CheckpointerConfig::prefault`](crate::CheckpointerConfig::prefault), now;
+    /// [`Checkpointer::prepare_staging`]), so that the first checkpoint copies into memory
+    /// already touched, as later ones do, rather than faulting fresh pages in while the
+    /// training loop waits. A pool with a bound of its own fills from its creation, a shared
+    /// one is its owner's; a loop that registers its state only in `prepare` has nothing to
+    /// size before its first save, which sizes the pool for the saves after it.
+    fn stage_ahead(&mut self) {
+        let ck = &self.cfg.ckpt;
+        if self.staged || self.registry.tensor_count() == 0 {
+            return;
+        }
+        self.staged = true;
+        if self.ckpt.last().is_some()
+            || ck.staging_bytes > 0
+            || ck.pool.is_some()
+            || !(ck.prefault || ck.background_prefault)
+        {
+            return;
+        }
+        let now = ck.prefault;
+        match self.save_state() {
+            Ok(state) => self.ckpt.prepare_staging(&state, now),
+            Err(e) => debug!(error = %e, "staging not sized ahead of the first save"),
+        }
     }
 
     /// `maybe_save`'s decisions in order: the final checkpoint after SIGTERM; whether one is
