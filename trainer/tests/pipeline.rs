@@ -678,4 +678,18 @@ fn a_manager_fills_its_staging_ahead_of_its_first_save() {
         ahead.allocated,
         "the first save took only slabs filled ahead"
     );
+    // A manager that can never save (no interval, no final checkpoint: a job that only
+    // restores) keeps no copy of the state.
+    let mut c = ManagerConfig::new(CheckpointerConfig::new("reader", 0, Layout::SINGLE));
+    c.final_on_sigterm = false;
+    let mut r = CheckpointManager::new(store.clone(), c).unwrap();
+    r.register(
+        TensorSpec::first_stage("t", DType::U8, &[n as u64]),
+        NdBox::full(&[n as u64]),
+        Arc::new(t.clone()),
+    )
+    .unwrap();
+    assert!(r.maybe_save(1).unwrap().is_none());
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(r.checkpointer().staging().allocated, 0);
 }

@@ -850,6 +850,9 @@ fn startup_bench(dir: &Path, params: u64, background: bool, steps: u64) {
             c.background_prefault = background;
             let mut mc = ManagerConfig::new(c);
             mc.final_on_sigterm = false;
+            // An interval (its first checkpoint long after these steps): a manager that
+            // can never save keeps no staging.
+            mc.every_steps = Some(1 << 20);
             let mut m = CheckpointManager::new(store.clone(), mc).unwrap();
             r.register(&mut m).unwrap();
             m

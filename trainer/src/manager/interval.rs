@@ -76,6 +76,12 @@ impl Interval {
         }
     }
 
+    /// Whether a checkpoint can ever be due: a fixed interval in steps or time, or the
+    /// automatic one.
+    pub(crate) fn any(&self) -> bool {
+        self.auto.is_some() || self.every_steps.is_some_and(|n| n > 0) || self.every.is_some()
+    }
+
     /// Whether a checkpoint is due at `step` (called once a step). `last_saved`: the step
     /// saved or restored last.
     pub(crate) fn due(

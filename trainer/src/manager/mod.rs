@@ -343,7 +343,11 @@ impl CheckpointManager {
             return;
         }
         self.staged = true;
-        if self.ckpt.last().is_some()
+        // A manager that can never save (no interval, no final checkpoint on SIGTERM: a job
+        // that only restores) keeps no copy of the state.
+        let may_save = self.interval.any() || self.cfg.final_on_sigterm;
+        if !may_save
+            || self.ckpt.last().is_some()
             || ck.staging_bytes > 0
             || ck.pool.is_some()
             || !(ck.prefault || ck.background_prefault)
