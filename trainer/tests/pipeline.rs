@@ -609,6 +609,19 @@ fn a_failed_save_keeps_the_kind_of_its_error() {
     assert_eq!(e.kind(), ErrorKind::Incomplete, "{e}");
 }
 
+/// A manager of `c` with `t` registered as one whole tensor of bytes, `"t"`.
+fn one_tensor_manager(store: &Store, c: ManagerConfig, t: &HostTensor) -> CheckpointManager {
+    let n = t.read().len() as u64;
+    let mut m = CheckpointManager::new(store.clone(), c).unwrap();
+    m.register(
+        TensorSpec::first_stage("t", DType::U8, &[n]),
+        NdBox::full(&[n]),
+        Arc::new(t.clone()),
+    )
+    .unwrap();
+    m
+}
+
 #[test]
 fn finish_frees_the_staging_copy_and_a_save_after_it_allocates_again() {
     // A manager done saving keeps no copy of the state: a process that goes on to restore
@@ -619,13 +632,7 @@ fn finish_frees_the_staging_copy_and_a_save_after_it_allocates_again() {
     let mut c = ManagerConfig::new(CheckpointerConfig::new("release", 0, Layout::SINGLE));
     c.final_on_sigterm = false;
     c.ckpt.staging_bytes = n;
-    let mut m = CheckpointManager::new(store.clone(), c).unwrap();
-    m.register(
-        TensorSpec::first_stage("t", DType::U8, &[n as u64]),
-        NdBox::full(&[n as u64]),
-        Arc::new(t.clone()),
-    )
-    .unwrap();
+    let mut m = one_tensor_manager(&store, c, &t);
     m.save_now(1).unwrap();
     let before = m.checkpointer().staging();
     assert!(before.allocated >= n, "{before:?}");
@@ -651,13 +658,7 @@ fn a_manager_fills_its_staging_ahead_of_its_first_save() {
     c.final_on_sigterm = false;
     c.every_steps = Some(10);
     assert_eq!(c.ckpt.staging_bytes, 0, "an automatic bound by default");
-    let mut m = CheckpointManager::new(store.clone(), c).unwrap();
-    m.register(
-        TensorSpec::first_stage("t", DType::U8, &[n as u64]),
-        NdBox::full(&[n as u64]),
-        Arc::new(t.clone()),
-    )
-    .unwrap();
+    let mut m = one_tensor_manager(&store, c, &t);
     assert_eq!(
         m.checkpointer().staging().allocated,
         0,
@@ -682,13 +683,7 @@ fn a_manager_fills_its_staging_ahead_of_its_first_save() {
     // restores) keeps no copy of the state.
     let mut c = ManagerConfig::new(CheckpointerConfig::new("reader", 0, Layout::SINGLE));
     c.final_on_sigterm = false;
-    let mut r = CheckpointManager::new(store.clone(), c).unwrap();
-    r.register(
-        TensorSpec::first_stage("t", DType::U8, &[n as u64]),
-        NdBox::full(&[n as u64]),
-        Arc::new(t.clone()),
-    )
-    .unwrap();
+    let mut r = one_tensor_manager(&store, c, &t);
     assert!(r.maybe_save(1).unwrap().is_none());
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(r.checkpointer().staging().allocated, 0);
