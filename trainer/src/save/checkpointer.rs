@@ -187,13 +187,7 @@ impl Checkpointer {
     /// `prefault`, allocate and touch it now, so the first save does not pay for fresh memory
     /// (without it, and with `background_prefault`, on a background thread).
     pub fn prepare_staging(&self, state: &SaveState, prefault: bool) {
-        let slab = self.pool.slab_size();
-        if self.cfg.staging_bytes == 0 && self.cfg.pool.is_none() {
-            let lens = state.most_copied(self.cfg.sdc_check, self.store.config().chunk_size);
-            let per_batch = (self.cfg.copy_threads.max(1) * 4).max(1);
-            self.pool
-                .ensure_capacity(slabs_needed(&lens, slab, per_batch) * slab);
-        }
+        self.size_staging(&state.most_copied(self.cfg.sdc_check, self.store.config().chunk_size));
         if prefault {
             self.pool.prefault();
         } else if self.cfg.background_prefault {

@@ -49,6 +49,13 @@ impl SaveTensor {
     }
 }
 
+impl SaveTensor {
+    /// Bytes of the box saved.
+    fn byte_len(&self) -> usize {
+        (self.bbox.numel() * self.dtype.size() as u64) as usize
+    }
+}
+
 impl std::fmt::Debug for SaveTensor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "SaveTensor({} {})", self.name, self.bbox)
@@ -74,7 +81,7 @@ impl SaveState {
         let cs = chunk_size.max(1);
         let mut lens = Vec::new();
         for t in self.tensors.iter().filter(|t| t.source.is_some()) {
-            let len = (t.bbox.numel() * t.dtype.size() as u64) as usize;
+            let len = t.byte_len();
             match t.replica_of {
                 None => lens.push(len),
                 Some(_) if check.is_on() && len > 0 => {
@@ -160,7 +167,7 @@ impl SavePlan {
             blobs: Vec::new(),
         };
         for t in &state.tensors {
-            let len = (t.bbox.numel() * t.dtype.size() as u64) as usize;
+            let len = t.byte_len();
             let mut reuse = None;
             let mut version = None;
             let mut sampled = Vec::new();
