@@ -117,18 +117,27 @@ def worker(rank, world, port, method, total, root, out):
     r = {}
     t0 = time.perf_counter()
     if method == "manager":
-        # Staging sized up front (this rank's state, rounded up to 64 MiB): the pool is
-        # allocated and faulted in the background from here on, not by the first save.
+        # BENCH_STAGING: "1" (the default) sizes the staging up front (this rank's state,
+        # rounded up to 64 MiB): the pool is allocated and faulted in the background from
+        # the manager's creation. "ahead" leaves the bound automatic and saves every second
+        # step: the loop's first step takes no checkpoint, and sizes and fills the pool for
+        # the state it hands over. "0" leaves it automatic and saves at the first step: the
+        # first save allocates and faults in its pool itself.
+        mode = os.environ.get("BENCH_STAGING", "1")
         staging = -(-sum(t.to_local().numel() * t.to_local().element_size()
                          for t in _tensors(state)) // (64 << 20)) * (64 << 20)
+        every = 2 if mode == "ahead" else 1
         mgr = ckpt.CheckpointManager(
-            where, run="bench", every_steps=1, governor=False,
-            staging_bytes=staging if os.environ.get("BENCH_STAGING", "1") == "1" else 0,
+            where, run="bench", every_steps=every, governor=False,
+            staging_bytes=staging if mode == "1" else 0,
         )
+        if mode == "ahead":
+            assert not mgr.maybe_save(1, state)
         time.sleep(float(os.environ.get("BENCH_WARMUP_S", "5")))  # the loop's first steps
         dist.barrier()
+        r["staged_before_first"] = mgr.staging()["allocated"]
         t0 = time.perf_counter()
-        mgr.maybe_save(1, state)
+        assert mgr.maybe_save(every, state)
         r["stall_s"] = time.perf_counter() - t0
         mgr.wait()  # committed; the manager saves again (finish ends its saving)
         dist.barrier()
@@ -138,7 +147,7 @@ def worker(rank, world, port, method, total, root, out):
         # A second save of the same state: the warm stall (staging allocated), and a persist
         # that finds every chunk stored.
         t0 = time.perf_counter()
-        mgr.maybe_save(2, state)
+        assert mgr.maybe_save(2 * every, state)
         r["warm_stall_s"] = time.perf_counter() - t0
         mgr.finish()
         dist.barrier()
@@ -178,7 +187,7 @@ def worker(rank, world, port, method, total, root, out):
             got = ckpt.CheckpointManager(where, run="bench", final_on_sigterm=False).restore_latest(
                 target
             )
-            assert got == 2
+            assert got == 2 * every, got
         elif method == "dcp-fs":
             dcp.load(target, storage_reader=dcp.FileSystemReader(where))
         else:

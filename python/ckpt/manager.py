@@ -346,7 +346,13 @@ class CheckpointManager:
         """Call once a step, after the optimizer step. Saves ``state_dict`` as ``step`` when the
         interval policy says so (or a final checkpoint after SIGTERM, then ``should_stop``);
         returns once the snapshot is taken (the state may change from then on) while the
-        persist goes on in the background. Returns whether a checkpoint was taken."""
+        persist goes on in the background. Returns whether a checkpoint was taken.
+
+        At the first call that takes no checkpoint (before any), ``state_dict`` is read once
+        more to size the staging pool (a copy of the rank's state kept between saves), which
+        then fills on a background thread at the lowest CPU priority: the first checkpoint
+        copies into memory already faulted in, as later ones do, unless ``staging_bytes``
+        gives the pool a bound (it then fills from the manager's creation)."""
         agreed = None
         if self._group is not None:
             flag = torch.tensor([1 if self._native.sigterm_received else 0], dtype=torch.int32)
@@ -374,6 +380,11 @@ class CheckpointManager:
         its figures: ``step``, ``stage``, ``bytes``, ``snapshot_s`` (the loop's stall),
         ``persist_s`` (time to durable), ``commit_s``, ``bytes_written``, ``bytes_skipped``."""
         return self._native.wait(timeout_s)
+
+    def staging(self) -> Dict[str, int]:
+        """The staging pool's bytes: ``allocated`` (faulted in, kept between saves),
+        ``in_use`` (held by the save in flight), ``peak_in_use``, ``capacity`` (its bound)."""
+        return self._native.staging()
 
     def last_report(self) -> Optional[Dict[str, Any]]:
         """The figures of the last checkpoint taken, so far (see ``wait``)."""

@@ -24,6 +24,7 @@ use ckpt_trainer::{
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
+use tracing::debug;
 
 use crate::{CkptError, Lent, Store, dtype, err, nd_box};
 
@@ -356,23 +357,41 @@ impl Manager {
         m.set_agreed_stop(agreed_stop);
         let blob = self.blob.clone();
         let mut failed: Option<PyErr> = None;
-        let res = py.allow_threads(|| {
-            let h = m.maybe_save_with(step, |mgr| {
-                Python::with_gil(|py| -> PyResult<()> {
-                    let got = prepare.call0(py)?;
-                    let (entries, pickled): (Vec<Entry<'_>>, Vec<u8>) = got.extract(py)?;
-                    register(mgr, entries, false)?;
+        // `prepare()` registers the state; `values`: whether the pickled values are the
+        // checkpoint's (a save) or not (staging sized ahead of the first save).
+        let mut hand_over = |mgr: &mut CheckpointManager, values: bool| {
+            Python::with_gil(|py| -> PyResult<()> {
+                let got = prepare.call0(py)?;
+                let (entries, pickled): (Vec<Entry<'_>>, Vec<u8>) = got.extract(py)?;
+                register(mgr, entries, false)?;
+                if values {
                     blob.lock().0 = pickled;
-                    Ok(())
-                })
-                .map_err(|e| {
+                }
+                Ok(())
+            })
+            .map_err(|e| {
+                let what = format!("preparing the state of step {step}: {e}");
+                // A state that cannot be saved fails the save that takes it, not a step
+                // that only sized the staging ahead of it.
+                if values {
                     failed = Some(e);
-                    Error::invalid(format!("preparing the state of step {step}"))
-                })
-            })?;
+                }
+                Error::invalid(what)
+            })
+        };
+        let res = py.allow_threads(|| {
+            let h = m.maybe_save_with(step, |mgr| hand_over(mgr, true))?;
             let snap = match &h {
                 Some(h) => h.wait_snapshot().map(|_| ()),
-                None => Ok(()),
+                // No checkpoint at this step: before the first one, the state is handed over
+                // once more so that the staging pool is sized for it and filled in the
+                // background, not by the first save while the loop waits.
+                None => {
+                    if let Err(e) = m.stage_ahead_with(|mgr| hand_over(mgr, false)) {
+                        debug!(error = %e, "staging not sized ahead of the first save");
+                    }
+                    Ok(())
+                }
             };
             // The tensors are the loop's again once copied: lend nothing longer.
             m.clear_tensors();
@@ -434,6 +453,18 @@ impl Manager {
             })
             .map_err(err)?;
         report_dict(py, &r, &h.stage()).map(Some)
+    }
+
+    /// The staging pool's bytes: `allocated` (faulted in, kept between saves), `in_use` (held
+    /// by the save in flight), `peak_in_use` and `capacity` (the bound; 0 before it is sized).
+    fn staging<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.lock().checkpointer().staging();
+        let d = PyDict::new(py);
+        d.set_item("allocated", s.allocated)?;
+        d.set_item("in_use", s.in_use)?;
+        d.set_item("peak_in_use", s.peak_in_use)?;
+        d.set_item("capacity", s.capacity)?;
+        Ok(d)
     }
 
     /// The figures of the last checkpoint taken so far (None before the first).

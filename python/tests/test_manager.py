@@ -81,10 +81,41 @@ def test_restore_latest_on_an_empty_store_is_none_and_touches_nothing(tmp_path):
     state = {"w": torch.ones(3), "n": 5}
     assert mgr.restore_latest(state) is None
     assert torch.equal(state["w"], torch.ones(3)) and state["n"] == 5
-    # Not due: nothing saved, nothing asked of the state.
+    # Not due: nothing saved. The state is read once to size the staging ahead of the first
+    # save; a state that cannot be saved (on meta) fails only a save, and stages nothing.
     assert not mgr.maybe_save(3, {"w": torch.ones(3, device="meta")})
+    assert mgr.staging()["allocated"] == 0
     mgr.finish()
     assert ckpt.Store(str(tmp_path / "store")).committed_steps("empty") == []
+
+
+def test_the_staging_fills_ahead_of_the_first_checkpoint(tmp_path):
+    # The first step without a checkpoint sizes the staging pool for the state handed over
+    # and fills it in the background, so the first checkpoint copies into memory already
+    # faulted in; it takes no more than was filled.
+    store = str(tmp_path / "store")
+    w = torch.arange(1 << 20, dtype=torch.float32)
+    mgr = ckpt.CheckpointManager(store, run="ahead", every_steps=4)
+    assert mgr.staging()["allocated"] == 0
+    assert not mgr.maybe_save(1, {"w": w, "n": 1})
+    deadline = time.monotonic() + 60
+    while mgr.staging()["allocated"] < w.nbytes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ahead = mgr.staging()
+    assert ahead["allocated"] >= w.nbytes and ahead["in_use"] == 0, ahead
+    taken = [s for s in range(2, 5) if mgr.maybe_save(s, {"w": w + s, "n": s})]
+    assert taken == [4]
+    mgr.wait()
+    assert mgr.staging()["allocated"] == ahead["allocated"], (mgr.staging(), ahead)
+    mgr.finish()
+    got = {"w": torch.zeros_like(w), "n": 0}
+    assert ckpt.CheckpointManager(store, run="ahead").restore_latest(got) == 4
+    assert torch.equal(got["w"], w + 4) and got["n"] == 4
+    # A job that only restores (no interval, no final checkpoint) keeps no copy of the state.
+    reader = ckpt.CheckpointManager(store, run="ahead", final_on_sigterm=False)
+    assert not reader.maybe_save(5, {"w": w, "n": 5})
+    time.sleep(0.3)
+    assert reader.staging()["allocated"] == 0
 
 
 def test_the_interval_and_keep_last(tmp_path):

@@ -688,3 +688,62 @@ fn a_manager_fills_its_staging_ahead_of_its_first_save() {
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(r.checkpointer().staging().allocated, 0);
 }
+
+#[test]
+fn a_loop_that_hands_its_state_over_at_each_save_fills_staging_ahead_once() {
+    // A PyTorch loop registers its state only in `prepare` (the state dict of the step):
+    // after a step without a checkpoint, `stage_ahead_with` asks for it once, sizes the pool
+    // and fills it, so the first save copies into touched memory there too.
+    let (store, _d) = local_store(tiny_config());
+    let n = 4 << 20;
+    let t = HostTensor::from_vec(det_bytes(11, n));
+    let hand = |m: &mut CheckpointManager| {
+        m.register(
+            TensorSpec::first_stage("t", DType::U8, &[n as u64]),
+            NdBox::full(&[n as u64]),
+            Arc::new(t.clone()),
+        )
+    };
+    let mut c = ManagerConfig::new(CheckpointerConfig::new("handed", 0, Layout::SINGLE));
+    c.final_on_sigterm = false;
+    c.every_steps = Some(10);
+    let mut m = CheckpointManager::new(store.clone(), c).unwrap();
+    assert!(m.maybe_save_with(1, hand).unwrap().is_none(), "not due");
+    assert_eq!(
+        m.checkpointer().staging().allocated,
+        0,
+        "nothing registered yet"
+    );
+    assert!(m.stage_ahead_with(hand).unwrap(), "asked for the state");
+    m.clear_tensors();
+    let t0 = std::time::Instant::now();
+    while m.checkpointer().staging().allocated < n && t0.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let ahead = m.checkpointer().staging();
+    assert!(ahead.allocated >= n && ahead.in_use == 0, "{ahead:?}");
+    let mut asked = false;
+    let again = m
+        .stage_ahead_with(|_| {
+            asked = true;
+            Ok(())
+        })
+        .unwrap();
+    assert!(!again && !asked, "once a manager");
+    let h = m.maybe_save_with(10, hand).unwrap().expect("due");
+    h.wait_committed(Duration::from_secs(60)).unwrap();
+    m.clear_tensors();
+    assert_eq!(read(&store, "handed", 10, "t"), det_bytes(11, n));
+    assert_eq!(m.checkpointer().staging().allocated, ahead.allocated);
+
+    // A state that fails to hand over fails the call, once: not every step after it.
+    let mut c = ManagerConfig::new(CheckpointerConfig::new("failing", 0, Layout::SINGLE));
+    c.every_steps = Some(10);
+    let mut f = CheckpointManager::new(store.clone(), c).unwrap();
+    let err = f
+        .stage_ahead_with(|_| Err(ckpt_store::Error::invalid("no state yet")))
+        .unwrap_err();
+    assert!(err.to_string().contains("no state yet"), "{err}");
+    assert!(!f.stage_ahead_with(hand).unwrap(), "not asked again");
+    assert_eq!(f.checkpointer().staging().allocated, 0);
+}

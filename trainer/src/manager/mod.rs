@@ -335,30 +335,58 @@ impl CheckpointManager {
     /// [`Checkpointer::prepare_staging`]), so that the first checkpoint copies into memory
     /// already touched, as later ones do, rather than faulting fresh pages in while the
     /// training loop waits. A pool with a bound of its own fills from its creation, a shared
-    /// one is its owner's; a loop that registers its state only in `prepare` has nothing to
-    /// size before its first save, which sizes the pool for the saves after it.
+    /// one is its owner's; a loop that registers its state only in `prepare` hands it over
+    /// through [`CheckpointManager::stage_ahead_with`].
     fn stage_ahead(&mut self) {
-        let ck = &self.cfg.ckpt;
-        if self.staged || self.registry.tensor_count() == 0 {
+        if self.registry.tensor_count() == 0 || !self.stages_ahead() {
             return;
         }
         self.staged = true;
-        // A manager that can never save (no interval, no final checkpoint on SIGTERM: a job
-        // that only restores) keeps no copy of the state.
-        let may_save = self.interval.any() || self.cfg.final_on_sigterm;
-        if !may_save
-            || self.ckpt.last().is_some()
-            || ck.staging_bytes > 0
-            || ck.pool.is_some()
-            || !(ck.prefault || ck.background_prefault)
-        {
-            return;
-        }
-        let now = ck.prefault;
+        let now = self.cfg.ckpt.prefault;
         match self.save_state() {
             Ok(state) => self.ckpt.prepare_staging(&state, now),
             Err(e) => debug!(error = %e, "staging not sized ahead of the first save"),
         }
+    }
+
+    /// Whether the staging pool is still to be sized and filled ahead of the first save: not
+    /// done yet, no save taken, a pool of the manager's own with the automatic bound, a fill
+    /// asked for, and a manager that can save at all (an interval, or a final checkpoint on
+    /// SIGTERM: a job that only restores keeps no copy of the state).
+    fn stages_ahead(&self) -> bool {
+        let ck = &self.cfg.ckpt;
+        let may_save = self.interval.any() || self.cfg.final_on_sigterm;
+        !self.staged
+            && may_save
+            && self.ckpt.last().is_none()
+            && ck.staging_bytes == 0
+            && ck.pool.is_none()
+            && (ck.prefault || ck.background_prefault)
+    }
+
+    /// For a loop that registers its state only in `maybe_save_with`'s `prepare` (a PyTorch
+    /// state dict handed over at each checkpoint): after a step that took no checkpoint, call
+    /// `prepare` once more to register the state, then size and fill the staging pool for it
+    /// as a manager with its state registered does at its first step. Only while
+    /// the pool is still to be filled ahead of the first save, so `prepare` runs at most once
+    /// a manager this way, failed or not; returns whether it ran. The caller clears the
+    /// tensors afterwards as after a save. An error of `prepare` is the call's.
+    pub fn stage_ahead_with(
+        &mut self,
+        prepare: impl FnOnce(&mut Self) -> Result<()>,
+    ) -> Result<bool> {
+        if !self.stages_ahead() {
+            return Ok(false);
+        }
+        if self.registry.tensor_count() == 0 {
+            // Once asked, never again: a `prepare` that fails here is not called at every step.
+            self.staged = true;
+            prepare(self)?;
+            self.staged = false;
+        }
+        self.stage_ahead();
+        self.staged = true;
+        Ok(true)
     }
 
     /// `maybe_save`'s decisions in order: the final checkpoint after SIGTERM; whether one is
