@@ -64,14 +64,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     }
                 })
                 .collect();
-            let w = RankWrite {
-                run: run.clone(),
-                step,
-                rank,
-                layout,
-                generation: 0,
-                node: None,
-            };
+            let w = RankWrite::new(run.clone(), step, rank, layout);
             store
                 .write_rank(&w, shards, vec![], &DedupIndex::new())
                 .await?;

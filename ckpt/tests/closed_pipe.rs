@@ -40,14 +40,7 @@ async fn wide_run(env: &Env, run: &str, steps: u64) {
                 data: Some(Bytes::from(vec![(step as u8) ^ (i as u8); 16])),
             })
             .collect();
-        let w = RankWrite {
-            run: run.into(),
-            step,
-            rank: 0,
-            layout: Layout::SINGLE,
-            generation: 0,
-            node: None,
-        };
+        let w = RankWrite::new(run, step, 0, Layout::SINGLE);
         env.store
             .write_rank(&w, shards, vec![], &index)
             .await

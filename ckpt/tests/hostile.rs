@@ -286,14 +286,7 @@ async fn hostile_names_never_leave_out_or_reach_the_terminal(env: Env) {
             data: Some(Bytes::from(vec![i as u8; 3 + i])),
         })
         .collect();
-    let w = RankWrite {
-        run: "evil".into(),
-        step: 1,
-        rank: 0,
-        layout: Layout::SINGLE,
-        generation: 0,
-        node: None,
-    };
+    let w = RankWrite::new("evil", 1, 0, Layout::SINGLE);
     env.store
         .write_rank(&w, shards, vec![], &DedupIndex::new())
         .await

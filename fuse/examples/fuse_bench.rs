@@ -77,14 +77,7 @@ async fn save(
         }
     }
     for (r, shards) in per_rank.into_iter().enumerate() {
-        let w = RankWrite {
-            run: run.into(),
-            step,
-            rank: r as u32,
-            layout,
-            generation: 0,
-            node: None,
-        };
+        let w = RankWrite::new(run, step, r as u32, layout);
         store
             .write_rank(&w, shards, vec![], &DedupIndex::new())
             .await?;

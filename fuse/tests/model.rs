@@ -641,14 +641,7 @@ async fn delta_chunks_read_through_the_mount() {
             shard: ShardDesc::boxed("w", DType::F32, vec![n as u64], NdBox::full(&[n as u64])),
             data: Some(Bytes::from(values(step))),
         };
-        let w = RankWrite {
-            run: "d".into(),
-            step,
-            rank: 0,
-            layout: Layout::SINGLE,
-            generation: 0,
-            node: None,
-        };
+        let w = RankWrite::new("d", step, 0, Layout::SINGLE);
         let (m, _, _) = store
             .write_rank(&w, vec![shard], vec![], &index)
             .await

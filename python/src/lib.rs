@@ -258,12 +258,8 @@ impl Store {
     ) -> PyResult<RankWriter> {
         let layout = Layout::new(world, 1, 1, 0).map_err(err)?;
         let parts = RankParts::new(RankWrite {
-            run: run.to_string(),
-            step,
-            rank,
-            layout,
             generation,
-            node: None,
+            ..RankWrite::new(run, step, rank, layout)
         })
         .map_err(err)?;
         let store = self.store.clone();

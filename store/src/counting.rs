@@ -772,14 +772,7 @@ mod tests {
     /// Rank `rank` of a 4-rank job saves one byte of a 4-byte tensor as `step` of `run`.
     async fn save_tiny(store: &crate::Store, run: &str, step: u64, rank: u32) {
         use crate::{DType, DedupIndex, NdBox, RankWrite, ShardDesc, ShardIn};
-        let w = RankWrite {
-            run: run.into(),
-            step,
-            rank,
-            layout: FOUR,
-            generation: 0,
-            node: None,
-        };
+        let w = RankWrite::new(run, step, rank, FOUR);
         let shard = ShardIn {
             shard: ShardDesc::boxed(
                 "w",

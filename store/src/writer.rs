@@ -130,6 +130,21 @@ pub struct RankWrite {
     pub node: Option<u32>,
 }
 
+impl RankWrite {
+    /// Rank `rank`'s write of `step` of `run` under `layout`, generation 0, no node: a job
+    /// outside a driver. A rank under `ckpt resume` sets `generation` and `node` too.
+    pub fn new(run: impl Into<String>, step: u64, rank: u32, layout: Layout) -> Self {
+        Self {
+            run: run.into(),
+            step,
+            rank,
+            layout,
+            generation: 0,
+            node: None,
+        }
+    }
+}
+
 /// A shard as [`Store::write_rank_stream`] needs it up front (its bytes come in the stream).
 #[derive(Debug, Clone)]
 pub struct ShardMeta {
@@ -770,12 +785,8 @@ mod tests {
     async fn a_replicas_checked_chunks_are_hashed_not_written() {
         let store = memory_store(tiny_config());
         let w = RankWrite {
-            run: "r".into(),
-            step: 1,
-            rank: 1,
-            layout: Layout::new(2, 1, 1, 0).unwrap(),
-            generation: 0,
             node: Some(7),
+            ..RankWrite::new("r", 1, 1, Layout::new(2, 1, 1, 0).unwrap())
         };
         let (a, b) = (det_bytes(1, 10_000), det_bytes(2, 10_000));
         let spans: Vec<std::ops::Range<u64>> = store.chunk_spans(10_000).collect();
@@ -846,14 +857,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn reused_shards_take_their_references_and_bad_ones_are_refused() {
         let store = memory_store(tiny_config());
-        let w = |step| RankWrite {
-            run: "r".into(),
-            step,
-            rank: 0,
-            layout: Layout::SINGLE,
-            generation: 0,
-            node: None,
-        };
+        let w = |step| RankWrite::new("r", step, 0, Layout::SINGLE);
         let (a, b) = (det_bytes(1, 10_000), det_bytes(2, 5_000));
         let idx = DedupIndex::new();
         let first = store
@@ -918,14 +922,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_rank_written_in_batches_reads_back() {
         let store = memory_store(tiny_config());
-        let w = RankWrite {
-            run: "r".into(),
-            step: 1,
-            rank: 0,
-            layout: Layout::SINGLE,
-            generation: 0,
-            node: None,
-        };
+        let w = RankWrite::new("r", 1, 0, Layout::SINGLE);
         let shard = |name: &str, data: &[u8]| ShardIn {
             shard: ShardDesc {
                 name: name.into(),

@@ -87,17 +87,6 @@ conformance!(
     replicas_are_compared_at_commit_and_a_flipped_bit_is_recorded,
 );
 
-fn w(run: &str, step: u64, rank: u32, layout: Layout) -> RankWrite {
-    RankWrite {
-        run: run.into(),
-        step,
-        rank,
-        layout,
-        generation: 0,
-        node: None,
-    }
-}
-
 fn shard(name: &str, dtype: DType, shape: &[u64], bbox: NdBox, data: Vec<u8>) -> ShardIn {
     ShardIn {
         shard: ShardDesc {
@@ -128,7 +117,12 @@ async fn save_single(
         data: Bytes::from(det_bytes(step, 100)),
     }];
     let (_, _, stats) = store
-        .write_rank(&w(run, step, 0, Layout::SINGLE), shards, blobs, index)
+        .write_rank(
+            &RankWrite::new(run, step, 0, Layout::SINGLE),
+            shards,
+            blobs,
+            index,
+        )
         .await
         .unwrap();
     store.log().commit_step(run, step).await.unwrap();
@@ -272,7 +266,7 @@ async fn save_sharded(store: &Store, run: &str, step: u64, whole: &[u8], bias: &
             }
         });
         let store = store.clone();
-        let wr = w(run, step, rank, layout);
+        let wr = RankWrite::new(run, step, rank, layout);
         handles.push(tokio::spawn(async move {
             store
                 .write_rank(&wr, shards, vec![], &DedupIndex::new())
@@ -383,7 +377,7 @@ async fn missing_rank_is_never_committed(b: Backend) {
         let bx = NdBox::new(vec![rank as u64 * 2], vec![2]).unwrap();
         store
             .write_rank(
-                &w("miss", 5, rank, layout),
+                &RankWrite::new("miss", 5, rank, layout),
                 vec![shard(
                     "x",
                     DType::I64,
@@ -440,7 +434,7 @@ async fn missing_rank_is_never_committed(b: Backend) {
     let bx = NdBox::new(vec![6], vec![2]).unwrap();
     store
         .write_rank(
-            &w("miss", 5, 3, layout),
+            &RankWrite::new("miss", 5, 3, layout),
             vec![shard("x", DType::I64, &shape, bx, det_bytes(3, 16))],
             vec![],
             &DedupIndex::new(),
@@ -459,7 +453,7 @@ async fn coverage_errors_name_tensor_and_region(b: Backend) {
         let bx = NdBox::new(vec![rank as u64, 0], vec![3, 2]).unwrap();
         store
             .write_rank(
-                &w("cov", 1, rank, layout),
+                &RankWrite::new("cov", 1, rank, layout),
                 vec![shard("emb", DType::F32, &[4, 2], bx, det_bytes(0, 24))],
                 vec![],
                 &DedupIndex::new(),
@@ -666,7 +660,7 @@ async fn gc_keeps_retained_and_in_flight(b: Backend) {
     let inflight = det_bytes(200, 4096);
     store
         .write_rank(
-            &w("gc", 6, 0, layout),
+            &RankWrite::new("gc", 6, 0, layout),
             vec![shard(
                 "w",
                 DType::F32,
@@ -754,7 +748,7 @@ async fn gc_keeps_retained_and_in_flight(b: Backend) {
     // stray chunk, gc at the real time, then finish the save and read it.
     store
         .write_rank(
-            &w("gc", 7, 0, layout),
+            &RankWrite::new("gc", 7, 0, layout),
             vec![shard(
                 "w",
                 DType::F32,
@@ -802,7 +796,7 @@ async fn gc_keeps_retained_and_in_flight(b: Backend) {
     );
     store
         .write_rank(
-            &w("gc", 7, 1, layout),
+            &RankWrite::new("gc", 7, 1, layout),
             vec![shard(
                 "w",
                 DType::F32,
@@ -928,7 +922,7 @@ async fn failed_commit_is_never_a_dedup_base(b: Backend) {
     leased_save(
         store,
         run,
-        &w(run, 1, 0, Layout::SINGLE),
+        &RankWrite::new(run, 1, 0, Layout::SINGLE),
         t(&w1),
         &mut base,
         &writer,
@@ -941,7 +935,7 @@ async fn failed_commit_is_never_a_dedup_base(b: Backend) {
     leased_save(
         store,
         run,
-        &w(run, 2, 0, Layout::SINGLE),
+        &RankWrite::new(run, 2, 0, Layout::SINGLE),
         t(&w2),
         &mut base,
         &writer,
@@ -974,7 +968,7 @@ async fn failed_commit_is_never_a_dedup_base(b: Backend) {
     let refs = leased_save(
         store,
         run,
-        &w(run, 3, 0, Layout::SINGLE),
+        &RankWrite::new(run, 3, 0, Layout::SINGLE),
         t(&w2),
         &mut base,
         &writer,
@@ -1030,7 +1024,7 @@ async fn gc_never_sweeps_under_a_save_in_flight(b: Backend) {
     let refs1 = leased_save(
         store,
         run,
-        &w(run, 1, 0, Layout::SINGLE),
+        &RankWrite::new(run, 1, 0, Layout::SINGLE),
         save(&x),
         &mut other,
         "o",
@@ -1041,7 +1035,7 @@ async fn gc_never_sweeps_under_a_save_in_flight(b: Backend) {
     leased_save(
         store,
         run,
-        &w(run, 2, 0, Layout::SINGLE),
+        &RankWrite::new(run, 2, 0, Layout::SINGLE),
         save(&y),
         &mut other,
         "o",
@@ -1084,7 +1078,12 @@ async fn gc_never_sweeps_under_a_save_in_flight(b: Backend) {
         );
     }
     let (_, _, st) = store
-        .write_rank(&w(run, 3, 0, Layout::SINGLE), save(&x), vec![], &index)
+        .write_rank(
+            &RankWrite::new(run, 3, 0, Layout::SINGLE),
+            save(&x),
+            vec![],
+            &index,
+        )
         .await
         .unwrap();
     assert_eq!(
@@ -1226,7 +1225,7 @@ async fn a_short_grace_only_defers_the_sweep(b: Backend) {
         leased_save(
             store,
             run,
-            &w(run, 1, rank, layout),
+            &RankWrite::new(run, 1, rank, layout),
             half(rank, u64::from(rank)),
             b,
             "a",
@@ -1239,7 +1238,7 @@ async fn a_short_grace_only_defers_the_sweep(b: Backend) {
     let refs0 = leased_save(
         store,
         run,
-        &w(run, 2, 0, layout),
+        &RankWrite::new(run, 2, 0, layout),
         half(0, 10),
         &mut bases[0],
         "a",
@@ -1276,7 +1275,12 @@ async fn a_short_grace_only_defers_the_sweep(b: Backend) {
     // 2: GC sweeps (no writer), but keeps step 2 and what its manifests reference.
     let index = bases[1].pinned(lease.base());
     store
-        .write_rank(&w(run, 2, 1, layout), half(1, 11), vec![], &index)
+        .write_rank(
+            &RankWrite::new(run, 2, 1, layout),
+            half(1, 11),
+            vec![],
+            &index,
+        )
         .await
         .unwrap();
     store.gc().release_lease(lease).await.unwrap();
@@ -1298,7 +1302,7 @@ async fn a_short_grace_only_defers_the_sweep(b: Backend) {
     leased_save(
         store,
         run,
-        &w(run, 3, 0, layout),
+        &RankWrite::new(run, 3, 0, layout),
         half(0, 20),
         &mut bases[0],
         "a",
@@ -1331,7 +1335,7 @@ async fn a_step_another_gc_drops_mid_mark_is_not_an_error(b: Backend) {
         leased_save(
             store,
             run,
-            &w(run, step, 0, Layout::SINGLE),
+            &RankWrite::new(run, step, 0, Layout::SINGLE),
             s,
             &mut base,
             "a",
@@ -1545,7 +1549,12 @@ async fn a_live_sweep_is_never_taken_for_a_killed_one(b: Backend) {
     let data = det_bytes(7, 8192);
     let t = vec![shard("w", DType::U8, &[8192], NdBox::full(&[8192]), data)];
     store
-        .write_rank(&w(run, 1, 0, Layout::SINGLE), t, vec![], &DedupIndex::new())
+        .write_rank(
+            &RankWrite::new(run, 1, 0, Layout::SINGLE),
+            t,
+            vec![],
+            &DedupIndex::new(),
+        )
         .await
         .unwrap();
     clock.advance(hours(2));
@@ -1729,7 +1738,15 @@ async fn gc_racing_saves_never_breaks_a_commit(b: Backend) {
                         )
                     })
                     .collect();
-                leased_save(&store, run, &w(run, k, r, layout), shards, base, &writer).await
+                leased_save(
+                    &store,
+                    run,
+                    &RankWrite::new(run, k, r, layout),
+                    shards,
+                    base,
+                    &writer,
+                )
+                .await
             }
         });
         for res in futures::future::join_all(saves).await {
@@ -1931,7 +1948,7 @@ impl ckpt_store::Agreement for Interval {
 /// Save a one-tensor step as rank 0 of `generation` (the bytes depend on the generation, so
 /// two generations' manifests differ).
 async fn save_as(store: &Store, run: &str, step: u64, generation: u64) -> ckpt_store::Result<()> {
-    let mut rw = w(run, step, 0, Layout::SINGLE);
+    let mut rw = RankWrite::new(run, step, 0, Layout::SINGLE);
     rw.generation = generation;
     let data = det_bytes(generation + 11, 64);
     let sh = vec![shard("t", DType::U8, &[64], NdBox::full(&[64]), data)];
@@ -2070,7 +2087,12 @@ async fn delta_save(
         .map(|(n, d, s, data)| shard(n, *d, s, NdBox::full(s), data.clone()))
         .collect();
     let res = store
-        .write_rank(&w(run, step, 0, Layout::SINGLE), shards, vec![], &index)
+        .write_rank(
+            &RankWrite::new(run, step, 0, Layout::SINGLE),
+            shards,
+            vec![],
+            &index,
+        )
         .await;
     store.gc().release_lease(lease).await.unwrap();
     let (m, _, _) = res.unwrap();
@@ -2374,7 +2396,7 @@ async fn replicas_are_compared_at_commit_and_a_flipped_bit_is_recorded(b: Backen
         if rank > 0 {
             s.shard.replica_of = Some(0);
         }
-        let mut wr = w(run, 1, rank, layout);
+        let mut wr = RankWrite::new(run, 1, rank, layout);
         wr.node = Some(10 + rank);
         store
             .write_rank(&wr, vec![s], vec![], &DedupIndex::new())
@@ -2410,7 +2432,7 @@ async fn replicas_are_compared_at_commit_and_a_flipped_bit_is_recorded(b: Backen
         }
         store
             .write_rank(
-                &w(run, 2, rank, layout),
+                &RankWrite::new(run, 2, rank, layout),
                 vec![s],
                 vec![],
                 &DedupIndex::new(),

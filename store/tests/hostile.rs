@@ -149,14 +149,7 @@ async fn two_rank_step(rows: u64, cols: u64, cut: u64) -> (Store, Vec<u8>) {
                 &whole[lo as usize * row..(lo + n) as usize * row],
             )),
         }];
-        let w = RankWrite {
-            run: "h".into(),
-            step: 1,
-            rank,
-            layout,
-            generation: 0,
-            node: None,
-        };
+        let w = RankWrite::new("h", 1, rank, layout);
         store.write_rank(&w, shards, vec![], &index).await.unwrap();
     }
     store.log().commit_step("h", 1).await.unwrap();

@@ -41,14 +41,7 @@ async fn save(store: &Store, step: u64, seed: u64) -> Vec<u8> {
             name: format!("rank/rng{rank}"),
             data: Bytes::from(det_bytes(10 + rank as u64 + step, 40)),
         }];
-        let rw = RankWrite {
-            run: RUN.into(),
-            step,
-            rank,
-            layout,
-            generation: 0,
-            node: None,
-        };
+        let rw = RankWrite::new(RUN, step, rank, layout);
         store
             .write_rank(&rw, shards, blobs, &DedupIndex::new())
             .await

@@ -29,14 +29,7 @@ fn config() -> StoreConfig {
 async fn save(store: &Store) -> Vec<u8> {
     let w = det_bytes(5, 64 << 10);
     let shape = vec![w.len() as u64];
-    let wr = RankWrite {
-        run: "r".into(),
-        step: 1,
-        rank: 0,
-        layout: Layout::new(1, 1, 1, 0).unwrap(),
-        generation: 0,
-        node: None,
-    };
+    let wr = RankWrite::new("r", 1, 0, Layout::new(1, 1, 1, 0).unwrap());
     let shard = ShardIn {
         shard: ShardDesc::boxed("w", DType::U8, shape.clone(), NdBox::full(&shape)),
         data: Some(Bytes::from(w.clone())),

@@ -37,14 +37,7 @@ async fn sharded_step_as_one_safetensors_file() {
                 data: Some(Bytes::copy_from_slice(&v[lo * 4..hi * 4])),
             },
         ];
-        let wr = RankWrite {
-            run: "st".into(),
-            step: 1,
-            rank,
-            layout,
-            generation: 0,
-            node: None,
-        };
+        let wr = RankWrite::new("st", 1, rank, layout);
         store
             .write_rank(&wr, shards, vec![], &DedupIndex::new())
             .await
@@ -88,14 +81,7 @@ async fn sharded_step_as_one_safetensors_file() {
 async fn readers_sharing_a_cache_fetch_each_chunk_once() {
     let store = memory_store(tiny_config());
     let data = det_bytes(9, 64 * 64 * 4);
-    let wr = RankWrite {
-        run: "c".into(),
-        step: 1,
-        rank: 0,
-        layout: Layout::SINGLE,
-        generation: 0,
-        node: None,
-    };
+    let wr = RankWrite::new("c", 1, 0, Layout::SINGLE);
     let shard = ShardIn {
         shard: ShardDesc::boxed("w", DType::F32, vec![64, 64], NdBox::full(&[64, 64])),
         data: Some(Bytes::from(data.clone())),

@@ -38,14 +38,7 @@ async fn save(store: &Store) -> (Vec<u8>, Vec<u8>) {
             name: format!("rank/rng{rank}"),
             data: Bytes::from(det_bytes(10 + rank as u64, 40)),
         }];
-        let rw = RankWrite {
-            run: RUN.into(),
-            step: 1,
-            rank,
-            layout,
-            generation: 0,
-            node: None,
-        };
+        let rw = RankWrite::new(RUN, 1, rank, layout);
         store.write_rank(&rw, shards, blobs, &index).await.unwrap();
     }
     store.log().commit_step(RUN, 1).await.unwrap();
@@ -351,14 +344,7 @@ async fn save_split(
             name: format!("rank/rng{rank}"),
             data: Bytes::from(det_bytes(10 + u64::from(rank), 40)),
         }];
-        let rw = RankWrite {
-            run: "split".into(),
-            step,
-            rank,
-            layout,
-            generation: 0,
-            node: None,
-        };
+        let rw = RankWrite::new("split", step, rank, layout);
         store.write_rank(&rw, shards, blobs, &index).await.unwrap();
     }
     want

@@ -72,12 +72,8 @@ async fn write_ranks(local: &Store, step: u64, generation: u64, ranks: &[u32]) -
             )),
         };
         let wr = RankWrite {
-            run: RUN.into(),
-            step,
-            rank,
-            layout,
             generation,
-            node: None,
+            ..RankWrite::new(RUN, step, rank, layout)
         };
         local
             .write_rank(
@@ -450,14 +446,7 @@ async fn a_blob_is_read_from_the_tier_first_and_from_the_remote_where_it_is_dama
     let (remote, rdir) = local_store(tiny_config());
     let meta = det_bytes(7, 9_000); // chunk objects, not packed
     let layout = Layout::new(1, 1, 1, 0).unwrap();
-    let wr = RankWrite {
-        run: RUN.into(),
-        step: 1,
-        rank: 0,
-        layout,
-        generation: 0,
-        node: None,
-    };
+    let wr = RankWrite::new(RUN, 1, 0, layout);
     let blob = BlobIn {
         name: "meta".into(),
         data: Bytes::from(meta.clone()),

@@ -315,14 +315,7 @@ pub async fn simulate(
                     .lock()
                     .expect("base")
                     .pinned(lease.base());
-                let w = RankWrite {
-                    run: run.into(),
-                    step,
-                    rank,
-                    layout,
-                    generation: 0,
-                    node: None,
-                };
+                let w = RankWrite::new(run, step, rank, layout);
                 let res = store.write_rank(&w, shards, blobs, &index).await;
                 store.gc().release_lease(lease).await?;
                 let (manifest, entry, stats) = res?;

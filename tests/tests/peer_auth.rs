@@ -233,12 +233,8 @@ fn saved_step() -> (Store, Vec<u8>, Vec<Bytes>) {
         let store = memory_store(tiny_config());
         let whole = det_bytes(11, 64 << 10);
         let w = RankWrite {
-            run: "p".into(),
-            step: 1,
-            rank: 0,
-            layout: Layout::new(1, 1, 1, 0).unwrap(),
             generation: 1,
-            node: None,
+            ..RankWrite::new("p", 1, 0, Layout::new(1, 1, 1, 0).unwrap())
         };
         let shard = ShardIn {
             shard: ShardDesc::boxed(

@@ -479,14 +479,7 @@ pub async fn import(store: &Store, args: &ImportArgs, ui: &Ui) -> Result<ImportR
     }
     let put = put?;
     let s = &put.stats;
-    let head = RankWrite {
-        run: args.run.clone(),
-        step: args.step,
-        rank: 0,
-        layout: Layout::SINGLE,
-        generation: 0,
-        node: None,
-    };
+    let head = RankWrite::new(args.run.clone(), args.step, 0, Layout::SINGLE);
     let blob_len = meta_blob.as_ref().map_or(0, |b| b.len() as u64);
     let manifest = manifest_of(store, &head, &files, &plan, blob_len, logical, &put)?;
     store.log().write_rank_manifest(&manifest).await?;

@@ -258,14 +258,7 @@ pub async fn save_rank(
         name: "rng".into(),
         data: Bytes::from(det_bytes(step * 100 + rank as u64, 200)),
     }];
-    let w = RankWrite {
-        run: run.into(),
-        step,
-        rank,
-        layout: l,
-        generation: 0,
-        node: None,
-    };
+    let w = RankWrite::new(run, step, rank, l);
     store.write_rank(&w, shards, blobs, index).await.unwrap();
 }
 

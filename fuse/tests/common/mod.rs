@@ -197,14 +197,7 @@ pub async fn save(
                 data: Bytes::from(data),
             })
             .collect();
-        let w = RankWrite {
-            run: run.into(),
-            step,
-            rank,
-            layout,
-            generation: 0,
-            node: None,
-        };
+        let w = RankWrite::new(run, step, rank, layout);
         let store = store.clone();
         tasks.push(tokio::spawn(async move {
             store
@@ -286,14 +279,7 @@ pub async fn hostile_run(store: &Store) -> Expected {
             data: Bytes::from(b),
         });
     }
-    let w = RankWrite {
-        run: "evil".into(),
-        step: 1,
-        rank: 0,
-        layout: Layout::SINGLE,
-        generation: 0,
-        node: None,
-    };
+    let w = RankWrite::new("evil", 1, 0, Layout::SINGLE);
     store
         .write_rank(&w, shards, blobs, &DedupIndex::new())
         .await

@@ -463,14 +463,7 @@ fn save4(
             }
             let store = store.clone();
             let idx = indexes[rank as usize].clone();
-            let w = RankWrite {
-                run: run.into(),
-                step,
-                rank,
-                layout,
-                generation: 0,
-                node: None,
-            };
+            let w = RankWrite::new(run, step, rank, layout);
             hs.push(tokio::spawn(async move {
                 store
                     .write_rank(

@@ -49,14 +49,7 @@ pub fn local_store(dir: &std::path::Path, chunk: usize, codec: CodecPolicy) -> S
 /// Write `shards` as the one rank of step 1 of run `r` and commit it.
 pub fn commit_one_rank(store: &Store, shards: Vec<ShardIn>) {
     runtime().block_on(async {
-        let w = RankWrite {
-            run: "r".into(),
-            step: 1,
-            rank: 0,
-            layout: Layout::SINGLE,
-            generation: 0,
-            node: None,
-        };
+        let w = RankWrite::new("r", 1, 0, Layout::SINGLE);
         store
             .write_rank(&w, shards, vec![], &DedupIndex::new())
             .await
