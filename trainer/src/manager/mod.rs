@@ -338,9 +338,13 @@ impl CheckpointManager {
     /// one is its owner's; a loop that registers its state only in `prepare` hands it over
     /// through [`CheckpointManager::stage_ahead_with`].
     fn stage_ahead(&mut self) {
-        if self.registry.tensor_count() == 0 || !self.stages_ahead() {
-            return;
+        if self.registry.tensor_count() > 0 && self.stages_ahead() {
+            self.fill_ahead();
         }
+    }
+
+    /// Size the staging pool for the registered state and start its fill; once a manager.
+    fn fill_ahead(&mut self) {
         self.staged = true;
         let now = self.cfg.ckpt.prefault;
         match self.save_state() {
@@ -378,14 +382,14 @@ impl CheckpointManager {
         if !self.stages_ahead() {
             return Ok(false);
         }
-        if self.registry.tensor_count() == 0 {
-            // Once asked, never again: a `prepare` that fails here is not called at every step.
-            self.staged = true;
-            prepare(self)?;
-            self.staged = false;
-        }
-        self.stage_ahead();
+        // Once asked, never again: a `prepare` that fails is not called at every step.
         self.staged = true;
+        if self.registry.tensor_count() == 0 {
+            prepare(self)?;
+        }
+        if self.registry.tensor_count() > 0 {
+            self.fill_ahead();
+        }
         Ok(true)
     }
 

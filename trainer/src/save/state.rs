@@ -47,9 +47,7 @@ impl SaveTensor {
             replica_of: None,
         }
     }
-}
 
-impl SaveTensor {
     /// Bytes of the box saved.
     fn byte_len(&self) -> usize {
         (self.bbox.numel() * self.dtype.size() as u64) as usize
