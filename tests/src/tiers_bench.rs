@@ -37,7 +37,9 @@ use std::time::{Duration, Instant};
 
 use ckpt_store::{Layout, RetryConfig, Store, StoreConfig};
 use ckpt_trainer::workload::RankState;
-use ckpt_trainer::{CheckpointManager, CheckpointerConfig, LocalTier, ManagerConfig, SaveReport};
+use ckpt_trainer::{
+    CheckpointManager, CheckpointerConfig, LocalTier, ManagerConfig, SaveReport, SnapshotOverlap,
+};
 use serde_json::json;
 
 use super::{
@@ -46,6 +48,15 @@ use super::{
 };
 
 const RUN: &str = "tiers";
+
+/// What `ckpt-bench tiers` runs, beyond its size and sink.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TiersOptions {
+    /// When each save's persist starts (`--snapshot-overlap auto|always|never`).
+    pub overlap: SnapshotOverlap,
+    /// Stop after the two saves and their drains (`--saves-only`): no restores, no machines.
+    pub saves_only: bool,
+}
 
 /// The folders of `--dir` the bench writes (and deletes at its start and end).
 const DIRS: [&str; 7] = [
@@ -57,6 +68,13 @@ const DIRS: [&str; 7] = [
     "tiers-machines-local-0",
     "tiers-machines-local-1",
 ];
+
+/// Delete the folders of `--dir` the bench writes.
+fn remove_dirs(dir: &Path) {
+    for d in DIRS {
+        let _ = std::fs::remove_dir_all(dir.join(d));
+    }
+}
 
 /// The slow remote store: a directory behind a link of `bytes_per_s` for every put.
 fn slow_store(dir: &Path, bytes_per_s: u64) -> Store {
@@ -79,8 +97,9 @@ fn managers(
     local: Option<&Store>,
     layout: Layout,
     ranks: &[RankState],
+    overlap: SnapshotOverlap,
 ) -> Vec<CheckpointManager> {
-    managers_on(store, local, layout, ranks, None)
+    managers_on(store, local, layout, ranks, None, overlap)
 }
 
 /// [`managers`], told how many rank processes share their machine
@@ -91,6 +110,7 @@ fn managers_on(
     layout: Layout,
     ranks: &[RankState],
     node_processes: Option<u32>,
+    overlap: SnapshotOverlap,
 ) -> Vec<CheckpointManager> {
     ranks
         .iter()
@@ -98,6 +118,7 @@ fn managers_on(
             let mut c = CheckpointerConfig::new(RUN, r.rank, layout);
             c.copy_threads = 1;
             c.commit_timeout = Duration::from_secs(1800);
+            c.snapshot_overlap = overlap;
             let mut mc = ManagerConfig::new(c);
             mc.final_on_sigterm = false;
             // Saves are taken by `save_now`; `maybe_save` only tells the governor of steps.
@@ -310,13 +331,12 @@ fn drained(m: &mut CheckpointManager, step: u64) -> ckpt_recovery::records::Drai
 }
 
 /// `ckpt-bench tiers --dir DIR --params P --sink-mbps M`.
-pub fn tiers_bench(dir: &Path, params: u64, sink_mbps: f64) {
+pub fn tiers_bench(dir: &Path, params: u64, sink_mbps: f64, opts: TiersOptions) {
+    let overlap = opts.overlap;
     let layout = Layout::new(2, 1, 1, 1).unwrap();
     let rate = (sink_mbps * 1e6) as u64;
     // What an interrupted run left.
-    for d in DIRS {
-        let _ = std::fs::remove_dir_all(dir.join(d));
-    }
+    remove_dirs(dir);
     // The disk's limits, in the same run, on a quiet disk.
     settle(dir);
     let limit = dir.join("tiers-limit.bin");
@@ -336,7 +356,7 @@ pub fn tiers_bench(dir: &Path, params: u64, sink_mbps: f64) {
     let ranks = fresh_ranks(model, train, layout);
     let state: u64 = ranks.iter().map(|r| r.held_bytes()).sum();
     let direct = slow_store(&dir.join("tiers-direct"), rate);
-    let mut mgrs = managers(&direct, None, layout, &ranks);
+    let mut mgrs = managers(&direct, None, layout, &ranks, overlap);
     step_time(&ranks, 1);
     let (direct_stall, direct_durable, direct_written) = save(&mut mgrs, 1, dir);
     drop(mgrs);
@@ -354,7 +374,7 @@ pub fn tiers_bench(dir: &Path, params: u64, sink_mbps: f64) {
     let local_dir = dir.join("tiers-local");
     let _ = std::fs::remove_dir_all(&local_dir);
     let local = ckpt_store::open_with(local_dir.to_str().unwrap(), &super::open_options()).unwrap();
-    let mut mgrs = managers(&remote, Some(&local), layout, &ranks);
+    let mut mgrs = managers(&remote, Some(&local), layout, &ranks, overlap);
     let (stall, local_durable, written) = save(&mut mgrs, 1, dir);
     let first = drained(&mut mgrs[0], 1);
     let local_limit_s = write_limit_s(written);
@@ -431,12 +451,16 @@ pub fn tiers_bench(dir: &Path, params: u64, sink_mbps: f64) {
         "step_s_draining": median(busy.clone()),
         "slowdown": median(busy) / quiet_s, "rate_changes": rates}));
     drop(mgrs);
+    if opts.saves_only {
+        remove_dirs(dir);
+        return;
+    }
 
     // 3. A restart after a process crash: fresh ranks restore through the tiers. As threads
     // of one process they share a chunk cache, and no other process reads what they read
     // (`node_processes` 1, as `ckpt-train` sets it for ranks as threads).
     let fresh = touched_ranks(model, train, layout);
-    let mut mgrs = managers_on(&remote, Some(&local), layout, &fresh, Some(1));
+    let mut mgrs = managers_on(&remote, Some(&local), layout, &fresh, Some(1), overlap);
     let t = Instant::now();
     std::thread::scope(|sc| {
         for m in mgrs.iter_mut() {
@@ -474,6 +498,7 @@ pub fn tiers_bench(dir: &Path, params: u64, sink_mbps: f64) {
                 layout,
                 &fresh[r..=r],
                 Some(node_processes),
+                overlap,
             );
             cold &= ckpt_tests::restore_bench::drop_caches();
             let t = Instant::now();
@@ -508,7 +533,5 @@ pub fn tiers_bench(dir: &Path, params: u64, sink_mbps: f64) {
         rate,
         sink_mbps,
     );
-    for d in DIRS {
-        let _ = std::fs::remove_dir_all(dir.join(d));
-    }
+    remove_dirs(dir);
 }

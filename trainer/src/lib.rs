@@ -43,7 +43,7 @@ pub use monitor::{Decision, Monitor, MonitorConfig, Observation, Spike, SpikeAct
 pub use restore::{RestoreTarget, restore_targets};
 pub use save::{
     BackPressure, Checkpointer, CheckpointerConfig, PersistRate, SaveFailure, SaveHandle,
-    SaveReport, SaveState, SaveTensor, Stage, runtime,
+    SaveReport, SaveState, SaveTensor, SnapshotOverlap, Stage, runtime,
 };
 pub use staging::{PoolConfig, PoolStats, StagingPool};
 

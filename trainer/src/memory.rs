@@ -74,6 +74,13 @@ pub trait PinnedSource: Send + Sync {
 
     /// Release the pin (after the last copy landed).
     fn complete(self: Box<Self>) -> Result<()>;
+
+    /// Whether copies out of this source are DMA (device memory): the cores only enqueue and
+    /// wait, so a persist hashing beside the copy does not slow it
+    /// ([`SnapshotOverlap::Auto`](crate::SnapshotOverlap::Auto)). Host memory: `false`.
+    fn copies_by_dma(&self) -> bool {
+        false
+    }
 }
 
 /// Memory a restore writes a shard's bytes into.

@@ -9,7 +9,7 @@ use ckpt_store::testing::{det_bytes, local_store, memory_store, tiny_config};
 use ckpt_store::{DType, ErrorKind, Layout, NdBox, Store, StoreConfig};
 use ckpt_trainer::{
     BackPressure, CheckpointManager, Checkpointer, CheckpointerConfig, HostTensor, ManagerConfig,
-    SaveState, SaveTensor, Stage, runtime,
+    SaveState, SaveTensor, SnapshotOverlap, Stage, runtime,
 };
 
 mod common;
@@ -175,12 +175,14 @@ fn staging_memory_stays_within_its_bound() {
     assert_eq!(read(&store, "bound", 1, "t"), *t.read());
 }
 
-/// A source that copies slowly (the memory of a busy machine), counting its copies.
+/// A source that copies slowly (the memory of a busy machine, or a device behind a slow link:
+/// `dma`).
 struct SlowSource {
     bytes: Arc<Vec<u8>>,
+    dma: bool,
 }
 
-struct SlowPin(Arc<Vec<u8>>);
+struct SlowPin(Arc<Vec<u8>>, bool);
 
 impl ckpt_trainer::MemorySource for SlowSource {
     fn len(&self) -> usize {
@@ -188,7 +190,7 @@ impl ckpt_trainer::MemorySource for SlowSource {
     }
 
     fn pin(&self) -> ckpt_store::Result<Box<dyn ckpt_trainer::PinnedSource>> {
-        Ok(Box::new(SlowPin(self.bytes.clone())))
+        Ok(Box::new(SlowPin(self.bytes.clone(), self.dma)))
     }
 }
 
@@ -201,6 +203,10 @@ impl ckpt_trainer::PinnedSource for SlowPin {
 
     fn complete(self: Box<Self>) -> ckpt_store::Result<()> {
         Ok(())
+    }
+
+    fn copies_by_dma(&self) -> bool {
+        self.1
     }
 }
 
@@ -215,6 +221,7 @@ fn a_snapshot_a_little_larger_than_its_pool_copies_before_the_persist_starts() {
     let n = 64 * chunk;
     let src = SlowSource {
         bytes: Arc::new(det_bytes(9, n)),
+        dma: false,
     };
     let want = src.bytes.as_ref().clone();
     let mut cfg = CheckpointerConfig::new("fill", 0, Layout::SINGLE);
@@ -242,6 +249,61 @@ fn a_snapshot_a_little_larger_than_its_pool_copies_before_the_persist_starts() {
     );
     assert!(r.staging_peak <= 60 * chunk, "{}", r.staging_peak);
     assert_eq!(read(&store, "fill", 1, "t"), want);
+}
+
+#[test]
+fn the_persist_takes_each_chunk_as_it_lands_when_the_snapshot_overlaps_it() {
+    // 64 slow chunks into a pool that holds them all. A persist that starts after the copy (a
+    // host source under `Auto`, or `Never`) finds the whole snapshot in the pool; one that
+    // starts with it (`Always`, or `Auto` for a source copied by DMA, as a device tensor is)
+    // writes each chunk as it lands, so the pool never holds more than a few batches.
+    let chunk = tiny_config().chunk_size;
+    let n = 64 * chunk;
+    let batch = 2 * 4 * chunk;
+    for (overlap, dma, drains) in [
+        (SnapshotOverlap::Never, true, false),
+        (SnapshotOverlap::Auto, false, false),
+        (SnapshotOverlap::Auto, true, true),
+        (SnapshotOverlap::Always, false, true),
+    ] {
+        let store = memory_store(tiny_config());
+        let src = SlowSource {
+            bytes: Arc::new(det_bytes(11, n)),
+            dma,
+        };
+        let want = src.bytes.as_ref().clone();
+        let mut cfg = CheckpointerConfig::new("overlap", 0, Layout::SINGLE);
+        cfg.staging_bytes = n;
+        cfg.copy_threads = 2;
+        cfg.snapshot_overlap = overlap;
+        let ck = Checkpointer::new(store.clone(), cfg).unwrap();
+        let mut t = SaveTensor::bytes("t", &HostTensor::from_vec(vec![0; n]), n as u64);
+        t.source = Some(Arc::new(src));
+        let state = SaveState {
+            tensors: vec![t],
+            blobs: vec![],
+        };
+        let r = ck
+            .save(1, state)
+            .unwrap()
+            .wait_committed(Duration::from_secs(60))
+            .unwrap();
+        let case = format!("{overlap:?}, dma {dma}");
+        if drains {
+            assert!(
+                r.staging_peak <= n / 2,
+                "{case}: the pool peaked at {} of {n} bytes: the persist waited for the copy",
+                r.staging_peak
+            );
+        } else {
+            assert!(
+                r.staging_peak + batch > n,
+                "{case}: the pool peaked at {} of {n} bytes: the persist started with the copy",
+                r.staging_peak
+            );
+        }
+        assert_eq!(read(&store, "overlap", 1, "t"), want, "{case}");
+    }
 }
 
 #[test]

@@ -20,7 +20,8 @@
 //!                   [--modes raw,planes,delta,delta-readback,adaptive+delta]
 //! ckpt-bench sentinel --dir DIR --params 20M [--rounds 3]
 //!                                              the sentinel's cost (off, sample, full) and detection
-//! ckpt-bench tiers --dir DIR --params 100M [--sink-mbps 100]
+//! ckpt-bench tiers --dir DIR --params 100M [--sink-mbps 100] [--snapshot-overlap auto|always|never]
+//!                  [--saves-only]
 //!                                              a local tier under a slow store vs saving to it directly
 //! ```
 
@@ -1667,6 +1668,10 @@ fn main() {
             &dir,
             ckpt_train::parse_count(&arg(&args, "--params", "100M")).unwrap(),
             arg(&args, "--sink-mbps", "100").parse().unwrap(),
+            tiers_bench::TiersOptions {
+                overlap: arg(&args, "--snapshot-overlap", "auto").parse().unwrap(),
+                saves_only: args.iter().any(|a| a == "--saves-only"),
+            },
         ),
         Some("versions") => versions::versions_bench(
             &dir,

@@ -396,6 +396,10 @@ impl PinnedSource for DevicePin {
     fn complete(self: Box<Self>) -> Result<()> {
         self.fence()
     }
+
+    fn copies_by_dma(&self) -> bool {
+        true
+    }
 }
 
 impl MemorySource for DeviceRegion {

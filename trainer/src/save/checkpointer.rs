@@ -15,7 +15,7 @@ use super::handle::{SaveFailure, SaveHandle, SaveReport, Shared, Stage};
 use super::persist::{PersistJob, note_fenced};
 use super::rate::PersistRate;
 use super::runtime::runtime;
-use super::snapshot::{Pin, slabs_needed, snapshot};
+use super::snapshot::{Pin, dma_share, slabs_needed, snapshot};
 use super::state::{ReplicaCheck, SavePlan, SaveState};
 use super::versions::{StepVersions, VersionBook};
 use crate::staging::{PoolConfig, PoolStats, StagingPool};
@@ -233,6 +233,8 @@ impl Checkpointer {
         drop(last);
         self.pool.reset_peak();
         let fits = self.size_staging(&plan.lens());
+        let (dma_bytes, pinned_bytes) = dma_share(&plan.pins);
+        let overlap = self.cfg.snapshot_overlap.overlaps(dma_bytes, pinned_bytes);
         tracing::debug!(
             step,
             fits,
@@ -240,17 +242,19 @@ impl Checkpointer {
             in_use = self.pool.stats().in_use,
             shards = plan.lens().len(),
             bytes = plan.bytes,
+            dma_bytes,
+            overlap,
             "snapshot planned"
         );
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Result<Bytes>>();
-        // The persist starts when the snapshot is done or as soon as the snapshot has to wait
-        // for staging space (the pool is smaller than the snapshot, shared, or still holds
-        // chunks of a previous save): only the persist frees slabs, so a snapshot never waits
-        // on a persist that waits for it. Until then the copy has every core to itself: a
-        // persist started with the copy (hashing beside it) doubled the stall of a snapshot
-        // that missed fitting its pool by a few slabs (a bound of exactly the state's bytes
-        // loses a little to slab packing), and a pool much smaller than the snapshot only
-        // gains the copy time of one pool's worth by starting earlier.
+        // Without overlap the persist starts when the snapshot is done or as soon as the
+        // snapshot has to wait for staging space (the pool is smaller than the snapshot,
+        // shared, or still holds chunks of a previous save): only the persist frees slabs, so a
+        // snapshot never waits on a persist that waits for it. Until then a copy out of host
+        // memory has every core to itself: a persist started with it (hashing beside it)
+        // doubled the stall on 2 cores, and a pool much smaller than the snapshot only gains
+        // the copy time of one pool's worth by starting earlier. A copy out of GPU memory is a
+        // DMA, and the persist takes each chunk as it lands (`SnapshotOverlap::Auto`).
         let (snap_done_tx, snap_done_rx) = tokio::sync::oneshot::channel::<()>();
         let names: Vec<String> = plan.metas.iter().map(|m| m.shard.name.clone()).collect();
         self.start_snapshot(step, t0, plan.pins, names, &shared, tx, snap_done_tx)?;
@@ -270,7 +274,7 @@ impl Checkpointer {
             metas: plan.metas,
             blobs: plan.blobs,
             rx,
-            start_after: Some(snap_done_rx),
+            start_after: (!overlap).then_some(snap_done_rx),
             rate: self.rate.clone(),
         };
         runtime().spawn(job.run());

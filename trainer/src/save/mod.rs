@@ -12,7 +12,7 @@
 //!
 //! Files, one subject each:
 //! - `runtime`: the process-wide I/O runtime and the persist threads' priority;
-//! - `config`: [`CheckpointerConfig`] and [`BackPressure`];
+//! - `config`: [`CheckpointerConfig`], [`BackPressure`] and [`SnapshotOverlap`];
 //! - `state`: what a save is given ([`SaveTensor`], [`SaveState`]) and its plan (checks, pins);
 //! - `handle`: where a save is ([`Stage`], [`SaveReport`], [`SaveFailure`], [`SaveHandle`]);
 //! - `checkpointer`: [`Checkpointer`] and `save`, step by step;
@@ -33,7 +33,7 @@ mod state;
 mod versions;
 
 pub use checkpointer::Checkpointer;
-pub use config::{BackPressure, CheckpointerConfig};
+pub use config::{BackPressure, CheckpointerConfig, SnapshotOverlap};
 pub use handle::{SaveFailure, SaveHandle, SaveReport, Stage};
 pub(crate) use rate::Pacer;
 pub use rate::{FullSpeed, PersistRate};

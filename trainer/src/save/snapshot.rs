@@ -97,6 +97,14 @@ pub(super) fn snapshot(
     Ok(())
 }
 
+/// The bytes `pins` copy, and of those the bytes copied by DMA (out of device memory).
+pub(super) fn dma_share(pins: &[Pin]) -> (u64, u64) {
+    pins.iter().fold((0, 0), |(dma, all), (_, p, spans)| {
+        let n: u64 = spans.iter().map(|&(_, l)| l as u64).sum();
+        (if p.copies_by_dma() { dma + n } else { dma }, all + n)
+    })
+}
+
 /// The copy jobs of tensors' byte `spans` (offset, length): slab-sized pieces of each span
 /// from its start, in order.
 fn jobs_of(spans: &[Vec<(usize, usize)>], slab: usize) -> Vec<Job> {
