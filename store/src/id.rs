@@ -7,17 +7,52 @@
 use std::fmt;
 use std::str::FromStr;
 
+use parking_lot::Mutex;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::error::{Error, Result};
+
+/// Data shorter than this is hashed without looking for zeros first.
+const ZERO_MIN: usize = 64 << 10;
+
+/// Lengths of zeros whose hash is remembered ([`zero_hash`]): a save's chunks have one size
+/// and a tail per tensor.
+const ZERO_LENGTHS: usize = 16;
+
+/// Whether `data` is all zeros; stops at the first block that is not.
+fn is_zero(data: &[u8]) -> bool {
+    data.chunks(4096)
+        .all(|b| b.iter().fold(0u8, |acc, &x| acc | x) == 0)
+}
+
+/// The hash of `zeros` (all zero bytes): remembered by length, the newest lengths kept.
+fn zero_hash(zeros: &[u8]) -> Hash {
+    static KNOWN: Mutex<Vec<(usize, Hash)>> = Mutex::new(Vec::new());
+    let n = zeros.len();
+    if let Some(&(_, h)) = KNOWN.lock().iter().find(|(l, _)| *l == n) {
+        return h;
+    }
+    let h = Hash(*blake3::hash(zeros).as_bytes());
+    let mut known = KNOWN.lock();
+    if known.len() == ZERO_LENGTHS {
+        known.remove(0);
+    }
+    known.push((n, h));
+    h
+}
 
 /// A blake3 hash (32 bytes). Shown and serialized as 64 lowercase hex characters.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Hash(pub [u8; 32]);
 
 impl Hash {
-    /// Hash `data` with blake3 on the calling thread.
+    /// Hash `data` with blake3 on the calling thread. Long runs of zeros (the moments of frozen
+    /// layers, zero-initialised buffers, padding) are common in a training state: their hash
+    /// is remembered by length, so such data costs one read of memory, not a hash.
     pub fn of(data: &[u8]) -> Self {
+        if data.len() >= ZERO_MIN && is_zero(data) {
+            return zero_hash(data);
+        }
         Hash(*blake3::hash(data).as_bytes())
     }
 
@@ -172,6 +207,34 @@ mod tests {
         assert_eq!(h.to_hex(), blake3::hash(b"hello").to_hex().as_str());
         assert_eq!(Hash::from_hex(&h.to_hex()).unwrap(), h);
         assert_eq!(Hash::from_hex(&h.to_hex().to_uppercase()).unwrap(), h);
+    }
+
+    #[test]
+    fn zeros_hash_as_blake3_of_zeros_at_every_length() {
+        for n in [0, 1, ZERO_MIN - 1, ZERO_MIN, ZERO_MIN + 1, 4 << 20, 3 << 20] {
+            let zeros = vec![0u8; n];
+            let want = Hash(*blake3::hash(&zeros).as_bytes());
+            assert!(is_zero(&zeros));
+            // Twice: the second comes from what the first remembered.
+            assert_eq!(Hash::of(&zeros), want, "{n} zeros");
+            assert_eq!(Hash::of(&zeros), want, "{n} zeros, remembered");
+        }
+        // More lengths than are remembered, then the first again.
+        for n in 0..2 * ZERO_LENGTHS {
+            let zeros = vec![0u8; ZERO_MIN + n];
+            assert_eq!(Hash::of(&zeros), Hash(*blake3::hash(&zeros).as_bytes()));
+        }
+        // One byte set anywhere (the first, the last, inside a later block) is not zeros.
+        for at in [0, 4095, 4096, ZERO_MIN, (4 << 20) - 1] {
+            let mut d = vec![0u8; 4 << 20];
+            d[at] = 1;
+            assert_eq!(
+                Hash::of(&d),
+                Hash(*blake3::hash(&d).as_bytes()),
+                "byte {at}"
+            );
+            assert!(!is_zero(&d), "byte {at}");
+        }
     }
 
     #[test]

@@ -111,6 +111,13 @@ fn memcpy_warm(bytes: usize, threads: usize) -> f64 {
 }
 
 fn blake3_raw(data: &[u8], threads: usize) -> f64 {
+    hash_rate(data, threads, |c| {
+        std::hint::black_box(blake3::hash(c));
+    })
+}
+
+/// The rate of `hash` over `data` in 4 MiB chunks on `threads` threads (best of three).
+fn hash_rate(data: &[u8], threads: usize, hash: fn(&[u8])) -> f64 {
     let mut best = f64::MAX;
     for _ in 0..3 {
         let t = Instant::now();
@@ -121,7 +128,7 @@ fn blake3_raw(data: &[u8], threads: usize) -> f64 {
             for part in chunks.chunks(n) {
                 s.spawn(move || {
                     for c in part {
-                        std::hint::black_box(blake3::hash(c));
+                        hash(c);
                     }
                 });
             }
@@ -297,12 +304,21 @@ fn limits(dir: &Path, gib: f64) -> Value {
     std::fs::create_dir_all(dir).unwrap();
     let f = dir.join("limits.bin");
     let data = ckpt_store::testing::det_bytes(1, 1 << 30);
+    let mut zeros = data.clone();
+    zeros.fill(0);
+    let chunk_id = |c: &[u8]| {
+        std::hint::black_box(ckpt_store::ChunkId::of(c));
+    };
     let v = json!({
         "bench": "limits", "bytes": bytes,
         "memcpy_warm_1t_gbps": memcpy_warm(1 << 30, 1),
         "memcpy_warm_2t_gbps": memcpy_warm(1 << 30, 2),
         "blake3_1t_gbps": blake3_raw(&data, 1),
         "blake3_2t_gbps": blake3_raw(&data, 2),
+        // A chunk's id (`ChunkId::of`) of distinct bytes, and of zeros (whose hash is
+        // remembered by length: one read of memory).
+        "chunk_id_1t_gbps": hash_rate(&data, 1, chunk_id),
+        "chunk_id_zeros_1t_gbps": hash_rate(&zeros, 1, chunk_id),
         "odirect_write_qd8_4m_gbps": odirect_write(&f, bytes, 8, 4 << 20),
         "odirect_read_qd8_4m_gbps": odirect_read(&f, 8, 4 << 20),
         "odirect_write_qd1_4m_gbps": odirect_write(&f, bytes, 1, 4 << 20),
