@@ -98,7 +98,10 @@ fn decoded_in_place(raw: bool) {
     assert!(*sink.host.read() == want, "after the fallback (raw {raw})");
     assert_eq!(st.fallback_chunks, 1, "raw {raw}: {st:?}");
 
-    // A chunk missing from the store: the same.
+    // A chunk missing from the store: the same. The damaged chunk is mended first (a second
+    // flip), so that the error can only be about the missing one: the restore reads chunks
+    // concurrently, and with both faults either may be found first.
+    common::flip_a_byte(&object(2));
     std::fs::remove_file(object(1)).unwrap();
     let e = restore(&store, None, &rt).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Corrupt, "raw {raw}: {e}");
@@ -108,5 +111,5 @@ fn decoded_in_place(raw: bool) {
     );
     let (st, sink) = restore(&store, Some(&backup), &rt).unwrap();
     assert!(*sink.host.read() == want, "after the fallback (raw {raw})");
-    assert_eq!(st.fallback_chunks, 2, "raw {raw}: {st:?}");
+    assert_eq!(st.fallback_chunks, 1, "raw {raw}: {st:?}");
 }
