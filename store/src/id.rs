@@ -25,19 +25,28 @@ fn is_zero(data: &[u8]) -> bool {
         .all(|b| b.iter().fold(0u8, |acc, &x| acc | x) == 0)
 }
 
-/// The hash of `zeros` (all zero bytes): remembered by length, the newest lengths kept.
+/// The hash of `zeros` (all zero bytes): remembered by length, the lengths used last kept.
 fn zero_hash(zeros: &[u8]) -> Hash {
     static KNOWN: Mutex<Vec<(usize, Hash)>> = Mutex::new(Vec::new());
     let n = zeros.len();
-    if let Some(&(_, h)) = KNOWN.lock().iter().find(|(l, _)| *l == n) {
+    let used = |known: &mut Vec<(usize, Hash)>| {
+        let i = known.iter().position(|(l, _)| *l == n)?;
+        let e = known.remove(i);
+        known.push(e);
+        Some(e.1)
+    };
+    if let Some(h) = used(&mut KNOWN.lock()) {
         return h;
     }
     let h = Hash(*blake3::hash(zeros).as_bytes());
     let mut known = KNOWN.lock();
-    if known.len() == ZERO_LENGTHS {
-        known.remove(0);
+    // Another thread may have hashed the same length meanwhile.
+    if used(&mut known).is_none() {
+        if known.len() == ZERO_LENGTHS {
+            known.remove(0);
+        }
+        known.push((n, h));
     }
-    known.push((n, h));
     h
 }
 
