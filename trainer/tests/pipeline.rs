@@ -180,9 +180,15 @@ fn staging_memory_stays_within_its_bound() {
 struct SlowSource {
     bytes: Arc<Vec<u8>>,
     dma: bool,
+    /// The time each copy takes.
+    delay: Duration,
 }
 
-struct SlowPin(Arc<Vec<u8>>, bool);
+struct SlowPin {
+    bytes: Arc<Vec<u8>>,
+    dma: bool,
+    delay: Duration,
+}
 
 impl ckpt_trainer::MemorySource for SlowSource {
     fn len(&self) -> usize {
@@ -190,14 +196,18 @@ impl ckpt_trainer::MemorySource for SlowSource {
     }
 
     fn pin(&self) -> ckpt_store::Result<Box<dyn ckpt_trainer::PinnedSource>> {
-        Ok(Box::new(SlowPin(self.bytes.clone(), self.dma)))
+        Ok(Box::new(SlowPin {
+            bytes: self.bytes.clone(),
+            dma: self.dma,
+            delay: self.delay,
+        }))
     }
 }
 
 impl ckpt_trainer::PinnedSource for SlowPin {
     fn copy_to(&self, offset: usize, dst: &mut [u8]) -> ckpt_store::Result<()> {
-        std::thread::sleep(Duration::from_millis(3));
-        dst.copy_from_slice(&self.0[offset..offset + dst.len()]);
+        std::thread::sleep(self.delay);
+        dst.copy_from_slice(&self.bytes[offset..offset + dst.len()]);
         Ok(())
     }
 
@@ -206,7 +216,7 @@ impl ckpt_trainer::PinnedSource for SlowPin {
     }
 
     fn copies_by_dma(&self) -> bool {
-        self.1
+        self.dma
     }
 }
 
@@ -222,6 +232,7 @@ fn a_snapshot_a_little_larger_than_its_pool_copies_before_the_persist_starts() {
     let src = SlowSource {
         bytes: Arc::new(det_bytes(9, n)),
         dma: false,
+        delay: Duration::from_millis(3),
     };
     let want = src.bytes.as_ref().clone();
     let mut cfg = CheckpointerConfig::new("fill", 0, Layout::SINGLE);
@@ -253,23 +264,29 @@ fn a_snapshot_a_little_larger_than_its_pool_copies_before_the_persist_starts() {
 
 #[test]
 fn the_persist_takes_each_chunk_as_it_lands_when_the_snapshot_overlaps_it() {
-    // 64 slow chunks into a pool that holds them all. A persist that starts after the copy (a
-    // host source under `Auto`, or `Never`) finds the whole snapshot in the pool; one that
-    // starts with it (`Always`, or `Auto` for a source copied by DMA, as a device tensor is)
-    // writes each chunk as it lands, so the pool never holds more than a few batches.
+    // 64 slow chunks (about 0.3 s of copying) into a pool that holds them all. A persist that
+    // starts after the copy (a host source under `Auto`, or `Never`) finds the whole snapshot
+    // in the pool; one that starts with it (`Always`, or `Auto` for a source copied by DMA,
+    // as a device tensor is) writes each chunk as it lands, so the pool never holds more than
+    // a few batches, unless the persist governor's rate limit holds it back: an overlapping
+    // persist is paced while the copy runs (the loop goes on beside a DMA), here to a quarter
+    // of the state a second, and the limit is lifted once the copy is done.
     let chunk = tiny_config().chunk_size;
     let n = 64 * chunk;
     let batch = 2 * 4 * chunk;
-    for (overlap, dma, drains) in [
-        (SnapshotOverlap::Never, true, false),
-        (SnapshotOverlap::Auto, false, false),
-        (SnapshotOverlap::Auto, true, true),
-        (SnapshotOverlap::Always, false, true),
+    let paced = Some(n as u64 / 4);
+    for (overlap, dma, limit, drains) in [
+        (SnapshotOverlap::Never, true, None, false),
+        (SnapshotOverlap::Auto, false, None, false),
+        (SnapshotOverlap::Auto, true, None, true),
+        (SnapshotOverlap::Always, false, None, true),
+        (SnapshotOverlap::Auto, true, paced, false),
     ] {
         let store = memory_store(tiny_config());
         let src = SlowSource {
             bytes: Arc::new(det_bytes(11, n)),
             dma,
+            delay: Duration::from_millis(10),
         };
         let want = src.bytes.as_ref().clone();
         let mut cfg = CheckpointerConfig::new("overlap", 0, Layout::SINGLE);
@@ -277,28 +294,35 @@ fn the_persist_takes_each_chunk_as_it_lands_when_the_snapshot_overlaps_it() {
         cfg.copy_threads = 2;
         cfg.snapshot_overlap = overlap;
         let ck = Checkpointer::new(store.clone(), cfg).unwrap();
+        ck.persist_rate().set(limit);
         let mut t = SaveTensor::bytes("t", &HostTensor::from_vec(vec![0; n]), n as u64);
         t.source = Some(Arc::new(src));
         let state = SaveState {
             tensors: vec![t],
             blobs: vec![],
         };
-        let r = ck
-            .save(1, state)
-            .unwrap()
-            .wait_committed(Duration::from_secs(60))
-            .unwrap();
-        let case = format!("{overlap:?}, dma {dma}");
+        let h = ck.save(1, state).unwrap();
+        h.wait_snapshot().unwrap();
+        ck.persist_rate().set(None);
+        let r = h.wait_committed(Duration::from_secs(60)).unwrap();
+        let case = format!("{overlap:?}, dma {dma}, limit {limit:?}");
+        assert_eq!(r.overlapped, drains || limit.is_some(), "{case}");
         if drains {
             assert!(
                 r.staging_peak <= n / 2,
                 "{case}: the pool peaked at {} of {n} bytes: the persist waited for the copy",
                 r.staging_peak
             );
+        } else if limit.is_some() {
+            assert!(
+                r.staging_peak >= 3 * n / 4,
+                "{case}: the pool peaked at {} of {n} bytes: the persist ran unpaced",
+                r.staging_peak
+            );
         } else {
             assert!(
                 r.staging_peak + batch > n,
-                "{case}: the pool peaked at {} of {n} bytes: the persist started with the copy",
+                "{case}: the pool peaked at {} of {n} bytes: the persist drained it during the copy",
                 r.staging_peak
             );
         }

@@ -10,7 +10,7 @@ use tracing::info;
 
 use super::events::EventLog;
 use crate::governor::{Change, Governor, GovernorConfig};
-use crate::save::{PersistRate, SaveHandle, Stage};
+use crate::save::{PersistRate, SaveHandle, SaveReport, Stage};
 
 /// The persist governor with what it measures; a no-op without a governor.
 pub(crate) struct Pacing {
@@ -37,6 +37,16 @@ struct Tracked {
     released0: u64,
     /// A limit applied at some time during it.
     limited: bool,
+}
+
+/// The seconds a save's persist ran: after the copy, or all of it when it overlapped the copy
+/// ([`SnapshotOverlap`](crate::SnapshotOverlap)).
+fn own_persist_s(r: &SaveReport) -> f64 {
+    if r.overlapped {
+        r.persist_s
+    } else {
+        (r.persist_s - r.snapshot_s).max(0.0)
+    }
 }
 
 /// The seconds `[a0, a1]` and `[b0, b1]` share.
@@ -119,7 +129,9 @@ impl Pacing {
             let o = overlap_s(prev, now, snap_end, persist_end);
             let loop_s = now.duration_since(prev).as_secs_f64() - copy;
             let moved = rate.released().saturating_sub(t.released0) as f64;
-            let el = now.saturating_duration_since(snap_end).as_secs_f64();
+            // A persist that overlapped the copy moved bytes from the save's start.
+            let persist_from = if r.overlapped { t.at } else { snap_end };
+            let el = now.saturating_duration_since(persist_from).as_secs_f64();
             let throughput = (moved > 0.0 && el > 0.0).then_some(moved / el);
             // A save that failed (or was skipped) before it persisted tells nothing.
             let failed =
@@ -178,9 +190,7 @@ impl Pacing {
             return;
         }
         let bytes = r.bytes.saturating_sub(r.bytes_reused);
-        let (summary, change) =
-            g.gov
-                .persist_done(bytes, (r.persist_s - r.snapshot_s).max(0.0), t.limited);
+        let (summary, change) = g.gov.persist_done(bytes, own_persist_s(&r), t.limited);
         let figures = PersistMetrics {
             step: t.handle.step(),
             rank,
@@ -260,6 +270,21 @@ mod tests {
         assert_eq!(overlap_s(s(0), s(100), s(0), s(100)), 0.1);
         assert_eq!(overlap_s(s(0), s(100), s(200), s(300)), 0.0);
         assert_eq!(overlap_s(s(200), s(300), s(0), s(100)), 0.0);
+    }
+
+    #[test]
+    fn a_persist_that_overlapped_its_copy_ran_for_all_of_its_time() {
+        let after = SaveReport {
+            snapshot_s: 0.25,
+            persist_s: 1.0,
+            ..Default::default()
+        };
+        assert_eq!(own_persist_s(&after), 0.75);
+        let with = SaveReport {
+            overlapped: true,
+            ..after
+        };
+        assert_eq!(own_persist_s(&with), 1.0);
     }
 
     #[test]

@@ -217,6 +217,8 @@ impl Checkpointer {
             chunk_size: self.store.config().chunk_size,
         };
         let plan = SavePlan::pin(state, base.as_deref(), check)?;
+        let (dma_bytes, pinned_bytes) = dma_share(&plan.pins);
+        let overlap = self.cfg.snapshot_overlap.overlaps(dma_bytes, pinned_bytes);
         let shared = Shared::new(
             step,
             Stage::Snapshotting,
@@ -225,6 +227,7 @@ impl Checkpointer {
                 bytes: plan.bytes + plan.reused,
                 bytes_reused: plan.reused,
                 bytes_checked: plan.checked,
+                overlapped: overlap,
                 ..Default::default()
             },
         );
@@ -233,8 +236,6 @@ impl Checkpointer {
         drop(last);
         self.pool.reset_peak();
         let fits = self.size_staging(&plan.lens());
-        let (dma_bytes, pinned_bytes) = dma_share(&plan.pins);
-        let overlap = self.cfg.snapshot_overlap.overlaps(dma_bytes, pinned_bytes);
         tracing::debug!(
             step,
             fits,
@@ -390,7 +391,9 @@ impl Checkpointer {
             .name(format!("ckpt-snapshot-{}", self.cfg.rank))
             .spawn(move || {
                 let mut go = Some(snap_done);
+                let waits = shared.clone();
                 let start_persist = move || {
+                    waits.note_staging_wait();
                     if let Some(t) = go.take() {
                         let _ = t.send(());
                     }

@@ -79,6 +79,11 @@ pub struct SaveReport {
     pub snapshot_s: f64,
     /// Seconds from `save` to this rank's manifest in the store.
     pub persist_s: f64,
+    /// Whether the persist started with the snapshot's copy ([`SnapshotOverlap`]): it then
+    /// ran for all of `persist_s`, not only after `snapshot_s`.
+    ///
+    /// [`SnapshotOverlap`]: crate::SnapshotOverlap
+    pub overlapped: bool,
     /// Seconds from this rank's manifest to the commit record (committer only).
     pub commit_s: f64,
     /// Bytes written to the store (stored, after compression).
@@ -141,6 +146,8 @@ pub(super) struct Shared {
     /// Whether the stage reached `Persisted` (a commit that fails later turns the stage into
     /// `Failed`, but this rank's manifest is in the store all the same).
     persisted: std::sync::atomic::AtomicBool,
+    /// Whether the snapshot had to wait for staging space (only the persist frees it).
+    staging_waited: std::sync::atomic::AtomicBool,
 }
 
 impl Shared {
@@ -149,6 +156,7 @@ impl Shared {
         Arc::new(Shared {
             step,
             persisted: Default::default(),
+            staging_waited: Default::default(),
             stage: Mutex::new((stage, report)),
             cond: Condvar::new(),
         })
@@ -172,6 +180,26 @@ impl Shared {
     /// Whether the snapshot is still copying (the loop may be waiting for it).
     pub(super) fn snapshotting(&self) -> bool {
         matches!(self.stage.lock().0, Stage::Snapshotting)
+    }
+
+    /// The snapshot waits for staging space.
+    pub(super) fn note_staging_wait(&self) {
+        self.staging_waited
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether the persist goes at full speed, whatever the rate limit: while the snapshot
+    /// copies, the loop may be waiting for it, and it may be waiting for staging space that
+    /// only the persist frees. A persist that overlaps the copy ([`SnapshotOverlap`]) is
+    /// paced until the copy first waits for staging.
+    ///
+    /// [`SnapshotOverlap`]: crate::SnapshotOverlap
+    pub(super) fn unpaced(&self, overlapped: bool) -> bool {
+        self.snapshotting()
+            && (!overlapped
+                || self
+                    .staging_waited
+                    .load(std::sync::atomic::Ordering::SeqCst))
     }
 
     fn wait_for(&self, done: impl Fn(&Stage) -> bool) -> Result<SaveReport> {

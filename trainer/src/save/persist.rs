@@ -44,7 +44,8 @@ pub(super) struct PersistJob {
     /// Fires once the snapshot is done or must wait for staging; the persist starts only then
     /// (`None`: at once).
     pub start_after: Option<tokio::sync::oneshot::Receiver<()>>,
-    /// The rate limit the chunks are paced by (none while the snapshot is still copying).
+    /// The rate limit the chunks are paced by (none while the snapshot is still copying and
+    /// the loop may wait for it: `Shared::unpaced`).
     pub rate: Arc<PersistRate>,
 }
 
@@ -79,6 +80,8 @@ impl PersistJob {
 
     /// Chunks and the rank manifest into the store; the stage becomes `Persisted`.
     async fn persist(mut self) -> Result<()> {
+        // Started with the copy: paced while it runs (`Shared::unpaced`).
+        let overlapped = self.start_after.is_none();
         if let Some(go) = self.start_after.take() {
             let _ = go.await;
         }
@@ -111,7 +114,10 @@ impl PersistJob {
             .as_ref()
             .map(|l| Arc::new(PeerUpload::start(l, cfg.generation, cfg.rank, step, 8)));
         let shared = self.shared.clone();
-        let pacer = Pacer::new(self.rate.clone(), Box::new(move || shared.snapshotting()));
+        let pacer = Pacer::new(
+            self.rate.clone(),
+            Box::new(move || shared.unpaced(overlapped)),
+        );
         let hashed_only = replica_checks(store, &self.metas);
         let chunks = chunk_stream(
             self.rx,
