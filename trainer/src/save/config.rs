@@ -156,7 +156,7 @@ mod tests {
     use super::SnapshotOverlap;
 
     #[test]
-    fn auto_overlaps_when_most_bytes_are_copied_by_dma() {
+    fn auto_overlaps_when_nine_tenths_are_copied_by_dma() {
         let auto = SnapshotOverlap::Auto;
         assert!(auto.overlaps(100, 100));
         assert!(auto.overlaps(90, 100), "nine tenths by DMA");
