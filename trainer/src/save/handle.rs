@@ -177,11 +177,6 @@ impl Shared {
         self.cond.notify_all();
     }
 
-    /// Whether the snapshot is still copying (the loop may be waiting for it).
-    pub(super) fn snapshotting(&self) -> bool {
-        matches!(self.stage.lock().0, Stage::Snapshotting)
-    }
-
     /// The snapshot waits for staging space.
     pub(super) fn note_staging_wait(&self) {
         self.staging_waited
@@ -194,9 +189,10 @@ impl Shared {
     /// paced until the copy first waits for staging.
     ///
     /// [`SnapshotOverlap`]: crate::SnapshotOverlap
-    pub(super) fn unpaced(&self, overlapped: bool) -> bool {
-        self.snapshotting()
-            && (!overlapped
+    pub(super) fn unpaced(&self) -> bool {
+        let g = self.stage.lock();
+        matches!(g.0, Stage::Snapshotting)
+            && (!g.1.overlapped
                 || self
                     .staging_waited
                     .load(std::sync::atomic::Ordering::SeqCst))

@@ -80,8 +80,6 @@ impl PersistJob {
 
     /// Chunks and the rank manifest into the store; the stage becomes `Persisted`.
     async fn persist(mut self) -> Result<()> {
-        // Started with the copy: paced while it runs (`Shared::unpaced`).
-        let overlapped = self.start_after.is_none();
         if let Some(go) = self.start_after.take() {
             let _ = go.await;
         }
@@ -114,10 +112,7 @@ impl PersistJob {
             .as_ref()
             .map(|l| Arc::new(PeerUpload::start(l, cfg.generation, cfg.rank, step, 8)));
         let shared = self.shared.clone();
-        let pacer = Pacer::new(
-            self.rate.clone(),
-            Box::new(move || shared.unpaced(overlapped)),
-        );
+        let pacer = Pacer::new(self.rate.clone(), Box::new(move || shared.unpaced()));
         let hashed_only = replica_checks(store, &self.metas);
         let chunks = chunk_stream(
             self.rx,
